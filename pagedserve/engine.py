@@ -1,0 +1,225 @@
+"""The in-process engine: scheduler + model runner in one loop (add requests, step, abort)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from pagedserve.messages import SampledToken
+from pagedserve.model_config import ModelConfig
+from pagedserve.sampling_params import SamplingParams
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.worker.kv_cache import bytes_per_block, parse_size
+
+log = logging.getLogger("pagedserve")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # HF folder or .gguf; None: the default model
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: str | int | None = None  # default: 2GiB on CPU; on CUDA from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    swap_space: str | int = "1GiB"  # host pool for preemption_mode="swap"
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    preemption_mode: str = "recompute"
+    policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    progress: bool = True
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """New tokens of one sample of one request since the previous step."""
+    request_id: str
+    sample_index: int
+    new_tokens: list[SampledToken]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class CompletedSample:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampledToken] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if name not in table:
+        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {name!r}")
+    return table[name]
+
+
+def eos_ids(folder: Path, cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
+    ids = set(cfg.eos_token_ids)
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def estimate_num_params(mc: ModelConfig) -> int:
+    attn = mc.hidden_size * mc.head_dim * (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads)
+    mlp = 3 * mc.hidden_size * mc.intermediate_size
+    embed = mc.vocab_size * mc.hidden_size * (1 if mc.tie_word_embeddings else 2)
+    return mc.num_hidden_layers * (attn + mlp) + embed
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+        from pagedserve.default_model import resolve_model
+        from services.worker.model_runner import ModelRunner
+
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_ids(self.model_path, self.model_config, tokenizer)
+        mc = self.model_config
+        max_len = mc.max_position_embeddings
+        if mc.sliding_window:
+            max_len = min(max_len, mc.sliding_window)  # full attention equals windowed attention below it
+        if config.max_model_len:
+            if config.max_model_len > max_len:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {max_len}")
+            max_len = config.max_model_len
+        self.max_model_len = max_len
+        num_blocks, num_host_blocks = self._size_kv_cache()
+        max_concurrency = num_blocks * config.block_size / max_len
+        log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB); maximum concurrency at %d tokens "
+                 "per request: %.2fx", num_blocks, config.block_size, self.dtype,
+                 num_blocks * bytes_per_block(mc, config.block_size, self.dtype) / 2**20, max_len, max_concurrency)
+        self.runner = ModelRunner(mc, self.model_path, self.dtype, self.device, config.block_size,
+                                  num_blocks, max_len, self.eos_token_ids, num_host_blocks, config.progress)
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_gpu_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
+            num_cpu_blocks=num_host_blocks, enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
+            policy=config.policy))
+        self.num_steps = 0
+
+    def _size_kv_cache(self) -> tuple[int, int]:
+        cfg, mc = self.config, self.model_config
+        per_block = bytes_per_block(mc, cfg.block_size, self.dtype)
+        if cfg.kv_cache_memory is not None:
+            budget = parse_size(cfg.kv_cache_memory)
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Weights are not loaded yet: subtract their size and a reserve for activations.
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            weights = estimate_num_params(mc) * elem
+            activations = cfg.max_num_batched_tokens * (mc.hidden_size * 8 + mc.vocab_size) * 4
+            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - weights - activations
+        else:
+            budget = parse_size("2GiB")
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget of {budget} bytes holds no block "
+                             f"({per_block} bytes each); raise --kv-cache-memory")
+        host = parse_size(cfg.swap_space) // per_block if cfg.preemption_mode == "swap" else 0
+        return int(num_blocks), int(host)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        self.scheduler.add_request(Request(request_id, list(prompt_token_ids), len(prompt_token_ids),
+                                           params, self.eos_token_ids, priority))
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        self.num_steps += 1
+        return [RequestOutput(u.request.group_id, u.request.sample_index, u.new_tokens, u.finished,
+                              u.request.finish_reason, u.request.num_prompt_tokens, u.request.num_cached_tokens)
+                for u in self.scheduler.update(sched, result)]
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
+                 use_tqdm: bool = False) -> list[list[CompletedSample]]:
+        """Run a batch to completion; results in input order, one list of samples per prompt."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        ids = [f"gen-{self.num_steps}-{i}" for i in range(len(prompts))]
+        results = {rid: [CompletedSample() for _ in range(p.n)] for rid, p in zip(ids, params)}
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.add_request(rid, prompt, p)
+        bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not use_tqdm)
+        pending = {rid: p.n for rid, p in zip(ids, params)}
+        while self.has_unfinished():
+            for out in self.step():
+                sample = results[out.request_id][out.sample_index]
+                for token in out.new_tokens:
+                    sample.token_ids.append(token.token_id)
+                    if token.logprob is not None:
+                        sample.logprobs.append(token)
+                if out.finished:
+                    sample.finish_reason = out.finish_reason
+                    pending[out.request_id] -= 1
+                    if pending[out.request_id] == 0:
+                        bar.update(1)
+        bar.close()
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> dict:
+        bm = self.scheduler.block_manager
+        return {"num_blocks": bm.num_total_blocks, "num_free_blocks": bm.num_free_blocks,
+                "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
+                "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps,
+                "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                "swapped": len(self.scheduler.swapped)}

@@ -1,0 +1,83 @@
+"""The model's shape, read from a HuggingFace config.json (transformers 4 or 5 layout)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        # transformers 5 keeps rope settings under rope_parameters; older files at top level.
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.get("type", "default"))
+            if scaling["rope_type"] == "default":
+                scaling = None
+            elif scaling["rope_type"] not in ("llama3", "linear"):
+                raise ValueError(f"unsupported rope_scaling type {scaling['rope_type']!r}; "
+                                 "supported: llama3, linear")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelConfig":
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {folder}")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"corrupt config.json in {folder}: {exc}") from exc
+        return cls.from_hf_dict(cfg)

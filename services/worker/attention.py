@@ -1,0 +1,92 @@
+"""Paged attention backends: K/V are read and written only through block tables."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    query_start: int  # offset of its first scheduled token in the flattened batch
+    query_len: int
+    context_len: int  # tokens already in the cache before this step
+    block_ids: torch.Tensor  # the blocks covering context_len + query_len tokens
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's layout. Tokens are flattened with all single-token queries (decodes) first."""
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot (block_id * block_size + offset) per token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] tokens attended, the new one included
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive (0 / -inf)
+    prefills: list[PrefillSeq]
+
+
+class AttentionBackend(abc.ABC):
+    """Contract: `forward` gets one layer's projected, rotated queries [T, H, D] and new keys and
+    values [T, KVH, D] for the step's flattened tokens, writes the new K/V into that layer's
+    cache at `meta.slot_mapping`, and returns the attention output [T, H, D], each token attending
+    causally to its own sequence's cached context and the new tokens before it. The cache tensors
+    are [num_blocks, block_size, KVH, D]; nothing but block ids addresses them."""
+
+    @abc.abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Plain torch ops, for the CPU. Decodes run as two batched matmuls over grouped heads with a
+    float32 softmax (torch's CPU SDPA is many times slower for one bf16 query); prefills go one
+    sequence at a time through SDPA."""
+
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
+        out = torch.empty_like(query)
+        if meta.num_decodes:
+            out[:meta.num_decodes] = self._decode(query[:meta.num_decodes], k_cache, v_cache, meta, scale)
+        for seq in meta.prefills:
+            rows = slice(seq.query_start, seq.query_start + seq.query_len)
+            out[rows] = self._prefill(query[rows], key[rows], value[rows], k_cache, v_cache, seq, scale)
+        return out
+
+    @staticmethod
+    def _decode(query, k_cache, v_cache, meta, scale):
+        num_seqs, num_heads, head_dim = query.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        tables = meta.decode_block_tables
+        # [B, L, KVH, D] -> [B, KVH, L, D]: gathers only this batch's blocks.
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
+        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        q = query.view(num_seqs, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, keys.transpose(2, 3)).float() * scale
+        scores += meta.decode_mask
+        probs = torch.softmax(scores, dim=-1).to(query.dtype)
+        return torch.matmul(probs, values).reshape(num_seqs, num_heads, head_dim)
+
+    @staticmethod
+    def _prefill(query, key, value, k_cache, v_cache, seq: PrefillSeq, scale):
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        if seq.context_len == 0:
+            keys, values, mask, causal = key, value, None, True
+        else:
+            total = seq.context_len + seq.query_len
+            keys = k_cache[seq.block_ids].view(-1, num_kv_heads, head_dim)[:total]
+            values = v_cache[seq.block_ids].view(-1, num_kv_heads, head_dim)[:total]
+            positions = torch.arange(seq.context_len, total, device=query.device)
+            mask = torch.arange(total, device=query.device)[None, :] <= positions[:, None]
+            causal = False
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
