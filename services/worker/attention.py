@@ -52,14 +52,14 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
         out = torch.empty_like(query)
         if meta.num_decodes:
-            out[:meta.num_decodes] = self._decode(query[:meta.num_decodes], k_cache, v_cache, meta, scale)
+            out[:meta.num_decodes] = self._decode(query[:meta.num_decodes].contiguous(), k_cache, v_cache,
+                                                  meta, scale)
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             out[rows] = self._prefill(query[rows], key[rows], value[rows], k_cache, v_cache, seq, scale)
         return out
 
-    @staticmethod
-    def _decode(query, k_cache, v_cache, meta, scale):
+    def _decode(self, query, k_cache, v_cache, meta, scale):
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -73,8 +73,7 @@ class TorchAttentionBackend(AttentionBackend):
         probs = torch.softmax(scores, dim=-1).to(query.dtype)
         return torch.matmul(probs, values).reshape(num_seqs, num_heads, head_dim)
 
-    @staticmethod
-    def _prefill(query, key, value, k_cache, v_cache, seq: PrefillSeq, scale):
+    def _prefill(self, query, key, value, k_cache, v_cache, seq: PrefillSeq, scale):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         if seq.context_len == 0:
             keys, values, mask, causal = key, value, None, True
@@ -90,3 +89,24 @@ class TorchAttentionBackend(AttentionBackend):
             values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale,
             enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
+
+
+class CpuKernelAttentionBackend(TorchAttentionBackend):
+    """Decodes through the compiled kernel of kernels/cpu (reads each cached row once, no gather);
+    prefills as the torch backend."""
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+
+    def _decode(self, query, k_cache, v_cache, meta, scale):
+        return self.ops.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
+                                               meta.decode_seq_lens, scale)
+
+
+def make_backend(device: torch.device) -> AttentionBackend:
+    if device.type == "cpu":
+        from kernels import cpu_ops
+        ops = cpu_ops.load()
+        if ops is not None:
+            return CpuKernelAttentionBackend(ops)
+    return TorchAttentionBackend()

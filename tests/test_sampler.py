@@ -1,0 +1,300 @@
+"""Sampler: greedy, temperature/top-k/top-p/min-p, penalties, min_tokens, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings, strategies as st
+
+from pagedserve.sampling_params import SamplingParams
+from services.worker.sampler import RowSampling, Sampler, apply_penalties, block_min_tokens, truncate
+
+sampler = Sampler()
+
+
+def row(params=None, seed=None, prompt=(), output=(), eos=(), **kw) -> RowSampling:
+    params = params or SamplingParams(**kw)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return RowSampling(params, gen, list(prompt), list(output), tuple(eos))
+
+
+def logits_from_probs(probs, order=None) -> torch.Tensor:
+    """[1, V] logits whose softmax is probs, placed at token ids `order` (default identity)."""
+    lp = torch.tensor(probs, dtype=torch.float32).log()
+    if order is None:
+        return lp[None]
+    out = torch.empty_like(lp)
+    out[torch.tensor(order)] = lp
+    return out[None]
+
+
+def support(logits: torch.Tensor, n: int = 1000, seed: int = 0, **kw) -> set[int]:
+    r = row(seed=seed, **kw)
+    return {sampler(logits, [r]).token_ids[0] for _ in range(n)}
+
+
+# ---- greedy -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax(dtype):
+    logits = torch.randn(8, 97, generator=torch.Generator().manual_seed(0)).to(dtype)
+    out = sampler(logits, [row(temperature=0.0) for _ in range(8)])
+    assert out.token_ids == logits.float().argmax(-1).tolist()
+    assert out.logprobs is None and out.top_logprobs is None
+
+
+def test_input_logits_not_modified():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    before = logits.clone()
+    sampler(logits, [row(temperature=0.0, repetition_penalty=2.0, output=[1, 2], logprobs=3),
+                     row(seed=1, min_tokens=5, eos=[int(logits[1].argmax())], top_p=0.5)])
+    assert torch.equal(logits, before)
+
+
+# ---- temperature / top-k / top-p / min-p --------------------------------------------------------
+
+def test_sampling_follows_softmax_over_temperature():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    r = row(seed=3, temperature=2.0)
+    n = 6000
+    counts = torch.bincount(torch.tensor([sampler(logits, [r]).token_ids[0] for _ in range(n)]),
+                            minlength=4).float() / n
+    assert torch.allclose(counts, (logits[0] / 2.0).softmax(-1), atol=0.025)
+
+
+def test_low_temperature_concentrates():
+    logits = torch.tensor([[1.0, 0.6, 0.5, 0.2]])
+    assert support(logits, n=300, temperature=0.01) == {0}
+
+
+def test_top_k_restricts_support():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9, 0.0, 2.8, 1.0, 0.5]])
+    assert support(logits, temperature=1.0, top_k=3) == {1, 3, 5}
+    assert support(logits, temperature=1.0, top_k=1) == {1}
+    assert support(logits, n=3000, temperature=1.0, top_k=-1) == set(range(8))
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.4, {0}), (0.75, {0, 1}), (0.9, {0, 1, 2}), (1.0, {0, 1, 2, 3})])
+def test_top_p_keeps_smallest_set(top_p, kept):
+    order = [3, 0, 2, 1]  # token ids holding probs 0.5, 0.3, 0.15, 0.05: not in id order
+    logits = logits_from_probs([0.5, 0.3, 0.15, 0.05], order)
+    assert support(logits, top_p=top_p) == {order[i] for i in kept}
+
+
+def test_top_p_applies_after_top_k():
+    # top_k=2 renormalises {0: .4, 1: .3} to {.57, .43}; top_p=.5 then keeps only token 0.
+    # Without renormalisation, .4 < .5 would have kept token 1 as well.
+    logits = logits_from_probs([0.4, 0.3, 0.2, 0.1])
+    assert support(logits, top_k=2, top_p=0.5) == {0}
+
+
+@pytest.mark.parametrize("min_p, kept", [(0.2, {0, 1, 2}), (0.5, {0, 1}), (1.0, {0})])
+def test_min_p_restricts_support(min_p, kept):
+    logits = logits_from_probs([0.5, 0.3, 0.15, 0.05])
+    assert support(logits, min_p=min_p) == kept
+
+
+def _reference_allowed(logits: list[float], p: SamplingParams) -> set[int]:
+    """Plain-Python top-k -> top-p -> min-p over temperature-scaled logits."""
+    ids = sorted(range(len(logits)), key=lambda i: -logits[i])
+    if p.top_k > 0:
+        ids = ids[:p.top_k]
+    scaled = [logits[i] / p.temperature for i in ids]
+    m = max(scaled)
+    w = [math.exp(s - m) for s in scaled]
+    probs = [v / sum(w) for v in w]
+    keep, mass = [], 0.0
+    for i, pr in zip(ids, probs):
+        if p.top_p < 1.0 and mass >= p.top_p:
+            break
+        assume(p.top_p == 1.0 or abs(mass - p.top_p) > 1e-4)  # float32 cumsum may round either way this close
+        keep.append((i, pr))
+        mass += pr
+    total = sum(pr for _, pr in keep)
+    top = max(pr for _, pr in keep) / total
+    assume(p.min_p == 0.0 or all(abs(pr / total - p.min_p * top) > 1e-5 for _, pr in keep))
+    return {i for i, pr in keep if pr / total >= p.min_p * top}
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_truncate_matches_reference(data):
+    vocab = data.draw(st.integers(2, 12))
+    logits = data.draw(st.lists(st.integers(-8, 8), min_size=vocab, max_size=vocab, unique=True))
+    logits = [v / 2 for v in logits]  # distinct values: no ties to break differently
+    p = SamplingParams(temperature=data.draw(st.sampled_from([0.5, 1.0, 2.0])),
+                       top_k=data.draw(st.integers(-1, vocab + 1)),
+                       top_p=data.draw(st.sampled_from([0.1, 0.3, 0.6, 0.9, 1.0])),
+                       min_p=data.draw(st.sampled_from([0.0, 0.05, 0.3])))
+    x = truncate(torch.tensor([logits]) / p.temperature, [p])
+    got = set(torch.nonzero(x[0] > float("-inf")).flatten().tolist())
+    want = _reference_allowed(logits, p)
+    assert got == want
+
+
+def test_top_p_boundary_is_inclusive():
+    # Four tokens at exactly .25: two of them reach top_p=.5, so a third must not be kept.
+    x = truncate(torch.zeros(2, 4), [SamplingParams(top_p=0.5), SamplingParams(top_p=0.75)])
+    assert (x > float("-inf")).sum(-1).tolist() == [2, 3]
+
+
+def test_truncate_per_row_parameters():
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
+    ps = [SamplingParams(top_k=2), SamplingParams(top_p=0.75), SamplingParams(min_p=0.2), SamplingParams()]
+    kept = (truncate(x.clone(), ps) > float("-inf")).tolist()
+    assert kept == [[True, True, False, False], [True, True, False, False],
+                    [True, True, True, False], [True, True, True, True]]
+
+
+# ---- penalties and min_tokens -------------------------------------------------------------------
+
+def test_penalties_exact():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 0.0],
+                           [2.0, -1.0, 0.5, -3.0, 1.0, 0.0]])
+    rows = [row(prompt=[0, 1], output=[2, 2, 3], repetition_penalty=2.0,
+                presence_penalty=0.5, frequency_penalty=0.25),
+            row(prompt=[0, 1], output=[2, 2, 3])]  # no penalties: untouched
+    apply_penalties(logits, rows)
+    # repetition over {0,1,2,3}: 2/2, -1*2, .5/2, -3*2; presence .5 on {2,3}; frequency .25*{2:2, 3:1}
+    expected = [1.0, -2.0, 0.25 - 0.5 - 0.5, -6.0 - 0.5 - 0.25, 1.0, 0.0]
+    assert torch.allclose(logits[0], torch.tensor(expected))
+    assert torch.equal(logits[1], torch.tensor([2.0, -1.0, 0.5, -3.0, 1.0, 0.0]))
+
+
+def test_presence_frequency_ignore_prompt_and_repetition_alone():
+    logits = torch.tensor([[1.0, 1.0, 1.0, -1.0], [1.0, 1.0, 1.0, -1.0]])
+    apply_penalties(logits, [row(prompt=[0], output=[1, 1], presence_penalty=1.0, frequency_penalty=-0.5),
+                             row(prompt=[3], output=[], repetition_penalty=0.5)])
+    assert torch.allclose(logits, torch.tensor([[1.0, 1.0, 1.0, -1.0], [1.0, 1.0, 1.0, -0.5]]))
+
+
+def test_repetition_penalty_changes_greedy_choice():
+    logits = torch.tensor([[3.0, 2.0, 1.0]])
+    assert sampler(logits, [row(temperature=0.0, prompt=[0])]).token_ids == [0]
+    assert sampler(logits, [row(temperature=0.0, prompt=[0], repetition_penalty=2.0)]).token_ids == [1]
+    assert sampler(logits, [row(temperature=0.0, output=[0, 0, 1], frequency_penalty=1.5)]).token_ids == [2]
+
+
+def test_min_tokens_blocks_eos_and_stop_ids():
+    logits = torch.tensor([[0.0, 1.0, 9.0, 8.0, 7.0]])  # eos=2, stop=3 dominate
+    def greedy(n_out, **kw):
+        return sampler(logits, [row(temperature=0.0, eos=[2], output=[0] * n_out, min_tokens=3,
+                                    stop_token_ids=[3], **kw)]).token_ids[0]
+    assert greedy(0) == 4
+    assert greedy(2) == 4
+    assert greedy(3) == 2  # min_tokens reached
+    assert greedy(1, ignore_eos=True) == 2  # eos ends nothing, so nothing to block; stop ids still are
+    assert support(logits, n=300, eos=[2], output=[0], min_tokens=2, stop_token_ids=[3]) <= {0, 1, 4}
+
+
+def test_block_min_tokens_only_pending_rows():
+    logits = torch.zeros(3, 6)
+    block_min_tokens(logits, [row(eos=[5], output=[1], min_tokens=2, stop_token_ids=[0, 9]),
+                              row(eos=[5], output=[1, 1], min_tokens=2),
+                              row(eos=[4, 5], min_tokens=1)])
+    inf = float("-inf")
+    assert logits.tolist() == [[inf, 0, 0, 0, 0, inf], [0] * 6, [0, 0, 0, 0, inf, inf]]
+
+
+# ---- seeds --------------------------------------------------------------------------------------
+
+def _steps(vocab=500, n=6):
+    g = torch.Generator().manual_seed(42)
+    return [torch.randn(vocab, generator=g) * 2 for _ in range(n)]
+
+
+def _run_seeded(position: int, others: list[RowSampling], params: SamplingParams, seed: int) -> list[int]:
+    target = row(params, seed=seed)
+    toks = []
+    for step in _steps():
+        rows = others[:position] + [target] + others[position:]
+        logits = torch.randn(len(rows), step.numel())
+        logits[position] = step
+        toks.append(sampler(logits, rows).token_ids[position])
+    return toks
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.8, top_p=0.95, top_k=100, min_p=0.01)])
+def test_seeded_rows_independent_of_batch(params):
+    alone = _run_seeded(0, [], params, seed=1234)
+    others = [row(temperature=1.0), row(seed=7, top_k=5), row(temperature=0.0), row(temperature=1.2)]
+    assert _run_seeded(2, others, params, seed=1234) == alone
+    others = [row(seed=99, top_p=0.5), row(temperature=0.7, logprobs=2)]
+    assert _run_seeded(1, others, params, seed=1234) == alone
+    assert _run_seeded(0, [row(seed=1234)], params, seed=1234) == alone  # even beside a same-seed twin
+
+
+def test_different_seeds_differ():
+    logits = torch.zeros(1, 1000)  # uniform: 10 bits of entropy per token
+    seqs = set()
+    for seed in range(8):
+        r = row(seed=seed)
+        seqs.add(tuple(sampler(logits, [r]).token_ids[0] for _ in range(5)))
+    assert len(seqs) == 8
+
+
+def test_unseeded_rows_use_global_rng():
+    logits = torch.zeros(3, 1000)
+    torch.manual_seed(5)
+    a = sampler(logits, [row(), row(seed=1), row()]).token_ids
+    torch.manual_seed(5)
+    b = sampler(logits, [row(), row(seed=1), row()]).token_ids
+    assert a == b and a[0] != a[2]
+
+
+# ---- logprobs -----------------------------------------------------------------------------------
+
+def test_logprobs_come_from_raw_logits():
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    rows = [row(temperature=0.0, logprobs=5, output=[1, 2], repetition_penalty=1.5),
+            row(seed=1, temperature=0.7, top_k=10, logprobs=0),
+            row(seed=2, logprobs=None),
+            row(seed=3, temperature=1.3, logprobs=20, presence_penalty=1.0, output=[4])]
+    out = sampler(logits, rows)
+    ref = torch.log_softmax(logits.float(), -1)
+    for i, tok in enumerate(out.token_ids):
+        assert out.logprobs[i] == pytest.approx(ref[i, tok].item(), abs=1e-5)
+    assert out.top_logprobs[1] == [] and out.top_logprobs[2] is None
+    for i, k in [(0, 5), (3, 20)]:
+        top = out.top_logprobs[i]
+        assert len(top) == k
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+        vals, ids = ref[i].topk(k)
+        assert [t for t, _ in top] == ids.tolist()
+        assert torch.allclose(torch.tensor([lp for _, lp in top]), vals, atol=1e-5)
+
+
+def test_no_logprobs_when_nobody_asks():
+    out = sampler(torch.randn(2, 10), [row(seed=1), row(temperature=0.0, presence_penalty=1.0, output=[3])])
+    assert out.logprobs is None and out.top_logprobs is None
+
+
+# ---- mixed batch --------------------------------------------------------------------------------
+
+def test_mixed_batch_matches_rows_alone():
+    vocab = 300
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(11)) * 3
+    specs = [dict(temperature=0.0),
+             dict(temperature=0.0, prompt=[1, 2, 3], output=[4, 4], repetition_penalty=1.3,
+                  frequency_penalty=0.5, logprobs=3),
+             dict(seed=5, top_k=20, top_p=0.9),
+             dict(seed=6, temperature=0.5, min_p=0.1, logprobs=2, output=[7], presence_penalty=2.0),
+             dict(temperature=1.0),  # unseeded: only checked to be a valid id
+             dict(temperature=0.0, eos=[int(logits[5].argmax())], min_tokens=1),
+             dict(seed=8, temperature=1.5, output=[0], min_tokens=4, eos=[1], stop_token_ids=[2, 3])]
+    batch = sampler(logits, [row(**s) for s in specs])
+    for i, s in enumerate(specs):
+        alone = sampler(logits[i:i + 1], [row(**s)])
+        if s.get("temperature") == 0.0 or "seed" in s:
+            assert batch.token_ids[i] == alone.token_ids[0], i
+        assert 0 <= batch.token_ids[i] < vocab
+        if "logprobs" in s:
+            assert batch.logprobs[i] == pytest.approx(alone.logprobs[0], abs=1e-6)
+            (ids_b, lps_b), (ids_a, lps_a) = zip(*batch.top_logprobs[i]), zip(*alone.top_logprobs[0])
+            assert ids_b == ids_a and lps_b == pytest.approx(lps_a, abs=1e-6)
+        else:
+            assert batch.top_logprobs[i] is None
+    assert batch.token_ids[5] != int(logits[5].argmax())
