@@ -1,0 +1,35 @@
+# The two commands of the README: `make serve` and `make test`. Each bootstraps .venv itself.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test test-fast download bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first: on these machines torch==2.13.0 is a CPU wheel already on disk.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/pagedserve chat $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+download: $(STAMP)
+	$(BIN)/pagedserve download
+
+bench: $(STAMP)
+	$(BIN)/pagedserve bench throughput $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

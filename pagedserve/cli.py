@@ -1,0 +1,223 @@
+"""`pagedserve` command line: generate, chat, download, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from pagedserve.sampling_params import SamplingParams
+
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens",
+                 "stop_token_ids", "n", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", default=None, help="KV pool size: bytes or e.g. 512MiB, 2GiB (CPU default 2GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--swap-space", default="1GiB", help="host pool for --preemption-mode swap")
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-chunked-prefill", action="store_true")
+
+
+def engine_config_from_args(args: argparse.Namespace, progress: bool = True):
+    from pagedserve.engine import EngineConfig
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
+        enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
+        progress=progress)
+
+
+# ---- generate ----------------------------------------------------------------------------
+def parse_prompt_line(line: str, where: str, tokenizer) -> tuple[list[int], SamplingParams]:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(item, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    kinds = [k for k in ("prompt", "messages", "prompt_token_ids") if k in item]
+    if len(kinds) != 1:
+        raise ValueError(f"{where}: needs exactly one of 'prompt', 'messages', 'prompt_token_ids'")
+    unknown = set(item) - set(SAMPLING_KEYS) - {kinds[0]}
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: {', '.join(SAMPLING_KEYS)}")
+    if kinds[0] == "prompt":
+        if not isinstance(item["prompt"], str):
+            raise ValueError(f"{where}: 'prompt' must be a string")
+        ids = tokenizer.encode(item["prompt"], add_special_tokens=False)
+    elif kinds[0] == "messages":
+        ids = chat_token_ids(tokenizer, item["messages"], where)
+    else:
+        ids = item["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise ValueError(f"{where}: 'prompt_token_ids' must be a list of integers")
+    try:
+        params = SamplingParams(**{k: item[k] for k in SAMPLING_KEYS if k in item})
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return ids, params
+
+
+def chat_token_ids(tokenizer, messages, where: str = "messages") -> list[int]:
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in messages):
+        raise ValueError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def format_logprobs(samples) -> list[dict]:
+    return [{"token_id": s.token_id, "logprob": s.logprob,
+             "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in (s.top_logprobs or [])]}
+            for s in samples]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedserve.engine import LLMEngine
+
+    if (args.prompt is None) == (args.prompts_file is None):
+        print("error: give exactly one of --prompt TEXT or --prompts-file IN.jsonl", file=sys.stderr)
+        return 2
+    if args.prompts_file and not args.output:
+        print("error: --prompts-file needs --output OUT.jsonl", file=sys.stderr)
+        return 2
+    engine = LLMEngine(engine_config_from_args(args))
+    tok = engine.tokenizer
+    try:
+        if args.prompt is not None:
+            line = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens,
+                               "temperature": args.temperature})
+            requests = [parse_prompt_line(line, "--prompt", tok)]
+        else:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                requests = [parse_prompt_line(line, f"{args.prompts_file}:{n}", tok)
+                            for n, line in enumerate(f, 1) if line.strip()]
+        for n, (ids, params) in enumerate(requests):
+            engine.scheduler.check_prompt(len(ids))
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    results = engine.generate([ids for ids, _ in requests], [p for _, p in requests],
+                              use_tqdm=args.prompt is None)
+    if args.prompt is not None:
+        print(tok.decode(results[0][0].token_ids, skip_special_tokens=True))
+        return 0
+    with open(args.output, "w", encoding="utf-8") as f:
+        for index, ((ids, params), samples) in enumerate(zip(requests, results)):
+            outputs = []
+            for s in samples:
+                entry = {"token_ids": s.token_ids, "text": tok.decode(s.token_ids, skip_special_tokens=True),
+                         "finish_reason": s.finish_reason}
+                if params.logprobs is not None:
+                    entry["logprobs"] = format_logprobs(s.logprobs)
+                outputs.append(entry)
+            f.write(json.dumps({"index": index, "prompt_token_ids": ids, "outputs": outputs}) + "\n")
+    return 0
+
+
+# ---- chat --------------------------------------------------------------------------------
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagedserve.engine import LLMEngine
+
+    engine = LLMEngine(engine_config_from_args(args))
+    tok = engine.tokenizer
+    history: list[dict] = []
+    print("pagedserve chat: type a message, /reset to clear, Ctrl-D to quit.", flush=True)
+    turn = 0
+    while True:
+        try:
+            text = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if text.strip() == "/reset":
+            history.clear()
+            continue
+        if not text.strip():
+            continue
+        history.append({"role": "user", "content": text})
+        ids = chat_token_ids(tok, history)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_p=0.95)
+        turn += 1
+        engine.add_request(f"chat-{turn}", ids, params)
+        out_ids: list[int] = []
+        printed = ""
+        print("assistant> ", end="", flush=True)
+        while engine.has_unfinished():
+            for out in engine.step():
+                out_ids.extend(t.token_id for t in out.new_tokens)
+            text_now = tok.decode(out_ids, skip_special_tokens=True)
+            if not text_now.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                print(text_now[len(printed):], end="", flush=True)
+                printed = text_now
+        print(flush=True)
+        history.append({"role": "assistant", "content": printed})
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from pagedserve.default_model import ensure_default_model
+    print(ensure_default_model(progress=True))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline batch generation from a JSONL file or one prompt")
+    gen.add_argument("--prompts-file", default=None)
+    gen.add_argument("--output", default=None)
+    gen.add_argument("--prompt", default=None, help="one prompt (no chat template); prints its completion")
+    gen.add_argument("--max-tokens", type=int, default=64, help="with --prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="with --prompt")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat on the model")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    dl = sub.add_parser("download", help="fetch and prepare the default model")
+    dl.set_defaults(func=cmd_download)
+
+    try:
+        from pagedserve.bench import add_bench_parser
+    except ImportError:  # pragma: no cover - bench is part of the package
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
