@@ -99,8 +99,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompts_file and not args.output:
         print("error: --prompts-file needs --output OUT.jsonl", file=sys.stderr)
         return 2
-    engine = LLMEngine(engine_config_from_args(args))
-    tok = engine.tokenizer
+    from transformers import AutoTokenizer
+
+    from pagedserve.default_model import resolve_model
+
+    # Read and check every line before loading weights, so a bad file fails in a second.
+    tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
     try:
         if args.prompt is not None:
             line = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens,
@@ -110,11 +114,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             with open(args.prompts_file, encoding="utf-8") as f:
                 requests = [parse_prompt_line(line, f"{args.prompts_file}:{n}", tok)
                             for n, line in enumerate(f, 1) if line.strip()]
-        for n, (ids, params) in enumerate(requests):
-            engine.scheduler.check_prompt(len(ids))
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    engine = LLMEngine(engine_config_from_args(args), tokenizer=tok)
+    for n, (ids, _) in enumerate(requests):
+        try:
+            engine.scheduler.check_prompt(len(ids))
+        except ValueError as exc:
+            print(f"error: request {n}: {exc}", file=sys.stderr)
+            return 2
     results = engine.generate([ids for ids, _ in requests], [p for _, p in requests],
                               use_tqdm=args.prompt is None)
     if args.prompt is not None:
