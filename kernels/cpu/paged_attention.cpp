@@ -12,6 +12,15 @@
 
 namespace {
 
+// float rows are used in place; narrower types are widened into `buffer` once per row.
+template <typename scalar_t>
+inline const float* as_float(const scalar_t* src, float* buffer, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) buffer[d] = static_cast<float>(src[d]);
+  return buffer;
+}
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
+
 template <typename scalar_t>
 void decode_impl(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
@@ -39,16 +48,19 @@ void decode_impl(const torch::Tensor& query, const torch::Tensor& k_cache, const
         const scalar_t* qrow = q + (seq * num_heads + kv_head * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(qrow[d]);
       }
-      for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* krow = kc + table[t / block_size] * block_stride + (t % block_size) * token_stride +
-                               kv_head * head_stride;
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(krow[d]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
-          float dot = 0.f;
+      // Walk block by block: rows inside a block are contiguous, and no division per token.
+      for (int64_t start = 0; start < len; start += block_size) {
+        const scalar_t* kblock = kc + table[start / block_size] * block_stride + kv_head * head_stride;
+        const int64_t rows = std::min(block_size, len - start);
+        for (int64_t j = 0; j < rows; ++j) {
+          const float* krow = as_float(kblock + j * token_stride, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * head_dim;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
-          scores[g * len + t] = dot * fscale;
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * krow[d];
+            scores[g * len + start + j] = dot * fscale;
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -63,15 +75,17 @@ void decode_impl(const torch::Tensor& query, const torch::Tensor& k_cache, const
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* vrow = vc + table[t / block_size] * block_stride + (t % block_size) * token_stride +
-                               kv_head * head_stride;
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(vrow[d]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* a = acc.data() + g * head_dim;
+      for (int64_t start = 0; start < len; start += block_size) {
+        const scalar_t* vblock = vc + table[start / block_size] * block_stride + kv_head * head_stride;
+        const int64_t rows = std::min(block_size, len - start);
+        for (int64_t j = 0; j < rows; ++j) {
+          const float* vrow = as_float(vblock + j * token_stride, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * len + start + j];
+            float* a = acc.data() + g * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vrow[d];
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
