@@ -24,6 +24,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", default="1GiB", help="host pool for --preemption-mode swap")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most prompt tokens one request prefills per step (default max-num-batched-tokens/4; 0: no cap)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
@@ -38,6 +40,7 @@ def engine_config_from_args(args: argparse.Namespace, progress: bool = True):
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
         progress=progress)

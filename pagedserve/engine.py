@@ -31,6 +31,7 @@ class EngineConfig:
     swap_space: str | int = "1GiB"  # host pool for preemption_mode="swap"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int | None = None  # None: max_num_batched_tokens // 4
     max_model_len: int | None = None
     preemption_mode: str = "recompute"
     policy: str = "fcfs"
@@ -142,7 +143,9 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
             num_cpu_blocks=num_host_blocks, enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
-            policy=config.policy))
+            policy=config.policy, long_prefill_token_threshold=(
+                config.max_num_batched_tokens // 4 if config.long_prefill_token_threshold is None
+                else config.long_prefill_token_threshold)))
         self.num_steps = 0
 
     def _size_kv_cache(self) -> tuple[int, int]:

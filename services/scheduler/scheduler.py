@@ -30,6 +30,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap"
     policy: str = "fcfs"  # or "priority"
+    # Most prompt tokens one request prefills in a step (0: no cap). Keeps steps short while a
+    # long prompt prefills, so decodes and short prompts beside it are not held for seconds.
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
@@ -140,10 +143,16 @@ class Scheduler:
     def _num_seqs_after(self, req: Request) -> int:
         return len(self.running) + 1 + len(req.child_req_ids)
 
+    def _chunk(self, num_remaining: int) -> int:
+        cap = self.config.long_prefill_token_threshold
+        if cap and self.config.enable_chunked_prefill:
+            num_remaining = min(num_remaining, cap)
+        return min(num_remaining, self._budget)
+
     def _schedule_running(self, req: Request, out: SchedulerOutput) -> bool:
         """Schedule a running request, preempting others if blocks run out. False if anything
         was preempted."""
-        num_new = min(req.num_tokens - req.num_computed_tokens, self._budget)
+        num_new = self._chunk(req.num_tokens - req.num_computed_tokens)
         preempted = False
         while True:
             result = self.block_manager.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
@@ -209,7 +218,7 @@ class Scheduler:
         bm = self.block_manager
         if self._num_seqs_after(req) > self.config.max_num_seqs:
             return False
-        num_new = min(req.num_tokens - req.num_computed_tokens, self._budget)
+        num_new = self._chunk(req.num_tokens - req.num_computed_tokens)
         total = req.num_computed_tokens + num_new
         extra = max(0, cdiv(total, bm.block_size) - len(bm.cpu_tables[req.request_id]))
         if not bm.can_swap_in(req.request_id, extra):
@@ -232,7 +241,7 @@ class Scheduler:
         num_new = req.num_tokens - num_computed
         if not cfg.enable_chunked_prefill and num_new > self._budget:
             return False
-        num_new = min(num_new, self._budget)
+        num_new = self._chunk(num_new)
         result = bm.allocate_slots(req.request_id, num_computed, num_new, hits, reserve_watermark=True)
         if result is None:
             return False
