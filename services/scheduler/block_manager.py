@@ -90,7 +90,9 @@ class BlockManager:
         table = self.tables[seq_id]
         hashes = self._extend_hashes(seq_id, token_ids, num_computed_tokens)
         start = self.num_cached_blocks.get(seq_id, 0)
-        end = min(len(hashes), len(table))
+        # Hashes may run ahead (a prefix lookup names the whole prompt): only blocks whose KV
+        # is fully written may be found by others.
+        end = min(num_computed_tokens // self.block_size, len(hashes), len(table))
         for i in range(start, end):
             self.pool.cache(table[i], hashes[i])
         self.num_cached_blocks[seq_id] = max(start, end)
@@ -183,10 +185,6 @@ class BlockManager:
         for block in cpu_table:
             self.cpu_pool.free(block)
         self.tables[seq_id] = table
-        # The blocks hold the same content under new ids: re-enter the full ones in the cache.
+        # Same content under new ids: the next cache_full_blocks enters the written ones again.
         self.num_cached_blocks[seq_id] = 0
-        hashes = self.block_hashes.get(seq_id, [])
-        for i in range(min(len(hashes), len(table))):
-            self.pool.cache(table[i], hashes[i])
-        self.num_cached_blocks[seq_id] = min(len(hashes), len(table))
         return mapping

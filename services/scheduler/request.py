@@ -67,3 +67,6 @@ class Request:
 
     def sort_key(self) -> tuple[int, float, int]:
         return (self.priority, self.arrival_time, self.sample_index)
+
+    def arrival_key(self) -> tuple[float, int]:
+        return (self.arrival_time, self.sample_index)

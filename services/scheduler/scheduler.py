@@ -41,6 +41,8 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.preemption_mode == "swap" and self.num_cpu_blocks < 1:
             raise ValueError("preemption_mode 'swap' needs a host block pool (num_cpu_blocks >= 1)")
 
@@ -64,6 +66,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
         self._dropped_ids: list[str] = []  # the worker must forget these on the next step
+        self._cut_short: list[Request] = []  # finished inside schedule(): reported by update()
+        self._key = Request.sort_key if config.policy == "priority" else Request.arrival_key
         self.step_id = 0
         self.num_preemptions = 0
 
@@ -94,7 +98,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.groups[request.group_id] = [request]
-        bisect.insort(self.waiting, request, key=Request.sort_key)
+        bisect.insort(self.waiting, request, key=self._key)
 
     def abort(self, group_id: str) -> bool:
         """Stop a request (all its samples) and free its blocks now. False if unknown."""
@@ -141,7 +145,9 @@ class Scheduler:
         return out
 
     def _num_seqs_after(self, req: Request) -> int:
-        return len(self.running) + 1 + len(req.child_req_ids)
+        # Samples that running requests will fork on their first token count already.
+        pending = sum(len(r.child_req_ids) for r in self.running)
+        return len(self.running) + pending + 1 + len(req.child_req_ids)
 
     def _chunk(self, num_remaining: int) -> int:
         cap = self.config.long_prefill_token_threshold
@@ -159,6 +165,13 @@ class Scheduler:
             if result is not None:
                 break
             victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                # Alone and still out of blocks: the pool cannot hold this sequence any longer.
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                out.finished_req_ids.extend(self._dropped_ids)
+                self._dropped_ids.clear()
+                self._cut_short.append(req)
+                return False
             self._preempt(victim, out)
             preempted = True
             if victim is req:
@@ -194,17 +207,20 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         # A victim scheduled earlier in this step gives its tokens back.
+        copied_this_step = False
         if victim.request_id in out.num_scheduled_tokens:
             self._budget += out.num_scheduled_tokens.pop(victim.request_id)
             entry = self._entries.pop(victim.request_id, None)
-            self._copies.pop(victim.request_id, None)
+            copied_this_step = self._copies.pop(victim.request_id, None) is not None
             if isinstance(entry, NewRequestData):
                 victim.sent_to_worker = False
         bm = self.block_manager
-        if self.config.preemption_mode == "swap" and victim.sent_to_worker and bm.can_swap_out(victim.request_id):
+        # A copy-on-write block made this step holds nothing yet: swapping it would lose the copy.
+        if (self.config.preemption_mode == "swap" and victim.sent_to_worker and not copied_this_step
+                and bm.can_swap_out(victim.request_id)):
             out.blocks_to_swap_out.extend(bm.swap_out(victim.request_id))
             victim.status = RequestStatus.SWAPPED
-            bisect.insort(self.swapped, victim, key=Request.sort_key)
+            bisect.insort(self.swapped, victim, key=self._key)
             return
         bm.free(victim.request_id)
         victim.num_computed_tokens = 0
@@ -212,7 +228,7 @@ class Scheduler:
         if victim.sent_to_worker:
             out.finished_req_ids.append(victim.request_id)
             victim.sent_to_worker = False
-        bisect.insort(self.waiting, victim, key=Request.sort_key)
+        bisect.insort(self.waiting, victim, key=self._key)
 
     def _swap_in(self, req: Request, out: SchedulerOutput) -> bool:
         bm = self.block_manager
@@ -228,7 +244,7 @@ class Scheduler:
         assert result is not None, "swap-in reserved the blocks it needs"
         self.swapped.remove(req)
         req.status = RequestStatus.RUNNING
-        bisect.insort(self.running, req, key=Request.sort_key)
+        bisect.insort(self.running, req, key=self._key)
         self._record(req, num_new, result[0], result[1], out, whole_table=True)
         return True
 
@@ -239,10 +255,14 @@ class Scheduler:
         hits = bm.find_cached_prefix(req.request_id, req.token_ids)
         num_computed = len(hits) * cfg.block_size
         num_new = req.num_tokens - num_computed
-        if not cfg.enable_chunked_prefill and num_new > self._budget:
+        # Unchunked prefill waits for a step with room, unless no step could ever hold it
+        # (a request resumed after preemption carries its outputs too): then it goes in chunks.
+        if not cfg.enable_chunked_prefill and self._budget < num_new <= cfg.max_num_batched_tokens:
             return False
         num_new = self._chunk(num_new)
-        result = bm.allocate_slots(req.request_id, num_computed, num_new, hits, reserve_watermark=True)
+        # The watermark keeps headroom for running decodes; with none running it would only
+        # keep a prompt that needs the whole pool out forever.
+        result = bm.allocate_slots(req.request_id, num_computed, num_new, hits, reserve_watermark=bool(self.running))
         if result is None:
             return False
         bm.record_prefix_query(req.num_tokens, num_computed)
@@ -251,13 +271,14 @@ class Scheduler:
         self.waiting.remove(req)
         req.num_computed_tokens = num_computed
         req.status = RequestStatus.RUNNING
-        bisect.insort(self.running, req, key=Request.sort_key)
+        bisect.insort(self.running, req, key=self._key)
         self._record(req, num_new, result[0], None, out)
         return True
 
     # ---- results -------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
-        updates: list[RequestUpdate] = []
+        updates = [RequestUpdate(req, [], True) for req in self._cut_short]
+        self._cut_short = []
         for req_id, num_tokens in sched.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -287,7 +308,7 @@ class Scheduler:
             self.block_manager.fork(parent.request_id, child_id)
             self.requests[child_id] = child
             self.groups[parent.group_id].append(child)
-            bisect.insort(self.running, child, key=Request.sort_key)
+            bisect.insort(self.running, child, key=self._key)
             children.append(child)
         parent.child_req_ids = []
         return children
