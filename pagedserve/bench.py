@@ -220,6 +220,8 @@ def run_throughput(args) -> dict:
     elapsed = ours["elapsed_s"]
     out_tps = work.num_output_tokens / elapsed
     total_tps = (work.num_prompt_tokens + work.num_output_tokens) / elapsed
+    print(f"pagedserve: {work.num_output_tokens} output tokens in {elapsed:.2f} s ({out_tps:.1f} tok/s), "
+          f"{ours['num_steps']} steps", flush=True)
 
     baseline: dict[int, float] = {}
     if not args.no_baseline:

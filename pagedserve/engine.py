@@ -100,13 +100,6 @@ def eos_ids(folder: Path, cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def estimate_num_params(mc: ModelConfig) -> int:
-    attn = mc.hidden_size * mc.head_dim * (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads)
-    mlp = 3 * mc.hidden_size * mc.intermediate_size
-    embed = mc.vocab_size * mc.hidden_size * (1 if mc.tie_word_embeddings else 2)
-    return mc.num_hidden_layers * (attn + mlp) + embed
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         from pagedserve.default_model import resolve_model
@@ -131,13 +124,14 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {max_len}")
             max_len = config.max_model_len
         self.max_model_len = max_len
+        self.runner = ModelRunner(mc, self.model_path, self.dtype, self.device, config.block_size,
+                                  max_len, self.eos_token_ids, config.progress)
         num_blocks, num_host_blocks = self._size_kv_cache()
         max_concurrency = num_blocks * config.block_size / max_len
         log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB); maximum concurrency at %d tokens "
                  "per request: %.2fx", num_blocks, config.block_size, self.dtype,
                  num_blocks * bytes_per_block(mc, config.block_size, self.dtype) / 2**20, max_len, max_concurrency)
-        self.runner = ModelRunner(mc, self.model_path, self.dtype, self.device, config.block_size,
-                                  num_blocks, max_len, self.eos_token_ids, num_host_blocks, config.progress)
+        self.runner.allocate_kv_cache(num_blocks, num_host_blocks)
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
@@ -154,12 +148,10 @@ class LLMEngine:
         if cfg.kv_cache_memory is not None:
             budget = parse_size(cfg.kv_cache_memory)
         elif self.device.type == "cuda":
+            # Weights are loaded: what is in use now plus the peak of the largest step is taken.
+            peak = self.runner.profile_peak_activation_bytes(cfg.max_num_batched_tokens)
             free, total = torch.cuda.mem_get_info(self.device)
-            # Weights are not loaded yet: subtract their size and a reserve for activations.
-            elem = torch.empty((), dtype=self.dtype).element_size()
-            weights = estimate_num_params(mc) * elem
-            activations = cfg.max_num_batched_tokens * (mc.hidden_size * 8 + mc.vocab_size) * 4
-            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - weights - activations
+            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - peak
         else:
             budget = parse_size("2GiB")
         num_blocks = budget // per_block

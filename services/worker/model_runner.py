@@ -35,19 +35,20 @@ class RequestState:
     child_req_ids: list[str]
 
 
-def sample_generator(params: SamplingParams, sample_index: int, num_output_tokens: int) -> torch.Generator | None:
+def sample_generator(params: SamplingParams, sample_index: int, num_output_tokens: int,
+                     device: torch.device | str = "cpu") -> torch.Generator | None:
     """A generator that depends only on (seed, sample, position): a seeded request draws the same
     tokens whatever shares its batch, and after a preemption or a worker restart too."""
     if params.seed is None or params.greedy:
         return None
     mixed = (params.seed * 0x9E3779B1 + sample_index * 0x85EBCA77 + num_output_tokens * 0xC2B2AE3D) % (2**63)
-    return torch.Generator().manual_seed(mixed)
+    return torch.Generator(device=device).manual_seed(mixed)
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_path: str | Path, dtype: torch.dtype,
-                 device: torch.device, block_size: int, num_blocks: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], num_host_blocks: int = 0, progress: bool = True) -> None:
+                 device: torch.device, block_size: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...], progress: bool = True) -> None:
         self.config = model_config
         self.device = device
         self.dtype = dtype
@@ -59,9 +60,35 @@ class ModelRunner:
         model.cos_table, model.sin_table = model.cos_table.float(), model.sin_table.float()
         model.load_weights(iter_weights(model_path, dtype, progress))
         self.model = model.eval()
-        self.kv = KVCache(model_config, num_blocks, block_size, dtype, device, num_host_blocks)
+        self.kv: KVCache | None = None
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        self.kv = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device, num_host_blocks)
+
+    @torch.inference_mode()
+    def profile_peak_activation_bytes(self, num_tokens: int) -> int:
+        """CUDA: run the largest step the budget allows (one prompt of num_tokens, no cache yet)
+        and return the activation memory it peaked at above the weights."""
+        if self.device.type != "cuda":
+            return 0
+        scratch = KVCache(self.config, 1, self.block_size, self.dtype, self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.model.cos_table.shape[0]
+        slots = torch.zeros(num_tokens, dtype=torch.long, device=self.device)  # all tokens share one slot
+        meta = AttentionMetadata(slots, 0, None, None, None,
+                                 [PrefillSeq(0, num_tokens, 0, torch.zeros(1, dtype=torch.long, device=self.device))])
+        hidden = self.model(ids, positions, scratch.device_cache, meta)
+        self.model.compute_logits(hidden[-256:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        return int(peak)
 
     # ---- state ---------------------------------------------------------------------------
     def _apply_delta(self, step: SchedulerOutput) -> None:
@@ -175,7 +202,7 @@ class ModelRunner:
             outputs = state.token_ids[state.num_prompt_tokens:] if wants_outputs else []
             indices = [state.sample_index] if not state.child_req_ids else range(1 + len(state.child_req_ids))
             for index in indices:
-                rows.append(RowSampling(params, sample_generator(params, index, num_outputs),
+                rows.append(RowSampling(params, sample_generator(params, index, num_outputs, logits.device),
                                         prompt, outputs, self.eos_token_ids))
             repeats.append(len(indices))
         if any(r > 1 for r in repeats):
