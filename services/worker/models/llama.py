@@ -111,7 +111,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if hidden.device.type == "cpu":
+            # [vocab, hidden] @ [hidden, rows]: MKL streams the big weight once; F.linear's layout
+            # ran 1.5-2x slower for decode batches on a 49k vocabulary.
+            return torch.mm(weight, hidden.t()).t().float().contiguous()
         return F.linear(hidden, weight).float()
+
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, weights) -> None:

@@ -1,0 +1,56 @@
+"""`pagedserve bench throughput` end to end on a tiny random llama (no tokenizer in the folder)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_models import build_tiny_model  # noqa: E402
+
+from pagedserve.bench import add_bench_parser, make_workload  # noqa: E402
+
+KEYS = {"output_tokens_per_s", "total_tokens_per_s", "baseline_output_tokens_per_s", "baseline_by_batch_size",
+        "ratio_vs_transformers", "kv_waste_pct", "num_requests", "num_prompt_tokens", "num_output_tokens",
+        "elapsed_s", "dtype", "model", "num_steps", "num_preemptions", "torch_threads", "cpu"}
+
+
+def test_workload_is_deterministic():
+    a, b = make_workload(6, 256), make_workload(6, 256)
+    assert a == b
+    assert all(16 <= len(p) <= 256 and all(100 <= t < 256 for t in p) for p in a.prompts)
+    assert all(16 <= o <= 128 for o in a.output_lens)
+
+
+def test_bench_throughput_tiny_model(tmp_path):
+    model = build_tiny_model(tmp_path / "model")
+    out = tmp_path / "bench.json"
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "throughput", "--model", str(model), "--dtype", "float32",
+                              "--device", "cpu", "--json", str(out), "--num-prompts", "6",
+                              "--baseline-batch-sizes", "4", "--kv-cache-memory", "8MiB"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is as fast and immune to a busy machine
+    try:
+        returned = args.func(args)
+    finally:
+        torch.set_num_threads(threads)
+
+    data = json.loads(out.read_text())
+    assert KEYS <= data.keys()
+    assert data == json.loads(json.dumps(returned))
+    work = make_workload(6, 256)
+    assert data["num_requests"] == 6
+    assert data["num_prompt_tokens"] == work.num_prompt_tokens
+    assert data["num_output_tokens"] == work.num_output_tokens
+    assert data["output_tokens_per_s"] > 0 and data["total_tokens_per_s"] > data["output_tokens_per_s"]
+    assert set(data["baseline_by_batch_size"]) == {"4"}
+    assert data["baseline_output_tokens_per_s"] > 0 and data["ratio_vs_transformers"] > 0
+    assert 0 <= data["kv_waste_pct"] < 100
+    assert data["num_steps"] > 0 and data["dtype"] == "float32"
