@@ -19,13 +19,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", default=None, help="KV pool size: bytes or e.g. 512MiB, 2GiB (CPU default 2GiB)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size: bytes or e.g. 512MiB, 2GiB (CPU default 2GiB)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--swap-space", default="1GiB", help="host pool for --preemption-mode swap")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                   help="most prompt tokens one request prefills per step (default max-num-batched-tokens/4; 0: no cap)")
+                   help="most prompt tokens one request prefills per step "
+                        "(default max-num-batched-tokens/4; 0: no cap)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])

@@ -33,7 +33,10 @@ def default_model_path() -> Path:
     return ensure_default_model(progress=False)
 
 
-def make_engine(model: Path, tokenizer=NoTokenizer(), **overrides):
+NO_TOKENIZER = NoTokenizer()
+
+
+def make_engine(model: Path, tokenizer=NO_TOKENIZER, **overrides):
     """A float32 engine on `model`; tokenizer=None loads the model's own."""
     from pagedserve.engine import EngineConfig, LLMEngine
     cfg = dict(model=str(model), dtype="float32", progress=False, kv_cache_memory="64MiB")

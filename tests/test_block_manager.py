@@ -335,9 +335,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def tables_match_the_model(self):
         assert set(self.bm.tables) == set(self.seqs)
         assert set(self.bm.cpu_tables) == set(self.swapped)
-        for seq_id, (tokens, computed) in self.seqs.items():
+        for seq_id, (_, computed) in self.seqs.items():
             assert len(self.bm.tables[seq_id]) == cdiv(computed, self.bs)
-        for seq_id, (tokens, computed) in self.swapped.items():
+        for seq_id, (_, computed) in self.swapped.items():
             assert len(self.bm.cpu_tables[seq_id]) == cdiv(computed, self.bs)
         for seq_id in self.gone:
             assert seq_id not in self.bm.tables and seq_id not in self.bm.cpu_tables

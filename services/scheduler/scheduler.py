@@ -139,7 +139,7 @@ class Scheduler:
             if not self._admit(self.waiting[0], out):
                 break
 
-        for req_id, entry in self._entries.items():
+        for entry in self._entries.values():
             (out.new_requests if isinstance(entry, NewRequestData) else out.cached_requests).append(entry)
         out.blocks_to_copy = list(self._copies.values())
         return out

@@ -116,7 +116,8 @@ class ModelRunner:
         try:
             return self.requests[req_id]
         except KeyError:
-            raise KeyError(f"worker has no state for request {req_id!r}: it was never sent or already dropped") from None
+            raise KeyError(f"worker has no state for request {req_id!r}: "
+                           "it was never sent or already dropped") from None
 
     # ---- batch layout --------------------------------------------------------------------
     def _prepare(self, step: SchedulerOutput):
