@@ -10,7 +10,8 @@ from functools import cache
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "cpu" / "paged_attention.cpp"
+_SOURCES = [Path(__file__).parent / "cpu" / name for name in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+_HEADERS = [Path(__file__).parent / "cpu" / "simd.h"]
 
 
 def _cpu_flags() -> str:
@@ -31,12 +32,13 @@ def load():
     import torch
     from torch.utils.cpp_extension import load as load_extension
 
-    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
+    text = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+    digest = hashlib.sha256(text + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"pagedserve_cpu_{digest}"
     build_dir = Path(os.environ.get("PAGEDSERVE_DATA_DIR", Path.home() / ".cache" / "pagedserve")) / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return load_extension(name, [str(_SOURCE)], build_directory=str(build_dir),
+        return load_extension(name, [str(p) for p in _SOURCES], build_directory=str(build_dir),
                               extra_cflags=["-O3", "-march=native", "-fopenmp"],
                               extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # a missing compiler must not stop serving: fall back to torch ops

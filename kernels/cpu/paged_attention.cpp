@@ -2,7 +2,8 @@
 //
 // Plain torch needs a gather of every sequence's blocks plus a transpose before its matmuls: on
 // a 2-core CPU that copying cost 6x the attention arithmetic. This reads each cached K/V row once.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -10,20 +11,13 @@
 #include <limits>
 #include <vector>
 
-namespace {
+#include "simd.h"
 
-// float rows are used in place; narrower types are widened into `buffer` once per row.
-template <typename scalar_t>
-inline const float* as_float(const scalar_t* src, float* buffer, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) buffer[d] = static_cast<float>(src[d]);
-  return buffer;
-}
-template <>
-inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
+namespace pagedserve {
 
 template <typename scalar_t>
-void decode_impl(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                 const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
+void decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
                  double scale) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -96,69 +90,11 @@ void decode_impl(const torch::Tensor& query, const torch::Tensor& k_cache, const
   });
 }
 
-// Head dims known at compile time get explicit SIMD (GCC vector extensions compile to AVX2 or
-// AVX-512 under -march=native): the generic loop above leaves the float reductions scalar.
-typedef float vfloat __attribute__((vector_size(32)));
-constexpr int kLanes = 8;
-
-inline vfloat load_v(const float* p) {
-  vfloat v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline float hsum(vfloat v) {
-  float s = 0.f;
-  for (int l = 0; l < kLanes; ++l) s += v[l];
-  return s;
-}
-
-typedef int32_t vint __attribute__((vector_size(32)));
-
-// exp for a vector of non-positive scores (Cephes' expf: range reduction by ln 2 and a degree-5
-// polynomial, within 2 ulp). A scalar std::exp per score cost more than the whole K/V read.
-inline vfloat exp_v(vfloat x) {
-  const vfloat lo = vfloat{} - 87.3f;
-  x = x < lo ? lo : x;
-  vfloat fx = x * 1.44269504088896341f + 0.5f;
-  vint n = __builtin_convertvector(fx, vint);
-  n += (fx < __builtin_convertvector(n, vfloat));  // truncation toward zero -> floor (mask is -1)
-  fx = __builtin_convertvector(n, vfloat);
-  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-  const vfloat z = x * x;
-  vfloat y = 1.9875691500e-4f * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * z + x + 1.0f;
-  vint bits = (n + 127) << 23;
-  vfloat scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
-// Softmax of one head's scores in place (len may be any size; the tail is done lane by lane).
-inline void softmax_inplace(float* sc, int64_t len) {
-  const float peak = *std::max_element(sc, sc + len);
-  vfloat total_v{};
-  int64_t t = 0;
-  for (; t + kLanes <= len; t += kLanes) {
-    vfloat e = exp_v(load_v(sc + t) - peak);
-    __builtin_memcpy(sc + t, &e, sizeof(e));
-    total_v += e;
-  }
-  float total = hsum(total_v);
-  for (; t < len; ++t) {
-    sc[t] = std::exp(sc[t] - peak);
-    total += sc[t];
-  }
-  const float inv = 1.f / total;
-  for (int64_t i = 0; i < len; ++i) sc[i] *= inv;
-}
-
+// Head dims known at compile time get explicit SIMD: the generic loop above leaves the float
+// reductions scalar.
 template <int D, typename scalar_t>
-void decode_fixed(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
+void decode_fixed(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
                   double scale) {
   constexpr int NV = D / kLanes;
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
@@ -232,18 +168,18 @@ void decode_fixed(const torch::Tensor& query, const torch::Tensor& k_cache, cons
   });
 }
 
-torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens, double scale) {
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [seqs, heads, dim] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1, "k_cache must be [blocks, block_size, kv_heads, dim]");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(), "v_cache must match k_cache");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous(), "block_tables: contiguous int64");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.is_contiguous(), "seq_lens: contiguous int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables: contiguous int64");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(), "seq_lens: contiguous int64");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(query.size(2) == k_cache.size(3), "query and cache head dims differ");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes differ");
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     switch (query.size(2)) {
       case 64: decode_fixed<64, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale); break;
@@ -254,9 +190,4 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (query [B,H,D], caches [N,bs,KVH,D])");
-}
+}  // namespace pagedserve

@@ -103,10 +103,14 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
                                                meta.decode_seq_lens, scale)
 
 
+def cpu_kernels(device: torch.device):
+    """The compiled CPU kernels module, or None (not on CPU, or no compiler here)."""
+    if device.type != "cpu":
+        return None
+    from kernels import cpu_ops
+    return cpu_ops.load()
+
+
 def make_backend(device: torch.device) -> AttentionBackend:
-    if device.type == "cpu":
-        from kernels import cpu_ops
-        ops = cpu_ops.load()
-        if ops is not None:
-            return CpuKernelAttentionBackend(ops)
-    return TorchAttentionBackend()
+    ops = cpu_kernels(device)
+    return TorchAttentionBackend() if ops is None else CpuKernelAttentionBackend(ops)

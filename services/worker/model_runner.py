@@ -14,7 +14,7 @@ import torch
 from pagedserve.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
 from pagedserve.model_config import ModelConfig
 from pagedserve.sampling_params import SamplingParams
-from services.worker.attention import AttentionMetadata, PrefillSeq, make_backend
+from services.worker.attention import AttentionMetadata, PrefillSeq, cpu_kernels, make_backend
 from services.worker.kv_cache import KVCache
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.sampler import RowSampling, Sampler
@@ -55,7 +55,7 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         with torch.device(device):
-            model = LlamaForCausalLM(model_config, make_backend(device), max_model_len)
+            model = LlamaForCausalLM(model_config, make_backend(device), max_model_len, cpu_kernels(device))
         model.to(dtype=dtype)
         model.cos_table, model.sin_table = model.cos_table.float(), model.sin_table.float()
         model.load_weights(iter_weights(model_path, dtype, progress))

@@ -57,7 +57,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, cpu_ops=None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -70,29 +70,38 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.backend = backend
+        self.cpu_ops = cpu_ops  # fused rotary and silu*mul from kernels/cpu, when compiled
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, hidden, rope, k_cache, v_cache, meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
         residual = hidden
         hidden = self.input_layernorm(hidden)
         q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.cpu_ops is not None:
+            self.cpu_ops.rotary_inplace(q, k, *rope)
+        else:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         attn = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         hidden = residual + self.o_proj(attn.reshape(num_tokens, -1))
         residual = hidden
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
+        if self.cpu_ops is not None:
+            return residual + self.down_proj(self.cpu_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return residual + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, cpu_ops=None) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, cpu_ops) for _ in range(cfg.num_hidden_layers))
+        self.cpu_ops = cpu_ops
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
@@ -104,10 +113,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos = self.cos_table[positions].to(hidden.dtype).unsqueeze(1)
-        sin = self.sin_table[positions].to(hidden.dtype).unsqueeze(1)
+        if self.cpu_ops is not None:
+            rope = (self.cos_table, self.sin_table, positions)
+        else:
+            rope = (self.cos_table[positions].to(hidden.dtype).unsqueeze(1),
+                    self.sin_table[positions].to(hidden.dtype).unsqueeze(1))
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_caches[i, 0], kv_caches[i, 1], meta)
+            hidden = layer(hidden, rope, kv_caches[i, 0], kv_caches[i, 1], meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,46 @@
+"""The fused CPU kernels against the plain torch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+from services.worker.models.llama import apply_rotary
+
+ops = cpu_ops.load()
+pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler for the CPU kernels here")
+
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens, inter", [(1, 8), (7, 37), (33, 1536)])
+def test_silu_and_mul(dtype, tokens, inter):
+    x = (torch.randn(tokens, 2 * inter) * 4).to(dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    got = ops.silu_and_mul(x).float()
+    assert got.shape == ref.shape
+    assert torch.allclose(got, ref, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_qkv_views(dtype):
+    tokens, heads, kv_heads, dim = 11, 6, 2, 32
+    positions = torch.tensor([0, 5, 3, 100, 7, 8, 9, 60, 1, 2, 77])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.outer(torch.arange(128).float(), inv_freq)
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    ref_q, ref_k = apply_rotary(q.float(), c, s), apply_rotary(k.float(), c, s)
+    untouched = qkv[:, (heads + kv_heads) * dim:].clone()
+    ops.rotary_inplace(q, k, cos, sin, positions)
+    tol = TOLERANCE[dtype]
+    assert torch.allclose(q.float(), ref_q, rtol=tol, atol=tol)
+    assert torch.allclose(k.float(), ref_k, rtol=tol, atol=tol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], untouched)  # v is left alone
