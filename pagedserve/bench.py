@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pagedserve.cli import add_engine_args, engine_config_from_args
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -58,18 +59,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench_sub.required = True
     p = bench_sub.add_parser("throughput", help="offline throughput vs transformers' static batching",
                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF model folder or .gguf (default: the bundled default model)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON here")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--baseline-batch-sizes", type=parse_batch_sizes, default=[8, 32],
                    help="comma-separated static batch sizes for the transformers baseline (default 8,32)")
     p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
-    p.add_argument("--block-size", type=int, default=None)
+    add_engine_args(p)
     p.set_defaults(func=run_throughput)
     return p
 
@@ -87,15 +82,10 @@ def load_tokenizer(model_path: Path):
 
 
 def build_engine(args, model_path: Path, tokenizer):
-    from pagedserve.engine import EngineConfig, LLMEngine
+    from pagedserve.engine import LLMEngine
 
-    kw = {}
-    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "block_size"):
-        value = getattr(args, name, None)
-        if value is not None:
-            kw[name] = value
-    config = EngineConfig(model=str(model_path), dtype=args.dtype, device=getattr(args, "device", "auto"),
-                          progress=False, **kw)
+    config = engine_config_from_args(args, progress=False)
+    config.model = str(model_path)
     return LLMEngine(config, tokenizer=tokenizer)
 
 

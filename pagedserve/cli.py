@@ -24,7 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--swap-space", default="1GiB", help="host pool for --preemption-mode swap")
     g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step, prefill chunks and decodes together "
+                        "(default 512 on CPU, 2048 on CUDA)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="most prompt tokens one request prefills per step "
                         "(default max-num-batched-tokens/4; 0: no cap)")

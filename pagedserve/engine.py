@@ -30,7 +30,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     swap_space: str | int = "1GiB"  # host pool for preemption_mode="swap"
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    # None: 512 on CPU (small steps mix prefill chunks into decodes: +8% on W64 over 2048, and
+    # a short prompt waits less behind a long one), 2048 on CUDA.
+    max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int | None = None  # None: max_num_batched_tokens // 4
     max_model_len: int | None = None
     preemption_mode: str = "recompute"
@@ -124,6 +126,8 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {max_len}")
             max_len = config.max_model_len
         self.max_model_len = max_len
+        if config.max_num_batched_tokens is None:
+            config.max_num_batched_tokens = 512 if self.device.type == "cpu" else 2048
         self.runner = ModelRunner(mc, self.model_path, self.dtype, self.device, config.block_size,
                                   max_len, self.eos_token_ids, config.progress)
         num_blocks, num_host_blocks = self._size_kv_cache()
