@@ -44,3 +44,16 @@ def test_rotary_in_place_on_qkv_views(dtype):
     assert torch.allclose(q.float(), ref_q, rtol=tol, atol=tol)
     assert torch.allclose(k.float(), ref_k, rtol=tol, atol=tol)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], untouched)  # v is left alone
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8])
+def test_small_m_linear(rows):
+    x, w = torch.randn(rows, 72), torch.randn(37, 72)
+    assert torch.allclose(ops.small_m_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_small_m_linear_rejects_bad_input():
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ops.small_m_linear(torch.randn(2, 7), torch.randn(3, 7))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.small_m_linear(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16))
