@@ -15,83 +15,7 @@
 
 namespace pagedserve {
 
-template <typename scalar_t>
-void decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
-                 double scale) {
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const int64_t block_stride = k_cache.stride(0), token_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
-  const float fscale = static_cast<float>(scale);
-
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores, row(head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t len = lens[seq];
-      const int64_t* table = tables + seq * max_blocks;
-      scores.assign(group * len, 0.f);
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* qrow = q + (seq * num_heads + kv_head * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(qrow[d]);
-      }
-      // Walk block by block: rows inside a block are contiguous, and no division per token.
-      for (int64_t start = 0; start < len; start += block_size) {
-        const scalar_t* kblock = kc + table[start / block_size] * block_stride + kv_head * head_stride;
-        const int64_t rows = std::min(block_size, len - start);
-        for (int64_t j = 0; j < rows; ++j) {
-          const float* krow = as_float(kblock + j * token_stride, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qf.data() + g * head_dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * krow[d];
-            scores[g * len + start + j] = dot * fscale;
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        const float peak = *std::max_element(s, s + len);
-        float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - peak);
-          total += s[t];
-        }
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const scalar_t* vblock = vc + table[start / block_size] * block_stride + kv_head * head_stride;
-        const int64_t rows = std::min(block_size, len - start);
-        for (int64_t j = 0; j < rows; ++j) {
-          const float* vrow = as_float(vblock + j * token_stride, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + start + j];
-            float* a = acc.data() + g * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vrow[d];
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* orow = o + (seq * num_heads + kv_head * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) orow[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
-      }
-    }
-  });
-}
-
-// Head dims known at compile time get explicit SIMD: the generic loop above leaves the float
-// reductions scalar.
+// The head dim is a compile-time constant so the inner loops unroll into whole SIMD vectors.
 template <int D, typename scalar_t>
 void decode_fixed(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
@@ -182,9 +106,13 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   auto out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     switch (query.size(2)) {
+      case 32: decode_fixed<32, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale); break;
       case 64: decode_fixed<64, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale); break;
+      case 80: decode_fixed<80, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale); break;
+      case 96: decode_fixed<96, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale); break;
       case 128: decode_fixed<128, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale); break;
-      default: decode_impl<scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale);
+      case 256: decode_fixed<256, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale); break;
+      default: TORCH_CHECK(false, "head_dim ", query.size(2), " not compiled in (32, 64, 80, 96, 128, 256)");
     }
   });
   return out;

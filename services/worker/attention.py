@@ -98,7 +98,11 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     def __init__(self, ops) -> None:
         self.ops = ops
 
+    HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the sizes kernels/cpu/paged_attention.cpp compiles
+
     def _decode(self, query, k_cache, v_cache, meta, scale):
+        if query.shape[-1] not in self.HEAD_DIMS:
+            return super()._decode(query, k_cache, v_cache, meta, scale)
         return self.ops.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
                                                meta.decode_seq_lens, scale)
 
