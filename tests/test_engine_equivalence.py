@@ -119,3 +119,10 @@ def test_default_model_chat_matches_transformers(default_model_path):
                              eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
         assert got == ref
     assert "Paris" in tokenizer.decode(ours[0])
+
+
+def test_head_dim_without_compiled_kernel_matches(tmp_path):
+    # head_dim 24 is not among the decode kernel's compiled sizes: the torch path takes over.
+    folder = build_tiny_model(tmp_path, "llama", hidden_size=72, num_attention_heads=3, num_key_value_heads=1)
+    prompts = random_prompts(6, 256, seed=4)
+    assert run(make_engine(folder), prompts) == hf_greedy(folder, prompts, MAX_NEW)
