@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-fast download bench lint clean
+.PHONY: serve test test-fast download bench lint clean protos
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ download: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/pagedserve bench throughput $(ARGS)
+
+# The generated code is committed; tests/test_protos.py fails when it is stale.
+protos: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/pagedserve/v1/*.proto
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,74 @@
+"""What every pagedserve gRPC server and client shares: health, reflection, options, addresses."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Prompts of a full context and top-logprobs of long outputs exceed gRPC's default 4 MiB.
+MAX_MESSAGE_BYTES = 64 * 2**20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def add_health_and_reflection(server, service_names: list[str]) -> health.HealthServicer:
+    """Register grpc.health.v1 and reflection on server (sync or aio). Every service starts
+    NOT_SERVING; the caller flips it with set_serving() once it can do its work."""
+    servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ["", *service_names]:
+        servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    return servicer
+
+
+def set_serving(servicer: health.HealthServicer, service_names: list[str], serving: bool = True) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        servicer.set(name, status)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def check_health(address: str, service: str = "", timeout_s: float = 1.0) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def wait_for_health(address: str, timeout_s: float, service: str = "", alive=lambda: True) -> None:
+    """Poll address's health service until SERVING; raise TimeoutError (or RuntimeError when
+    alive() turns false, e.g. the process died) naming the address."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"the service at {address} exited before it became healthy")
+        if check_health(address, service):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"the service at {address} was not healthy after {timeout_s:.0f} s")
