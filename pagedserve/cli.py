@@ -1,10 +1,13 @@
-"""`pagedserve` command line: generate, chat, download, bench."""
+"""`pagedserve` command line: generate, chat, download, bench; serve (every service on one machine)
+and each service alone: gateway, tokenizer, scheduler, worker."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
+import os
 import sys
 
 from pagedserve.sampling_params import SamplingParams
@@ -194,6 +197,45 @@ def cmd_download(args: argparse.Namespace) -> int:
     return 0
 
 
+# Each service's flags live beside it (module.add_arguments); its heavy imports wait for main().
+SERVICE_MODULES = {
+    "serve": ("pagedserve.launcher", "start every service on this machine (what `make serve` runs)"),
+    "gateway": ("services.gateway.main", "the OpenAI-compatible REST API and the public gRPC API"),
+    "tokenizer": ("services.tokenizer.main", "the tokenizer service"),
+    "scheduler": ("services.scheduler.main", "the scheduler service"),
+    "worker": ("services.worker.main", "one worker rank"),
+}
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ=os.environ) -> None:
+    """Every flag --some-flag also reads PAGEDSERVE_SOME_FLAG (the command line wins)."""
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help",):
+            continue
+        value = environ.get(f"PAGEDSERVE_{action.dest.upper()}")
+        if value is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            action.default = value.strip().lower() in ("1", "true", "yes", "on")
+        elif action.type is not None:
+            try:
+                action.default = action.type(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"PAGEDSERVE_{action.dest.upper()}={value!r} is not a valid "
+                                 f"{action.option_strings[0]}") from None
+        else:
+            action.default = value
+
+
+def add_service_parsers(sub) -> None:
+    for name, (module_name, help_text) in SERVICE_MODULES.items():
+        module = importlib.import_module(module_name)
+        service = sub.add_parser(name, help=help_text)
+        module.add_arguments(service)
+        apply_env_defaults(service)
+        service.set_defaults(func=module.main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -215,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dl = sub.add_parser("download", help="fetch and prepare the default model")
     dl.set_defaults(func=cmd_download)
+
+    add_service_parsers(sub)
 
     try:
         from pagedserve.bench import add_bench_parser

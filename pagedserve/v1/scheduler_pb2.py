@@ -26,7 +26,7 @@ from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 from pagedserve.v1 import generate_pb2 as pagedserve_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedserve/v1/scheduler.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\x1a\x1cpagedserve/v1/generate.proto\"\xce\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x06params\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12\x0e\n\x06\x61ttach\x18\x06 \x01(\x08\x12\x13\n\x0bskip_tokens\x18\x07 \x03(\r\"\x84\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x08 \x01(\x08\x12\'\n\x07timings\x18\t \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12\t\n\x01n\x18\n \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xc7\x03\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\r\x12\x1b\n\x13num_free_gpu_blocks\x18\x05 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x1b\n\x13prompt_tokens_total\x18\n \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\x0b \x01(\x04\x12\x11\n\tnum_steps\x18\x0c \x01(\x04\x12\x19\n\x11step_rtt_median_s\x18\r \x01(\x01\x12\x1a\n\x12step_time_median_s\x18\x0e \x01(\x01\x12\r\n\x05ready\x18\x0f \x01(\x08\x12\x1c\n\x14max_waiting_requests\x18\x10 \x01(\r\x12\x1f\n\x17requests_finished_total\x18\x11 \x01(\x04\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xf9\x01\n\rRequestRecord\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12(\n\x07outputs\x18\x05 \x03(\x0b\x32\x17.pagedserve.v1.TokenIds\x12\x16\n\x0e\x66inish_reasons\x18\x06 \x03(\t\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12\x10\n\x08priority\x18\x08 \x01(\x05\x32\xf9\x02\n\tScheduler\x12G\n\x08Generate\x12\x1e.pagedserve.v1.ScheduleRequest\x1a\x19.pagedserve.v1.TokenDelta0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12\x46\n\x08GetStats\x12\x1b.pagedserve.v1.StatsRequest\x1a\x1d.pagedserve.v1.SchedulerStats\x12L\n\nGetRequest\x12 .pagedserve.v1.GetRequestRequest\x1a\x1c.pagedserve.v1.RequestRecord\x12I\n\x0cGetModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedserve/v1/scheduler.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\x1a\x1cpagedserve/v1/generate.proto\"\xce\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x06params\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12\x0e\n\x06\x61ttach\x18\x06 \x01(\x08\x12\x13\n\x0bskip_tokens\x18\x07 \x03(\r\"\x84\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x08 \x01(\x08\x12\'\n\x07timings\x18\t \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12\t\n\x01n\x18\n \x01(\r\"@\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xc7\x03\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\r\x12\x1b\n\x13num_free_gpu_blocks\x18\x05 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x1b\n\x13prompt_tokens_total\x18\n \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\x0b \x01(\x04\x12\x11\n\tnum_steps\x18\x0c \x01(\x04\x12\x19\n\x11step_rtt_median_s\x18\r \x01(\x01\x12\x1a\n\x12step_time_median_s\x18\x0e \x01(\x01\x12\r\n\x05ready\x18\x0f \x01(\x08\x12\x1c\n\x14max_waiting_requests\x18\x10 \x01(\r\x12\x1f\n\x17requests_finished_total\x18\x11 \x01(\x04\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xf9\x01\n\rRequestRecord\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12(\n\x07outputs\x18\x05 \x03(\x0b\x32\x17.pagedserve.v1.TokenIds\x12\x16\n\x0e\x66inish_reasons\x18\x06 \x03(\t\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12\x10\n\x08priority\x18\x08 \x01(\x05\x32\xf9\x02\n\tScheduler\x12G\n\x08Generate\x12\x1e.pagedserve.v1.ScheduleRequest\x1a\x19.pagedserve.v1.TokenDelta0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12\x46\n\x08GetStats\x12\x1b.pagedserve.v1.StatsRequest\x1a\x1d.pagedserve.v1.SchedulerStats\x12L\n\nGetRequest\x12 .pagedserve.v1.GetRequestRequest\x1a\x1c.pagedserve.v1.RequestRecord\x12I\n\x0cGetModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,17 +38,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENDELTA']._serialized_start=316
   _globals['_TOKENDELTA']._serialized_end=576
   _globals['_ABORTREQUEST']._serialized_start=578
-  _globals['_ABORTREQUEST']._serialized_end=612
-  _globals['_ABORTRESPONSE']._serialized_start=614
-  _globals['_ABORTRESPONSE']._serialized_end=644
-  _globals['_STATSREQUEST']._serialized_start=646
-  _globals['_STATSREQUEST']._serialized_end=660
-  _globals['_SCHEDULERSTATS']._serialized_start=663
-  _globals['_SCHEDULERSTATS']._serialized_end=1118
-  _globals['_GETREQUESTREQUEST']._serialized_start=1120
-  _globals['_GETREQUESTREQUEST']._serialized_end=1159
-  _globals['_REQUESTRECORD']._serialized_start=1162
-  _globals['_REQUESTRECORD']._serialized_end=1411
-  _globals['_SCHEDULER']._serialized_start=1414
-  _globals['_SCHEDULER']._serialized_end=1791
+  _globals['_ABORTREQUEST']._serialized_end=642
+  _globals['_ABORTRESPONSE']._serialized_start=644
+  _globals['_ABORTRESPONSE']._serialized_end=674
+  _globals['_STATSREQUEST']._serialized_start=676
+  _globals['_STATSREQUEST']._serialized_end=690
+  _globals['_SCHEDULERSTATS']._serialized_start=693
+  _globals['_SCHEDULERSTATS']._serialized_end=1148
+  _globals['_GETREQUESTREQUEST']._serialized_start=1150
+  _globals['_GETREQUESTREQUEST']._serialized_end=1189
+  _globals['_REQUESTRECORD']._serialized_start=1192
+  _globals['_REQUESTRECORD']._serialized_end=1441
+  _globals['_SCHEDULER']._serialized_start=1444
+  _globals['_SCHEDULER']._serialized_end=1821
 # @@protoc_insertion_point(module_scope)
