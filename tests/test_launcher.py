@@ -1,0 +1,279 @@
+"""`pagedserve serve`'s pieces without the model: flag routing, child processes, Redis, health checks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pagedserve.grpc_util import free_port
+from pagedserve.processes import (SCHEDULER_FLAGS, TOKENIZER_FLAGS, WORKER_FLAGS, Ports, ServiceError,
+                                  ServiceProcess, Stack, StackConfig, client_host, resolve_redis, service_argvs)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    from pagedserve.cli import build_parser
+    return build_parser().parse_args(argv)
+
+
+def serve_config(*argv: str) -> StackConfig:
+    args = parse(["serve", *argv])
+    return StackConfig.from_args(args)
+
+
+PORTS = Ports(workers=[7001, 7002], scheduler=7010, tokenizer=7020)
+
+
+def test_routing_of_every_flag(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("PAGEDSERVE_")]:
+        monkeypatch.delenv(key)
+    cfg = serve_config("--model", "/m", "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
+                       "--block-size", "8", "--kv-cache-memory", "256MiB", "--gpu-memory-utilization", "0.5",
+                       "--swap-space", "2GiB", "--max-num-seqs", "7", "--max-num-batched-tokens", "300",
+                       "--long-prefill-token-threshold", "40", "--preemption-mode", "swap",
+                       "--scheduling-policy", "priority", "--no-prefix-caching", "--no-chunked-prefill",
+                       "--max-waiting-requests", "9", "--tensor-parallel-size", "2", "--api-key", "sk-1",
+                       "--served-model-name", "smol", "--host", "0.0.0.0", "--port", "8123", "--grpc-port", "8124")
+    argvs = service_argvs(cfg, PORTS, "redis://127.0.0.1:6399/0")
+    assert list(argvs) == ["worker0", "worker1", "scheduler", "tokenizer", "gateway"]  # start order
+    ns = {name: parse(argv) for name, argv in argvs.items()}  # each service's own parser accepts it
+
+    for rank in (0, 1):
+        w = ns[f"worker{rank}"]
+        assert (w.command, w.rank, w.tensor_parallel_size, w.port) == ("worker", rank, 2, PORTS.workers[rank])
+        assert (w.model, w.device, w.dtype, w.max_model_len, w.host) == ("/m", "cpu", "float32", 512, "127.0.0.1")
+
+    s = ns["scheduler"]
+    assert s.worker_addrs == "127.0.0.1:7001,127.0.0.1:7002"
+    assert (s.host, s.port, s.redis_url) == ("127.0.0.1", 7010, "redis://127.0.0.1:6399/0")
+    assert (s.block_size, s.kv_cache_memory, s.gpu_memory_utilization, s.swap_space) == (8, "256MiB", 0.5, "2GiB")
+    assert (s.max_num_seqs, s.max_num_batched_tokens, s.long_prefill_token_threshold) == (7, 300, 40)
+    assert (s.max_model_len, s.preemption_mode, s.scheduling_policy) == (512, "swap", "priority")
+    assert s.no_prefix_caching and s.no_chunked_prefill and s.max_waiting_requests == 9
+
+    t = ns["tokenizer"]
+    assert (t.model, t.served_model_name, t.host, t.port, t.scheduler_addr) == (
+        "/m", "smol", "127.0.0.1", 7020, "127.0.0.1:7010")
+
+    g = ns["gateway"]
+    assert (g.host, g.port, g.grpc_port, g.api_key, g.redis_url) == (
+        "0.0.0.0", 8123, 8124, "sk-1", "redis://127.0.0.1:6399/0")
+    assert (g.tokenizer_addr, g.scheduler_addr) == ("127.0.0.1:7020", "127.0.0.1:7010")
+
+
+def test_defaults_leave_service_defaults_alone(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("PAGEDSERVE_")]:
+        monkeypatch.delenv(key)
+    argvs = service_argvs(serve_config(), Ports([7001], 7010, 7020), "memory")
+    assert "--model" not in argvs["worker0"] and "--model" not in argvs["tokenizer"]
+    assert "--api-key" not in argvs["gateway"] and "--served-model-name" not in argvs["tokenizer"]
+    for flag in ("--no-prefix-caching", "--no-chunked-prefill", "--max-num-batched-tokens", "--kv-cache-memory"):
+        assert flag not in argvs["scheduler"]
+    assert parse(argvs["scheduler"]).worker_addrs == "127.0.0.1:7001"
+    assert parse(argvs["gateway"]).redis_url == "memory"
+
+
+def test_every_engine_flag_reaches_a_service():
+    from pagedserve.cli import add_engine_args
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    engine = {a.dest for a in p._actions if a.option_strings and a.dest != "help"}
+    assert engine <= set(WORKER_FLAGS) | set(SCHEDULER_FLAGS) | set(TOKENIZER_FLAGS)
+
+
+def test_bad_tensor_parallel_size():
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        service_argvs(StackConfig(tensor_parallel_size=0), Ports([], 1, 2), "memory")
+
+
+def test_client_host():
+    assert client_host("0.0.0.0") == "127.0.0.1"
+    assert client_host("::") == "[::1]"
+    assert client_host("10.0.0.2") == "10.0.0.2"
+
+
+# ---- health checks and child processes ------------------------------------------------------
+HEALTH_SERVER = textwrap.dedent("""
+    import sys, time, grpc
+    from concurrent import futures
+    from pagedserve.grpc_util import add_health_and_reflection, set_serving
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health = add_health_and_reflection(server, ["x.Y"])
+    server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+    server.start()
+    print("up", flush=True)
+    time.sleep(float(sys.argv[2]))
+    set_serving(health, ["x.Y"])
+    server.wait_for_termination()
+""")
+
+
+@pytest.fixture
+def health_server():
+    import grpc
+    from concurrent import futures
+
+    from pagedserve.grpc_util import add_health_and_reflection, set_serving
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health = add_health_and_reflection(server, ["x.Y"])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", lambda serving: set_serving(health, ["x.Y"], serving)
+    server.stop(0)
+
+
+def test_healthcheck_module_against_a_real_server(health_server, capsys):
+    from pagedserve import healthcheck
+    address, set_serving = health_server
+    assert healthcheck.main([address]) == 1  # NOT_SERVING until the service says so
+    assert "NOT_SERVING" in capsys.readouterr().err
+    set_serving(True)
+    assert healthcheck.main([address]) == 0
+    assert healthcheck.main([address, "--service", "x.Y", "-q"]) == 0
+    assert healthcheck.main([address, "--service", "no.Such", "-q"]) == 1  # NOT_FOUND
+    set_serving(False)
+    assert healthcheck.main([address, "-q"]) == 1
+    assert healthcheck.main([f"127.0.0.1:{free_port()}", "--timeout", "0.5"]) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_healthcheck_module_over_http(capsys):
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # the stdlib names it so
+            self.send_response(200 if self.path == "/health" else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        from pagedserve import healthcheck
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert healthcheck.main([base + "/health"]) == 0
+        assert healthcheck.main([base + "/other"]) == 1
+        assert "HTTP 503" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+
+
+def test_healthcheck_runs_as_a_module_without_torch(health_server):
+    import subprocess
+    address, set_serving = health_server
+    set_serving(True)
+    code = "import runpy, sys; sys.argv = ['x', %r]; " \
+           "runpy.run_module('pagedserve.healthcheck', run_name='__main__')" % address
+    check = "import sys; assert 'torch' not in sys.modules"
+    proc = subprocess.run([sys.executable, "-c", f"{code}"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([sys.executable, "-c", f"import pagedserve.healthcheck; {check}"], timeout=60)
+    assert proc.returncode == 0
+
+
+def test_service_process_waits_for_serving_then_stops(tmp_path):
+    port = free_port()
+    proc = ServiceProcess("toy", [sys.executable, "-c", HEALTH_SERVER, str(port), "0.5"],
+                          health_address=f"127.0.0.1:{port}", log_path=tmp_path / "toy.log")
+    proc.start()
+    try:
+        started = time.monotonic()
+        proc.wait_healthy(30)
+        assert time.monotonic() - started >= 0.4
+        assert proc.alive()
+    finally:
+        code = proc.stop(5)
+    assert code == -signal.SIGTERM and not proc.alive()
+    assert "up" in (tmp_path / "toy.log").read_text()
+
+
+def test_service_process_that_dies_fails_fast_with_its_log(tmp_path):
+    script = "import sys; print('loading the model'); print('boom: no such model', file=sys.stderr); sys.exit(3)"
+    proc = ServiceProcess("worker0", [sys.executable, "-c", script], health_address=f"127.0.0.1:{free_port()}",
+                          log_path=tmp_path / "w.log")
+    started = time.monotonic()
+    with pytest.raises(ServiceError) as err:
+        proc.start().wait_healthy(60)
+    assert time.monotonic() - started < 20
+    text = str(err.value)
+    assert "worker0" in text and "exit code 3" in text and "boom: no such model" in text
+
+
+def test_service_process_that_ignores_sigterm_is_killed(tmp_path):
+    script = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('x', flush=True); " \
+             "time.sleep(60)"
+    proc = ServiceProcess("stubborn", [sys.executable, "-c", script], log_path=tmp_path / "s.log",
+                          ready=lambda: (tmp_path / "s.log").read_text().strip() == "x")
+    proc.start().wait_healthy(30)
+    started = time.monotonic()
+    assert proc.stop(timeout_s=1) == -signal.SIGKILL
+    assert time.monotonic() - started < 10
+
+
+def test_stack_stops_in_reverse_order(tmp_path):
+    order = tmp_path / "order"
+    script = ("import signal, sys, time\n"
+              "def bye(*a):\n"
+              f"    open({str(order)!r}, 'a').write(sys.argv[1] + '\\n'); sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, bye)\n"
+              "print('up', flush=True)\n"
+              "time.sleep(60)\n")
+    stack = Stack(stop_timeout=5)
+    for name in ("a", "b", "c"):
+        log = tmp_path / f"{name}.log"
+        proc = ServiceProcess(name, [sys.executable, "-c", script, name], log_path=log,
+                              ready=lambda log=log: log.exists() and "up" in log.read_text())
+        stack.processes.append(proc.start())
+        proc.wait_healthy(30)
+    assert stack.dead() is None
+    stack.stop()
+    assert order.read_text().split() == ["c", "b", "a"]
+    assert stack.dead() is stack.processes[0]
+
+
+def test_redis_url_that_does_not_answer_is_an_error():
+    with pytest.raises(ServiceError, match="no Redis answers PING"):
+        resolve_redis(StackConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0"), Stack(), None)
+
+
+def test_memory_redis_url_warns(caplog):
+    assert resolve_redis(StackConfig(redis_url="memory"), Stack(), None) == "memory"
+    assert "durability off" in caplog.text
+
+
+def test_without_redis_server_the_store_is_in_memory(monkeypatch, caplog):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert resolve_redis(StackConfig(), Stack(), None) == "memory"
+    assert "durability off" in caplog.text
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_private_redis_starts_and_goes(tmp_path):
+    from pagedserve.processes import redis_ping
+    stack = Stack(stop_timeout=5)
+    url = resolve_redis(StackConfig(), stack, tmp_path)
+    redis_dir = stack._redis_dir
+    assert url.startswith("redis://127.0.0.1:") and redis_ping(url)
+    stack.stop()
+    assert not redis_ping(url, 0.5)
+    assert not os.path.exists(redis_dir)
+
+
+def test_busy_public_port_fails_before_starting_anything():
+    import socket
+    from pagedserve.processes import start_stack
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(ServiceError, match=f"127.0.0.1:{port} is not available"):
+            start_stack(StackConfig(port=port, grpc_port=free_port(), redis_url="memory"))
