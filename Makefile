@@ -4,16 +4,25 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-fast download bench lint clean protos
+.PHONY: serve chat test test-fast download bench lint clean protos
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first: on these machines torch==2.13.0 is a CPU wheel already on disk.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	# tests/test_compose.py validates compose/ with docker-compose (no Docker engine needed).
+	# Best effort: without it that test says what is missing.
+	command -v docker-compose >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q docker-compose >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null && apt-get install -y -q docker-compose >/dev/null; }; }; } || \
+		echo "warning: docker-compose is not installed; tests/test_compose.py will say so" >&2
 	touch $(STAMP)
 
 serve: $(STAMP)
+	$(BIN)/pagedserve serve $(ARGS)
+
+chat: $(STAMP)
 	$(BIN)/pagedserve chat $(ARGS)
 
 test: $(STAMP)
