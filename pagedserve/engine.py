@@ -102,6 +102,38 @@ def eos_ids(folder: Path, cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def resolve_max_model_len(mc: ModelConfig, requested: int | None) -> int:
+    max_len = mc.max_position_embeddings
+    if mc.sliding_window:
+        max_len = min(max_len, mc.sliding_window)  # full attention equals windowed attention below it
+    if requested:
+        if requested > max_len:
+            raise ValueError(f"max_model_len {requested} exceeds the model's context of {max_len}")
+        max_len = requested
+    return max_len
+
+
+def kv_cache_blocks(runner, block_size: int, kv_cache_memory: str | int | None, gpu_memory_utilization: float,
+                    max_num_batched_tokens: int, swap_space: str | int) -> tuple[int, int]:
+    """How many device blocks the budget holds (and host blocks for swapping; swap_space 0: none)."""
+    per_block = bytes_per_block(runner.config, block_size, runner.dtype)
+    if kv_cache_memory:
+        budget = parse_size(kv_cache_memory)
+    elif runner.device.type == "cuda":
+        # Weights are loaded: what is in use now plus the peak of the largest step is taken.
+        peak = runner.profile_peak_activation_bytes(max_num_batched_tokens)
+        free, total = torch.cuda.mem_get_info(runner.device)
+        budget = int(total * gpu_memory_utilization) - (total - free) - peak
+    else:
+        budget = parse_size("2GiB")
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache budget of {budget} bytes holds no block "
+                         f"({per_block} bytes each); raise --kv-cache-memory")
+    host = parse_size(swap_space) // per_block if swap_space else 0
+    return int(num_blocks), int(host)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         from pagedserve.default_model import resolve_model
@@ -118,14 +150,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_ids(self.model_path, self.model_config, tokenizer)
         mc = self.model_config
-        max_len = mc.max_position_embeddings
-        if mc.sliding_window:
-            max_len = min(max_len, mc.sliding_window)  # full attention equals windowed attention below it
-        if config.max_model_len:
-            if config.max_model_len > max_len:
-                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {max_len}")
-            max_len = config.max_model_len
-        self.max_model_len = max_len
+        self.max_model_len = max_len = resolve_max_model_len(mc, config.max_model_len)
         if config.max_num_batched_tokens is None:
             config.max_num_batched_tokens = 512 if self.device.type == "cpu" else 2048
         self.runner = ModelRunner(mc, self.model_path, self.dtype, self.device, config.block_size,
@@ -147,23 +172,9 @@ class LLMEngine:
         self.num_steps = 0
 
     def _size_kv_cache(self) -> tuple[int, int]:
-        cfg, mc = self.config, self.model_config
-        per_block = bytes_per_block(mc, cfg.block_size, self.dtype)
-        if cfg.kv_cache_memory is not None:
-            budget = parse_size(cfg.kv_cache_memory)
-        elif self.device.type == "cuda":
-            # Weights are loaded: what is in use now plus the peak of the largest step is taken.
-            peak = self.runner.profile_peak_activation_bytes(cfg.max_num_batched_tokens)
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - peak
-        else:
-            budget = parse_size("2GiB")
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache budget of {budget} bytes holds no block "
-                             f"({per_block} bytes each); raise --kv-cache-memory")
-        host = parse_size(cfg.swap_space) // per_block if cfg.preemption_mode == "swap" else 0
-        return int(num_blocks), int(host)
+        cfg = self.config
+        return kv_cache_blocks(self.runner, cfg.block_size, cfg.kv_cache_memory, cfg.gpu_memory_utilization,
+                               cfg.max_num_batched_tokens, cfg.swap_space if cfg.preemption_mode == "swap" else 0)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -127,3 +127,20 @@ def result_from_proto(msg: worker_pb2.StepResult, wants_logprobs: set[str] | Non
         with_logprobs = wants_logprobs is not None and entry.req_id in wants_logprobs
         sampled[entry.req_id] = [token_from_proto(t, with_logprobs) for t in entry.tokens]
     return ModelRunnerOutput(msg.step_id, sampled, msg.forward_time_s, msg.sample_time_s)
+
+
+# ---- timings --------------------------------------------------------------------------------
+TIMING_FIELDS = tuple(f.name for f in common_pb2.Timings.DESCRIPTOR.fields)
+
+
+def timings_to_dict(msg: common_pb2.Timings) -> dict[str, float]:
+    return {name: getattr(msg, name) for name in TIMING_FIELDS}
+
+
+def timings_from_dict(values: dict, out: common_pb2.Timings | None = None) -> common_pb2.Timings:
+    msg = out if out is not None else common_pb2.Timings()
+    for name in TIMING_FIELDS:
+        value = values.get(name)
+        if value:
+            setattr(msg, name, type(getattr(msg, name))(value))
+    return msg

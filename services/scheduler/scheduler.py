@@ -100,13 +100,31 @@ class Scheduler:
         self.groups[request.group_id] = [request]
         bisect.insort(self.waiting, request, key=self._key)
 
-    def abort(self, group_id: str) -> bool:
-        """Stop a request (all its samples) and free its blocks now. False if unknown."""
-        group = self.groups.pop(group_id, None)
+    def add_resumed_group(self, requests: list[Request]) -> None:
+        """Re-admit the unfinished samples of one request (after a restart) to run by recompute.
+        Each carries its outputs so far in token_ids; samples already forked come separately."""
+        group_id = requests[0].group_id
+        if group_id in self.groups:
+            raise ValueError(f"request id {group_id!r} is already in use")
+        for req in requests:
+            self.check_prompt(req.num_tokens)
+            req.status = RequestStatus.WAITING
+            req.num_computed_tokens = 0
+            self.requests[req.request_id] = req
+            bisect.insort(self.waiting, req, key=self._key)
+        self.groups[group_id] = list(requests)
+
+    def abort(self, group_id: str, sample_index: int | None = None) -> bool:
+        """Stop a request (all its samples, or one) and free its blocks now. False if unknown."""
+        group = self.groups.get(group_id)
         if group is None:
             return False
-        for req in group:
-            if not req.status.finished:
+        if sample_index is None:
+            del self.groups[group_id]
+        elif any(r.child_req_ids for r in group):
+            return False  # its samples have not forked yet: stopping one alone would strand the others
+        for req in list(group):
+            if not req.status.finished and sample_index in (None, req.sample_index):
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
