@@ -1,0 +1,190 @@
+"""OpenAI's response shapes: completion and chat.completion objects, their streaming chunks,
+usage and logprobs, built from the tokenizer service's GenerateResponse messages."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedserve.v1 import common_pb2, generate_pb2
+
+# JSON has no -inf; vLLM clamps a logprob the same way so that strict JSON parsers accept it.
+MIN_LOGPROB = -9999.0
+
+
+def clamp_logprob(value: float) -> float:
+    if math.isnan(value):
+        return MIN_LOGPROB
+    return max(value, MIN_LOGPROB)
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class UsageTracker:
+    """Token counts of one request: the prompt once, plus every sample's completion tokens."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.final: dict[int, int] = {}    # sample -> completion_tokens from its last message
+        self.counted: dict[int, int] = {}  # sample -> token ids seen (when usage is missing)
+
+    def add(self, msg: generate_pb2.GenerateResponse) -> None:
+        if msg.HasField("usage"):
+            self.prompt_tokens = msg.usage.prompt_tokens or self.prompt_tokens
+            self.cached_tokens = max(self.cached_tokens, msg.usage.cached_tokens)
+        if not msg.accepted:
+            self.counted[msg.index] = self.counted.get(msg.index, 0) + len(msg.token_ids)
+            if msg.finish_reason and msg.HasField("usage"):
+                self.final[msg.index] = msg.usage.completion_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        indices = set(self.final) | set(self.counted)
+        return sum(self.final.get(i, self.counted.get(i, 0)) for i in indices)
+
+    def as_dict(self) -> dict:
+        return usage_dict(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+# ---- logprobs -------------------------------------------------------------------------------
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(entries: Iterable[common_pb2.TokenLogprob]) -> dict:
+    """OpenAI chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    return {"content": [
+        {"token": e.token, "logprob": clamp_logprob(e.logprob), "bytes": _token_bytes(e.token),
+         "top_logprobs": [{"token": t.token, "logprob": clamp_logprob(t.logprob), "bytes": _token_bytes(t.token)}
+                          for t in e.top]}
+        for e in entries]}
+
+
+class CompletionLogprobs:
+    """OpenAI completions format. text_offset counts characters into the choice's text, so the
+    running offset (which starts after an echoed prompt) is kept across a stream's chunks."""
+
+    def __init__(self, offset: int = 0) -> None:
+        self.offset = offset
+
+    def build(self, entries: Iterable[common_pb2.TokenLogprob]) -> dict:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            out["tokens"].append(e.token)
+            out["token_logprobs"].append(clamp_logprob(e.logprob))
+            # Like vLLM: the sampled token is listed among the alternatives even when not in the top k.
+            top = {t.token: clamp_logprob(t.logprob) for t in e.top}
+            top.setdefault(e.token, clamp_logprob(e.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(e.token)
+        return out
+
+
+# ---- whole responses ------------------------------------------------------------------------
+@dataclass
+class SampleOutput:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Collector:
+    """Accumulates a non-streamed generation, per sample."""
+
+    def __init__(self, n: int) -> None:
+        self.samples = [SampleOutput() for _ in range(n)]
+        self.usage = UsageTracker()
+        self.prompt_text = ""
+
+    def add(self, msg: generate_pb2.GenerateResponse) -> None:
+        self.usage.add(msg)
+        if msg.accepted:
+            self.prompt_text = msg.prompt_text or self.prompt_text
+            return
+        while msg.index >= len(self.samples):
+            self.samples.append(SampleOutput())
+        sample = self.samples[msg.index]
+        if msg.text:
+            sample.text.append(msg.text)
+        sample.logprobs.extend(msg.logprobs)
+        if msg.finish_reason:
+            sample.finish_reason = msg.finish_reason
+
+    def completion(self, request_id: str, model: str, created: int, logprobs: bool, echo: bool) -> dict:
+        choices = []
+        for i, s in enumerate(self.samples):
+            prefix = self.prompt_text if echo else ""
+            choices.append({
+                "index": i, "text": prefix + "".join(s.text),
+                "logprobs": CompletionLogprobs(len(prefix)).build(s.logprobs) if logprobs else None,
+                "finish_reason": s.finish_reason, "stop_reason": None})
+        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": self.usage.as_dict(), "system_fingerprint": None}
+
+    def chat(self, request_id: str, model: str, created: int, logprobs: bool) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(s.text)},
+                    "logprobs": chat_logprobs(s.logprobs) if logprobs else None,
+                    "finish_reason": s.finish_reason, "stop_reason": None}
+                   for i, s in enumerate(self.samples)]
+        return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": self.usage.as_dict(), "system_fingerprint": None}
+
+
+# ---- streaming chunks -----------------------------------------------------------------------
+class ChunkBuilder:
+    """Turns one request's GenerateResponse stream into OpenAI chunks (dicts, one or more per
+    message). Chat: each sample's first chunk carries role "assistant"; completions: an echoed
+    prompt comes first in each sample's text."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, created: int, n: int,
+                 logprobs: bool, echo: bool = False) -> None:
+        self.chat, self.request_id, self.model, self.created = chat, request_id, model, created
+        self.n, self.logprobs, self.echo = n, logprobs, echo
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.usage = UsageTracker()
+        self.offsets: dict[int, CompletionLogprobs] = {}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _choice(self, index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
+                role: bool = False) -> dict:
+        if self.chat:
+            delta: dict = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def add(self, msg: generate_pb2.GenerateResponse) -> list[dict]:
+        self.usage.add(msg)
+        if msg.accepted:
+            if self.chat:
+                return [self._chunk([self._choice(i, "", None, None, role=True)]) for i in range(self.n)]
+            prompt = msg.prompt_text if self.echo else ""
+            for i in range(self.n):
+                self.offsets[i] = CompletionLogprobs(len(prompt))
+            return [self._chunk([self._choice(i, prompt, None, None)]) for i in range(self.n)] if prompt else []
+        if not msg.text and not msg.finish_reason and not (self.logprobs and msg.logprobs):
+            return []
+        logprobs = None
+        if self.logprobs and msg.logprobs:
+            if self.chat:
+                logprobs = chat_logprobs(msg.logprobs)
+            else:
+                logprobs = self.offsets.setdefault(msg.index, CompletionLogprobs()).build(msg.logprobs)
+        text = msg.text if (msg.text or not self.chat or not msg.finish_reason) else None
+        return [self._chunk([self._choice(msg.index, text, logprobs, msg.finish_reason or None)])]
+
+    def usage_chunk(self) -> dict:
+        chunk = self._chunk([])
+        chunk["usage"] = self.usage.as_dict()
+        return chunk

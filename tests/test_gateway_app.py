@@ -1,0 +1,300 @@
+"""The gateway over HTTP (real uvicorn, the openai client) and its public gRPC API, in front of
+fake tokenizer and scheduler services whose behaviour each prompt selects."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from pagedserve.grpc_util import free_port
+from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.gateway.app import build_app
+from services.gateway.backend import Backend
+from services.gateway.grpc_api import GenerationService
+
+MODEL = "fake-model"
+KEY = "sekret"
+
+
+class FakeTokenizer(generate_pb2_grpc.TokenizerServicer):
+    def __init__(self) -> None:
+        self.requests: list[generate_pb2.GenerateRequest] = []
+        self.cancelled = threading.Event()
+        self.ready = True
+
+    def GetModelInfo(self, request, context):
+        return generate_pb2.ModelInfo(model=MODEL, max_model_len=128, vocab_size=100, ready=self.ready)
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        prompt = request.prompt or (request.chat.messages[-1].content if request.chat.messages else "")
+        failures = {"full": (grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue is full"),
+                    "toolong": (grpc.StatusCode.INVALID_ARGUMENT, "the prompt (300 tokens) exceeds the context"),
+                    "loading": (grpc.StatusCode.UNAVAILABLE, "scheduler not ready")}
+        if prompt in failures:
+            context.abort(*failures[prompt])
+        yield generate_pb2.GenerateResponse(request_id=request.request_id, accepted=True,
+                                            usage=common_pb2.Usage(prompt_tokens=3),
+                                            prompt_text=prompt if request.echo else "")
+        if prompt == "slow":
+            yield generate_pb2.GenerateResponse(request_id=request.request_id, text="tick", token_ids=[1])
+            deadline = time.time() + 10
+            while context.is_active() and time.time() < deadline:
+                time.sleep(0.02)
+            if not context.is_active():
+                self.cancelled.set()
+            return
+        if prompt == "crash":
+            context.abort(grpc.StatusCode.INTERNAL, "worker died")
+        with_lp = request.params.HasField("logprobs")
+        for index in range(request.params.n or 1):
+            for k, word in enumerate(["Hello", " world"]):
+                last = k == 1
+                msg = generate_pb2.GenerateResponse(request_id=request.request_id, index=index, text=word,
+                                                    token_ids=[10 + k])
+                if with_lp:
+                    msg.logprobs.add(token_id=10 + k, logprob=-0.5, token=word,
+                                     top=[common_pb2.TopLogprob(token_id=10 + k, logprob=-0.5, token=word)])
+                if last:
+                    msg.finish_reason = "length"
+                    msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=3, completion_tokens=2))
+                    t = request.timings
+                    msg.timings.CopyFrom(common_pb2.Timings(
+                        gateway_received=t.gateway_received, tokenizer_received=t.gateway_received + 0.001,
+                        tokenized=t.gateway_received + 0.002, scheduler_received=t.gateway_received + 0.003,
+                        first_scheduled=t.gateway_received + 0.004, first_token=t.gateway_received + 0.005,
+                        finished=t.gateway_received + 0.006, worker_time_s=0.002))
+                yield msg
+
+
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    def GetStats(self, request, context):
+        return scheduler_pb2.SchedulerStats(num_running=2, num_waiting=1, num_gpu_blocks=100, num_free_gpu_blocks=75,
+                                            prefix_cache_queries=10, prefix_cache_hits=4, ready=True)
+
+    def GetRequest(self, request, context):
+        if request.request_id != "known":
+            context.abort(grpc.StatusCode.NOT_FOUND, "unknown request")
+        return scheduler_pb2.RequestRecord(
+            request_id="known", status="finished", prompt_token_ids=[1, 2, 3],
+            outputs=[generate_pb2.TokenIds(ids=[4, 5])], finish_reasons=["stop"],
+            timings=common_pb2.Timings(gateway_received=100.0, tokenizer_received=100.5, tokenized=101.0,
+                                       scheduler_received=101.0, first_scheduled=102.0, first_token=103.0,
+                                       finished=104.0))
+
+
+class Stack:
+    """Fakes on a thread-pool gRPC server; the gateway (uvicorn + grpc.aio) on its own loop thread."""
+
+    def __init__(self) -> None:
+        self.tokenizer, self.scheduler = FakeTokenizer(), FakeScheduler()
+        self.fakes = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        generate_pb2_grpc.add_TokenizerServicer_to_server(self.tokenizer, self.fakes)
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.scheduler, self.fakes)
+        fake_port = self.fakes.add_insecure_port("127.0.0.1:0")
+        self.fakes.start()
+        self.port, self.grpc_port = free_port(), free_port()
+        self.backend = Backend(f"127.0.0.1:{fake_port}", f"127.0.0.1:{fake_port}", api_key=KEY)
+        self.http = uvicorn.Server(uvicorn.Config(build_app(self.backend), host="127.0.0.1", port=self.port,
+                                                  log_level="warning"))
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),), daemon=True)
+        self.thread.start()
+        deadline = time.time() + 10
+        while not self.http.started:
+            assert time.time() < deadline, "gateway did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def _main(self) -> None:
+        server = grpc.aio.server()
+        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(self.backend), server)
+        server.add_insecure_port(f"127.0.0.1:{self.grpc_port}")
+        await server.start()
+        await self.http.serve()
+        await server.stop(0)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(setattr, self.http, "should_exit", True)
+        self.thread.join(10)
+        self.fakes.stop(0)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def client(stack):
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_completion_and_chat_non_streaming(stack, client):
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=5, temperature=0)
+    assert out.id.startswith("cmpl-") and out.choices[0].text == "Hello world"
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (3, 2, 5)
+    req = stack.tokenizer.requests[-1]
+    assert req.request_id == out.id and req.timings.gateway_received > 0 and req.params.max_tokens == 5
+    chat = client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], n=2)
+    assert chat.id.startswith("chatcmpl-") and [c.message.content for c in chat.choices] == ["Hello world"] * 2
+    assert chat.choices[1].message.role == "assistant"
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (3, 4)  # prompt once, samples summed
+
+
+def test_streaming_chat_with_usage(client):
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
+                                            stream_options={"include_usage": True}, logprobs=True, top_logprobs=1)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Hello world"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    lps = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert [lp.token for lp in lps] == ["Hello", " world"] and lps[0].top_logprobs[0].logprob == -0.5
+
+
+def test_streaming_completion_raw_sse(stack):
+    with httpx.stream("POST", stack.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "hi", "stream": True, "echo": True, "max_tokens": 3}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    assert '"text":"hi"' in lines[0] and '"object":"text_completion"' in lines[0]
+
+
+def test_completion_logprobs_shape(client):
+    out = client.completions.create(model=MODEL, prompt="hi", logprobs=1)
+    lp = out.choices[0].logprobs
+    assert lp.tokens == ["Hello", " world"] and lp.token_logprobs == [-0.5, -0.5] and lp.text_offset == [0, 5]
+    assert lp.top_logprobs == [{"Hello": -0.5}, {" world": -0.5}]
+
+
+def test_errors_map_to_openai_statuses(stack, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="toolong")
+    assert "exceeds" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1000)  # over max_model_len
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="other", prompt="hi")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "full"}], stream=True)
+    assert e.value.response.headers["retry-after"]
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=MODEL, prompt="loading")
+    assert e.value.status_code == 503 and e.value.response.headers["retry-after"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=stack.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    r = httpx.post(stack.url + "/v1/completions", json={"prompt": "hi", "temperature": "hot"},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = httpx.post(stack.url + "/v1/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_error_after_headers_is_reported_in_stream(client):
+    with pytest.raises(openai.APIError):
+        list(client.completions.create(model=MODEL, prompt="crash", stream=True))
+
+
+def test_client_disconnect_cancels_the_generation(stack):
+    stack.tokenizer.cancelled.clear()
+    with httpx.stream("POST", stack.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "slow", "stream": True}) as r:
+        for line in r.iter_lines():
+            if "tick" in line:
+                break  # leaving the block closes the connection mid-stream
+    assert stack.tokenizer.cancelled.wait(5), "the gRPC call was not cancelled on disconnect"
+
+
+def test_client_disconnect_cancels_a_non_streamed_generation(stack):
+    stack.tokenizer.cancelled.clear()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": "slow"}, timeout=0.5)
+    assert stack.tokenizer.cancelled.wait(5), "the gRPC call was not cancelled on disconnect"
+
+
+def test_idempotency_key_reuses_the_request_id(stack, client):
+    first = client.completions.create(model=MODEL, prompt="hi", extra_headers={"Idempotency-Key": "abc"})
+    second = client.completions.create(model=MODEL, prompt="hi", extra_headers={"Idempotency-Key": "abc"})
+    assert first.id == second.id == stack.tokenizer.requests[-1].request_id
+    assert client.completions.create(model=MODEL, prompt="hi").id != first.id
+
+
+def test_models_health_metrics_and_request_status(stack, client):
+    (model,) = client.models.list().data
+    assert model.id == MODEL and model.model_extra["max_model_len"] == 128
+    r = httpx.get(stack.url + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    client.completions.create(model=MODEL, prompt="hi")
+    text = httpx.get(stack.url + "/metrics").text
+    for needle in ("pagedserve:num_requests_running 2.0", "pagedserve:kv_cache_usage_perc 0.25",
+                   "pagedserve:prefix_cache_hit_rate 0.4", "pagedserve:time_to_first_token_seconds_count",
+                   'pagedserve:request_stage_seconds_count{stage="scheduler_queue"}',
+                   'pagedserve:request_success_total{finished_reason="length"}',
+                   'pagedserve:http_requests_total{endpoint="/v1/completions",status="200"}'):
+        assert needle in text, needle
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.get(stack.url + "/v1/requests/known", headers=headers)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "finished" and body["prompt_tokens"] == 3
+    assert body["samples"] == [{"index": 0, "output_tokens": 2, "finish_reason": "stop"}]
+    assert {s["stage"]: s["duration_s"] for s in body["timeline"]}["queue"] == 1.0
+    r = httpx.get(stack.url + "/v1/requests/nope", headers=headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "request_not_found"
+    stack.tokenizer.ready = False
+    stack.backend._info = None
+    try:
+        r = httpx.get(stack.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model=MODEL, prompt="hi")
+    finally:
+        stack.tokenizer.ready = True
+
+
+def test_public_grpc_api(stack):
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        auth = [("authorization", f"Bearer {KEY}")]
+        msgs = list(stub.Generate(generate_pb2.GenerateRequest(prompt="hi"), metadata=auth, timeout=10))
+        assert msgs[0].accepted and "".join(m.text for m in msgs) == "Hello world"
+        assert stack.tokenizer.requests[-1].timings.gateway_received > 0
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(generate_pb2.GenerateRequest(prompt="hi"), timeout=10))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(generate_pb2.GenerateRequest(prompt="hi", model="x"), metadata=auth, timeout=10))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(generate_pb2.GenerateRequest(prompt="full"), metadata=auth, timeout=10))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        bad = generate_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(temperature=-1))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(bad, metadata=auth, timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert stub.GetModelInfo(generate_pb2.ModelInfoRequest(), metadata=auth, timeout=10).model == MODEL
+        stack.tokenizer.cancelled.clear()
+        call = stub.Generate(generate_pb2.GenerateRequest(prompt="slow"), metadata=auth, timeout=30)
+        next(call)
+        next(call)
+        call.cancel()
+        assert stack.tokenizer.cancelled.wait(5)

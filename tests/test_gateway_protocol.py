@@ -1,0 +1,222 @@
+"""The gateway's pure parts: OpenAI request -> GenerateRequest, validation, response shapes."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from pagedserve.sampling_params import MAX_LOGPROBS, MAX_N
+from pagedserve.v1 import common_pb2, generate_pb2
+from services.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
+                                       completion_to_generate, include_usage)
+from services.gateway.responses import ChunkBuilder, Collector, CompletionLogprobs, chat_logprobs
+
+FULL = dict(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5,
+            frequency_penalty=-0.5, repetition_penalty=1.2, seed=1234, stop=["\n", "END"], stop_token_ids=[2, 3],
+            n=3, ignore_eos=True, min_tokens=2, include_stop_str_in_output=True, skip_special_tokens=False,
+            user="someone", priority=-4)
+
+
+def completion(**kw) -> generate_pb2.GenerateRequest:
+    return completion_to_generate(CompletionRequest(**{"prompt": "hi", **kw}))
+
+
+def chat(**kw) -> generate_pb2.GenerateRequest:
+    return chat_to_generate(ChatCompletionRequest(**{"messages": [{"role": "user", "content": "hi"}], **kw}))
+
+
+def error_of(fn, **kw) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        fn(**kw)
+    return info.value
+
+
+# ---- request mapping ------------------------------------------------------------------------
+def test_every_sampling_parameter_maps():
+    gen = completion(**FULL, logprobs=5)
+    p = gen.params
+    assert (p.max_tokens, p.n, p.top_k, p.seed, p.min_tokens, p.logprobs) == (7, 3, 40, 1234, 2, 5)
+    assert p.temperature == 0.5 and p.top_p == pytest.approx(0.9) and p.min_p == pytest.approx(0.05)
+    assert p.presence_penalty == 0.5 and p.frequency_penalty == -0.5 and p.repetition_penalty == pytest.approx(1.2)
+    assert list(p.stop_token_ids) == [2, 3] and p.ignore_eos
+    assert list(gen.stop) == ["\n", "END"] and gen.include_stop_str_in_output and not gen.skip_special_tokens
+    assert gen.priority == -4 and gen.prompt == "hi" and not gen.echo
+
+
+def test_unsent_optional_fields_stay_unset():
+    p = chat().params
+    for name in ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "logprobs"):
+        assert not p.HasField(name), name
+    assert p.n == 1 and p.top_k == 0 and p.min_p == 0 and not p.ignore_eos
+    gen = chat()
+    assert gen.skip_special_tokens and gen.model == "" and gen.chat.add_generation_prompt
+
+
+def test_completions_default_to_16_tokens_like_openai_and_greedy_zero_is_kept():
+    p = completion(temperature=0).params
+    assert p.max_tokens == 16 and p.HasField("temperature") and p.temperature == 0.0
+    assert not completion(max_tokens=None).params.HasField("max_tokens")
+
+
+def test_prompt_forms():
+    assert completion(prompt="text").prompt == "text"
+    assert completion(prompt=["one"]).prompt == "one"
+    assert list(completion(prompt=[1, 2, 3]).prompt_token_ids.ids) == [1, 2, 3]
+    assert list(completion(prompt=[[4, 5]]).prompt_token_ids.ids) == [4, 5]
+    assert error_of(completion, prompt=["a", "b"]).param == "prompt"
+    assert error_of(completion, prompt=[]).status == 400
+    assert error_of(completion, prompt=[1, -2]).param == "prompt"
+    assert completion(prompt="x", echo=True).echo
+
+
+def test_chat_messages_and_parts():
+    gen = chat(messages=[{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                         {"role": "assistant", "content": None}], add_generation_prompt=False)
+    assert [(m.role, m.content) for m in gen.chat.messages] == [("system", "be brief"), ("user", "a\nb"),
+                                                                  ("assistant", "")]
+    assert not gen.chat.add_generation_prompt
+    err = error_of(chat, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert err.status == 400 and "image_url" in err.message and err.param == "messages"
+    assert "role" in error_of(chat, messages=[{"role": "robot", "content": "x"}]).message
+    assert error_of(chat, messages=[]).param == "messages"
+
+
+def test_chat_max_completion_tokens_wins_and_logprobs():
+    assert chat(max_tokens=5).params.max_tokens == 5
+    assert chat(max_tokens=5, max_completion_tokens=9).params.max_tokens == 9
+    assert chat(logprobs=True).params.logprobs == 0
+    assert chat(logprobs=True, top_logprobs=3).params.logprobs == 3
+    assert not chat(logprobs=False).params.HasField("logprobs")
+    assert error_of(chat, top_logprobs=2).param == "top_logprobs"
+    assert error_of(chat, logprobs=True, top_logprobs=MAX_LOGPROBS + 1).param == "top_logprobs"
+    assert error_of(chat, max_completion_tokens=0).param == "max_completion_tokens"
+
+
+def test_stop_string_forms():
+    assert list(completion(stop="x").stop) == ["x"]
+    assert list(completion().stop) == []
+    assert error_of(completion, stop=["a", ""]).param == "stop"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0), ("max_tokens", 0),
+    ("n", 0), ("n", MAX_N + 1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", -1), ("stop_token_ids", [-1]),
+    ("min_tokens", 99)])
+def test_invalid_parameters_are_400_naming_the_field(field, value):
+    err = error_of(completion, **{field: value, "max_tokens": 10} if field != "max_tokens" else {field: value})
+    assert err.status == 400 and err.param == field and field in err.message and err.type == "invalid_request_error"
+    assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": field,
+                                    "code": None}}
+
+
+def test_unsupported_features_are_refused():
+    assert error_of(completion, logit_bias={"1": 5}).param == "logit_bias"
+    assert error_of(completion, best_of=3).param == "best_of"
+    assert error_of(completion, suffix="x").param == "suffix"
+    assert error_of(completion, echo=True, logprobs=1).param == "echo"
+    assert error_of(chat, tools=[{"type": "function"}]).param == "tools"
+    assert error_of(chat, response_format={"type": "json_object"}).param == "response_format"
+    assert chat(response_format={"type": "text"}, logit_bias={}, best_of=1).params.n == 1
+    with pytest.raises(RequestError):
+        completion(max_tokens=2**33)
+
+
+def test_pydantic_rejects_wrong_types():
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="x", temperature="hot")
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt={"a": 1})
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[{"content": "no role"}])
+
+
+def test_stream_options():
+    assert include_usage(CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": True}))
+    assert not include_usage(CompletionRequest(prompt="x", stream=True))
+
+
+# ---- responses ------------------------------------------------------------------------------
+def lp(token: str, logprob: float, top: list[tuple[str, float]] = ()) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=1, token=token, logprob=logprob,
+                                   top=[common_pb2.TopLogprob(token_id=2, token=t, logprob=v) for t, v in top])
+
+
+def accepted(prompt_tokens: int = 5, prompt_text: str = "") -> generate_pb2.GenerateResponse:
+    return generate_pb2.GenerateResponse(request_id="r", accepted=True, prompt_text=prompt_text,
+                                         usage=common_pb2.Usage(prompt_tokens=prompt_tokens))
+
+
+def delta(index: int, text: str, ids: list[int], finish: str = "", completion_tokens: int = 0,
+          logprobs=()) -> generate_pb2.GenerateResponse:
+    msg = generate_pb2.GenerateResponse(request_id="r", index=index, text=text, token_ids=ids, finish_reason=finish,
+                                        logprobs=list(logprobs))
+    if finish:
+        msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=5, completion_tokens=completion_tokens, cached_tokens=2))
+        msg.timings.finished = 1.0
+    return msg
+
+
+def test_collector_completion_with_n_and_usage():
+    c = Collector(2)
+    for msg in (accepted(), delta(0, "Hel", [1]), delta(1, "A", [2]), delta(0, "lo", [3], "stop", 2),
+                delta(1, "B", [4, 5], "length", 3)):
+        c.add(msg)
+    out = c.completion("cmpl-1", "m", 7, logprobs=False, echo=False)
+    assert out["object"] == "text_completion" and out["id"] == "cmpl-1" and out["model"] == "m"
+    assert [(ch["index"], ch["text"], ch["finish_reason"]) for ch in out["choices"]] == [(0, "Hello", "stop"),
+                                                                                        (1, "AB", "length")]
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10,
+                            "prompt_tokens_details": {"cached_tokens": 2}}
+    chat_out = c.chat("chatcmpl-1", "m", 7, logprobs=False)
+    assert chat_out["object"] == "chat.completion"
+    assert chat_out["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
+
+
+def test_echo_prepends_the_prompt_and_offsets_follow():
+    c = Collector(1)
+    for msg in (accepted(prompt_text="Say"), delta(0, " hi", [1], "stop", 1, [lp(" hi", -0.5, [(" hi", -0.5)])])):
+        c.add(msg)
+    assert c.completion("c", "m", 0, logprobs=False, echo=True)["choices"][0]["text"] == "Say hi"
+    assert c.completion("c", "m", 0, logprobs=True, echo=True)["choices"][0]["logprobs"]["text_offset"] == [3]
+
+
+def test_logprob_shapes():
+    entries = [lp("a", -0.1, [("a", -0.1), ("b", -2.0)]), lp("é", float("-inf"), [("x", -1.0)])]
+    out = chat_logprobs(entries)["content"]
+    assert out[0] == {"token": "a", "logprob": -0.1, "bytes": [97],
+                      "top_logprobs": [{"token": "a", "logprob": -0.1, "bytes": [97]},
+                                       {"token": "b", "logprob": -2.0, "bytes": [98]}]}
+    assert out[1]["logprob"] == -9999.0 and out[1]["bytes"] == [0xC3, 0xA9]
+    comp = CompletionLogprobs().build(entries)
+    assert comp["tokens"] == ["a", "é"] and comp["token_logprobs"] == [-0.1, -9999.0]
+    assert comp["top_logprobs"] == [{"a": -0.1, "b": -2.0}, {"x": -1.0, "é": -9999.0}]
+    assert comp["text_offset"] == [0, 1]
+
+
+def test_chat_chunks_role_first_then_deltas_then_finish_and_usage():
+    b = ChunkBuilder(True, "chatcmpl-x", "m", 9, n=2, logprobs=True)
+    first = b.add(accepted())
+    assert [c["choices"][0]["delta"] for c in first] == [{"role": "assistant", "content": ""}] * 2
+    assert {c["choices"][0]["index"] for c in first} == {0, 1}
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-x" for c in first)
+    (mid,) = b.add(delta(0, "Hi", [1], logprobs=[lp("Hi", -0.2)]))
+    assert mid["choices"][0]["delta"] == {"content": "Hi"} and mid["choices"][0]["finish_reason"] is None
+    assert mid["choices"][0]["logprobs"]["content"][0]["token"] == "Hi"
+    (end,) = b.add(delta(0, "", [], "stop", 1))
+    assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "stop"
+    b.add(delta(1, "Yo", [2, 3], "length", 2))
+    usage = b.usage_chunk()
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3 and usage["usage"]["prompt_tokens"] == 5
+
+
+def test_completion_chunks_with_echo_and_offsets():
+    b = ChunkBuilder(False, "cmpl-x", "m", 9, n=1, logprobs=True, echo=True)
+    (first,) = b.add(accepted(prompt_text="ab"))
+    assert first["object"] == "text_completion" and first["choices"][0]["text"] == "ab"
+    (c1,) = b.add(delta(0, "cd", [1], logprobs=[lp("cd", -1.0)]))
+    (c2,) = b.add(delta(0, "e", [2], "length", 2, logprobs=[lp("e", -1.0)]))
+    assert c1["choices"][0]["logprobs"]["text_offset"] == [2] and c2["choices"][0]["logprobs"]["text_offset"] == [4]
+    assert c2["choices"][0]["finish_reason"] == "length"
+    assert ChunkBuilder(False, "c", "m", 0, 1, False).add(accepted()) == []
