@@ -1,0 +1,71 @@
+"""Helpers of the end-to-end tests: the real services as processes on free ports, a Redis key
+prefix per stack, a tiny model that carries the default model's tokenizer, gRPC stats."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+
+from pagedserve.grpc_util import free_port
+from pagedserve.processes import ServiceProcess, StackConfig, start_stack
+from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def tiny_model_with_tokenizer(folder: Path, default_model: Path) -> Path:
+    """A tiny random Llama whose vocabulary is the default model's, with its tokenizer files."""
+    from tiny_models import build_tiny_model
+
+    build_tiny_model(folder, "llama", vocab_size=49152, max_position_embeddings=1024, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=2)
+    for name in TOKENIZER_FILES:
+        if (default_model / name).exists():
+            shutil.copy(default_model / name, folder / name)
+    return folder
+
+
+def start_test_stack(model: Path, log_dir: Path, **overrides):
+    """Every service as a real process; records under a fresh Redis key prefix."""
+    prefix = f"pstest-{uuid.uuid4().hex[:8]}:"
+    env = {**os.environ, "PAGEDSERVE_REDIS_PREFIX": prefix}
+    settings = dict(model=str(model), port=free_port(), grpc_port=free_port(), redis_url=REDIS_URL,
+                    dtype="float32", kv_cache_memory="256MiB", log_dir=str(log_dir), env=env, startup_timeout=300)
+    cfg = StackConfig(**{**settings, **overrides})
+    stack = start_stack(cfg)
+    stack.redis_prefix = prefix
+    return stack
+
+
+def scheduler_stats(stack) -> scheduler_pb2.SchedulerStats:
+    with grpc.insecure_channel(stack.addresses["scheduler"]) as channel:
+        return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.StatsRequest(), timeout=10)
+
+
+def wait_until_idle(stack, timeout_s: float = 30.0) -> scheduler_pb2.SchedulerStats:
+    """Until nothing runs or waits and every KV block is free again (cached prefixes count as free)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = scheduler_stats(stack)
+        if stats.num_running == stats.num_waiting == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks:
+            return stats
+        if time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def restart(stack, name: str, kill_signal: int) -> ServiceProcess:
+    """Kill one service and start it again with the same command line; wait until healthy."""
+    old = next(p for p in stack.processes if p.name == name)
+    old.signal(kill_signal)
+    old.proc.wait(timeout=30)
+    new = ServiceProcess(name, old.argv, old.health_address, env=old.env, log_path=old.log_path).start()
+    stack.processes[stack.processes.index(old)] = new
+    new.wait_healthy(300)
+    return new

@@ -1,0 +1,144 @@
+"""The services' refusals on a tiny model (real processes, real Redis): 401 without the API key,
+429 when the waiting queue is full, 503 while the model is not loaded; and the scheduler's own
+gRPC statuses."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import grpc
+import httpx
+import pytest
+
+from pagedserve.grpc_util import free_port
+from pagedserve.processes import ServiceProcess
+from service_stack import scheduler_stats, start_test_stack, tiny_model_with_tokenizer, wait_until_idle
+
+pytestmark = pytest.mark.slow  # the tiny model borrows the default model's tokenizer
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(default_model_path, tmp_path_factory):
+    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-tok"), default_model_path)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    stack = start_test_stack(tiny_model, tmp_path_factory.mktemp("logs"), api_key=KEY, max_num_seqs=1,
+                             max_waiting_requests=1, kv_cache_memory="16MiB")
+    yield stack
+    stack.stop()
+
+
+def auth(key: str = KEY) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_api_key_is_required(stack):
+    body = {"prompt": "hello", "max_tokens": 4}
+    with httpx.Client(timeout=60) as http:
+        for headers in ({}, auth("wrong-key")):
+            reply = http.post(stack.http_url + "/v1/completions", json=body, headers=headers)
+            assert reply.status_code == 401, reply.text
+            assert "API key" in reply.json()["error"]["message"]
+        assert http.post(stack.http_url + "/v1/completions", json=body, headers=auth()).status_code == 200
+        assert http.get(stack.http_url + "/v1/models", headers=auth()).status_code == 200
+        assert http.get(stack.http_url + "/v1/models").status_code == 401
+
+
+def test_full_waiting_queue_gets_429(stack):
+    """max_num_seqs=1 and max_waiting_requests=1: one runs, one waits, the third is refused."""
+    body = {"prompt": "count with me: one two three", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    url = stack.http_url + "/v1/completions"
+    with httpx.Client(timeout=120) as http, http.stream("POST", url, json=body, headers=auth()) as running:
+        assert running.status_code == 200
+        lines = running.iter_lines()
+        while not next(lines).startswith("data: "):  # a first token: it is running
+            pass
+        with http.stream("POST", url, json=body, headers=auth()) as waiting:
+            assert waiting.status_code == 200  # accepted into the queue
+            refused = http.post(url, json={**body, "stream": False}, headers=auth())
+            assert refused.status_code == 429, refused.text
+            assert "waiting queue" in refused.json()["error"]["message"]
+            assert refused.headers.get("retry-after")
+    stats = wait_until_idle(stack)
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+
+
+def test_prompt_over_the_context_is_400(stack):
+    reply = httpx.post(stack.http_url + "/v1/completions", headers=auth(), timeout=60,
+                       json={"prompt": "word " * 2000, "max_tokens": 4})
+    assert reply.status_code == 400
+    assert "1024" in reply.json()["error"]["message"]  # the tiny model's context
+
+
+def test_scheduler_statuses(stack):
+    from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+    with grpc.insecure_channel(stack.addresses["scheduler"]) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        cases = [
+            (scheduler_pb2.ScheduleRequest(prompt_token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+            (scheduler_pb2.ScheduleRequest(prompt_token_ids=[10**6]), grpc.StatusCode.INVALID_ARGUMENT,
+             "vocabulary"),
+            (scheduler_pb2.ScheduleRequest(prompt_token_ids=[5, 6], params=common_pb2.SamplingParams(top_p=2.0)),
+             grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+            (scheduler_pb2.ScheduleRequest(request_id="nobody", attach=True, prompt_token_ids=[5]),
+             grpc.StatusCode.NOT_FOUND, "nobody"),
+        ]
+        for request, code, word in cases:
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request, timeout=30))
+            assert info.value.code() == code and word in info.value.details()
+        # A deadline ends the request and frees its blocks.
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(scheduler_pb2.ScheduleRequest(
+                prompt_token_ids=[5, 6, 7], params=common_pb2.SamplingParams(max_tokens=900, ignore_eos=True)),
+                timeout=0.5))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until_idle(stack).num_running == 0
+
+
+def test_model_still_loading_is_503(stack, tmp_path):
+    """A scheduler whose worker never comes up: the gateway in front of it answers 503."""
+    env = {**os.environ, "PAGEDSERVE_REDIS_PREFIX": stack.redis_prefix}
+    scheduler_port, tokenizer_port, http_port, grpc_port = free_port(), free_port(), free_port(), free_port()
+    tokenizer_argv = next(p for p in stack.processes if p.name == "tokenizer").argv
+    model = tokenizer_argv[tokenizer_argv.index("--model") + 1]
+    python = tokenizer_argv[0]
+    procs = [
+        ServiceProcess("scheduler", [python, "-m", "pagedserve.cli", "scheduler", "--port", str(scheduler_port),
+                                     "--worker-addrs", f"127.0.0.1:{free_port()}", "--redis-url", "memory"],
+                       env=env, log_path=tmp_path / "scheduler.log"),
+        ServiceProcess("tokenizer", [python, "-m", "pagedserve.cli", "tokenizer", "--port", str(tokenizer_port),
+                                     "--model", model, "--scheduler-addr", f"127.0.0.1:{scheduler_port}"],
+                       f"127.0.0.1:{tokenizer_port}", env=env, log_path=tmp_path / "tokenizer.log"),
+        ServiceProcess("gateway", [python, "-m", "pagedserve.cli", "gateway", "--port", str(http_port),
+                                   "--grpc-port", str(grpc_port), "--tokenizer-addr", f"127.0.0.1:{tokenizer_port}",
+                                   "--scheduler-addr", f"127.0.0.1:{scheduler_port}"],
+                       f"127.0.0.1:{grpc_port}", env=env, log_path=tmp_path / "gateway.log"),
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs[1:]:
+            proc.wait_healthy(120)
+        url = f"http://127.0.0.1:{http_port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                reply = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert reply.status_code == 503, reply.text
+        assert "loading" in reply.json()["error"]["message"]
+        assert reply.headers.get("retry-after")
+        assert httpx.get(url + "/health", timeout=30).status_code == 503
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+    assert scheduler_stats(stack).ready  # the real stack was not disturbed
