@@ -168,6 +168,21 @@ def test_multibyte_character_is_never_split(tokenizer):
     assert len(d.ids) <= 4
 
 
+@pytest.mark.slow
+def test_sample_text_uses_ids_up_to_the_stop(tokenizer):
+    from services.tokenizer.detokenizer import SampleText
+    out = tokenizer.encode(" one two. three")
+    st_ = SampleText(tokenizer, tokenizer.encode("Count:"), True, ["."], False)
+    text, used, stopped = st_.push(out)
+    assert (text, stopped) == (" one two", True)
+    assert tokenizer.decode(out[:used]).endswith(".") and not tokenizer.decode(out[:used - 1]).endswith(".")
+    # A stop string completed only by the held-back tail is still caught at the end.
+    st_ = SampleText(tokenizer, [], True, ["🎉"], True)
+    emoji = tokenizer.encode(" 🎉")
+    assert st_.push(emoji[:-1]) == ("", len(emoji) - 1, False)
+    assert st_.push(emoji[-1:], final=True) == (" 🎉", 1, True)
+
+
 # -- Generate against a fake scheduler ------------------------------------------------------------
 
 
@@ -352,6 +367,26 @@ def test_reattaches_after_scheduler_restart(tokenizer):
             again = fake.requests[1]
             assert again.attach and again.request_id == "r3" and list(again.skip_tokens) == [3]
             assert again.prompt_token_ids == fake.requests[0].prompt_token_ids
+        finally:
+            await stop()
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_restarted_scheduler_that_lost_the_request(tokenizer):
+    async def lost(request, context, fake):
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r} to attach to")
+        yield  # pragma: no cover
+
+    async def main():
+        stub, fake, _, _, stop = await start_stack(tokenizer, [streamer([28, 29, 30], fail_after=1), lost])
+        try:
+            got = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for r in stub.Generate(generate_pb2.GenerateRequest(prompt="Q:", request_id="r4"), timeout=20):
+                    got.append(r)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "lost request 'r4'" in err.value.details()
+            assert ids_of(got) == [28]
         finally:
             await stop()
     asyncio.run(main())

@@ -124,3 +124,31 @@ class StopStringMatcher:
         """At a normal finish the held-back text was not a stop string after all."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
+
+
+class SampleText:
+    """One sample's token ids to the text the client sees: detokenizer, then stop strings."""
+
+    __slots__ = ("detok", "matcher")
+
+    def __init__(self, tokenizer, prompt_token_ids, skip_special_tokens: bool, stop: list[str],
+                 include_stop_str_in_output: bool) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self.matcher = StopStringMatcher(stop, include_stop_str_in_output)
+
+    def push(self, token_ids, final: bool = False) -> tuple[str, int, bool]:
+        """(text, how many of token_ids were used, whether a stop string hit). Token by token, so
+        the ids used end at the one that completed a stop string; final flushes what was held."""
+        parts: list[str] = []
+        for used, tid in enumerate(token_ids, 1):
+            text, stopped = self.matcher.feed(self.detok.step((tid,)))
+            parts.append(text)
+            if stopped:
+                return "".join(parts), used, True
+        if final:
+            text, stopped = self.matcher.feed(self.detok.flush())
+            parts.append(text)
+            if stopped:
+                return "".join(parts), len(token_ids), True
+            parts.append(self.matcher.flush())
+        return "".join(parts), len(token_ids), False

@@ -21,7 +21,7 @@ import grpc
 
 from pagedserve.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS, add_health_and_reflection, set_serving
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from services.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from services.tokenizer.detokenizer import SampleText
 
 log = logging.getLogger("pagedserve.tokenizer")
 
@@ -47,8 +47,7 @@ class RequestError(Exception):
 
 @dataclass(slots=True)
 class SampleState:
-    detok: IncrementalDetokenizer
-    matcher: StopStringMatcher
+    text: SampleText
     received: int = 0   # tokens the scheduler sent (skip_tokens when re-attaching)
     forwarded: int = 0  # tokens passed on to the caller (usage.completion_tokens)
     finished: bool = False
@@ -71,11 +70,6 @@ class Generation:
             self.call.cancel()
 
 
-def model_folder(model: str | None) -> Path:
-    from pagedserve.default_model import resolve_model
-    return resolve_model(model)
-
-
 def default_served_name(model: str | None, folder: Path) -> str:
     if model and model.endswith(".gguf"):
         return Path(model).stem  # the prepared folder's name carries a cache digest
@@ -85,7 +79,9 @@ def default_served_name(model: str | None, folder: Path) -> str:
 def load_tokenizer(model: str | None):
     """(HF tokenizer, default served name, the model's vocab_size or None) for a folder or .gguf."""
     from transformers import AutoTokenizer
-    folder = model_folder(model)
+
+    from pagedserve.default_model import resolve_model
+    folder = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     try:
         vocab_size = json.loads((folder / "config.json").read_text()).get("vocab_size")
@@ -230,7 +226,8 @@ class TokenizerService:
             gen.cached_tokens = first.num_cached_tokens
             gen.accepted_timings.CopyFrom(first.timings)
             for _ in range(max(1, first.n or request.params.n)):
-                gen.samples.append(self._new_sample(request, prompt_ids))
+                gen.samples.append(SampleState(SampleText(self.tokenizer, prompt_ids, request.skip_special_tokens,
+                                                          list(request.stop), request.include_stop_str_in_output)))
             log.info("request %s accepted: %d prompt tokens, n=%d", gen.request_id, gen.prompt_tokens,
                      len(gen.samples))
             accepted = generate_pb2.GenerateResponse(request_id=gen.request_id, accepted=True)
@@ -239,16 +236,12 @@ class TokenizerService:
                 accepted.prompt_text = request.prompt if request.WhichOneof("input") == "prompt" else \
                     self.tokenizer.decode(prompt_ids, skip_special_tokens=request.skip_special_tokens)
             yield accepted
-            async for response in self._stream(gen, request, context):
+            async for response in self._stream(gen, context):
                 yield response
         finally:
             gen.cancel_call()  # stop hit with n == 1, caller gone, or an error: the scheduler aborts
 
-    def _new_sample(self, request, prompt_ids) -> SampleState:
-        return SampleState(IncrementalDetokenizer(self.tokenizer, prompt_ids, request.skip_special_tokens),
-                           StopStringMatcher(list(request.stop), request.include_stop_str_in_output))
-
-    async def _stream(self, gen: Generation, request, context):
+    async def _stream(self, gen: Generation, context):
         retry_until = None  # set while the scheduler is away
         while True:
             try:
@@ -256,12 +249,10 @@ class TokenizerService:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in RETRYABLE:
                     raise RequestError(exc.code(), exc.details() or exc.code().name) from None
-                log.info("request %s: scheduler stream failed (%s), re-attaching", gen.request_id, exc.code().name)
-                retry_until = retry_until or time.monotonic() + self.retry_timeout_s
-                await self._reattach(gen, context, retry_until)
-                continue
-            if delta is grpc.aio.EOF:
-                # Ended without finishing every sample: the scheduler went away cleanly mid-request.
+                delta = None
+            # EOF before every sample finished: the scheduler went away cleanly mid-request.
+            if delta is None or delta is grpc.aio.EOF:
+                log.info("request %s: the scheduler stream broke, re-attaching", gen.request_id)
                 retry_until = retry_until or time.monotonic() + self.retry_timeout_s
                 await self._reattach(gen, context, retry_until)
                 continue
@@ -286,31 +277,17 @@ class TokenizerService:
             return None, False
         s = gen.samples[delta.index]
         s.received += len(delta.token_ids)
+        gen.cached_tokens = max(gen.cached_tokens, delta.num_cached_tokens)  # known once it is scheduled
         if s.finished:
             return None, False
-        with_logprobs = len(delta.logprobs) == len(delta.token_ids)
-        response = generate_pb2.GenerateResponse(request_id=gen.request_id, index=delta.index)
-        parts: list[str] = []
-        stopped = False
-        # Token by token, so the tokens forwarded end at the one that completed a stop string.
-        for i, tid in enumerate(delta.token_ids):
-            response.token_ids.append(tid)
-            if with_logprobs:
-                self._add_logprob(response, delta.logprobs[i])
-            text, stopped = s.matcher.feed(s.detok.step((tid,)))
-            parts.append(text)
-            if stopped:
-                break
-        finish = delta.finish_reason
-        if finish and not stopped:
-            text, stopped = s.matcher.feed(s.detok.flush())
-            parts.append(text)
-            if not stopped:
-                parts.append(s.matcher.flush())
-        response.text = "".join(parts)
-        s.forwarded += len(response.token_ids)
-        if stopped:
-            finish = "stop"
+        text, used, stopped = s.text.push(delta.token_ids, final=bool(delta.finish_reason))
+        response = generate_pb2.GenerateResponse(request_id=gen.request_id, index=delta.index, text=text,
+                                                 token_ids=delta.token_ids[:used])
+        if len(delta.logprobs) == len(delta.token_ids):
+            for lp in delta.logprobs[:used]:
+                self._add_logprob(response, lp)
+        s.forwarded += used
+        finish = "stop" if stopped else delta.finish_reason
         if not finish:
             return (response if response.text or response.token_ids else None), False
         s.finished = True
@@ -371,6 +348,11 @@ class TokenizerService:
                 gen.cancel_call()
                 continue  # the loop head reports the timeout
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    # Not the caller's mistake: the restarted scheduler had no durable record of it.
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                       f"the scheduler restarted and lost request {gen.request_id!r} "
+                                       f"(is it running without Redis?): {exc.details()}") from None
                 if exc.code() not in RETRYABLE:
                     raise RequestError(exc.code(), exc.details() or exc.code().name) from None
                 await asyncio.sleep(min(delay, max(0.0, retry_until - time.monotonic())))
