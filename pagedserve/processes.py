@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -97,7 +98,7 @@ class ServiceProcess:
         except OSError as exc:
             self._close_log()
             raise ServiceError(f"{self.name}: cannot run {self.argv[0]}: {exc}") from exc
-        log.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
+        log.info("started %s (pid %d): %s", self.name, self.proc.pid, shlex.join(self.argv))
         return self
 
     @property
@@ -114,6 +115,8 @@ class ServiceProcess:
     def log_tail(self, lines: int = 30) -> str:
         if self.log_path is None:
             return "(its output went to this terminal, above)"
+        if str(self.log_path) == os.devnull:
+            return "(its output was discarded)"
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)
@@ -389,10 +392,11 @@ class Stack:
         """SIGTERM each child in reverse start order (SIGKILL after stop_timeout); remove the private
         Redis' temp dir. Safe to call twice."""
         for proc in reversed(self.processes):
-            if proc.alive():
-                log.info("stopping %s (pid %d)", proc.name, proc.pid)
+            was_alive, started = proc.alive(), time.monotonic()
             try:
-                proc.stop(self.stop_timeout)
+                code = proc.stop(self.stop_timeout)
+                if was_alive:
+                    log.info("stopped %s (%s) in %.1f s", proc.name, describe_exit(code), time.monotonic() - started)
             except KeyboardInterrupt:  # impatient second Ctrl-C: kill the rest outright
                 for rest in self.processes:
                     rest.kill()
@@ -420,7 +424,8 @@ def resolve_redis(cfg: StackConfig, stack: Stack, log_dir: Path | None) -> str:
             raise ServiceError(f"no Redis answers PING at --redis-url {cfg.redis_url}")
         return cfg.redis_url
     if shutil.which("redis-server"):
-        proc, url, tmp = private_redis(log_dir / "redis.log" if log_dir else None)
+        # Without a log dir its start-up banner and warnings would only clutter the terminal.
+        proc, url, tmp = private_redis(log_dir / "redis.log" if log_dir else os.devnull)
         stack.processes.append(proc)
         stack._redis_dir = tmp
         log.info("private Redis at %s", url)

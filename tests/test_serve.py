@@ -1,0 +1,122 @@
+"""`pagedserve serve` as a real process: every service on loopback, a completion over HTTP, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pagedserve.grpc_util import free_port
+
+BANNER = re.compile(r"pagedserve: OpenAI API at (http://\S+)/v1 \(model (\S+)\), gRPC at (\S+)")
+
+
+def start_serve(tmp_path: Path, *flags: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_") or k == "PAGEDSERVE_DATA_DIR"}
+    return subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--log-dir", str(tmp_path / "logs"),
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def wait_banner(proc: subprocess.Popen, timeout_s: float = 600) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if match := BANNER.search(line):
+            return match
+    proc.kill()
+    out, err = proc.communicate(timeout=30)
+    pytest.fail(f"no banner (exit {proc.returncode}):\n{out}\n{err[-4000:]}")
+
+
+def test_a_service_that_fails_to_start_stops_the_launcher(tmp_path):
+    proc = start_serve(tmp_path, "--model", str(tmp_path / "no-such-model"), "--port", str(free_port()),
+                       "--grpc-port", str(free_port()), "--redis-url", "memory")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err
+    assert "worker0" in err and "exit code" in err and "no-such-model" in err
+    assert (tmp_path / "logs" / "worker0.log").exists()
+
+
+@pytest.mark.slow
+def test_serve_answers_then_stops_on_ctrl_c(tmp_path, default_model_path):
+    port, grpc_port = free_port(), free_port()
+    proc = start_serve(tmp_path, "--port", str(port), "--grpc-port", str(grpc_port), "--max-num-seqs", "8")
+    try:
+        url, model, grpc_address = wait_banner(proc).groups()
+        assert url == f"http://127.0.0.1:{port}" and grpc_address == f"127.0.0.1:{grpc_port}"
+        body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 8,
+                           "temperature": 0}).encode()
+        request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            answer = json.load(reply)
+        assert answer["choices"][0]["text"].strip(), answer
+        kids = children(proc.pid)
+        assert len(kids) >= 4  # worker, scheduler, tokenizer, gateway (and redis when installed)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-4000:]
+        for pid in kids:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_a_service_that_dies_stops_everything(tmp_path, default_model_path):
+    proc = start_serve(tmp_path, "--port", str(free_port()), "--grpc-port", str(free_port()))
+    try:
+        wait_banner(proc)
+        kids = children(proc.pid)
+        tokenizer = [pid for pid in kids if b"\0tokenizer\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(tokenizer) == 1
+        os.kill(tokenizer[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1
+        assert "tokenizer stopped unexpectedly (killed by SIGKILL)" in err
+        for pid in kids:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_during_startup_stops_cleanly(tmp_path, default_model_path):
+    proc = start_serve(tmp_path, "--port", str(free_port()), "--grpc-port", str(free_port()))
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "logs" / "worker0.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        kids = children(proc.pid)
+        assert kids
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-4000:]
+        assert "OpenAI API" not in out
+        for pid in kids:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
