@@ -55,7 +55,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench = subparsers.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{throughput}")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,services}")
     bench_sub.required = True
     p = bench_sub.add_parser("throughput", help="offline throughput vs transformers' static batching",
                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +66,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
     add_engine_args(p)
     p.set_defaults(func=run_throughput)
+    from pagedserve.bench_services import add_services_parser
+    add_services_parser(bench_sub)
     return p
 
 

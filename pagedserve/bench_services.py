@@ -1,0 +1,177 @@
+"""`pagedserve bench services`: the cost of the split. The same workload at the same concurrency
+runs through the engine core in this process, then through the services (gateway, tokenizer,
+scheduler, worker as processes, driven by the `openai` client over HTTP/SSE); reports the
+throughput ratio, TTFT and TPOT of both, and the scheduler -> worker round trip beyond compute.
+
+Workloads: `w64` (the throughput bench's W<num-prompts>) or `random` (prompts of --input-len random
+token ids, --output-len tokens each, as vLLM's serving benchmark's random dataset). Greedy,
+ignore_eos, one closed loop of --concurrency clients in both runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+import numpy as np
+
+from pagedserve.bench import Workload, build_engine, cpu_name, load_tokenizer, make_workload
+from pagedserve.cli import add_engine_args
+from pagedserve.sampling_params import SamplingParams
+
+
+def add_services_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("services", help="in-process engine vs the services at the same concurrency",
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=["w64", "random"], default="w64")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="random workload")
+    p.add_argument("--output-len", type=int, default=64, help="random workload")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--redis-url", default=None, help="default: a private redis-server, as `pagedserve serve`")
+    p.add_argument("--json", default=None, metavar="FILE")
+    add_engine_args(p)
+    p.set_defaults(func=run_services_bench)
+
+
+def random_workload(num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    return Workload([rng.integers(100, vocab_size, input_len).tolist() for _ in range(num_prompts)],
+                    [output_len] * num_prompts)
+
+
+def summarize(elapsed: float, ttfts: list[float], tpots: list[float], num_output: int) -> dict:
+    return {"elapsed_s": elapsed, "output_tok_s": num_output / elapsed,
+            "ttft_median_ms": 1e3 * statistics.median(ttfts), "tpot_median_ms": 1e3 * statistics.median(tpots),
+            "ttft_mean_ms": 1e3 * statistics.fmean(ttfts), "tpot_mean_ms": 1e3 * statistics.fmean(tpots)}
+
+
+# ---- in process ---------------------------------------------------------------------------------
+def run_in_process(engine, work: Workload, concurrency: int) -> dict:
+    """A closed loop of `concurrency` clients: a new request enters when one finishes."""
+    pending = list(range(len(work.prompts)))[::-1]
+    started: dict[str, float] = {}
+    first: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    ttfts, tpots = [], []
+    t0 = time.perf_counter()
+
+    def admit() -> None:
+        i = pending.pop()
+        rid = f"inproc-{i}"
+        engine.add_request(rid, work.prompts[i], SamplingParams(temperature=0.0, ignore_eos=True,
+                                                                 max_tokens=work.output_lens[i]))
+        started[rid], counts[rid] = time.perf_counter(), 0
+
+    for _ in range(min(concurrency, len(pending))):
+        admit()
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            rid = out.request_id
+            if out.new_tokens and rid not in first:
+                first[rid] = now
+            counts[rid] += len(out.new_tokens)
+            if out.finished:
+                ttfts.append(first[rid] - started[rid])
+                tpots.append((now - first[rid]) / max(1, counts[rid] - 1))
+                if pending:
+                    admit()
+    return summarize(time.perf_counter() - t0, ttfts, tpots, sum(counts.values()))
+
+
+# ---- through the services -----------------------------------------------------------------------
+async def run_clients(base_url: str, model: str, work: Workload, concurrency: int) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=3600)
+    gate = asyncio.Semaphore(concurrency)
+    ttfts, tpots, produced = [], [], []
+
+    async def one(i: int) -> None:
+        async with gate:
+            start = time.perf_counter()
+            stream = await client.completions.create(
+                model=model, prompt=work.prompts[i], max_tokens=work.output_lens[i], temperature=0.0,
+                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            first = None
+            async for chunk in stream:
+                if chunk.choices and first is None:
+                    first = time.perf_counter()
+                if chunk.usage:
+                    produced.append(chunk.usage.completion_tokens)
+            end = time.perf_counter()
+            ttfts.append(first - start)
+            tpots.append((end - first) / max(1, work.output_lens[i] - 1))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(len(work.prompts))))
+    elapsed = time.perf_counter() - t0
+    await client.close()
+    if sum(produced) != work.num_output_tokens:
+        raise RuntimeError(f"the services produced {sum(produced)} tokens, expected {work.num_output_tokens}")
+    return summarize(elapsed, ttfts, tpots, sum(produced))
+
+
+def run_through_services(args, model_path, work: Workload) -> dict:
+    import grpc
+
+    from pagedserve.grpc_util import free_port
+    from pagedserve.processes import StackConfig, start_stack
+    from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    cfg = StackConfig(model=str(model_path), port=free_port(), grpc_port=free_port(), redis_url=args.redis_url,
+                      device=args.device, dtype=args.dtype, block_size=args.block_size,
+                      kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      long_prefill_token_threshold=args.long_prefill_token_threshold,
+                      max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
+                      scheduling_policy=args.scheduling_policy, no_prefix_caching=args.no_prefix_caching,
+                      no_chunked_prefill=args.no_chunked_prefill, log_dir=None)
+    with start_stack(cfg) as stack:
+        import httpx
+        model = httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        result = asyncio.run(run_clients(stack.http_url, model, work, args.concurrency))
+        with grpc.insecure_channel(stack.addresses["scheduler"]) as channel:
+            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.StatsRequest(), timeout=30)
+        result.update(step_rtt_median_ms=1e3 * stats.step_rtt_median_s,
+                      step_time_median_ms=1e3 * stats.step_time_median_s, num_steps=stats.num_steps)
+    return result
+
+
+def run_services_bench(args) -> dict:
+    from pagedserve.default_model import resolve_model
+
+    model_path = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_path)
+    engine = build_engine(args, model_path, tokenizer)
+    vocab = engine.model_config.vocab_size
+    if args.workload == "w64":
+        work = make_workload(args.num_prompts, vocab, args.seed)
+    else:
+        work = random_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+    dtype = str(engine.dtype).removeprefix("torch.")
+    run_in_process(engine, make_workload(4, vocab, 1), args.concurrency)  # warm-up: kernels, allocator
+    in_process = run_in_process(engine, work, args.concurrency)
+    del engine
+    services = run_through_services(args, model_path, work)
+    result = {"cpu": cpu_name(), "dtype": dtype, "workload": args.workload, "num_prompts": len(work.prompts),
+              "concurrency": args.concurrency, "output_tokens": work.num_output_tokens,
+              "in_process": in_process, "services": services,
+              "throughput_ratio": services["output_tok_s"] / in_process["output_tok_s"]}
+    print(f"{'':12}{'out tok/s':>10}{'TTFT med ms':>13}{'TPOT med ms':>13}{'elapsed s':>11}")
+    for name in ("in_process", "services"):
+        r = result[name]
+        print(f"{name:12}{r['output_tok_s']:10.1f}{r['ttft_median_ms']:13.1f}{r['tpot_median_ms']:13.1f}"
+              f"{r['elapsed_s']:11.1f}")
+    print(f"services / in-process throughput: {result['throughput_ratio']:.3f}x; scheduler->worker round trip "
+          f"beyond compute: median {services['step_rtt_median_ms']:.2f} ms per step "
+          f"(median step {services['step_time_median_ms']:.1f} ms)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
