@@ -65,6 +65,7 @@ def restart(stack, name: str, kill_signal: int) -> ServiceProcess:
     old = next(p for p in stack.processes if p.name == name)
     old.signal(kill_signal)
     old.proc.wait(timeout=30)
+    old.stop()  # reaps it and closes its log file
     new = ServiceProcess(name, old.argv, old.health_address, env=old.env, log_path=old.log_path).start()
     stack.processes[stack.processes.index(old)] = new
     new.wait_healthy(300)
