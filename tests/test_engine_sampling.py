@@ -110,3 +110,13 @@ def test_logprobs_close_to_transformers(tiny_llama):
         top = ref[step].topk(3)
         assert [t for t, _ in sample.top_logprobs] == top.indices.tolist()
         assert [lp for _, lp in sample.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_every_sample_of_n_carries_a_logprob_for_every_token(engine):
+    """Samples 1..n-1 fork on their first token: that token's logprob must come along."""
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, logprobs=2, ignore_eos=True)
+    [samples] = engine.generate([[5, 6, 7, 8]], params)
+    for sample in samples:
+        assert len(sample.logprobs) == len(sample.token_ids) == 6
+        assert [t.token_id for t in sample.logprobs] == sample.token_ids
+        assert all(t.logprob <= 0.0 and len(t.top_logprobs) == 2 for t in sample.logprobs)

@@ -340,7 +340,9 @@ class Scheduler:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         token = req.token_ids[-1]
-        new = [sample] if sample is not None else [SampledToken(token)]
+        if sample is None:  # a forked sample: its first token (and logprob) came in at the fork
+            sample = req.logprobs[-1] if req.logprobs else SampledToken(token)
+        new = [sample]
         params = req.params
         stop = None
         if req.num_output_tokens >= params.min_tokens and (
