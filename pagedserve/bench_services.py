@@ -1,6 +1,6 @@
 """`pagedserve bench services`: the cost of the split. The same workload at the same concurrency
 runs through the engine core in this process, then through the services (gateway, tokenizer,
-scheduler, worker as processes, driven by the `openai` client over HTTP/SSE); reports the
+scheduler, worker as processes, driven by streaming HTTP/SSE clients); reports the
 throughput ratio, TTFT and TPOT of both, and the scheduler -> worker round trip beyond compute.
 
 Workloads: `w64` (the throughput bench's W<num-prompts>) or `random` (prompts of --input-len random
@@ -32,6 +32,7 @@ def add_services_parser(bench_sub) -> None:
     p.add_argument("--output-len", type=int, default=64, help="random workload")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="alternating in-process / services runs")
     p.add_argument("--redis-url", default=None, help="default: a private redis-server, as `pagedserve serve`")
     p.add_argument("--json", default=None, metavar="FILE")
     add_engine_args(p)
@@ -86,61 +87,62 @@ def run_in_process(engine, work: Workload, concurrency: int) -> dict:
 
 # ---- through the services -----------------------------------------------------------------------
 async def run_clients(base_url: str, model: str, work: Workload, concurrency: int) -> dict:
-    from openai import AsyncOpenAI
+    """Streaming completions over raw HTTP/SSE (httpx): the client parses only what it measures,
+    so on a 2-core machine it takes as little CPU as it can from the server it measures."""
+    import httpx
 
-    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=3600)
     gate = asyncio.Semaphore(concurrency)
     ttfts, tpots, produced = [], [], []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
-    async def one(i: int) -> None:
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        body = {"model": model, "prompt": work.prompts[i], "max_tokens": work.output_lens[i], "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
         async with gate:
             start = time.perf_counter()
-            stream = await client.completions.create(
-                model=model, prompt=work.prompts[i], max_tokens=work.output_lens[i], temperature=0.0,
-                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
             first = None
-            async for chunk in stream:
-                if chunk.choices and first is None:
-                    first = time.perf_counter()
-                if chunk.usage:
-                    produced.append(chunk.usage.completion_tokens)
+            async with http.stream("POST", base_url + "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise RuntimeError(f"request {i}: HTTP {response.status_code}: {await response.aread()!r}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if first is None:
+                        first = time.perf_counter()
+                    if '"usage":{' in line:
+                        produced.append(json.loads(line[6:])["usage"]["completion_tokens"])
             end = time.perf_counter()
             ttfts.append(first - start)
             tpots.append((end - first) / max(1, work.output_lens[i] - 1))
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(len(work.prompts))))
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
+        await asyncio.gather(*(one(http, i) for i in range(len(work.prompts))))
     elapsed = time.perf_counter() - t0
-    await client.close()
     if sum(produced) != work.num_output_tokens:
         raise RuntimeError(f"the services produced {sum(produced)} tokens, expected {work.num_output_tokens}")
     return summarize(elapsed, ttfts, tpots, sum(produced))
 
 
-def run_through_services(args, model_path, work: Workload) -> dict:
-    import grpc
-
+def start_services(args, model_path):
     from pagedserve.grpc_util import free_port
     from pagedserve.processes import StackConfig, start_stack
-    from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    cfg = StackConfig(model=str(model_path), port=free_port(), grpc_port=free_port(), redis_url=args.redis_url,
-                      device=args.device, dtype=args.dtype, block_size=args.block_size,
-                      kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens,
-                      long_prefill_token_threshold=args.long_prefill_token_threshold,
-                      max_model_len=args.max_model_len, preemption_mode=args.preemption_mode,
-                      scheduling_policy=args.scheduling_policy, no_prefix_caching=args.no_prefix_caching,
-                      no_chunked_prefill=args.no_chunked_prefill, log_dir=None)
-    with start_stack(cfg) as stack:
-        import httpx
-        model = httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        result = asyncio.run(run_clients(stack.http_url, model, work, args.concurrency))
-        with grpc.insecure_channel(stack.addresses["scheduler"]) as channel:
-            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.StatsRequest(), timeout=30)
-        result.update(step_rtt_median_ms=1e3 * stats.step_rtt_median_s,
-                      step_time_median_ms=1e3 * stats.step_time_median_s, num_steps=stats.num_steps)
-    return result
+    return start_stack(StackConfig(
+        model=str(model_path), port=free_port(), grpc_port=free_port(), redis_url=args.redis_url,
+        device=args.device, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
+        preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
+        no_prefix_caching=args.no_prefix_caching, no_chunked_prefill=args.no_chunked_prefill, log_dir=None))
+
+
+def scheduler_stats(stack):
+    import grpc
+
+    from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+    with grpc.insecure_channel(stack.addresses["scheduler"]) as channel:
+        return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.StatsRequest(), timeout=30)
 
 
 def run_services_bench(args) -> dict:
@@ -156,21 +158,37 @@ def run_services_bench(args) -> dict:
         work = random_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
     dtype = str(engine.dtype).removeprefix("torch.")
     run_in_process(engine, make_workload(4, vocab, 1), args.concurrency)  # warm-up: kernels, allocator
-    in_process = run_in_process(engine, work, args.concurrency)
-    del engine
-    services = run_through_services(args, model_path, work)
+    # Both stay up and the runs alternate: this machine's speed drifts by 2x within minutes, so
+    # only pairs run back to back compare.
+    import httpx
+    pairs = []
+    with start_services(args, model_path) as stack:
+        model = httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        asyncio.run(run_clients(stack.http_url, model, make_workload(4, vocab, 1), args.concurrency))  # warm-up
+        for repeat in range(args.repeats):
+            in_process = run_in_process(engine, work, args.concurrency)
+            services = asyncio.run(run_clients(stack.http_url, model, work, args.concurrency))
+            pairs.append({"in_process": in_process, "services": services,
+                          "ratio": services["output_tok_s"] / in_process["output_tok_s"]})
+            print(f"run {repeat + 1}: in-process {in_process['output_tok_s']:.1f} out tok/s, services "
+                  f"{services['output_tok_s']:.1f}: {pairs[-1]['ratio']:.3f}x", flush=True)
+        stats = scheduler_stats(stack)
+    ratios = sorted(p["ratio"] for p in pairs)
     result = {"cpu": cpu_name(), "dtype": dtype, "workload": args.workload, "num_prompts": len(work.prompts),
-              "concurrency": args.concurrency, "output_tokens": work.num_output_tokens,
-              "in_process": in_process, "services": services,
-              "throughput_ratio": services["output_tok_s"] / in_process["output_tok_s"]}
-    print(f"{'':12}{'out tok/s':>10}{'TTFT med ms':>13}{'TPOT med ms':>13}{'elapsed s':>11}")
+              "concurrency": args.concurrency, "output_tokens": work.num_output_tokens, "runs": pairs,
+              "throughput_ratio_median": statistics.median(ratios),
+              "step_rtt_median_ms": 1e3 * stats.step_rtt_median_s,
+              "step_time_median_ms": 1e3 * stats.step_time_median_s}
+    print(f"{'':12}{'out tok/s':>10}{'TTFT med ms':>13}{'TPOT med ms':>13}{'elapsed s':>11}   (median over runs)")
     for name in ("in_process", "services"):
-        r = result[name]
-        print(f"{name:12}{r['output_tok_s']:10.1f}{r['ttft_median_ms']:13.1f}{r['tpot_median_ms']:13.1f}"
-              f"{r['elapsed_s']:11.1f}")
-    print(f"services / in-process throughput: {result['throughput_ratio']:.3f}x; scheduler->worker round trip "
-          f"beyond compute: median {services['step_rtt_median_ms']:.2f} ms per step "
-          f"(median step {services['step_time_median_ms']:.1f} ms)")
+        med = {key: statistics.median(p[name][key] for p in pairs)
+               for key in ("output_tok_s", "ttft_median_ms", "tpot_median_ms", "elapsed_s")}
+        result[name] = med
+        print(f"{name:12}{med['output_tok_s']:10.1f}{med['ttft_median_ms']:13.1f}{med['tpot_median_ms']:13.1f}"
+              f"{med['elapsed_s']:11.1f}")
+    print(f"services / in-process throughput: median {result['throughput_ratio_median']:.3f}x over "
+          f"{len(pairs)} alternating runs; scheduler->worker round trip beyond compute: median "
+          f"{result['step_rtt_median_ms']:.2f} ms per step (median step {result['step_time_median_ms']:.1f} ms)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

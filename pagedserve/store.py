@@ -30,6 +30,9 @@ class RecordWrite:
     new_tokens: dict[int, list[int]] = field(default_factory=dict)  # sample index -> tokens to append
     created: bool = False  # add to the active set
     finished: bool = False  # remove from the active set
+    # (Re)start the TTL of the record and of these samples' output lists: done when a key is
+    # created and at the finish, not on every step (a step then costs one RPUSH per sample).
+    ttl_samples: int = 0
 
 
 @dataclass(slots=True)
@@ -101,12 +104,13 @@ class RedisStore(RequestStore):
             key = self._req(w.request_id)
             if w.fields:
                 pipe.hset(key, mapping=w.fields)
-                pipe.expire(key, self.ttl_s)
             for index, tokens in w.new_tokens.items():
                 if tokens:
-                    out = self._out(w.request_id, index)
-                    pipe.rpush(out, *tokens)
-                    pipe.expire(out, self.ttl_s)
+                    pipe.rpush(self._out(w.request_id, index), *tokens)
+            if w.created or w.finished or w.ttl_samples:
+                pipe.expire(key, self.ttl_s)
+                for index in range(w.ttl_samples):
+                    pipe.expire(self._out(w.request_id, index), self.ttl_s)
             if w.created:
                 pipe.sadd(active, w.request_id)
             if w.finished:

@@ -69,7 +69,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens_total", "generation_tokens_total", "num_steps", "step_rtt_median_s", "step_time_median_s", "ready", "max_waiting_requests", "requests_finished_total")
+    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens_total", "generation_tokens_total", "num_steps", "step_rtt_median_s", "step_time_median_s", "ready", "max_waiting_requests", "requests_finished_total", "worker_busy_seconds_total", "step_seconds_total", "idle_seconds_total")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,9 @@ class SchedulerStats(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FINISHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WORKER_BUSY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_swapped: int
@@ -104,7 +107,10 @@ class SchedulerStats(_message.Message):
     ready: bool
     max_waiting_requests: int
     requests_finished_total: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_rtt_median_s: _Optional[float] = ..., step_time_median_s: _Optional[float] = ..., ready: _Optional[bool] = ..., max_waiting_requests: _Optional[int] = ..., requests_finished_total: _Optional[int] = ...) -> None: ...
+    worker_busy_seconds_total: float
+    step_seconds_total: float
+    idle_seconds_total: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_rtt_median_s: _Optional[float] = ..., step_time_median_s: _Optional[float] = ..., ready: _Optional[bool] = ..., max_waiting_requests: _Optional[int] = ..., requests_finished_total: _Optional[int] = ..., worker_busy_seconds_total: _Optional[float] = ..., step_seconds_total: _Optional[float] = ..., idle_seconds_total: _Optional[float] = ...) -> None: ...
 
 class GetRequestRequest(_message.Message):
     __slots__ = ("request_id",)

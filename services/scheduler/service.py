@@ -69,7 +69,8 @@ class SchedulerService:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.writer = RecordWriter(store, self.lock, self._forget_group)
         self.pending_admissions = 0
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "steps": 0}
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "steps": 0,
+                         "worker_busy_s": 0.0, "step_s": 0.0, "idle_s": 0.0}
         self.step_overheads: deque[float] = deque(maxlen=1000)
         self.step_times: deque[float] = deque(maxlen=1000)
         self.stopping = threading.Event()
@@ -258,10 +259,14 @@ class SchedulerService:
                 self._fail_all(ServiceError(grpc.StatusCode.INTERNAL, f"the engine step failed: {exc}"))
 
     def _run_commands(self, block: bool) -> None:
+        waited = time.perf_counter()
         try:
             command = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
         except queue.Empty:
             return
+        finally:
+            if block:
+                self.counters["idle_s"] += time.perf_counter() - waited
         command()
         while True:
             try:
@@ -310,10 +315,13 @@ class SchedulerService:
                 group.num_preemptions = max(group.num_preemptions, req.num_preemptions)
         started = time.perf_counter()
         result, overhead = self.workers.step(sched, wants_logprobs)
-        self.step_times.append(time.perf_counter() - started)
+        step_time = time.perf_counter() - started
+        self.step_times.append(step_time)
         self.step_overheads.append(overhead)
-        self.counters["steps"] += 1
         step_worker_time = result.forward_time_s + result.sample_time_s
+        self.counters["steps"] += 1
+        self.counters["step_s"] += step_time
+        self.counters["worker_busy_s"] += step_worker_time
         for req_id in sched.num_scheduled_tokens:
             req = requests.get(req_id)
             group = self.groups.get(req.group_id) if req is not None else None
@@ -337,12 +345,13 @@ class SchedulerService:
             _, write, deliveries = changed[group.group_id]
             tokens = [t.token_id for t in update.new_tokens]
             self.counters["generation_tokens"] += len(tokens)
+            write.new_tokens.setdefault(req.sample_index, []).extend(tokens)
             if tokens and "first_token" not in group.timings:
                 group.timings["first_token"] = now
                 group.num_cached_tokens = req.num_cached_tokens
                 write.fields["status"] = "running"
                 write.fields["num_cached_tokens"] = str(req.num_cached_tokens)
-            write.new_tokens.setdefault(req.sample_index, []).extend(tokens)
+                write.fields["timings"] = ""  # filled below, once the step's updates are in
             delivery = Delivery(req.sample_index, req.num_output_tokens - len(tokens), tokens,
                                 list(update.new_tokens) if group.params.logprobs is not None else None,
                                 num_cached_tokens=group.num_cached_tokens)
@@ -356,10 +365,13 @@ class SchedulerService:
                     write.finished = True
                     write.fields["status"] = "finished"
                 write.fields["finish_reasons"] = json.dumps(group.finish_reasons)
+                write.fields["timings"] = ""
                 delivery.timings = group.timings_snapshot()
             deliveries.append(delivery)
         for group, write, _ in changed.values():
-            write.fields["timings"] = json.dumps(group.timings_snapshot())
+            if "timings" in write.fields:
+                write.fields["timings"] = json.dumps(group.timings_snapshot())
+                write.ttl_samples = group.n
         self.writer.submit([w for _, w, _ in changed.values()], [(g, d) for g, _, d in changed.values()], done)
 
     def _abort(self, request_id: str, index: int | None) -> None:
@@ -380,6 +392,7 @@ class SchedulerService:
             group.done = True
             write.fields.update(status="finished", timings=json.dumps(group.timings_snapshot()))
             write.finished = True
+            write.ttl_samples = group.n
         for delivery in deliveries:
             delivery.timings = group.timings_snapshot()
         self.writer.submit([write], [(group, deliveries)], [group] if group.done else [])
@@ -440,7 +453,8 @@ class SchedulerService:
             step_rtt_median_s=statistics.median(self.step_overheads) if self.step_overheads else 0.0,
             step_time_median_s=statistics.median(self.step_times) if self.step_times else 0.0,
             ready=self.ready, max_waiting_requests=self.config.max_waiting_requests,
-            requests_finished_total=self.counters["finished"])
+            requests_finished_total=self.counters["finished"], worker_busy_seconds_total=self.counters["worker_busy_s"],
+            step_seconds_total=self.counters["step_s"], idle_seconds_total=self.counters["idle_s"])
 
     def model_name(self) -> str:
         return os.path.basename(self.info.model.rstrip("/")) if self.info else ""
