@@ -276,7 +276,7 @@ SCHEDULER_FLAGS = ("max_waiting_requests", "block_size", "kv_cache_memory", "gpu
                    "max_model_len", "preemption_mode", "scheduling_policy", "no_prefix_caching",
                    "no_chunked_prefill")
 TOKENIZER_FLAGS = ("model", "served_model_name")
-GATEWAY_FLAGS = ("api_key",)
+GATEWAY_FLAGS = ()  # the API key goes by environment (service_env), never on a command line `ps` shows
 
 
 def _flags(cfg: StackConfig, names: Sequence[str]) -> list[str]:
@@ -344,6 +344,13 @@ def service_argvs(cfg: StackConfig, ports: Ports, redis_url: str) -> dict[str, l
                         "--tokenizer-addr", tokenizer_addr, "--scheduler-addr", scheduler_addr,
                         "--redis-url", redis_url, *_flags(cfg, GATEWAY_FLAGS)]
     return argvs
+
+
+def service_env(cfg: StackConfig, name: str, env: dict[str, str]) -> dict[str, str]:
+    """A service's environment: secrets travel here rather than in its argv."""
+    if name == "gateway" and cfg.api_key:
+        return {**env, "PAGEDSERVE_API_KEY": cfg.api_key}
+    return env
 
 
 def check_port_free(host: str, port: int, what: str) -> None:
@@ -455,7 +462,8 @@ def start_stack(cfg: StackConfig, python: str = sys.executable) -> Stack:
         health = {f"worker{r}": f"{LOOPBACK}:{p}" for r, p in enumerate(ports.workers)}
         health |= {"scheduler": f"{LOOPBACK}:{ports.scheduler}", "tokenizer": f"{LOOPBACK}:{ports.tokenizer}",
                    "gateway": f"{public}:{cfg.grpc_port}"}
-        procs = {name: ServiceProcess(name, [python, "-m", "pagedserve.cli", *argv], health[name], env=env,
+        procs = {name: ServiceProcess(name, [python, "-m", "pagedserve.cli", *argv], health[name],
+                                      env=service_env(cfg, name, env),
                                       log_path=log_dir / f"{name}.log" if log_dir else None)
                  for name, argv in argvs.items()}
         workers = [p for name, p in procs.items() if name.startswith("worker")]

@@ -14,7 +14,8 @@ import pytest
 
 from pagedserve.grpc_util import free_port
 from pagedserve.processes import (SCHEDULER_FLAGS, TOKENIZER_FLAGS, WORKER_FLAGS, Ports, ServiceError,
-                                  ServiceProcess, Stack, StackConfig, client_host, resolve_redis, service_argvs)
+                                  ServiceProcess, Stack, StackConfig, client_host, resolve_redis, service_argvs,
+                                  service_env)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -62,8 +63,10 @@ def test_routing_of_every_flag(monkeypatch):
         "/m", "smol", "127.0.0.1", 7020, "127.0.0.1:7010")
 
     g = ns["gateway"]
-    assert (g.host, g.port, g.grpc_port, g.api_key, g.redis_url) == (
-        "0.0.0.0", 8123, 8124, "sk-1", "redis://127.0.0.1:6399/0")
+    assert (g.host, g.port, g.grpc_port, g.redis_url) == ("0.0.0.0", 8123, 8124, "redis://127.0.0.1:6399/0")
+    assert "sk-1" not in " ".join(argvs["gateway"])  # a key on a command line is visible to `ps`
+    assert service_env(cfg, "gateway", {})["PAGEDSERVE_API_KEY"] == "sk-1"
+    assert "PAGEDSERVE_API_KEY" not in service_env(cfg, "scheduler", {})
     assert (g.tokenizer_addr, g.scheduler_addr) == ("127.0.0.1:7020", "127.0.0.1:7010")
 
 

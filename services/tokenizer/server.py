@@ -228,8 +228,8 @@ class TokenizerService:
             for _ in range(max(1, first.n or request.params.n)):
                 gen.samples.append(SampleState(SampleText(self.tokenizer, prompt_ids, request.skip_special_tokens,
                                                           list(request.stop), request.include_stop_str_in_output)))
-            log.info("request %s accepted: %d prompt tokens, n=%d", gen.request_id, gen.prompt_tokens,
-                     len(gen.samples))
+            log.debug("request %s accepted: %d prompt tokens, n=%d", gen.request_id, gen.prompt_tokens,
+                      len(gen.samples))
             accepted = generate_pb2.GenerateResponse(request_id=gen.request_id, accepted=True)
             accepted.usage.prompt_tokens = gen.prompt_tokens
             if request.echo:
@@ -263,7 +263,7 @@ class TokenizerService:
             if response is not None:
                 yield response
             if all(s.finished for s in gen.samples):
-                log.info("request %s finished", gen.request_id)
+                log.debug("request %s finished", gen.request_id)
                 return
             if stopped:
                 self._abort_sample(gen, delta.index)
