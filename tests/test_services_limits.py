@@ -142,3 +142,52 @@ def test_model_still_loading_is_503(stack, tmp_path):
         for proc in reversed(procs):
             proc.stop()
     assert scheduler_stats(stack).ready  # the real stack was not disturbed
+
+
+def test_readmitted_request_nobody_reattaches_to_is_aborted(stack):
+    """The client went down with the scheduler: after the restart its request is re-admitted from
+    Redis, and aborted (blocks freed, record finished) once --orphan-timeout passes without a stream."""
+    import json
+    import signal
+    import threading
+
+    import redis
+
+    from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+    request_id = f"orphan-{time.time_ns()}"
+    got_tokens = threading.Event()
+
+    def client() -> None:
+        with grpc.insecure_channel(stack.addresses["scheduler"]) as channel:
+            stream = scheduler_pb2_grpc.SchedulerStub(channel).Generate(scheduler_pb2.ScheduleRequest(
+                request_id=request_id, prompt_token_ids=[5, 6, 7],
+                params=common_pb2.SamplingParams(max_tokens=900, ignore_eos=True, temperature=0)))
+            try:
+                for message in stream:
+                    if message.token_ids:
+                        got_tokens.set()
+            except grpc.RpcError:
+                pass  # its scheduler died
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    assert got_tokens.wait(60)
+    old = next(p for p in stack.processes if p.name == "scheduler")
+    old.signal(signal.SIGKILL)
+    old.proc.wait(timeout=30)
+    old.stop()
+    new = ServiceProcess("scheduler", [*old.argv, "--orphan-timeout", "1"], old.health_address, env=old.env,
+                         log_path=old.log_path).start()
+    stack.processes[stack.processes.index(old)] = new
+    new.wait_healthy(120)
+    store = redis.Redis.from_url("redis://127.0.0.1:6379/0", decode_responses=True)
+    key = f"{stack.redis_prefix}req:{request_id}"
+    deadline = time.monotonic() + 30
+    while store.hget(key, "status") != "finished" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert store.hget(key, "status") == "finished"
+    assert json.loads(store.hget(key, "finish_reasons")) == ["abort"]
+    assert 0 < store.llen(f"{stack.redis_prefix}out:{request_id}:0") < 900
+    assert request_id not in store.smembers(f"{stack.redis_prefix}active")
+    stats = wait_until_idle(stack)
+    assert stats.num_running == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks

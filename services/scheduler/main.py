@@ -19,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bound on the waiting queue: beyond it requests get RESOURCE_EXHAUSTED (HTTP 429)")
     parser.add_argument("--worker-timeout", type=float, default=600.0,
                         help="seconds to wait for the workers to load and answer")
+    parser.add_argument("--orphan-timeout", type=float, default=60.0,
+                        help="after a restart, seconds a re-admitted request waits for its stream to re-attach "
+                             "before it is aborted")
     g = parser.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", default=None, help="KV pool size: bytes or e.g. 512MiB (CPU default 2GiB)")

@@ -114,7 +114,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
         preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
-        max_waiting_requests=args.max_waiting_requests, worker_timeout_s=args.worker_timeout)
+        max_waiting_requests=args.max_waiting_requests, worker_timeout_s=args.worker_timeout,
+        orphan_timeout_s=args.orphan_timeout)
 
 
 async def _serve(args: argparse.Namespace) -> int:

@@ -55,6 +55,7 @@ class ServiceConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int = 1024
     worker_timeout_s: float = 600.0
+    orphan_timeout_s: float = 60.0  # re-admitted requests no stream re-attaches to by then are aborted
 
 
 class SchedulerService:
@@ -75,6 +76,8 @@ class SchedulerService:
         self.step_times: deque[float] = deque(maxlen=1000)
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
+        self.readmitted: list[str] = []
+        self.orphan_deadline = 0.0
 
     # ---- start and stop -------------------------------------------------------------------
     def start(self) -> None:
@@ -141,7 +144,9 @@ class SchedulerService:
                 self.store.write([RecordWrite(request_id, fields, finished=True)])
                 continue
             self.groups[request_id] = group
+            self.readmitted.append(request_id)
             readmitted += 1
+        self.orphan_deadline = time.monotonic() + self.config.orphan_timeout_s
         if readmitted:
             log.info("re-admitted %d unfinished request(s) from the store; they resume by recompute", readmitted)
 
@@ -245,6 +250,8 @@ class SchedulerService:
     def _loop(self) -> None:
         while not self.stopping.is_set():
             self._run_commands(block=not self.scheduler.has_unfinished())
+            if self.readmitted and time.monotonic() > self.orphan_deadline:
+                self._abort_orphans()
             if self.stopping.is_set() or not self.scheduler.has_unfinished():
                 continue
             try:
@@ -257,6 +264,17 @@ class SchedulerService:
             except Exception as exc:  # noqa: BLE001 - keep serving; the requests in flight fail loudly
                 log.exception("step failed")
                 self._fail_all(ServiceError(grpc.StatusCode.INTERNAL, f"the engine step failed: {exc}"))
+
+    def _abort_orphans(self) -> None:
+        """Requests re-admitted after a restart whose clients went down with the old scheduler:
+        nobody re-attached within the grace period, so they stop rather than run for no one."""
+        orphans = [rid for rid in self.readmitted if (g := self.groups.get(rid)) is not None
+                   and not g.subscribers and not g.done]
+        self.readmitted = []
+        for request_id in orphans:
+            self._abort(request_id, None)
+        if orphans:
+            log.info("aborted %d re-admitted request(s) that no client re-attached to", len(orphans))
 
     def _run_commands(self, block: bool) -> None:
         waited = time.perf_counter()
