@@ -28,6 +28,14 @@ SERVER_OPTIONS = [
 ]
 
 
+class StatusError(Exception):
+    """A gRPC status (code and details) for a servicer to answer its caller with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
 def add_health_and_reflection(server, service_names: list[str]) -> health.HealthServicer:
     """Register grpc.health.v1 and reflection on server (sync or aio). Every service starts
     NOT_SERVING; the caller flips it with set_serving() once it can do its work."""

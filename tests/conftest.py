@@ -33,6 +33,15 @@ def default_model_path() -> Path:
     return ensure_default_model(progress=False)
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The default model's own HF tokenizer."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.default_model import resolve_model
+    return AutoTokenizer.from_pretrained(resolve_model(None))
+
+
 NO_TOKENIZER = NoTokenizer()
 
 

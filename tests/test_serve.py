@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,6 +34,22 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
+
+
+@contextlib.contextmanager
+def killed_at_exit(proc: subprocess.Popen):
+    """Whatever the test asserted, the launcher does not outlive it."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def wait_banner(proc: subprocess.Popen, timeout_s: float = 600) -> re.Match:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -59,7 +76,7 @@ def test_a_service_that_fails_to_start_stops_the_launcher(tmp_path):
 def test_serve_answers_then_stops_on_ctrl_c(tmp_path, default_model_path):
     port, grpc_port = free_port(), free_port()
     proc = start_serve(tmp_path, "--port", str(port), "--grpc-port", str(grpc_port), "--max-num-seqs", "8")
-    try:
+    with killed_at_exit(proc):
         url, model, grpc_address = wait_banner(proc).groups()
         assert url == f"http://127.0.0.1:{port}" and grpc_address == f"127.0.0.1:{grpc_port}"
         body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 8,
@@ -73,18 +90,13 @@ def test_serve_answers_then_stops_on_ctrl_c(tmp_path, default_model_path):
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-4000:]
-        for pid in kids:
-            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert_gone(kids)
 
 
 @pytest.mark.slow
 def test_a_service_that_dies_stops_everything(tmp_path, default_model_path):
     proc = start_serve(tmp_path, "--port", str(free_port()), "--grpc-port", str(free_port()))
-    try:
+    with killed_at_exit(proc):
         wait_banner(proc)
         kids = children(proc.pid)
         tokenizer = [pid for pid in kids if b"\0tokenizer\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
@@ -93,18 +105,13 @@ def test_a_service_that_dies_stops_everything(tmp_path, default_model_path):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 1
         assert "tokenizer stopped unexpectedly (killed by SIGKILL)" in err
-        for pid in kids:
-            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert_gone(kids)
 
 
 @pytest.mark.slow
 def test_sigterm_during_startup_stops_cleanly(tmp_path, default_model_path):
     proc = start_serve(tmp_path, "--port", str(free_port()), "--grpc-port", str(free_port()))
-    try:
+    with killed_at_exit(proc):
         deadline = time.monotonic() + 60
         while not (tmp_path / "logs" / "worker0.log").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -114,9 +121,4 @@ def test_sigterm_during_startup_stops_cleanly(tmp_path, default_model_path):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-4000:]
         assert "OpenAI API" not in out
-        for pid in kids:
-            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert_gone(kids)

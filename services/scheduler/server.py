@@ -11,11 +11,11 @@ import threading
 import grpc
 
 from pagedserve import wire
-from pagedserve.grpc_util import SERVER_OPTIONS, add_health_and_reflection, set_serving
+from pagedserve.grpc_util import SERVER_OPTIONS, StatusError, add_health_and_reflection, set_serving
 from pagedserve.store import open_store
 from pagedserve.v1 import generate_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.records import Delivery
-from services.scheduler.service import SchedulerService, ServiceConfig, ServiceError
+from services.scheduler.service import SchedulerService, ServiceConfig
 from services.scheduler.worker_client import WorkerGroup
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -41,8 +41,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Generate(self, request, context):
         try:
             sub, group = self.service.submit(request, asyncio.get_running_loop())
-        except ServiceError as exc:
-            await context.abort(exc.code, exc.message)
+        except StatusError as exc:
+            await context.abort(exc.code, exc.details)
         try:
             accepted = scheduler_pb2.TokenDelta(request_id=group.group_id, accepted=True, n=group.n,
                                                 num_prompt_tokens=len(group.prompt_token_ids))
@@ -54,8 +54,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             replayed = sub.replayed
             while not all(finished):
                 item = await sub.queue.get()
-                if isinstance(item, ServiceError):
-                    await context.abort(item.code, item.message)
+                if isinstance(item, StatusError):
+                    await context.abort(item.code, item.details)
                 is_replay, deliveries = item
                 replayed |= is_replay
                 if not replayed:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from pagedserve import wire
+from pagedserve.grpc_util import StatusError
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.store import RecordWrite, RequestStore, StoredRequest
 from pagedserve.v1 import scheduler_pb2, worker_pb2
@@ -31,12 +32,6 @@ from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.worker_client import WorkerError, WorkerGroup
 
 log = logging.getLogger("pagedserve.scheduler")
-
-
-class ServiceError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 @dataclass(slots=True)
@@ -154,7 +149,7 @@ class SchedulerService:
     def submit(self, msg: scheduler_pb2.ScheduleRequest,
                loop: asyncio.AbstractEventLoop) -> tuple[Subscription, GroupState]:
         if not self.ready:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler is starting: the model is still loading")
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "the scheduler is starting: the model is still loading")
         request_id = msg.request_id or f"req-{uuid.uuid4().hex}"
         with self.lock:
             group = self.groups.get(request_id)
@@ -164,10 +159,10 @@ class SchedulerService:
         if record is not None:
             return self._attach_stored(record, loop)
         if msg.attach:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} to attach to")
+            raise StatusError(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} to attach to")
         group = self._validate(request_id, msg)
         if len(self.scheduler.waiting) + self.pending_admissions >= self.config.max_waiting_requests:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"the waiting queue is full ({self.config.max_waiting_requests} requests, "
                                "--max-waiting-requests); retry later")
         sub = Subscription(request_id, loop, replayed=True)
@@ -181,19 +176,19 @@ class SchedulerService:
     def _validate(self, request_id: str, msg: scheduler_pb2.ScheduleRequest) -> GroupState:
         prompt = list(msg.prompt_token_ids)
         if not prompt:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: at least one token is needed")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: at least one token is needed")
         vocab = self.info.vocab_size
         bad = next((t for t in prompt if t >= vocab), None)
         if bad is not None:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         room = self.max_model_len - len(prompt)
         if room < 1:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"the prompt has {len(prompt)} tokens, but the model's context (max_model_len) "
                                f"is {self.max_model_len} tokens including the output")
         if msg.params.HasField("max_tokens") and msg.params.max_tokens > room:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"this model's maximum context length is {self.max_model_len} tokens; the request "
                                f"asks for {len(prompt) + msg.params.max_tokens} ({len(prompt)} in the prompt, "
                                f"{msg.params.max_tokens} in max_tokens)")
@@ -203,7 +198,7 @@ class SchedulerService:
             if params.n > self.config.max_num_seqs:
                 raise ValueError(f"n={params.n} is more than max_num_seqs ({self.config.max_num_seqs})")
         except ValueError as exc:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         timings = {k: v for k, v in wire.timings_to_dict(msg.timings).items() if v}
         timings["scheduler_received"] = time.time()
         return GroupState(request_id, params.n, prompt, params, msg.priority, timings, [""] * params.n)
@@ -258,12 +253,12 @@ class SchedulerService:
                 self._step()
             except WorkerError as exc:
                 log.error("%s; failing the requests in flight", exc)
-                self._fail_all(ServiceError(grpc.StatusCode.UNAVAILABLE, str(exc)))
+                self._fail_all(StatusError(grpc.StatusCode.UNAVAILABLE, str(exc)))
                 self.ready = False
                 self._reconnect()
             except Exception as exc:  # noqa: BLE001 - keep serving; the requests in flight fail loudly
                 log.exception("step failed")
-                self._fail_all(ServiceError(grpc.StatusCode.INTERNAL, f"the engine step failed: {exc}"))
+                self._fail_all(StatusError(grpc.StatusCode.INTERNAL, f"the engine step failed: {exc}"))
 
     def _abort_orphans(self) -> None:
         """Requests re-admitted after a restart whose clients went down with the old scheduler:
@@ -301,7 +296,7 @@ class SchedulerService:
         try:
             self.scheduler.add_request(req)
         except ValueError as exc:
-            self._end_group(group, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+            self._end_group(group, StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
             return
         self.counters["prompt_tokens"] += len(group.prompt_token_ids)
         self.writer.submit([RecordWrite(group.group_id, group.creation_fields(), created=True)], [])
@@ -415,14 +410,14 @@ class SchedulerService:
             delivery.timings = group.timings_snapshot()
         self.writer.submit([write], [(group, deliveries)], [group] if group.done else [])
 
-    def _end_group(self, group: GroupState, error: ServiceError) -> None:
+    def _end_group(self, group: GroupState, error: StatusError) -> None:
         group.done = True
         with self.lock:
             for sub in group.subscribers:
                 sub.push(error)
         self.writer.submit([], [], [group])
 
-    def _fail_all(self, error: ServiceError) -> None:
+    def _fail_all(self, error: StatusError) -> None:
         for group in list(self.groups.values()):
             if not group.done:
                 self.scheduler.abort(group.group_id)

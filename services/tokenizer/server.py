@@ -19,7 +19,8 @@ from pathlib import Path
 
 import grpc
 
-from pagedserve.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS, add_health_and_reflection, set_serving
+from pagedserve.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS, StatusError, add_health_and_reflection, \
+    set_serving
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.tokenizer.detokenizer import SampleText
 
@@ -35,14 +36,6 @@ UNREACHABLE = "the scheduler is not reachable (model still loading?)"
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED})
 RETRY_BACKOFF_S = (0.1, 1.0)
 MODEL_INFO_TIMEOUT_S = 2.0
-
-
-class RequestError(Exception):
-    """A gRPC status to answer the caller with."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
 
 
 @dataclass(slots=True)
@@ -116,12 +109,12 @@ class TokenizerService:
     def _chat(self, chat: generate_pb2.ChatMessages, tokenize: bool):
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
         if not messages:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty (the chat has no messages)")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty (the chat has no messages)")
         try:
             out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=chat.add_generation_prompt,
                                                      tokenize=tokenize)
         except Exception as exc:  # jinja2 errors, raise_exception() in the template, no template at all
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"the model's chat template failed: {type(exc).__name__}: {exc}") from None
         if tokenize and hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
             out = out["input_ids"]
@@ -135,7 +128,7 @@ class TokenizerService:
             ids = list(request.prompt_token_ids.ids)
             for i, tid in enumerate(ids):
                 if tid >= self.vocab_limit:
-                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                    raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                        f"prompt_token_ids[{i}] = {tid} is out of range: the vocabulary has "
                                        f"{self.vocab_limit} tokens")
         elif which == "chat":
@@ -143,7 +136,7 @@ class TokenizerService:
         else:
             ids = []
         if not ids:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
         return ids
 
     async def _in_thread(self, fn, *args):
@@ -181,27 +174,27 @@ class TokenizerService:
 
     def _validate(self, request: generate_pb2.GenerateRequest) -> None:
         if request.model and request.model != self.served_model_name:
-            raise RequestError(grpc.StatusCode.NOT_FOUND,
+            raise StatusError(grpc.StatusCode.NOT_FOUND,
                                f"the model {request.model!r} is not served here (this is {self.served_model_name!r})")
         if len(request.stop) > MAX_STOP_STRINGS:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"too many stop strings: {len(request.stop)} (at most {MAX_STOP_STRINGS})")
         for i, s in enumerate(request.stop):
             if not s or len(s) > MAX_STOP_STRING_CHARS:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"stop[{i}] has {len(s)} characters; a stop string must have 1 to "
                                    f"{MAX_STOP_STRING_CHARS}")
 
-    def _fail_before_accept(self, exc: grpc.aio.AioRpcError) -> RequestError:
+    def _fail_before_accept(self, exc: grpc.aio.AioRpcError) -> StatusError:
         code = exc.code()
         # The scheduler's own UNAVAILABLE (not ready, shutting down) comes over a live connection.
         if code == grpc.StatusCode.UNAVAILABLE and self.channel.get_state() != grpc.ChannelConnectivity.READY:
             log.info("scheduler at %s not reachable: %s", self.scheduler_addr, exc.details())
-            return RequestError(code, UNREACHABLE)
-        return RequestError(code, exc.details() or f"the scheduler failed the request ({code.name})")
+            return StatusError(code, UNREACHABLE)
+        return StatusError(code, exc.details() or f"the scheduler failed the request ({code.name})")
 
     async def generate(self, request: generate_pb2.GenerateRequest, context):
-        """Yield GenerateResponses; raise RequestError for a status to answer with."""
+        """Yield GenerateResponses; raise StatusError for a status to answer with."""
         timings = common_pb2.Timings()
         timings.CopyFrom(request.timings)
         timings.tokenizer_received = time.time()
@@ -220,7 +213,7 @@ class TokenizerService:
             except grpc.aio.AioRpcError as exc:
                 raise self._fail_before_accept(exc) from None
             if first is grpc.aio.EOF or not first.accepted:
-                raise RequestError(grpc.StatusCode.INTERNAL, "the scheduler's stream did not start with accepted")
+                raise StatusError(grpc.StatusCode.INTERNAL, "the scheduler's stream did not start with accepted")
             gen.request_id = gen.schedule.request_id = first.request_id or request_id
             gen.prompt_tokens = first.num_prompt_tokens or len(prompt_ids)
             gen.cached_tokens = first.num_cached_tokens
@@ -248,7 +241,7 @@ class TokenizerService:
                 delta = await gen.call.read()
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in RETRYABLE:
-                    raise RequestError(exc.code(), exc.details() or exc.code().name) from None
+                    raise StatusError(exc.code(), exc.details() or exc.code().name) from None
                 delta = None
             # EOF before every sample finished: the scheduler went away cleanly mid-request.
             if delta is None or delta is grpc.aio.EOF:
@@ -338,7 +331,7 @@ class TokenizerService:
         while True:
             left = retry_until - time.monotonic()
             if left <= 0:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                raise StatusError(grpc.StatusCode.UNAVAILABLE,
                                    f"the scheduler did not come back within --scheduler-retry-timeout "
                                    f"({self.retry_timeout_s:g} s)")
             gen.call = self.scheduler.Generate(attach, wait_for_ready=True, timeout=context.time_remaining())
@@ -350,16 +343,16 @@ class TokenizerService:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     # Not the caller's mistake: the restarted scheduler had no durable record of it.
-                    raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                    raise StatusError(grpc.StatusCode.UNAVAILABLE,
                                        f"the scheduler restarted and lost request {gen.request_id!r} "
                                        f"(is it running without Redis?): {exc.details()}") from None
                 if exc.code() not in RETRYABLE:
-                    raise RequestError(exc.code(), exc.details() or exc.code().name) from None
+                    raise StatusError(exc.code(), exc.details() or exc.code().name) from None
                 await asyncio.sleep(min(delay, max(0.0, retry_until - time.monotonic())))
                 delay = min(delay * 2, RETRY_BACKOFF_S[1])
                 continue
             if first is grpc.aio.EOF or not first.accepted:
-                raise RequestError(grpc.StatusCode.INTERNAL,
+                raise StatusError(grpc.StatusCode.INTERNAL,
                                    "the scheduler's re-attached stream did not start with accepted")
             log.info("request %s re-attached", gen.request_id)
             for index in gen.stopped_by_us:  # a restarted scheduler does not know about them
@@ -383,13 +376,13 @@ class TokenizerServicer(generate_pb2_grpc.TokenizerServicer):
         try:
             async for response in service.generate(request, context):
                 yield response
-        except RequestError as exc:
+        except StatusError as exc:
             await context.abort(exc.code, exc.details)
 
     async def Tokenize(self, request, context):
         try:
             return await (await self._service(context)).tokenize(request)
-        except RequestError as exc:
+        except StatusError as exc:
             await context.abort(exc.code, exc.details)
 
     async def Detokenize(self, request, context):
