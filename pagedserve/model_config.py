@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
+                           "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What one rank's KV pool stores per token per layer: `num_planes` (2: K and V; 1: MLA's
+    single latent) x `num_heads` x `head_dim` values."""
+    num_planes: int
+    num_heads: int
+    head_dim: int
 
 
 @dataclass(slots=True)
@@ -28,6 +39,17 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     sliding_window: int | None = None
+    hf: dict = field(default_factory=dict, repr=False, compare=False)  # the whole config.json, for the MoE/MLA fields
+
+    @property
+    def is_mla(self) -> bool:
+        return self.architecture in MLA_ARCHITECTURES and self.hf.get("kv_lora_rank") is not None
+
+    def kv_layout(self, tensor_parallel_size: int = 1) -> KVLayout:
+        if self.is_mla:  # the compressed latent and the shared rope key, the same on every rank
+            return KVLayout(1, 1, self.hf["kv_lora_rank"] + self.hf["qk_rope_head_dim"])
+        # KV heads split across ranks; with fewer KV heads than ranks each rank keeps one.
+        return KVLayout(2, max(1, self.num_key_value_heads // tensor_parallel_size), self.head_dim)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
@@ -65,10 +87,12 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            attention_bias=(arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+                            or bool(cfg.get("attention_bias", False))),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
+            hf=dict(cfg),
         )
 
     @classmethod

@@ -25,18 +25,22 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """One block's bytes on one rank, all layers."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    layout = cfg.kv_layout(tensor_parallel_size)
+    return layout.num_planes * cfg.num_hidden_layers * block_size * layout.num_heads * layout.head_dim * elem
 
 
 class KVCache:
-    """All layers' blocks in one tensor [layers, 2 (K/V), blocks, block_size, kv_heads, head_dim],
-    so a block copy or swap moves every layer's slice in one indexed copy."""
+    """All layers' blocks in one tensor [layers, planes (K/V, or MLA's one latent), blocks,
+    block_size, kv_heads, head_dim], so a block copy or swap moves every layer's slice in one
+    indexed copy."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, num_host_blocks: int = 0) -> None:
-        shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+                 device: torch.device, num_host_blocks: int = 0, tensor_parallel_size: int = 1) -> None:
+        layout = cfg.kv_layout(tensor_parallel_size)
+        shape = (cfg.num_hidden_layers, layout.num_planes, num_blocks, block_size, layout.num_heads, layout.head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device_cache = torch.zeros(shape, dtype=dtype, device=device)

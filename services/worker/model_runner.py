@@ -16,9 +16,10 @@ from pagedserve.model_config import ModelConfig
 from pagedserve.sampling_params import SamplingParams
 from services.worker.attention import AttentionMetadata, PrefillSeq, cpu_kernels, make_backend
 from services.worker.kv_cache import KVCache
-from services.worker.models.llama import LlamaForCausalLM
+from services.worker.models import model_class
+from services.worker.parallel import tp_group
 from services.worker.sampler import RowSampling, Sampler
-from services.worker.weights import iter_weights
+from services.worker.weights import iter_lazy_weights
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +55,25 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
-        with torch.device(device):
-            model = LlamaForCausalLM(model_config, make_backend(device), max_model_len, cpu_kernels(device))
-        model.to(dtype=dtype)
-        model.cos_table, model.sin_table = model.cos_table.float(), model.sin_table.float()
-        model.load_weights(iter_weights(model_path, dtype, progress))
+        self.tensor_parallel_size = tp_group().world_size
+        # Parameters are made in the serving dtype (no float32 copy first); tables stay float32.
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = model_class(model_config.architecture)(model_config, make_backend(device), max_model_len,
+                                                               cpu_kernels(device))
+        finally:
+            torch.set_default_dtype(previous_dtype)
+        model.load_weights(iter_lazy_weights(model_path, dtype, progress))
         self.model = model.eval()
         self.kv: KVCache | None = None
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
-        self.kv = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device, num_host_blocks)
+        self.kv = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device, num_host_blocks,
+                          self.tensor_parallel_size)
 
     @torch.inference_mode()
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
@@ -73,7 +81,8 @@ class ModelRunner:
         and return the activation memory it peaked at above the weights."""
         if self.device.type != "cuda":
             return 0
-        scratch = KVCache(self.config, 1, self.block_size, self.dtype, self.device)
+        scratch = KVCache(self.config, 1, self.block_size, self.dtype, self.device,
+                          tensor_parallel_size=self.tensor_parallel_size)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
