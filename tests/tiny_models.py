@@ -25,15 +25,41 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
     elif arch == "mistral":
         cfg = transformers.MistralConfig(tie_word_embeddings=False, **common)
         model = transformers.MistralForCausalLM(cfg)
+    elif arch == "mixtral":
+        common = {**dict(num_local_experts=4, num_experts_per_tok=2), **common}
+        cfg = transformers.MixtralConfig(tie_word_embeddings=False, **common)
+        model = transformers.MixtralForCausalLM(cfg)
+    elif arch == "qwen2_moe":
+        common = {**dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=96, norm_topk_prob=False), **common}
+        cfg = transformers.Qwen2MoeConfig(tie_word_embeddings=False, **common)
+        model = transformers.Qwen2MoeForCausalLM(cfg)
+    elif arch in ("deepseek_v3", "deepseek_v2"):
+        # Multi-head latent attention (q and kv compressed), the first layer dense, then MoE
+        # with shared experts and group-limited routing.
+        common = {**dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                         n_shared_experts=1, moe_intermediate_size=32, n_group=4, topk_group=2,
+                         routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+                         qk_nope_head_dim=16, v_head_dim=24, num_key_value_heads=4), **common}
+        if arch == "deepseek_v3":
+            cfg = transformers.DeepseekV3Config(tie_word_embeddings=False, **common)
+            model = transformers.DeepseekV3ForCausalLM(cfg)
+        else:
+            common.setdefault("topk_method", "group_limited_greedy")
+            cfg = transformers.DeepseekV2Config(tie_word_embeddings=False, **common)
+            model = transformers.DeepseekV2ForCausalLM(cfg)
     else:
         raise ValueError(arch)
     # Random init gives near-uniform logits; sharper weights make greedy choices well separated.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:
                 param.normal_(0.0, 0.15)
             elif "bias" in name:
                 param.normal_(0.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's load-balancing bias
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 

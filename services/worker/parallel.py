@@ -103,11 +103,11 @@ def head_shards(num_heads: int, num_kv_heads: int, head_dim: int, tp: TPGroup | 
             Shard(kv_index * head_dim, local_kv * head_dim))
 
 
-def _param(*shape: int) -> nn.Parameter:
+def new_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def _mark(param: nn.Parameter, loader, num_parts: int) -> None:
+def mark_loader(param: nn.Parameter, loader, num_parts: int) -> None:
     param.weight_loader = loader
     param.num_parts = num_parts  # the loader must be called once per part before serving
 
@@ -121,12 +121,12 @@ class ColumnParallelLinear(nn.Module):
         self.shards = shards
         self.offsets = [sum(s.size for s in shards[:i]) for i in range(len(shards))]
         self.output_sizes = [s.size for s in shards]
-        self.weight = _param(sum(self.output_sizes), in_features)
-        _mark(self.weight, self._load, len(shards))
+        self.weight = new_param(sum(self.output_sizes), in_features)
+        mark_loader(self.weight, self._load, len(shards))
         self.bias = None
         if bias:
-            self.bias = _param(sum(self.output_sizes))
-            _mark(self.bias, self._load, len(shards))
+            self.bias = new_param(sum(self.output_sizes))
+            mark_loader(self.bias, self._load, len(shards))
 
     def _load(self, param: nn.Parameter, loaded, part: int) -> None:
         shard = self.shards[part]
@@ -144,12 +144,12 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.shard = even_shard(in_features)
         self.reduce = reduce  # False: the caller sums several partial outputs with one all_reduce
-        self.weight = _param(out_features, self.shard.size)
-        _mark(self.weight, self._load, 1)
+        self.weight = new_param(out_features, self.shard.size)
+        mark_loader(self.weight, self._load, 1)
         self.bias = None
         if bias:
-            self.bias = _param(out_features)
-            _mark(self.bias, lambda p, w, part: copy_checked(p.data, w.full()), 1)
+            self.bias = new_param(out_features)
+            mark_loader(self.bias, lambda p, w, part: copy_checked(p.data, w.full()), 1)
 
     def _load(self, param: nn.Parameter, loaded, part: int) -> None:
         copy_checked(param.data, loaded.narrow(1, self.shard.start, self.shard.size))
@@ -166,12 +166,12 @@ class ReplicatedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = _param(out_features, in_features)
-        _mark(self.weight, load_full, 1)
+        self.weight = new_param(out_features, in_features)
+        mark_loader(self.weight, load_full, 1)
         self.bias = None
         if bias:
-            self.bias = _param(out_features)
-            _mark(self.bias, load_full, 1)
+            self.bias = new_param(out_features)
+            mark_loader(self.bias, load_full, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -189,8 +189,8 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = -(-vocab_size // tp.world_size)
         self.start = tp.rank * self.rows_per_rank
         self.num_rows = max(0, min(vocab_size, self.start + self.rows_per_rank) - self.start)
-        self.weight = _param(self.rows_per_rank, hidden_size)
-        _mark(self.weight, self._load, 1)
+        self.weight = new_param(self.rows_per_rank, hidden_size)
+        mark_loader(self.weight, self._load, 1)
 
     def _load(self, param: nn.Parameter, loaded, part: int) -> None:
         param.data.zero_()
