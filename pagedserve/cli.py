@@ -38,6 +38,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the model is split across (ranks 1..N-1 run as extra processes)")
 
 
 def engine_config_from_args(args: argparse.Namespace, progress: bool = True):
@@ -50,7 +52,7 @@ def engine_config_from_args(args: argparse.Namespace, progress: bool = True):
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
-        progress=progress)
+        tensor_parallel_size=args.tensor_parallel_size, progress=progress)
 
 
 # ---- generate ----------------------------------------------------------------------------
@@ -127,15 +129,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    engine = LLMEngine(engine_config_from_args(args), tokenizer=tok)
-    for n, (ids, _) in enumerate(requests):
-        try:
-            engine.scheduler.check_prompt(len(ids))
-        except ValueError as exc:
-            print(f"error: request {n}: {exc}", file=sys.stderr)
-            return 2
-    results = engine.generate([ids for ids, _ in requests], [p for _, p in requests],
-                              use_tqdm=args.prompt is None)
+    with LLMEngine(engine_config_from_args(args), tokenizer=tok) as engine:
+        for n, (ids, _) in enumerate(requests):
+            try:
+                engine.scheduler.check_prompt(len(ids))
+            except ValueError as exc:
+                print(f"error: request {n}: {exc}", file=sys.stderr)
+                return 2
+        results = engine.generate([ids for ids, _ in requests], [p for _, p in requests],
+                                  use_tqdm=args.prompt is None)
     if args.prompt is not None:
         print(tok.decode(results[0][0].token_ids, skip_special_tokens=True))
         return 0

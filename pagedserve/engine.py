@@ -39,6 +39,7 @@ class EngineConfig:
     policy: str = "fcfs"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1  # ranks 1..N-1 run in spawned processes (services: one worker per rank)
     progress: bool = True
 
 
@@ -116,7 +117,7 @@ def resolve_max_model_len(mc: ModelConfig, requested: int | None) -> int:
 def kv_cache_blocks(runner, block_size: int, kv_cache_memory: str | int | None, gpu_memory_utilization: float,
                     max_num_batched_tokens: int, swap_space: str | int) -> tuple[int, int]:
     """How many device blocks the budget holds (and host blocks for swapping; swap_space 0: none)."""
-    per_block = bytes_per_block(runner.config, block_size, runner.dtype)
+    per_block = bytes_per_block(runner.config, block_size, runner.dtype, runner.tensor_parallel_size)
     if kv_cache_memory:
         budget = parse_size(kv_cache_memory)
     elif runner.device.type == "cuda":
@@ -153,14 +154,23 @@ class LLMEngine:
         self.max_model_len = max_len = resolve_max_model_len(mc, config.max_model_len)
         if config.max_num_batched_tokens is None:
             config.max_num_batched_tokens = 512 if self.device.type == "cpu" else 2048
-        self.runner = ModelRunner(mc, self.model_path, self.dtype, self.device, config.block_size,
-                                  max_len, self.eos_token_ids, config.progress)
+        runner_kwargs = dict(model_config=mc, model_path=self.model_path, dtype=self.dtype, device=self.device,
+                             block_size=config.block_size, max_model_len=max_len, eos_token_ids=self.eos_token_ids)
+        self.ranks = None
+        if config.tensor_parallel_size > 1:
+            from services.worker.local_ranks import LocalRanks
+            self.ranks = LocalRanks(config.tensor_parallel_size, self.device, {**runner_kwargs, "progress": False})
+        try:
+            self.runner = ModelRunner(**runner_kwargs, progress=config.progress)
+        except BaseException:
+            self.close()
+            raise
         num_blocks, num_host_blocks = self._size_kv_cache()
         max_concurrency = num_blocks * config.block_size / max_len
         log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB); maximum concurrency at %d tokens "
                  "per request: %.2fx", num_blocks, config.block_size, self.dtype,
                  num_blocks * bytes_per_block(mc, config.block_size, self.dtype) / 2**20, max_len, max_concurrency)
-        self.runner.allocate_kv_cache(num_blocks, num_host_blocks)
+        self._on_all_ranks("allocate_kv_cache", num_blocks, num_host_blocks)
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
@@ -171,8 +181,27 @@ class LLMEngine:
                 else config.long_prefill_token_threshold)))
         self.num_steps = 0
 
+    def _on_all_ranks(self, method: str, *args):
+        if self.ranks is not None:
+            self.ranks.call(method, *args)
+        return getattr(self.runner, method)(*args)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (a no-op on one rank)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _size_kv_cache(self) -> tuple[int, int]:
         cfg = self.config
+        if self.ranks is not None and self.device.type == "cuda" and not cfg.kv_cache_memory:
+            # kv_cache_blocks profiles a forward pass on rank 0; its collectives need every rank.
+            self.ranks.call("profile_peak_activation_bytes", cfg.max_num_batched_tokens)
         return kv_cache_blocks(self.runner, cfg.block_size, cfg.kv_cache_memory, cfg.gpu_memory_utilization,
                                cfg.max_num_batched_tokens, cfg.swap_space if cfg.preemption_mode == "swap" else 0)
 
@@ -194,7 +223,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
+        result = self._on_all_ranks("execute", sched)
         self.num_steps += 1
         return [RequestOutput(u.request.group_id, u.request.sample_index, u.new_tokens, u.finished,
                               u.request.finish_reason, u.request.num_prompt_tokens, u.request.num_cached_tokens)

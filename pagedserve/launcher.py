@@ -17,7 +17,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "else an in-process store (durability off)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--max-waiting-requests", type=int, default=1024)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--log-dir", default=None,
                         help="write each service's output to LOG_DIR/<service>.log (default: this terminal)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,

@@ -10,6 +10,7 @@ import logging
 import queue
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -72,7 +73,9 @@ class WorkerGroup:
         """Size the KV pool (the smallest any rank can hold), allocate it on every rank and open
         the Step streams. A new session id makes the workers drop every earlier request."""
         self.close_streams()
-        sizes = [stub.Profile(profile, timeout=600) for stub in self.stubs]
+        # Concurrently: on CUDA each rank profiles a forward pass whose collectives need every rank.
+        with ThreadPoolExecutor(len(self.stubs)) as pool:
+            sizes = list(pool.map(lambda stub: stub.Profile(profile, timeout=600), self.stubs))
         smallest = min(sizes, key=lambda s: s.num_gpu_blocks)
         self.session_id = uuid.uuid4().hex[:12]
         request = worker_pb2.InitCacheRequest(num_gpu_blocks=smallest.num_gpu_blocks,

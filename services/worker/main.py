@@ -14,6 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50061)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--dist-init-addr", default=None,
+                        help="host:port where the ranks meet (torch.distributed); default MASTER_ADDR:MASTER_PORT")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from pagedserve.sampling_params import SamplingParams
 from services.worker.attention import AttentionMetadata, PrefillSeq, cpu_kernels, make_backend
 from services.worker.kv_cache import KVCache
 from services.worker.models import model_class
-from services.worker.parallel import tp_group
+from services.worker.parallel import broadcast_from_rank0, tp_group
 from services.worker.sampler import RowSampling, Sampler
 from services.worker.weights import iter_lazy_weights
 
@@ -70,6 +70,9 @@ class ModelRunner:
         self.kv: KVCache | None = None
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.kv = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device, num_host_blocks,
@@ -191,7 +194,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.as_tensor(ends[samplers], device=self.device)])
             t1 = time.perf_counter()
             result.forward_time_s = t1 - t0
-            result.sampled = self._sample(logits, [order[i] for i in samplers])
+            states = [order[i] for i in samplers]
+            if tp_group().rank == 0:
+                result.sampled = self._sample(logits, states)
+            if tp_group().world_size > 1:
+                result.sampled = self._share_sampled(result.sampled, states)
             result.sample_time_s = time.perf_counter() - t1
         else:
             result.forward_time_s = time.perf_counter() - t0
@@ -228,6 +235,25 @@ class ModelRunner:
                 row += 1
             sampled[state.req_id] = tokens
         return sampled
+
+    def _share_sampled(self, sampled: dict[str, list[SampledToken]],
+                       states: list[RequestState]) -> dict[str, list[SampledToken]]:
+        """Rank 0 samples; the other ranks need the same token ids to feed the next step, so
+        rank 0 broadcasts them (one small collective per step; the order is the same on every
+        rank because every rank applied the same deltas)."""
+        counts = [1 + len(s.child_req_ids) for s in states]
+        if tp_group().rank == 0:
+            ids = torch.tensor([t.token_id for s in states for t in sampled[s.req_id]], dtype=torch.int64)
+        else:
+            ids = torch.empty(sum(counts), dtype=torch.int64)
+        ids = broadcast_from_rank0(ids.to(self.device)).tolist()
+        if tp_group().rank == 0:
+            return sampled
+        shared, start = {}, 0
+        for state, count in zip(states, counts):
+            shared[state.req_id] = [SampledToken(token_id, None, None) for token_id in ids[start:start + count]]
+            start += count
+        return shared
 
     def _commit(self, sampled: dict[str, list[SampledToken]]) -> None:
         for req_id, tokens in sampled.items():

@@ -62,6 +62,20 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    if _tp.world_size > 1:
+        dist.broadcast(x, src=0, group=_tp.group)
+    return x
+
+
+def close_tensor_parallel() -> None:
+    """Leave the process group, so that a later engine in this process can form a new one."""
+    global _tp
+    if _tp.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _tp = TPGroup()
+
+
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if _tp.world_size == 1:
         return x

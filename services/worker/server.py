@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 import time
@@ -34,17 +35,18 @@ class WorkerService:
     """Loads the model; owns the KV pool and the per-request state between steps."""
 
     def __init__(self, model: str | None, device: str = "auto", dtype: str = "auto",
-                 max_model_len: int | None = None, rank: int = 0, world_size: int = 1) -> None:
+                 max_model_len: int | None = None, rank: int = 0, world_size: int = 1,
+                 dist_init_method: str | None = None) -> None:
         import torch  # noqa: F401 - the worker is the one service that needs it
 
         from pagedserve.default_model import resolve_model
         from pagedserve.engine import eos_ids, pick_device, pick_dtype, resolve_max_model_len
         from pagedserve.model_config import ModelConfig
 
-        if world_size != 1:
-            raise ValueError(f"--tensor-parallel-size {world_size}: this worker serves one rank only so far "
-                             "(tensor-parallel sharding comes with the MoE/TP work)")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"--rank {rank} is outside a tensor-parallel group of size {world_size}")
         self.rank, self.world_size = rank, world_size
+        self.dist_init_method = dist_init_method
         self.model_path = resolve_model(model)
         self.model_config = ModelConfig.from_folder(self.model_path)
         self.device = pick_device(device)
@@ -62,7 +64,10 @@ class WorkerService:
 
     def load(self) -> None:
         from services.worker.model_runner import ModelRunner
+        from services.worker.parallel import init_tensor_parallel
         started = time.monotonic()
+        # Every rank blocks here until all have joined the group, then loads only its shard.
+        init_tensor_parallel(self.rank, self.world_size, self.dist_init_method, self.device)
         self.runner = ModelRunner(self.model_config, self.model_path, self.dtype, self.device, block_size=16,
                                   max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                   progress=False)
@@ -73,7 +78,8 @@ class WorkerService:
         return worker_pb2.WorkerInfo(
             rank=self.rank, world_size=self.world_size, model=str(self.model_path),
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device), max_model_len=self.max_model_len,
-            vocab_size=self.model_config.vocab_size, eos_token_ids=list(self.eos_token_ids))
+            vocab_size=self.model_config.vocab_size, eos_token_ids=list(self.eos_token_ids),
+            weight_bytes=0 if self.runner is None else self.runner.weight_bytes())
 
     def profile(self, request: worker_pb2.ProfileRequest) -> worker_pb2.ProfileResponse:
         from pagedserve.engine import kv_cache_blocks
@@ -83,7 +89,8 @@ class WorkerService:
             self.runner, block_size, request.kv_cache_memory or None, request.gpu_memory_utilization or 0.9,
             request.max_num_batched_tokens or 512, request.swap_space or 0)
         return worker_pb2.ProfileResponse(num_gpu_blocks=num_blocks, num_cpu_blocks=num_host,
-                                          bytes_per_block=bytes_per_block(self.model_config, block_size, self.dtype))
+                                          bytes_per_block=bytes_per_block(self.model_config, block_size, self.dtype,
+                                                                          self.world_size))
 
     def init_cache(self, request: worker_pb2.InitCacheRequest) -> None:
         with self.lock:
@@ -149,9 +156,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else str(exc))
 
 
+def dist_init_method(address: str | None) -> str | None:
+    """host:port of rank 0's rendezvous, else MASTER_ADDR/MASTER_PORT from the environment."""
+    if address:
+        return f"tcp://{address}"
+    return "env://" if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT") else None
+
+
 def serve(args: argparse.Namespace) -> int:
     service = WorkerService(args.model, args.device, args.dtype, args.max_model_len, args.rank,
-                            args.tensor_parallel_size)
+                            args.tensor_parallel_size, dist_init_method(args.dist_init_addr))
     ready = threading.Event()
     # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
