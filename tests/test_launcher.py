@@ -87,7 +87,12 @@ def test_every_engine_flag_reaches_a_service():
     p = argparse.ArgumentParser()
     add_engine_args(p)
     engine = {a.dest for a in p._actions if a.option_strings and a.dest != "help"}
-    assert engine <= set(WORKER_FLAGS) | set(SCHEDULER_FLAGS) | set(TOKENIZER_FLAGS)
+    # service_argvs gives every worker rank --tensor-parallel-size itself (with its --rank).
+    assert engine - {"tensor_parallel_size"} <= set(WORKER_FLAGS) | set(SCHEDULER_FLAGS) | set(TOKENIZER_FLAGS)
+    cfg = StackConfig(tensor_parallel_size=2)
+    argvs = service_argvs(cfg, Ports([1, 2], 3, 4), "memory")
+    assert [parse(argvs[f"worker{r}"]).tensor_parallel_size for r in (0, 1)] == [2, 2]
+    assert [parse(argvs[f"worker{r}"]).rank for r in (0, 1)] == [0, 1]
 
 
 def test_bad_tensor_parallel_size():
