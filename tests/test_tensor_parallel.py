@@ -1,0 +1,111 @@
+"""Tensor parallelism over torch.distributed (gloo, two processes): the same greedy tokens as one
+rank, each rank holding about half the weights; in-process engines and the services alike."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from conftest import make_engine
+from pagedserve.sampling_params import SamplingParams
+from tiny_models import build_tiny_model, hf_greedy
+
+PROMPTS = [[1, 5, 9, 33], [3] * 27, list(range(3, 50)), [7, 8] * 11 + [9]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def run(model, tensor_parallel_size, params=GREEDY, **overrides):
+    with make_engine(model, tensor_parallel_size=tensor_parallel_size, **overrides) as engine:
+        results = engine.generate(PROMPTS, params)
+        return [[s.token_ids for s in samples] for samples in results], engine.runner.weight_bytes(), engine.stats()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tp-llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def llama_one_kv_head(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tp-llama-1kv"), "llama", num_key_value_heads=1,
+                            vocab_size=255)  # a vocabulary that does not split evenly
+
+
+def test_two_ranks_equal_one_and_hold_half_the_weights(llama):
+    one, bytes_one, _ = run(llama, 1)
+    two, bytes_two, _ = run(llama, 2)
+    assert two == one
+    assert [s[0] for s in one] == hf_greedy(llama, PROMPTS, GREEDY.max_tokens)
+    assert 0.45 < bytes_two / bytes_one < 0.55
+
+
+def test_two_ranks_with_chunked_prefill_and_preemption(llama):
+    # 20 blocks of 4 tokens on either rank count (a rank's block holds half the KV heads at TP=2).
+    block_bytes = 2 * 2 * 4 * 2 * 16 * 4  # K/V x layers x tokens x KV heads x head dim x float32
+    budgets = dict(max_num_batched_tokens=16, block_size=4)
+    one, _, stats_one = run(llama, 1, kv_cache_memory=20 * block_bytes, **budgets)
+    two, _, stats_two = run(llama, 2, kv_cache_memory=20 * block_bytes // 2, **budgets)
+    assert stats_one["num_blocks"] == stats_two["num_blocks"] == 20
+    assert stats_two["num_preemptions"] > 0
+    assert two == one
+
+
+def test_a_single_kv_head_is_replicated_on_both_ranks(llama_one_kv_head):
+    one, _, _ = run(llama_one_kv_head, 1)
+    two, _, _ = run(llama_one_kv_head, 2)
+    assert two == one
+
+
+def test_seeded_samples_agree_across_rank_counts(llama):
+    # Rank 0 samples and broadcasts; forked samples (n=2) must reach the other rank too.
+    params = SamplingParams(temperature=1.0, n=2, seed=11, max_tokens=8, ignore_eos=True)
+    one, _, _ = run(llama, 1, params)
+    two, _, _ = run(llama, 2, params)
+    assert two == one
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_moe_models_on_two_ranks(arch, tmp_path_factory):
+    model = build_tiny_model(tmp_path_factory.mktemp(f"tp-{arch}"), arch)
+    one, bytes_one, _ = run(model, 1)
+    two, bytes_two, _ = run(model, 2)
+    assert two == one
+    # MLA's latent projections and all norms are replicated: a bit over half.
+    assert 0.45 < bytes_two / bytes_one < (0.62 if arch == "deepseek_v3" else 0.55)
+
+
+def test_heads_that_do_not_split_are_refused(tmp_path_factory):
+    model = build_tiny_model(tmp_path_factory.mktemp("tp-odd"), "llama", num_attention_heads=3,
+                             num_key_value_heads=3, hidden_size=48)
+    with pytest.raises(ValueError, match="3 attention heads do not split across --tensor-parallel-size 2"):
+        make_engine(model, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_services_with_two_worker_ranks(default_model_path, tmp_path_factory):
+    """`serve --tensor-parallel-size 2`: two worker processes, the scheduler steps both; the text
+    equals one rank's and each rank reports half the weights."""
+    import openai
+
+    from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+    from service_stack import start_test_stack, tiny_model_with_tokenizer
+
+    model = tiny_model_with_tokenizer(tmp_path_factory.mktemp("tp-tok"), default_model_path)
+    prompt = "The capital of France is"
+    with make_engine(model, tokenizer=None) as engine:
+        [[expected]] = engine.generate([engine.tokenizer.encode(prompt)], SamplingParams(temperature=0, max_tokens=12))
+        text = engine.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
+        bytes_one = engine.runner.weight_bytes()
+    stack = start_test_stack(model, tmp_path_factory.mktemp("tp-logs"), tensor_parallel_size=2)
+    try:
+        client = openai.OpenAI(base_url=stack.addresses["http"] + "/v1", api_key="unused", max_retries=0)
+        reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, temperature=0,
+                                          max_tokens=12)
+        assert reply.choices[0].text == text
+        for rank in (0, 1):
+            with grpc.insecure_channel(stack.addresses[f"worker{rank}"]) as channel:
+                info = worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10)
+            assert (info.rank, info.world_size) == (rank, 2)
+            assert 0.45 < info.weight_bytes / bytes_one < 0.55
+    finally:
+        stack.stop()
