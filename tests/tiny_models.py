@@ -36,11 +36,14 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
         model = transformers.Qwen2MoeForCausalLM(cfg)
     elif arch in ("deepseek_v3", "deepseek_v2"):
         # Multi-head latent attention (q and kv compressed), the first layer dense, then MoE
-        # with shared experts and group-limited routing.
-        common = {**dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
-                         n_shared_experts=1, moe_intermediate_size=32, n_group=4, topk_group=2,
-                         routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
-                         qk_nope_head_dim=16, v_head_dim=24, num_key_value_heads=4), **common}
+        # with shared experts and group-limited routing. MLA has as many KV heads as query heads
+        # (transformers repeats kv_b_proj's heads by num_attention_heads // num_key_value_heads).
+        common = {**common, **dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
+                                   num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, n_group=4,
+                                   topk_group=2, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48,
+                                   qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24), **overrides}
+        if "num_key_value_heads" not in overrides:
+            common["num_key_value_heads"] = common["num_attention_heads"]
         if arch == "deepseek_v3":
             cfg = transformers.DeepseekV3Config(tie_word_embeddings=False, **common)
             model = transformers.DeepseekV3ForCausalLM(cfg)
