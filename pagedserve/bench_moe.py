@@ -146,7 +146,7 @@ def run_moe_bench(args) -> dict:
 def print_table(r: dict) -> None:
     print(f"MoE layer: hidden {r['hidden_size']}, intermediate {r['intermediate_size']}, {r['num_experts']} experts, "
           f"top-{r['top_k']}; medians of {r['rounds']} alternating rounds; "
-          f"{r['torch_threads']} threads on {r['cpu']}")
+          f"torch threads {r['torch_threads']}, cpu {r['cpu']}")
     header = ("dtype", "tokens", "grouped ms", "naive ms", "naive/grouped", "grouped tok/s", "max |diff|")
     rows = [(c["dtype"], str(c["tokens"]), f"{c['grouped_ms']:.3f}", f"{c['naive_ms']:.3f}", f"{c['speedup']:.1f}x",
              f"{c['grouped_tokens_per_s']:.0f}", f"{c['max_abs_diff']:.2e}") for c in r["cases"]]
