@@ -1,0 +1,297 @@
+"""The Triton kernels (kernels/triton) against their torch references (kernels/reference.py), and the
+references against independent naive computations. Without CUDA the kernels run on the CPU under the
+Triton interpreter; with CUDA they run natively on the GPU.
+
+Shapes are tiny and odd on purpose (head dims 24/40, 7 tokens, blocks of 8): the interpreter spends
+milliseconds per tl.dot. bfloat16 is left out: the interpreter's bf16 tl.dot is wrong."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # Must precede the first import of triton.language (and so of kernels.triton): @triton.jit reads it
+    # when each function is defined, triton's own tl.zeros & co. included.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+if DEVICE == "cpu" and type(tl.standard.zeros).__name__ != "InterpretedFunction":
+    pytest.skip("triton.language was imported before TRITON_INTERPRET=1 was set; run this file in its own process",
+                allow_module_level=True)
+
+from kernels import reference  # noqa: E402
+from kernels.triton import tile_map  # noqa: E402
+from kernels.triton import fused_moe as tmoe  # noqa: E402
+from kernels.triton import mla_attention as tmla  # noqa: E402
+from kernels.triton import paged_attention as tpa  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = {torch.float32: 1e-3, torch.float16: 1e-2}
+GARBAGE = 10**6  # block-table entries past a sequence's end: dereferencing one would fail loudly
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def randn(gen: torch.Generator, *shape: int, dtype=torch.float32) -> torch.Tensor:
+    """Seeded on the CPU (the same numbers on every device), then moved to DEVICE."""
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+def test_kernels_run_where_expected():
+    """Interpreted on the CPU: another module importing kernels.triton before TRITON_INTERPRET was set
+    would make the CPU tests meaningless."""
+    assert (type(tpa._decode_kernel).__name__ == "InterpretedFunction") == (DEVICE == "cpu")
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def block_tables(seq_lens: list[int], page: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Tables whose used entries are shuffled, scattered block ids (plus two spare blocks nobody owns)
+    and whose entries past each sequence's last block are garbage. Returns (tables, num_blocks)."""
+    counts = [math.ceil(n / page) for n in seq_lens]
+    num_blocks = sum(counts) + 2
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((len(seq_lens), max(counts) + 1), GARBAGE, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(counts):
+        tables[s, :n] = perm[used:used + n]
+        used += n
+    return tables.to(DEVICE), num_blocks
+
+
+def step_metadata(ctx_lens: list[int], q_lens: list[int]):
+    seq_lens = torch.tensor([c + q for c, q in zip(ctx_lens, q_lens)], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return seq_lens.to(DEVICE), query_start_loc.to(DEVICE)
+
+
+def attention_step(ctx_lens, q_lens, heads, kv_heads, dim, dim_v, page, dtype, seed=0):
+    """A step's inputs: the new tokens' K/V count as already written (the whole cache is random)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens, qsl = step_metadata(ctx_lens, q_lens)
+    tables, num_blocks = block_tables(seq_lens.tolist(), page, gen)
+    query = randn(gen, sum(q_lens), heads, dim, dtype=dtype)
+    k_cache = randn(gen, num_blocks, page, kv_heads, dim, dtype=dtype)
+    v_cache = randn(gen, num_blocks, page, kv_heads, dim_v, dtype=dtype)
+    return query, k_cache, v_cache, tables, seq_lens, qsl, dim ** -0.5
+
+
+def mla_step(ctx_lens, q_lens, heads, rank, rope, page, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens, qsl = step_metadata(ctx_lens, q_lens)
+    tables, num_blocks = block_tables(seq_lens.tolist(), page, gen)
+    q_latent = randn(gen, sum(q_lens), heads, rank, dtype=dtype)
+    q_rope = randn(gen, sum(q_lens), heads, rope, dtype=dtype)
+    cache = randn(gen, num_blocks, page, 1, rank + rope, dtype=dtype)
+    return q_latent, q_rope, cache, tables, seq_lens, qsl, (rank + rope) ** -0.5, rank
+
+
+def dense_pages(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """A sequence's first `length` cached tokens, by concatenating its whole pages (independent of
+    the references' per-position gather)."""
+    pages = [cache[int(b)] for b in table[:math.ceil(length / cache.shape[1])]]
+    return torch.cat(pages)[:length]
+
+
+def causal_mask(q_len: int, seq_len: int) -> torch.Tensor:
+    return torch.ones(q_len, seq_len, dtype=torch.bool, device=DEVICE).tril(diagonal=seq_len - q_len)
+
+
+# mixed: decodes with and without context, prefills with and without context, one crossing query tiles
+MIXED = ([0, 15, 29], [1, 2, 4])  # T = 7, seq_lens 1, 17, 33
+MIXED_LONG = ([9, 0, 20, 3], [1, 18, 5, 1])
+DECODE = ([0, 16, 32, 7], [1, 1, 1, 1])
+
+# ------------------------------------------------------------------------------- references vs naive
+
+
+@pytest.mark.parametrize("ctx_lens, q_lens", [MIXED, MIXED_LONG, DECODE])
+@pytest.mark.parametrize("heads, kv_heads, dim, dim_v", [(4, 4, 24, 24), (8, 2, 40, 24)])
+def test_reference_attention_matches_sdpa(ctx_lens, q_lens, heads, kv_heads, dim, dim_v):
+    query, k_cache, v_cache, tables, seq_lens, qsl, scale = attention_step(
+        ctx_lens, q_lens, heads, kv_heads, dim, dim_v, 8, torch.float32)
+    got = reference.paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, scale)
+    for s, (ctx, q_len) in enumerate(zip(ctx_lens, q_lens)):
+        n, rows = ctx + q_len, slice(int(qsl[s]), int(qsl[s + 1]))
+        k = dense_pages(k_cache, tables[s], n).repeat_interleave(heads // kv_heads, dim=1)
+        v = dense_pages(v_cache, tables[s], n).repeat_interleave(heads // kv_heads, dim=1)
+        want = F.scaled_dot_product_attention(query[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              attn_mask=causal_mask(q_len, n), scale=scale).transpose(0, 1)
+        assert rel_err(got[rows], want) < 1e-5, s
+
+
+@pytest.mark.parametrize("ctx_lens, q_lens", [MIXED, DECODE])
+def test_reference_mla_matches_expanded_attention(ctx_lens, q_lens):
+    """MLA is standard attention with K = [c_kv, k_pe] shared by all heads and V = c_kv."""
+    q_lat, q_rope, cache, tables, seq_lens, qsl, scale, rank = mla_step(ctx_lens, q_lens, 3, 24, 8, 8, torch.float32)
+    got = reference.paged_mla_attention(q_lat, q_rope, cache, tables, seq_lens, qsl, scale, rank)
+    for s, (ctx, q_len) in enumerate(zip(ctx_lens, q_lens)):
+        n, rows = ctx + q_len, slice(int(qsl[s]), int(qsl[s + 1]))
+        latent = dense_pages(cache, tables[s], n)[:, 0]
+        q = torch.cat([q_lat[rows], q_rope[rows]], -1).transpose(0, 1)  # [H, q_len, L + R]
+        k = latent.expand(q.shape[0], n, -1)
+        v = latent[:, :rank].expand(q.shape[0], n, -1)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_len, n), scale=scale).transpose(0, 1)
+        assert rel_err(got[rows], want) < 1e-5, s
+
+
+def moe_inputs(dtype, tokens=9, hidden=40, inter=24, experts=5, top_k=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = randn(gen, tokens, hidden, dtype=dtype)
+    w13 = (randn(gen, experts, 2 * inter, hidden) / hidden ** 0.5).to(dtype)
+    w2 = (randn(gen, experts, hidden, inter) / inter ** 0.5).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids[2, 1] = -1          # no expert
+    ids[5, 0] = experts + 1  # an expert on another expert-parallel rank
+    weights = torch.rand(tokens, top_k, generator=gen)
+    return x, w13, w2, weights.to(DEVICE), ids.to(DEVICE)
+
+
+def test_reference_moe_matches_per_token_loop():
+    x, w13, w2, weights, ids = moe_inputs(torch.float32)
+    got = reference.fused_moe(x, w13, w2, weights, ids)
+    x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
+    inter = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        want = torch.zeros(x.shape[1], dtype=torch.float64, device=DEVICE)
+        for j, e in enumerate(ids[t].tolist()):
+            if 0 <= e < w13.shape[0]:
+                gate, up = w13[e, :inter] @ x[t], w13[e, inter:] @ x[t]
+                want += weights[t, j] * (w2[e] @ (gate * torch.sigmoid(gate) * up))
+        assert rel_err(got[t], want) < 1e-5, t
+
+
+# ------------------------------------------------------------------------------ kernels vs references
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, dim, dim_v, page", [(4, 4, 24, 24, 8), (8, 2, 40, 24, 16)])
+@pytest.mark.parametrize("ctx_lens, q_lens", [MIXED, MIXED_LONG])
+def test_prefill_attention(dtype, heads, kv_heads, dim, dim_v, page, ctx_lens, q_lens):
+    args = attention_step(ctx_lens, q_lens, heads, kv_heads, dim, dim_v, page, dtype)
+    want = reference.paged_attention(*args)
+    got = tpa.paged_attention(*args)  # T != S: the prefill/mixed kernel
+    assert got.dtype == dtype and got.shape == want.shape
+    assert rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, dim, dim_v, page", [(4, 4, 24, 24, 8), (8, 2, 40, 24, 16)])
+def test_decode_attention(dtype, heads, kv_heads, dim, dim_v, page):
+    args = attention_step(*DECODE, heads, kv_heads, dim, dim_v, page, dtype)
+    want = reference.paged_attention(*args)
+    assert rel_err(tpa.paged_attention(*args), want) < TOL[dtype]  # T == S: dispatches to decode
+    assert rel_err(tpa.paged_decode_attention(*args), want) < TOL[dtype]
+    assert rel_err(tpa.paged_prefill_attention(*args), want) < TOL[dtype]  # the mixed kernel on a decode step
+
+
+def test_attention_writes_out_and_reads_strided_query():
+    query, *rest = attention_step(*MIXED, 8, 2, 24, 24, 8, torch.float32)
+    qkv = torch.randn(query.shape[0], 8 * 24 * 2, device=DEVICE)  # query as a view into a fused projection
+    strided = qkv[:, :8 * 24].view(-1, 8, 24)
+    strided.copy_(query)
+    out = torch.full((query.shape[0], 8, 24), float("nan"), device=DEVICE)
+    assert tpa.paged_attention(strided, *rest, out=out) is out
+    assert rel_err(out, reference.paged_attention(query, *rest)) < 1e-3
+    out.fill_(float("nan"))
+    decode_query, *decode_rest = attention_step(*DECODE, 8, 2, 24, 24, 8, torch.float32)
+    got = tpa.paged_decode_attention(decode_query, *decode_rest, out=out[:4])
+    assert rel_err(got, reference.paged_attention(decode_query, *decode_rest)) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("ctx_lens, q_lens", [MIXED, MIXED_LONG, DECODE])
+@pytest.mark.parametrize("heads, rank, rope, page", [(4, 40, 8, 8), (20, 32, 16, 16)])
+def test_mla_attention(dtype, ctx_lens, q_lens, heads, rank, rope, page):
+    args = mla_step(ctx_lens, q_lens, heads, rank, rope, page, dtype)
+    want = reference.paged_mla_attention(*args)
+    got = tmla.paged_mla_attention(*args)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert rel_err(got, want) < TOL[dtype]
+
+
+def test_tile_map_covers_each_sequence_once():
+    q_lens = [1, 18, 5, 16, 33]
+    _, qsl = step_metadata([0] * 5, q_lens)
+    tile_seq, tile_start, n = tile_map(qsl, sum(q_lens), 16)
+    assert n >= len(tile_seq)
+    got = sorted((s, st) for s, st in zip(tile_seq.tolist(), tile_start.tolist()) if s >= 0)
+    assert got == [(s, st) for s, q in enumerate(q_lens) for st in range(0, q, 16)]
+
+
+def test_moe_align_block_size():
+    experts, block_m = 5, 4
+    ids = torch.tensor([[0, 3], [3, -1], [4, 0], [7, 3], [3, 3], [0, 1]], device=DEVICE)
+    sorted_ids, expert_ids, total = tmoe.moe_align_block_size(ids, block_m, experts)
+    flat, sentinel = ids.flatten(), ids.numel()
+    assert sorted_ids.shape[0] % block_m == 0 and sorted_ids.shape[0] == expert_ids.shape[0] * block_m
+    assert int(total) == sum(math.ceil(int((flat == e).sum()) / block_m) * block_m for e in range(experts))
+    assert (sorted_ids[int(total):] == sentinel).all() and (expert_ids[int(total) // block_m:] == -1).all()
+    for b, e in enumerate(expert_ids[:int(total) // block_m].tolist()):
+        pairs = sorted_ids[b * block_m:(b + 1) * block_m]
+        assert all(flat[p] == e for p in pairs.tolist() if p != sentinel)
+    placed = sorted(p for p in sorted_ids.tolist() if p != sentinel)
+    assert placed == [p for p in range(sentinel) if 0 <= flat[p] < experts]  # each valid pair once, no others
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_moe(dtype):
+    x, w13, w2, weights, ids = moe_inputs(dtype)
+    want = reference.fused_moe(x, w13, w2, weights, ids)
+    got = tmoe.fused_moe(x, w13, w2, weights, ids)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert rel_err(got, want) < TOL[dtype]
+    out = torch.full_like(x, float("nan"))
+    assert tmoe.fused_moe(x, w13, w2, weights, ids, out=out) is out
+    assert rel_err(out, want) < TOL[dtype]
+
+
+def test_fused_moe_every_slot_off_rank():
+    x, w13, w2, weights, ids = moe_inputs(torch.float32)
+    ids[:] = -1
+    assert tmoe.fused_moe(x, w13, w2, weights, ids).abs().max() == 0
+
+
+# ---------------------------------------------------------------------------------------------- bench
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-m", "kernels.bench", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bench_interpreted_end_to_end(tmp_path):
+    result = run_bench("--interpret", "--iters", "1", "--json", str(tmp_path / "rows.json"))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {r["kernel"] for r in rows} == {"decode attention", "prefill attention", "mla decode", "fused moe"}
+    assert all(r["max_rel_err"] < 1e-3 for r in rows), rows
+
+
+def test_bench_compiles_every_kernel_for_hopper(tmp_path):
+    """No GPU here, but triton ships the CUDA compiler: compile each launch the wrappers make at the GPU
+    shapes for sm_90, as native Triton (the interpreter accepts code the compiler would reject)."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not os.access(ptxas, os.X_OK):
+        pytest.skip("this triton build has no CUDA backend")
+    result = run_bench("--compile-only", "--arch", "90", "--json", str(tmp_path / "rows.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {r["kernel"] for r in rows} == {"_decode_kernel", "_prefill_kernel", "_mla_kernel", "_grouped_gemm_kernel",
+                                           "_silu_and_mul_kernel"}
+    assert {r["config"].split()[0] for r in rows} == {"bf16", "fp32"}
