@@ -55,7 +55,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench = subparsers.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,services}")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,services,tp,moe}")
     bench_sub.required = True
     p = bench_sub.add_parser("throughput", help="offline throughput vs transformers' static batching",
                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,6 +68,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=run_throughput)
     from pagedserve.bench_services import add_services_parser
     add_services_parser(bench_sub)
+    from pagedserve.bench_tp import add_tp_parser
+    add_tp_parser(bench_sub)
     return p
 
 
@@ -207,6 +209,7 @@ def run_throughput(args) -> dict:
     ours = run_engine(engine, work)
     dtype, device = engine.dtype, engine.device
     block_size = engine.scheduler.block_manager.block_size
+    engine.close()
     del engine
 
     elapsed = ours["elapsed_s"]

@@ -169,7 +169,8 @@ class LLMEngine:
         max_concurrency = num_blocks * config.block_size / max_len
         log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB); maximum concurrency at %d tokens "
                  "per request: %.2fx", num_blocks, config.block_size, self.dtype,
-                 num_blocks * bytes_per_block(mc, config.block_size, self.dtype) / 2**20, max_len, max_concurrency)
+                 num_blocks * bytes_per_block(mc, config.block_size, self.dtype, config.tensor_parallel_size) / 2**20,
+                 max_len, max_concurrency)
         self._on_all_ranks("allocate_kv_cache", num_blocks, num_host_blocks)
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,

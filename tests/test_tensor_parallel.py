@@ -109,3 +109,14 @@ def test_services_with_two_worker_ranks(default_model_path, tmp_path_factory):
             assert 0.45 < info.weight_bytes / bytes_one < 0.55
     finally:
         stack.stop()
+
+
+def test_bench_tp_runs_both_rank_counts(llama, tmp_path):
+    from pagedserve.cli import main
+    out = tmp_path / "tp.json"
+    assert main(["bench", "tp", "--model", str(llama), "--dtype", "float32", "--num-prompts", "3", "--repeats", "1",
+                 "--kv-cache-memory", "32MiB", "--json", str(out)]) == 0
+    import json
+    result = json.loads(out.read_text())
+    assert result["tensor_parallel_size"] == 2 and len(result["2_ranks_output_tok_s"]) == 1
+    assert result["median_ratio"] > 0

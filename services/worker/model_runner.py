@@ -17,7 +17,7 @@ from pagedserve.sampling_params import SamplingParams
 from services.worker.attention import AttentionMetadata, PrefillSeq, cpu_kernels, make_backend
 from services.worker.kv_cache import KVCache
 from services.worker.models import model_class
-from services.worker.parallel import broadcast_from_rank0, tp_group
+from services.worker.parallel import broadcast_from_rank0, tp_group, using_group
 from services.worker.sampler import RowSampling, Sampler
 from services.worker.weights import iter_lazy_weights
 
@@ -55,7 +55,8 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
-        self.tensor_parallel_size = tp_group().world_size
+        self.tp = tp_group()  # the group this model was sharded for; made current while it runs
+        self.tensor_parallel_size = self.tp.world_size
         # Parameters are made in the serving dtype (no float32 copy first); tables stay float32.
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -78,12 +79,16 @@ class ModelRunner:
         self.kv = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device, num_host_blocks,
                           self.tensor_parallel_size)
 
-    @torch.inference_mode()
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
         """CUDA: run the largest step the budget allows (one prompt of num_tokens, no cache yet)
         and return the activation memory it peaked at above the weights."""
         if self.device.type != "cuda":
             return 0
+        with using_group(self.tp):
+            return self._profile_peak(num_tokens)
+
+    @torch.inference_mode()
+    def _profile_peak(self, num_tokens: int) -> int:
         scratch = KVCache(self.config, 1, self.block_size, self.dtype, self.device,
                           tensor_parallel_size=self.tensor_parallel_size)
         torch.cuda.synchronize(self.device)
@@ -178,8 +183,12 @@ class ModelRunner:
                 meta, order, counts)
 
     # ---- one step ------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        with using_group(self.tp):
+            return self._execute(step)
+
+    @torch.inference_mode()
+    def _execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_delta(step)
         if not step.num_scheduled_tokens:
             return ModelRunnerOutput(step.step_id, {})

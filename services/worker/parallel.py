@@ -12,6 +12,7 @@ only the rows or columns it keeps (see weights.LazyWeight).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass
 
@@ -33,6 +34,19 @@ _tp = TPGroup()
 
 def tp_group() -> TPGroup:
     return _tp
+
+
+@contextlib.contextmanager
+def using_group(group: TPGroup):
+    """Make `group` the current one while a model built under it runs: one process may hold a
+    single-rank engine beside a tensor-parallel one (bench tp), and the layers' collectives must
+    follow the engine that is stepping."""
+    global _tp
+    previous, _tp = _tp, group
+    try:
+        yield group
+    finally:
+        _tp = previous
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, device: torch.device,
