@@ -70,6 +70,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_services_parser(bench_sub)
     from pagedserve.bench_tp import add_tp_parser
     add_tp_parser(bench_sub)
+    from pagedserve.bench_moe import add_moe_parser
+    add_moe_parser(bench_sub)
     return p
 
 

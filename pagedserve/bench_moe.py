@@ -38,16 +38,6 @@ def parse_dtypes(text: str) -> list[str]:
     return names
 
 
-def register_moe_parser(bench_parser: argparse.ArgumentParser) -> None:
-    """Add `moe` to the `bench` parser's sub-commands, unless it is there already."""
-    action = next(a for a in bench_parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "moe" in action.choices:
-        return
-    if action.metavar and "moe" not in action.metavar:
-        action.metavar = None  # the usage line then lists every sub-command, moe included
-    add_moe_parser(action)
-
-
 def add_moe_parser(bench_sub) -> None:
     p = bench_sub.add_parser("moe", help="one MoE layer: grouped vs naive per-token experts",
                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -268,8 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_bench_parser(sub)
-        from pagedserve.bench_moe import register_moe_parser
-        register_moe_parser(sub.choices["bench"])
     return parser
 
 
