@@ -67,9 +67,11 @@ class ModelConfig:
             scaling.setdefault("rope_type", scaling.get("type", "default"))
             if scaling["rope_type"] == "default":
                 scaling = None
+            elif scaling["rope_type"] == "yarn" and arch in MLA_ARCHITECTURES:
+                pass  # DeepSeek's own rope (models/deepseek.py) implements yarn with its mscale
             elif scaling["rope_type"] not in ("llama3", "linear"):
-                raise ValueError(f"unsupported rope_scaling type {scaling['rope_type']!r}; "
-                                 "supported: llama3, linear")
+                raise ValueError(f"unsupported rope_scaling type {scaling['rope_type']!r} for {arch}; "
+                                 "supported: llama3, linear (and yarn for DeepSeek)")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

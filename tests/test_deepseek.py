@@ -16,7 +16,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from conftest import make_engine
-from pagedserve.model_config import ModelConfig
 from pagedserve.sampling_params import SamplingParams
 from services.worker.attention import AttentionMetadata, PrefillSeq
 from services.worker.kv_cache import bytes_per_block
@@ -103,35 +102,13 @@ def test_variants_match_transformers(tmp_path, arch, overrides):
     assert run(make_engine(folder), prompts) == hf_greedy(folder, prompts, MAX_NEW)
 
 
-def allow_yarn(folder, monkeypatch) -> None:
-    """ModelConfig may refuse rope_type yarn (llama's rope does not implement it); DeepSeek reads its
-    rope settings from the raw config, so hide them from that check if it refuses them."""
-    try:
-        ModelConfig.from_folder(folder)
-        return
-    except ValueError as exc:
-        if "yarn" not in str(exc):
-            raise
-    original = ModelConfig.from_hf_dict
-
-    def lenient(cls, hf: dict) -> ModelConfig:
-        plain = {**hf, "rope_parameters": {"rope_type": "default", "rope_theta": hf["rope_parameters"]["rope_theta"]}}
-        plain.pop("rope_scaling", None)
-        cfg = original(plain)
-        cfg.hf = dict(hf)
-        return cfg
-
-    monkeypatch.setattr(ModelConfig, "from_hf_dict", classmethod(lenient))
-
-
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
-def test_yarn_rope_scaling_matches_transformers(tmp_path, monkeypatch, arch):
+def test_yarn_rope_scaling_matches_transformers(tmp_path, arch):
     # Positions past original_max_position_embeddings; mscale != mscale_all_dim scales cos/sin
     # (attention factor) and mscale_all_dim the softmax.
     folder = build_tiny_model(tmp_path, arch, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
         "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}, max_position_embeddings=128)
-    allow_yarn(folder, monkeypatch)
     prompts = prompts_of((40, 60, 7), seed=2)
     assert run(make_engine(folder), prompts) == hf_greedy(folder, prompts, MAX_NEW)
 
@@ -250,3 +227,11 @@ def triton_device() -> str:
 @pytest.mark.parametrize("seqs", MLA_STEPS)
 def test_triton_mla_backend_equals_expanded_attention(seqs, triton_device):
     check_backend(TritonMLABackend(), seqs, rank=24, rope=8, seed=1, device=triton_device)
+
+
+def test_yarn_is_refused_for_llama():
+    from pagedserve.model_config import ModelConfig
+    hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn' for LlamaForCausalLM"):
+        ModelConfig.from_hf_dict(hf)
