@@ -295,3 +295,41 @@ def test_bench_compiles_every_kernel_for_hopper(tmp_path):
     assert {r["kernel"] for r in rows} == {"_decode_kernel", "_prefill_kernel", "_mla_kernel", "_grouped_gemm_kernel",
                                            "_silu_and_mul_kernel"}
     assert {r["config"].split()[0] for r in rows} == {"bf16", "fp32"}
+
+
+def test_worker_triton_backend_equals_the_torch_backend():
+    """The worker's TritonAttentionBackend (what CUDA uses) against its TorchAttentionBackend on one
+    mixed step: two decodes, a prefill chunk with cached context and a fresh prompt, scattered blocks."""
+    from services.worker.attention import AttentionMetadata, PrefillSeq, TorchAttentionBackend, TritonAttentionBackend
+
+    gen = torch.Generator().manual_seed(5)
+    page, heads, kv_heads, dim, num_blocks = 4, 4, 2, 16, 40
+    blocks = torch.randperm(num_blocks, generator=gen).to(DEVICE)
+    decode_lens, prefills = [5, 9], [(3, 6), (0, 5)]  # (context, new tokens)
+    tables, used = [], 0
+    for total in decode_lens + [c + q for c, q in prefills]:
+        count = -(-total // page)
+        tables.append(blocks[used:used + count])
+        used += count
+    positions = [n - 1 for n in decode_lens] + [p for c, q in prefills for p in range(c, c + q)]
+    owners = [0, 1] + [2] * 6 + [3] * 5
+    slots = torch.stack([tables[s][p // page] * page + p % page for s, p in zip(owners, positions)])
+    width = max(len(t) for t in tables[:2])
+    decode_tables = torch.stack([F.pad(t, (0, width - len(t))) for t in tables[:2]])
+    span = torch.arange(width * page, device=DEVICE)
+    mask = torch.zeros(2, 1, 1, width * page, device=DEVICE)
+    mask.masked_fill_((span[None, :] >= torch.tensor(decode_lens, device=DEVICE)[:, None]).view(2, 1, 1, -1),
+                      float("-inf"))
+    seqs, start = [], 2
+    for row, (context, count) in enumerate(prefills, start=2):
+        seqs.append(PrefillSeq(start, count, context, tables[row]))
+        start += count
+    meta = AttentionMetadata(slots, 2, decode_tables, torch.tensor(decode_lens, device=DEVICE), mask, seqs)
+    tokens = len(positions)
+    query, key, value = (randn(gen, tokens, h, dim) for h in (heads, kv_heads, kv_heads))
+    k_cache, v_cache = randn(gen, num_blocks, page, kv_heads, dim), randn(gen, num_blocks, page, kv_heads, dim)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    want = TorchAttentionBackend().forward(query, key, value, *caches[0], meta, 0.25)
+    got = TritonAttentionBackend().forward(query, key, value, *caches[1], meta, 0.25)
+    assert rel_err(got, want) < TOL[torch.float32]
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,55 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
                                                meta.decode_seq_lens, scale)
 
 
+class TritonAttentionBackend(AttentionBackend):
+    """kernels/triton's paged attention (CUDA; the CPU only under TRITON_INTERPRET=1): the decode
+    kernel when every sequence has one query, else the prefill/mixed kernel. The step's metadata
+    is converted once per step (all layers share it)."""
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._converted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        from kernels.triton.paged_attention import paged_attention
+
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
+        v_cache.view(-1, num_kv_heads, v_cache.shape[3]).index_copy_(0, meta.slot_mapping, value)
+        if self._meta is not meta:
+            self._converted = kernel_metadata(meta, k_cache.shape[1], k_cache.device)
+            self._meta = meta
+        return paged_attention(query, k_cache, v_cache, *self._converted, scale)
+
+
+def kernel_metadata(meta: AttentionMetadata, block_size: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block_tables int32 [S, max_blocks], seq_lens int32 [S], query_start_loc int32 [S + 1]) for
+    the decodes then the prefills of `meta`. Rows are zero-padded to cover every sequence's length,
+    so a table shorter than its sequence (the runner's profiling step) still reads valid blocks."""
+    decodes = meta.num_decodes
+    seq_lens = [] if not decodes else [meta.decode_seq_lens.to(device=device, dtype=torch.int32)]
+    seq_lens.append(torch.tensor([p.context_len + p.query_len for p in meta.prefills], dtype=torch.int32,
+                                 device=device))
+    seq_lens = torch.cat(seq_lens)
+    widths = [-(-(p.context_len + p.query_len) // block_size) for p in meta.prefills]
+    if decodes:
+        widths.append(meta.decode_block_tables.shape[1])
+    tables = torch.zeros(decodes + len(meta.prefills), max(widths), dtype=torch.int32, device=device)
+    if decodes:
+        tables[:decodes, :meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+    for row, seq in enumerate(meta.prefills, start=decodes):
+        used = seq.block_ids[:widths[row - decodes]]
+        tables[row, :used.shape[0]] = used
+    starts = list(range(decodes + 1))
+    for seq in meta.prefills:
+        if seq.query_start != starts[-1]:
+            raise ValueError("prefill tokens must follow the decodes contiguously, in order")
+        starts.append(seq.query_start + seq.query_len)
+    return tables, seq_lens, torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+
 def cpu_kernels(device: torch.device):
     """The compiled CPU kernels module, or None (not on CPU, or no compiler here)."""
     if device.type != "cpu":
@@ -116,5 +166,8 @@ def cpu_kernels(device: torch.device):
 
 
 def make_backend(device: torch.device) -> AttentionBackend:
+    if device.type == "cuda":  # PAGEDSERVE_ATTENTION=torch: the reference path, to compare against
+        use_torch = os.environ.get("PAGEDSERVE_ATTENTION") == "torch"
+        return TorchAttentionBackend() if use_torch else TritonAttentionBackend()
     ops = cpu_kernels(device)
     return TorchAttentionBackend() if ops is None else CpuKernelAttentionBackend(ops)

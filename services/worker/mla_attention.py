@@ -14,7 +14,7 @@ import abc
 
 import torch
 
-from services.worker.attention import AttentionMetadata, PrefillSeq
+from services.worker.attention import AttentionMetadata, PrefillSeq, kernel_metadata
 
 
 class MLAAttentionBackend(abc.ABC):
@@ -105,33 +105,6 @@ class TritonMLABackend(MLAAttentionBackend):
         block_tables, seq_lens, query_start_loc = self._converted
         return paged_mla_attention(q_latent, q_rope.contiguous(), latent_cache, block_tables, seq_lens,
                                    query_start_loc, scale, latent_new.shape[-1])
-
-
-def kernel_metadata(meta: AttentionMetadata, block_size: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(block_tables int32 [S, max_blocks], seq_lens int32 [S], query_start_loc int32 [S + 1]) for
-    the decodes then the prefills of `meta`. Rows are zero-padded to cover every sequence's length,
-    so a table shorter than its sequence (the runner's profiling step) still reads valid blocks."""
-    decodes = meta.num_decodes
-    seq_lens = [] if not decodes else [meta.decode_seq_lens.to(device=device, dtype=torch.int32)]
-    seq_lens.append(torch.tensor([p.context_len + p.query_len for p in meta.prefills], dtype=torch.int32,
-                                 device=device))
-    seq_lens = torch.cat(seq_lens)
-    widths = [-(-(p.context_len + p.query_len) // block_size) for p in meta.prefills]
-    if decodes:
-        widths.append(meta.decode_block_tables.shape[1])
-    tables = torch.zeros(decodes + len(meta.prefills), max(widths), dtype=torch.int32, device=device)
-    if decodes:
-        tables[:decodes, :meta.decode_block_tables.shape[1]] = meta.decode_block_tables
-    for row, seq in enumerate(meta.prefills, start=decodes):
-        used = seq.block_ids[:widths[row - decodes]]
-        tables[row, :used.shape[0]] = used
-    starts = list(range(decodes + 1))
-    for seq in meta.prefills:
-        if seq.query_start != starts[-1]:
-            raise ValueError("prefill tokens must follow the decodes contiguously, in order")
-        starts.append(seq.query_start + seq.query_len)
-    return tables, seq_lens, torch.tensor(starts, dtype=torch.int32, device=device)
 
 
 def make_mla_backend(device: torch.device | str) -> MLAAttentionBackend:
