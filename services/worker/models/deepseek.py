@@ -290,17 +290,11 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         return (self.cos_table[positions].to(dtype).unsqueeze(1), self.sin_table[positions].to(dtype).unsqueeze(1))
 
     def map_name(self, name: str) -> tuple[str, object] | None:
-        if "rotary_emb" in name:
-            return None
-        if name.startswith("lm_head."):
-            return None if self.lm_head is None else (name, 0)
-        if not name.startswith("model."):
-            return None
+        if not name.startswith("model.layers.") or "rotary_emb" in name:
+            return super().map_name(name)  # embeddings, final norm, LM head
         name = name[len("model."):]
-        if name.startswith("layers."):
-            index = int(name.split(".", 2)[1])
-            if index >= self.cfg.num_hidden_layers:
-                return None  # V3's multi-token-prediction layer(s) after the last decoder layer
+        if int(name.split(".", 2)[1]) >= self.cfg.num_hidden_layers:
+            return None  # V3's multi-token-prediction layer(s) after the last decoder layer
         if ".mlp.experts." in name:
             head, _, tail = name.partition(".mlp.experts.")
             param, part = expert_part(tail)
