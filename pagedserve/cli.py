@@ -272,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedserve.processes import die_with_parent
+    die_with_parent()  # a no-op unless started by ServiceProcess (serve, the tests)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:

@@ -36,13 +36,30 @@ class ServiceError(RuntimeError):
     """A service did not start, or died: the message names it, its exit code and its log's tail."""
 
 
-def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
-    """Linux: the child gets SIGTERM if the launcher dies without stopping it (e.g. SIGKILL)."""
+PARENT_PID_ENV = "PAGEDSERVE_PARENT_PID"
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: this process gets SIGTERM if its parent dies without stopping it (e.g. SIGKILL)."""
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:  # best effort: other systems lack prctl
         pass
+
+
+def die_with_parent() -> None:
+    """Called first thing by a service started by ServiceProcess: arm the parent-death signal
+    here rather than in a preexec_fn between fork and exec. A preexec_fn forces a real fork(),
+    which runs gRPC's at-fork handlers, and those can block forever in a process that has used
+    gRPC (seen: a launcher restarting a service after health checks). Without it Popen uses
+    vfork, which runs no handlers."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is None:
+        return
+    _set_parent_death_signal()
+    if os.getppid() != int(parent):  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def describe_exit(code: int | None) -> str:
@@ -66,8 +83,12 @@ class ServiceProcess:
 
     def __init__(self, name: str, argv: Sequence[str], health_address: str | None = None,
                  env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
-                 ready: Callable[[], bool] | None = None, cwd: str | os.PathLike | None = None) -> None:
+                 ready: Callable[[], bool] | None = None, cwd: str | os.PathLike | None = None,
+                 arms_own_death_signal: bool = True) -> None:
         self.name = name
+        # True: the child calls die_with_parent() itself (pagedserve's services); False: a
+        # preexec_fn does it (other programs, e.g. redis-server, started before any gRPC use).
+        self.arms_own_death_signal = arms_own_death_signal
         self.argv = list(argv)
         self.health_address = health_address
         self.env = env
@@ -91,10 +112,15 @@ class ServiceProcess:
             self._log_file = out = open(self.log_path, "ab")  # closed in stop()
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        preexec = None
+        if self.arms_own_death_signal:
+            env[PARENT_PID_ENV] = str(os.getpid())
+        else:
+            preexec = _set_parent_death_signal
         try:
             self.proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                                          stdout=out, stderr=subprocess.STDOUT if out else None,
-                                         start_new_session=True, preexec_fn=_set_parent_death_signal)
+                                         start_new_session=True, preexec_fn=preexec)
         except OSError as exc:
             self._close_log()
             raise ServiceError(f"{self.name}: cannot run {self.argv[0]}: {exc}") from exc
@@ -218,7 +244,8 @@ def private_redis(log_path: str | os.PathLike | None = None) -> tuple[ServicePro
     url = f"redis://{LOOPBACK}:{port}/0"
     argv = [exe, "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
             "--dir", tmp, "--daemonize", "no", "--loglevel", "warning"]
-    proc = ServiceProcess("redis", argv, env=None, log_path=log_path, ready=lambda: redis_ping(url, 0.5))
+    proc = ServiceProcess("redis", argv, env=None, log_path=log_path, ready=lambda: redis_ping(url, 0.5),
+                          arms_own_death_signal=False)
     try:
         proc.start().wait_healthy(30)
     except BaseException:

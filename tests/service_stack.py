@@ -19,11 +19,12 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def tiny_model_with_tokenizer(folder: Path, default_model: Path) -> Path:
-    """A tiny random Llama whose vocabulary is the default model's, with its tokenizer files."""
+def tiny_model_with_tokenizer(folder: Path, default_model: Path, arch: str = "llama") -> Path:
+    """A tiny random model (Llama unless told) whose vocabulary is the default model's, with its
+    tokenizer files."""
     from tiny_models import build_tiny_model
 
-    build_tiny_model(folder, "llama", vocab_size=49152, max_position_embeddings=1024, bos_token_id=1,
+    build_tiny_model(folder, arch, vocab_size=49152, max_position_embeddings=1024, bos_token_id=1,
                      eos_token_id=2, pad_token_id=2)
     for name in TOKENIZER_FILES:
         if (default_model / name).exists():

@@ -285,3 +285,37 @@ def test_busy_public_port_fails_before_starting_anything():
         port = sock.getsockname()[1]
         with pytest.raises(ServiceError, match=f"127.0.0.1:{port} is not available"):
             start_stack(StackConfig(port=port, grpc_port=free_port(), redis_url="memory"))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.split()[1:2] == ["Z"] for line in f if line.startswith("State:"))
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("arms_own", [True, False])
+def test_a_service_dies_with_its_killed_launcher(arms_own):
+    """A SIGKILLed launcher leaves no service behind: the service arms the parent-death signal
+    itself (die_with_parent, no fork handlers run), or a preexec_fn does (redis-server)."""
+    child = ("from pagedserve.processes import die_with_parent; die_with_parent(); import time; time.sleep(120)"
+             if arms_own else "import time; time.sleep(120)")
+    launcher = textwrap.dedent(f"""
+        import sys, time
+        from pagedserve.processes import ServiceProcess
+        p = ServiceProcess("sleeper", [sys.executable, "-c", {child!r}], arms_own_death_signal={arms_own}).start()
+        print(p.pid, flush=True)
+        time.sleep(120)
+    """)
+    import subprocess
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    pid = int(proc.stdout.readline())
+    time.sleep(1.0)  # let the child arm its signal
+    assert not _gone(pid)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid)
