@@ -875,3 +875,63 @@ def test_recompute_without_chunked_prefill_does_not_hang():
 def test_prompt_filling_the_whole_pool_does_not_hang():
     cfg = SchedulerConfig(num_gpu_blocks=100, block_size=4)
     _finishes_or_is_refused(cfg, [make_request("w", list(range(399)), max_tokens=1)])
+
+
+# ---- step statistics: why requests stayed waiting -----------------------------------------------
+
+def test_waiting_reason_seq_budget():
+    d = Driver(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64))
+    d.add(*(make_request(f"r{i}", [1 + i, 2, 3], max_tokens=4, arrival=i) for i in range(5)))
+    d.step()
+    stats = d.sched.last_step
+    assert stats.num_seqs == 2 and stats.waiting == 3 and stats.waiting_reason == "seq_budget"
+    assert stats.waiting_reasons() == {"no_blocks": 0, "seq_budget": 3, "token_budget": 0}
+    assert stats.prefill_tokens == 6 and stats.decode_tokens == 0 and stats.scheduled_tokens == 6
+    d.step()
+    stats = d.sched.last_step
+    assert stats.decode_tokens == 2 and stats.prefill_tokens == 0 and stats.waiting_reason == "seq_budget"
+    d.run()
+    assert d.sched.last_step.waiting == 0 and d.sched.last_step.waiting_reasons()["seq_budget"] == 0
+
+
+def test_waiting_reason_token_budget():
+    # Chunked: the first prompt takes the whole budget, the others wait for tokens.
+    d = Driver(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=8))
+    d.add(*(make_request(f"r{i}", list(range(10 * i, 10 * i + 12)), max_tokens=2, arrival=i) for i in range(3)))
+    d.step()
+    stats = d.sched.last_step
+    assert stats.scheduled_tokens == 8 and stats.prefill_tokens == 8
+    assert stats.waiting == 2 and stats.waiting_reasons() == {"no_blocks": 0, "seq_budget": 0, "token_budget": 2}
+    # Unchunked: a prompt that does not fit in what is left of the budget waits for a later step.
+    d = Driver(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=16,
+                               enable_chunked_prefill=False))
+    d.add(make_request("a", list(range(10)), max_tokens=2, arrival=0),
+          make_request("b", list(range(20, 30)), max_tokens=2, arrival=1))
+    d.step()
+    stats = d.sched.last_step
+    assert stats.scheduled_tokens == 10 and stats.waiting == 1 and stats.waiting_reason == "token_budget"
+
+
+def test_waiting_reason_no_blocks_and_preemptions():
+    # 6 blocks of 4 tokens: three 8-token prompts fill them, the fourth cannot get blocks.
+    d = Driver(SchedulerConfig(num_gpu_blocks=6, block_size=4, max_num_batched_tokens=64))
+    d.add(*(make_request(f"r{i}", list(range(10 * i, 10 * i + 8)), max_tokens=12, arrival=i) for i in range(4)))
+    d.step()
+    stats = d.sched.last_step
+    assert stats.waiting >= 1 and stats.waiting_reason == "no_blocks"
+    assert stats.waiting_reasons()["no_blocks"] == stats.waiting
+    pool = d.sched.block_manager.pool
+    seen_preemption = False
+    while d.sched.has_unfinished():
+        d.step()
+        stats = d.sched.last_step
+        seen_preemption |= stats.preemptions > 0
+        assert sum(stats.waiting_reasons().values()) == stats.waiting == len(d.sched.waiting)
+        # The O(1) count of cached free blocks agrees with the pool.
+        assert pool.num_cached_free == sum(1 for b in pool.cached.values() if b.ref_count == 0)
+        assert pool.block_states().count("c") == pool.num_cached_free
+        assert pool.block_states().count("u") == pool.num_blocks - pool.num_free
+    assert seen_preemption and d.sched.num_preemptions > 0
+    d.flush()
+    assert_drained(d.sched)
+    assert "u" not in pool.block_states()

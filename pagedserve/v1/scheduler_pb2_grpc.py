@@ -60,6 +60,11 @@ class SchedulerStub:
                 request_serializer=pagedserve_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetEngineStats = channel.unary_unary(
+                '/pagedserve.v1.Scheduler/GetEngineStats',
+                request_serializer=pagedserve_dot_v1_dot_scheduler__pb2.EngineStatsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_scheduler__pb2.EngineStats.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -95,6 +100,12 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEngineStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +133,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pagedserve_dot_v1_dot_generate__pb2.ModelInfoRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetEngineStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEngineStats,
+                    request_deserializer=pagedserve_dot_v1_dot_scheduler__pb2.EngineStatsRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_scheduler__pb2.EngineStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +275,33 @@ class Scheduler:
             '/pagedserve.v1.Scheduler/GetModelInfo',
             pagedserve_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
             pagedserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEngineStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Scheduler/GetEngineStats',
+            pagedserve_dot_v1_dot_scheduler__pb2.EngineStatsRequest.SerializeToString,
+            pagedserve_dot_v1_dot_scheduler__pb2.EngineStats.FromString,
             options,
             channel_credentials,
             insecure,

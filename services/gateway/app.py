@@ -29,7 +29,8 @@ log = logging.getLogger("pagedserve.gateway")
 
 # Paths that answer without the API key: probes and scrapers do not carry one.
 OPEN_PATHS = ("/health", "/metrics")
-KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/engine/stats", "/health",
+                   "/metrics", "/dashboard")
 
 
 def _endpoint_label(path: str) -> str:
@@ -127,6 +128,7 @@ class _Generation:
             # A retried POST attaches to the first one's generation and replays it from the start.
             request_id = await backend.claim_idempotency_key(key, request_id)
         gen.request_id = request_id
+        self.tracker.request_id = request_id
         gen.timings.gateway_received = self.received
         self.model, self.request_id, self.created = info.model, request_id, int(self.received)
 
@@ -166,14 +168,23 @@ class _Generation:
         builder = ChunkBuilder(self.chat, self.request_id, self.model, self.created, body.n, logprobs,
                                echo=not self.chat and body.echo)
         finished = False
+        usage, tracker = include_usage(body), self.tracker
         try:
             for chunk in builder.add(first):
                 yield _sse(chunk)
             while (msg := await self._read()) is not None:
-                for chunk in builder.add(msg):
+                chunks = builder.add(msg)
+                if msg.text and chunks:
+                    tracker.streamed()
+                if body.timings and not usage and chunks and msg.finish_reason and tracker.all_finished(body.n):
+                    chunks[-1]["timings"] = tracker.timings_object()
+                for chunk in chunks:
                     yield _sse(chunk)
-            if include_usage(body):
-                yield _sse(builder.usage_chunk())
+            if usage:
+                chunk = builder.usage_chunk()
+                if body.timings:
+                    chunk["timings"] = tracker.timings_object()
+                yield _sse(chunk)
             finished = True
             yield "data: [DONE]\n\n"
         except grpc.RpcError as exc:
@@ -207,8 +218,13 @@ class _Generation:
             self.call.cancel()
         self.tracker.finish(body.n)
         if self.chat:
-            return collector.chat(self.request_id, self.model, self.created, bool(body.logprobs))
-        return collector.completion(self.request_id, self.model, self.created, body.logprobs is not None, body.echo)
+            out = collector.chat(self.request_id, self.model, self.created, bool(body.logprobs))
+        else:
+            out = collector.completion(self.request_id, self.model, self.created, body.logprobs is not None,
+                                       body.echo)
+        if body.timings:
+            out["timings"] = self.tracker.timings_object()
+        return out
 
 
 async def _generate(backend: Backend, request: Request, chat: bool, body) -> Response:
@@ -271,6 +287,10 @@ def build_app(backend: Backend) -> FastAPI:
     async def request_status(request_id: str) -> dict:
         return await backend.request_status(request_id)
 
+    @app.get("/v1/engine/stats")
+    async def engine_stats(steps: int = 256) -> dict:
+        return await backend.engine_stats(steps)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         try:
@@ -294,6 +314,11 @@ def build_app(backend: Backend) -> FastAPI:
             stats = None
         return Response(backend.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
+    try:  # the live dashboard (its own module; the API works without it)
+        from services.gateway import dashboard
+        app.include_router(dashboard.router)
+    except ImportError:
+        pass
     return app
 
 

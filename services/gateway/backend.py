@@ -8,13 +8,13 @@ import hmac
 import time
 
 import grpc
-from google.protobuf.json_format import MessageToDict
-
+from pagedserve import wire
 from pagedserve.grpc_util import CHANNEL_OPTIONS
 from pagedserve.store import MemoryStore, RequestStore
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.gateway.metrics import Metrics
 from services.gateway.protocol import RequestError
+from services.gateway.responses import timings_object
 
 RPC_TIMEOUT_S = 5.0
 
@@ -139,8 +139,8 @@ class Backend:
             if stored is None:
                 raise RequestError(404, f"no request with id {request_id!r}", "request_id", code="request_not_found")
             return status_dict(request_id, stored.status, stored.priority, len(stored.prompt_token_ids),
-                               [len(o) for o in stored.outputs], stored.finish_reasons, stored.timings,
-                               stored.num_cached_tokens)
+                               [len(o) for o in stored.outputs], stored.finish_reasons,
+                               self.metrics.merged_stamps(request_id, stored.timings), stored.num_cached_tokens)
         try:
             record = await self.scheduler.GetRequest(scheduler_pb2.GetRequestRequest(request_id=request_id),
                                                      timeout=RPC_TIMEOUT_S)
@@ -150,9 +150,20 @@ class Backend:
                 error.message, error.param, error.code = f"no request with id {request_id!r}", "request_id", \
                     "request_not_found"
             raise error from exc
-        timings = MessageToDict(record.timings, preserving_proto_field_name=True)
+        timings = self.metrics.merged_stamps(request_id, wire.timings_to_dict(record.timings))
         return status_dict(request_id, record.status, record.priority, len(record.prompt_token_ids),
                            [len(o.ids) for o in record.outputs], list(record.finish_reasons), timings, None)
+
+    async def engine_stats(self, steps: int = 256) -> dict:
+        """GET /v1/engine/stats: the scheduler's snapshot as JSON, each recent request's timings
+        merged with this gateway's own stamps of it (first_token_streamed and the TTFT breakdown)."""
+        steps = max(0, min(int(steps), 512))
+        try:
+            msg = await self.scheduler.GetEngineStats(scheduler_pb2.EngineStatsRequest(max_steps=max(steps, 1)),
+                                                      timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise rpc_error(exc) from exc
+        return engine_stats_dict(msg, steps, self.metrics.merged_stamps)
 
 
 # (stage, from stamp, to stamp): the order a request moves through the pipeline.
@@ -162,7 +173,9 @@ STAGES = [("gateway", "gateway_received", "tokenizer_received"),
           ("queue", "scheduler_received", "first_scheduled"),
           ("prefill", "first_scheduled", "first_token"),
           ("decode", "first_token", "finished"),
-          ("detokenize", "finished", "detokenized")]
+          ("detokenize", "finished", "detokenized"),
+          ("network", "first_token", "first_token_streamed"),
+          ("stream", "first_token_streamed", "last_token_streamed")]
 
 
 def _snake(name: str) -> str:
@@ -182,9 +195,48 @@ def status_dict(request_id: str, status: str, priority: int, prompt_tokens: int,
            "prompt_tokens": prompt_tokens,
            "samples": [{"index": i, "output_tokens": n, "finish_reason": reasons[i] or None}
                        for i, n in enumerate(output_tokens)],
-           "timeline": timeline, "timings": t,
+           "timeline": timeline, "timings": timings_object(t),
            "worker_time_s": float(t.get("worker_time_s") or 0), "num_steps": int(t.get("num_steps") or 0),
            "num_preemptions": int(t.get("num_preemptions") or 0), "checked_at": time.time()}
     if cached_tokens is not None:
         out["cached_tokens"] = cached_tokens
     return out
+
+
+def _plain(msg) -> dict:
+    """A message as a dict of plain values (numbers stay numbers, unlike MessageToDict's uint64)."""
+    out = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        if field.message_type is not None:
+            value = [_plain(v) for v in value] if field.is_repeated else _plain(value)
+        elif field.is_repeated:
+            value = list(value)
+        out[field.name] = value
+    return out
+
+
+def engine_stats_dict(msg: scheduler_pb2.EngineStats, steps: int, merge=None) -> dict:
+    """The JSON of GET /v1/engine/stats. merge(request_id, stamps) adds the gateway's stamps."""
+    recent = []
+    for rec in msg.recent_requests:
+        stamps = wire.timings_to_dict(rec.timings)
+        if merge is not None:
+            stamps = merge(rec.request_id, stamps)
+        recent.append({"request_id": rec.request_id, "prompt_tokens": rec.prompt_tokens,
+                       "output_tokens": rec.output_tokens, "finish_reason": rec.finish_reason,
+                       "finish_reasons": list(rec.finish_reasons), "cached_tokens": rec.cached_tokens,
+                       "prefill_chunk_list": [{"time": c.time, "tokens": c.tokens} for c in rec.prefill_chunks],
+                       "timings": timings_object(stamps)})
+    totals = _plain(msg.totals)
+    return {
+        "time": msg.time or time.time(), "ready": msg.ready,
+        "config": _plain(msg.config),
+        "queues": {"waiting": list(msg.waiting), "running": list(msg.running), "swapped": list(msg.swapped)},
+        "queue_lengths": {"waiting": msg.num_waiting, "running": msg.num_running, "swapped": msg.num_swapped},
+        "kv": {"num_blocks": msg.num_blocks, "states": msg.block_states,
+               "tables": {t.request_id: list(t.block_ids) for t in msg.tables}},
+        "steps": [_plain(step) for step in msg.steps][-steps:] if steps else [],
+        "recent_requests": recent,
+        "totals": totals,
+    }

@@ -54,6 +54,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         forward.timings.gateway_received = received
         n = request.params.n or 1
         tracker = self.backend.metrics.track(received)
+        tracker.request_id = forward.request_id
         # The client's deadline goes downstream; its cancellation cancels this handler, whose
         # finally cancels the downstream call (the scheduler then aborts and frees the KV blocks).
         # context.write rather than yield: a generator suspended at a yield when the cancellation

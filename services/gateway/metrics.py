@@ -9,12 +9,15 @@ a slow first token spent its time in.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from pagedserve import wire
 from pagedserve.v1 import common_pb2, generate_pb2, scheduler_pb2
+from services.gateway.responses import timings_object
 
 P = "pagedserve:"
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -68,10 +71,44 @@ class SchedulerStatsCollector(Collector):
         yield gauge("step_time_median_seconds", "Engine step time (median)", s.step_time_median_s)
         yield gauge("model_ready", "1 when the workers are loaded and the KV cache allocated", float(s.ready))
         yield gauge("max_waiting_requests", "Waiting queue bound (429 beyond it)", s.max_waiting_requests)
+        used = s.num_gpu_blocks - s.num_free_gpu_blocks
+        yield gauge("kv_blocks_used", "KV blocks in use by requests", used)
+        yield gauge("kv_blocks_cached", "KV blocks free but holding a reusable prefix", s.num_cached_blocks)
+        yield gauge("kv_blocks_free", "KV blocks free and holding nothing reusable",
+                    s.num_free_gpu_blocks - s.num_cached_blocks)
+        yield gauge("max_num_seqs", "Sequences one step may run", s.max_num_seqs)
+        yield gauge("max_num_batched_tokens", "Tokens one step may schedule", s.max_num_batched_tokens)
+        yield counter("scheduled_prefill_tokens", "Prompt (and recompute) tokens scheduled",
+                      s.scheduled_prefill_tokens_total)
+        yield counter("scheduled_decode_tokens", "Decode tokens scheduled", s.scheduled_decode_tokens_total)
+        reasons = CounterMetricFamily(P + "waiting_reasons", "Requests left waiting after a step, per step, by why "
+                                      "(no_blocks, seq_budget, token_budget)", labels=["reason"])
+        for reason in ("no_blocks", "seq_budget", "token_budget"):
+            reasons.add_metric([reason], getattr(s.waiting_reasons_total, reason))
+        yield reasons
+        for name, doc, data in (
+                ("step_scheduled_tokens", "Tokens scheduled per engine step", s.step_scheduled_tokens),
+                ("step_token_budget_utilization", "Scheduled tokens / max_num_batched_tokens per step",
+                 s.step_token_budget_utilization),
+                ("step_duration_seconds", "Engine step wall time at the scheduler", s.step_duration_seconds)):
+            if data.bounds:
+                yield _histogram(P + name, doc, data)
+
+
+def _histogram(name: str, doc: str, data: scheduler_pb2.HistogramData) -> HistogramMetricFamily:
+    buckets, total = [], 0
+    for bound, count in zip(list(data.bounds) + [float("inf")], data.counts):
+        total += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=data.sum)
+
+
+RECENT_TIMINGS = 4096  # finished requests whose gateway-side stamps are kept for /v1/requests and engine stats
 
 
 class Metrics:
     def __init__(self) -> None:
+        self.recent: OrderedDict[str, dict] = OrderedDict()
         self.registry = CollectorRegistry()
         self.scheduler = SchedulerStatsCollector()
         self.registry.register(self.scheduler)
@@ -101,6 +138,23 @@ class Metrics:
     def track(self, received: float) -> RequestTracker:
         return RequestTracker(self, received)
 
+    def remember(self, request_id: str, stamps: dict) -> None:
+        self.recent[request_id] = stamps
+        self.recent.move_to_end(request_id)
+        while len(self.recent) > RECENT_TIMINGS:
+            self.recent.popitem(last=False)
+
+    def merged_stamps(self, request_id: str, stamps: dict) -> dict:
+        """stamps (from the scheduler or the store) with what this gateway saw of the request."""
+        mine = self.recent.get(request_id)
+        if not mine:
+            return dict(stamps)
+        merged = dict(stamps)
+        for key, value in mine.items():
+            if value:
+                merged[key] = value
+        return merged
+
 
 def _span(start: float, end: float) -> float | None:
     return end - start if start > 0 and end > 0 and end >= start else None
@@ -117,6 +171,33 @@ class RequestTracker:
         self.completion_tokens: dict[int, int] = {}
         self.timings: common_pb2.Timings | None = None
         self.done = False
+        self.request_id = ""
+        self.first_streamed: float | None = None  # when the gateway wrote the first / last text
+        self.last_streamed: float | None = None
+
+    def streamed(self) -> None:
+        """The gateway is writing a chunk with text to the client now."""
+        now = time.time()
+        self.last_streamed = now
+        if self.first_streamed is None:
+            self.first_streamed = now
+
+    def all_finished(self, n: int) -> bool:
+        return len(self.finish_reasons) >= n
+
+    def stamps(self) -> dict:
+        """Every stamp known here: the pipeline's (from the last message) and the gateway's own."""
+        out = wire.timings_to_dict(self.timings) if self.timings is not None else {}
+        out["gateway_received"] = out.get("gateway_received") or self.received
+        first, last = self.first_streamed or self.first_text, self.last_streamed or self.last_text
+        if first:
+            out["first_token_streamed"] = first
+        if last:
+            out["last_token_streamed"] = last
+        return out
+
+    def timings_object(self) -> dict:
+        return timings_object(self.stamps())
 
     def on_message(self, msg: generate_pb2.GenerateResponse) -> None:
         if msg.accepted:
@@ -140,6 +221,8 @@ class RequestTracker:
             return
         self.done = True
         m = self.metrics
+        if self.request_id:
+            m.remember(self.request_id, self.stamps())
         if cancelled or len(self.finish_reasons) < n:
             m.finished.labels("cancelled" if cancelled else "error").inc()
             return
@@ -168,3 +251,6 @@ class RequestTracker:
         for stage, span in stages.items():
             if span is not None:
                 m.stage.labels(stage).observe(span)
+        breakdown = self.timings_object()["ttft_breakdown_ms"]
+        for stage, ms in (breakdown or {}).items():
+            m.stage.labels("ttft_" + stage).observe(ms / 1000.0)

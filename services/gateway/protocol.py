@@ -75,6 +75,8 @@ class _SamplingFields(BaseModel):
     priority: int = 0
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    # pagedserve's own: the response carries a "timings" object (the final chunk when streaming).
+    timings: bool = False
 
 
 class CompletionRequest(_SamplingFields):

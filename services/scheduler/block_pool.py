@@ -86,6 +86,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
+        self._num_cached_free = 0  # kept up to date so that each step can read it in O(1)
 
     @property
     def num_blocks(self) -> int:
@@ -98,7 +99,13 @@ class BlockPool:
 
     @property
     def num_cached_free(self) -> int:
-        return sum(1 for b in self.cached.values() if b.ref_count == 0)
+        """Free blocks that still hold a reusable prefix (O(1))."""
+        return self._num_cached_free
+
+    def block_states(self) -> str:
+        """One character per block: '.' free, 'u' in use, 'c' free but holding a reusable prefix.
+        O(num_blocks): for introspection, not for the step loop."""
+        return "".join("u" if b.ref_count else ("c" if b.block_hash is not None else ".") for b in self.blocks)
 
     def allocate(self) -> KVBlock:
         block = self.free_queue.popleft()
@@ -106,6 +113,7 @@ class BlockPool:
             del self.cached[block.block_hash]
             block.block_hash = None
             self.num_evictions += 1
+            self._num_cached_free -= 1
         block.ref_count = 1
         return block
 
@@ -116,6 +124,8 @@ class BlockPool:
         """Take a reference on a block found in the cache (it may be sitting in the free queue)."""
         if block.ref_count == 0:
             self.free_queue.remove(block)
+            if block.block_hash is not None:
+                self._num_cached_free -= 1
         block.ref_count += 1
 
     def free(self, block: KVBlock) -> None:
@@ -128,6 +138,7 @@ class BlockPool:
                 self.free_queue.appendleft(block)
             else:
                 self.free_queue.append(block)
+                self._num_cached_free += 1
 
     def cache(self, block: KVBlock, block_hash: int) -> None:
         if not self.enable_caching or block.block_hash is not None:
@@ -136,8 +147,11 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if block.ref_count == 0:
+            self._num_cached_free += 1
 
     def reset_cache(self) -> None:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        self._num_cached_free = 0

@@ -70,10 +70,13 @@ class GroupState:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     done: bool = False
+    num_prefill_chunks: int = 0
+    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (scheduled at, tokens): the first 64
+    output_tokens: int = 0  # summed over the samples
 
     def timings_snapshot(self) -> dict:
         return {**self.timings, "worker_time_s": self.worker_time_s, "num_steps": self.num_steps,
-                "num_preemptions": self.num_preemptions}
+                "num_preemptions": self.num_preemptions, "prefill_chunks": self.num_prefill_chunks}
 
     def creation_fields(self) -> dict[str, str]:
         return {"status": "waiting", "prompt": json.dumps(self.prompt_token_ids),

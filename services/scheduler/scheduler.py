@@ -47,6 +47,32 @@ class SchedulerConfig:
             raise ValueError("preemption_mode 'swap' needs a host block pool (num_cpu_blocks >= 1)")
 
 
+WAITING_REASONS = ("no_blocks", "seq_budget", "token_budget")
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one schedule() did, counted as it went (no pass over the pool or the queues).
+
+    waiting_reason says why the admission loop stopped with requests still waiting: every request
+    left in the waiting queue stayed there for that reason (admission is first come, first served,
+    so the head's reason holds back the rest)."""
+    scheduled_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    num_seqs: int = 0
+    preemptions: int = 0
+    waiting: int = 0
+    waiting_reason: str | None = None  # one of WAITING_REASONS when waiting > 0
+    prefill_req_ids: tuple[str, ...] = ()  # requests that computed prompt (or recompute) tokens
+
+    def waiting_reasons(self) -> dict[str, int]:
+        counts = dict.fromkeys(WAITING_REASONS, 0)
+        if self.waiting and self.waiting_reason:
+            counts[self.waiting_reason] = self.waiting
+        return counts
+
+
 @dataclass(slots=True)
 class RequestUpdate:
     """What one step did for one request: its new tokens, and whether it is done."""
@@ -70,6 +96,8 @@ class Scheduler:
         self._key = Request.sort_key if config.policy == "priority" else Request.arrival_key
         self.step_id = 0
         self.num_preemptions = 0
+        self.last_step = StepStats()
+        self._wait_reason: str | None = None
 
     # ---- admission and abort -------------------------------------------------------------
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int = 1) -> None:
@@ -139,6 +167,8 @@ class Scheduler:
         self._budget = self.config.max_num_batched_tokens
         self._entries: dict[str, NewRequestData | CachedRequestData] = {}
         self._copies: dict[str, tuple[int, int]] = {}
+        self._wait_reason = None
+        preemptions_before = self.num_preemptions
         preempted = False
 
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -157,10 +187,35 @@ class Scheduler:
             if not self._admit(self.waiting[0], out):
                 break
 
+        self.last_step = self._step_stats(out, self.num_preemptions - preemptions_before, preempted)
         for entry in self._entries.values():
             (out.new_requests if isinstance(entry, NewRequestData) else out.cached_requests).append(entry)
         out.blocks_to_copy = list(self._copies.values())
         return out
+
+    def _step_stats(self, out: SchedulerOutput, preemptions: int, preempted: bool) -> StepStats:
+        stats = StepStats(num_seqs=len(out.num_scheduled_tokens), preemptions=preemptions, waiting=len(self.waiting))
+        prefills = []
+        requests = self.requests
+        for req_id, num in out.num_scheduled_tokens.items():
+            req = requests[req_id]
+            if num == 1 and req.num_computed_tokens == req.num_tokens - 1 and req.num_tokens > req.num_prompt_tokens:
+                stats.decode_tokens += 1
+            else:
+                stats.prefill_tokens += num
+                prefills.append(req_id)
+        stats.scheduled_tokens = stats.prefill_tokens + stats.decode_tokens
+        stats.prefill_req_ids = tuple(prefills)
+        if stats.waiting:
+            # The loop stopped on the head's reason; an empty budget or a preemption (blocks ran
+            # out) stopped it before it tried.
+            if preempted:
+                stats.waiting_reason = "no_blocks"
+            elif self._budget <= 0:
+                stats.waiting_reason = "token_budget"
+            else:
+                stats.waiting_reason = self._wait_reason or "token_budget"
+        return stats
 
     def _num_seqs_after(self, req: Request) -> int:
         # Samples that running requests will fork on their first token count already.
@@ -251,11 +306,13 @@ class Scheduler:
     def _swap_in(self, req: Request, out: SchedulerOutput) -> bool:
         bm = self.block_manager
         if self._num_seqs_after(req) > self.config.max_num_seqs:
+            self._wait_reason = "seq_budget"
             return False
         num_new = self._chunk(req.num_tokens - req.num_computed_tokens)
         total = req.num_computed_tokens + num_new
         extra = max(0, cdiv(total, bm.block_size) - len(bm.cpu_tables[req.request_id]))
         if not bm.can_swap_in(req.request_id, extra):
+            self._wait_reason = "no_blocks"
             return False
         out.blocks_to_swap_in.extend(bm.swap_in(req.request_id))
         result = bm.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
@@ -269,6 +326,7 @@ class Scheduler:
     def _admit(self, req: Request, out: SchedulerOutput) -> bool:
         cfg, bm = self.config, self.block_manager
         if self._num_seqs_after(req) > cfg.max_num_seqs:
+            self._wait_reason = "seq_budget"
             return False
         hits = bm.find_cached_prefix(req.request_id, req.token_ids)
         num_computed = len(hits) * cfg.block_size
@@ -276,12 +334,14 @@ class Scheduler:
         # Unchunked prefill waits for a step with room, unless no step could ever hold it
         # (a request resumed after preemption carries its outputs too): then it goes in chunks.
         if not cfg.enable_chunked_prefill and self._budget < num_new <= cfg.max_num_batched_tokens:
+            self._wait_reason = "token_budget"
             return False
         num_new = self._chunk(num_new)
         # The watermark keeps headroom for running decodes; with none running it would only
         # keep a prompt that needs the whole pool out forever.
         result = bm.allocate_slots(req.request_id, num_computed, num_new, hits, reserve_watermark=bool(self.running))
         if result is None:
+            self._wait_reason = "no_blocks"
             return False
         bm.record_prefix_query(req.num_tokens, num_computed)
         if req.num_preemptions == 0:

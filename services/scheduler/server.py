@@ -99,6 +99,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         wire.timings_from_dict(record.timings, msg.timings)
         return msg
 
+    async def GetEngineStats(self, request, context):
+        try:
+            return await self.service.engine_stats(request.max_steps or 256)
+        except StatusError as exc:
+            await context.abort(exc.code, exc.details)
+
     async def GetModelInfo(self, request, context):
         service = self.service
         info = service.info

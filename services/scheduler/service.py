@@ -8,6 +8,7 @@ thread writes each step's records to the store and then publishes the step's tok
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import logging
 import os
@@ -32,6 +33,32 @@ from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.worker_client import WorkerError, WorkerGroup
 
 log = logging.getLogger("pagedserve.scheduler")
+
+STEP_HISTORY = 512       # steps kept for GetEngineStats
+RECENT_REQUESTS = 64     # finished requests kept for GetEngineStats
+QUEUE_LIST_LIMIT = 256   # ids per queue in GetEngineStats
+MAX_PREFILL_CHUNKS_KEPT = 64
+STEP_TOKENS_BOUNDS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+UTILIZATION_BOUNDS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+STEP_SECONDS_BOUNDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+class StepHistogram:
+    """A Prometheus-style histogram kept as plain counts (exported through GetStats)."""
+
+    def __init__(self, bounds: list[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def to_proto(self, out: scheduler_pb2.HistogramData) -> None:
+        out.bounds[:] = self.bounds
+        out.counts[:] = self.counts
+        out.sum = self.sum
 
 
 @dataclass(slots=True)
@@ -73,6 +100,14 @@ class SchedulerService:
         self.thread: threading.Thread | None = None
         self.readmitted: list[str] = []
         self.orphan_deadline = 0.0
+        # Introspection, written by the step loop only: the last steps, the last finished requests.
+        self.step_history: deque[dict] = deque(maxlen=STEP_HISTORY)
+        self.recent_requests: deque[dict] = deque(maxlen=RECENT_REQUESTS)
+        self.waiting_reasons_total = {"no_blocks": 0, "seq_budget": 0, "token_budget": 0}
+        self.scheduled_tokens_total = {"prefill": 0, "decode": 0}
+        self.hist_step_tokens = StepHistogram(STEP_TOKENS_BOUNDS)
+        self.hist_utilization = StepHistogram(UTILIZATION_BOUNDS)
+        self.hist_step_seconds = StepHistogram(STEP_SECONDS_BOUNDS)
 
     # ---- start and stop -------------------------------------------------------------------
     def start(self) -> None:
@@ -314,6 +349,7 @@ class SchedulerService:
         self.writer.submit([], [(group, deliveries)], only_to=sub)
 
     def _step(self) -> None:
+        step_started = time.perf_counter()
         sched = self.scheduler.schedule()
         now = time.time()
         requests = self.scheduler.requests
@@ -326,9 +362,26 @@ class SchedulerService:
             if group is not None:
                 group.timings.setdefault("first_scheduled", now)
                 group.num_preemptions = max(group.num_preemptions, req.num_preemptions)
+        stats = self.scheduler.last_step
+        completing = []  # requests whose prompt this step completes: (request, group)
+        for req_id in stats.prefill_req_ids:
+            req = requests[req_id]
+            group = self.groups.get(req.group_id)
+            if group is None or req.sample_index != 0:
+                continue
+            num = sched.num_scheduled_tokens[req_id]
+            group.num_prefill_chunks += 1
+            if len(group.prefill_chunks) < MAX_PREFILL_CHUNKS_KEPT:
+                group.prefill_chunks.append((now, num))
+            if req.num_computed_tokens + num >= req.num_tokens and "prefill_end" not in group.timings:
+                completing.append(group)
         started = time.perf_counter()
         result, overhead = self.workers.step(sched, wants_logprobs)
         step_time = time.perf_counter() - started
+        if completing:
+            returned = time.time()
+            for group in completing:
+                group.timings.setdefault("prefill_end", returned)
         self.step_times.append(step_time)
         self.step_overheads.append(overhead)
         step_worker_time = result.forward_time_s + result.sample_time_s
@@ -343,6 +396,35 @@ class SchedulerService:
                 group.worker_time_s += step_worker_time
                 group.num_steps += 1
         self._publish(self.scheduler.update(sched, result))
+        self._record_step(sched.step_id, now, time.perf_counter() - step_started, stats)
+
+    def _record_step(self, step_id: int, started: float, duration: float, stats) -> None:
+        sched = self.scheduler
+        cfg = sched.config
+        pool = sched.block_manager.pool
+        num_free, num_cached = pool.num_free, pool.num_cached_free
+        reasons = stats.waiting_reasons()
+        for reason, count in reasons.items():
+            self.waiting_reasons_total[reason] += count
+        self.scheduled_tokens_total["prefill"] += stats.prefill_tokens
+        self.scheduled_tokens_total["decode"] += stats.decode_tokens
+        self.hist_step_tokens.observe(stats.scheduled_tokens)
+        self.hist_utilization.observe(stats.scheduled_tokens / cfg.max_num_batched_tokens)
+        self.hist_step_seconds.observe(duration)
+        self.step_history.append({
+            "step": step_id, "time": started, "duration_s": duration, "scheduled_tokens": stats.scheduled_tokens,
+            "prefill_tokens": stats.prefill_tokens, "decode_tokens": stats.decode_tokens, "num_seqs": stats.num_seqs,
+            "token_budget": cfg.max_num_batched_tokens, "seq_budget": cfg.max_num_seqs,
+            "blocks_used": pool.num_blocks - num_free, "blocks_cached": num_cached,
+            "blocks_free": num_free - num_cached, "preemptions": stats.preemptions, "waiting": stats.waiting,
+            "waiting_reasons": reasons, "running": len(sched.running), "swapped": len(sched.swapped)})
+
+    def _remember_finished(self, group: GroupState) -> None:
+        self.recent_requests.append({
+            "request_id": group.group_id, "prompt_tokens": len(group.prompt_token_ids),
+            "output_tokens": group.output_tokens, "finish_reason": group.finish_reasons[0] if group.finish_reasons
+            else "", "finish_reasons": list(group.finish_reasons), "cached_tokens": group.num_cached_tokens,
+            "timings": group.timings_snapshot(), "prefill_chunks": list(group.prefill_chunks)})
 
     def _publish(self, updates) -> None:
         now = time.time()
@@ -358,6 +440,7 @@ class SchedulerService:
             _, write, deliveries = changed[group.group_id]
             tokens = [t.token_id for t in update.new_tokens]
             self.counters["generation_tokens"] += len(tokens)
+            group.output_tokens += len(tokens)
             write.new_tokens.setdefault(req.sample_index, []).extend(tokens)
             if tokens and "first_token" not in group.timings:
                 group.timings["first_token"] = now
@@ -375,6 +458,7 @@ class SchedulerService:
                     group.done = True
                     done.append(group)
                     self.counters["finished"] += 1
+                    self._remember_finished(group)
                     write.finished = True
                     write.fields["status"] = "finished"
                 write.fields["finish_reasons"] = json.dumps(group.finish_reasons)
@@ -406,6 +490,7 @@ class SchedulerService:
             write.fields.update(status="finished", timings=json.dumps(group.timings_snapshot()))
             write.finished = True
             write.ttl_samples = group.n
+            self._remember_finished(group)
         for delivery in deliveries:
             delivery.timings = group.timings_snapshot()
         self.writer.submit([write], [(group, deliveries)], [group] if group.done else [])
@@ -456,7 +541,7 @@ class SchedulerService:
         if sched is None:
             return scheduler_pb2.SchedulerStats(ready=False, max_waiting_requests=self.config.max_waiting_requests)
         bm = sched.block_manager
-        return scheduler_pb2.SchedulerStats(
+        msg = scheduler_pb2.SchedulerStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting) + self.pending_admissions,
             num_swapped=len(sched.swapped), num_gpu_blocks=bm.num_total_blocks,
             num_free_gpu_blocks=bm.num_free_blocks, num_cached_blocks=bm.pool.num_cached_free,
@@ -468,6 +553,107 @@ class SchedulerService:
             ready=self.ready, max_waiting_requests=self.config.max_waiting_requests,
             requests_finished_total=self.counters["finished"], worker_busy_seconds_total=self.counters["worker_busy_s"],
             step_seconds_total=self.counters["step_s"], idle_seconds_total=self.counters["idle_s"])
+        self._fill_stats_extras(msg)
+        return msg
+
+    def _fill_stats_extras(self, msg: scheduler_pb2.SchedulerStats) -> None:
+        self.hist_step_tokens.to_proto(msg.step_scheduled_tokens)
+        self.hist_utilization.to_proto(msg.step_token_budget_utilization)
+        self.hist_step_seconds.to_proto(msg.step_duration_seconds)
+        msg.scheduled_prefill_tokens_total = self.scheduled_tokens_total["prefill"]
+        msg.scheduled_decode_tokens_total = self.scheduled_tokens_total["decode"]
+        for reason, count in self.waiting_reasons_total.items():
+            setattr(msg.waiting_reasons_total, reason, count)
+        cfg = self.scheduler.config
+        msg.max_num_seqs, msg.max_num_batched_tokens = cfg.max_num_seqs, cfg.max_num_batched_tokens
+
+    async def engine_stats(self, max_steps: int = 256, timeout_s: float = 4.0) -> scheduler_pb2.EngineStats:
+        """A snapshot taken on the step-loop thread between two steps (the only thread that may
+        walk the scheduler's queues and the block pool), converted here."""
+        if self.scheduler is None or self.thread is None or not self.thread.is_alive():
+            return scheduler_pb2.EngineStats(time=time.time(), ready=False)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(value, error) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+
+        def take() -> None:
+            try:
+                value, error = self._engine_snapshot(max_steps), None
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                value, error = None, exc
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:
+                pass  # the caller's loop is gone
+
+        self.commands.put(take)
+        try:
+            snap = await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "the step loop did not answer in time") from None
+        return _engine_stats_proto(snap)
+
+    def _engine_snapshot(self, max_steps: int) -> dict:
+        sched = self.scheduler
+        cfg, bm = sched.config, sched.block_manager
+        max_steps = max(0, min(max_steps, STEP_HISTORY))
+        steps = list(self.step_history)[-max_steps:] if max_steps else []
+        return {
+            "time": time.time(), "ready": self.ready,
+            "config": {"max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
+                       "block_size": cfg.block_size, "num_gpu_blocks": cfg.num_gpu_blocks,
+                       "max_model_len": cfg.max_model_len, "num_cpu_blocks": cfg.num_cpu_blocks,
+                       "preemption_mode": cfg.preemption_mode, "enable_prefix_caching": cfg.enable_prefix_caching},
+            "queues": {name: [r.request_id for r in queue[:QUEUE_LIST_LIMIT]]
+                       for name, queue in (("waiting", sched.waiting), ("running", sched.running),
+                                           ("swapped", sched.swapped))},
+            "num_queued": (len(sched.waiting) + self.pending_admissions, len(sched.running), len(sched.swapped)),
+            "states": bm.pool.block_states(),
+            "tables": [(r.request_id, bm.block_ids(r.request_id)) for r in sched.running],
+            "steps": steps, "recent": list(self.recent_requests),
+            "totals": {"num_preemptions": sched.num_preemptions, "prefix_cache_queries": bm.prefix_queries,
+                       "prefix_cache_hits": bm.prefix_hits, "num_steps": self.counters["steps"],
+                       "prompt_tokens": self.counters["prompt_tokens"],
+                       "generation_tokens": self.counters["generation_tokens"],
+                       "prefill_tokens": self.scheduled_tokens_total["prefill"],
+                       "decode_tokens": self.scheduled_tokens_total["decode"],
+                       "requests_finished": self.counters["finished"]},
+            "waiting_reasons": dict(self.waiting_reasons_total),
+        }
 
     def model_name(self) -> str:
         return os.path.basename(self.info.model.rstrip("/")) if self.info else ""
+
+
+def _engine_stats_proto(snap: dict) -> scheduler_pb2.EngineStats:
+    msg = scheduler_pb2.EngineStats(time=snap["time"], ready=snap["ready"],
+                                    config=scheduler_pb2.EngineConfig(**snap["config"]),
+                                    waiting=snap["queues"]["waiting"], running=snap["queues"]["running"],
+                                    swapped=snap["queues"]["swapped"], num_blocks=len(snap["states"]),
+                                    block_states=snap["states"])
+    msg.num_waiting, msg.num_running, msg.num_swapped = snap["num_queued"]
+    for request_id, block_ids in snap["tables"]:
+        msg.tables.add(request_id=request_id, block_ids=block_ids)
+    for step in snap["steps"]:
+        entry = msg.steps.add(**{k: v for k, v in step.items() if k != "waiting_reasons"})
+        for reason, count in step["waiting_reasons"].items():
+            setattr(entry.waiting_reasons, reason, count)
+    for rec in snap["recent"]:
+        entry = msg.recent_requests.add(
+            request_id=rec["request_id"], prompt_tokens=rec["prompt_tokens"], output_tokens=rec["output_tokens"],
+            finish_reason=rec["finish_reason"], finish_reasons=rec["finish_reasons"],
+            cached_tokens=rec["cached_tokens"])
+        wire.timings_from_dict(rec["timings"], entry.timings)
+        for at, tokens in rec["prefill_chunks"]:
+            entry.prefill_chunks.add(time=at, tokens=tokens)
+    msg.totals.CopyFrom(scheduler_pb2.EngineTotals(**snap["totals"]))
+    for reason, count in snap["waiting_reasons"].items():
+        setattr(msg.totals.waiting_reasons, reason, count)
+    return msg
