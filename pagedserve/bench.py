@@ -55,7 +55,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench = subparsers.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,services,tp,moe}")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,services,tp,moe,serve}")
     bench_sub.required = True
     p = bench_sub.add_parser("throughput", help="offline throughput vs transformers' static batching",
                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,6 +72,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_tp_parser(bench_sub)
     from pagedserve.bench_moe import add_moe_parser
     add_moe_parser(bench_sub)
+    from pagedserve.bench_serve import add_serve_parser
+    add_serve_parser(bench_sub)
     return p
 
 
