@@ -1,0 +1,465 @@
+"""The live dashboard (/dashboard): served by the gateway app with its script and style sheet;
+drawn by Debian's headless chromium from a stats fixture (every panel, a prefix-mounted copy, a
+stats object with most fields missing, a refused API key); and from the real services with
+requests in flight: the KV grid shows cells in use by running requests, the queues list them, the
+waterfall has a row per finished request, and a screenshot is saved as a test artifact."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import shutil
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+import zlib
+from html.parser import HTMLParser
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Header, HTTPException
+from fastapi.testclient import TestClient
+
+from pagedserve.grpc_util import free_port
+from services.gateway import dashboard
+
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--hide-scrollbars",
+         "--no-first-run", "--mute-audio")
+KEY = "sk-dashboard-test"
+ARTIFACTS = Path(os.environ.get("PAGEDSERVE_TEST_ARTIFACTS") or Path(__file__).parent / "artifacts")
+
+
+# ---- headless chromium -------------------------------------------------------------------------
+
+def chromium() -> str:
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.fail("Debian's chromium is not installed (no `chromium` on PATH). `make` installs it "
+                    "(as root: apt-get install -y chromium); the dashboard tests draw the page in it.")
+    return path
+
+
+def run_chromium(url: str, *args: str, budget_ms: int = 3000) -> str:
+    """One headless run on a throwaway profile; its stdout. Virtual time runs the page's polling
+    `budget_ms` ahead (it waits while fetches are pending), then chromium dumps or shoots."""
+    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+        cmd = [chromium(), *FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}", *args, url]
+        proc = subprocess.run(cmd, capture_output=True, timeout=90)
+    out = proc.stdout.decode("utf-8", "replace")
+    assert proc.returncode == 0, f"chromium exited {proc.returncode}: {proc.stderr.decode(errors='replace')[-2000:]}"
+    return out
+
+
+def dump_dom(url: str, budget_ms: int = 3000) -> Node:
+    html = run_chromium(url, "--dump-dom", budget_ms=budget_ms)
+    assert "<html" in html, html[:500]
+    return parse(html)
+
+
+def screenshot(url: str, path: Path, width: int = 1400, height: int = 1000, budget_ms: int = 3000) -> bytes:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    run_chromium(url, f"--screenshot={path}", f"--window-size={width},{height}", budget_ms=budget_ms)
+    assert path.exists(), "chromium wrote no screenshot"
+    return path.read_bytes()
+
+
+def check_png(data: bytes, width: int, height: int) -> None:
+    """A valid PNG of that size whose pixels are not all alike (a blank page would be)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (length,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + length]
+        assert zlib.crc32(kind + body) == struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0]
+        chunks.setdefault(kind, []).append(body)
+        pos += 12 + length
+    w, h, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][0][:10])
+    assert (w, h) == (width, height)
+    assert b"IEND" in chunks
+    channels = {0: 1, 2: 3, 4: 2, 6: 4}[color]
+    raw = zlib.decompress(b"".join(chunks[b"IDAT"]))
+    assert len(raw) == h * (1 + w * channels * depth // 8)
+    assert len(set(raw)) > 64, "the screenshot is nearly uniform"
+    assert len(data) > 20_000, f"only {len(data)} bytes: a nearly empty page"
+
+
+# ---- a small DOM ---------------------------------------------------------------------------------
+
+class Node:
+    def __init__(self, tag: str, attrs: dict[str, str], parent: Node | None) -> None:
+        self.tag, self.attrs, self.parent = tag, attrs, parent
+        self.children: list[Node] = []
+        self.texts: list[str] = []
+
+    @property
+    def classes(self) -> set[str]:
+        return set(self.attrs.get("class", "").split())
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts) + "".join(child.text for child in self.children)
+
+    def all(self, tag: str | None = None, cls: str | None = None) -> list[Node]:
+        found = []
+        for child in self.children:
+            if (tag is None or child.tag == tag) and (cls is None or cls in child.classes):
+                found.append(child)
+            found.extend(child.all(tag, cls))
+        return found
+
+    def by_id(self, ident: str) -> Node:
+        hits = [n for n in self.all() if n.attrs.get("id") == ident]
+        assert hits, f"no element #{ident}"
+        return hits[0]
+
+
+VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
+class _Parser(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.root = self.node = Node("#document", {}, None)
+
+    def handle_starttag(self, tag, attrs):
+        node = Node(tag, {k: v or "" for k, v in attrs}, self.node)
+        self.node.children.append(node)
+        if tag not in VOID:
+            self.node = node
+
+    def handle_startendtag(self, tag, attrs):
+        self.node.children.append(Node(tag, {k: v or "" for k, v in attrs}, self.node))
+
+    def handle_endtag(self, tag):
+        node = self.node
+        while node.parent is not None and node.tag != tag:
+            node = node.parent
+        if node.parent is not None:
+            self.node = node.parent
+
+    def handle_data(self, data):
+        self.node.texts.append(data)
+
+
+def parse(html: str) -> Node:
+    parser = _Parser()
+    parser.feed(html)
+    return parser.root
+
+
+def queue_ids(dom: Node, name: str) -> list[str]:
+    return [li.attrs["data-request"] for li in dom.by_id(f"queue-{name}").all("li") if "data-request" in li.attrs]
+
+
+def queue_count(dom: Node, name: str) -> int:
+    return int(dom.by_id(f"queue-{name}").all(cls="count")[0].text)
+
+
+# ---- the page served by the gateway (no browser) -------------------------------------------------
+
+def test_gateway_serves_the_dashboard():
+    from services.gateway.app import build_app
+    from services.gateway.backend import Backend
+
+    app = build_app(Backend("127.0.0.1:9", "127.0.0.1:9", api_key=KEY))
+    client = TestClient(app)
+    page = client.get("/dashboard")  # the page itself is open; its fetches carry ?key= as a bearer token
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert 'src="dashboard/static/dashboard.js"' in page.text
+    assert 'href="dashboard/static/dashboard.css"' in page.text
+    for name, media in (("dashboard.js", "text/javascript"), ("dashboard.css", "text/css"),
+                        ("dashboard.html", "text/html")):
+        reply = client.get(f"/dashboard/static/{name}")
+        assert reply.status_code == 200, name
+        assert reply.headers["content-type"].startswith(media)
+        assert reply.content == (Path(dashboard.__file__).parent / "static" / name).read_bytes()
+        # nothing is fetched from elsewhere at run time (the SVG namespace is a name, not a fetch)
+        assert not re.search(r"(src|href)=[\"']?(https?:)?//", reply.text), name
+        assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", reply.text), name
+    assert "v1/engine/stats" in client.get("/dashboard/static/dashboard.js").text
+    assert client.get("/dashboard/static/nope.js").status_code == 404
+    assert client.get("/dashboard/static/..%2Fdashboard.py").status_code == 404
+    assert client.get("/v1/engine/stats").status_code == 401  # the data stays behind the key
+
+
+# ---- the page drawn from fixtures ---------------------------------------------------------------
+
+def fixture_stats() -> dict:
+    """256 blocks, four running requests (one shares three blocks with another), cached blocks,
+    120 steps with prefill bursts and two preemptions, eight finished requests."""
+    rng = random.Random(5)
+    t0, n = 1_760_000_000.0, 256
+    states, tables = ["."] * n, {}
+    free = list(range(n))
+    rng.shuffle(free)
+    for rid, count in (("cmpl-a1b2c3d4e5f6a7b8", 31), ("cmpl-0f9e8d7c6b5a4f3e", 24), ("cmpl-1234abcd5678ef90", 18),
+                       ("cmpl-feedbeefcafe0123", 9)):
+        tables[rid] = [free.pop() for _ in range(count)]
+        for block in tables[rid]:
+            states[block] = "u"
+    tables["cmpl-feedbeefcafe0123"] = tables["cmpl-a1b2c3d4e5f6a7b8"][:3] + tables["cmpl-feedbeefcafe0123"]
+    for _ in range(20):
+        states[free.pop()] = "c"
+    steps = []
+    for k in range(120):
+        prefill = 480 if k % 17 == 0 else 200 if k % 23 == 3 else 0
+        steps.append({"step": 1000 + k, "time": t0 + 0.03 * k, "duration_s": 0.012 + 0.004 * (prefill > 0),
+                      "scheduled_tokens": prefill + 4, "prefill_tokens": prefill, "decode_tokens": 4,
+                      "num_seqs": 4 + (prefill > 0), "token_budget": 512, "seq_budget": 8, "blocks_used": 80 + k // 4,
+                      "blocks_cached": 20, "blocks_free": 156 - k // 4, "preemptions": int(k in (40, 90)),
+                      "waiting": 2 * (k > 100),
+                      "waiting_reasons": {"no_blocks": int(k > 100), "seq_budget": int(k > 100), "token_budget": 0}})
+    recent = []
+    for i in range(8):
+        g = t0 - 10 + 1.1 * i
+        tr, sr = g + 0.0012, g + 0.0052
+        fs = sr + 0.002 + 0.05 * (i % 3)
+        ft, fts = fs + 0.02, fs + 0.022
+        fin = fts + 0.8 + 0.3 * (i % 4)
+        recent.append({"request_id": f"cmpl-{i:04x}deadbeef{i:04x}", "prompt_tokens": 40 + 7 * i,
+                       "output_tokens": 200 + 30 * i, "finish_reason": "length", "timings": {
+                           "gateway_received": g, "tokenizer_received": tr, "tokenized": tr + 0.003,
+                           "scheduler_received": sr, "first_scheduled": fs, "first_token": ft,
+                           "first_token_streamed": fts, "finished": fin, "ttft_ms": 1000 * (fts - g),
+                           "ttft_breakdown_ms": {"gateway": 1000 * (tr - g), "tokenizer": 1000 * (sr - tr),
+                                                 "queue": 1000 * (fs - sr), "prefill": 1000 * (ft - fs),
+                                                 "network": 1000 * (fts - ft)}}})
+    return {"time": t0 + 4,
+            "config": {"max_num_batched_tokens": 512, "max_num_seqs": 8, "block_size": 16, "num_gpu_blocks": n,
+                       "max_model_len": 1024},
+            "queues": {"waiting": ["cmpl-waiting0001", "cmpl-waiting0002"], "running": list(tables), "swapped": []},
+            "kv": {"num_blocks": n, "states": "".join(states), "tables": tables}, "steps": steps,
+            "recent_requests": recent,
+            "totals": {"num_preemptions": 2, "prefix_cache_queries": 40, "prefix_cache_hits": 23, "num_steps": 1120,
+                       "prompt_tokens": 9000, "generation_tokens": 31000,
+                       "waiting_reasons": {"no_blocks": 30, "seq_budget": 12, "token_budget": 4}}}
+
+
+SPARSE = {"time": 1_760_000_000.0, "kv": {"states": ".uc."}, "queues": {"running": ["r1"]},
+          "steps": [{"step": 1}], "recent_requests": [{"request_id": "r0", "timings": {}}]}
+
+
+class FixtureServer:
+    """The dashboard router beside a fake /v1/engine/stats: at / (the full fixture, behind KEY),
+    and mounted under /sparse/ (most fields missing, no key), on uvicorn in a thread."""
+
+    def __init__(self) -> None:
+        self.full, self.asked = fixture_stats(), []
+        app = FastAPI()
+        app.include_router(dashboard.router)
+        app.include_router(dashboard.router, prefix="/sparse")
+
+        @app.get("/v1/engine/stats")
+        async def stats(steps: int = 0, authorization: str = Header("")) -> dict:
+            self.asked.append(steps)
+            if authorization != f"Bearer {KEY}":
+                raise HTTPException(401, "Incorrect or missing API key")
+            return self.full
+
+        @app.get("/sparse/v1/engine/stats")
+        async def sparse() -> dict:
+            return SPARSE
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+        self.thread = threading.Thread(target=asyncio.run, args=(self.server.serve(),), daemon=True)
+        self.thread.start()
+        deadline = time.time() + 10
+        while not self.server.started:
+            assert time.time() < deadline, "the fixture server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.server.config.port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def fixture_server():
+    server = FixtureServer()
+    yield server
+    server.close()
+
+
+def test_page_draws_every_panel_from_the_stats(fixture_server):
+    data = fixture_server.full
+    dom = dump_dom(f"{fixture_server.url}/dashboard?key={KEY}")
+    assert dom.by_id("status-text").text.startswith("live"), dom.by_id("status-text").text
+    assert len(fixture_server.asked) >= 2 and all(s > 0 for s in fixture_server.asked)  # it polls, asking for steps
+
+    cells = dom.by_id("kv-grid").all(cls="kv-cell")
+    assert [int(c.attrs["data-block"]) for c in cells] == list(range(256))
+    states = data["kv"]["states"]
+    for cell, state in zip(cells, states):
+        expected = {"u": "used", "c": "cached", ".": "free"}[state]
+        assert expected in cell.classes, (cell.attrs, state)
+        assert f"block {cell.attrs['data-block']}" in cell.attrs["title"]
+    owner = {}
+    for rid, blocks in data["kv"]["tables"].items():
+        for block in blocks:
+            owner.setdefault(block, rid)
+    used = [c for c in cells if "used" in c.classes]
+    assert len(used) == states.count("u")
+    for cell in used:
+        block = int(cell.attrs["data-block"])
+        assert cell.attrs["data-request"] == owner[block]
+        assert owner[block] in cell.attrs["title"]
+        assert "background" in cell.attrs.get("style", "")  # the request's own color
+    shared = [c for c in cells if "shared" in c.classes]
+    assert len(shared) == 3 and all("shared by" in c.attrs["title"] for c in shared)
+    assert "free 154" in dom.by_id("kv-legend").text and "cached (reusable) 20" in dom.by_id("kv-legend").text
+
+    assert queue_ids(dom, "running") == data["queues"]["running"]
+    assert queue_ids(dom, "waiting") == data["queues"]["waiting"]
+    assert (queue_count(dom, "running"), queue_count(dom, "waiting"), queue_count(dom, "swapped")) == (4, 2, 0)
+    reasons = dom.by_id("waiting-reasons").all("tr")
+    assert [r.all("td")[0].text for r in reasons[1:]] == ["no free KV blocks", "sequence budget full",
+                                                          "token budget full"]
+    assert [r.all("td")[2].text for r in reasons[1:]] == ["30", "12", "4"]
+
+    budget = dom.by_id("budget-chart")
+    assert {"series-tokens", "series-seqs", "series-kv"} <= {c for p in budget.all("polyline") for c in p.classes}
+    assert len(budget.all("g", "preemption")) == 2
+    tokens = dom.by_id("tokens-chart")
+    assert len(tokens.all("rect", "prefill")) == sum(1 for s in data["steps"] if s["prefill_tokens"])
+    assert len(tokens.all("rect", "decode")) == 120
+
+    rows = dom.by_id("waterfall-body").all("g", "waterfall-row")
+    assert [r.attrs["data-request"] for r in rows] == [r["request_id"] for r in data["recent_requests"]]
+    for row in rows:
+        stages = [next(c for c in rect.classes if c.startswith("stage-")) for rect in row.all("rect", "stage")]
+        assert stages == ["stage-gateway", "stage-tokenizer", "stage-queue", "stage-prefill", "stage-network",
+                          "stage-decode"]
+        xs = [float(rect.attrs["x"]) for rect in row.all("rect", "stage")]
+        assert xs == sorted(xs)  # one after the other on the common axis
+
+    headline = dom.by_id("headline-numbers").text
+    assert "57.5%" in headline and "cache hits" in headline  # 23 of 40
+    assert "31.0k" in headline and "1120" in headline
+
+
+def test_page_under_a_path_prefix_with_fields_missing(fixture_server):
+    dom = dump_dom(f"{fixture_server.url}/sparse/dashboard")
+    assert dom.by_id("status-text").text.startswith("live"), dom.by_id("status-text").text
+    cells = dom.by_id("kv-grid").all(cls="kv-cell")
+    assert [sorted(c.classes - {"kv-cell"}) for c in cells] == [["free"], ["used"], ["cached"], ["free"]]
+    assert queue_ids(dom, "running") == ["r1"] and queue_count(dom, "swapped") == 0
+    assert len(dom.by_id("waterfall-body").all("g", "waterfall-row")) == 1
+
+
+def test_page_says_when_the_key_is_refused(fixture_server):
+    dom = dump_dom(f"{fixture_server.url}/dashboard?key=wrong", budget_ms=1500)
+    status = dom.by_id("status-text").text
+    assert "stats unavailable" in status and "401" in status, status
+    assert not dom.by_id("kv-grid").all(cls="kv-cell")
+
+
+# ---- the page drawn from the real services -------------------------------------------------------
+
+# every client's prompts start alike (four 16-token blocks or so): the prefix cache has something to share
+SHARED_PREFIX = ("You are watching the pagedserve dashboard test. Its clients keep long completions in flight "
+                 "so that the KV cache grid, the queues and the step charts have something to show.")
+
+
+class Load:
+    """Threads that keep long streaming completions in flight, one after another, until stopped."""
+
+    def __init__(self, url: str, threads: int, max_tokens: int) -> None:
+        self.url, self.max_tokens = url, max_tokens
+        self.stop, self.errors = threading.Event(), []
+        self.streaming = [threading.Event() for _ in range(threads)]
+        self.finished = 0
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, index: int) -> None:
+        body = {"prompt": SHARED_PREFIX + f" Client {index}: count slowly from one to a thousand.",
+                "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
+                while not self.stop.is_set():
+                    with http.stream("POST", self.url + "/v1/completions", json=body) as reply:
+                        assert reply.status_code == 200, reply.read()
+                        for line in reply.iter_lines():
+                            if line.startswith("data: "):
+                                self.streaming[index].set()
+                            if self.stop.is_set():
+                                return  # leaving the block closes the stream: the gateway cancels it
+                    with self.lock:
+                        self.finished += 1
+        except Exception as exc:  # reported by close()
+            self.errors.append(exc)
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+        assert not self.errors, self.errors
+
+
+@pytest.fixture(scope="module")
+def tiny_model(default_model_path, tmp_path_factory):
+    from service_stack import tiny_model_with_tokenizer
+    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-tok"), default_model_path)
+
+
+@pytest.mark.slow
+def test_dashboard_on_the_real_services(tiny_model, tmp_path_factory):
+    from service_stack import start_test_stack
+    chromium()  # fail before starting anything when it is missing
+    # 2 MiB of KV cache: 256 blocks of 16 tokens on the tiny model (2 layers, 2 KV heads of 16, float32);
+    # six clients for four sequence slots: two of them wait
+    stack = start_test_stack(tiny_model, tmp_path_factory.mktemp("logs"), api_key=KEY, kv_cache_memory="2MiB",
+                             max_num_seqs=4, max_num_batched_tokens=128)
+    load = None
+    try:
+        url = stack.http_url
+        auth = {"Authorization": f"Bearer {KEY}"}
+        done = httpx.post(url + "/v1/completions", headers=auth, timeout=60,
+                          json={"prompt": "a short one first", "max_tokens": 8, "ignore_eos": True})
+        assert done.status_code == 200, done.text
+        load = Load(url, threads=6, max_tokens=160)
+        deadline = time.monotonic() + 60
+        while load.finished < 3 or sum(e.is_set() for e in load.streaming) < 4:  # some finished, more in flight
+            assert time.monotonic() < deadline and not load.errors, (load.finished, load.errors)
+            time.sleep(0.1)
+        stats = httpx.get(url + "/v1/engine/stats", headers=auth, timeout=10).json()
+        assert stats["kv"]["tables"] and "u" in stats["kv"]["states"], stats["kv"]  # the endpoint has what to draw
+
+        page = f"{url}/dashboard?key={KEY}"
+        dom = dump_dom(page)
+        assert dom.by_id("status-text").text.startswith("live"), dom.by_id("status-text").text
+        cells = dom.by_id("kv-grid").all(cls="kv-cell")
+        assert len(cells) == stats["kv"]["num_blocks"] == stats["config"]["num_gpu_blocks"]
+        used = [c for c in cells if "used" in c.classes and c.attrs.get("data-request")]
+        assert used, "no KV cell in use by a request"
+        running = queue_ids(dom, "running")
+        assert running and queue_count(dom, "running") == len(running)
+        assert {c.attrs["data-request"] for c in used} <= set(running)  # the grid's owners are running requests
+        for name in ("waiting", "swapped"):
+            dom.by_id(f"queue-{name}")
+        rows = dom.by_id("waterfall-body").all("g", "waterfall-row")
+        assert done.json()["id"] in {r.attrs["data-request"] for r in rows}  # the finished request's row
+        first = next(r for r in rows if r.attrs["data-request"] == done.json()["id"])
+        assert {"stage-queue", "stage-prefill", "stage-decode"} <= {c for rect in first.all("rect", "stage")
+                                                                    for c in rect.classes}
+        assert dom.by_id("budget-chart").all("polyline", "series-tokens")
+
+        shot = screenshot(page, ARTIFACTS / "dashboard.png")
+        check_png(shot, 1400, 1000)
+    finally:
+        try:
+            if load is not None:
+                load.close()
+        finally:
+            stack.stop()
