@@ -17,6 +17,12 @@ $(STAMP): pyproject.toml Makefile
 		{ apt-get install -y -q docker-compose >/dev/null 2>&1 || \
 		  { apt-get update -q >/dev/null && apt-get install -y -q docker-compose >/dev/null; }; }; } || \
 		echo "warning: docker-compose is not installed; tests/test_compose.py will say so" >&2
+	# tests/test_dashboard.py draws the dashboard in Debian's headless chromium. Best effort too:
+	# without it those tests fail saying so.
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q chromium >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; }; } || \
+		echo "warning: chromium is not installed; tests/test_dashboard.py will say so" >&2
 	touch $(STAMP)
 
 serve: $(STAMP)
