@@ -125,7 +125,9 @@ def add_serve_parser(bench_sub) -> None:
                    help="leave out the fields only vLLM-like servers know (ignore_eos, timings)")
     p.add_argument("--timeout", type=float, default=3600.0, help="per-request timeout, seconds")
     p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--sweep", type=parse_sweep, default=None, metavar="rates:1,2,inf|concurrency:1,4,16")
+    p.add_argument("--sweep", type=parse_sweep, nargs="?", default=None, const=("concurrency", [1.0, 4.0, 16.0, 64.0]),
+                   metavar="rates:1,2,inf|concurrency:1,4,16",
+                   help="run at each load level and plot; alone: concurrency:1,4,16,64")
     p.add_argument("--out-dir", default="bench-serve-out", help="where --sweep writes sweep.json and the plots")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON here")
     p.set_defaults(func=run_serve_bench)
@@ -653,13 +655,19 @@ def plot_sweep(results: list[dict], kind: str, out_dir: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(xs, [r["output_throughput"] for r in results], "o-", label="output tokens/s")
-    ax2 = ax.twinx()
-    ax2.plot(xs, [r["request_throughput"] for r in results], "s--", color="tab:orange", label="requests/s")
-    ax2.set_ylabel("requests/s")
-    ax2.legend(loc="lower right")
-    finish(fig, ax, "Throughput vs load", "output tokens/s", "throughput.png")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    left.plot(xs, [r["request_throughput"] for r in results], "o-", label="completed requests/s")
+    for ax in (left, right):
+        ax.set_xticks(xs, labels)
+        ax.set_xlabel(xlabel)
+        ax.grid(True, alpha=0.3)
+    left.set_ylabel("requests/s")
+    left.set_title("Request throughput vs load")
+    left.legend()
+    right.plot(xs, [r["output_throughput"] for r in results], "o-", color="tab:green", label="output tokens/s")
+    right.plot(xs, [r["total_token_throughput"] for r in results], "s--", color="tab:gray",
+               label="total (input + output) tokens/s")
+    finish(fig, right, "Token throughput vs load", "tokens/s", "throughput.png")
 
     for key, title, name in (("ttft_ms", "TTFT vs load", "ttft.png"), ("tpot_ms", "TPOT vs load", "tpot.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))

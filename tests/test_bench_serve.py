@@ -166,6 +166,26 @@ def test_poisson_rate_and_chat_endpoint(stack):
 
 
 @pytest.mark.slow
+def test_sharegpt_file_with_a_tokenizer(stack, tmp_path):
+    from transformers import AutoTokenizer
+
+    replies = ["The sea is wide and the sky above it is blue.", "Once upon a time a dragon slept on gold.",
+               "Paged attention keeps the KV cache in fixed-size blocks."]
+    chats = [{"conversations": [{"from": "human", "value": f"Question number {i}: please tell me something."},
+                                {"from": "gpt", "value": reply}]} for i, reply in enumerate(replies)]
+    path = tmp_path / "sharegpt.jsonl"
+    path.write_text("\n".join(json.dumps(c) for c in chats))
+    result = bench(stack, "--tokenizer", str(stack.model_path), "--dataset", "sharegpt", "--dataset-path", str(path),
+                   "--num-prompts", "10")
+    assert result["failed"] == 0 and result["completed"] == 3 and result["num_prompts"] == 3, result["errors"]
+    tok = AutoTokenizer.from_pretrained(stack.model_path)
+    expected = sorted(len(tok(r, add_special_tokens=False).input_ids) for r in replies)
+    assert sorted(r["expected_output_tokens"] for r in result["requests"]) == expected
+    assert all(r["output_tokens"] == r["expected_output_tokens"] for r in result["requests"])
+    wait_until_idle(stack)
+
+
+@pytest.mark.slow
 def test_prefix_workload_hits_the_prefix_cache(stack):
     result = bench(stack, "--tokenizer", str(stack.model_path), "--dataset", "prefix", "--num-prefixes", "2",
                    "--suffixes-per-prefix", "6",
