@@ -7,6 +7,7 @@ waterfall has a row per finished request, and a screenshot is saved as a test ar
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
@@ -88,6 +89,12 @@ def check_png(data: bytes, width: int, height: int) -> None:
     assert len(raw) == h * (1 + w * channels * depth // 8)
     assert len(set(raw)) > 64, "the screenshot is nearly uniform"
     assert len(data) > 20_000, f"only {len(data)} bytes: a nearly empty page"
+
+
+def test_without_chromium_the_tests_fail_saying_make_installs_it(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(pytest.fail.Exception, match="`make` installs it"):
+        chromium()
 
 
 # ---- a small DOM ---------------------------------------------------------------------------------
@@ -225,7 +232,9 @@ def fixture_stats() -> dict:
         ft, fts = fs + 0.02, fs + 0.022
         fin = fts + 0.8 + 0.3 * (i % 4)
         recent.append({"request_id": f"cmpl-{i:04x}deadbeef{i:04x}", "prompt_tokens": 40 + 7 * i,
-                       "output_tokens": 200 + 30 * i, "finish_reason": "length", "timings": {
+                       "output_tokens": 200 + 30 * i, "finish_reason": "length", "cached_tokens": 16 * (i % 2),
+                       "prefill_chunk_list": [{"time": fs, "tokens": 32}, {"time": fs + 0.01, "tokens": 8 + 7 * i}],
+                       "timings": {
                            "gateway_received": g, "tokenizer_received": tr, "tokenized": tr + 0.003,
                            "scheduler_received": sr, "first_scheduled": fs, "first_token": ft,
                            "first_token_streamed": fts, "finished": fin, "ttft_ms": 1000 * (fts - g),
@@ -236,6 +245,7 @@ def fixture_stats() -> dict:
             "config": {"max_num_batched_tokens": 512, "max_num_seqs": 8, "block_size": 16, "num_gpu_blocks": n,
                        "max_model_len": 1024},
             "queues": {"waiting": ["cmpl-waiting0001", "cmpl-waiting0002"], "running": list(tables), "swapped": []},
+            "queue_lengths": {"waiting": 5, "running": 4, "swapped": 0},  # the id lists may be cut short
             "kv": {"num_blocks": n, "states": "".join(states), "tables": tables}, "steps": steps,
             "recent_requests": recent,
             "totals": {"num_preemptions": 2, "prefix_cache_queries": 40, "prefix_cache_hits": 23, "num_steps": 1120,
@@ -319,7 +329,8 @@ def test_page_draws_every_panel_from_the_stats(fixture_server):
 
     assert queue_ids(dom, "running") == data["queues"]["running"]
     assert queue_ids(dom, "waiting") == data["queues"]["waiting"]
-    assert (queue_count(dom, "running"), queue_count(dom, "waiting"), queue_count(dom, "swapped")) == (4, 2, 0)
+    assert (queue_count(dom, "running"), queue_count(dom, "waiting"), queue_count(dom, "swapped")) == (4, 5, 0)
+    assert dom.by_id("queue-waiting").all("li", "more")[0].text == "+3 more"
     reasons = dom.by_id("waiting-reasons").all("tr")
     assert [r.all("td")[0].text for r in reasons[1:]] == ["no free KV blocks", "sequence budget full",
                                                           "token budget full"]
@@ -340,6 +351,7 @@ def test_page_draws_every_panel_from_the_stats(fixture_server):
                           "stage-decode"]
         xs = [float(rect.attrs["x"]) for rect in row.all("rect", "stage")]
         assert xs == sorted(xs)  # one after the other on the common axis
+        assert len(row.all("line", "chunk-mark")) == 2 and len(row.all("line", "ttft-mark")) == 1
 
     headline = dom.by_id("headline-numbers").text
     assert "57.5%" in headline and "cache hits" in headline  # 23 of 40
@@ -376,7 +388,8 @@ class Load:
         self.url, self.max_tokens = url, max_tokens
         self.stop, self.errors = threading.Event(), []
         self.streaming = [threading.Event() for _ in range(threads)]
-        self.finished = 0
+        self.finished: list[str] = []  # ids of the completions that ran to their end
+        self.seen: set[str] = set()
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
         for thread in self.threads:
@@ -388,15 +401,19 @@ class Load:
         try:
             with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
                 while not self.stop.is_set():
+                    request_id = None
                     with http.stream("POST", self.url + "/v1/completions", json=body) as reply:
                         assert reply.status_code == 200, reply.read()
                         for line in reply.iter_lines():
-                            if line.startswith("data: "):
+                            if line.startswith("data: {") and request_id is None:
+                                request_id = json.loads(line[6:])["id"]
+                                with self.lock:
+                                    self.seen.add(request_id)
                                 self.streaming[index].set()
                             if self.stop.is_set():
                                 return  # leaving the block closes the stream: the gateway cancels it
                     with self.lock:
-                        self.finished += 1
+                        self.finished.append(request_id)
         except Exception as exc:  # reported by close()
             self.errors.append(exc)
 
@@ -430,7 +447,7 @@ def test_dashboard_on_the_real_services(tiny_model, tmp_path_factory):
         assert done.status_code == 200, done.text
         load = Load(url, threads=6, max_tokens=160)
         deadline = time.monotonic() + 60
-        while load.finished < 3 or sum(e.is_set() for e in load.streaming) < 4:  # some finished, more in flight
+        while len(load.finished) < 3 or sum(e.is_set() for e in load.streaming) < 4:  # some done, more in flight
             assert time.monotonic() < deadline and not load.errors, (load.finished, load.errors)
             time.sleep(0.1)
         stats = httpx.get(url + "/v1/engine/stats", headers=auth, timeout=10).json()
@@ -448,11 +465,16 @@ def test_dashboard_on_the_real_services(tiny_model, tmp_path_factory):
         assert {c.attrs["data-request"] for c in used} <= set(running)  # the grid's owners are running requests
         for name in ("waiting", "swapped"):
             dom.by_id(f"queue-{name}")
-        rows = dom.by_id("waterfall-body").all("g", "waterfall-row")
-        assert done.json()["id"] in {r.attrs["data-request"] for r in rows}  # the finished request's row
-        first = next(r for r in rows if r.attrs["data-request"] == done.json()["id"])
-        assert {"stage-queue", "stage-prefill", "stage-decode"} <= {c for rect in first.all("rect", "stage")
-                                                                    for c in rect.classes}
+        # a row per finished request (the first one, a short one, and those of the load that ran to their end)
+        rows = {r.attrs["data-request"]: r for r in dom.by_id("waterfall-body").all("g", "waterfall-row")}
+        with load.lock:
+            finished = {done.json()["id"], *load.finished}
+            seen = finished | load.seen
+        assert rows and set(rows) <= seen, (set(rows), seen)
+        assert set(rows) & finished
+        for row in rows.values():
+            assert {"stage-queue", "stage-prefill", "stage-decode"} <= {c for rect in row.all("rect", "stage")
+                                                                        for c in rect.classes}
         assert dom.by_id("budget-chart").all("polyline", "series-tokens")
 
         shot = screenshot(page, ARTIFACTS / "dashboard.png")

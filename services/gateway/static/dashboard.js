@@ -100,6 +100,7 @@
   // ---- headline ------------------------------------------------------------------------------
   function renderHeadline(d) {
     var t = obj(d.totals), q = obj(d.queues), kv = obj(d.kv), cfg = obj(d.config), steps = arr(d.steps);
+    function qlen(name) { var n = num(obj(d.queue_lengths)[name]); return Math.max(n || 0, arr(q[name]).length); }
     var states = typeof kv.states === "string" ? kv.states : "";
     var nBlocks = num(kv.num_blocks) !== null ? kv.num_blocks : (states.length || num(cfg.num_gpu_blocks));
     var used = states ? states.split("u").length - 1 : null;
@@ -115,8 +116,7 @@
       stepMs = 1000 * dur / (steps.length - 1);
     }
     var items = [
-      ["running", fmt(arr(q.running).length)], ["waiting", fmt(arr(q.waiting).length)],
-      ["swapped", fmt(arr(q.swapped).length)],
+      ["running", fmt(qlen("running"))], ["waiting", fmt(qlen("waiting"))], ["swapped", fmt(qlen("swapped"))],
       ["KV blocks used", used === null ? "–" : fmt(used) + " / " + fmt(nBlocks)],
       ["cache hits", pct(hitRate), queries ? fmt(hits) + " / " + fmt(queries) : ""],
       ["preemptions", fmt(num(t.num_preemptions))], ["steps", fmt(num(t.num_steps))],
@@ -208,10 +208,11 @@
 
   // ---- queues and waiting reasons -------------------------------------------------------------
   function renderQueues(d) {
-    var q = obj(d.queues);
+    var q = obj(d.queues), lengths = obj(d.queue_lengths);
     ["waiting", "running", "swapped"].forEach(function (name) {
       var box = $("queue-" + name), ids = arr(q[name]);
-      box.querySelector(".count").textContent = String(ids.length);
+      var count = num(lengths[name]) !== null ? Math.max(lengths[name], ids.length) : ids.length;
+      box.querySelector(".count").textContent = String(count);
       var ul = box.querySelector(".ids");
       clear(ul);
       ids.slice(0, 40).forEach(function (id) {
@@ -221,8 +222,9 @@
         li.style.borderColor = requestColor(id);
         ul.appendChild(li);
       });
-      if (ids.length > 40) ul.appendChild(el("li", "more", "+" + (ids.length - 40) + " more"));
-      if (!ids.length) ul.appendChild(el("li", "empty", "none"));
+      if (count > Math.min(ids.length, 40)) ul.appendChild(el("li", "more", "+" + (count - Math.min(ids.length, 40)) +
+                                                                 " more"));
+      if (!count) ul.appendChild(el("li", "empty", "none"));
     });
     var steps = arr(d.steps), last = steps.length ? obj(steps[steps.length - 1]) : {};
     var now = obj(last.waiting_reasons), total = obj(obj(d.totals).waiting_reasons);
@@ -370,7 +372,8 @@
   // ---- latency waterfall ---------------------------------------------------------------------
   function stagesOf(r, now) {
     var t = obj(r.timings), b = obj(t.ttft_breakdown_ms);
-    function gap(a, z) { return num(t[a]) !== null && num(t[z]) !== null ? Math.max(0, 1000 * (t[z] - t[a])) : null; }
+    function at(k) { return num(t[k]) !== null && t[k] > 0 ? t[k] : null; }  // a stamp not taken is 0
+    function gap(a, z) { return at(a) !== null && at(z) !== null ? Math.max(0, 1000 * (at(z) - at(a))) : null; }
     var fromTimes = {gateway: gap("gateway_received", "tokenizer_received"),
                      tokenizer: gap("tokenizer_received", "scheduler_received"),
                      queue: gap("scheduler_received", "first_scheduled"), prefill: gap("first_scheduled", "first_token"),
@@ -384,13 +387,22 @@
     });
     var ttft = num(t.ttft_ms) !== null ? t.ttft_ms : (out.length ? offset : null);
     var end = gap("gateway_received", "finished"), inFlight = false;
+    if (end === null) end = gap("gateway_received", "last_token_streamed");
     var decodeStart = ttft !== null ? Math.max(ttft, offset) : offset;
-    if (end === null && num(t.gateway_received) !== null && num(now) !== null && out.length) {
+    if (end === null && at("gateway_received") !== null && num(now) !== null && out.length && !r.finish_reason) {
       end = Math.max(0, 1000 * (now - t.gateway_received));  // not finished yet: decoding until now
       inFlight = true;
     }
     if (end !== null && end > decodeStart) out.push({stage: "decode", start: decodeStart, ms: end - decodeStart});
-    return {segments: out, ttft: ttft, total: end !== null ? end : offset, inFlight: inFlight};
+    var chunks = [];  // prefill chunks, when the stats list them: [ms from gateway_received, tokens]
+    arr(r.prefill_chunk_list).forEach(function (c) {
+      c = obj(c);
+      if (at("gateway_received") !== null && num(c.time) !== null && c.time > 0) {
+        chunks.push([Math.max(0, 1000 * (c.time - t.gateway_received)), num(c.tokens)]);
+      }
+    });
+    return {segments: out, ttft: ttft, total: Math.max(end !== null ? end : offset, offset), inFlight: inFlight,
+            chunks: chunks};
   }
   function niceCeil(v) {  // the least of 1, 2, 2.5, 5 × 10^k (k >= 0) that is >= v
     var p = Math.pow(10, Math.max(0, Math.floor(Math.log10(Math.max(v, 1))))), m = v / p;
@@ -448,12 +460,20 @@
                seg.start.toFixed(1) + " ms)");
         g.appendChild(rect);
       });
+      row.s.chunks.forEach(function (c, k) {
+        if (c[0] > maxMs) return;
+        g.appendChild(titled(svg("line", {x1: x(c[0]), x2: x(c[0]), y1: y + rowH - 6, y2: y + rowH - 1,
+                                          "class": "chunk-mark"}),
+                             "prefill chunk " + (k + 1) + (c[1] !== null ? ": " + c[1] + " tokens" : "") + " at " +
+                             c[0].toFixed(1) + " ms"));
+      });
       if (row.s.ttft !== null) {
         g.appendChild(titled(svg("line", {x1: x(row.s.ttft), x2: x(row.s.ttft), y1: y + 1, y2: y + rowH - 1,
                                           "class": "ttft-mark"}), "TTFT " + row.s.ttft.toFixed(1) + " ms"));
       }
       titled(g, r.request_id + "\nprompt " + fmt(num(r.prompt_tokens)) + " tokens, output " +
-             fmt(num(r.output_tokens)) + " tokens" + (r.finish_reason ? ", finished: " + r.finish_reason : "") +
+             fmt(num(r.output_tokens)) + " tokens" + (num(r.cached_tokens) ? " (" + r.cached_tokens +
+             " prompt tokens from the prefix cache)" : "") + (r.finish_reason ? ", finished: " + r.finish_reason : "") +
              (row.s.ttft !== null ? "\nTTFT " + row.s.ttft.toFixed(1) + " ms" : "") + "\ntotal " +
              row.s.total.toFixed(1) + " ms");
       chart.appendChild(g);
@@ -493,7 +513,7 @@
       .then(function (d) {
         render(obj(d));
         var when = num(d.time) ? new Date(d.time * 1000) : new Date();
-        setStatus(true, "live · " + when.toLocaleTimeString());
+        setStatus(true, (d.ready === false ? "model loading · " : "live · ") + when.toLocaleTimeString());
       })
       .catch(function (e) { setStatus(false, "stats unavailable: " + e.message); })
       .then(function () { setTimeout(poll, POLL_MS); });
