@@ -128,7 +128,7 @@
     clear(box);
     items.forEach(function (it) {
       var n = el("div", "number");
-      n.appendChild(el("div", "value", it[1]));
+      n.appendChild(el("div", "value" + (String(it[1]).length > 9 ? " long" : ""), it[1]));
       n.appendChild(el("div", "label", it[0]));
       if (it[2]) n.appendChild(el("div", "hint", it[2]));
       box.appendChild(n);
@@ -196,7 +196,7 @@
     var ownersBox = $("kv-owners");
     clear(ownersBox);
     perRequest.sort(function (a, b2) { return b2[1] - a[1]; });
-    perRequest.forEach(function (p) {
+    perRequest.slice(0, 32).forEach(function (p) {
       var chip = el("span", "chip", shortId(p[0]) + " · " + p[1] + " blocks");
       chip.style.borderColor = requestColor(p[0]);
       chip.style.background = "hsla(" + requestHue(p[0]).toFixed(0) + ", 65%, 52%, 0.15)";
@@ -204,6 +204,7 @@
       chip.dataset.request = p[0];
       ownersBox.appendChild(chip);
     });
+    if (perRequest.length > 32) ownersBox.appendChild(el("span", "more", "+" + (perRequest.length - 32) + " more"));
   }
 
   // ---- queues and waiting reasons -------------------------------------------------------------
