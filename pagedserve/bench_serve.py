@@ -23,7 +23,9 @@ Datasets:
             "value": ...}, {"from": "gpt", ...}]}: the first human turn is the prompt and the reply
             after it sets max_tokens (its token count with a tokenizer, else words x 1.3).
 
---sweep rates:1,2,4,inf or --sweep concurrency:1,4,16 runs the same dataset at each load level and
+--sweep rates:1,2,4,inf or --sweep concurrency:1,4,16 runs the dataset at each load level (level i
+draws its prompts with seed + i: the same distribution, fresh prompts, so no level gets the previous
+one's prefix-cache hits) and
 writes <out-dir>/sweep.json and PNG plots (throughput, TTFT and TPOT percentiles vs load).
 """
 
@@ -606,12 +608,18 @@ def run_serve_bench(args) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     per_level = []
-    for level in levels:
+    base_seed = args.seed
+    for index, level in enumerate(levels):
         rate = level if kind == "rates" else args.request_rate
         concurrency = int(level) if kind == "concurrency" else args.max_concurrency
+        if index:
+            # Fresh prompts of the same distribution at each level: repeating the previous level's
+            # prompts would turn every prefill into a prefix-cache hit and flatter the later levels.
+            args.seed = base_seed + index
+            requests, _ = build_dataset(args, tokenizer)
         print(f"--- {kind} {_level_label(level)}", flush=True)
         result = {**run_once(args, model, requests, tokenizer, rate, concurrency, progress=not args.disable_tqdm),
-                  **config, "sweep_kind": kind, "sweep_level": _level_label(level)}
+                  **config, "seed": args.seed, "sweep_kind": kind, "sweep_level": _level_label(level)}
         print_report(result)
         per_level.append(result)
     (out_dir / "sweep.json").write_text(json.dumps(per_level, indent=2))
