@@ -23,6 +23,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds each service may take to turn healthy (the worker loads the model)")
     parser.add_argument("--stop-timeout", type=float, default=10.0,
                         help="seconds each service gets after SIGTERM before SIGKILL")
+    parser.add_argument("--max-restarts", type=int, default=5,
+                        help="restart a service that dies (with backoff; if one tensor-parallel worker rank dies, "
+                             "all ranks restart); more than this many restarts within --restart-window and "
+                             "everything stops. 0: stop everything when any service dies")
+    parser.add_argument("--restart-window", type=float, default=300.0, help="seconds (see --max-restarts)")
+    parser.add_argument("--step-timeout", type=float, default=None,
+                        help="seconds a worker step may take before the rank counts as dead (scheduler default 60)")
+    parser.add_argument("--stall-timeout", type=float, default=None,
+                        help="health turns unhealthy when work is pending and no step completed for this long "
+                             "(scheduler default 30)")
     add_engine_args(parser)
 
 
@@ -73,7 +83,12 @@ def main(args: argparse.Namespace) -> int:
               flush=True)
         print("pagedserve: Ctrl-C stops every service", flush=True)
         while True:
-            dead = stack.dead()
+            if stack.gave_up:
+                print(f"pagedserve serve: {stack.gave_up}; stopping the others.", file=sys.stderr, flush=True)
+                stopping = True
+                stack.stop()
+                return 1
+            dead = stack.dead() if args.max_restarts <= 0 else None
             if dead is not None:
                 print(f"pagedserve serve: {dead.name} stopped unexpectedly ({describe_exit(dead.returncode)}); "
                       f"stopping the others.", file=sys.stderr, flush=True)

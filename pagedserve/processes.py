@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -283,7 +284,11 @@ class StackConfig:
     scheduling_policy: str = "fcfs"
     no_prefix_caching: bool = False
     no_chunked_prefill: bool = False
+    step_timeout: float | None = None  # scheduler: seconds before a silent worker rank counts as dead
+    stall_timeout: float | None = None  # scheduler: health NOT_SERVING after this long without progress
     # launcher only
+    max_restarts: int = 0  # > 0: a supervisor restarts dead children, at most this many times per window
+    restart_window: float = 300.0
     log_dir: str | None = None
     startup_timeout: float = 600.0
     stop_timeout: float = 10.0
@@ -301,7 +306,7 @@ WORKER_FLAGS = ("model", "device", "dtype", "max_model_len")
 SCHEDULER_FLAGS = ("max_waiting_requests", "block_size", "kv_cache_memory", "gpu_memory_utilization",
                    "swap_space", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
                    "max_model_len", "preemption_mode", "scheduling_policy", "no_prefix_caching",
-                   "no_chunked_prefill")
+                   "no_chunked_prefill", "step_timeout", "stall_timeout")
 TOKENIZER_FLAGS = ("model", "served_model_name")
 GATEWAY_FLAGS = ()  # the API key goes by environment (service_env), never on a command line `ps` shows
 
@@ -409,6 +414,12 @@ class Stack:
     redis_url: str = "memory"
     stop_timeout: float = 10.0
     _redis_dir: str | None = None
+    startup_timeout: float = 600.0
+    # The supervisor (see supervise()): restarts so far, and why it gave up ("" while it has not).
+    restarts: list[tuple[float, str]] = field(default_factory=list)
+    gave_up: str = ""
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _supervisor: threading.Thread | None = None
 
     @property
     def http_url(self) -> str:
@@ -422,9 +433,63 @@ class Stack:
         """The first child that is no longer running, if any."""
         return next((p for p in self.processes if not p.alive()), None)
 
+    def supervise(self, max_restarts: int = 5, window_s: float = 300.0, poll_s: float = 0.5) -> None:
+        """Start a thread that restarts a child that exited unexpectedly (not during stop()) with the
+        same argv and environment, after a backoff (1 s, doubling up to 30 s), logging each restart;
+        more than max_restarts within window_s and it gives up (gave_up says why; the launcher then
+        stops). Tensor-parallel worker ranks share a torch.distributed group that dies with any of
+        them: if one rank dies, every rank is restarted (together, as at start-up). The scheduler
+        notices the new ranks itself, re-initialises them and resumes its requests."""
+        def run() -> None:
+            backoff = 1.0
+            while not self._stopping.wait(poll_s):
+                dead = self.dead()
+                if dead is None:
+                    backoff = max(1.0, backoff / 2)
+                    continue
+                now = time.monotonic()
+                self.restarts = [r for r in self.restarts if now - r[0] < window_s]
+                if len(self.restarts) >= max_restarts:
+                    self.gave_up = (f"{dead.name} stopped ({describe_exit(dead.returncode)}) after "
+                                    f"{len(self.restarts)} restarts within {window_s:.0f} s; giving up")
+                    log.error("%s", self.gave_up)
+                    return
+                log.warning("%s stopped unexpectedly (%s); restarting it in %.0f s", dead.name,
+                            describe_exit(dead.returncode), backoff)
+                if self._stopping.wait(backoff):
+                    return
+                backoff = min(30.0, backoff * 2)
+                self.restarts.append((time.monotonic(), dead.name))
+                try:
+                    self._restart(dead)
+                except ServiceError as exc:
+                    log.error("restarting %s failed: %s", dead.name, exc)
+        self._supervisor = threading.Thread(target=run, name="supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _restart(self, dead: ServiceProcess) -> None:
+        group = [p for p in self.processes if p.name.startswith("worker")] if dead.name.startswith("worker") \
+            else [dead]
+        for old in group:
+            old.stop(self.stop_timeout)
+        fresh = []
+        for old in group:
+            if self._stopping.is_set():
+                return
+            new = ServiceProcess(old.name, old.argv, old.health_address, env=old.env, log_path=old.log_path,
+                                 ready=old.ready, cwd=old.cwd, arms_own_death_signal=old.arms_own_death_signal)
+            self.processes[self.processes.index(old)] = new.start()
+            fresh.append(new)
+        for new in fresh:
+            new.wait_healthy(self.startup_timeout)
+            log.info("restarted %s (pid %d)", new.name, new.pid)
+
     def stop(self) -> None:
         """SIGTERM each child in reverse start order (SIGKILL after stop_timeout); remove the private
         Redis' temp dir. Safe to call twice."""
+        self._stopping.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=self.stop_timeout + 5)
         for proc in reversed(self.processes):
             was_alive, started = proc.alive(), time.monotonic()
             try:
@@ -475,7 +540,7 @@ def start_stack(cfg: StackConfig, python: str = sys.executable) -> Stack:
     log_dir = Path(cfg.log_dir) if cfg.log_dir else None
     check_port_free(cfg.host, cfg.port, "the HTTP address")
     check_port_free(cfg.host, cfg.grpc_port, "the gRPC address")
-    stack = Stack(stop_timeout=cfg.stop_timeout)
+    stack = Stack(stop_timeout=cfg.stop_timeout, startup_timeout=cfg.startup_timeout)
     try:
         redis_url = stack.redis_url = resolve_redis(cfg, stack, log_dir)
         ports = Ports.free(cfg.tensor_parallel_size)
@@ -512,6 +577,8 @@ def start_stack(cfg: StackConfig, python: str = sys.executable) -> Stack:
             if time.monotonic() > deadline:
                 raise gateway.failure(f"answered no HTTP GET {stack.http_url}/health within 30 s")
             time.sleep(0.1)
+        if cfg.max_restarts > 0:
+            stack.supervise(cfg.max_restarts, cfg.restart_window)
         return stack
     except BaseException:
         stack.stop()

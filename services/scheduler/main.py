@@ -22,6 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--orphan-timeout", type=float, default=60.0,
                         help="after a restart, seconds a re-admitted request waits for its stream to re-attach "
                              "before it is aborted")
+    parser.add_argument("--step-timeout", type=float, default=60.0,
+                        help="seconds a worker step may take before the rank counts as dead: the scheduler "
+                             "then waits for the workers to come back and resumes every request by recompute")
+    parser.add_argument("--stall-timeout", type=float, default=30.0,
+                        help="health turns NOT_SERVING when work is pending and no step completed for this long")
     g = parser.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", default=None, help="KV pool size: bytes or e.g. 512MiB (CPU default 2GiB)")

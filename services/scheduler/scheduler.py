@@ -156,6 +156,28 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
+    def preempt_all_for_new_session(self, num_gpu_blocks: int, num_cpu_blocks: int) -> int:
+        """The workers lost their KV cache (a rank died and was re-initialised): every running or
+        swapped request goes back to waiting to resume by recompute from its tokens so far, and the
+        block manager starts afresh (its prefix cache described blocks that no longer exist).
+        Returns how many requests were preempted."""
+        cfg = self.config
+        cfg.num_gpu_blocks, cfg.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+        self.block_manager = BlockManager(cfg.num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                          cfg.num_cpu_blocks)
+        moved = self.running + self.swapped
+        self.running, self.swapped = [], []
+        for req in moved + self.waiting:
+            req.num_computed_tokens = 0
+            req.sent_to_worker = False
+        for req in moved:
+            req.num_preemptions += 1
+            req.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, req, key=self._key)
+        self.num_preemptions += len(moved)
+        self._dropped_ids = []  # the new session knows no request
+        return len(moved)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 

@@ -121,12 +121,13 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
         max_waiting_requests=args.max_waiting_requests, worker_timeout_s=args.worker_timeout,
-        orphan_timeout_s=args.orphan_timeout)
+        orphan_timeout_s=args.orphan_timeout, step_timeout_s=args.step_timeout, stall_timeout_s=args.stall_timeout)
 
 
 async def _serve(args: argparse.Namespace) -> int:
     store = open_store(args.redis_url, args.redis_prefix, args.redis_ttl)
-    workers = WorkerGroup([a.strip() for a in args.worker_addrs.split(",") if a.strip()])
+    workers = WorkerGroup([a.strip() for a in args.worker_addrs.split(",") if a.strip()],
+                          step_timeout_s=args.step_timeout)
     service = SchedulerService(config_from_args(args), workers, store)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), server)
@@ -147,11 +148,29 @@ async def _serve(args: argparse.Namespace) -> int:
         starting.result()  # raise what failed at start-up
         set_serving(health, [SERVICE_NAME])
         log.info("scheduler ready (model %s, max_model_len %d)", service.model_name(), service.max_model_len)
+        watcher = asyncio.ensure_future(_watch_health(service, health))
         await stop.wait()
+        watcher.cancel()
     set_serving(health, [SERVICE_NAME], False)
     await server.stop(grace=2.0)
     await asyncio.to_thread(service.stop)
     return 0
+
+
+async def _watch_health(service: SchedulerService, health, interval_s: float = 0.25) -> None:
+    """The gRPC health service follows the engine: NOT_SERVING while a worker rank is gone, the
+    engine is stalled or the store is unreachable (the cause is in GetStats and the log)."""
+    serving = True
+    while True:
+        await asyncio.sleep(interval_s)
+        cause = service.unhealthy_cause()
+        if bool(cause) == serving:
+            serving = not cause
+            set_serving(health, [SERVICE_NAME], serving)
+            if cause:
+                log.warning("health: NOT_SERVING (%s)", cause)
+            else:
+                log.info("health: SERVING again")
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -78,6 +78,9 @@ class ServiceConfig:
     max_waiting_requests: int = 1024
     worker_timeout_s: float = 600.0
     orphan_timeout_s: float = 60.0  # re-admitted requests no stream re-attaches to by then are aborted
+    step_timeout_s: float = 60.0  # a step with no result by then: the rank counts as dead (recovery)
+    stall_timeout_s: float = 30.0  # work pending and no step completed for this long: unhealthy
+    store_check_interval_s: float = 1.0  # how often the store (Redis) is pinged
 
 
 class SchedulerService:
@@ -100,6 +103,12 @@ class SchedulerService:
         self.thread: threading.Thread | None = None
         self.readmitted: list[str] = []
         self.orphan_deadline = 0.0
+        # Health: why the engine cannot serve now ("" when it can), as seen by the step loop and
+        # the store checker; the stall is computed when asked (the step loop may be stuck).
+        self.worker_cause = ""
+        self.store_cause = ""
+        self.last_progress = time.monotonic()  # the step loop's heartbeat: a step done, or idle
+        self.num_worker_recoveries = 0
         # Introspection, written by the step loop only: the last steps, the last finished requests.
         self.step_history: deque[dict] = deque(maxlen=STEP_HISTORY)
         self.recent_requests: deque[dict] = deque(maxlen=RECENT_REQUESTS)
@@ -132,8 +141,10 @@ class SchedulerService:
                  sizes.num_gpu_blocks, cfg.block_size, sizes.num_gpu_blocks * sizes.bytes_per_block / 2**20,
                  len(self.workers.addresses), budget, cfg.max_num_seqs)
         self._readmit_from_store()
+        self.last_progress = time.monotonic()
         self.thread = threading.Thread(target=self._loop, name="step-loop", daemon=True)
         self.thread.start()
+        threading.Thread(target=self._check_store, name="store-check", daemon=True).start()
         self.ready = True
 
     def stop(self) -> None:
@@ -283,14 +294,13 @@ class SchedulerService:
             if self.readmitted and time.monotonic() > self.orphan_deadline:
                 self._abort_orphans()
             if self.stopping.is_set() or not self.scheduler.has_unfinished():
+                self.last_progress = time.monotonic()
                 continue
             try:
                 self._step()
+                self.last_progress = time.monotonic()
             except WorkerError as exc:
-                log.error("%s; failing the requests in flight", exc)
-                self._fail_all(StatusError(grpc.StatusCode.UNAVAILABLE, str(exc)))
-                self.ready = False
-                self._reconnect()
+                self._recover_workers(str(exc))
             except Exception as exc:  # noqa: BLE001 - keep serving; the requests in flight fail loudly
                 log.exception("step failed")
                 self._fail_all(StatusError(grpc.StatusCode.INTERNAL, f"the engine step failed: {exc}"))
@@ -508,27 +518,66 @@ class SchedulerService:
                 self.scheduler.abort(group.group_id)
                 self._end_group(group, error)
 
-    def _reconnect(self) -> None:
+    def _recover_workers(self, cause: str) -> None:
+        """A rank died or hung. Every request is kept (the scheduler holds its tokens so far, the
+        store its record): mark the engine unhealthy, wait until every rank answers again (the
+        launcher or the container runtime restarts dead ones), open a new session on them (they
+        forget every request) and put every request back to waiting to resume by recompute.
+        Clients see a pause; tokens already delivered are not sent again."""
+        failed_at = time.monotonic()
+        self.worker_cause = f"a worker rank is gone ({cause}); waiting for it to come back"
+        log.error("%s; keeping %d request(s) in flight until the workers are back", cause,
+                  len(self.scheduler.requests))
+        self.workers.close_streams()
+        attempt = 0
         while not self.stopping.is_set():
             try:
-                self.workers.connect(self.config.worker_timeout_s)
-                self.start_session_again()
-                self.ready = True
-                log.info("the workers answer again")
-                return
+                self.workers.connect(min(5.0 + attempt, 30.0))
+                sizes = self.start_session_again()
             except Exception as exc:  # noqa: BLE001 - keep trying until stopped
-                log.warning("workers not back yet: %s", exc)
-                time.sleep(1.0)
+                attempt += 1
+                if attempt == 1 or attempt % 10 == 0:
+                    log.warning("workers not back yet: %s", exc)
+                time.sleep(0.5)
+                continue
+            moved = self.scheduler.preempt_all_for_new_session(sizes.num_gpu_blocks, sizes.num_cpu_blocks)
+            self.num_worker_recoveries += 1
+            self.worker_cause = ""
+            self.last_progress = time.monotonic()
+            log.info("the workers answer again after %.1f s: %d request(s) resume by recompute (%d were running)",
+                     time.monotonic() - failed_at, len(self.scheduler.waiting), moved)
+            return
 
-    def start_session_again(self) -> None:
-        """A fresh KV pool on the workers; the scheduler's pool starts empty to match."""
+    def start_session_again(self) -> worker_pb2.ProfileResponse:
+        """A fresh KV pool on the workers (a new session: they forget every request)."""
         old = self.scheduler.config
-        self.workers.init_session(worker_pb2.ProfileRequest(
+        return self.workers.init_session(worker_pb2.ProfileRequest(
             block_size=old.block_size, kv_cache_memory=self.config.kv_cache_memory or "",
             swap_space=self.config.swap_space if old.preemption_mode == "swap" else "",
             max_num_batched_tokens=old.max_num_batched_tokens,
             gpu_memory_utilization=self.config.gpu_memory_utilization))
-        self.scheduler = Scheduler(old)
+
+    # ---- health ---------------------------------------------------------------------------
+    def _check_store(self) -> None:
+        """Ping the store now and then; an unreachable Redis makes the engine unhealthy."""
+        while not self.stopping.wait(self.config.store_check_interval_s):
+            ok = self.store.ping()
+            if not ok and not self.store_cause:
+                log.error("the request store (Redis) does not answer")
+            elif ok and self.store_cause:
+                log.info("the request store (Redis) answers again")
+            self.store_cause = "" if ok else "the request store (Redis) is unreachable"
+
+    def unhealthy_cause(self) -> str:
+        """Why the engine cannot serve now, or "" when it can."""
+        if not self.ready:
+            return "the model is loading" if not self.stopping.is_set() else "the scheduler is stopping"
+        causes = [c for c in (self.worker_cause, self.store_cause) if c]
+        stalled = time.monotonic() - self.last_progress
+        if not self.worker_cause and stalled > self.config.stall_timeout_s:
+            causes.append(f"the engine made no progress for {stalled:.0f} s with work pending "
+                          f"(--stall-timeout {self.config.stall_timeout_s:g} s)")
+        return "; ".join(causes)
 
     def _forget_group(self, group: GroupState) -> None:
         with self.lock:
@@ -539,7 +588,8 @@ class SchedulerService:
     def stats(self) -> scheduler_pb2.SchedulerStats:
         sched = self.scheduler
         if sched is None:
-            return scheduler_pb2.SchedulerStats(ready=False, max_waiting_requests=self.config.max_waiting_requests)
+            return scheduler_pb2.SchedulerStats(ready=False, max_waiting_requests=self.config.max_waiting_requests,
+                                                unhealthy_cause=self.unhealthy_cause())
         bm = sched.block_manager
         msg = scheduler_pb2.SchedulerStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting) + self.pending_admissions,
@@ -553,6 +603,9 @@ class SchedulerService:
             ready=self.ready, max_waiting_requests=self.config.max_waiting_requests,
             requests_finished_total=self.counters["finished"], worker_busy_seconds_total=self.counters["worker_busy_s"],
             step_seconds_total=self.counters["step_s"], idle_seconds_total=self.counters["idle_s"])
+        msg.unhealthy_cause = self.unhealthy_cause()
+        msg.healthy = not msg.unhealthy_cause
+        msg.num_worker_recoveries = self.num_worker_recoveries
         self._fill_stats_extras(msg)
         return msg
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -29,17 +30,36 @@ class WorkerError(RuntimeError):
 
 
 class _StepStream:
-    """A bidi Step stream fed from a queue: send() then receive(), one message each per step."""
+    """A bidi Step stream fed from a queue: send() then receive(), one message each per step. A
+    reader thread drains the responses so that receive() can give up after a deadline (a stopped
+    or hung rank never answers, and a plain next() on the stream would wait forever)."""
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub) -> None:
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.responses = stub.Step(iter(self.outbox.get, _CLOSE))
+        threading.Thread(target=self._read, name="step-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for response in self.responses:
+                self.inbox.put(response)
+            self.inbox.put(StopIteration())
+        except grpc.RpcError as exc:
+            self.inbox.put(exc)
 
     def send(self, message: worker_pb2.StepRequest) -> None:
         self.outbox.put(message)
 
-    def receive(self) -> worker_pb2.StepResult:
-        return next(self.responses)
+    def receive(self, timeout_s: float | None = None) -> worker_pb2.StepResult:
+        try:
+            item = self.inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError from None
+        if isinstance(item, BaseException):
+            self.inbox.put(item)  # the stream stays broken
+            raise item
+        return item
 
     def close(self) -> None:
         self.outbox.put(_CLOSE)
@@ -47,10 +67,11 @@ class _StepStream:
 
 
 class WorkerGroup:
-    def __init__(self, addresses: list[str]) -> None:
+    def __init__(self, addresses: list[str], step_timeout_s: float | None = None) -> None:
         if not addresses:
             raise ValueError("at least one worker address is needed (--worker-addrs)")
         self.addresses = addresses
+        self.step_timeout_s = step_timeout_s  # a step with no answer by then counts as a dead rank
         self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.streams: list[_StepStream] = []
@@ -94,9 +115,14 @@ class WorkerGroup:
         try:
             for stream in self.streams:
                 stream.send(message)
-            results = [stream.receive() for stream in self.streams]
-        except (grpc.RpcError, StopIteration) as exc:
-            detail = exc.details() if isinstance(exc, grpc.RpcError) else "the stream ended"
+            deadline = None if self.step_timeout_s is None else started + self.step_timeout_s
+            results = [stream.receive(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+                       for stream in self.streams]
+        except (grpc.RpcError, StopIteration, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError):
+                detail = f"no step result within {self.step_timeout_s:g} s (--step-timeout)"
+            else:
+                detail = exc.details() if isinstance(exc, grpc.RpcError) else "the stream ended"
             raise WorkerError(f"a worker rank failed during step {step.step_id}: {detail}") from exc
         elapsed = time.perf_counter() - started
         first = results[0]
