@@ -115,83 +115,145 @@ def test_serves_after_openapi_fuzz(stack):
 U32 = 2**32 - 1
 I32 = 2**31 - 1
 I64 = 2**63 - 1
-any_float = st.floats(allow_nan=True, allow_infinity=True)
-small_or_wild_float = st.one_of(st.floats(0, 2), st.floats(0, 2), st.floats(-3, 3), any_float)
+VOCAB = 49152  # the tiny model's (the default model's tokenizer)
+wild_float = st.one_of(st.sampled_from([float("nan"), float("inf"), float("-inf"), -1.0, -1e-300, 1e300]),
+                       st.floats(allow_nan=True, allow_infinity=True))
+wild_u32 = st.one_of(st.sampled_from([0, 2**31, U32]), st.integers(0, U32))
+wild_i32 = st.one_of(st.sampled_from([-I32 - 1, -1, I32]), st.integers(-I32 - 1, I32))
 text = st.text(max_size=30)
-huge_text = st.one_of(text, st.builds(lambda s, k: s * k, st.text(min_size=1, max_size=5), st.integers(1000, 50_000)))
-token_ids = st.one_of(
-    st.lists(st.integers(0, 300), max_size=8),                    # ordinary ids
-    st.lists(st.integers(0, 300), min_size=1, max_size=8),
-    st.lists(st.integers(0, U32), max_size=8),                     # out of the vocabulary
-    st.builds(lambda k: [7] * k, st.integers(100, 20_000)),      # longer than the context
+huge_text = st.builds(lambda s, k: s * k, st.text(min_size=1, max_size=5), st.integers(2000, 50_000))
+wild_ids = st.one_of(
+    st.just([]),
+    st.lists(st.integers(VOCAB, U32), min_size=1, max_size=8),   # out of the vocabulary
+    st.builds(lambda k: [7] * k, st.integers(129, 20_000)),       # longer than the context (128)
 )
-small_or_huge_u32 = st.one_of(st.integers(0, 8), st.integers(0, 8), st.integers(0, U32))
 
 
 @st.composite
-def sampling_params(draw) -> common_pb2.SamplingParams:
+def valid_params(draw) -> common_pb2.SamplingParams:
+    """Sampling parameters the services accept, drawn over their whole valid ranges."""
+    max_tokens = draw(st.integers(1, 8))
     p = common_pb2.SamplingParams(
-        n=draw(st.one_of(st.integers(0, 3), st.integers(0, 3), st.integers(0, U32))),
-        top_k=draw(st.one_of(st.integers(-2, 50), st.integers(-I32 - 1, I32))),
-        min_p=draw(small_or_wild_float), presence_penalty=draw(small_or_wild_float),
-        frequency_penalty=draw(small_or_wild_float), min_tokens=draw(small_or_huge_u32),
-        stop_token_ids=draw(st.lists(st.integers(0, U32), max_size=4)), ignore_eos=draw(st.booleans()))
-    for name in ("temperature", "top_p", "repetition_penalty"):
-        if draw(st.booleans()):
-            setattr(p, name, draw(small_or_wild_float))
+        n=draw(st.integers(0, 2)), top_k=draw(st.integers(-1, 50)), min_p=draw(st.floats(0, 1)),
+        presence_penalty=draw(st.floats(-2, 2)), frequency_penalty=draw(st.floats(-2, 2)),
+        min_tokens=draw(st.integers(0, max_tokens)), max_tokens=max_tokens,
+        stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=3)), ignore_eos=draw(st.booleans()))
+    if draw(st.booleans()):
+        p.temperature = draw(st.floats(0, 2))
+    if draw(st.booleans()):
+        p.top_p = draw(st.floats(0.01, 1))
+    if draw(st.booleans()):
+        p.repetition_penalty = draw(st.floats(0.5, 2))
     if draw(st.booleans()):
         p.seed = draw(st.integers(-I64 - 1, I64))
     if draw(st.booleans()):
-        p.max_tokens = draw(small_or_huge_u32)
-    if draw(st.booleans()):
-        p.logprobs = draw(st.one_of(st.integers(0, 5), st.integers(0, U32)))
+        p.logprobs = draw(st.integers(0, 5))
     return p
+
+
+# One field each, set to a value out of its valid range (or a strange one that may still be valid).
+PARAM_CORRUPTIONS = {
+    "n": wild_u32, "temperature": wild_float, "top_p": wild_float, "top_k": wild_i32, "min_p": wild_float,
+    "repetition_penalty": wild_float, "presence_penalty": wild_float, "frequency_penalty": wild_float,
+    "max_tokens": wild_u32, "min_tokens": wild_u32, "logprobs": wild_u32,
+    "seed": st.sampled_from([-I64 - 1, I64]), "stop_token_ids": st.lists(st.integers(VOCAB, U32), min_size=1),
+}
+
+
+def corrupt_params(draw, params: common_pb2.SamplingParams, names) -> None:
+    for name in names:
+        value = draw(PARAM_CORRUPTIONS[name])
+        if name == "stop_token_ids":
+            params.stop_token_ids.extend(value)
+        else:
+            setattr(params, name, value)
 
 
 @st.composite
 def generate_requests(draw) -> generate_pb2.GenerateRequest:
+    """A valid public GenerateRequest, then none to three of its fields made malformed."""
     req = generate_pb2.GenerateRequest(
-        model=draw(st.sampled_from(["", "", "", "", "no-such-model", "\x00"])), params=draw(sampling_params()),
-        stop=draw(st.lists(huge_text, max_size=3)), include_stop_str_in_output=draw(st.booleans()),
-        skip_special_tokens=draw(st.booleans()), request_id=draw(st.one_of(st.just(""), text)),
-        priority=draw(st.integers(-I32 - 1, I32)), echo=draw(st.booleans()))
-    kind = draw(st.sampled_from(["prompt", "ids", "chat", "none"]))
+        params=draw(valid_params()), stop=draw(st.lists(text, max_size=2)),
+        include_stop_str_in_output=draw(st.booleans()), skip_special_tokens=draw(st.booleans()),
+        priority=draw(st.integers(-5, 5)), echo=draw(st.booleans()))
+    kind = draw(st.sampled_from(["prompt", "ids", "chat"]))
     if kind == "prompt":
-        req.prompt = draw(huge_text)
+        req.prompt = draw(st.text(min_size=1, max_size=40))
     elif kind == "ids":
-        req.prompt_token_ids.ids.extend(draw(token_ids))
-    elif kind == "chat":
-        messages = draw(st.lists(st.tuples(st.sampled_from(["user", "system", "assistant", "tool", "", "x"]),
-                                           huge_text), max_size=3))
-        req.chat.messages.extend(generate_pb2.ChatMessage(role=r, content=c) for r, c in messages)
+        req.prompt_token_ids.ids.extend(draw(st.lists(st.integers(3, 300), min_size=1, max_size=8)))
+    else:
+        req.chat.messages.append(generate_pb2.ChatMessage(role="user", content=draw(st.text(max_size=40))))
         req.chat.add_generation_prompt = draw(st.booleans())
-    if draw(st.booleans()):
-        req.timings.gateway_received = draw(any_float)
-        req.timings.scheduler_received = draw(any_float)
+    fields = ["model", "huge_prompt", "ids", "no_input", "chat", "stop", "request_id", "priority", "timings",
+              *PARAM_CORRUPTIONS]
+    for field in draw(st.lists(st.sampled_from(fields), max_size=3, unique=True)):
+        if field == "model":
+            req.model = draw(st.sampled_from(["no-such-model", "\x00", " "]) | text)
+        elif field == "huge_prompt":
+            req.prompt = draw(huge_text)
+        elif field == "ids":
+            req.prompt_token_ids.Clear()
+            req.prompt_token_ids.ids.extend(draw(wild_ids))
+        elif field == "no_input":
+            req.ClearField("input")
+        elif field == "chat":
+            roles = st.sampled_from(["user", "system", "assistant", "tool", "", "\x00", "x" * 1000])
+            messages = draw(st.lists(st.tuples(roles, st.one_of(text, huge_text)), max_size=3))
+            req.chat.Clear()
+            req.chat.messages.extend(generate_pb2.ChatMessage(role=r, content=c) for r, c in messages)
+        elif field == "stop":
+            req.stop.extend(draw(st.lists(st.one_of(st.just(""), huge_text), min_size=1, max_size=3)))
+        elif field == "request_id":
+            req.request_id = draw(st.one_of(text, huge_text))
+        elif field == "priority":
+            req.priority = draw(wild_i32)
+        elif field == "timings":
+            req.timings.gateway_received = draw(wild_float)
+            req.timings.scheduler_received = draw(wild_float)
+        else:
+            corrupt_params(draw, req.params, [field])
     return req
 
 
 @st.composite
 def schedule_requests(draw) -> scheduler_pb2.ScheduleRequest:
+    """A valid internal ScheduleRequest, then none to three of its fields made malformed."""
     req = scheduler_pb2.ScheduleRequest(
-        request_id=draw(st.one_of(st.just(""), text)), prompt_token_ids=draw(token_ids),
-        params=draw(sampling_params()), priority=draw(st.integers(-I32 - 1, I32)),
-        attach=draw(st.sampled_from([False, False, False, True])),
-        skip_tokens=draw(st.lists(st.integers(0, U32), max_size=3)))
-    if draw(st.booleans()):
-        req.timings.scheduler_received = draw(any_float)
-        req.timings.first_token = draw(any_float)
+        prompt_token_ids=draw(st.lists(st.integers(3, 300), min_size=1, max_size=8)), params=draw(valid_params()),
+        priority=draw(st.integers(-5, 5)))
+    fields = ["ids", "request_id", "priority", "timings", "attach", "skip_tokens", *PARAM_CORRUPTIONS]
+    for field in draw(st.lists(st.sampled_from(fields), max_size=3, unique=True)):
+        if field == "ids":
+            del req.prompt_token_ids[:]
+            req.prompt_token_ids.extend(draw(wild_ids))
+        elif field == "request_id":
+            req.request_id = draw(st.one_of(text, huge_text))
+        elif field == "priority":
+            req.priority = draw(wild_i32)
+        elif field == "timings":
+            req.timings.scheduler_received = draw(wild_float)
+            req.timings.first_token = draw(wild_float)
+        elif field == "attach":
+            req.attach = True
+            req.request_id = req.request_id or draw(text)
+        elif field == "skip_tokens":
+            req.skip_tokens.extend(draw(st.lists(wild_u32, min_size=1, max_size=3)))
+        else:
+            corrupt_params(draw, req.params, [field])
     return req
 
 
 def outcome(responses) -> str:
-    """Consume a server stream: 'OK' or the status name; a status that is not deliberate fails."""
+    """Consume a server stream: 'OK' (then a sample finished) or the status name; a status that is not
+    deliberate fails."""
+    finished = 0
     try:
-        for _ in responses:
-            pass
+        for message in responses:
+            finished += bool(message.finish_reason)
     except grpc.RpcError as exc:
         assert exc.code() in DELIBERATE, f"{exc.code()}: {exc.details()}"
         return exc.code().name
+    assert finished, "a stream that ended OK without a finish_reason"
     return "OK"
 
 
