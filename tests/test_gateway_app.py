@@ -170,7 +170,10 @@ def test_streaming_completion_raw_sse(stack):
     with httpx.stream("POST", stack.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                       json={"prompt": "hi", "stream": True, "echo": True, "max_tokens": 3}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        lines = [line for line in r.iter_lines() if line]
+        raw = [line for line in r.iter_lines() if line]
+    # Every event but [DONE] carries an id (the resume cursor: tokens:chars received so far).
+    assert raw[0] == "id: 0:0" and raw[-3].startswith("id: ") and raw[-3].endswith(":f"), raw
+    lines = [line for line in raw if not line.startswith("id: ")]
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
     assert '"text":"hi"' in lines[0] and '"object":"text_completion"' in lines[0]
 

@@ -5,18 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import logging
 import time
+from collections import OrderedDict
 
 import grpc
 from pagedserve import wire
 from pagedserve.grpc_util import CHANNEL_OPTIONS
 from pagedserve.store import MemoryStore, RequestStore
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.gateway.limits import Limits, RateLimiter
 from services.gateway.metrics import Metrics
 from services.gateway.protocol import RequestError
 from services.gateway.responses import timings_object
 
 RPC_TIMEOUT_S = 5.0
+MAX_LOCAL_RESUME_RECORDS = 10_000
+
+log = logging.getLogger("pagedserve.gateway")
 
 # gRPC status -> (HTTP status, OpenAI error type, Retry-After seconds or None).
 # UNAVAILABLE and FAILED_PRECONDITION are what a service says while the model is still loading.
@@ -57,10 +64,19 @@ def not_ready_error(cause: str) -> RequestError:
 class Backend:
     """Holds the grpc.aio stubs (created on first use, inside the serving event loop)."""
 
-    def __init__(self, tokenizer_addr: str, scheduler_addr: str, api_key: str | None = None,
-                 store: RequestStore | None = None, metrics: Metrics | None = None) -> None:
+    def __init__(self, tokenizer_addr: str, scheduler_addr: str, api_key: str | list[str] | None = None,
+                 store: RequestStore | None = None, metrics: Metrics | None = None,
+                 limits: Limits | None = None) -> None:
         self.tokenizer_addr, self.scheduler_addr = tokenizer_addr, scheduler_addr
-        self.api_key = api_key or None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        # Several keys may be valid; each is compared in constant time (and never logged).
+        self.api_keys: list[bytes] = [k.strip().encode() for k in keys if k and k.strip()]
+        self.limits = limits or Limits()
+        self.rate_limiter = RateLimiter(*self.limits.rate_limit) if self.limits.rate_limit else None
+        self.draining = False
+        self.inflight: set = set()  # the generations this gateway is serving (app._Generation)
+        self.tokens_in_flight = 0   # the sum of their prompt + n * max_tokens
+        self._resume_local: OrderedDict[str, str] = OrderedDict()
         # With no Redis the request records are the scheduler's; idempotency keys live here.
         self.store = store if store is not None and store.durable else None
         self.idempotency: RequestStore = store if store is not None else MemoryStore()
@@ -93,11 +109,80 @@ class Backend:
         self._channels.clear()
         self._tokenizer = self._scheduler = None
 
+    @property
+    def api_key(self) -> str | None:
+        """The first key (for callers that need one to pass on); None when no key is required."""
+        return self.api_keys[0].decode() if self.api_keys else None
+
     def key_ok(self, authorization: str | None) -> bool:
-        if self.api_key is None:
+        if not self.api_keys:
             return True
         scheme, _, token = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        given = token.strip().encode()
+        ok = False
+        for key in self.api_keys:  # every key compared: the time does not tell which one matched
+            ok |= hmac.compare_digest(given, key)
+        return ok and scheme.lower() == "bearer"
+
+    # -- admission -----------------------------------------------------------------------------
+    def reserve_tokens(self, tokens: int) -> bool:
+        bound = self.limits.max_tokens_in_flight
+        if bound > 0 and self.tokens_in_flight > 0 and self.tokens_in_flight + tokens > bound:
+            return False
+        self.tokens_in_flight += tokens
+        return True
+
+    def release_tokens(self, tokens: int) -> None:
+        self.tokens_in_flight = max(0, self.tokens_in_flight - tokens)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request at the scheduler (its KV blocks are freed); errors are only logged."""
+        try:
+            await self.scheduler.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            log.info("abort of request %s failed: %s", request_id, exc.code().name if hasattr(exc, "code") else exc)
+
+    # -- what a resumed stream needs to know (stop strings, chat or completion, ...) ----------
+    def _resume_key(self, request_id: str) -> str:
+        return f"{getattr(self.idempotency, 'prefix', '')}gwresume:{request_id}"
+
+    async def save_resume_record(self, request_id: str, record: dict) -> None:
+        text = json.dumps(record, separators=(",", ":"))
+        client = getattr(self.idempotency, "client", None)
+        if client is not None:
+            try:
+                ttl = int(getattr(self.idempotency, "ttl_s", 3600))
+                await asyncio.to_thread(client.set, self._resume_key(request_id), text, ex=ttl)
+                return
+            except Exception as exc:  # noqa: BLE001 - Redis trouble must not fail the request
+                log.warning("could not store the resume record of %s: %s", request_id, type(exc).__name__)
+        self._resume_local[request_id] = text
+        while len(self._resume_local) > MAX_LOCAL_RESUME_RECORDS:
+            self._resume_local.popitem(last=False)
+
+    async def load_resume_record(self, request_id: str) -> dict | None:
+        text = self._resume_local.get(request_id)
+        client = getattr(self.idempotency, "client", None)
+        if text is None and client is not None:
+            try:
+                text = await asyncio.to_thread(client.get, self._resume_key(request_id))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not load the resume record of %s: %s", request_id, type(exc).__name__)
+        try:
+            return json.loads(text) if text else None
+        except ValueError:
+            return None
+
+    async def get_record(self, request_id: str) -> scheduler_pb2.RequestRecord:
+        try:
+            return await self.scheduler.GetRequest(scheduler_pb2.GetRequestRequest(request_id=request_id),
+                                                   timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            error = rpc_error(exc)
+            if error.status == 404:
+                error.message, error.param, error.code = f"no request with id {request_id!r}", "request_id", \
+                    "request_not_found"
+            raise error from exc
 
     async def model_info(self) -> generate_pb2.ModelInfo:
         """The served model. Cached once ready: its name and context length never change."""

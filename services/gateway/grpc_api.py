@@ -35,6 +35,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         received = time.time()
+        if self.backend.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down")
         await self._check_key(context)
         info = await self._model_info(context)
         if request.model and request.model != info.model:

@@ -77,6 +77,9 @@ class _SamplingFields(BaseModel):
     best_of: int | None = None
     # pagedserve's own: the response carries a "timings" object (the final chunk when streaming).
     timings: bool = False
+    # pagedserve's own: a deadline in seconds; when it passes the request is aborted (its KV blocks
+    # freed) and answered 504 (in-band error event when streaming).
+    timeout: float | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -36,6 +36,22 @@ UNREACHABLE = "the scheduler is not reachable (model still loading?)"
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED})
 RETRY_BACKOFF_S = (0.1, 1.0)
 MODEL_INFO_TIMEOUT_S = 2.0
+# Call metadata of a resumable stream (the gateway's SSE streams): when the caller vanishes without
+# aborting (its gateway died), the request keeps running this many seconds (at most
+# MAX_RESUME_GRACE_S) so that a client can resume it from another gateway; a caller that means to
+# end the request calls the scheduler's Abort first.
+RESUME_GRACE_METADATA = "pagedserve-resume-grace"
+MAX_RESUME_GRACE_S = 600.0
+
+
+def _resume_grace(context) -> float:
+    try:
+        for key, value in context.invocation_metadata() or ():
+            if key == RESUME_GRACE_METADATA:
+                return min(max(float(value), 0.0), MAX_RESUME_GRACE_S)
+    except (TypeError, ValueError, AttributeError):
+        pass
+    return 0.0
 
 
 @dataclass(slots=True)
@@ -57,10 +73,27 @@ class Generation:
     accepted_timings: common_pb2.Timings = field(default_factory=common_pb2.Timings)
     call: grpc.aio.UnaryStreamCall | None = None
     stopped_by_us: list[int] = field(default_factory=list)  # samples a stop string ended (n > 1)
+    resume_grace_s: float = 0.0  # > 0: the scheduler stream outlives a vanished caller this long
+    pending: asyncio.Future | None = None  # a read of the call in flight (resumable streams)
+    detached: bool = False
 
     def cancel_call(self) -> None:
         if self.call is not None and not self.call.done():
             self.call.cancel()
+
+    async def read(self):
+        """The call's next message. For a resumable stream the read runs in its own task, so that
+        cancelling the caller's task does not cancel the scheduler call under it."""
+        if self.resume_grace_s <= 0:
+            return await self.call.read()
+        if self.pending is None:
+            self.pending = asyncio.ensure_future(self.call.read())
+        pending = self.pending
+        try:
+            return await asyncio.shield(pending)
+        finally:
+            if pending.done():
+                self.pending = None
 
 
 def default_served_name(model: str | None, folder: Path) -> str:
@@ -205,7 +238,9 @@ class TokenizerService:
         gen = Generation(request_id, scheduler_pb2.ScheduleRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, params=request.params, priority=request.priority,
             timings=timings), timings)
-        context.add_done_callback(lambda _ctx: gen.cancel_call())
+        gen.resume_grace_s = _resume_grace(context)
+        context.add_done_callback(lambda ctx: self._caller_done(gen, ctx))
+        caller_gone = False
         try:
             gen.call = self.scheduler.Generate(gen.schedule, timeout=context.time_remaining())
             try:
@@ -231,14 +266,57 @@ class TokenizerService:
             yield accepted
             async for response in self._stream(gen, context):
                 yield response
+        except (asyncio.CancelledError, GeneratorExit):
+            caller_gone = True
+            raise
         finally:
-            gen.cancel_call()  # stop hit with n == 1, caller gone, or an error: the scheduler aborts
+            if caller_gone and gen.resume_grace_s > 0:
+                self._detach(gen)
+            elif not gen.detached:
+                gen.cancel_call()  # stop hit with n == 1, caller gone, or an error: the scheduler aborts
+
+    def _caller_done(self, gen: Generation, context) -> None:
+        if gen.resume_grace_s > 0 and context.cancelled():
+            self._detach(gen)
+        elif not gen.detached:
+            gen.cancel_call()
+
+    def _detach(self, gen: Generation) -> None:
+        """The caller of a resumable stream vanished: keep the request running for its grace."""
+        if gen.detached or gen.call is None or gen.call.done() or (gen.samples and all(
+                s.finished for s in gen.samples)):
+            return
+        gen.detached = True
+        log.info("request %s: its caller went away; it keeps running %.0f s for a resume", gen.request_id,
+                 gen.resume_grace_s)
+        self._spawn(self._linger(gen))
+
+    async def _linger(self, gen: Generation) -> None:
+        deadline = time.monotonic() + gen.resume_grace_s
+        finished = [s.finished for s in gen.samples]
+        try:
+            while not (finished and all(finished)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                read = gen.pending if gen.pending is not None else asyncio.ensure_future(gen.call.read())
+                gen.pending = None
+                try:
+                    delta = await asyncio.wait_for(read, left)
+                except (asyncio.TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError):
+                    break
+                if delta is grpc.aio.EOF:
+                    break
+                if not delta.accepted and delta.finish_reason and delta.index < len(finished):
+                    finished[delta.index] = True
+        finally:
+            gen.cancel_call()  # still orphaned: the scheduler aborts it; resumed: the resumer holds it
 
     async def _stream(self, gen: Generation, context):
         retry_until = None  # set while the scheduler is away
         while True:
             try:
-                delta = await gen.call.read()
+                delta = await gen.read()
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in RETRYABLE:
                     raise StatusError(exc.code(), exc.details() or exc.code().name) from None

@@ -1,0 +1,84 @@
+"""The gateway's admission limits: request body size, n, tokens in flight, per-key request rate,
+the drain on shutdown, and the stream-resume grace. Pure logic, no I/O."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_N = 16
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_RESUME_GRACE_S = 60.0
+MAX_RATE_LIMITED_KEYS = 10_000  # buckets kept (least recently used dropped first)
+
+
+@dataclass
+class Limits:
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # 0: no limit
+    max_n: int = DEFAULT_MAX_N
+    max_tokens_in_flight: int = 0  # 0: no bound
+    rate_limit: tuple[float, float] | None = None  # (requests per second, burst) per API key
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    resume_grace_s: float = DEFAULT_RESUME_GRACE_S  # 0: a stream dies with its gateway
+    cors_origins: list[str] = field(default_factory=list)
+
+
+def parse_rate_limit(text: str | None) -> tuple[float, float] | None:
+    """'RPS' or 'RPS:BURST' (burst defaults to max(1, RPS)); None, '' or '0': no limit."""
+    if not text:
+        return None
+    rps_text, _, burst_text = str(text).partition(":")
+    rps = float(rps_text)
+    burst = float(burst_text) if burst_text else max(1.0, rps)
+    if not (math.isfinite(rps) and math.isfinite(burst)) or rps < 0 or burst < 1:
+        raise ValueError(f"--rate-limit {text!r}: want RPS[:BURST] with RPS >= 0 and BURST >= 1")
+    return None if rps == 0 else (rps, burst)
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: float, now: float | None = None) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens = burst
+        self.stamp = time.monotonic() if now is None else now
+
+    def take(self, now: float | None = None) -> float:
+        """0.0 when a request may pass (one token taken), else the seconds until one may."""
+        now = time.monotonic() if now is None else now
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+
+class RateLimiter:
+    """One token bucket per client identity (the API key's digest, never the key itself)."""
+
+    def __init__(self, rate: float, burst: float, max_keys: int = MAX_RATE_LIMITED_KEYS) -> None:
+        self.rate, self.burst, self.max_keys = rate, burst, max_keys
+        self.buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+
+    @staticmethod
+    def identity(key: str | None, client: str | None) -> str:
+        if key:
+            return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+        return "addr:" + (client or "?")
+
+    def check(self, identity: str, now: float | None = None) -> float:
+        bucket = self.buckets.get(identity)
+        if bucket is None:
+            bucket = self.buckets[identity] = TokenBucket(self.rate, self.burst, now)
+            while len(self.buckets) > self.max_keys:
+                self.buckets.popitem(last=False)
+        else:
+            self.buckets.move_to_end(identity)
+        return bucket.take(now)
+
+
+def retry_after(seconds: float) -> str:
+    return str(max(1, math.ceil(seconds)))
