@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import socket
 import time
 
@@ -80,3 +81,62 @@ def wait_for_health(address: str, timeout_s: float, service: str = "", alive=lam
             return
         time.sleep(0.1)
     raise TimeoutError(f"the service at {address} was not healthy after {timeout_s:.0f} s")
+
+
+class MalformedRequest:
+    """What a tolerant deserializer hands the servicer instead of raising: gRPC would answer a
+    request whose bytes do not parse with UNKNOWN, before any handler could name the problem."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer):
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, UnicodeDecodeError, ...
+            return MalformedRequest(f"{type(exc).__name__}: {exc}")
+    return deserialize
+
+
+def _malformed_details(request: MalformedRequest) -> str:
+    return f"the request message does not parse ({request.error}); send a valid protobuf message"
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Unary-request methods of an aio server answer unparseable request bytes with
+    INVALID_ARGUMENT naming the parse error, instead of gRPC's UNKNOWN."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        behavior = handler.unary_unary or handler.unary_stream
+        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+            return handler  # sync handlers (health, reflection) run in a thread pool: left as they are
+        deserialize = _tolerant(handler.request_deserializer)
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                if isinstance(request, MalformedRequest):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_details(request))
+                return await inner(request, context)
+            return handler._replace(request_deserializer=deserialize, unary_unary=unary_unary)
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                if isinstance(request, MalformedRequest):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_details(request))
+                result = inner_stream(request, context)
+                if hasattr(result, "__aiter__"):
+                    async for item in result:
+                        yield item
+                else:  # a coroutine that writes with context.write
+                    await result
+            return handler._replace(request_deserializer=deserialize, unary_stream=unary_stream)
+        return handler

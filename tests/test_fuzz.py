@@ -311,8 +311,15 @@ def test_scheduler_grpc_generate_malformed(stack, scheduler_channel):
     assert_serves_normally(stack)
 
 
+RESPONSES = {"/pagedserve.v1.Generation/Generate": generate_pb2.GenerateResponse,
+             "/pagedserve.v1.Scheduler/Generate": scheduler_pb2.TokenDelta}
+REQUESTS = {"/pagedserve.v1.Generation/Generate": generate_pb2.GenerateRequest,
+            "/pagedserve.v1.Scheduler/Generate": scheduler_pb2.ScheduleRequest}
+
+
 def raw_generate(channel: grpc.Channel, method: str):
-    return channel.unary_stream(method, request_serializer=None, response_deserializer=None)
+    """Send raw request bytes; the replies are parsed, so a request that happens to be valid is followed to its end."""
+    return channel.unary_stream(method, request_serializer=None, response_deserializer=RESPONSES[method].FromString)
 
 
 @pytest.mark.parametrize("method,message", [
@@ -350,15 +357,30 @@ UNPARSEABLE_BUG = ("bug: a request whose bytes do not decode (e.g. b'\\xff\\xff\
                    "server's own deserializer, not INVALID_ARGUMENT")
 
 
+def parses(message, data: bytes) -> bool:
+    try:
+        message.FromString(data)
+        return True
+    except Exception:  # noqa: BLE001 - DecodeError and friends
+        return False
+
+
 @pytest.mark.parametrize("method", [
     pytest.param("/pagedserve.v1.Generation/Generate", marks=pytest.mark.xfail(strict=True, reason=UNPARSEABLE_BUG)),
-    pytest.param("/pagedserve.v1.Scheduler/Generate", marks=pytest.mark.xfail(strict=True, reason=UNPARSEABLE_BUG)),
+    "/pagedserve.v1.Scheduler/Generate",
 ])
 def test_grpc_generate_unparseable_bytes(stack, gateway_channel, scheduler_channel, method):
-    """Bytes that are no valid message (a truncated varint, a string that is not UTF-8)."""
+    """Bytes that are no valid request message (a truncated varint or field, a string that is not
+    UTF-8) get INVALID_ARGUMENT naming the parse error, not gRPC's UNKNOWN."""
     channel = gateway_channel if "Generation" in method else scheduler_channel
     call = raw_generate(channel, method)
-    for data in (b"\xff\xff\xff", b"\x0a\x05ab", b"\x12\x02\xc3\x28"):
-        outcome(call(data, metadata=METADATA, timeout=RPC_TIMEOUT_S))
+    candidates = (b"\xff\xff\xff", b"\x0a\x05ab", b"\x12\x02\xc3\x28", b"\x0a\x02\xc3\x28", b"\x1a\x02\xc3\x28")
+    broken = [data for data in candidates if not parses(REQUESTS[method], data)]
+    assert len(broken) >= 3
+    for data in broken:
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(data, metadata=METADATA, timeout=RPC_TIMEOUT_S))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "does not parse" in err.value.details()
     assert_serves_normally(stack)
 

@@ -11,7 +11,13 @@ import threading
 import grpc
 
 from pagedserve import wire
-from pagedserve.grpc_util import SERVER_OPTIONS, StatusError, add_health_and_reflection, set_serving
+from pagedserve.grpc_util import (
+    SERVER_OPTIONS,
+    MalformedRequestInterceptor,
+    StatusError,
+    add_health_and_reflection,
+    set_serving,
+)
 from pagedserve.store import open_store
 from pagedserve.v1 import generate_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.records import Delivery
@@ -129,7 +135,7 @@ async def _serve(args: argparse.Namespace) -> int:
     workers = WorkerGroup([a.strip() for a in args.worker_addrs.split(",") if a.strip()],
                           step_timeout_s=args.step_timeout)
     service = SchedulerService(config_from_args(args), workers, store)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[MalformedRequestInterceptor()])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     address = f"{args.host}:{args.port}"
