@@ -356,15 +356,27 @@ def test_limits_on_a_real_stack(stack, tmp_path):
             assert time.monotonic() - started < 10
             stats = wait_until_idle(stack)
             assert stats.num_running == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks
+            with http.stream("POST", url + "/v1/completions", json={**LONG, "max_tokens": 900, "timeout": 0.5},
+                             headers=AUTH) as s:
+                events = read_events(s.iter_lines())
+            assert events[-1][1]["error"]["code"] == "deadline_exceeded" and "timeout" in events[-1][1]["error"][
+                "message"]
+            stats = wait_until_idle(stack)
+            assert stats.num_running == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks
             # Tokens in flight: one long stream holds ~700; a second is refused with 429.
-            with http.stream("POST", url + "/v1/completions", json={**LONG, "max_tokens": 700}, headers=AUTH) as s:
-                lines = s.iter_lines()
-                with frozen_worker(stack):
-                    read_events(lines, limit=1)
+            # (The worker is frozen: the first stream is accepted, answered 200, and makes no progress.)
+            frozen = frozen_worker(stack).__enter__()
+            try:
+                with http.stream("POST", url + "/v1/completions", json={**LONG, "max_tokens": 700},
+                                 headers=AUTH) as s:
+                    assert s.status_code == 200
                     r = http.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 300}, headers=AUTH)
                     assert r.status_code == 429 and r.headers["Retry-After"], r.text
                     assert "max-tokens-in-flight" in r.json()["error"]["message"]
-                assert usage_of(read_events(lines))["completion_tokens"] == 700
+                    frozen.__exit__()
+                    assert usage_of(read_events(s.iter_lines()))["completion_tokens"] == 700
+            finally:
+                frozen.__exit__()
             r = http.post(url + "/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1}, headers=AUTH)
             assert r.status_code == 413
             r = http.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 100000}, headers=AUTH)

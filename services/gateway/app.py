@@ -283,6 +283,9 @@ class _Generation:
         self.shutdown = False  # aborted by the gateway's drain
         self.reserved = 0      # tokens counted in backend.tokens_in_flight
         self.request_id = ""
+        # Another stream may share the request (an idempotent retry, a resume): then a client that
+        # leaves does not abort it; the tokenizer's resume grace ends it if nobody is left.
+        self.shared = False
         if body is not None:
             self.n, self.stream = body.n, body.stream
             self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
@@ -318,6 +321,7 @@ class _Generation:
         if key:
             # A retried POST attaches to the first one's generation and replays it from the start.
             request_id = await backend.claim_idempotency_key(key, request_id)
+            self.shared = True
         gen.request_id = request_id
         self.tracker.request_id = request_id
         gen.timings.gateway_received = self.received
@@ -384,7 +388,7 @@ class _Generation:
         is aborted here (the tokenizer would otherwise keep it for a resume)."""
         if not self.finished and self.call is not None:
             self.client_gone = True
-            if self.request_id:
+            if self.request_id and not self.shared:
                 _spawn(self.backend.abort(self.request_id))
         if self.call is not None:
             self.call.cancel()
@@ -517,6 +521,7 @@ class _Generation:
         info = await backend.model_info()
         self.model, self.created = meta.get("model") or info.model, int(meta.get("created") or self.received)
         self.request_id = self.tracker.request_id = request_id
+        self.shared = True
         gen = generate_pb2.GenerateRequest(request_id=request_id, params=record.params,
                                            stop=list(meta.get("stop") or []),
                                            include_stop_str_in_output=bool(meta.get("include_stop_str_in_output")),
