@@ -12,7 +12,7 @@ import time
 import grpc
 import uvicorn
 
-from pagedserve.grpc_util import SERVER_OPTIONS, add_health_and_reflection, set_serving
+from pagedserve.grpc_util import SERVER_OPTIONS, MalformedRequestInterceptor, add_health_and_reflection, set_serving
 from pagedserve.store import open_store
 from pagedserve.v1 import generate_pb2_grpc
 from services.gateway.app import build_app
@@ -90,7 +90,7 @@ async def _serve(args) -> int:
     store = open_store(redis_url, args.redis_prefix, args.redis_ttl) if redis_url else None
     backend = Backend(args.tokenizer_addr, args.scheduler_addr, api_key=keys, store=store, limits=limits)
 
-    grpc_server = grpc.aio.server(options=SERVER_OPTIONS)
+    grpc_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[MalformedRequestInterceptor()])
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(backend), grpc_server)
     health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
     try:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import grpc
 
-from pagedserve.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS, StatusError, add_health_and_reflection, \
-    set_serving
+from pagedserve.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS, MalformedRequestInterceptor, StatusError, \
+    add_health_and_reflection, set_serving
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.tokenizer.detokenizer import SampleText
 
@@ -471,7 +471,7 @@ class TokenizerServicer(generate_pb2_grpc.TokenizerServicer):
 
 
 async def _serve(args) -> int:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[MalformedRequestInterceptor()])
     servicer = TokenizerServicer()
     generate_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
