@@ -286,6 +286,7 @@ class _Generation:
         # Another stream may share the request (an idempotent retry, a resume): then a client that
         # leaves does not abort it; the tokenizer's resume grace ends it if nobody is left.
         self.shared = False
+        self.n = 1  # a resume learns its n from the record; until then (or when there is none) one sample
         if body is not None:
             self.n, self.stream = body.n, body.stream
             self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
