@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write each service's output to LOG_DIR/<service>.log (default: this terminal)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds each service may take to turn healthy (the worker loads the model)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM the gateway lets in-flight requests finish for this long (503 to new ones)")
     parser.add_argument("--stop-timeout", type=float, default=10.0,
                         help="seconds each service gets after SIGTERM before SIGKILL")
     parser.add_argument("--max-restarts", type=int, default=5,

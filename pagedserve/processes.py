@@ -292,6 +292,7 @@ class StackConfig:
     log_dir: str | None = None
     startup_timeout: float = 600.0
     stop_timeout: float = 10.0
+    shutdown_timeout: float = 30.0  # the gateway's drain on SIGTERM (its stop waits this much longer)
     env: dict[str, str] | None = None  # children's environment (default: this process's)
 
     @classmethod
@@ -308,7 +309,8 @@ SCHEDULER_FLAGS = ("max_waiting_requests", "block_size", "kv_cache_memory", "gpu
                    "max_model_len", "preemption_mode", "scheduling_policy", "no_prefix_caching",
                    "no_chunked_prefill", "step_timeout", "stall_timeout")
 TOKENIZER_FLAGS = ("model", "served_model_name")
-GATEWAY_FLAGS = ()  # the API key goes by environment (service_env), never on a command line `ps` shows
+# The API key goes by environment (service_env), never on a command line `ps` shows.
+GATEWAY_FLAGS = ("shutdown_timeout",)
 
 
 def _flags(cfg: StackConfig, names: Sequence[str]) -> list[str]:
@@ -413,6 +415,7 @@ class Stack:
     addresses: dict[str, str] = field(default_factory=dict)  # name -> host:port (http: a URL)
     redis_url: str = "memory"
     stop_timeout: float = 10.0
+    drain_timeout: float = 0.0  # the gateway's extra stop time: it drains in-flight streams first
     _redis_dir: str | None = None
     startup_timeout: float = 600.0
     # The supervisor (see supervise()): restarts so far, and why it gave up ("" while it has not).
@@ -493,7 +496,8 @@ class Stack:
         for proc in reversed(self.processes):
             was_alive, started = proc.alive(), time.monotonic()
             try:
-                code = proc.stop(self.stop_timeout)
+                # The gateway drains in-flight streams for up to its --shutdown-timeout first.
+                code = proc.stop(self.stop_timeout + (self.drain_timeout if proc.name == "gateway" else 0.0))
                 if was_alive:
                     log.info("stopped %s (%s) in %.1f s", proc.name, describe_exit(code), time.monotonic() - started)
             except KeyboardInterrupt:  # impatient second Ctrl-C: kill the rest outright
@@ -540,7 +544,8 @@ def start_stack(cfg: StackConfig, python: str = sys.executable) -> Stack:
     log_dir = Path(cfg.log_dir) if cfg.log_dir else None
     check_port_free(cfg.host, cfg.port, "the HTTP address")
     check_port_free(cfg.host, cfg.grpc_port, "the gRPC address")
-    stack = Stack(stop_timeout=cfg.stop_timeout, startup_timeout=cfg.startup_timeout)
+    stack = Stack(stop_timeout=cfg.stop_timeout, startup_timeout=cfg.startup_timeout,
+                  drain_timeout=cfg.shutdown_timeout)
     try:
         redis_url = stack.redis_url = resolve_redis(cfg, stack, log_dir)
         ports = Ports.free(cfg.tensor_parallel_size)

@@ -319,3 +319,9 @@ def test_a_service_dies_with_its_killed_launcher(arms_own):
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(pid)
+
+
+def test_the_gateway_gets_its_drain_time_and_the_stack_waits_for_it():
+    argvs = service_argvs(StackConfig(shutdown_timeout=12.5), Ports([1], 2, 3), "memory")
+    assert parse(argvs["gateway"]).shutdown_timeout == 12.5
+    assert Stack(stop_timeout=10.0, drain_timeout=12.5).drain_timeout == 12.5
