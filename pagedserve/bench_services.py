@@ -138,10 +138,9 @@ def start_services(args, model_path):
 
 
 def scheduler_stats(stack):
-    import grpc
-
+    from pagedserve.grpc_util import internal_channel
     from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-    with grpc.insecure_channel(stack.addresses["scheduler"]) as channel:
+    with internal_channel(stack.addresses["scheduler"]) as channel:
         return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.StatsRequest(), timeout=30)
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import inspect
+import os
 import socket
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -60,9 +63,72 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def check_health(address: str, service: str = "", timeout_s: float = 1.0) -> bool:
+# Mutual TLS between the internal services (worker, scheduler, tokenizer, and the gateway as their
+# client): PEM files named by these variables, which `pagedserve serve --tls-cert/--tls-key/--tls-ca`
+# sets for every child. Unset: plain TCP, for loopback or a private network only.
+TLS_ENV = {"cert": "PAGEDSERVE_TLS_CERT", "key": "PAGEDSERVE_TLS_KEY", "ca": "PAGEDSERVE_TLS_CA"}
+
+
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    cert: bytes
+    key: bytes
+    ca: bytes | None  # given: peers must present a certificate it signed (both directions)
+
+
+def internal_tls(environ=None) -> TLSFiles | None:
+    """The internal TLS files named in environ (default: this process's environment), or None."""
+    environ = os.environ if environ is None else environ
+    paths = {name: environ.get(var) or None for name, var in TLS_ENV.items()}
+    if not paths["cert"] and not paths["key"]:
+        if paths["ca"]:
+            raise ValueError(f"{TLS_ENV['ca']} is set without {TLS_ENV['cert']} and {TLS_ENV['key']}")
+        return None
+    if not (paths["cert"] and paths["key"]):
+        raise ValueError(f"{TLS_ENV['cert']} and {TLS_ENV['key']} go together (a certificate and its private key)")
+    contents = {}
+    for name, path in paths.items():
+        if path is None:
+            contents[name] = None
+            continue
+        try:
+            contents[name] = Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"cannot read the TLS {name} file {path}: {exc.strerror or exc}") from None
+    return TLSFiles(contents["cert"], contents["key"], contents["ca"])
+
+
+def internal_channel(address: str, aio: bool = False, options=None, environ=None):
+    """A channel to an internal service: TLS with our certificate when configured, else plain."""
+    api = grpc.aio if aio else grpc
+    options = CHANNEL_OPTIONS if options is None else options
+    tls = internal_tls(environ)
+    if tls is None:
+        return api.insecure_channel(address, options=options)
+    credentials = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
+                                               certificate_chain=tls.cert)
+    return api.secure_channel(address, credentials, options=options)
+
+
+def add_internal_port(server, address: str) -> int:
+    """Bind an internal service: TLS (client certificates required when a CA is given) when
+    configured, else plain. Returns the port, 0 when the bind failed."""
+    tls = internal_tls()
+    if tls is None:
+        return server.add_insecure_port(address)
+    credentials = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
+                                              require_client_auth=tls.ca is not None)
+    return server.add_secure_port(address, credentials)
+
+
+def check_health(address: str, service: str = "", timeout_s: float = 1.0, internal: bool = True,
+                 environ=None) -> bool:
+    """internal=False: a public port (the gateway's gRPC API), which never uses the internal TLS;
+    environ: whose TLS settings to use (a child's environment; default this process's)."""
     try:
-        with grpc.insecure_channel(address) as channel:
+        channel = internal_channel(address, options=[], environ=environ) if internal else \
+            grpc.insecure_channel(address)
+        with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -70,14 +136,15 @@ def check_health(address: str, service: str = "", timeout_s: float = 1.0) -> boo
         return False
 
 
-def wait_for_health(address: str, timeout_s: float, service: str = "", alive=lambda: True) -> None:
+def wait_for_health(address: str, timeout_s: float, service: str = "", alive=lambda: True,
+                    internal: bool = True, environ=None) -> None:
     """Poll address's health service until SERVING; raise TimeoutError (or RuntimeError when
     alive() turns false, e.g. the process died) naming the address."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not alive():
             raise RuntimeError(f"the service at {address} exited before it became healthy")
-        if check_health(address, service):
+        if check_health(address, service, internal=internal, environ=environ):
             return
         time.sleep(0.1)
     raise TimeoutError(f"the service at {address} was not healthy after {timeout_s:.0f} s")

@@ -21,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write each service's output to LOG_DIR/<service>.log (default: this terminal)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds each service may take to turn healthy (the worker loads the model)")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate for TLS between the internal services")
+    parser.add_argument("--tls-key", default=None, help="its PEM private key")
+    parser.add_argument("--tls-ca", default=None,
+                        help="PEM CA that signed every service's certificate (then clients must present one too)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM the gateway lets in-flight requests finish for this long (503 to new ones)")
     parser.add_argument("--stop-timeout", type=float, default=10.0,

@@ -90,6 +90,7 @@ class ServiceProcess:
         # True: the child calls die_with_parent() itself (pagedserve's services); False: a
         # preexec_fn does it (other programs, e.g. redis-server, started before any gRPC use).
         self.arms_own_death_signal = arms_own_death_signal
+        self.health_internal = True  # False: a public port, checked without the internal TLS
         self.argv = list(argv)
         self.health_address = health_address
         self.env = env
@@ -166,7 +167,8 @@ class ServiceProcess:
         if self.health_address is not None:
             from pagedserve.grpc_util import wait_for_health
             try:
-                wait_for_health(self.health_address, timeout_s, alive=self.alive)
+                wait_for_health(self.health_address, timeout_s, alive=self.alive, internal=self.health_internal,
+                                environ=self.env)
             except RuntimeError:
                 raise self.failure("exited before it became healthy") from None
             except TimeoutError:
@@ -293,6 +295,9 @@ class StackConfig:
     startup_timeout: float = 600.0
     stop_timeout: float = 10.0
     shutdown_timeout: float = 30.0  # the gateway's drain on SIGTERM (its stop waits this much longer)
+    tls_cert: str | None = None  # mutual TLS between the internal services (see grpc_util.TLS_ENV)
+    tls_key: str | None = None
+    tls_ca: str | None = None
     env: dict[str, str] | None = None  # children's environment (default: this process's)
 
     @classmethod
@@ -385,6 +390,14 @@ def service_env(cfg: StackConfig, name: str, env: dict[str, str]) -> dict[str, s
     if name == "gateway" and cfg.api_key:
         return {**env, "PAGEDSERVE_API_KEY": cfg.api_key}
     return env
+
+
+def tls_env(cfg: StackConfig) -> dict[str, str]:
+    """The internal TLS files as the variables every service (and the launcher's own health
+    checks) read."""
+    from pagedserve.grpc_util import TLS_ENV
+    return {TLS_ENV[name]: str(Path(path).resolve()) for name, path in
+            (("cert", cfg.tls_cert), ("key", cfg.tls_key), ("ca", cfg.tls_ca)) if path}
 
 
 def check_port_free(host: str, port: int, what: str) -> None:
@@ -481,6 +494,7 @@ class Stack:
                 return
             new = ServiceProcess(old.name, old.argv, old.health_address, env=old.env, log_path=old.log_path,
                                  ready=old.ready, cwd=old.cwd, arms_own_death_signal=old.arms_own_death_signal)
+            new.health_internal = old.health_internal
             self.processes[self.processes.index(old)] = new.start()
             fresh.append(new)
         for new in fresh:
@@ -550,7 +564,7 @@ def start_stack(cfg: StackConfig, python: str = sys.executable) -> Stack:
         redis_url = stack.redis_url = resolve_redis(cfg, stack, log_dir)
         ports = Ports.free(cfg.tensor_parallel_size)
         argvs = service_argvs(cfg, ports, redis_url)
-        env = dict(os.environ if cfg.env is None else cfg.env)
+        env = dict(os.environ if cfg.env is None else cfg.env) | tls_env(cfg)
         if cfg.tensor_parallel_size > 1:  # rendezvous of the ranks' torch.distributed group
             from pagedserve.grpc_util import free_port
             env.setdefault("MASTER_ADDR", LOOPBACK)
@@ -563,6 +577,7 @@ def start_stack(cfg: StackConfig, python: str = sys.executable) -> Stack:
                                       env=service_env(cfg, name, env),
                                       log_path=log_dir / f"{name}.log" if log_dir else None)
                  for name, argv in argvs.items()}
+        procs["gateway"].health_internal = False  # its health is on the public gRPC port
         workers = [p for name, p in procs.items() if name.startswith("worker")]
         # Ranks start together (they meet in torch.distributed), then each must be SERVING.
         for proc in workers:

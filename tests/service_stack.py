@@ -67,7 +67,9 @@ def restart(stack, name: str, kill_signal: int) -> ServiceProcess:
     old.signal(kill_signal)
     old.proc.wait(timeout=30)
     old.stop()  # reaps it and closes its log file
-    new = ServiceProcess(name, old.argv, old.health_address, env=old.env, log_path=old.log_path).start()
+    new = ServiceProcess(name, old.argv, old.health_address, env=old.env, log_path=old.log_path)
+    new.health_internal = old.health_internal
+    new.start()
     stack.processes[stack.processes.index(old)] = new
     new.wait_healthy(300)
     return new

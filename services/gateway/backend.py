@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import grpc
 from pagedserve import wire
-from pagedserve.grpc_util import CHANNEL_OPTIONS
+from pagedserve.grpc_util import internal_channel
 from pagedserve.store import MemoryStore, RequestStore
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.gateway.limits import Limits, RateLimiter
@@ -87,7 +87,7 @@ class Backend:
         self._info: generate_pb2.ModelInfo | None = None
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = internal_channel(address, aio=True)
         self._channels.append(channel)
         return channel
 

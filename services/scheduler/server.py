@@ -14,6 +14,7 @@ from pagedserve import wire
 from pagedserve.grpc_util import (
     SERVER_OPTIONS,
     MalformedRequestInterceptor,
+    add_internal_port,
     StatusError,
     add_health_and_reflection,
     set_serving,
@@ -139,7 +140,7 @@ async def _serve(args: argparse.Namespace) -> int:
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     address = f"{args.host}:{args.port}"
-    if server.add_insecure_port(address) == 0:
+    if add_internal_port(server, address) == 0:
         raise ValueError(f"cannot bind the scheduler to {address}")
     await server.start()
     log.info("scheduler listening on %s; waiting for %d worker rank(s)", address, len(workers.addresses))

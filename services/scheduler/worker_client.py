@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from pagedserve import wire
-from pagedserve.grpc_util import CHANNEL_OPTIONS, wait_for_health
+from pagedserve.grpc_util import internal_channel, wait_for_health
 from pagedserve.messages import ModelRunnerOutput, SchedulerOutput
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -72,7 +72,7 @@ class WorkerGroup:
             raise ValueError("at least one worker address is needed (--worker-addrs)")
         self.addresses = addresses
         self.step_timeout_s = step_timeout_s  # a step with no answer by then counts as a dead rank
-        self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
+        self.channels = [internal_channel(a) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.streams: list[_StepStream] = []
         self.session_id = ""

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import grpc
 
-from pagedserve.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS, MalformedRequestInterceptor, StatusError, \
-    add_health_and_reflection, set_serving
+from pagedserve.grpc_util import SERVER_OPTIONS, MalformedRequestInterceptor, StatusError, \
+    add_health_and_reflection, add_internal_port, internal_channel, set_serving
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.tokenizer.detokenizer import SampleText
 
@@ -125,7 +125,7 @@ class TokenizerService:
         self.retry_timeout_s = scheduler_retry_timeout
         # The model may have more embedding rows than the tokenizer has tokens.
         self.vocab_limit = max(len(tokenizer), vocab_size or 0)
-        self.channel = grpc.aio.insecure_channel(scheduler_addr, options=CHANNEL_OPTIONS)
+        self.channel = internal_channel(scheduler_addr, aio=True)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
         # One thread: long prompts do not stall other streams, and HF tokenizers are not safe to
         # encode from several threads at once.
@@ -477,7 +477,7 @@ async def _serve(args) -> int:
     health = add_health_and_reflection(server, [SERVICE_NAME])
     address = f"{args.host}:{args.port}"
     try:
-        server.add_insecure_port(address)
+        add_internal_port(server, address)
     except RuntimeError as exc:
         log.error("cannot listen on %s: %s", address, exc)
         return 1

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 
 from pagedserve import wire
-from pagedserve.grpc_util import SERVER_OPTIONS, add_health_and_reflection, set_serving
+from pagedserve.grpc_util import SERVER_OPTIONS, add_health_and_reflection, add_internal_port, set_serving
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pagedserve.worker")
@@ -172,7 +172,7 @@ def serve(args: argparse.Namespace) -> int:
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(service, ready), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     address = f"{args.host}:{args.port}"
-    if server.add_insecure_port(address) == 0:
+    if add_internal_port(server, address) == 0:
         raise ValueError(f"cannot bind the worker to {address}")
     server.start()
     log.info("worker rank %d listening on %s, loading the model", args.rank, address)
