@@ -226,15 +226,7 @@ class Backend:
             return status_dict(request_id, stored.status, stored.priority, len(stored.prompt_token_ids),
                                [len(o) for o in stored.outputs], stored.finish_reasons,
                                self.metrics.merged_stamps(request_id, stored.timings), stored.num_cached_tokens)
-        try:
-            record = await self.scheduler.GetRequest(scheduler_pb2.GetRequestRequest(request_id=request_id),
-                                                     timeout=RPC_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            error = rpc_error(exc)
-            if error.status == 404:
-                error.message, error.param, error.code = f"no request with id {request_id!r}", "request_id", \
-                    "request_not_found"
-            raise error from exc
+        record = await self.get_record(request_id)
         timings = self.metrics.merged_stamps(request_id, wire.timings_to_dict(record.timings))
         return status_dict(request_id, record.status, record.priority, len(record.prompt_token_ids),
                            [len(o.ids) for o in record.outputs], list(record.finish_reasons), timings, None)
