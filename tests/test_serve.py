@@ -28,10 +28,14 @@ def start_serve(tmp_path: Path, *flags: str) -> subprocess.Popen:
 
 
 def children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
+    """Child processes of every thread of pid (the supervisor thread starts the restarted ones)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
 
 
 def assert_gone(pids: list[int]) -> None:
@@ -93,9 +97,42 @@ def test_serve_answers_then_stops_on_ctrl_c(tmp_path, default_model_path):
         assert_gone(kids)
 
 
+def tokenizer_pids(launcher_pid: int) -> list[int]:
+    return [pid for pid in children(launcher_pid) if b"\0tokenizer\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
 @pytest.mark.slow
-def test_a_service_that_dies_stops_everything(tmp_path, default_model_path):
-    proc = start_serve(tmp_path, "--port", str(free_port()), "--grpc-port", str(free_port()))
+def test_a_killed_service_is_restarted_and_serving_goes_on(tmp_path, default_model_path):
+    """The default supervisor (--max-restarts 5) starts a SIGKILLed tokenizer again."""
+    port = free_port()
+    proc = start_serve(tmp_path, "--port", str(port), "--grpc-port", str(free_port()))
+    with killed_at_exit(proc):
+        url, model, _ = wait_banner(proc).groups()
+        [old] = tokenizer_pids(proc.pid)
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        answer, last_error = None, None
+        while time.monotonic() < deadline and answer is None:
+            time.sleep(0.5)
+            if [pid for pid in tokenizer_pids(proc.pid) if pid != old]:
+                body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
+                request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(request, timeout=30) as reply:
+                        answer = json.load(reply)
+                except OSError as exc:  # the new tokenizer is still starting
+                    last_error = exc.read().decode() if hasattr(exc, "read") else repr(exc)
+        assert answer is not None, (last_error, tokenizer_pids(proc.pid))
+        assert answer["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-4000:]
+        assert "restart" in err.lower()
+
+
+@pytest.mark.slow
+def test_a_service_that_dies_stops_everything_without_restarts(tmp_path, default_model_path):
+    proc = start_serve(tmp_path, "--port", str(free_port()), "--grpc-port", str(free_port()), "--max-restarts", "0")
     with killed_at_exit(proc):
         wait_banner(proc)
         kids = children(proc.pid)
