@@ -10,49 +10,11 @@ import logging
 import os
 import sys
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.engine_args import add_engine_args
+from pagedserve.common.sampling_params import SamplingParams
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens",
                  "stop_token_ids", "n", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty")
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="KV pool size: bytes or e.g. 512MiB, 2GiB (CPU default 2GiB)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--swap-space", default="1GiB", help="host pool for --preemption-mode swap")
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step, prefill chunks and decodes together "
-                        "(default 512 on CPU, 2048 on CUDA)")
-    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                   help="most prompt tokens one request prefills per step "
-                        "(default max-num-batched-tokens/4; 0: no cap)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="ranks the model is split across (ranks 1..N-1 run as extra processes)")
-
-
-def engine_config_from_args(args: argparse.Namespace, progress: bool = True):
-    from pagedserve.engine import EngineConfig
-    return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
-        enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
-        tensor_parallel_size=args.tensor_parallel_size, progress=progress)
 
 
 # ---- generate ----------------------------------------------------------------------------
@@ -103,7 +65,7 @@ def format_logprobs(samples) -> list[dict]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pagedserve.engine import LLMEngine
+    from pagedserve.engine import LLMEngine, engine_config_from_args
 
     if (args.prompt is None) == (args.prompts_file is None):
         print("error: give exactly one of --prompt TEXT or --prompts-file IN.jsonl", file=sys.stderr)
@@ -113,7 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     from transformers import AutoTokenizer
 
-    from pagedserve.default_model import resolve_model
+    from pagedserve.model_files.default_model import resolve_model
 
     # Read and check every line before loading weights, so a bad file fails in a second.
     tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
@@ -156,7 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # ---- chat --------------------------------------------------------------------------------
 def cmd_chat(args: argparse.Namespace) -> int:
-    from pagedserve.engine import LLMEngine
+    from pagedserve.engine import LLMEngine, engine_config_from_args
 
     engine = LLMEngine(engine_config_from_args(args))
     tok = engine.tokenizer
@@ -194,18 +156,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from pagedserve.default_model import ensure_default_model
+    from pagedserve.model_files.default_model import ensure_default_model
     print(ensure_default_model(progress=True))
     return 0
 
 
 # Each service's flags live beside it (module.add_arguments); its heavy imports wait for main().
 SERVICE_MODULES = {
-    "serve": ("pagedserve.launcher", "start every service on this machine (what `make serve` runs)"),
-    "gateway": ("services.gateway.main", "the OpenAI-compatible REST API and the public gRPC API"),
-    "tokenizer": ("services.tokenizer.main", "the tokenizer service"),
-    "scheduler": ("services.scheduler.main", "the scheduler service"),
-    "worker": ("services.worker.main", "one worker rank"),
+    "serve": ("pagedserve.launcher.serve", "start every service on this machine (what `make serve` runs)"),
+    "gateway": ("pagedserve.gateway.main", "the OpenAI-compatible REST API and the public gRPC API"),
+    "tokenizer": ("pagedserve.tokenizer.main", "the tokenizer service"),
+    "scheduler": ("pagedserve.scheduler.main", "the scheduler service"),
+    "worker": ("pagedserve.worker.main", "one worker rank"),
 }
 
 
@@ -262,17 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_service_parsers(sub)
 
-    try:
-        from pagedserve.bench import add_bench_parser
-    except ImportError:  # pragma: no cover - bench is part of the package
-        pass
-    else:
-        add_bench_parser(sub)
+    from pagedserve.bench import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedserve.processes import die_with_parent
+    from pagedserve.launcher.processes import die_with_parent
     die_with_parent()  # a no-op unless started by ServiceProcess (serve, the tests)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)

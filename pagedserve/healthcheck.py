@@ -27,7 +27,7 @@ def check_grpc(address: str, service: str, timeout_s: float) -> tuple[bool, str]
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from pagedserve.grpc_util import internal_channel
+    from pagedserve.common.grpc_util import internal_channel
     try:
         with internal_channel(address, options=[]) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),

@@ -29,7 +29,7 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
-    from pagedserve.default_model import ensure_default_model
+    from pagedserve.model_files.default_model import ensure_default_model
     return ensure_default_model(progress=False)
 
 
@@ -38,7 +38,7 @@ def tokenizer():
     """The default model's own HF tokenizer."""
     from transformers import AutoTokenizer
 
-    from pagedserve.default_model import resolve_model
+    from pagedserve.model_files.default_model import resolve_model
     return AutoTokenizer.from_pretrained(resolve_model(None))
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 
-from pagedserve.grpc_util import free_port
-from pagedserve.processes import ServiceProcess, StackConfig, start_stack
+from pagedserve.common.grpc_util import free_port
+from pagedserve.launcher.processes import ServiceProcess, StackConfig, start_stack
 from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from kernels import cpu_ops
-from services.worker.attention import (AttentionMetadata, CpuKernelAttentionBackend, PrefillSeq,
+from pagedserve.kernels import cpu_ops
+from pagedserve.worker.attention import (AttentionMetadata, CpuKernelAttentionBackend, PrefillSeq,
                                        TorchAttentionBackend)
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 32, 4

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from conftest import make_engine
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny_models import build_tiny_model  # noqa: E402
 
-from pagedserve.bench import add_bench_parser, make_workload  # noqa: E402
+from pagedserve.bench import add_bench_parser  # noqa: E402
+from pagedserve.bench.throughput import make_workload  # noqa: E402
 
 KEYS = {"output_tokens_per_s", "total_tokens_per_s", "baseline_output_tokens_per_s", "baseline_by_batch_size",
         "ratio_vs_transformers", "kv_waste_pct", "num_requests", "num_prompt_tokens", "num_output_tokens",

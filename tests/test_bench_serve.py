@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from pagedserve.bench_serve import (
+from pagedserve.bench.serve import (
     PromptMaker,
     arrival_gaps,
     load_sharegpt,

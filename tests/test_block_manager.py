@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from services.scheduler.block_manager import BlockManager, cdiv, hash_block
-from services.scheduler.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from pagedserve.scheduler.core.block_manager import BlockManager, cdiv, hash_block
+from pagedserve.scheduler.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 VOCAB = st.integers(0, 3)  # a tiny vocabulary so equal prefixes (prefix-cache hits) are common
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from services.worker.models.llama import apply_rotary
+from pagedserve.kernels import cpu_ops
+from pagedserve.worker.models.llama import apply_rotary
 
 ops = cpu_ops.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler for the CPU kernels here")

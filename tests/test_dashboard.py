@@ -27,8 +27,8 @@ import uvicorn
 from fastapi import FastAPI, Header, HTTPException
 from fastapi.testclient import TestClient
 
-from pagedserve.grpc_util import free_port
-from services.gateway import dashboard
+from pagedserve.common.grpc_util import free_port
+from pagedserve.gateway import dashboard
 
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--hide-scrollbars",
          "--no-first-run", "--mute-audio")
@@ -172,8 +172,8 @@ def queue_count(dom: Node, name: str) -> int:
 # ---- the page served by the gateway (no browser) -------------------------------------------------
 
 def test_gateway_serves_the_dashboard():
-    from services.gateway.app import build_app
-    from services.gateway.backend import Backend
+    from pagedserve.gateway.app import build_app
+    from pagedserve.gateway.backend import Backend
 
     app = build_app(Backend("127.0.0.1:9", "127.0.0.1:9", api_key=KEY))
     client = TestClient(app)

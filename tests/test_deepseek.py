@@ -16,10 +16,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from conftest import make_engine
-from pagedserve.sampling_params import SamplingParams
-from services.worker.attention import AttentionMetadata, PrefillSeq
-from services.worker.kv_cache import bytes_per_block
-from services.worker.mla_attention import TorchMLABackend, TritonMLABackend
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
+from pagedserve.worker.kv_cache import bytes_per_block
+from pagedserve.worker.mla_attention import TorchMLABackend, TritonMLABackend
 from tiny_models import build_tiny_model, hf_greedy
 
 MAX_NEW = 16
@@ -217,7 +217,7 @@ def triton_device() -> str:
     if torch.cuda.is_available():
         return "cuda"
     pytest.importorskip("triton")
-    tmla = pytest.importorskip("kernels.triton.mla_attention")
+    tmla = pytest.importorskip("pagedserve.kernels.triton.mla_attention")
     import triton.language as tl
     if not all(type(f).__name__ == "InterpretedFunction" for f in (tl.standard.zeros, tmla._mla_kernel)):
         pytest.skip("triton was imported without TRITON_INTERPRET=1")
@@ -230,7 +230,7 @@ def test_triton_mla_backend_equals_expanded_attention(seqs, triton_device):
 
 
 def test_yarn_is_refused_for_llama():
-    from pagedserve.model_config import ModelConfig
+    from pagedserve.common.model_config import ModelConfig
     hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
           "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}
     with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn' for LlamaForCausalLM"):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagedserve.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 # -- StopStringMatcher (no model needed) ---------------------------------------------------------
 
@@ -158,7 +158,7 @@ def test_multibyte_character_is_never_split(tokenizer):
 
 @pytest.mark.slow
 def test_sample_text_uses_ids_up_to_the_stop(tokenizer):
-    from services.tokenizer.detokenizer import SampleText
+    from pagedserve.tokenizer.detokenizer import SampleText
     out = tokenizer.encode(" one two. three")
     st_ = SampleText(tokenizer, tokenizer.encode("Count:"), True, ["."], False)
     text, used, stopped = st_.push(out)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import make_engine
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 from tiny_models import build_tiny_model, hf_greedy
 
 MAX_NEW = 24

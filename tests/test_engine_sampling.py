@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import make_engine
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -180,7 +180,7 @@ def test_tiny_pool_preempts_and_the_stats_show_it(stack, http):
 # ---- without processes ------------------------------------------------------------------------
 
 def test_timings_object_partitions_the_ttft_even_with_stamps_missing_or_out_of_order():
-    from services.gateway.responses import timings_object
+    from pagedserve.gateway.responses import timings_object
     t0 = 1_700_000_000.0
     full = {"gateway_received": t0, "tokenizer_received": t0 + 0.001, "tokenized": t0 + 0.002,
             "scheduler_received": t0 + 0.003, "first_scheduled": t0 + 0.010, "first_token": t0 + 0.030,
@@ -202,7 +202,7 @@ def test_timings_object_partitions_the_ttft_even_with_stamps_missing_or_out_of_o
 
 def test_engine_stats_json_from_the_scheduler_message():
     from pagedserve.v1 import common_pb2, scheduler_pb2
-    from services.gateway.backend import engine_stats_dict
+    from pagedserve.gateway.backend import engine_stats_dict
     msg = scheduler_pb2.EngineStats(
         time=5.0, ready=True, config=scheduler_pb2.EngineConfig(max_num_batched_tokens=512, max_num_seqs=8,
                                                                 block_size=16, num_gpu_blocks=4, max_model_len=64),

@@ -14,11 +14,11 @@ import openai
 import pytest
 import uvicorn
 
-from pagedserve.grpc_util import free_port
+from pagedserve.common.grpc_util import free_port
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from services.gateway.app import build_app
-from services.gateway.backend import Backend
-from services.gateway.grpc_api import GenerationService
+from pagedserve.gateway.app import build_app
+from pagedserve.gateway.backend import Backend
+from pagedserve.gateway.grpc_api import GenerationService
 
 MODEL = "fake-model"
 KEY = "sekret"

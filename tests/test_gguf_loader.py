@@ -12,9 +12,10 @@ import pytest
 import torch
 import transformers
 
-from pagedserve.default_model import ensure_default_model, resolve_model
-from pagedserve.model_config import ModelConfig
-from services.worker.gguf_loader import gguf_to_hf_config, iter_gguf_weights, prepare_gguf_folder
+from pagedserve.model_files.default_model import ensure_default_model, resolve_model
+from pagedserve.common.model_config import ModelConfig
+from pagedserve.model_files.gguf_loader import gguf_to_hf_config, prepare_gguf_folder
+from pagedserve.worker.gguf_weights import iter_gguf_weights
 
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",

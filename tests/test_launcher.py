@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from pagedserve.grpc_util import free_port
-from pagedserve.processes import (SCHEDULER_FLAGS, TOKENIZER_FLAGS, WORKER_FLAGS, Ports, ServiceError,
+from pagedserve.common.grpc_util import free_port
+from pagedserve.launcher.processes import (SCHEDULER_FLAGS, TOKENIZER_FLAGS, WORKER_FLAGS, Ports, ServiceError,
                                   ServiceProcess, Stack, StackConfig, client_host, resolve_redis, service_argvs,
                                   service_env)
 
@@ -83,7 +83,7 @@ def test_defaults_leave_service_defaults_alone(monkeypatch):
 
 
 def test_every_engine_flag_reaches_a_service():
-    from pagedserve.cli import add_engine_args
+    from pagedserve.common.engine_args import add_engine_args
     p = argparse.ArgumentParser()
     add_engine_args(p)
     engine = {a.dest for a in p._actions if a.option_strings and a.dest != "help"}
@@ -110,7 +110,7 @@ def test_client_host():
 HEALTH_SERVER = textwrap.dedent("""
     import sys, time, grpc
     from concurrent import futures
-    from pagedserve.grpc_util import add_health_and_reflection, set_serving
+    from pagedserve.common.grpc_util import add_health_and_reflection, set_serving
     server = grpc.server(futures.ThreadPoolExecutor(2))
     health = add_health_and_reflection(server, ["x.Y"])
     server.add_insecure_port("127.0.0.1:" + sys.argv[1])
@@ -127,7 +127,7 @@ def health_server():
     import grpc
     from concurrent import futures
 
-    from pagedserve.grpc_util import add_health_and_reflection, set_serving
+    from pagedserve.common.grpc_util import add_health_and_reflection, set_serving
     server = grpc.server(futures.ThreadPoolExecutor(2))
     health = add_health_and_reflection(server, ["x.Y"])
     port = server.add_insecure_port("127.0.0.1:0")
@@ -266,7 +266,7 @@ def test_without_redis_server_the_store_is_in_memory(monkeypatch, caplog):
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_private_redis_starts_and_goes(tmp_path):
-    from pagedserve.processes import redis_ping
+    from pagedserve.launcher.processes import redis_ping
     stack = Stack(stop_timeout=5)
     url = resolve_redis(StackConfig(), stack, tmp_path)
     redis_dir = stack._redis_dir
@@ -278,7 +278,7 @@ def test_private_redis_starts_and_goes(tmp_path):
 
 def test_busy_public_port_fails_before_starting_anything():
     import socket
-    from pagedserve.processes import start_stack
+    from pagedserve.launcher.processes import start_stack
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
@@ -299,11 +299,12 @@ def _gone(pid: int) -> bool:
 def test_a_service_dies_with_its_killed_launcher(arms_own):
     """A SIGKILLed launcher leaves no service behind: the service arms the parent-death signal
     itself (die_with_parent, no fork handlers run), or a preexec_fn does (redis-server)."""
-    child = ("from pagedserve.processes import die_with_parent; die_with_parent(); import time; time.sleep(120)"
+    child = ("from pagedserve.launcher.processes import die_with_parent; die_with_parent(); "
+             "import time; time.sleep(120)"
              if arms_own else "import time; time.sleep(120)")
     launcher = textwrap.dedent(f"""
         import sys, time
-        from pagedserve.processes import ServiceProcess
+        from pagedserve.launcher.processes import ServiceProcess
         p = ServiceProcess("sleeper", [sys.executable, "-c", {child!r}], arms_own_death_signal={arms_own}).start()
         print(p.pid, flush=True)
         time.sleep(120)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import make_engine
-from pagedserve.model_config import ModelConfig
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.model_config import ModelConfig
+from pagedserve.common.sampling_params import SamplingParams
 from tiny_models import build_tiny_model, hf_greedy
 
 MAX_NEW = 16
@@ -42,7 +42,7 @@ def moe_case(request, tmp_path_factory):
 
 
 def test_batch_matches_transformers(moe_case):
-    from services.worker.moe import FusedMoE, GroupedTorchMoE
+    from pagedserve.worker.moe import FusedMoE, GroupedTorchMoE
     folder, expected = moe_case
     engine = make_engine(folder)
     assert run(engine) == expected
@@ -89,8 +89,8 @@ def test_prefix_cache_hits_give_same_tokens(moe_case):
                                        dict(num_hidden_layers=3, decoder_sparse_step=2)],
                          ids=["mlp_only_layers", "decoder_sparse_step"])
 def test_qwen2_moe_dense_layers_match(tmp_path, overrides):
-    from services.worker.models.llama import LlamaMLP
-    from services.worker.models.qwen2_moe import Qwen2MoeSparseMoE
+    from pagedserve.worker.models.llama import LlamaMLP
+    from pagedserve.worker.models.qwen2_moe import Qwen2MoeSparseMoE
     folder = build_tiny_model(tmp_path, "qwen2_moe", **overrides)
     engine = make_engine(folder)
     kinds = [type(layer.mlp) for layer in engine.runner.model.layers]
@@ -108,7 +108,7 @@ def test_bfloat16_runs(moe_case):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_backend_equals_naive(dtype):
-    from services.worker.moe import GroupedTorchMoE, NaiveTorchMoE, softmax_topk
+    from pagedserve.worker.moe import GroupedTorchMoE, NaiveTorchMoE, softmax_topk
     gen = torch.Generator().manual_seed(0)
     tokens, hidden, inter, experts, top_k = 37, 48, 40, 6, 3
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
@@ -129,15 +129,15 @@ def test_grouped_backend_equals_naive(dtype):
 
 
 def new_model(folder):
-    from services.worker.attention import make_backend
-    from services.worker.models import model_class
+    from pagedserve.worker.attention import make_backend
+    from pagedserve.worker.models import model_class
     cfg = ModelConfig.from_folder(folder)
     return model_class(cfg.architecture)(cfg, make_backend(torch.device("cpu")), 64)
 
 
 def checkpoint(folder, drop=(), add=()):
     """The folder's tensors (lazily: the file is open only while iterating), less `drop`, plus `add`."""
-    from services.worker.weights import iter_lazy_weights
+    from pagedserve.worker.weights import iter_lazy_weights
     for name, weight in iter_lazy_weights(folder, torch.float32, progress=False):
         if name not in drop:
             yield name, weight
@@ -166,11 +166,11 @@ def test_loader_names_missing_expert(moe_case):
 @pytest.mark.parametrize("num_tokens", [3, 20])
 def test_moe_block_costs_one_all_reduce(moe_case, monkeypatch, num_tokens):
     """Routed experts and the shared expert leave partial sums; the block reduces once."""
-    import services.worker.models.llama as llama_mod
-    import services.worker.models.qwen2_moe as qwen_mod
-    import services.worker.moe as moe_mod
-    import services.worker.parallel as parallel_mod
-    from services.worker.attention import cpu_kernels
+    import pagedserve.worker.models.llama as llama_mod
+    import pagedserve.worker.models.qwen2_moe as qwen_mod
+    import pagedserve.worker.moe as moe_mod
+    import pagedserve.worker.parallel as parallel_mod
+    from pagedserve.worker.attention import cpu_kernels
     folder, _ = moe_case
     cfg = ModelConfig.from_folder(folder)
     calls = []
@@ -180,8 +180,8 @@ def test_moe_block_costs_one_all_reduce(moe_case, monkeypatch, num_tokens):
         return x
     for mod in (llama_mod, qwen_mod, moe_mod, parallel_mod):
         monkeypatch.setattr(mod, "all_reduce", counting)
-    from services.worker.attention import make_backend
-    from services.worker.models import model_class
+    from pagedserve.worker.attention import make_backend
+    from pagedserve.worker.models import model_class
     model = model_class(cfg.architecture)(cfg, make_backend(torch.device("cpu")), 64,
                                           cpu_kernels(torch.device("cpu")))
     model.load_weights(checkpoint(folder))

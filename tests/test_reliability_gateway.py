@@ -15,13 +15,13 @@ import types
 import httpx
 import pytest
 
-from pagedserve.grpc_util import free_port
-from pagedserve.processes import ServiceProcess
+from pagedserve.common.grpc_util import free_port
+from pagedserve.launcher.processes import ServiceProcess
 from pagedserve.v1 import generate_pb2
-from services.gateway.app import Cursor, _Skip, build_app
-from services.gateway.backend import Backend
-from services.gateway.limits import Limits, RateLimiter, TokenBucket, parse_rate_limit
-from services.gateway.server import api_keys, drain
+from pagedserve.gateway.app import Cursor, _Skip, build_app
+from pagedserve.gateway.backend import Backend
+from pagedserve.gateway.limits import Limits, RateLimiter, TokenBucket, parse_rate_limit
+from pagedserve.gateway.server import api_keys, drain
 
 KEY = "sk-reliability"
 

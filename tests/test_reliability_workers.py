@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from pagedserve.processes import private_redis
+from pagedserve.launcher.processes import private_redis
 from service_stack import scheduler_stats, start_test_stack, tiny_model_with_tokenizer, wait_until_idle
 
 pytestmark = pytest.mark.slow  # the tiny model borrows the default model's tokenizer

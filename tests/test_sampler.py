@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
-from pagedserve.sampling_params import SamplingParams
-from services.worker.sampler import RowSampling, Sampler, apply_penalties, block_min_tokens, truncate
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.worker.sampler import RowSampling, Sampler, apply_penalties, block_min_tokens, truncate
 
 sampler = Sampler()
 

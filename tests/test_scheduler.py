@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pagedserve.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
-from pagedserve.sampling_params import SamplingParams
-from services.scheduler.block_manager import cdiv
-from services.scheduler.request import Request, RequestStatus
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from pagedserve.common.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.scheduler.core.block_manager import cdiv
+from pagedserve.scheduler.core.request import Request, RequestStatus
+from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 
 
 def next_token(token_ids: list[int], sample_index: int = 0) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.grpc_util import free_port
+from pagedserve.common.grpc_util import free_port
 
 BANNER = re.compile(r"pagedserve: OpenAI API at (http://\S+)/v1 \(model (\S+)\), gRPC at (\S+)")
 

@@ -50,7 +50,7 @@ def engine_and_tokenizer(default_model_path):
 
 
 def engine_greedy(engine_and_tokenizer, token_ids: list[int], max_tokens: int, **extra) -> list[int]:
-    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.common.sampling_params import SamplingParams
     engine, _ = engine_and_tokenizer
     [[sample]] = engine.generate([token_ids], SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra))
     return sample.token_ids

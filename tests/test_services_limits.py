@@ -11,8 +11,8 @@ import grpc
 import httpx
 import pytest
 
-from pagedserve.grpc_util import free_port
-from pagedserve.processes import ServiceProcess
+from pagedserve.common.grpc_util import free_port
+from pagedserve.launcher.processes import ServiceProcess
 from service_stack import scheduler_stats, start_test_stack, tiny_model_with_tokenizer, wait_until_idle
 
 pytestmark = pytest.mark.slow  # the tiny model borrows the default model's tokenizer

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from conftest import make_engine
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams
 from tiny_models import build_tiny_model, hf_greedy
 
 PROMPTS = [[1, 5, 9, 33], [3] * 27, list(range(3, 50)), [7, 8] * 11 + [9]]

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pagedserve.grpc_util import TLS_ENV, add_internal_port, check_health, free_port, internal_channel
+from pagedserve.common.grpc_util import TLS_ENV, add_internal_port, check_health, free_port, internal_channel
 
 
 def make_certificates(folder: Path, name: str) -> dict[str, str]:
@@ -71,7 +71,7 @@ def test_plain_tcp_and_foreign_certificates_are_refused(tls_server, certificates
 
 
 def test_half_a_configuration_is_an_error(certificates):
-    from pagedserve.grpc_util import internal_tls
+    from pagedserve.common.grpc_util import internal_tls
     ours = certificates["ours"]
     with pytest.raises(ValueError, match="go together"):
         internal_tls({TLS_ENV["cert"]: ours[TLS_ENV["cert"]]})

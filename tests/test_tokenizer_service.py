@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from pagedserve.grpc_util import free_port
+from pagedserve.common.grpc_util import free_port
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -73,7 +73,7 @@ def streamer(token_ids, n=1, finish="length", fail_after=None, pause=0.0, logpro
 
 
 async def start_stack(tokenizer, scripts, scheduler=True, retry_timeout=5.0):
-    from services.tokenizer.server import TokenizerService, TokenizerServicer
+    from pagedserve.tokenizer.server import TokenizerService, TokenizerServicer
     sched_port = free_port()
     fake = FakeScheduler(scripts)
     sched_server = None

@@ -1,4 +1,5 @@
-"""The Triton kernels (kernels/triton) against their torch references (kernels/reference.py), and the
+"""The Triton kernels (pagedserve/kernels/triton) against their torch references
+(pagedserve/kernels/reference.py), and the
 references against independent naive computations. Without CUDA the kernels run on the CPU under the
 Triton interpreter; with CUDA they run natively on the GPU.
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
-    # Must precede the first import of triton.language (and so of kernels.triton): @triton.jit reads it
+    # Must precede the first import of triton.language (and so of pagedserve.kernels.triton): @triton.jit reads it
     # when each function is defined, triton's own tl.zeros & co. included.
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -30,11 +31,11 @@ if DEVICE == "cpu" and type(tl.standard.zeros).__name__ != "InterpretedFunction"
     pytest.skip("triton.language was imported before TRITON_INTERPRET=1 was set; run this file in its own process",
                 allow_module_level=True)
 
-from kernels import reference  # noqa: E402
-from kernels.triton import tile_map  # noqa: E402
-from kernels.triton import fused_moe as tmoe  # noqa: E402
-from kernels.triton import mla_attention as tmla  # noqa: E402
-from kernels.triton import paged_attention as tpa  # noqa: E402
+from pagedserve.kernels import reference  # noqa: E402
+from pagedserve.kernels.triton import tile_map  # noqa: E402
+from pagedserve.kernels.triton import fused_moe as tmoe  # noqa: E402
+from pagedserve.kernels.triton import mla_attention as tmla  # noqa: E402
+from pagedserve.kernels.triton import paged_attention as tpa  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = {torch.float32: 1e-3, torch.float16: 1e-2}
@@ -51,7 +52,7 @@ def randn(gen: torch.Generator, *shape: int, dtype=torch.float32) -> torch.Tenso
 
 
 def test_kernels_run_where_expected():
-    """Interpreted on the CPU: another module importing kernels.triton before TRITON_INTERPRET was set
+    """Interpreted on the CPU: another module importing pagedserve.kernels.triton before TRITON_INTERPRET was set
     would make the CPU tests meaningless."""
     assert (type(tpa._decode_kernel).__name__ == "InterpretedFunction") == (DEVICE == "cpu")
 
@@ -271,7 +272,7 @@ def test_fused_moe_every_slot_off_rank():
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-m", "kernels.bench", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "pagedserve.kernels.bench", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -300,7 +301,7 @@ def test_bench_compiles_every_kernel_for_hopper(tmp_path):
 def test_worker_triton_backend_equals_the_torch_backend():
     """The worker's TritonAttentionBackend (what CUDA uses) against its TorchAttentionBackend on one
     mixed step: two decodes, a prefill chunk with cached context and a fresh prompt, scattered blocks."""
-    from services.worker.attention import AttentionMetadata, PrefillSeq, TorchAttentionBackend, TritonAttentionBackend
+    from pagedserve.worker.attention import AttentionMetadata, PrefillSeq, TorchAttentionBackend, TritonAttentionBackend
 
     gen = torch.Generator().manual_seed(5)
     page, heads, kv_heads, dim, num_blocks = 4, 4, 2, 16, 40

@@ -1,0 +1,42 @@
+"""`pagedserve bench ...`: the benchmarks' command lines. Each bench module keeps torch out of its
+import (it loads when the bench runs), so `pagedserve --help` and the services never load it."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedserve.common.engine_args import add_engine_args
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    sizes = [int(s) for s in text.split(",") if s.strip()]
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
+    return sizes
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    from pagedserve.bench.throughput import __doc__ as throughput_doc
+    from pagedserve.bench.throughput import run_throughput
+
+    bench = subparsers.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,services,tp,moe,serve}")
+    bench_sub.required = True
+    p = bench_sub.add_parser("throughput", help="offline throughput vs transformers' static batching",
+                             description=throughput_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON here")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--baseline-batch-sizes", type=parse_batch_sizes, default=[8, 32],
+                   help="comma-separated static batch sizes for the transformers baseline (default 8,32)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+    add_engine_args(p)
+    p.set_defaults(func=run_throughput)
+    from pagedserve.bench.services import add_services_parser
+    add_services_parser(bench_sub)
+    from pagedserve.bench.tp import add_tp_parser
+    add_tp_parser(bench_sub)
+    from pagedserve.bench.moe import add_moe_parser
+    add_moe_parser(bench_sub)
+    from pagedserve.bench.serve import add_serve_parser
+    add_serve_parser(bench_sub)
+    return p

@@ -1,0 +1,194 @@
+"""`pagedserve bench services`: the cost of the split. The same workload at the same concurrency
+runs through the engine core in this process, then through the services (gateway, tokenizer,
+scheduler, worker as processes, driven by streaming HTTP/SSE clients); reports the
+throughput ratio, TTFT and TPOT of both, and the scheduler -> worker round trip beyond compute.
+
+Workloads: `w64` (the throughput bench's W<num-prompts>) or `random` (prompts of --input-len random
+token ids, --output-len tokens each, as vLLM's serving benchmark's random dataset). Greedy,
+ignore_eos, one closed loop of --concurrency clients in both runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+import numpy as np
+
+from pagedserve.bench.throughput import Workload, build_engine, cpu_name, load_tokenizer, make_workload
+from pagedserve.common.engine_args import add_engine_args
+from pagedserve.common.sampling_params import SamplingParams
+
+
+def add_services_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("services", help="in-process engine vs the services at the same concurrency",
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=["w64", "random"], default="w64")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="random workload")
+    p.add_argument("--output-len", type=int, default=64, help="random workload")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="alternating in-process / services runs")
+    p.add_argument("--redis-url", default=None, help="default: a private redis-server, as `pagedserve serve`")
+    p.add_argument("--json", default=None, metavar="FILE")
+    add_engine_args(p)
+    p.set_defaults(func=run_services_bench)
+
+
+def random_workload(num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    return Workload([rng.integers(100, vocab_size, input_len).tolist() for _ in range(num_prompts)],
+                    [output_len] * num_prompts)
+
+
+def summarize(elapsed: float, ttfts: list[float], tpots: list[float], num_output: int) -> dict:
+    return {"elapsed_s": elapsed, "output_tok_s": num_output / elapsed,
+            "ttft_median_ms": 1e3 * statistics.median(ttfts), "tpot_median_ms": 1e3 * statistics.median(tpots),
+            "ttft_mean_ms": 1e3 * statistics.fmean(ttfts), "tpot_mean_ms": 1e3 * statistics.fmean(tpots)}
+
+
+# ---- in process ---------------------------------------------------------------------------------
+def run_in_process(engine, work: Workload, concurrency: int) -> dict:
+    """A closed loop of `concurrency` clients: a new request enters when one finishes."""
+    pending = list(range(len(work.prompts)))[::-1]
+    started: dict[str, float] = {}
+    first: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    ttfts, tpots = [], []
+    t0 = time.perf_counter()
+
+    def admit() -> None:
+        i = pending.pop()
+        rid = f"inproc-{i}"
+        engine.add_request(rid, work.prompts[i], SamplingParams(temperature=0.0, ignore_eos=True,
+                                                                 max_tokens=work.output_lens[i]))
+        started[rid], counts[rid] = time.perf_counter(), 0
+
+    for _ in range(min(concurrency, len(pending))):
+        admit()
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            rid = out.request_id
+            if out.new_tokens and rid not in first:
+                first[rid] = now
+            counts[rid] += len(out.new_tokens)
+            if out.finished:
+                ttfts.append(first[rid] - started[rid])
+                tpots.append((now - first[rid]) / max(1, counts[rid] - 1))
+                if pending:
+                    admit()
+    return summarize(time.perf_counter() - t0, ttfts, tpots, sum(counts.values()))
+
+
+# ---- through the services -----------------------------------------------------------------------
+async def run_clients(base_url: str, model: str, work: Workload, concurrency: int) -> dict:
+    """Streaming completions over raw HTTP/SSE (httpx): the client parses only what it measures,
+    so on a 2-core machine it takes as little CPU as it can from the server it measures."""
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency)
+    ttfts, tpots, produced = [], [], []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        body = {"model": model, "prompt": work.prompts[i], "max_tokens": work.output_lens[i], "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+        async with gate:
+            start = time.perf_counter()
+            first = None
+            async with http.stream("POST", base_url + "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise RuntimeError(f"request {i}: HTTP {response.status_code}: {await response.aread()!r}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if first is None:
+                        first = time.perf_counter()
+                    if '"usage":{' in line:
+                        produced.append(json.loads(line[6:])["usage"]["completion_tokens"])
+            end = time.perf_counter()
+            ttfts.append(first - start)
+            tpots.append((end - first) / max(1, work.output_lens[i] - 1))
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
+        await asyncio.gather(*(one(http, i) for i in range(len(work.prompts))))
+    elapsed = time.perf_counter() - t0
+    if sum(produced) != work.num_output_tokens:
+        raise RuntimeError(f"the services produced {sum(produced)} tokens, expected {work.num_output_tokens}")
+    return summarize(elapsed, ttfts, tpots, sum(produced))
+
+
+def start_services(args, model_path):
+    from pagedserve.common.grpc_util import free_port
+    from pagedserve.launcher.processes import StackConfig, start_stack
+
+    return start_stack(StackConfig(
+        model=str(model_path), port=free_port(), grpc_port=free_port(), redis_url=args.redis_url,
+        device=args.device, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
+        preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
+        no_prefix_caching=args.no_prefix_caching, no_chunked_prefill=args.no_chunked_prefill, log_dir=None))
+
+
+def scheduler_stats(stack):
+    from pagedserve.common.grpc_util import internal_channel
+    from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+    with internal_channel(stack.addresses["scheduler"]) as channel:
+        return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.StatsRequest(), timeout=30)
+
+
+def run_services_bench(args) -> dict:
+    from pagedserve.model_files.default_model import resolve_model
+
+    model_path = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_path)
+    engine = build_engine(args, model_path, tokenizer)
+    vocab = engine.model_config.vocab_size
+    if args.workload == "w64":
+        work = make_workload(args.num_prompts, vocab, args.seed)
+    else:
+        work = random_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+    dtype = str(engine.dtype).removeprefix("torch.")
+    run_in_process(engine, make_workload(4, vocab, 1), args.concurrency)  # warm-up: kernels, allocator
+    # Both stay up and the runs alternate: this machine's speed drifts by 2x within minutes, so
+    # only pairs run back to back compare.
+    import httpx
+    pairs = []
+    with start_services(args, model_path) as stack:
+        model = httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        asyncio.run(run_clients(stack.http_url, model, make_workload(4, vocab, 1), args.concurrency))  # warm-up
+        for repeat in range(args.repeats):
+            in_process = run_in_process(engine, work, args.concurrency)
+            services = asyncio.run(run_clients(stack.http_url, model, work, args.concurrency))
+            pairs.append({"in_process": in_process, "services": services,
+                          "ratio": services["output_tok_s"] / in_process["output_tok_s"]})
+            print(f"run {repeat + 1}: in-process {in_process['output_tok_s']:.1f} out tok/s, services "
+                  f"{services['output_tok_s']:.1f}: {pairs[-1]['ratio']:.3f}x", flush=True)
+        stats = scheduler_stats(stack)
+    ratios = sorted(p["ratio"] for p in pairs)
+    result = {"cpu": cpu_name(), "dtype": dtype, "workload": args.workload, "num_prompts": len(work.prompts),
+              "concurrency": args.concurrency, "output_tokens": work.num_output_tokens, "runs": pairs,
+              "throughput_ratio_median": statistics.median(ratios),
+              "step_rtt_median_ms": 1e3 * stats.step_rtt_median_s,
+              "step_time_median_ms": 1e3 * stats.step_time_median_s}
+    print(f"{'':12}{'out tok/s':>10}{'TTFT med ms':>13}{'TPOT med ms':>13}{'elapsed s':>11}   (median over runs)")
+    for name in ("in_process", "services"):
+        med = {key: statistics.median(p[name][key] for p in pairs)
+               for key in ("output_tok_s", "ttft_median_ms", "tpot_median_ms", "elapsed_s")}
+        result[name] = med
+        print(f"{name:12}{med['output_tok_s']:10.1f}{med['ttft_median_ms']:13.1f}{med['tpot_median_ms']:13.1f}"
+              f"{med['elapsed_s']:11.1f}")
+    print(f"services / in-process throughput: median {result['throughput_ratio_median']:.3f}x over "
+          f"{len(pairs)} alternating runs; scheduler->worker round trip beyond compute: median "
+          f"{result['step_rtt_median_ms']:.2f} ms per step (median step {result['step_time_median_ms']:.1f} ms)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

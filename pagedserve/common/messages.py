@@ -1,0 +1,64 @@
+"""Typed messages that cross the scheduler -> worker boundary, one pair per engine step.
+
+They carry deltas only: a request's prompt goes across once, when the worker first sees it;
+afterwards only its new block ids and how many tokens it runs this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.common.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt, plus outputs so far when resumed after a recompute preemption
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hits: KV already in the first blocks
+    sample_index: int = 0  # which of the n samples of its prompt this sequence is (seeds differ)
+    child_req_ids: list[str] = field(default_factory=list)  # n > 1: ids of samples 1..n-1, forked on first sample
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    replaced_block: tuple[int, int] | None = None  # (index in block table, new block id) after copy-on-write
+    block_ids: list[int] | None = None  # whole table again, only after a swap-in
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # every request that runs this step, in batch order
+    finished_req_ids: list[str] = field(default_factory=list)  # finished, aborted or preempted: drop state
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    step_id: int
+    # Requests whose scheduled tokens reached the end of their known tokens: one entry per sample
+    # (n entries for a prompt that forks into n samples on this step, in sample order).
+    sampled: dict[str, list[SampledToken]]
+    forward_time_s: float = 0.0
+    sample_time_s: float = 0.0

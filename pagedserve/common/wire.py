@@ -1,0 +1,146 @@
+"""Conversions between the engine's typed messages and their protobuf form (no torch).
+
+The scheduler encodes a SchedulerOutput into a StepRequest and decodes the StepResult; the worker
+does the reverse. Kept in one place so that a field added to a message is added to both sides.
+"""
+
+from __future__ import annotations
+
+from pagedserve.common.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SampledToken, \
+    SchedulerOutput
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.v1 import common_pb2, worker_pb2
+
+
+# ---- sampling parameters --------------------------------------------------------------------
+def params_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int = 16) -> SamplingParams:
+    """Build and validate SamplingParams; raises ValueError naming the bad field."""
+    return SamplingParams(
+        n=msg.n or 1,
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k, min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
+        min_tokens=msg.min_tokens, stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+
+
+def params_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | None = None) -> common_pb2.SamplingParams:
+    msg = out if out is not None else common_pb2.SamplingParams()
+    msg.n = params.n
+    msg.temperature = params.temperature
+    msg.top_p = params.top_p
+    msg.top_k = params.top_k
+    msg.min_p = params.min_p
+    msg.repetition_penalty = params.repetition_penalty
+    msg.presence_penalty = params.presence_penalty
+    msg.frequency_penalty = params.frequency_penalty
+    if params.seed is not None:
+        msg.seed = params.seed
+    msg.max_tokens = params.max_tokens
+    msg.min_tokens = params.min_tokens
+    msg.stop_token_ids[:] = params.stop_token_ids
+    msg.ignore_eos = params.ignore_eos
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+# ---- sampled tokens -------------------------------------------------------------------------
+def token_to_proto(token: SampledToken, out: common_pb2.TokenLogprob) -> None:
+    out.token_id = token.token_id
+    if token.logprob is not None:
+        out.logprob = token.logprob
+    if token.top_logprobs:
+        for token_id, logprob in token.top_logprobs:
+            out.top.add(token_id=token_id, logprob=logprob)
+
+
+def token_from_proto(msg: common_pb2.TokenLogprob, with_logprobs: bool) -> SampledToken:
+    if not with_logprobs:
+        return SampledToken(msg.token_id)
+    return SampledToken(msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top])
+
+
+# ---- one step -------------------------------------------------------------------------------
+def step_to_proto(step: SchedulerOutput, session_id: str = "") -> worker_pb2.StepRequest:
+    msg = worker_pb2.StepRequest(step_id=step.step_id, session_id=session_id,
+                                 scheduled_req_ids=list(step.num_scheduled_tokens),
+                                 num_scheduled_tokens=list(step.num_scheduled_tokens.values()),
+                                 finished_req_ids=step.finished_req_ids)
+    for new in step.new_requests:
+        entry = msg.new_requests.add(req_id=new.req_id, token_ids=new.token_ids,
+                                     num_prompt_tokens=new.num_prompt_tokens, block_ids=new.block_ids,
+                                     num_computed_tokens=new.num_computed_tokens,
+                                     sample_index=new.sample_index, child_req_ids=new.child_req_ids)
+        params_to_proto(new.params, entry.params)
+    for cached in step.cached_requests:
+        entry = msg.cached_requests.add(req_id=cached.req_id, new_block_ids=cached.new_block_ids)
+        if cached.replaced_block is not None:
+            entry.replaced_index, entry.replaced_block_id = cached.replaced_block
+        if cached.block_ids is not None:
+            entry.has_block_ids = True
+            entry.block_ids[:] = cached.block_ids
+    for pairs, field in ((step.blocks_to_copy, msg.blocks_to_copy), (step.blocks_to_swap_out, msg.blocks_to_swap_out),
+                         (step.blocks_to_swap_in, msg.blocks_to_swap_in)):
+        for src, dst in pairs:
+            field.add(src=src, dst=dst)
+    return msg
+
+
+def step_from_proto(msg: worker_pb2.StepRequest) -> SchedulerOutput:
+    new_requests = [NewRequestData(
+        req_id=new.req_id, token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
+        params=params_from_proto(new.params), block_ids=list(new.block_ids),
+        num_computed_tokens=new.num_computed_tokens, sample_index=new.sample_index,
+        child_req_ids=list(new.child_req_ids)) for new in msg.new_requests]
+    cached_requests = [CachedRequestData(
+        req_id=c.req_id, new_block_ids=list(c.new_block_ids),
+        replaced_block=(c.replaced_index, c.replaced_block_id) if c.HasField("replaced_index") else None,
+        block_ids=list(c.block_ids) if c.has_block_ids else None) for c in msg.cached_requests]
+    return SchedulerOutput(
+        step_id=msg.step_id, new_requests=new_requests, cached_requests=cached_requests,
+        num_scheduled_tokens=dict(zip(msg.scheduled_req_ids, msg.num_scheduled_tokens)),
+        finished_req_ids=list(msg.finished_req_ids),
+        blocks_to_copy=[(p.src, p.dst) for p in msg.blocks_to_copy],
+        blocks_to_swap_out=[(p.src, p.dst) for p in msg.blocks_to_swap_out],
+        blocks_to_swap_in=[(p.src, p.dst) for p in msg.blocks_to_swap_in])
+
+
+def result_to_proto(result: ModelRunnerOutput, worker_time_s: float = 0.0) -> worker_pb2.StepResult:
+    msg = worker_pb2.StepResult(step_id=result.step_id, forward_time_s=result.forward_time_s,
+                                sample_time_s=result.sample_time_s, worker_time_s=worker_time_s)
+    for req_id, tokens in result.sampled.items():
+        entry = msg.sampled.add(req_id=req_id)
+        for token in tokens:
+            token_to_proto(token, entry.tokens.add())
+    return msg
+
+
+def result_from_proto(msg: worker_pb2.StepResult, wants_logprobs: set[str] | None = None) -> ModelRunnerOutput:
+    """wants_logprobs: the request ids that asked for logprobs (others get bare token ids)."""
+    sampled = {}
+    for entry in msg.sampled:
+        with_logprobs = wants_logprobs is not None and entry.req_id in wants_logprobs
+        sampled[entry.req_id] = [token_from_proto(t, with_logprobs) for t in entry.tokens]
+    return ModelRunnerOutput(msg.step_id, sampled, msg.forward_time_s, msg.sample_time_s)
+
+
+# ---- timings --------------------------------------------------------------------------------
+TIMING_FIELDS = tuple(f.name for f in common_pb2.Timings.DESCRIPTOR.fields)
+
+
+def timings_to_dict(msg: common_pb2.Timings) -> dict[str, float]:
+    return {name: getattr(msg, name) for name in TIMING_FIELDS}
+
+
+def timings_from_dict(values: dict, out: common_pb2.Timings | None = None) -> common_pb2.Timings:
+    msg = out if out is not None else common_pb2.Timings()
+    for name in TIMING_FIELDS:
+        value = values.get(name)
+        if value:
+            setattr(msg, name, type(getattr(msg, name))(value))
+    return msg

@@ -1,0 +1,255 @@
+"""OpenAI's completions and chat request shapes, and their mapping onto a GenerateRequest.
+
+Validation happens here, before anything is sent downstream, so that a bad parameter is a 400
+naming the parameter rather than a gRPC error from some later stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.v1 import generate_pb2
+
+# Only for validating min_tokens <= max_tokens when the client left max_tokens unset (that means
+# "up to the context", which the scheduler knows and we do not).
+_UNBOUNDED = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+# vLLM's completions endpoint, like OpenAI's, generates 16 tokens when max_tokens is not sent.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class RequestError(Exception):
+    """An error with its HTTP status, rendered in OpenAI's {"error": {...}} shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> RequestError:
+    return RequestError(400, message, param)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    # Clients send fields we do not know (OpenAI adds them often); ignoring them is what vLLM does.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+    priority: int = 0
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    # pagedserve's own: the response carries a "timings" object (the final chunk when streaming).
+    timings: bool = False
+    # pagedserve's own: a deadline in seconds; when it passes the request is aborted (its KV blocks
+    # freed) and answered 504 (in-band error event when streaming).
+    timeout: float | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _message_text(message: Message, where: str) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for j, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"{where}.content[{j}]: only text parts are supported, got type {part.type!r}",
+                              "messages")
+        texts.append(part.text)
+    return "\n".join(texts)  # how vLLM flattens text parts for a string-content chat template
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(s == "" for s in stops):
+        raise bad_request("stop must not contain an empty string", "stop")
+    return stops
+
+
+def _check_uint32(value: int, name: str) -> None:
+    if not 0 <= value <= UINT32_MAX:
+        raise bad_request(f"{name} must be a non-negative 32-bit integer, got {value!r}", name)
+
+
+def _fill_params(req: _SamplingFields, gen: generate_pb2.GenerateRequest, max_tokens: int | None,
+                 logprobs: int | None) -> None:
+    """Validate with the engine's own rules, then set only what the client sent."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (it must equal n when sent)", "best_of")
+    check = {"n": req.n, "max_tokens": _UNBOUNDED if max_tokens is None else max_tokens,
+             "min_tokens": req.min_tokens, "stop_token_ids": list(req.stop_token_ids or []),
+             "logprobs": logprobs}
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "seed"):
+        if getattr(req, name) is not None:
+            check[name] = getattr(req, name)
+    try:
+        SamplingParams(**check)
+    except ValueError as exc:
+        message = str(exc)
+        raise bad_request(message, message.split(" ", 1)[0]) from exc
+    if max_tokens is not None:
+        _check_uint32(max_tokens, "max_tokens")
+    for token in req.stop_token_ids or []:
+        _check_uint32(token, "stop_token_ids")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
+        raise bad_request("seed must be a 64-bit integer", "seed")
+    if not -(2**31) <= req.priority < 2**31:
+        raise bad_request("priority must be a 32-bit integer", "priority")
+
+    p = gen.params
+    p.n = req.n
+    for name in ("temperature", "top_p", "repetition_penalty", "seed"):
+        if getattr(req, name) is not None:
+            setattr(p, name, getattr(req, name))
+    # Zero is both the proto default and the engine's "off" for these.
+    p.top_k = req.top_k or 0
+    p.min_p = req.min_p or 0.0
+    p.presence_penalty = req.presence_penalty or 0.0
+    p.frequency_penalty = req.frequency_penalty or 0.0
+    if max_tokens is not None:
+        p.max_tokens = max_tokens
+    p.min_tokens = req.min_tokens
+    p.stop_token_ids[:] = list(req.stop_token_ids or [])
+    p.ignore_eos = req.ignore_eos
+    if logprobs is not None:
+        p.logprobs = logprobs
+    gen.stop[:] = _stop_strings(req.stop)
+    gen.include_stop_str_in_output = req.include_stop_str_in_output
+    gen.skip_special_tokens = req.skip_special_tokens
+    gen.priority = req.priority
+    gen.model = req.model or ""
+
+
+def completion_to_generate(req: CompletionRequest) -> generate_pb2.GenerateRequest:
+    gen = generate_pb2.GenerateRequest()
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        gen.prompt = prompt
+    else:
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        for token in prompt:
+            _check_uint32(token, "prompt")
+        gen.prompt_token_ids.ids[:] = prompt
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
+    _fill_params(req, gen, req.max_tokens, req.logprobs)
+    gen.echo = req.echo
+    return gen
+
+
+def chat_to_generate(req: ChatCompletionRequest) -> generate_pb2.GenerateRequest:
+    if not req.messages:
+        raise bad_request("messages must not be empty", "messages")
+    if req.tools:
+        raise bad_request("tools are not supported", "tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format type 'text' is supported", "response_format")
+    gen = generate_pb2.GenerateRequest()
+    gen.chat.add_generation_prompt = req.add_generation_prompt
+    for i, message in enumerate(req.messages):
+        if message.role not in _ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {message.role!r}",
+                              "messages")
+        gen.chat.messages.add(role=message.role, content=_message_text(message, f"messages[{i}]"))
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                              "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    # max_completion_tokens replaced max_tokens in OpenAI's chat API; the newer one wins.
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    try:
+        _fill_params(req, gen, max_tokens, logprobs)
+    except RequestError as exc:
+        if exc.param == "max_tokens" and req.max_completion_tokens is not None:
+            exc.param = "max_completion_tokens"
+        raise
+    return gen
+
+
+def include_usage(req: _SamplingFields) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+

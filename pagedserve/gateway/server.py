@@ -1,0 +1,155 @@
+"""`serve(args)`: the REST API (uvicorn) and the public gRPC API on one asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+
+import grpc
+import uvicorn
+
+from pagedserve.common.grpc_util import (SERVER_OPTIONS, MalformedRequestInterceptor, add_health_and_reflection,
+                                         set_serving)
+from pagedserve.common.store import open_store
+from pagedserve.v1 import generate_pb2_grpc
+from pagedserve.gateway.app import build_app
+from pagedserve.gateway.backend import Backend
+from pagedserve.gateway.grpc_api import SERVICE_NAME, GenerationService
+from pagedserve.gateway.limits import Limits, parse_rate_limit
+
+log = logging.getLogger("pagedserve.gateway")
+
+
+class _Uvicorn(uvicorn.Server):
+    # uvicorn re-raises the signals it caught once it stops (so SIGINT would end in
+    # KeyboardInterrupt); this loop handles the signals itself and stops both servers.
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+DRAIN_FLUSH_S = 5.0  # after the aborts, how long the aborted streams get to send their last events
+
+
+def api_keys(args) -> list[str]:
+    """--api-key (repeatable, or one string), --api-key-file (one a line) and PAGEDSERVE_API_KEY
+    (comma-separated)."""
+    keys: list[str] = []
+    given = getattr(args, "api_key", None)
+    for item in ([given] if isinstance(given, str) else given or []):
+        keys += [k.strip() for k in item.split(",")]
+    path = getattr(args, "api_key_file", None)
+    if path:
+        with open(path, encoding="utf-8") as f:
+            keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    keys += [k.strip() for k in os.environ.get("PAGEDSERVE_API_KEY", "").split(",")]
+    return list(dict.fromkeys(k for k in keys if k))
+
+
+def limits_from_args(args) -> Limits:
+    defaults = Limits()
+    return Limits(max_body_bytes=getattr(args, "max_body_bytes", defaults.max_body_bytes),
+                  max_n=getattr(args, "max_n", defaults.max_n),
+                  max_tokens_in_flight=getattr(args, "max_tokens_in_flight", 0) or 0,
+                  rate_limit=parse_rate_limit(getattr(args, "rate_limit", None)),
+                  shutdown_timeout_s=getattr(args, "shutdown_timeout", defaults.shutdown_timeout_s),
+                  resume_grace_s=getattr(args, "resume_grace", defaults.resume_grace_s),
+                  cors_origins=[o.strip() for o in (getattr(args, "cors_origins", "") or "").split(",") if o.strip()])
+
+
+async def drain(backend: Backend, timeout_s: float) -> int:
+    """Refuse new requests (503), wait up to timeout_s for those in flight, abort the rest (their
+    streams end with finish_reason "abort" and an error event saying the server shut down).
+    Returns how many were aborted."""
+    backend.draining = True
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while backend.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    left = list(backend.inflight)
+    if left:
+        log.info("shutdown: %d requests still in flight after %g s; aborting them", len(left), timeout_s)
+        for generation in left:
+            generation.abort_for_shutdown()
+        flush_until = time.monotonic() + DRAIN_FLUSH_S
+        while backend.inflight and time.monotonic() < flush_until:
+            await asyncio.sleep(0.05)
+    return len(left)
+
+
+async def _serve(args) -> int:
+    try:
+        keys = api_keys(args)
+        limits = limits_from_args(args)
+    except (OSError, ValueError) as exc:
+        log.error("bad gateway settings: %s", exc)
+        return 2
+    redis_url = args.redis_url if args.redis_url not in (None, "", "memory", "memory://") else None
+    store = open_store(redis_url, args.redis_prefix, args.redis_ttl) if redis_url else None
+    backend = Backend(args.tokenizer_addr, args.scheduler_addr, api_key=keys, store=store, limits=limits)
+
+    grpc_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[MalformedRequestInterceptor()])
+    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(backend), grpc_server)
+    health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
+    try:
+        grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
+    except RuntimeError as exc:
+        log.error("cannot listen on %s:%s for gRPC: %s", args.host, args.grpc_port, exc)
+        return 1
+    await grpc_server.start()
+
+    http = _Uvicorn(uvicorn.Config(build_app(backend), host=args.host, port=args.port, log_level="warning",
+                                   timeout_graceful_shutdown=DRAIN_FLUSH_S))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    http_task = asyncio.create_task(http.serve())
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.sleep(0)
+    set_serving(health, [SERVICE_NAME])
+    log.info("OpenAI API at http://%s:%s/v1, gRPC at %s:%s%s", args.host, args.port, args.host, args.grpc_port,
+             f" ({len(keys)} API key(s) accepted)" if keys else "")
+
+    code = 0
+    try:
+        done, _ = await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if http_task in done:
+            # uvicorn ended on its own: it could not bind, or failed starting up.
+            code = 1
+            log.error("the HTTP server stopped: %s", http_task.exception() or "startup failed")
+        else:
+            # SIGTERM/SIGINT: drain (a second signal cuts the wait short).
+            set_serving(health, [SERVICE_NAME], serving=False)
+            stop.clear()
+            stop_task = asyncio.create_task(stop.wait())
+            drainer = asyncio.create_task(drain(backend, limits.shutdown_timeout_s))
+            await asyncio.wait({drainer, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not drainer.done():
+                drainer.cancel()
+                for generation in list(backend.inflight):
+                    generation.abort_for_shutdown()
+    except SystemExit as exc:
+        code = int(exc.code or 1)
+    finally:
+        set_serving(health, [SERVICE_NAME], serving=False)
+        stop_task.cancel()
+        await grpc_server.stop(grace=2.0)
+        http.should_exit = True
+        if not http_task.done():
+            with contextlib.suppress(Exception, SystemExit):
+                await http_task
+        await backend.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return code
+
+
+def serve(args) -> int:
+    try:
+        return asyncio.run(_serve(args))
+    except SystemExit as exc:
+        return int(exc.code or 1) if not isinstance(exc.code, str) else 1

@@ -1,0 +1,331 @@
+"""Benchmark the Triton kernels against their torch references: python -m pagedserve.kernels.bench.
+
+On a CUDA GPU, for each kernel at realistic shapes: median time of the Triton kernel and of the torch
+reference (CUDA events), the roofline floor max(bytes moved / HBM bandwidth, FLOPs / peak FLOP/s), the
+share of that floor the kernel reaches, and the kernel's max relative error against the reference.
+
+Without a GPU it exits 2, except:
+  --interpret     tiny float32 shapes on the CPU under TRITON_INTERPRET=1: checks the script end to end;
+  --compile-only  compiles every kernel exactly as the wrappers would launch it at the GPU shapes, for
+                  sm_<arch> (no GPU needed: triton ships ptxas), and reports registers, spills and
+                  shared memory per kernel configuration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from pagedserve.kernels import reference
+
+
+@dataclass
+class Case:
+    """One benchmark row: inputs plus the two implementations and the traffic/work they imply."""
+    kernel: str
+    shape: str
+    args: tuple
+    triton_fn: Callable
+    torch_fn: Callable
+    bytes: float   # minimum HBM traffic: every input read once, the output written once
+    flops: float
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    triton_ms: float
+    torch_ms: float
+    speedup: float
+    floor_ms: float
+    pct_of_floor: float
+    max_rel_err: float
+
+
+# ------------------------------------------------------------------------------------------- inputs
+
+
+def paged_layout(seq_lens: list[int], page: int, device) -> tuple[torch.Tensor, int]:
+    """Block tables [S, max_blocks] int32 over shuffled block ids; returns (tables, num_blocks)."""
+    counts = [math.ceil(n / page) for n in seq_lens]
+    num_blocks = sum(counts)
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max(counts), dtype=torch.int32, device=device)
+    start = 0
+    for s, n in enumerate(counts):
+        tables[s, :n] = perm[start:start + n]
+        start += n
+    return tables, num_blocks
+
+
+def step(ctx_lens: list[int], q_lens: list[int], device):
+    seq_lens = torch.tensor([c + q for c, q in zip(ctx_lens, q_lens)], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return seq_lens, qsl
+
+
+def attended_keys(ctx_lens: list[int], q_lens: list[int]) -> int:
+    """Sum over the step's queries of the keys each attends to (causal)."""
+    return sum(q * c + q * (q + 1) // 2 for c, q in zip(ctx_lens, q_lens))
+
+
+def attention_case(name, ctx_lens, q_lens, heads, kv_heads, dim, page, dtype, device, tk):
+    seq_lens, qsl = step(ctx_lens, q_lens, device)
+    tables, num_blocks = paged_layout(seq_lens.tolist(), page, device)
+    query = torch.randn(sum(q_lens), heads, dim, dtype=dtype, device=device)
+    k_cache = torch.randn(num_blocks, page, kv_heads, dim, dtype=dtype, device=device)
+    v_cache = torch.randn(num_blocks, page, kv_heads, dim, dtype=dtype, device=device)
+    size = dtype.itemsize
+    cached = sum(c + q for c, q in zip(ctx_lens, q_lens))
+    traffic = cached * kv_heads * 2 * dim * size + 2 * query.numel() * size + tables.numel() * 4
+    fn = tk.paged_decode_attention if name.startswith("decode") else tk.paged_prefill_attention
+    shape = (f"S={len(q_lens)} q={max(q_lens)} ctx={max(ctx_lens)} H={heads} KVH={kv_heads} D={dim} "
+             f"page={page} {str(dtype).removeprefix('torch.')}")
+    return Case(name, shape, (query, k_cache, v_cache, tables, seq_lens, qsl, dim ** -0.5), fn,
+                reference.paged_attention, traffic, 2 * heads * attended_keys(ctx_lens, q_lens) * 2 * dim)
+
+
+def mla_case(batch, context, heads, rank, rope, page, dtype, device, tk, q_len=1):
+    ctx_lens, q_lens = [context] * batch, [q_len] * batch
+    seq_lens, qsl = step(ctx_lens, q_lens, device)
+    tables, num_blocks = paged_layout(seq_lens.tolist(), page, device)
+    q_latent = torch.randn(batch * q_len, heads, rank, dtype=dtype, device=device)
+    q_rope = torch.randn(batch * q_len, heads, rope, dtype=dtype, device=device)
+    cache = torch.randn(num_blocks, page, 1, rank + rope, dtype=dtype, device=device)
+    size = dtype.itemsize
+    traffic = (batch * (context + q_len) * (rank + rope) + batch * q_len * heads * (2 * rank + rope)) * size
+    flops = 2 * heads * attended_keys(ctx_lens, q_lens) * (2 * rank + rope)
+    shape = (f"S={batch} q={q_len} ctx={context} H={heads} L={rank} R={rope} page={page} "
+             f"{str(dtype).removeprefix('torch.')}")
+    args = (q_latent, q_rope, cache, tables, seq_lens, qsl, (rank + rope) ** -0.5, rank)
+    return Case("mla decode" if q_len == 1 else "mla mixed", shape, args,
+                tk.paged_mla_attention, reference.paged_mla_attention, traffic, flops)
+
+
+def moe_case(tokens, experts, top_k, hidden, inter, dtype, device, tk):
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device=device) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, device=device) / inter ** 0.5).to(dtype)
+    logits = torch.randn(tokens, experts, device=device)
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    used = ids.unique().numel()
+    traffic = used * 3 * inter * hidden * dtype.itemsize + 2 * x.numel() * dtype.itemsize
+    shape = f"T={tokens} E={experts} k={top_k} H={hidden} I={inter} {str(dtype).removeprefix('torch.')}"
+    return Case("fused moe", shape, (x, w13, w2, weights, ids.to(torch.int32)), tk.fused_moe, reference.fused_moe,
+                traffic, 2 * tokens * top_k * 3 * inter * hidden)
+
+
+class TritonKernels:
+    """The Triton entry points, imported late: TRITON_INTERPRET must be settled before triton loads them."""
+
+    def __init__(self):
+        from pagedserve.kernels.triton import fused_moe, mla_attention, paged_attention
+        self.paged_decode_attention = paged_attention.paged_decode_attention
+        self.paged_prefill_attention = paged_attention.paged_prefill_attention
+        self.paged_mla_attention = mla_attention.paged_mla_attention
+        self.fused_moe = fused_moe.fused_moe
+
+
+def gpu_cases(device, tk, moe_tokens=(16, 256, 2048), batch=64, context=2048, experts=64):
+    dt = torch.bfloat16
+    yield attention_case("decode attention", [context] * batch, [1] * batch, 32, 8, 128, 16, dt, device, tk)
+    yield attention_case("prefill attention", [1024] * 4, [512] * 4, 32, 8, 128, 16, dt, device, tk)
+    yield mla_case(batch, context, 128, 512, 64, 16, dt, device, tk)
+    for tokens in moe_tokens:
+        yield moe_case(tokens, experts, 8, 2048, 1408, dt, device, tk)
+
+
+def tiny_cases(device, tk):
+    dt = torch.float32
+    yield attention_case("decode attention", [40, 7, 0], [1, 1, 1], 8, 2, 32, 16, dt, device, tk)
+    yield attention_case("prefill attention", [16, 0], [20, 5], 4, 2, 32, 16, dt, device, tk)
+    yield mla_case(2, 40, 4, 32, 16, 16, dt, device, tk)
+    yield moe_case(5, 4, 2, 32, 24, dt, device, tk)
+
+
+# ------------------------------------------------------------------------------------------- timing
+
+
+def median_ms(fn: Callable, iters: int, warmup: int, cuda: bool) -> float:
+    """Median wall time of fn() in ms; on CUDA measured by events around each call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+
+
+def measure(case: Case, args: argparse.Namespace, cuda: bool) -> Row:
+    err = max_rel_err(case.triton_fn(*case.args), case.torch_fn(*case.args))
+    triton_ms = median_ms(lambda: case.triton_fn(*case.args), args.iters, args.warmup, cuda)
+    torch_ms = median_ms(lambda: case.torch_fn(*case.args), max(1, args.iters // 4), 1, cuda)
+    floor_ms = max(case.bytes / (args.hbm_gbps * 1e9), case.flops / (args.peak_tflops * 1e12)) * 1e3
+    return Row(case.kernel, case.shape, triton_ms, torch_ms, torch_ms / triton_ms, floor_ms,
+               100 * floor_ms / triton_ms, err)
+
+
+def print_table(rows: list[Row]) -> None:
+    header = f"{'kernel':<18} {'shape':<58} {'triton ms':>10} {'torch ms':>10} {'speedup':>8} " \
+             f"{'floor ms':>9} {'% floor':>8} {'max rel err':>12}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r.kernel:<18} {r.shape:<58} {r.triton_ms:>10.4f} {r.torch_ms:>10.4f} {r.speedup:>7.1f}x "
+              f"{r.floor_ms:>9.4f} {r.pct_of_floor:>7.1f}% {r.max_rel_err:>12.2e}")
+
+
+# ------------------------------------------------------------------------------------- compile only
+
+
+def compile_only(arch: int) -> list[dict]:
+    """Run the wrappers at GPU shapes (small batches, real head/hidden sizes) on CPU tensors with their
+    launches intercepted; compile each distinct launch for sm_<arch> as triton's launcher would
+    (same specialization) and report its resources. Raises if any kernel fails to compile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import KernelInterface, create_function_from_signature
+
+    import pagedserve.kernels.triton.fused_moe as moe
+    import pagedserve.kernels.triton.mla_attention as mla
+    import pagedserve.kernels.triton.paged_attention as pa
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    launches: dict[str, tuple] = {}
+
+    def record(fn, kwargs_and_args):
+        args, kwargs = kwargs_and_args
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+        key = f"{fn.__name__} {signature} {constexprs} {attrs} {options.num_warps} {options.num_stages}"
+        launches.setdefault(key, (fn, signature, constexprs, attrs, options))
+
+    original_getitem = KernelInterface.__getitem__
+    KernelInterface.__getitem__ = lambda self, grid: lambda *a, **kw: record(self, (a, kw))
+    for module in (pa, mla, moe):
+        module.is_interpreted = lambda t: False  # take the GPU tile sizes
+    try:
+        tk = TritonKernels()
+        cases = [*gpu_cases("cpu", tk, moe_tokens=(16, 256), batch=2, context=40, experts=8),
+                 mla_case(2, 40, 128, 512, 64, 16, torch.bfloat16, "cpu", tk, q_len=5)]
+        for case in cases:
+            case.triton_fn(*case.args)
+            case.triton_fn(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in case.args])
+    finally:
+        KernelInterface.__getitem__ = original_getitem
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    rows = []
+    for fn, signature, constexprs, attrs, options in launches.values():
+        t0 = time.perf_counter()
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+        rows.append(dict(kernel=fn.__name__, config=_short_config(fn, signature, constexprs, options),
+                         shared_bytes=compiled.metadata.shared, seconds=round(time.perf_counter() - t0, 2),
+                         **_ptxas_usage(ptxas, compiled.asm["ptx"], arch)))
+    return rows
+
+
+def _short_config(fn, signature: dict, constexprs: dict, options) -> str:
+    dtype = next(v for v in signature.values() if v.startswith("*"))[1:]
+    consts = " ".join(f"{fn.arg_names[path[0]]}={value}" for path, value in constexprs.items())
+    return f"{dtype} {consts} warps={options.num_warps} stages={options.num_stages}"
+
+
+def _ptxas_usage(ptxas: str, ptx: str, arch: int) -> dict:
+    """Registers and spill bytes per thread, from ptxas -v (empty when ptxas cannot run here)."""
+    suffix = "a" if arch == 90 else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        try:
+            out = subprocess.run([ptxas, f"-arch=sm_{arch}{suffix}", "-v", path, "-o", path + ".o"],
+                                 capture_output=True, text=True, timeout=120).stderr
+        except OSError:
+            return {}
+    usage = {}
+    for line in out.splitlines():
+        if "Used" in line and "registers" in line:
+            usage["registers"] = int(line.split("Used")[1].split("registers")[0])
+        if "spill stores" in line:
+            usage["spill_bytes"] = int(line.split("bytes spill stores")[0].split(",")[-1])
+    return usage
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pagedserve.kernels.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--interpret", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
+    mode.add_argument("--compile-only", action="store_true", help="compile for --arch and report resources")
+    p.add_argument("--arch", type=int, default=90, help="compute capability for --compile-only (90: H100/H200)")
+    p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth in GB/s (H200: 4800)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s (H200: 989)")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per kernel (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first (the first compiles)")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif args.compile_only:
+        os.environ.pop("TRITON_INTERPRET", None)
+    elif not torch.cuda.is_available():
+        print("pagedserve.kernels.bench needs a CUDA GPU (or --interpret for tiny shapes on the CPU, "
+              "--compile-only to compile for a GPU without one)", file=sys.stderr)
+        return 2
+    if args.compile_only:
+        rows = compile_only(args.arch)
+        for r in rows:
+            print(f"{r['kernel']:<22} regs={r.get('registers', '?'):>3} spill={r.get('spill_bytes', '?'):>5}B "
+                  f"shared={r['shared_bytes']:>6}B  {r['config']}")
+    else:
+        torch.manual_seed(0)
+        cuda = not args.interpret
+        device = "cuda" if cuda else "cpu"
+        tk = TritonKernels()
+        cases = gpu_cases(device, tk) if cuda else tiny_cases(device, tk)
+        rows = [asdict(measure(case, args, cuda)) for case in cases]
+        print_table([Row(**r) for r in rows])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""CPU kernels compiled from pagedserve/kernels/cpu/*.cpp on first use (g++ and torch's headers), cached
+per source and CPU so a changed file or another processor builds afresh."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+_SOURCES = [Path(__file__).parent / "cpu" / name for name in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+_HEADERS = [Path(__file__).parent / "cpu" / "simd.h"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+@cache
+def load():
+    """The compiled module, or None (with a warning) when it cannot be built here."""
+    if os.environ.get("PAGEDSERVE_NO_CPU_KERNELS"):
+        return None
+    import torch
+    from torch.utils.cpp_extension import load as load_extension
+
+    text = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+    digest = hashlib.sha256(text + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"pagedserve_cpu_{digest}"
+    build_dir = Path(os.environ.get("PAGEDSERVE_DATA_DIR", Path.home() / ".cache" / "pagedserve")) / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return load_extension(name, [str(p) for p in _SOURCES], build_directory=str(build_dir),
+                              extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                              extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # a missing compiler must not stop serving: fall back to torch ops
+        log.warning("CPU attention kernel unavailable (%s); using the slower torch path", exc)
+        return None

@@ -1,0 +1,159 @@
+"""Fused mixture of SiLU-gated experts in Triton; the torch reference with the same contract is
+pagedserve.kernels.reference.fused_moe.
+
+The T*k (token, slot) pairs are sorted by expert and each expert's group padded to a multiple of
+BLOCK_M (moe_align_block_size), so one grouped-GEMM launch covers every expert: a program takes one
+M-block (all one expert's) x one N tile and gathers its input rows through the sorted pair ids.
+Pipeline: gate/up GEMM -> silu(gate) * up -> down GEMM scaled by the routing weight -> sum over slots.
+
+Expert parallelism: an id outside 0..E-1 (-1, or >= E for an expert owned by another rank) is left
+out of the sort, so its pair computes nothing and adds zero; the ranks' outputs are summed later."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.triton import dot_precision, is_interpreted
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """Group the flattened (token, slot) pairs of topk_ids [T, k] by expert, in torch ops (no host sync).
+
+    Returns:
+      sorted_token_ids int32 [P]: flat pair ids (t * k + j), each expert's run padded to a multiple of
+        block_m with the sentinel T * k; P = the upper bound T*k + E*(block_m - 1) rounded up to block_m,
+        tail beyond the real total also sentinel.
+      expert_ids int32 [P // block_m]: the expert of each M-block, -1 past the real total.
+      num_tokens_post_padded int32 [1]: the real padded total (a multiple of block_m).
+    Pairs whose id is outside 0..num_experts-1 appear nowhere."""
+    flat = topk_ids.reshape(-1).long()
+    num_pairs, device = flat.numel(), flat.device
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts)  # invalid pairs sort last and are dropped
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    unpadded_start = torch.cumsum(counts, 0) - counts
+    # the i-th sorted pair of expert e lands at padded_start[e] + (i - unpadded_start[e])
+    sorted_key = key[order]
+    e = sorted_key.clamp(max=num_experts - 1)
+    dest = padded_start[e] + torch.arange(num_pairs, device=device) - unpadded_start[e]
+    dest = torch.where(sorted_key < num_experts, dest, -1)
+    capacity = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.full((capacity + 1,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids[dest.masked_fill(dest < 0, capacity)] = order.to(torch.int32)  # dropped pairs hit the spare slot
+    block_start = torch.arange(0, capacity, block_m, device=device)
+    expert_ids = torch.searchsorted(padded_end, block_start, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    total = padded_end[-1:].to(torch.int32) if num_experts else torch.zeros(1, dtype=torch.int32, device=device)
+    return sorted_ids[:capacity], expert_ids, total
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+                         N, K, num_pairs, stride_am, stride_be, stride_bn, stride_cm,
+                         A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """C[pair, n] = sum_k A[pair // A_ROW_DIV, k] * B[expert, n, k] (* weights[pair] if MUL_WEIGHT) for
+    the BLOCK_M pairs of M-block program_id(0) and the N tile program_id(1). B holds torch Linear
+    weights [E, N, K] (y = x @ w.T). Sentinel pairs (>= num_pairs) are masked out of loads and stores."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = pair < num_pairs
+    a_rows = (pair // A_ROW_DIV).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    b_base = b_ptr + expert * stride_be + n.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        b = tl.load(b_base + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(a, b, input_precision=PRECISION)
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weights_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(c_ptr + pair.to(tl.int64)[:, None] * stride_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, o_ptr, rows_ptr, num_rows, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+    """o[row, i] = silu(x[row, i]) * x[row, inter + i] in float32, for row = rows[program_id(0)]; rows
+    >= num_rows (sentinels) are skipped, so rows no GEMM wrote are never read."""
+    row = tl.load(rows_ptr + tl.program_id(0))
+    if row >= num_rows:
+        return
+    row = row.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptr + row * stride_o + cols, (gate * tl.sigmoid(gate) * up).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def _grouped_gemm(a, b, c, weights, align, a_row_div: int, block_m: int, small: bool):
+    """Launch _grouped_gemm_kernel once over all experts: c [P, N] from a and b [E, N, K]."""
+    sorted_ids, expert_ids, total = align
+    num_experts, n, k = b.shape
+    block_n, block_k = (16, 16) if small else (64, 64)
+    grid = (expert_ids.shape[0], triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, b, c, weights if weights is not None else c, sorted_ids, expert_ids, total,
+        n, k, c.shape[0], a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=dot_precision(a.dtype), num_warps=4, num_stages=1 if small else 3)
+
+
+def silu_and_mul(x: torch.Tensor, rows: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [P, 2I] -> silu(x[:, :I]) * x[:, I:] as [P, I] in x's dtype (float32 math). With rows (int32
+    row ids, entries >= P ignored) only those rows are computed; the others of the result are undefined."""
+    num_rows, inter = x.shape[0], x.shape[1] // 2
+    assert x.stride(-1) == 1
+    out = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device) if out is None else out
+    if rows is None:
+        rows = torch.arange(num_rows, dtype=torch.int32, device=x.device)
+    if rows.numel():
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(rows.numel(), triton.cdiv(inter, block))](
+            x, out, rows, num_rows, inter, x.stride(0), out.stride(0), BLOCK=block)
+    return out
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, out=None, *, block_m: int | None = None):
+    """Mixture of SiLU-gated experts; contract in pagedserve.kernels.reference.fused_moe.
+
+    hidden [T, Hd]; w13 [E, 2I, Hd]; w2 [E, Hd, I]; topk_weights [T, k] float; topk_ids [T, k] int, where an
+    id outside 0..E-1 (-1 or >= E: not on this expert-parallel rank) is skipped. Returns [T, Hd] in
+    hidden's dtype; the slot sum is float32."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = w13.shape
+    assert w13.shape[2] == hidden_size and w2.shape == (num_experts, hidden_size, two_inter // 2)
+    assert hidden.stride(-1) == w13.stride(-1) == w2.stride(-1) == 1
+    top_k = topk_ids.shape[1]
+    small = is_interpreted(hidden)
+    block_m = block_m or (16 if small or num_tokens * top_k <= 1024 else 64)
+    align = moe_align_block_size(topk_ids, block_m, num_experts)
+    num_pairs = num_tokens * top_k
+    gate_up = torch.empty(num_pairs, two_inter, dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(hidden, w13, gate_up, None, align, top_k, block_m, small)
+    act = silu_and_mul(gate_up, rows=align[0])  # only the pairs some expert computed
+    # skipped pairs are never written: start from zero so they add nothing
+    down = torch.zeros(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    _grouped_gemm(act, w2, down, weights, align, 1, block_m, small)
+    result = down.view(num_tokens, top_k, hidden_size).sum(1)
+    if out is None:
+        return result.to(hidden.dtype)
+    return out.copy_(result)

@@ -1,0 +1,107 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) in its absorbed form, in Triton, over the paged
+compressed cache. The torch reference with the same contract is pagedserve.kernels.reference.paged_mla_attention.
+
+Every query head reads the same single latent "kv head", so one program serves several heads at once:
+its tile's M rows are (query token, head) pairs, TOKENS tokens of one sequence x HEADS heads, and each
+latent tile it loads feeds both the score and the output product. Decode steps use TOKENS = 1."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.triton import dot_precision, is_interpreted, pow2_tile, tile_map
+from pagedserve.kernels.triton.paged_attention import LOG2E, NEG_BIG, online_softmax_step, paged_offsets
+
+
+@triton.jit
+def _mla_kernel(ql_ptr, qr_ptr, cache_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr,
+                qk_scale, num_heads, stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_cb, stride_cs,
+                stride_ot, stride_oh, stride_table,
+                L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr, HEADS: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (head block, query tile). Row r of the tile is token m0 + r // HEADS of the tile's
+    sequence and head hb * HEADS + r % HEADS. The latent part (L) and the rope part (R) of each cached
+    token are loaded and multiplied separately, so each pads to its own power of two."""
+    head_block = tl.program_id(0)
+    tile = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    if seq < 0:  # surplus tile of the upper-bound grid
+        return
+    m0 = tl.load(tile_start_ptr + tile)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+    r = tl.arange(0, TOKENS * HEADS)
+    tok = m0 + r // HEADS
+    head = head_block * HEADS + r % HEADS
+    r_mask = (tok < q_len) & (head < num_heads)
+    q_rows = (q_start + tok).to(tl.int64)
+    q_pos = context + tok
+    lat = tl.arange(0, BLOCK_L)
+    rope = tl.arange(0, BLOCK_R)
+    q_lat = tl.load(ql_ptr + q_rows[:, None] * stride_qlt + head[:, None] * stride_qlh + lat[None, :],
+                    mask=r_mask[:, None] & (lat[None, :] < L), other=0.0)
+    q_pe = tl.load(qr_ptr + q_rows[:, None] * stride_qrt + head[:, None] * stride_qrh + rope[None, :],
+                   mask=r_mask[:, None] & (rope[None, :] < R), other=0.0)
+    table_row = tables_ptr + seq.to(tl.int64) * stride_table
+    m_i = tl.full([TOKENS * HEADS], NEG_BIG, tl.float32)
+    l_i = tl.zeros([TOKENS * HEADS], tl.float32)
+    acc = tl.zeros([TOKENS * HEADS, BLOCK_L], tl.float32)
+    end = tl.minimum(seq_len, context + m0 + TOKENS)  # the tile's last token sees no further
+    for start in range(0, end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        off = paged_offsets(table_row, pos, n_mask, PAGE, stride_cb, stride_cs)
+        c_kv = tl.load(cache_ptr + off[:, None] + lat[None, :], mask=n_mask[:, None] & (lat[None, :] < L), other=0.0)
+        k_pe = tl.load(cache_ptr + off[:, None] + L + rope[None, :],
+                       mask=n_mask[:, None] & (rope[None, :] < R), other=0.0)
+        s = tl.dot(q_lat, tl.trans(c_kv), input_precision=PRECISION)
+        s = (s + tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)) * qk_scale
+        s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision=PRECISION)
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + lat[None, :],
+             acc.to(o_ptr.dtype.element_ty), mask=r_mask[:, None] & (lat[None, :] < L))
+
+
+def _tile_shape(num_heads: int, decode: bool, q_latent: torch.Tensor) -> tuple[int, int]:
+    """(TOKENS, HEADS) of a program's tile, powers of two. TOKENS * HEADS rows must be >= 16 for tl.dot;
+    on a GPU the [rows, L] float32 accumulator (L = 512 in DeepSeek) bounds them to 16, or 32 for a
+    mixed step with 16-bit inputs."""
+    heads = min(16, triton.next_power_of_2(num_heads))
+    wide = not decode and not is_interpreted(q_latent) and q_latent.element_size() <= 2
+    return max(1, (32 if wide else 16) // heads), heads
+
+
+def paged_mla_attention(q_latent, q_rope, latent_cache, block_tables, seq_lens, query_start_loc, scale,
+                        kv_lora_rank, out=None, *, block_n: int | None = None, num_warps: int | None = None):
+    """Absorbed MLA over a paged latent cache; contract in pagedserve.kernels.reference.paged_mla_attention.
+
+    q_latent [T, H, L], q_rope [T, H, R], latent_cache [num_blocks, block_size, 1, L + R] (c_kv then k_pe),
+    block_tables [S, max_blocks] int32, seq_lens [S] int32, query_start_loc [S+1] int32. Every sequence has
+    at least one new token; T == S is a decode step. Returns [T, H, L] in q_latent's dtype."""
+    num_tokens, num_heads, rank = q_latent.shape
+    rope_dim = q_rope.shape[-1]
+    assert rank == kv_lora_rank and latent_cache.shape[2] == 1 and latent_cache.shape[-1] == rank + rope_dim
+    assert q_latent.stride(-1) == q_rope.stride(-1) == latent_cache.stride(-1) == block_tables.stride(-1) == 1
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, rank, dtype=q_latent.dtype, device=q_latent.device)
+    assert out.shape == (num_tokens, num_heads, rank) and out.stride(-1) == 1
+    if num_tokens == 0:
+        return out
+    small = is_interpreted(q_latent)
+    tokens, heads = _tile_shape(num_heads, num_tokens == seq_lens.shape[0], q_latent)
+    block_n = block_n or (16 if small else 32)
+    tile_seq, tile_start, num_tiles = tile_map(query_start_loc, num_tokens, tokens)
+    _mla_kernel[(triton.cdiv(num_heads, heads), num_tiles)](
+        q_latent, q_rope, latent_cache, out, block_tables, seq_lens, query_start_loc, tile_seq, tile_start,
+        scale * LOG2E, num_heads, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        latent_cache.stride(0), latent_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        L=rank, R=rope_dim, PAGE=latent_cache.shape[1], TOKENS=tokens, HEADS=heads, BLOCK_N=block_n,
+        BLOCK_L=pow2_tile(rank), BLOCK_R=pow2_tile(rope_dim), PRECISION=dot_precision(q_latent.dtype),
+        num_warps=num_warps or (4 if small or rank <= 128 else 8))
+    return out

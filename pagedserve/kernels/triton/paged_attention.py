@@ -1,0 +1,208 @@
+"""Paged attention in Triton: a decode kernel (one new token per sequence) and a prefill/mixed kernel
+(any number of new tokens per sequence, causal), behind paged_attention(). The torch reference with the
+same contract is pagedserve.kernels.reference.paged_attention.
+
+Both kernels walk a sequence's keys in tiles of BLOCK_N positions; each position is looked up through
+the block table on its own, so BLOCK_N and the cache's block size are independent. Softmax is online
+(running max and sum, rescaling the accumulator), in the log2 domain, in float32."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.triton import dot_precision, is_interpreted, pow2_tile, tile_map
+
+LOG2E = 1.4426950408889634
+# Running max of a row that has seen only masked keys: finite, so exp2(m_old - m_new) never
+# computes -inf - -inf = NaN, and far below any real score.
+NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def paged_offsets(table_row_ptr, pos, mask, PAGE: tl.constexpr, stride_block, stride_slot):
+    """Element offsets (int64) of cache positions `pos` of one sequence, through its block table row."""
+    block = tl.load(table_row_ptr + pos // PAGE, mask=mask, other=0).to(tl.int64)
+    return block * stride_block + (pos % PAGE).to(tl.int64) * stride_slot
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """One tile of online softmax over log2-domain scores s [M, N] (masked keys at -inf): returns the
+    tile's unnormalized probabilities, the factor to rescale the accumulator by, and the new max/sum."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, qk_scale,
+                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                   stride_ot, stride_oh, stride_table,
+                   GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Program (sequence, kv head): the GROUP query heads sharing that kv head, as the M rows of one
+    tile padded to BLOCK_H >= 16, attend to the whole sequence (a decode token sees every cached key)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    row = tl.load(qsl_ptr + seq).to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)
+    h_mask = hh < GROUP
+    heads = kv_head * GROUP + hh
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=h_mask[:, None] & (d[None, :] < D), other=0.0)
+    table_row = tables_ptr + seq.to(tl.int64) * stride_table
+    m_i = tl.full([BLOCK_H], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        n_mask = pos < seq_len
+        k_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_kb, stride_ks) + kv_head * stride_kh
+        k = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :] & (d[:, None] < D), other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
+        v_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_vb, stride_vs) + kv_head * stride_vh
+        v = tl.load(v_ptr + v_off[:, None] + dv[None, :], mask=n_mask[:, None] & (dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + dv[None, :],
+             acc.to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & (dv[None, :] < DV))
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr,
+                    qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_ot, stride_oh, stride_table,
+                    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """Program (head, query tile): BLOCK_M consecutive new tokens of one sequence attend causally.
+    Query i of a sequence with q_len new tokens sits at position seq_len - q_len + i."""
+    head = tl.program_id(0)
+    tile = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    if seq < 0:  # surplus tile of the upper-bound grid
+        return
+    m0 = tl.load(tile_start_ptr + tile)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+    rows = m0 + tl.arange(0, BLOCK_M)
+    r_mask = rows < q_len
+    q_rows = (q_start + rows).to(tl.int64)
+    q_pos = context + rows
+    kv_head = head // GROUP
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=r_mask[:, None] & (d[None, :] < D), other=0.0)
+    table_row = tables_ptr + seq.to(tl.int64) * stride_table
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # the tile's last query sees keys up to context + m0 + BLOCK_M - 1: stop there
+    end = tl.minimum(seq_len, context + m0 + BLOCK_M)
+    for start in range(0, end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        k_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_kb, stride_ks) + kv_head * stride_kh
+        k = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :] & (d[:, None] < D), other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
+        v_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_vb, stride_vs) + kv_head * stride_vh
+        v = tl.load(v_ptr + v_off[:, None] + dv[None, :], mask=n_mask[:, None] & (dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dv[None, :],
+             acc.to(o_ptr.dtype.element_ty), mask=r_mask[:, None] & (dv[None, :] < DV))
+
+
+def _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out):
+    """Validate the shared contract; returns the output buffer [T, H, Dv]."""
+    num_tokens, heads, dim = query.shape
+    assert k_cache.shape[:3] == v_cache.shape[:3] and k_cache.shape[-1] == dim
+    assert heads % k_cache.shape[2] == 0, "query heads must be a multiple of kv heads"
+    assert query.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1, "head dim must be contiguous"
+    assert block_tables.stride(-1) == 1 and seq_lens.shape[0] == block_tables.shape[0] == query_start_loc.shape[0] - 1
+    if out is None:
+        out = torch.empty(num_tokens, heads, v_cache.shape[-1], dtype=query.dtype, device=query.device)
+    assert out.shape == (num_tokens, heads, v_cache.shape[-1]) and out.stride(-1) == 1
+    return out
+
+
+def _tiles(query: torch.Tensor) -> int:
+    """Default BLOCK_M = BLOCK_N: 16 under the interpreter (speed), 64 for 16-bit inputs on a GPU, and 32
+    for float32 there (64 x 64 float32 tiles with head dim 128 spill registers on Hopper)."""
+    if is_interpreted(query):
+        return 16
+    return 64 if query.element_size() <= 2 else 32
+
+
+def _common_args(query, k_cache, v_cache, out, block_tables):
+    return (query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+            block_tables.stride(0))
+
+
+def _constexprs(query, k_cache, v_cache):
+    heads, dim = query.shape[1:]
+    dv = v_cache.shape[-1]
+    return dict(GROUP=heads // k_cache.shape[2], D=dim, DV=dv, PAGE=k_cache.shape[1],
+                BLOCK_D=pow2_tile(dim), BLOCK_DV=pow2_tile(dv), PRECISION=dot_precision(query.dtype))
+
+
+def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
+                           *, block_n: int | None = None, num_warps: int = 4):
+    """paged_attention (see pagedserve.kernels.reference) for a pure decode step: every sequence has exactly one
+    new token, so T == S. Grid (S, KVH); each program handles the kv head's whole GQA group."""
+    out = _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    num_seqs, kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    assert query.shape[0] == num_seqs, "decode: one new token per sequence"
+    if num_seqs == 0:
+        return out
+    consts = _constexprs(query, k_cache, v_cache)
+    block_n = block_n or _tiles(query)
+    _decode_kernel[(num_seqs, kv_heads)](
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2E,
+        *_common_args(query, k_cache, v_cache, out, block_tables),
+        BLOCK_H=pow2_tile(consts["GROUP"]), BLOCK_N=block_n, num_warps=num_warps, **consts)
+    return out
+
+
+def paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
+                            *, block_m: int | None = None, block_n: int | None = None, num_warps: int = 4):
+    """paged_attention (see pagedserve.kernels.reference) for any step, decode and prefill tokens mixed, causal.
+    Grid (H, query tiles): tiles of block_m rows never straddle two sequences (tile_map)."""
+    out = _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    num_tokens, heads = query.shape[:2]
+    if num_tokens == 0:
+        return out
+    block_m = block_m or _tiles(query)
+    block_n = block_n or _tiles(query)
+    tile_seq, tile_start, num_tiles = tile_map(query_start_loc, num_tokens, block_m)
+    _prefill_kernel[(heads, num_tiles)](
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_seq, tile_start, scale * LOG2E,
+        *_common_args(query, k_cache, v_cache, out, block_tables),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **_constexprs(query, k_cache, v_cache))
+    return out
+
+
+def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None):
+    """Causal attention of a step's tokens over the paged KV cache; contract in
+    pagedserve.kernels.reference.paged_attention.
+
+    Every sequence must have at least one new token; then T == S means a pure decode step, which takes
+    the decode kernel (decided from shapes alone: no device sync)."""
+    if query.shape[0] == seq_lens.shape[0]:
+        return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    return paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)

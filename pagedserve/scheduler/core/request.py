@@ -1,0 +1,72 @@
+"""A request as the scheduler sees it: token ids, progress, status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.common.messages import SampledToken
+from pagedserve.common.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    token_ids: list[int]  # prompt followed by the outputs so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0  # lower runs first (vLLM's convention)
+    arrival_time: float = field(default_factory=time.monotonic)
+    group_id: str = ""  # the id the client knows; samples 1..n-1 of it have their own request_id
+    sample_index: int = 0
+    child_req_ids: list[str] = field(default_factory=list)  # samples still to fork from this one
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hits at its first admission
+    num_preemptions: int = 0
+    sent_to_worker: bool = False  # the worker holds its state (cleared by a recompute preemption)
+    logprobs: list[SampledToken] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            self.group_id = self.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def sort_key(self) -> tuple[int, float, int]:
+        return (self.priority, self.arrival_time, self.sample_index)
+
+    def arrival_key(self) -> tuple[float, int]:
+        return (self.arrival_time, self.sample_index)

@@ -1,0 +1,452 @@
+"""Continuous batching with one token budget per step shared by decodes and prefill chunks.
+
+Each step: running decodes first (a decode is one token and keeps a stream moving), then running
+partial prefills, then swapped-out requests, then waiting ones — all against max_num_seqs and
+max_num_batched_tokens. When blocks run out the lowest-priority (latest-arrived) running request
+is preempted, by recompute or by swapping its blocks to the host pool.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+from pagedserve.common.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SampledToken, \
+    SchedulerOutput
+from pagedserve.scheduler.core.block_manager import BlockManager, cdiv
+from pagedserve.scheduler.core.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    num_gpu_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    num_cpu_blocks: int = 0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap"
+    policy: str = "fcfs"  # or "priority"
+    # Most prompt tokens one request prefills in a step (0: no cap). Keeps steps short while a
+    # long prompt prefills, so decodes and short prompts beside it are not held for seconds.
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.preemption_mode == "swap" and self.num_cpu_blocks < 1:
+            raise ValueError("preemption_mode 'swap' needs a host block pool (num_cpu_blocks >= 1)")
+
+
+WAITING_REASONS = ("no_blocks", "seq_budget", "token_budget")
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one schedule() did, counted as it went (no pass over the pool or the queues).
+
+    waiting_reason says why the admission loop stopped with requests still waiting: every request
+    left in the waiting queue stayed there for that reason (admission is first come, first served,
+    so the head's reason holds back the rest)."""
+    scheduled_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    num_seqs: int = 0
+    preemptions: int = 0
+    waiting: int = 0
+    waiting_reason: str | None = None  # one of WAITING_REASONS when waiting > 0
+    prefill_req_ids: tuple[str, ...] = ()  # requests that computed prompt (or recompute) tokens
+
+    def waiting_reasons(self) -> dict[str, int]:
+        counts = dict.fromkeys(WAITING_REASONS, 0)
+        if self.waiting and self.waiting_reason:
+            counts[self.waiting_reason] = self.waiting
+        return counts
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did for one request: its new tokens, and whether it is done."""
+    request: Request
+    new_tokens: list[SampledToken]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_gpu_blocks, config.block_size,
+                                          config.enable_prefix_caching, config.num_cpu_blocks)
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []  # sorted by Request.sort_key
+        self.swapped: list[Request] = []  # sorted by Request.sort_key
+        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[Request]] = {}
+        self._dropped_ids: list[str] = []  # the worker must forget these on the next step
+        self._cut_short: list[Request] = []  # finished inside schedule(): reported by update()
+        self._key = Request.sort_key if config.policy == "priority" else Request.arrival_key
+        self.step_id = 0
+        self.num_preemptions = 0
+        self.last_step = StepStats()
+        self._wait_reason: str | None = None
+
+    # ---- admission and abort -------------------------------------------------------------
+    def check_prompt(self, num_prompt_tokens: int, max_tokens: int = 1) -> None:
+        cfg = self.config
+        if num_prompt_tokens < 1:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if num_prompt_tokens >= cfg.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens, but the model's context "
+                             f"(max_model_len) is {cfg.max_model_len} tokens including the output")
+        need = cdiv(num_prompt_tokens + 1, cfg.block_size)
+        if need > cfg.num_gpu_blocks:
+            raise ValueError(f"the prompt needs {need} KV blocks of {cfg.block_size} tokens, but the "
+                             f"whole KV pool has {cfg.num_gpu_blocks}; raise --kv-cache-memory")
+        if not cfg.enable_chunked_prefill and num_prompt_tokens > cfg.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
+                             f"({cfg.max_num_batched_tokens}) with chunked prefill disabled")
+
+    def add_request(self, request: Request) -> None:
+        if request.group_id in self.groups:
+            raise ValueError(f"request id {request.group_id!r} is already in use")
+        self.check_prompt(request.num_prompt_tokens)
+        if request.params.n > 1 and not request.child_req_ids:
+            request.child_req_ids = [f"{request.request_id}#{i}" for i in range(1, request.params.n)]
+        if request.params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={request.params.n} is more than max_num_seqs ({self.config.max_num_seqs})")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.groups[request.group_id] = [request]
+        bisect.insort(self.waiting, request, key=self._key)
+
+    def add_resumed_group(self, requests: list[Request]) -> None:
+        """Re-admit the unfinished samples of one request (after a restart) to run by recompute.
+        Each carries its outputs so far in token_ids; samples already forked come separately."""
+        group_id = requests[0].group_id
+        if group_id in self.groups:
+            raise ValueError(f"request id {group_id!r} is already in use")
+        for req in requests:
+            self.check_prompt(req.num_tokens)
+            req.status = RequestStatus.WAITING
+            req.num_computed_tokens = 0
+            self.requests[req.request_id] = req
+            bisect.insort(self.waiting, req, key=self._key)
+        self.groups[group_id] = list(requests)
+
+    def abort(self, group_id: str, sample_index: int | None = None) -> bool:
+        """Stop a request (all its samples, or one) and free its blocks now. False if unknown."""
+        group = self.groups.get(group_id)
+        if group is None:
+            return False
+        if sample_index is None:
+            del self.groups[group_id]
+        elif any(r.child_req_ids for r in group):
+            return False  # its samples have not forked yet: stopping one alone would strand the others
+        for req in list(group):
+            if not req.status.finished and sample_index in (None, req.sample_index):
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def preempt_all_for_new_session(self, num_gpu_blocks: int, num_cpu_blocks: int) -> int:
+        """The workers lost their KV cache (a rank died and was re-initialised): every running or
+        swapped request goes back to waiting to resume by recompute from its tokens so far, and the
+        block manager starts afresh (its prefix cache described blocks that no longer exist).
+        Returns how many requests were preempted."""
+        cfg = self.config
+        cfg.num_gpu_blocks, cfg.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+        self.block_manager = BlockManager(cfg.num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                          cfg.num_cpu_blocks)
+        moved = self.running + self.swapped
+        self.running, self.swapped = [], []
+        for req in moved + self.waiting:
+            req.num_computed_tokens = 0
+            req.sent_to_worker = False
+        for req in moved:
+            req.num_preemptions += 1
+            req.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, req, key=self._key)
+        self.num_preemptions += len(moved)
+        self._dropped_ids = []  # the new session knows no request
+        return len(moved)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step_id += 1
+        out = SchedulerOutput(self.step_id, [], [], {}, finished_req_ids=self._dropped_ids)
+        self._dropped_ids = []
+        self._budget = self.config.max_num_batched_tokens
+        self._entries: dict[str, NewRequestData | CachedRequestData] = {}
+        self._copies: dict[str, tuple[int, int]] = {}
+        self._wait_reason = None
+        preemptions_before = self.num_preemptions
+        preempted = False
+
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if self._budget == 0:
+                break
+            if req.status is RequestStatus.RUNNING:
+                preempted |= not self._schedule_running(req, out)
+
+        while self.swapped and self._budget > 0 and not preempted:
+            if not self._swap_in(self.swapped[0], out):
+                break
+
+        while self.waiting and self._budget > 0 and not preempted:
+            if not self._admit(self.waiting[0], out):
+                break
+
+        self.last_step = self._step_stats(out, self.num_preemptions - preemptions_before, preempted)
+        for entry in self._entries.values():
+            (out.new_requests if isinstance(entry, NewRequestData) else out.cached_requests).append(entry)
+        out.blocks_to_copy = list(self._copies.values())
+        return out
+
+    def _step_stats(self, out: SchedulerOutput, preemptions: int, preempted: bool) -> StepStats:
+        stats = StepStats(num_seqs=len(out.num_scheduled_tokens), preemptions=preemptions, waiting=len(self.waiting))
+        prefills = []
+        requests = self.requests
+        for req_id, num in out.num_scheduled_tokens.items():
+            req = requests[req_id]
+            if num == 1 and req.num_computed_tokens == req.num_tokens - 1 and req.num_tokens > req.num_prompt_tokens:
+                stats.decode_tokens += 1
+            else:
+                stats.prefill_tokens += num
+                prefills.append(req_id)
+        stats.scheduled_tokens = stats.prefill_tokens + stats.decode_tokens
+        stats.prefill_req_ids = tuple(prefills)
+        if stats.waiting:
+            # The loop stopped on the head's reason; an empty budget or a preemption (blocks ran
+            # out) stopped it before it tried.
+            if preempted:
+                stats.waiting_reason = "no_blocks"
+            elif self._budget <= 0:
+                stats.waiting_reason = "token_budget"
+            else:
+                stats.waiting_reason = self._wait_reason or "token_budget"
+        return stats
+
+    def _num_seqs_after(self, req: Request) -> int:
+        # Samples that running requests will fork on their first token count already.
+        pending = sum(len(r.child_req_ids) for r in self.running)
+        return len(self.running) + pending + 1 + len(req.child_req_ids)
+
+    def _chunk(self, num_remaining: int) -> int:
+        cap = self.config.long_prefill_token_threshold
+        if cap and self.config.enable_chunked_prefill:
+            num_remaining = min(num_remaining, cap)
+        return min(num_remaining, self._budget)
+
+    def _schedule_running(self, req: Request, out: SchedulerOutput) -> bool:
+        """Schedule a running request, preempting others if blocks run out. False if anything
+        was preempted."""
+        num_new = self._chunk(req.num_tokens - req.num_computed_tokens)
+        preempted = False
+        while True:
+            result = self.block_manager.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
+            if result is not None:
+                break
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                # Alone and still out of blocks: the pool cannot hold this sequence any longer.
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                out.finished_req_ids.extend(self._dropped_ids)
+                self._dropped_ids.clear()
+                self._cut_short.append(req)
+                return False
+            self._preempt(victim, out)
+            preempted = True
+            if victim is req:
+                return False
+        new_block_ids, copy = result
+        self._record(req, num_new, new_block_ids, copy, out)
+        return not preempted
+
+    def _record(self, req: Request, num_new: int, new_block_ids: list[int], copy, out: SchedulerOutput,
+                whole_table: bool = False) -> None:
+        out.num_scheduled_tokens[req.request_id] = num_new
+        self._budget -= num_new
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        if not req.sent_to_worker:
+            self._entries[req.request_id] = NewRequestData(
+                req.request_id, list(req.token_ids), req.num_prompt_tokens, req.params,
+                self.block_manager.block_ids(req.request_id), req.num_computed_tokens,
+                req.sample_index, list(req.child_req_ids))
+            req.sent_to_worker = True
+            return
+        entry = CachedRequestData(req.request_id, new_block_ids)
+        if whole_table:
+            entry.block_ids = self.block_manager.block_ids(req.request_id)
+        if copy is not None:
+            self._copies[req.request_id] = copy
+            index = self.block_manager.block_ids(req.request_id).index(copy[1])
+            entry.replaced_block = (index, copy[1])
+        self._entries[req.request_id] = entry
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        # A victim scheduled earlier in this step gives its tokens back.
+        copied_this_step = False
+        if victim.request_id in out.num_scheduled_tokens:
+            self._budget += out.num_scheduled_tokens.pop(victim.request_id)
+            entry = self._entries.pop(victim.request_id, None)
+            copied_this_step = self._copies.pop(victim.request_id, None) is not None
+            if isinstance(entry, NewRequestData):
+                victim.sent_to_worker = False
+        bm = self.block_manager
+        # A copy-on-write block made this step holds nothing yet: swapping it would lose the copy.
+        if (self.config.preemption_mode == "swap" and victim.sent_to_worker and not copied_this_step
+                and bm.can_swap_out(victim.request_id)):
+            out.blocks_to_swap_out.extend(bm.swap_out(victim.request_id))
+            victim.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, victim, key=self._key)
+            return
+        bm.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        if victim.sent_to_worker:
+            out.finished_req_ids.append(victim.request_id)
+            victim.sent_to_worker = False
+        bisect.insort(self.waiting, victim, key=self._key)
+
+    def _swap_in(self, req: Request, out: SchedulerOutput) -> bool:
+        bm = self.block_manager
+        if self._num_seqs_after(req) > self.config.max_num_seqs:
+            self._wait_reason = "seq_budget"
+            return False
+        num_new = self._chunk(req.num_tokens - req.num_computed_tokens)
+        total = req.num_computed_tokens + num_new
+        extra = max(0, cdiv(total, bm.block_size) - len(bm.cpu_tables[req.request_id]))
+        if not bm.can_swap_in(req.request_id, extra):
+            self._wait_reason = "no_blocks"
+            return False
+        out.blocks_to_swap_in.extend(bm.swap_in(req.request_id))
+        result = bm.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
+        assert result is not None, "swap-in reserved the blocks it needs"
+        self.swapped.remove(req)
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=self._key)
+        self._record(req, num_new, result[0], result[1], out, whole_table=True)
+        return True
+
+    def _admit(self, req: Request, out: SchedulerOutput) -> bool:
+        cfg, bm = self.config, self.block_manager
+        if self._num_seqs_after(req) > cfg.max_num_seqs:
+            self._wait_reason = "seq_budget"
+            return False
+        hits = bm.find_cached_prefix(req.request_id, req.token_ids)
+        num_computed = len(hits) * cfg.block_size
+        num_new = req.num_tokens - num_computed
+        # Unchunked prefill waits for a step with room, unless no step could ever hold it
+        # (a request resumed after preemption carries its outputs too): then it goes in chunks.
+        if not cfg.enable_chunked_prefill and self._budget < num_new <= cfg.max_num_batched_tokens:
+            self._wait_reason = "token_budget"
+            return False
+        num_new = self._chunk(num_new)
+        # The watermark keeps headroom for running decodes; with none running it would only
+        # keep a prompt that needs the whole pool out forever.
+        result = bm.allocate_slots(req.request_id, num_computed, num_new, hits, reserve_watermark=bool(self.running))
+        if result is None:
+            self._wait_reason = "no_blocks"
+            return False
+        bm.record_prefix_query(req.num_tokens, num_computed)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_computed
+        self.waiting.remove(req)
+        req.num_computed_tokens = num_computed
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=self._key)
+        self._record(req, num_new, result[0], None, out)
+        return True
+
+    # ---- results -------------------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+        updates = [RequestUpdate(req, [], True) for req in self._cut_short]
+        self._cut_short = []
+        for req_id, num_tokens in sched.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += num_tokens
+            samples = result.sampled.get(req_id)
+            if samples:
+                for child in self._fork(req, samples[1:]):
+                    updates.append(self._append(child, None))
+                updates.append(self._append(req, samples[0]))
+            if not req.status.finished:
+                self.block_manager.cache_full_blocks(req_id, req.token_ids, req.num_computed_tokens)
+        return updates
+
+    def _fork(self, parent: Request, child_samples: list[SampledToken]) -> list[Request]:
+        children = []
+        for index, (child_id, sample) in enumerate(zip(parent.child_req_ids, child_samples), start=1):
+            child = Request(child_id, parent.token_ids[:parent.num_prompt_tokens] + [sample.token_id],
+                            parent.num_prompt_tokens, parent.params, parent.eos_token_ids,
+                            parent.priority, parent.arrival_time, group_id=parent.group_id,
+                            sample_index=index, status=RequestStatus.RUNNING,
+                            num_computed_tokens=parent.num_computed_tokens,
+                            num_cached_tokens=parent.num_cached_tokens, sent_to_worker=True,
+                            first_scheduled_time=parent.first_scheduled_time)
+            if sample.logprob is not None:
+                child.logprobs.append(sample)
+            self.block_manager.fork(parent.request_id, child_id)
+            self.requests[child_id] = child
+            self.groups[parent.group_id].append(child)
+            bisect.insort(self.running, child, key=self._key)
+            children.append(child)
+        parent.child_req_ids = []
+        return children
+
+    def _append(self, req: Request, sample: SampledToken | None) -> RequestUpdate:
+        """Add a sampled token (None: already added at fork) and apply the stop rules."""
+        if sample is not None:
+            req.token_ids.append(sample.token_id)
+            if sample.logprob is not None:
+                req.logprobs.append(sample)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        token = req.token_ids[-1]
+        if sample is None:  # a forked sample: its first token (and logprob) came in at the fork
+            sample = req.logprobs[-1] if req.logprobs else SampledToken(token)
+        new = [sample]
+        params = req.params
+        stop = None
+        if req.num_output_tokens >= params.min_tokens and (
+                token in params.stop_token_ids or (not params.ignore_eos and token in req.eos_token_ids)):
+            stop = RequestStatus.FINISHED_STOPPED
+        elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+            stop = RequestStatus.FINISHED_LENGTH
+        if stop is not None:
+            self._finish(req, stop)
+        return RequestUpdate(req, new, stop is not None)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        queue = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
+                 RequestStatus.SWAPPED: self.swapped}.get(req.status)
+        if queue is not None:
+            queue.remove(req)
+        req.status = status
+        self.block_manager.free(req.request_id)
+        if req.sent_to_worker:
+            self._dropped_ids.append(req.request_id)
+        self.requests.pop(req.request_id, None)
+        group = self.groups.get(req.group_id)
+        if group is not None and all(r.status.finished for r in group) and not any(
+                r.child_req_ids for r in group):
+            del self.groups[req.group_id]

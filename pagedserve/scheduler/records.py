@@ -1,0 +1,159 @@
+"""Request records and their delivery: what the scheduler writes to the store each step, and
+the thread that writes it and then hands the step's tokens to the subscribed streams.
+
+Tokens reach a client only after the step that made them is in the store ("durable before
+delivered"), so a restarted scheduler never resumes behind what a client has already seen.
+The write runs on its own thread, off the step loop's critical path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.common.messages import SampledToken
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.store import RecordWrite, RequestStore, StoredRequest
+from pagedserve.scheduler.core.request import Request
+
+log = logging.getLogger("pagedserve.scheduler")
+
+
+@dataclass(slots=True)
+class Delivery:
+    """New tokens of one sample: token_ids start at output position `start`."""
+    index: int
+    start: int
+    token_ids: list[int]
+    logprobs: list[SampledToken] | None = None
+    finish_reason: str = ""
+    timings: dict | None = None  # on a sample's last delivery
+    num_cached_tokens: int = 0
+
+
+class Subscription:
+    """One stream's inbox, filled from the writer thread and read on the stream's event loop."""
+
+    def __init__(self, group_id: str, loop: asyncio.AbstractEventLoop, replayed: bool) -> None:
+        self.group_id = group_id
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.replayed = replayed  # False: ignore deliveries until the replay of earlier tokens
+
+    def push(self, item) -> None:
+        """item: (is_replay, list[Delivery]) or an exception to raise in the stream."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the stream's loop is gone: nobody is listening
+
+
+@dataclass(slots=True)
+class GroupState:
+    """The service's view of one client request (n samples share it)."""
+    group_id: str
+    n: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    timings: dict[str, float]
+    finish_reasons: list[str]
+    subscribers: list[Subscription] = field(default_factory=list)
+    worker_time_s: float = 0.0
+    num_steps: int = 0
+    last_step_id: int = -1
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    done: bool = False
+    num_prefill_chunks: int = 0
+    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (scheduled at, tokens): the first 64
+    output_tokens: int = 0  # summed over the samples
+
+    def timings_snapshot(self) -> dict:
+        return {**self.timings, "worker_time_s": self.worker_time_s, "num_steps": self.num_steps,
+                "num_preemptions": self.num_preemptions, "prefill_chunks": self.num_prefill_chunks}
+
+    def creation_fields(self) -> dict[str, str]:
+        return {"status": "waiting", "prompt": json.dumps(self.prompt_token_ids),
+                "params": json.dumps(self.params.to_dict()), "n": str(self.n), "priority": str(self.priority),
+                "timings": json.dumps(self.timings_snapshot()), "finish_reasons": json.dumps(self.finish_reasons)}
+
+
+class RecordWriter:
+    """Writes each step's records in one round trip, then publishes that step's deliveries."""
+
+    def __init__(self, store: RequestStore, lock: threading.Lock, on_group_done) -> None:
+        self.store = store
+        self.lock = lock  # guards every GroupState.subscribers list
+        self.on_group_done = on_group_done
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.store_healthy = True
+        self.thread = threading.Thread(target=self._run, name="record-writer", daemon=True)
+        self.thread.start()
+
+    def submit(self, writes: list[RecordWrite], publishes: list[tuple[GroupState, list[Delivery]]],
+               done: list[GroupState] = (), only_to: Subscription | None = None) -> None:
+        self.inbox.put((writes, publishes, list(done), only_to))
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        self.thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while (batch := self.inbox.get()) is not None:
+            writes, publishes, done, only_to = batch
+            try:
+                self.store.write(writes)
+                if not self.store_healthy:
+                    log.info("the request store answers again")
+                self.store_healthy = True
+            except Exception as exc:  # noqa: BLE001 - a store outage must not stop generation
+                if self.store_healthy:
+                    log.warning("writing request records failed (%s); generation goes on without durability", exc)
+                self.store_healthy = False
+            with self.lock:
+                for group, deliveries in publishes:
+                    targets = [only_to] if only_to is not None else group.subscribers
+                    for sub in targets:
+                        sub.push((only_to is not None, deliveries))
+            for group in done:
+                self.on_group_done(group)
+
+
+# ---- re-admission after a restart -----------------------------------------------------------
+def sample_finish_reason(outputs: list[int], params: SamplingParams, num_prompt_tokens: int,
+                         eos_token_ids: tuple[int, ...], max_model_len: int) -> str:
+    """Whether a stored sample had already finished (its last write may have been lost)."""
+    if outputs and len(outputs) >= params.min_tokens and (
+            outputs[-1] in params.stop_token_ids or (not params.ignore_eos and outputs[-1] in eos_token_ids)):
+        return "stop"
+    if len(outputs) >= params.max_tokens or num_prompt_tokens + len(outputs) >= max_model_len:
+        return "length"
+    return ""
+
+
+def resumed_requests(record: StoredRequest, params: SamplingParams, eos_token_ids: tuple[int, ...],
+                     max_model_len: int, received_wall: float) -> tuple[list[Request], list[str]]:
+    """The Requests that re-run a stored request by recompute, and each sample's finish reason."""
+    prompt = record.prompt_token_ids
+    arrival = time.monotonic() - max(0.0, time.time() - received_wall)  # keep the original FCFS order
+    reasons = [record.finish_reasons[i] if i < len(record.finish_reasons) else "" for i in range(record.n)]
+    outputs = record.outputs + [[] for _ in range(record.n - len(record.outputs))]
+    for i in range(record.n):
+        if not reasons[i] and outputs[i]:
+            reasons[i] = sample_finish_reason(outputs[i], params, len(prompt), eos_token_ids, max_model_len)
+    if not any(outputs):  # never sampled: the samples fork from the prompt as usual
+        if reasons[0]:
+            return [], reasons
+        return [Request(record.request_id, list(prompt), len(prompt), params, eos_token_ids,
+                        record.priority, arrival)], reasons
+    requests = [Request(record.request_id if i == 0 else f"{record.request_id}#{i}", prompt + outputs[i],
+                        len(prompt), params, eos_token_ids, record.priority, arrival,
+                        group_id=record.request_id, sample_index=i)
+                for i in range(record.n) if not reasons[i]]
+    return requests, reasons

@@ -1,0 +1,173 @@
+"""Paged attention backends: K/V are read and written only through block tables."""
+
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    query_start: int  # offset of its first scheduled token in the flattened batch
+    query_len: int
+    context_len: int  # tokens already in the cache before this step
+    block_ids: torch.Tensor  # the blocks covering context_len + query_len tokens
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's layout. Tokens are flattened with all single-token queries (decodes) first."""
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot (block_id * block_size + offset) per token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] tokens attended, the new one included
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive (0 / -inf)
+    prefills: list[PrefillSeq]
+
+
+class AttentionBackend(abc.ABC):
+    """Contract: `forward` gets one layer's projected, rotated queries [T, H, D] and new keys and
+    values [T, KVH, D] for the step's flattened tokens, writes the new K/V into that layer's
+    cache at `meta.slot_mapping`, and returns the attention output [T, H, D], each token attending
+    causally to its own sequence's cached context and the new tokens before it. The cache tensors
+    are [num_blocks, block_size, KVH, D]; nothing but block ids addresses them."""
+
+    @abc.abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Plain torch ops, for the CPU. Decodes run as two batched matmuls over grouped heads with a
+    float32 softmax (torch's CPU SDPA is many times slower for one bf16 query); prefills go one
+    sequence at a time through SDPA."""
+
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
+        out = torch.empty_like(query)
+        if meta.num_decodes:
+            out[:meta.num_decodes] = self._decode(query[:meta.num_decodes].contiguous(), k_cache, v_cache,
+                                                  meta, scale)
+        for seq in meta.prefills:
+            rows = slice(seq.query_start, seq.query_start + seq.query_len)
+            out[rows] = self._prefill(query[rows], key[rows], value[rows], k_cache, v_cache, seq, scale)
+        return out
+
+    def _decode(self, query, k_cache, v_cache, meta, scale):
+        num_seqs, num_heads, head_dim = query.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        tables = meta.decode_block_tables
+        # [B, L, KVH, D] -> [B, KVH, L, D]: gathers only this batch's blocks.
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
+        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        q = query.view(num_seqs, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, keys.transpose(2, 3)).float() * scale
+        scores += meta.decode_mask
+        probs = torch.softmax(scores, dim=-1).to(query.dtype)
+        return torch.matmul(probs, values).reshape(num_seqs, num_heads, head_dim)
+
+    def _prefill(self, query, key, value, k_cache, v_cache, seq: PrefillSeq, scale):
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        if seq.context_len == 0:
+            keys, values, mask, causal = key, value, None, True
+        else:
+            total = seq.context_len + seq.query_len
+            keys = k_cache[seq.block_ids].view(-1, num_kv_heads, head_dim)[:total]
+            values = v_cache[seq.block_ids].view(-1, num_kv_heads, head_dim)[:total]
+            positions = torch.arange(seq.context_len, total, device=query.device)
+            mask = torch.arange(total, device=query.device)[None, :] <= positions[:, None]
+            causal = False
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+
+class CpuKernelAttentionBackend(TorchAttentionBackend):
+    """Decodes through the compiled kernel of pagedserve/kernels/cpu (reads each cached row once, no gather);
+    prefills as the torch backend."""
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+
+    HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the sizes pagedserve/kernels/cpu/paged_attention.cpp compiles
+
+    def _decode(self, query, k_cache, v_cache, meta, scale):
+        if query.shape[-1] not in self.HEAD_DIMS:
+            return super()._decode(query, k_cache, v_cache, meta, scale)
+        return self.ops.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
+                                               meta.decode_seq_lens, scale)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """pagedserve/kernels/triton's paged attention (CUDA; the CPU only under TRITON_INTERPRET=1): the decode
+    kernel when every sequence has one query, else the prefill/mixed kernel. The step's metadata
+    is converted once per step (all layers share it)."""
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._converted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        from pagedserve.kernels.triton.paged_attention import paged_attention
+
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
+        v_cache.view(-1, num_kv_heads, v_cache.shape[3]).index_copy_(0, meta.slot_mapping, value)
+        if self._meta is not meta:
+            self._converted = kernel_metadata(meta, k_cache.shape[1], k_cache.device)
+            self._meta = meta
+        return paged_attention(query, k_cache, v_cache, *self._converted, scale)
+
+
+def kernel_metadata(meta: AttentionMetadata, block_size: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block_tables int32 [S, max_blocks], seq_lens int32 [S], query_start_loc int32 [S + 1]) for
+    the decodes then the prefills of `meta`. Rows are zero-padded to cover every sequence's length,
+    so a table shorter than its sequence (the runner's profiling step) still reads valid blocks."""
+    decodes = meta.num_decodes
+    seq_lens = [] if not decodes else [meta.decode_seq_lens.to(device=device, dtype=torch.int32)]
+    seq_lens.append(torch.tensor([p.context_len + p.query_len for p in meta.prefills], dtype=torch.int32,
+                                 device=device))
+    seq_lens = torch.cat(seq_lens)
+    widths = [-(-(p.context_len + p.query_len) // block_size) for p in meta.prefills]
+    if decodes:
+        widths.append(meta.decode_block_tables.shape[1])
+    tables = torch.zeros(decodes + len(meta.prefills), max(widths), dtype=torch.int32, device=device)
+    if decodes:
+        tables[:decodes, :meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+    for row, seq in enumerate(meta.prefills, start=decodes):
+        used = seq.block_ids[:widths[row - decodes]]
+        tables[row, :used.shape[0]] = used
+    starts = list(range(decodes + 1))
+    for seq in meta.prefills:
+        if seq.query_start != starts[-1]:
+            raise ValueError("prefill tokens must follow the decodes contiguously, in order")
+        starts.append(seq.query_start + seq.query_len)
+    return tables, seq_lens, torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+
+def cpu_kernels(device: torch.device):
+    """The compiled CPU kernels module, or None (not on CPU, or no compiler here)."""
+    if device.type != "cpu":
+        return None
+    from pagedserve.kernels import cpu_ops
+    return cpu_ops.load()
+
+
+def make_backend(device: torch.device) -> AttentionBackend:
+    if device.type == "cuda":  # PAGEDSERVE_ATTENTION=torch: the reference path, to compare against
+        use_torch = os.environ.get("PAGEDSERVE_ATTENTION") == "torch"
+        return TorchAttentionBackend() if use_torch else TritonAttentionBackend()
+    ops = cpu_kernels(device)
+    return TorchAttentionBackend() if ops is None else CpuKernelAttentionBackend(ops)

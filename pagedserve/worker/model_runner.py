@@ -1,0 +1,276 @@
+"""Runs one engine step: applies the scheduler's delta to the cached request state, builds the
+flattened batch, runs the model over the paged KV cache and samples. Makes no scheduling decision."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedserve.common.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
+from pagedserve.common.model_config import ModelConfig
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.worker.attention import AttentionMetadata, PrefillSeq, cpu_kernels, make_backend
+from pagedserve.worker.kv_cache import KVCache
+from pagedserve.worker.models import model_class
+from pagedserve.worker.parallel import broadcast_from_rank0, tp_group, using_group
+from pagedserve.worker.sampler import RowSampling, Sampler
+from pagedserve.worker.weights import iter_lazy_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    sample_index: int
+    child_req_ids: list[str]
+
+
+def sample_generator(params: SamplingParams, sample_index: int, num_output_tokens: int,
+                     device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator that depends only on (seed, sample, position): a seeded request draws the same
+    tokens whatever shares its batch, and after a preemption or a worker restart too."""
+    if params.seed is None or params.greedy:
+        return None
+    mixed = (params.seed * 0x9E3779B1 + sample_index * 0x85EBCA77 + num_output_tokens * 0xC2B2AE3D) % (2**63)
+    return torch.Generator(device=device).manual_seed(mixed)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, model_path: str | Path, dtype: torch.dtype,
+                 device: torch.device, block_size: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...], progress: bool = True) -> None:
+        self.config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        self.tp = tp_group()  # the group this model was sharded for; made current while it runs
+        self.tensor_parallel_size = self.tp.world_size
+        # Parameters are made in the serving dtype (no float32 copy first); tables stay float32.
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = model_class(model_config.architecture)(model_config, make_backend(device), max_model_len,
+                                                               cpu_kernels(device))
+        finally:
+            torch.set_default_dtype(previous_dtype)
+        model.load_weights(iter_lazy_weights(model_path, dtype, progress))
+        self.model = model.eval()
+        self.kv: KVCache | None = None
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        self.kv = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device, num_host_blocks,
+                          self.tensor_parallel_size)
+
+    def profile_peak_activation_bytes(self, num_tokens: int) -> int:
+        """CUDA: run the largest step the budget allows (one prompt of num_tokens, no cache yet)
+        and return the activation memory it peaked at above the weights."""
+        if self.device.type != "cuda":
+            return 0
+        with using_group(self.tp):
+            return self._profile_peak(num_tokens)
+
+    @torch.inference_mode()
+    def _profile_peak(self, num_tokens: int) -> int:
+        scratch = KVCache(self.config, 1, self.block_size, self.dtype, self.device,
+                          tensor_parallel_size=self.tensor_parallel_size)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.model.cos_table.shape[0]
+        slots = torch.zeros(num_tokens, dtype=torch.long, device=self.device)  # all tokens share one slot
+        meta = AttentionMetadata(slots, 0, None, None, None,
+                                 [PrefillSeq(0, num_tokens, 0, torch.zeros(1, dtype=torch.long, device=self.device))])
+        hidden = self.model(ids, positions, scratch.device_cache, meta)
+        self.model.compute_logits(hidden[-256:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # ---- state ---------------------------------------------------------------------------
+    def _apply_delta(self, step: SchedulerOutput) -> None:
+        for req_id in step.finished_req_ids:
+            self.requests.pop(req_id, None)
+        # Swap-outs first: their device blocks may be handed to other requests in this same step.
+        self.kv.swap_out(step.blocks_to_swap_out)
+        self.kv.swap_in(step.blocks_to_swap_in)
+        self.kv.copy_blocks(step.blocks_to_copy)
+        for new in step.new_requests:
+            self.requests[new.req_id] = RequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.params, list(new.block_ids),
+                new.num_computed_tokens, new.sample_index, list(new.child_req_ids))
+        for cached in step.cached_requests:
+            state = self._state(cached.req_id)
+            if cached.block_ids is not None:
+                state.block_ids = list(cached.block_ids)
+                continue
+            if cached.replaced_block is not None:
+                index, block_id = cached.replaced_block
+                state.block_ids[index] = block_id
+            state.block_ids.extend(cached.new_block_ids)
+
+    def _state(self, req_id: str) -> RequestState:
+        try:
+            return self.requests[req_id]
+        except KeyError:
+            raise KeyError(f"worker has no state for request {req_id!r}: "
+                           "it was never sent or already dropped") from None
+
+    # ---- batch layout --------------------------------------------------------------------
+    def _prepare(self, step: SchedulerOutput):
+        bs = self.block_size
+        decodes = [(self._state(r), n) for r, n in step.num_scheduled_tokens.items() if n == 1]
+        prefills = [(self._state(r), n) for r, n in step.num_scheduled_tokens.items() if n > 1]
+        num_tokens = step.total_num_scheduled_tokens
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slots = np.empty(num_tokens, dtype=np.int64)
+        num_decodes = len(decodes)
+        decode_tables = decode_lens = decode_mask = None
+        if num_decodes:
+            pos = np.fromiter((s.num_computed_tokens for s, _ in decodes), np.int64, num_decodes)
+            input_ids[:num_decodes] = [s.token_ids[s.num_computed_tokens] for s, _ in decodes]
+            max_blocks = int(pos.max()) // bs + 1
+            tables = np.zeros((num_decodes, max_blocks), dtype=np.int64)
+            for row, (s, _) in enumerate(decodes):
+                used = s.block_ids[:max_blocks]
+                tables[row, :len(used)] = used
+            positions[:num_decodes] = pos
+            slots[:num_decodes] = tables[np.arange(num_decodes), pos // bs] * bs + pos % bs
+            seq_lens = torch.from_numpy(pos + 1)
+            span = torch.arange(max_blocks * bs)
+            decode_mask = torch.zeros(num_decodes, 1, 1, max_blocks * bs)
+            decode_mask.masked_fill_((span[None, :] >= seq_lens[:, None]).view(num_decodes, 1, 1, -1), float("-inf"))
+            decode_tables, decode_lens = torch.from_numpy(tables), seq_lens
+        seqs, start = [], num_decodes
+        for state, n in prefills:
+            c = state.num_computed_tokens
+            pos = np.arange(c, c + n)
+            blocks = np.asarray(state.block_ids[:-(-(c + n) // bs)], dtype=np.int64)
+            input_ids[start:start + n] = state.token_ids[c:c + n]
+            positions[start:start + n] = pos
+            slots[start:start + n] = blocks[pos // bs] * bs + pos % bs
+            seqs.append(PrefillSeq(start, n, c, torch.from_numpy(blocks).to(self.device)))
+            start += n
+        meta = AttentionMetadata(
+            torch.from_numpy(slots).to(self.device), num_decodes,
+            None if decode_tables is None else decode_tables.to(self.device),
+            None if decode_lens is None else decode_lens.to(self.device),
+            None if decode_mask is None else decode_mask.to(self.device), seqs)
+        order = [s for s, _ in decodes] + [s for s, _ in prefills]
+        counts = [1] * num_decodes + [n for _, n in prefills]
+        return (torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
+                meta, order, counts)
+
+    # ---- one step ------------------------------------------------------------------------
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        with using_group(self.tp):
+            return self._execute(step)
+
+    @torch.inference_mode()
+    def _execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_delta(step)
+        if not step.num_scheduled_tokens:
+            return ModelRunnerOutput(step.step_id, {})
+        t0 = time.perf_counter()
+        input_ids, positions, meta, order, counts = self._prepare(step)
+        hidden = self.model(input_ids, positions, self.kv.device_cache, meta)
+        ends = np.cumsum(counts) - 1
+        samplers = [i for i, (s, n) in enumerate(zip(order, counts))
+                    if s.num_computed_tokens + n == len(s.token_ids)]
+        result = ModelRunnerOutput(step.step_id, {})
+        if samplers:
+            logits = self.model.compute_logits(hidden[torch.as_tensor(ends[samplers], device=self.device)])
+            t1 = time.perf_counter()
+            result.forward_time_s = t1 - t0
+            states = [order[i] for i in samplers]
+            if tp_group().rank == 0:
+                result.sampled = self._sample(logits, states)
+            if tp_group().world_size > 1:
+                result.sampled = self._share_sampled(result.sampled, states)
+            result.sample_time_s = time.perf_counter() - t1
+        else:
+            result.forward_time_s = time.perf_counter() - t0
+        for state, n in zip(order, counts):
+            state.num_computed_tokens += n
+        self._commit(result.sampled)
+        return result
+
+    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> dict[str, list[SampledToken]]:
+        rows, repeats = [], []
+        for state in states:
+            params = state.params
+            num_outputs = len(state.token_ids) - state.num_prompt_tokens
+            # Token histories cost a copy per step: hand them over only to rows that read them.
+            wants_prompt = params.repetition_penalty != 1.0
+            wants_outputs = params.needs_penalties or params.min_tokens > 0
+            prompt = state.token_ids[:state.num_prompt_tokens] if wants_prompt else []
+            outputs = state.token_ids[state.num_prompt_tokens:] if wants_outputs else []
+            indices = [state.sample_index] if not state.child_req_ids else range(1 + len(state.child_req_ids))
+            for index in indices:
+                rows.append(RowSampling(params, sample_generator(params, index, num_outputs, logits.device),
+                                        prompt, outputs, self.eos_token_ids))
+            repeats.append(len(indices))
+        if any(r > 1 for r in repeats):
+            logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
+        out = self.sampler(logits, rows)
+        sampled, row = {}, 0
+        for state, count in zip(states, repeats):
+            tokens = []
+            for _ in range(count):
+                tokens.append(SampledToken(
+                    out.token_ids[row], None if out.logprobs is None else out.logprobs[row],
+                    None if out.top_logprobs is None else out.top_logprobs[row]))
+                row += 1
+            sampled[state.req_id] = tokens
+        return sampled
+
+    def _share_sampled(self, sampled: dict[str, list[SampledToken]],
+                       states: list[RequestState]) -> dict[str, list[SampledToken]]:
+        """Rank 0 samples; the other ranks need the same token ids to feed the next step, so
+        rank 0 broadcasts them (one small collective per step; the order is the same on every
+        rank because every rank applied the same deltas)."""
+        counts = [1 + len(s.child_req_ids) for s in states]
+        if tp_group().rank == 0:
+            ids = torch.tensor([t.token_id for s in states for t in sampled[s.req_id]], dtype=torch.int64)
+        else:
+            ids = torch.empty(sum(counts), dtype=torch.int64)
+        ids = broadcast_from_rank0(ids.to(self.device)).tolist()
+        if tp_group().rank == 0:
+            return sampled
+        shared, start = {}, 0
+        for state, count in zip(states, counts):
+            shared[state.req_id] = [SampledToken(token_id, None, None) for token_id in ids[start:start + count]]
+            start += count
+        return shared
+
+    def _commit(self, sampled: dict[str, list[SampledToken]]) -> None:
+        for req_id, tokens in sampled.items():
+            state = self.requests[req_id]
+            for index, (child_id, token) in enumerate(zip(state.child_req_ids, tokens[1:]), start=1):
+                self.requests[child_id] = RequestState(
+                    child_id, state.token_ids[:state.num_prompt_tokens] + [token.token_id],
+                    state.num_prompt_tokens, state.params, list(state.block_ids),
+                    state.num_computed_tokens, index, [])
+            state.child_req_ids = []
+            state.token_ids.append(tokens[0].token_id)

@@ -1,0 +1,23 @@
+"""The model classes by HF architecture name (imported on first use)."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+}
+
+
+def model_class(architecture: str):
+    try:
+        module, name = _MODELS[architecture]
+    except KeyError:
+        raise ValueError(f"no model implementation for {architecture!r}; have {', '.join(_MODELS)}") from None
+    return getattr(importlib.import_module(f"pagedserve.worker.models.{module}"), name)

@@ -1,0 +1,215 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Numerics follow transformers' implementation (float32 RMSNorm, float32 rotary tables cast to the
+activation dtype) so greedy tokens match it. Q/K/V and gate/up are merged into one matmul each.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.common.model_config import ModelConfig
+from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
+from pagedserve.worker.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    all_reduce,
+    even_shard,
+    head_shards,
+    load_model_weights,
+    tp_group,
+)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+SMALL_M = 8  # up to this many rows the CPU kernel's streaming matmul beats MKL (2-3x at 1-8 rows)
+
+
+def use_small_m(x: torch.Tensor, cpu_ops) -> bool:
+    return cpu_ops is not None and x.shape[0] <= SMALL_M and x.dtype == torch.float32 and x.shape[1] % 8 == 0
+
+
+def linear(x: torch.Tensor, layer: nn.Module, cpu_ops) -> torch.Tensor:
+    if use_small_m(x, cpu_ops):
+        out = cpu_ops.small_m_linear(x.contiguous(), layer.weight)
+        if isinstance(layer, RowParallelLinear) and layer.reduce:
+            all_reduce(out)
+        return out if layer.bias is None else out + layer.bias
+    return layer(x)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    """This rank's query heads and the KV heads they use: QKV column-parallel, O row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, cpu_ops=None) -> None:
+        super().__init__()
+        tp = tp_group()
+        q_shard, kv_shard = head_shards(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, tp)
+        self.head_dim = cfg.head_dim
+        self.num_heads, self.num_kv_heads = q_shard.size // cfg.head_dim, kv_shard.size // cfg.head_dim
+        self.split = (q_shard.size, kv_shard.size, kv_shard.size)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_shard, kv_shard, kv_shard], bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
+        self.backend = backend
+        self.cpu_ops = cpu_ops  # fused rotary from pagedserve/kernels/cpu, when compiled
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, hidden, rope, kv_cache, meta: AttentionMetadata):
+        num_tokens, ops = hidden.shape[0], self.cpu_ops
+        q, k, v = linear(hidden, self.qkv_proj, ops).split(self.split, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if ops is not None:
+            ops.rotary_inplace(q, k, *rope)
+        else:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        attn = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return linear(attn.reshape(num_tokens, -1), self.o_proj, ops)
+
+
+class LlamaMLP(nn.Module):
+    """SiLU-gated MLP: gate/up column-parallel (one matmul), down row-parallel."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, cpu_ops=None, reduce: bool = True) -> None:
+        super().__init__()
+        shard = even_shard(intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [shard, shard])
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce=reduce)
+        self.cpu_ops = cpu_ops
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        ops = self.cpu_ops
+        gate_up = linear(hidden, self.gate_up_proj, ops)
+        if ops is not None:
+            return linear(ops.silu_and_mul(gate_up), self.down_proj, ops)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj, ops)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = self_attn, mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, hidden, rope, kv_cache, meta: AttentionMetadata):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+# HF projection name -> (our merged module, part): q/k/v and gate/up each run as one matmul.
+MERGED_PROJECTIONS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also the skeleton of the MoE models: they override make_attention / make_mlp / map_name."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, cpu_ops=None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.cpu_ops = cpu_ops
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.make_attention(i, backend), self.make_mlp(i)) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.init_rope(max_positions)
+        self.requires_grad_(False)
+
+    def make_attention(self, layer_index: int, backend: AttentionBackend) -> nn.Module:
+        return LlamaAttention(self.cfg, backend, self.cpu_ops)
+
+    def make_mlp(self, layer_index: int) -> nn.Module:
+        return LlamaMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.cpu_ops)
+
+    def init_rope(self, max_positions: int) -> None:
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(self.cfg))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_table", emb.cos(), persistent=False)
+        self.register_buffer("sin_table", emb.sin(), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        if self.cpu_ops is not None:
+            return self.cos_table, self.sin_table, positions
+        return (self.cos_table[positions].to(dtype).unsqueeze(1), self.sin_table[positions].to(dtype).unsqueeze(1))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rope(positions, hidden.dtype)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, rope, kv_caches[i], meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if use_small_m(hidden, self.cpu_ops) and tp_group().world_size == 1:
+            return self.cpu_ops.small_m_linear(hidden.contiguous(), head.weight)
+        return head.logits(hidden)
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_weights(self, weights) -> None:
+        """Take HF-named checkpoint tensors (weights.LazyWeight); each rank reads its shard only."""
+        load_model_weights(self, weights, self.map_name)
+
+    def map_name(self, name: str) -> tuple[str, object] | None:
+        """HF name -> (parameter name, part), or None for a tensor this model does not use."""
+        if "rotary_emb" in name:
+            return None
+        if name.startswith("lm_head."):
+            return None if self.lm_head is None else (name, 0)
+        if not name.startswith("model."):
+            return None
+        name = name[len("model."):]
+        for proj, (merged, part) in MERGED_PROJECTIONS.items():
+            if f".self_attn.{proj}." in name or f".mlp.{proj}." in name:
+                head, _, tail = name.partition(f".{proj}.")
+                return f"{head}.{merged}.{tail}", part
+        return name, 0

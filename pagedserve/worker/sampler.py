@@ -1,0 +1,175 @@
+"""Turns a batch of next-token logits into one token per request (plus logprobs when asked).
+
+The whole step is vectorised over the vocabulary; the only per-row Python loops build small
+index lists and draw from per-request seeded generators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.common.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class RowSampling:
+    params: SamplingParams
+    generator: torch.Generator | None  # seeded per request, or None: the global torch RNG
+    prompt_token_ids: list[int]  # repetition_penalty covers prompt + output, as HF does
+    output_token_ids: list[int]  # presence/frequency cover output only, as vLLM/OpenAI do
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None  # sampled token's logprob per row; None when no row asked
+    top_logprobs: list[list[tuple[int, float]] | None] | None  # sorted desc; None for rows that did not ask
+
+
+def _counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(lists), vocab] occurrence counts."""
+    width = max(map(len, lists), default=0)
+    # Padding points at an extra column that is dropped, so ragged lists need no mask.
+    ids = torch.tensor([ids + [vocab] * (width - len(ids)) for ids in lists],
+                       dtype=torch.long, device=device).reshape(len(lists), width)
+    counts = torch.zeros(len(lists), vocab + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[RowSampling]) -> None:
+    """Applies repetition, presence and frequency penalties in place, only on the rows that ask."""
+    idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if not idx:
+        return
+    dev, vocab = logits.device, logits.shape[1]
+    sel = [rows[i].params for i in idx]
+    x = logits[idx]
+    out = _counts([rows[i].output_token_ids for i in idx], vocab, dev)
+    if any(p.repetition_penalty != 1.0 for p in sel):
+        rep = torch.tensor([p.repetition_penalty for p in sel], device=dev)[:, None]
+        seen = _counts([rows[i].prompt_token_ids for i in idx], vocab, dev).add_(out) > 0
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    pres = torch.tensor([p.presence_penalty for p in sel], device=dev)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in sel], device=dev)[:, None]
+    logits[idx] = x - pres * (out > 0) - freq * out
+
+
+def _min_tokens_pending(r: RowSampling) -> bool:
+    return len(r.output_token_ids) < r.params.min_tokens
+
+
+def block_min_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> None:
+    """Sets eos (unless ignore_eos) and stop ids to -inf, in place, for rows still under min_tokens."""
+    vocab = logits.shape[1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, r in enumerate(rows):
+        if _min_tokens_pending(r):
+            ids = set(r.params.stop_token_ids)
+            if not r.params.ignore_eos:
+                ids.update(r.eos_token_ids)
+            ids = [t for t in ids if t < vocab]
+            row_idx += [i] * len(ids)
+            tok_idx += ids
+    if row_idx:
+        dev = logits.device
+        logits[torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)] = _NEG_INF
+
+
+def truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Masks to -inf, in place, each row's tokens outside top_k, then top_p, then min_p.
+
+    x is [R, V] temperature-scaled logits, one row per params. Each filter renormalises over
+    what the previous one kept, as vLLM does.
+    """
+    dev, vocab = x.device, x.shape[1]
+    sort_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if sort_rows:
+        sub = x[sort_rows]
+        ps = [params[i] for i in sort_rows]
+        sorted_x, order = sub.sort(dim=-1, descending=True)
+        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in ps], device=dev)
+        drop = torch.arange(vocab, device=dev) >= k[:, None]
+        sorted_x.masked_fill_(drop, _NEG_INF)
+        # A threshold above 1 can never be reached, so rounding in cumsum cannot trim rows with top_p off.
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in ps], device=dev)
+        probs = sorted_x.softmax(-1)
+        # Drop a token once the mass strictly before it already reaches top_p: this keeps the
+        # smallest prefix reaching top_p, and always the top token (mass before it is 0 < top_p).
+        drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+        x[sort_rows] = sub.masked_fill(drop.scatter(1, order, drop), _NEG_INF)
+    mp_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if mp_rows:
+        sub = x[mp_rows]
+        probs = sub.softmax(-1)
+        min_p = torch.tensor([params[i].min_p for i in mp_rows], device=dev)[:, None]
+        x[mp_rows] = sub.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), _NEG_INF)
+    return x
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1), is an exact draw from probs (the exponential race).
+
+    A seeded row consumes exactly one V-sized draw from its own generator per call, so its
+    tokens do not depend on the batch around it.
+    """
+    q = torch.empty_like(probs)
+    shared = [j for j, g in enumerate(generators) if g is None]
+    if len(shared) == len(generators):
+        q.exponential_()
+    else:
+        if shared:
+            q[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_()
+        for j, g in enumerate(generators):
+            if g is not None:
+                q[j].exponential_(generator=g)
+    # A zero draw would give inf, or nan (argmax's favourite) for a masked token.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(-1)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[RowSampling]) -> SamplerOutput:
+        raw = logits.float()
+        params = [r.params for r in rows]
+        want_lp = any(p.logprobs is not None for p in params)
+        mutate = any(p.needs_penalties or _min_tokens_pending(r) for p, r in zip(params, rows))
+        if not mutate and not want_lp and all(p.greedy for p in params):
+            return SamplerOutput(raw.argmax(-1).tolist(), None, None)
+
+        # raw must stay untouched: logprobs are reported from the model's own distribution.
+        x = raw.clone() if mutate else raw
+        apply_penalties(x, rows)
+        block_min_tokens(x, rows)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if len(sampled) < len(rows):
+            tokens = x.argmax(-1)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
+        if sampled:
+            temp = torch.tensor([params[i].temperature for i in sampled], device=x.device)
+            y = truncate(x[sampled] / temp[:, None], [params[i] for i in sampled])
+            tokens[sampled] = _draw(y.softmax(-1), [rows[i].generator for i in sampled])
+
+        token_ids = tokens.tolist()
+        if not want_lp:
+            return SamplerOutput(token_ids, None, None)
+        # log_softmax(raw) = raw - logsumexp(raw), without materialising a second [B, V] tensor.
+        lse = raw.logsumexp(-1)
+        logprobs = (raw.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()
+        top: list[list[tuple[int, float]] | None] = [[] if p.logprobs is not None else None for p in params]
+        want_top = [i for i, p in enumerate(params) if p.logprobs]
+        if want_top:
+            k = min(max(params[i].logprobs for i in want_top), raw.shape[1])
+            vals, ids = raw[want_top].topk(k, dim=-1)
+            vals, ids = (vals - lse[want_top][:, None]).tolist(), ids.tolist()
+            for j, i in enumerate(want_top):
+                n = params[i].logprobs
+                top[i] = list(zip(ids[j][:n], vals[j][:n]))
+        return SamplerOutput(token_ids, logprobs, top)

@@ -1,0 +1,188 @@
+"""The worker service: the model runner behind the Worker gRPC API.
+
+A thin servicer over WorkerService, a plain class that tests drive directly. The scheduler calls
+Describe, Profile and InitCache once per session, then keeps one Step stream open and sends one
+StepRequest per engine step; the worker applies the delta to the request state it caches and
+answers with the sampled tokens (rank 0) or an empty acknowledgement (other ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from pagedserve.common import wire
+from pagedserve.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, add_internal_port, set_serving
+from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("pagedserve.worker")
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+class SessionMismatch(Exception):
+    pass
+
+
+class WorkerService:
+    """Loads the model; owns the KV pool and the per-request state between steps."""
+
+    def __init__(self, model: str | None, device: str = "auto", dtype: str = "auto",
+                 max_model_len: int | None = None, rank: int = 0, world_size: int = 1,
+                 dist_init_method: str | None = None) -> None:
+        import torch  # noqa: F401 - the worker is the one service that needs it
+
+        from pagedserve.model_files.default_model import resolve_model
+        from pagedserve.worker.model_setup import eos_ids, pick_device, pick_dtype, resolve_max_model_len
+        from pagedserve.common.model_config import ModelConfig
+
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"--rank {rank} is outside a tensor-parallel group of size {world_size}")
+        self.rank, self.world_size = rank, world_size
+        self.dist_init_method = dist_init_method
+        self.model_path = resolve_model(model)
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.max_model_len = resolve_max_model_len(self.model_config, max_model_len)
+        try:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        except (OSError, ValueError):
+            tokenizer = None  # the eos ids of config.json and generation_config.json still apply
+        self.eos_token_ids = eos_ids(self.model_path, self.model_config, tokenizer)
+        self.runner = None
+        self.session_id = ""
+        self.lock = threading.Lock()  # one step at a time, and no InitCache in the middle of one
+
+    def load(self) -> None:
+        from pagedserve.worker.model_runner import ModelRunner
+        from pagedserve.worker.parallel import init_tensor_parallel
+        started = time.monotonic()
+        # Every rank blocks here until all have joined the group, then loads only its shard.
+        init_tensor_parallel(self.rank, self.world_size, self.dist_init_method, self.device)
+        self.runner = ModelRunner(self.model_config, self.model_path, self.dtype, self.device, block_size=16,
+                                  max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+                                  progress=False)
+        log.info("rank %d loaded %s (%s on %s) in %.1f s", self.rank, Path(self.model_path).name,
+                 str(self.dtype).removeprefix("torch."), self.device, time.monotonic() - started)
+
+    def describe(self) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(
+            rank=self.rank, world_size=self.world_size, model=str(self.model_path),
+            dtype=str(self.dtype).removeprefix("torch."), device=str(self.device), max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size, eos_token_ids=list(self.eos_token_ids),
+            weight_bytes=0 if self.runner is None else self.runner.weight_bytes())
+
+    def profile(self, request: worker_pb2.ProfileRequest) -> worker_pb2.ProfileResponse:
+        from pagedserve.worker.model_setup import kv_cache_blocks
+        from pagedserve.worker.kv_cache import bytes_per_block
+        block_size = request.block_size or 16
+        num_blocks, num_host = kv_cache_blocks(
+            self.runner, block_size, request.kv_cache_memory or None, request.gpu_memory_utilization or 0.9,
+            request.max_num_batched_tokens or 512, request.swap_space or 0)
+        return worker_pb2.ProfileResponse(num_gpu_blocks=num_blocks, num_cpu_blocks=num_host,
+                                          bytes_per_block=bytes_per_block(self.model_config, block_size, self.dtype,
+                                                                          self.world_size))
+
+    def init_cache(self, request: worker_pb2.InitCacheRequest) -> None:
+        with self.lock:
+            if request.block_size:
+                self.runner.block_size = request.block_size
+            self.runner.kv = None  # free the old pool before the new one is allocated
+            self.runner.requests.clear()
+            self.runner.allocate_kv_cache(request.num_gpu_blocks, request.num_cpu_blocks)
+            self.session_id = request.session_id
+        log.info("session %s: KV pool of %d blocks of %d tokens (%d host blocks)", request.session_id or "-",
+                 request.num_gpu_blocks, self.runner.block_size, request.num_cpu_blocks)
+
+    def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+        received = time.perf_counter()
+        with self.lock:
+            if request.session_id != self.session_id:
+                raise SessionMismatch(f"step {request.step_id} belongs to scheduler session {request.session_id!r}, "
+                                      f"but the KV pool was set up for {self.session_id!r}; call InitCache first")
+            if self.runner.kv is None:
+                raise SessionMismatch("no KV pool: call InitCache before Step")
+            result = self.runner.execute(wire.step_from_proto(request))
+        if self.rank != 0:
+            return worker_pb2.StepResult(step_id=request.step_id, worker_time_s=time.perf_counter() - received)
+        return wire.result_to_proto(result, time.perf_counter() - received)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, service: WorkerService, ready: threading.Event) -> None:
+        self.service, self.ready = service, ready
+
+    def _check_ready(self, context) -> None:
+        if not self.ready.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading the model")
+
+    def Describe(self, request, context):
+        return self.service.describe()
+
+    def Profile(self, request, context):
+        self._check_ready(context)
+        try:
+            return self.service.profile(request)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def InitCache(self, request, context):
+        self._check_ready(context)
+        if request.num_gpu_blocks < 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_gpu_blocks must be >= 1")
+        try:
+            self.service.init_cache(request)
+        except (RuntimeError, ValueError) as exc:  # e.g. out of memory for the pool
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot allocate the KV pool: {exc}")
+        return worker_pb2.InitCacheResponse()
+
+    def Step(self, request_iterator, context):
+        self._check_ready(context)
+        for request in request_iterator:
+            try:
+                yield self.service.step(request)
+            except SessionMismatch as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            except KeyError as exc:  # a request id the worker does not hold: fail loudly
+                context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else str(exc))
+
+
+def dist_init_method(address: str | None) -> str | None:
+    """host:port of rank 0's rendezvous, else MASTER_ADDR/MASTER_PORT from the environment."""
+    if address:
+        return f"tcp://{address}"
+    return "env://" if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT") else None
+
+
+def serve(args: argparse.Namespace) -> int:
+    service = WorkerService(args.model, args.device, args.dtype, args.max_model_len, args.rank,
+                            args.tensor_parallel_size, dist_init_method(args.dist_init_addr))
+    ready = threading.Event()
+    # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(service, ready), server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    address = f"{args.host}:{args.port}"
+    if add_internal_port(server, address) == 0:
+        raise ValueError(f"cannot bind the worker to {address}")
+    server.start()
+    log.info("worker rank %d listening on %s, loading the model", args.rank, address)
+    service.load()
+    ready.set()
+    set_serving(health, [SERVICE_NAME])
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    set_serving(health, [SERVICE_NAME], False)
+    server.stop(grace=2.0).wait()
+    return 0
