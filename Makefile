@@ -49,6 +49,7 @@ protos: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

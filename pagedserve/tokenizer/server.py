@@ -104,11 +104,10 @@ def default_served_name(model: str | None, folder: Path) -> str:
 
 def load_tokenizer(model: str | None):
     """(HF tokenizer, default served name, the model's vocab_size or None) for a folder or .gguf."""
-    from transformers import AutoTokenizer
-
     from pagedserve.model_files.default_model import resolve_model
+    from pagedserve.model_files.tokenizer_files import load_tokenizer as load_folder_tokenizer
     folder = resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = load_folder_tokenizer(folder)
     try:
         vocab_size = json.loads((folder / "config.json").read_text()).get("vocab_size")
     except (OSError, ValueError):
