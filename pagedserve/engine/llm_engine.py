@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from pagedserve.common import settings
 from pagedserve.common.messages import SampledToken
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.sampling_params import SamplingParams
@@ -19,26 +20,30 @@ from pagedserve.worker.model_setup import eos_ids, kv_cache_blocks, pick_device,
 log = logging.getLogger("pagedserve")
 
 
+_DEFAULTS = settings.defaults("engine")  # each default is declared in pagedserve.common.settings only
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # HF folder or .gguf; None: the default model
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    kv_cache_memory: str | int | None = None  # default: 2GiB on CPU; on CUDA from gpu_memory_utilization
-    gpu_memory_utilization: float = 0.9
-    swap_space: str | int = "1GiB"  # host pool for preemption_mode="swap"
-    max_num_seqs: int = 128
-    # None: 512 on CPU (small steps mix prefill chunks into decodes: +8% on W64 over 2048, and
-    # a short prompt waits less behind a long one), 2048 on CUDA.
-    max_num_batched_tokens: int | None = None
-    long_prefill_token_threshold: int | None = None  # None: max_num_batched_tokens // 4
-    max_model_len: int | None = None
-    preemption_mode: str = "recompute"
-    policy: str = "fcfs"
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    tensor_parallel_size: int = 1  # ranks 1..N-1 run in spawned processes (services: one worker per rank)
+    """The engine's settings (pagedserve.common.settings, "engine"), as the engine names them."""
+    model: str | None = _DEFAULTS["model"]  # HF folder or .gguf; None: the default model
+    device: str = _DEFAULTS["device"]
+    dtype: str = _DEFAULTS["dtype"]
+    block_size: int = _DEFAULTS["block_size"]
+    kv_cache_memory: str | int | None = _DEFAULTS["kv_cache_memory"]  # None: 2GiB on CPU; CUDA: what is left
+    gpu_memory_utilization: float = _DEFAULTS["gpu_memory_utilization"]
+    swap_space: str | int = _DEFAULTS["swap_space"]  # host pool for preemption_mode="swap"
+    max_num_seqs: int = _DEFAULTS["max_num_seqs"]
+    # None: settings.step_budgets picks them (512 on CPU, 2048 on CUDA; a quarter of that)
+    max_num_batched_tokens: int | None = _DEFAULTS["max_num_batched_tokens"]
+    long_prefill_token_threshold: int | None = _DEFAULTS["long_prefill_token_threshold"]
+    max_model_len: int | None = _DEFAULTS["max_model_len"]
+    preemption_mode: str = _DEFAULTS["preemption_mode"]
+    policy: str = _DEFAULTS["scheduling_policy"]
+    enable_prefix_caching: bool = not _DEFAULTS["no_prefix_caching"]
+    enable_chunked_prefill: bool = not _DEFAULTS["no_chunked_prefill"]
+    # ranks 1..N-1 run in spawned processes (services: one worker per rank)
+    tensor_parallel_size: int = _DEFAULTS["tensor_parallel_size"]
     progress: bool = True
 
 
@@ -61,16 +66,14 @@ class CompletedSample:
     finish_reason: str | None = None
 
 
-def engine_config_from_args(args: argparse.Namespace, progress: bool = True):
-    return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
-        enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
-        tensor_parallel_size=args.tensor_parallel_size, progress=progress)
+def engine_config_from_args(args: argparse.Namespace, progress: bool = True) -> EngineConfig:
+    """The engine's settings parsed by add_engine_args: the fields of the same name as they are,
+    the others renamed here."""
+    values = vars(args)
+    same = {name: values[name] for name in EngineConfig.__dataclass_fields__ if name in values}
+    return EngineConfig(**{**same, "policy": args.scheduling_policy,
+                           "enable_prefix_caching": not args.no_prefix_caching,
+                           "enable_chunked_prefill": not args.no_chunked_prefill, "progress": progress})
 
 
 class LLMEngine:
@@ -90,8 +93,8 @@ class LLMEngine:
         self.eos_token_ids = eos_ids(self.model_path, self.model_config, tokenizer)
         mc = self.model_config
         self.max_model_len = max_len = resolve_max_model_len(mc, config.max_model_len)
-        if config.max_num_batched_tokens is None:
-            config.max_num_batched_tokens = 512 if self.device.type == "cpu" else 2048
+        config.max_num_batched_tokens, long_prefill_token_threshold = settings.step_budgets(
+            config.max_num_batched_tokens, config.long_prefill_token_threshold, self.device.type)
         runner_kwargs = dict(model_config=mc, model_path=self.model_path, dtype=self.dtype, device=self.device,
                              block_size=config.block_size, max_model_len=max_len, eos_token_ids=self.eos_token_ids)
         self.ranks = None
@@ -115,9 +118,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
             num_cpu_blocks=num_host_blocks, enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
-            policy=config.policy, long_prefill_token_threshold=(
-                config.max_num_batched_tokens // 4 if config.long_prefill_token_threshold is None
-                else config.long_prefill_token_threshold)))
+            policy=config.policy, long_prefill_token_threshold=long_prefill_token_threshold))
         self.num_steps = 0
 
     def _on_all_ranks(self, method: str, *args):

@@ -120,15 +120,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
-    return ServiceConfig(
-        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory or "",
-        gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
-        preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
-        enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
-        max_waiting_requests=args.max_waiting_requests, worker_timeout_s=args.worker_timeout,
-        orphan_timeout_s=args.orphan_timeout, step_timeout_s=args.step_timeout, stall_timeout_s=args.stall_timeout)
+    """The scheduler's settings (pagedserve.common.settings, "scheduler") as a ServiceConfig: the
+    fields of the same name as they are, the others renamed here."""
+    values = vars(args)
+    same = {name: values[name] for name in ServiceConfig.__dataclass_fields__ if name in values}
+    return ServiceConfig(**{
+        **same, "kv_cache_memory": args.kv_cache_memory or "", "policy": args.scheduling_policy,
+        "enable_prefix_caching": not args.no_prefix_caching, "enable_chunked_prefill": not args.no_chunked_prefill,
+        "worker_timeout_s": args.worker_timeout, "orphan_timeout_s": args.orphan_timeout,
+        "step_timeout_s": args.step_timeout, "stall_timeout_s": args.stall_timeout})
 
 
 async def _serve(args: argparse.Namespace) -> int:

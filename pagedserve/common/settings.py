@@ -1,0 +1,361 @@
+"""Every setting of pagedserve, declared once (in the manner of vLLM's EngineArgs).
+
+A Setting is one command-line flag: its type, default, help, the environment variable that also
+sets it (PAGEDSERVE_ and the flag's name in capitals, dashes as underscores: --max-num-seqs is
+PAGEDSERVE_MAX_NUM_SEQS; the command line wins) and the services that take it:
+
+    engine      the in-process engine: generate, chat, the benches (no environment variables)
+    serve       the launcher, which hands each child the settings they both take (argv_for)
+    worker, scheduler, tokenizer, gateway     each service alone
+
+SETTINGS is the one table. Every parser takes its slice with add_settings(parser, service); the
+launcher builds its children's command lines with argv_for and their secrets' environment with
+secret_env; compose sets the same variables. A flag that means different things to different
+services (--port: 8000 on the gateway, 50060 on the scheduler) is declared once per meaning.
+
+Invariants (checked at import): a service never takes two settings of one name; every service
+named exists. The defaults computed from other settings (the step token budget by device, the
+long-prefill cap) are computed by step_budgets only. Standard library only: no torch here (the
+import-linter contract), since every service process builds its parser from this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.common.store import DEFAULT_PREFIX, DEFAULT_TTL_S
+
+SERVICES = ("engine", "serve", "worker", "scheduler", "tokenizer", "gateway")
+ENV_PREFIX = "PAGEDSERVE_"
+LOOPBACK = "127.0.0.1"
+DEFAULT_PORTS = {"http": 8000, "grpc": 50051, "tokenizer": 50052, "scheduler": 50060, "worker": 50061}
+
+
+# ---- the defaults computed from other settings -----------------------------------------------
+CPU_MAX_NUM_BATCHED_TOKENS = 512  # small steps mix prefill chunks into decodes (+8% on W64 over 2048)
+CUDA_MAX_NUM_BATCHED_TOKENS = 2048
+LONG_PREFILL_SHARE = 4  # one request prefills at most a quarter of the step budget per step
+
+
+def step_budgets(max_num_batched_tokens: int | None, long_prefill_token_threshold: int | None,
+                 device: str) -> tuple[int, int]:
+    """(max_num_batched_tokens, long_prefill_token_threshold) as configured, or their defaults:
+    the budget 512 on CPU and 2048 on CUDA (device: "cpu", "cuda", "cuda:0", a torch.device),
+    the threshold a quarter of the budget (0 stays 0: no cap)."""
+    budget = max_num_batched_tokens or (CUDA_MAX_NUM_BATCHED_TOKENS if str(device).startswith("cuda")
+                                        else CPU_MAX_NUM_BATCHED_TOKENS)
+    threshold = budget // LONG_PREFILL_SHARE if long_prefill_token_threshold is None else long_prefill_token_threshold
+    return budget, threshold
+
+
+# ---- the declaration ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    flag: str  # "--max-num-seqs"
+    services: frozenset[str]  # which of SERVICES take it (written as one space-separated string)
+    type: type = str  # int, float, str; bool: a switch (store_true)
+    default: Any = None
+    help: str = ""
+    choices: tuple | None = None
+    default_text: str | None = None  # how --help states a default the table leaves None (computed later)
+    group: str = ""  # its section of --help ("" or the service's own name: the main one)
+    many: bool = False  # repeatable; the value is a list
+    secret: bool = False  # the launcher hands it on by environment, never on a command line `ps` shows
+
+    def __post_init__(self) -> None:
+        if isinstance(self.services, str):
+            object.__setattr__(self, "services", frozenset(self.services.split()))
+        unknown = self.services - set(SERVICES)
+        if unknown or not self.services:
+            raise ValueError(f"{self.flag}: unknown services {sorted(unknown)}")
+        if self.choices is not None and self.default is not None and self.default not in self.choices:
+            raise ValueError(f"{self.flag}: default {self.default!r} is not among {self.choices}")
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return env_name(self.dest)
+
+    def help_text(self, with_env: bool) -> str:
+        text = self.help.replace("%", "%%")
+        if self.secret:
+            default = "none"
+        elif self.type is bool:
+            default = "off"
+        elif self.default is None or self.default == "":
+            default = self.default_text or ("unset" if self.default is None else "empty")
+        else:
+            default = "%(default)s"  # argparse's: the variable's value when one is set
+        env = ""
+        if with_env:
+            env = f"; env {self.env}" + ("=1" if self.type is bool else ", comma-separated" if self.many else "")
+        return f"{text} (default: {default}{env})" if text else f"(default: {default}{env})"
+
+
+def env_name(dest: str) -> str:
+    return ENV_PREFIX + dest.upper()
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (1/0, true/false, yes/no, on/off)")
+
+
+def _settings() -> tuple[Setting, ...]:
+    S = Setting
+    ports = DEFAULT_PORTS
+    internal = "address to bind (internal service: keep it private)"
+    return (
+        # ---- where each service listens and whom it calls ----------------------------------
+        S("--host", "serve gateway", default=LOOPBACK, help="address of the public APIs (HTTP and gRPC)"),
+        S("--host", "scheduler tokenizer worker", default=LOOPBACK, help=internal),
+        S("--port", "serve gateway", int, ports["http"], "HTTP port of the OpenAI-compatible API"),
+        S("--port", "scheduler", int, ports["scheduler"], "gRPC port of the scheduler"),
+        S("--port", "tokenizer", int, ports["tokenizer"], "gRPC port of the tokenizer"),
+        S("--port", "worker", int, ports["worker"], "gRPC port of this worker rank"),
+        S("--grpc-port", "serve gateway", int, ports["grpc"], "port of the public gRPC Generate API"),
+        S("--worker-addrs", "scheduler", default=f"{LOOPBACK}:{ports['worker']}",
+          help="comma-separated host:port of worker ranks 0..N-1"),
+        S("--tokenizer-addr", "gateway", default=f"{LOOPBACK}:{ports['tokenizer']}", help="the tokenizer's host:port"),
+        S("--scheduler-addr", "tokenizer gateway", default=f"{LOOPBACK}:{ports['scheduler']}",
+          help="the scheduler's host:port"),
+        S("--redis-url", "serve", help="use this Redis (redis://host:port/db, or 'memory': durability off)",
+          default_text="a private redis-server if one is on the PATH, else an in-process store"),
+        S("--redis-url", "scheduler", help="redis://host:port/db; 'memory': an in-process store",
+          default_text="an in-process store"),
+        S("--redis-url", "gateway", help="redis://host:port/db where the request records are; 'memory': none",
+          default_text="none: ask the scheduler"),
+        S("--redis-prefix", "scheduler gateway", default=DEFAULT_PREFIX, help="key prefix of the request records"),
+        S("--redis-ttl", "scheduler gateway", int, DEFAULT_TTL_S, "seconds a request record is kept"),
+        # ---- the launcher ------------------------------------------------------------------
+        S("--log-dir", "serve", help="write each service's output to LOG_DIR/<service>.log",
+          default_text="this terminal", group="launcher"),
+        S("--startup-timeout", "serve", float, 600.0,
+          "seconds each service may take to turn healthy (the worker loads the model)", group="launcher"),
+        S("--stop-timeout", "serve", float, 10.0, "seconds each service gets after SIGTERM before SIGKILL",
+          group="launcher"),
+        S("--max-restarts", "serve", int, 5,
+          "restart a service that dies (with backoff; if one tensor-parallel worker rank dies, all ranks "
+          "restart); more than this many restarts within --restart-window and everything stops. 0: stop "
+          "everything when any service dies", group="launcher"),
+        S("--restart-window", "serve", float, 300.0, "seconds (see --max-restarts)", group="launcher"),
+        S("--tls-cert", "serve", help="PEM certificate for TLS between the internal services",
+          default_text="plain TCP inside", group="launcher"),
+        S("--tls-key", "serve", help="its PEM private key", group="launcher"),
+        S("--tls-ca", "serve", help="PEM CA that signed every service's certificate (then clients must present "
+          "one too)", group="launcher"),
+        # ---- the engine ---------------------------------------------------------------------
+        S("--model", "engine serve worker tokenizer", help="HF model folder or .gguf file",
+          default_text="SmolLM2-135M-Instruct", group="engine"),
+        S("--device", "engine serve worker", default="auto", choices=("auto", "cpu", "cuda"),
+          help="where the model runs (auto: CUDA when there is one)", group="engine"),
+        S("--dtype", "engine serve worker", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+          help="auto: bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32", group="engine"),
+        S("--tensor-parallel-size", "engine serve worker", int, 1,
+          "ranks the model is split across (one worker process each; in process, ranks 1..N-1 are spawned)",
+          group="engine"),
+        S("--max-model-len", "engine serve worker scheduler", int, None, "longest prompt + output in tokens",
+          default_text="the model's", group="engine"),
+        S("--block-size", "engine serve scheduler", int, 16, "tokens per KV-cache block", group="engine"),
+        S("--kv-cache-memory", "engine serve scheduler", help="KV pool size: bytes or e.g. 512MiB, 2GiB",
+          default_text="2GiB on CPU; on CUDA what --gpu-memory-utilization leaves", group="engine"),
+        S("--gpu-memory-utilization", "engine serve scheduler", float, 0.9,
+          "share of the GPU's memory the worker may use (weights, activations, KV pool)", group="engine"),
+        S("--swap-space", "engine serve scheduler", default="1GiB", help="host pool for --preemption-mode swap",
+          group="engine"),
+        S("--max-num-seqs", "engine serve scheduler", int, 128, "most sequences in one step", group="engine"),
+        S("--max-num-batched-tokens", "engine serve scheduler", int, None,
+          "token budget of one step, prefill chunks and decodes together",
+          default_text=f"{CPU_MAX_NUM_BATCHED_TOKENS} on CPU, {CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA", group="engine"),
+        S("--long-prefill-token-threshold", "engine serve scheduler", int, None,
+          "most prompt tokens one request prefills per step (0: no cap)",
+          default_text=f"--max-num-batched-tokens / {LONG_PREFILL_SHARE}", group="engine"),
+        S("--preemption-mode", "engine serve scheduler", default="recompute", choices=("recompute", "swap"),
+          help="what happens to a preempted request's KV blocks", group="engine"),
+        S("--scheduling-policy", "engine serve scheduler", default="fcfs", choices=("fcfs", "priority"),
+          help="the order waiting requests are admitted in: arrival, or each request's priority", group="engine"),
+        S("--no-prefix-caching", "engine serve scheduler", bool, False, "do not share KV blocks of equal prefixes",
+          group="engine"),
+        S("--no-chunked-prefill", "engine serve scheduler", bool, False, "prefill each prompt in one step",
+          group="engine"),
+        # ---- the scheduler ------------------------------------------------------------------
+        S("--max-waiting-requests", "serve scheduler", int, 1024,
+          "bound on the waiting queue: beyond it requests get RESOURCE_EXHAUSTED (HTTP 429)", group="scheduler"),
+        S("--worker-timeout", "scheduler", float, 600.0, "seconds to wait for the workers to load and answer",
+          group="scheduler"),
+        S("--orphan-timeout", "scheduler", float, 60.0,
+          "after a restart, seconds a re-admitted request waits for its stream to re-attach before it is aborted",
+          group="scheduler"),
+        S("--step-timeout", "serve scheduler", float, 60.0,
+          "seconds a worker step may take before the rank counts as dead: the scheduler then waits for the "
+          "workers to come back and resumes every request by recompute", group="scheduler"),
+        S("--stall-timeout", "serve scheduler", float, 30.0,
+          "health turns NOT_SERVING when work is pending and no step completed for this long", group="scheduler"),
+        # ---- the tokenizer ------------------------------------------------------------------
+        S("--served-model-name", "serve tokenizer", help="the name clients pass as model",
+          default_text="the model folder's name", group="tokenizer"),
+        S("--scheduler-retry-timeout", "tokenizer", float, 120.0,
+          "seconds a stream waits for a restarted scheduler before it fails", group="tokenizer"),
+        # ---- a worker rank ------------------------------------------------------------------
+        S("--rank", "worker", int, 0, "this worker's rank in the tensor-parallel group"),
+        S("--dist-init-addr", "worker", help="host:port where the ranks meet (torch.distributed)",
+          default_text="MASTER_ADDR:MASTER_PORT"),
+        # ---- the gateway --------------------------------------------------------------------
+        S("--api-key", "serve gateway", many=True, secret=True, group="gateway",
+          help="require a bearer key; repeat for several"),
+        S("--api-key-file", "serve gateway", help="a file of accepted API keys, one a line (# comments)",
+          group="gateway"),
+        S("--cors-origins", "serve gateway", default="",
+          help="comma-separated origins allowed by CORS ('*' for any); empty: CORS off", group="gateway"),
+        S("--max-body-bytes", "serve gateway", int, 1 << 20, "larger request bodies get 413 (0: no limit)",
+          group="gateway"),
+        S("--max-n", "serve gateway", int, 16, "the largest n (samples per request)", group="gateway"),
+        S("--max-tokens-in-flight", "serve gateway", int, 0,
+          "bound on the sum of prompt + n * max_tokens of admitted requests; beyond it 429 (0: no bound)",
+          group="gateway"),
+        S("--rate-limit", "serve gateway", help="RPS[:BURST] requests per second per API key (per client address "
+          "without keys); beyond it 429 with Retry-After", default_text="no limit", group="gateway"),
+        S("--shutdown-timeout", "serve gateway", float, 30.0,
+          "on SIGTERM, seconds in-flight requests may take to finish (503 to new ones) before they are aborted",
+          group="gateway"),
+        S("--resume-grace", "serve gateway", float, 60.0,
+          "seconds a stream's request keeps running after its gateway died, for a resume "
+          "(GET /v1/requests/{id}/stream); 0: it is aborted at once", group="gateway"),
+    )
+
+
+SETTINGS: tuple[Setting, ...] = _settings()
+
+
+def settings_of(service: str) -> list[Setting]:
+    """The settings a service takes, in table order."""
+    if service not in SERVICES:
+        raise ValueError(f"unknown service {service!r}; one of {', '.join(SERVICES)}")
+    return [s for s in SETTINGS if service in s.services]
+
+
+def setting(service: str, dest: str) -> Setting:
+    for s in settings_of(service):
+        if s.dest == dest:
+            return s
+    raise KeyError(f"{service} takes no setting {dest!r}")
+
+
+def defaults(service: str) -> dict[str, Any]:
+    """dest -> default of every setting the service takes."""
+    return {s.dest: s.default for s in settings_of(service)}
+
+
+def shared(source: str, service: str) -> list[Setting]:
+    """The settings both take (same declaration, so same meaning): what `source` hands `service`."""
+    return [s for s in SETTINGS if source in s.services and service in s.services]
+
+
+def _check_table() -> None:
+    for service in SERVICES:
+        names = [s.dest for s in settings_of(service)]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"{service} takes two settings named {twice}")
+
+
+_check_table()
+
+
+# ---- parsers -----------------------------------------------------------------------------------
+ENV_EPILOG = (f"Every flag --some-flag is also read from the environment variable {ENV_PREFIX}SOME_FLAG "
+              "(the command line wins).")
+
+
+def add_settings(parser: argparse.ArgumentParser, service: str, with_env: bool = True) -> None:
+    """Add the service's flags to parser, grouped as the table says; with_env: --help names each
+    flag's variable (the caller then calls apply_env_defaults, as pagedserve.cli does)."""
+    groups: dict[str, Any] = {}
+    for s in settings_of(service):
+        title = "" if s.group in ("", service) else s.group
+        if title and title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        target = groups[title] if title else parser
+        kwargs: dict[str, Any] = {"default": s.default, "help": s.help_text(with_env)}
+        if s.type is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs.update(type=s.type, choices=s.choices, action="append" if s.many else "store")
+        target.add_argument(s.flag, **kwargs)
+    if with_env and not parser.epilog:
+        parser.epilog = ENV_EPILOG
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str] = os.environ) -> None:
+    """Every flag --some-flag also reads PAGEDSERVE_SOME_FLAG (the command line wins): the variable
+    becomes the flag's default. A value the flag would refuse raises ValueError naming both."""
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        name = env_name(action.dest)
+        value = environ.get(name)
+        if value is None:
+            continue
+        try:
+            action.default = _env_value(action, value)
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+            raise ValueError(f"{name}={value!r} is not a valid {action.option_strings[0]} ({exc})") from None
+
+
+def _env_value(action: argparse.Action, text: str) -> Any:
+    if isinstance(action, argparse._StoreTrueAction):
+        return parse_bool(text)
+    value = action.type(text) if action.type is not None else text
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"not one of {', '.join(map(str, action.choices))}")
+    return [value] if isinstance(action, argparse._AppendAction) else value
+
+
+# ---- handing settings on (the launcher) -----------------------------------------------------------
+def argv_for(service: str, values: Mapping[str, Any], source: str = "serve", skip: Iterable[str] = ()) -> list[str]:
+    """The flags that give `service` the values `source` holds for the settings both take, in table
+    order: each value that differs from the default (None: the service's default). Secrets never
+    (see secret_env), nor the dests in skip (those the caller sets itself)."""
+    skip = set(skip)
+    out: list[str] = []
+    for s in shared(source, service):
+        value = values.get(s.dest, s.default)
+        if s.secret or s.dest in skip or value is None or value == s.default:
+            continue
+        if s.type is bool:
+            if value:
+                out.append(s.flag)
+        elif s.many:
+            for item in value:
+                out += [s.flag, str(item)]
+        else:
+            out += [s.flag, str(value)]
+    return out
+
+
+def handed_on_env(service: str, source: str = "serve", skip: Iterable[str] = ()) -> set[str]:
+    """The variables of the settings argv_for hands on: the child's values are the source's, so a
+    variable left in the child's environment would only stand in for a default argv_for omitted."""
+    skip = set(skip)
+    return {s.env for s in shared(source, service) if not s.secret and s.dest not in skip}
+
+
+def secret_env(service: str, values: Mapping[str, Any], source: str = "serve") -> dict[str, str]:
+    """The secrets `source` hands `service`, as its environment variables (lists comma-joined)."""
+    out = {}
+    for s in shared(source, service):
+        value = values.get(s.dest)
+        if s.secret and value:
+            out[s.env] = ",".join(value) if isinstance(value, (list, tuple)) else str(value)
+    return out
