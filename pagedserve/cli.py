@@ -7,11 +7,11 @@ import argparse
 import importlib
 import json
 import logging
-import os
 import sys
 
 from pagedserve.common.engine_args import add_engine_args
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.settings import apply_env_defaults
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens",
                  "stop_token_ids", "n", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -161,7 +161,8 @@ def cmd_download(args: argparse.Namespace) -> int:
     return 0
 
 
-# Each service's flags live beside it (module.add_arguments); its heavy imports wait for main().
+# Each service's flags are its slice of pagedserve.common.settings (module.add_arguments); its
+# heavy imports wait for main(). Every flag --some-flag also reads PAGEDSERVE_SOME_FLAG.
 SERVICE_MODULES = {
     "serve": ("pagedserve.launcher.serve", "start every service on this machine (what `make serve` runs)"),
     "gateway": ("pagedserve.gateway.main", "the OpenAI-compatible REST API and the public gRPC API"),
@@ -171,30 +172,10 @@ SERVICE_MODULES = {
 }
 
 
-def apply_env_defaults(parser: argparse.ArgumentParser, environ=os.environ) -> None:
-    """Every flag --some-flag also reads PAGEDSERVE_SOME_FLAG (the command line wins)."""
-    for action in parser._actions:
-        if not action.option_strings or action.dest in ("help",):
-            continue
-        value = environ.get(f"PAGEDSERVE_{action.dest.upper()}")
-        if value is None:
-            continue
-        if isinstance(action, argparse._StoreTrueAction):
-            action.default = value.strip().lower() in ("1", "true", "yes", "on")
-        elif action.type is not None:
-            try:
-                action.default = action.type(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"PAGEDSERVE_{action.dest.upper()}={value!r} is not a valid "
-                                 f"{action.option_strings[0]}") from None
-        else:
-            action.default = value
-
-
 def add_service_parsers(sub) -> None:
     for name, (module_name, help_text) in SERVICE_MODULES.items():
         module = importlib.import_module(module_name)
-        service = sub.add_parser(name, help=help_text)
+        service = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(service)
         apply_env_defaults(service)
         service.set_defaults(func=module.main)
@@ -230,10 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedserve.launcher.processes import die_with_parent
+    from pagedserve.launcher.service_process import die_with_parent
     die_with_parent()  # a no-op unless started by ServiceProcess (serve, the tests)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except ValueError as exc:  # a PAGEDSERVE_* variable its flag refuses
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         code = args.func(args)
         return code if isinstance(code, int) else 0  # benches return their result dict

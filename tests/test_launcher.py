@@ -95,6 +95,55 @@ def test_every_engine_flag_reaches_a_service():
     assert [parse(argvs[f"worker{r}"]).rank for r in (0, 1)] == [0, 1]
 
 
+def test_every_gateway_setting_reaches_the_gateway_and_keys_go_by_environment(monkeypatch, tmp_path):
+    for key in [k for k in os.environ if k.startswith("PAGEDSERVE_")]:
+        monkeypatch.delenv(key)
+    keys = tmp_path / "keys"
+    keys.write_text("# ours\nsk-file\n")
+    cfg = serve_config("--api-key", "sk-1", "--api-key", "sk-2", "--api-key-file", str(keys), "--rate-limit", "5:10",
+                       "--max-tokens-in-flight", "4096", "--max-body-bytes", "2048", "--max-n", "3",
+                       "--cors-origins", "https://a.example", "--resume-grace", "7", "--shutdown-timeout", "4")
+    argvs = service_argvs(cfg, Ports([1], 2, 3), "memory")
+    g = parse(argvs["gateway"])
+    assert (g.api_key_file, g.rate_limit, g.max_tokens_in_flight, g.max_body_bytes, g.max_n) == (
+        str(keys), "5:10", 4096, 2048, 3)
+    assert (g.cors_origins, g.resume_grace, g.shutdown_timeout) == ("https://a.example", 7.0, 4.0)
+    assert g.api_key is None and "sk-" not in " ".join(arg for argv in argvs.values() for arg in argv)
+    assert service_env(cfg, "gateway", {})["PAGEDSERVE_API_KEY"] == "sk-1,sk-2"  # every key, none on a command line
+    for name in ("worker0", "scheduler", "tokenizer"):
+        assert not {"--rate-limit", "--max-n", "--api-key-file"} & set(argvs[name])
+    from pagedserve.launcher.processes import first_api_key
+    assert first_api_key(cfg.api_key, cfg.api_key_file) == "sk-1"
+    assert first_api_key(None, str(keys)) == "sk-file"
+
+
+def test_the_launchers_values_are_what_children_see():
+    """A setting the launcher hands on reaches the child as the launcher holds it: a value equal to
+    the default is left off the command line, so the variable that could override it is left out of
+    the child's environment; variables of settings the launcher does not take pass through."""
+    env = {"PAGEDSERVE_MAX_NUM_SEQS": "8", "PAGEDSERVE_MODEL": "/elsewhere", "PAGEDSERVE_REDIS_PREFIX": "t:",
+           "PAGEDSERVE_WORKER_TIMEOUT": "9", "PAGEDSERVE_API_KEY": "sk-env", "PATH": "/bin"}
+    cfg = StackConfig(max_num_seqs=128, model="/m", env=env)
+    scheduler = service_env(cfg, "scheduler", env)
+    assert "PAGEDSERVE_MAX_NUM_SEQS" not in scheduler and "--max-num-seqs" not in \
+        service_argvs(cfg, PORTS_1, "memory")["scheduler"]
+    assert scheduler["PAGEDSERVE_REDIS_PREFIX"] == "t:" and scheduler["PAGEDSERVE_WORKER_TIMEOUT"] == "9"
+    assert "PAGEDSERVE_MODEL" not in service_env(cfg, "worker0", env) and scheduler["PATH"] == "/bin"
+    assert service_env(cfg, "gateway", env)["PAGEDSERVE_API_KEY"] == "sk-env"  # no key given: left as it is
+
+
+PORTS_1 = Ports([7001], 7010, 7020)
+
+
+def test_stack_config_is_the_serve_slice_of_the_settings():
+    from pagedserve.common.settings import settings_of
+    assert set(StackConfig.__dataclass_fields__) == {s.dest for s in settings_of("serve")} | {"env"}
+    assert StackConfig().max_restarts == 0 and parse(["serve"]).max_restarts == 5  # in code: unsupervised
+    assert StackConfig(api_key="sk").api_key == "sk"
+    with pytest.raises(TypeError):
+        StackConfig(max_num_seq=4)  # a typo is an error, not a setting ignored
+
+
 def test_bad_tensor_parallel_size():
     with pytest.raises(ValueError, match="tensor-parallel-size"):
         service_argvs(StackConfig(tensor_parallel_size=0), Ports([], 1, 2), "memory")
