@@ -19,6 +19,7 @@ from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler
 from pagedserve.gateway.app import build_app
 from pagedserve.gateway.backend import Backend
 from pagedserve.gateway.grpc_api import GenerationService
+from pagedserve.gateway.limits import Limits
 
 MODEL = "fake-model"
 KEY = "sekret"
@@ -94,7 +95,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 class Stack:
     """Fakes on a thread-pool gRPC server; the gateway (uvicorn + grpc.aio) on its own loop thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: Limits | None = None) -> None:
         self.tokenizer, self.scheduler = FakeTokenizer(), FakeScheduler()
         self.fakes = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
         generate_pb2_grpc.add_TokenizerServicer_to_server(self.tokenizer, self.fakes)
@@ -102,7 +103,7 @@ class Stack:
         fake_port = self.fakes.add_insecure_port("127.0.0.1:0")
         self.fakes.start()
         self.port, self.grpc_port = free_port(), free_port()
-        self.backend = Backend(f"127.0.0.1:{fake_port}", f"127.0.0.1:{fake_port}", api_key=KEY)
+        self.backend = Backend(f"127.0.0.1:{fake_port}", f"127.0.0.1:{fake_port}", api_key=KEY, limits=limits)
         self.http = uvicorn.Server(uvicorn.Config(build_app(self.backend), host="127.0.0.1", port=self.port,
                                                   log_level="warning"))
         self.loop = asyncio.new_event_loop()
@@ -301,3 +302,29 @@ def test_public_grpc_api(stack):
         next(call)
         call.cancel()
         assert stack.tokenizer.cancelled.wait(5)
+
+
+def test_resume_records_in_redis_or_in_process():
+    import uuid
+
+    import redis
+
+    from pagedserve.common.store import MemoryStore, RedisStore
+    from pagedserve.gateway.resume_records import ResumeRecords
+
+    local = ResumeRecords(MemoryStore())  # no Redis: kept in this process
+    asyncio.run(local.save("cmpl-1", {"n": 2}))
+    assert local.local["cmpl-1"] == '{"n":2}' and asyncio.run(local.load("cmpl-1")) == {"n": 2}
+    assert asyncio.run(local.load("cmpl-2")) is None
+    prefix = f"pstest-{uuid.uuid4().hex[:8]}:"
+    shared = ResumeRecords(RedisStore("redis://127.0.0.1:6379/0", prefix, ttl_s=60))
+    asyncio.run(shared.save("cmpl-1", {"chat": True}))
+    assert not shared.local  # in Redis, where any gateway of the stack reads it
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/0", decode_responses=True)
+    try:
+        assert client.get(f"{prefix}gwresume:cmpl-1") == '{"chat":true}'
+        assert 0 < client.ttl(f"{prefix}gwresume:cmpl-1") <= 60
+        other = ResumeRecords(RedisStore("redis://127.0.0.1:6379/0", prefix, ttl_s=60))
+        assert asyncio.run(other.load("cmpl-1")) == {"chat": True}
+    finally:
+        client.delete(f"{prefix}gwresume:cmpl-1")

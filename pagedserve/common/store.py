@@ -6,6 +6,7 @@ Layout under the key prefix P (every key expires after the TTL):
   P out:<id>:<i>    list: output token ids of sample i
   P active          set: ids not finished (what a restarted scheduler re-admits)
   P idem:<key>      string: the request id an Idempotency-Key belongs to
+  P <name>          string: a small text kept by put_text (the gateway's gwresume:<id>)
 """
 
 from __future__ import annotations
@@ -80,6 +81,15 @@ class RequestStore(ABC):
     @abstractmethod
     def ping(self) -> bool: ...
 
+    def put_text(self, name: str, text: str) -> bool:
+        """Keep text under P<name> for the TTL, where other processes can read it; False when this
+        store keeps no such texts (the in-process store: no other process would see them)."""
+        return False
+
+    def get_text(self, name: str) -> str | None:
+        """The text put_text kept under P<name>; None when there is none."""
+        return None
+
 
 class RedisStore(RequestStore):
     def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, ttl_s: int = DEFAULT_TTL_S) -> None:
@@ -136,6 +146,13 @@ class RedisStore(RequestStore):
         if self.client.set(name, request_id, nx=True, ex=self.ttl_s):
             return request_id
         return self.client.get(name) or request_id
+
+    def put_text(self, name: str, text: str) -> bool:
+        self.client.set(f"{self.prefix}{name}", text, ex=int(self.ttl_s))
+        return True
+
+    def get_text(self, name: str) -> str | None:
+        return self.client.get(f"{self.prefix}{name}")
 
     def ping(self) -> bool:
         try:

@@ -1,30 +1,72 @@
 """The public gRPC Generation service: the same stream the tokenizer service produces, behind the
-gateway's API key and model check, with the gateway's receive stamp."""
+gateway's admission (admission.py, shared with the REST API: draining, API key, rate limit, --max-n,
+tokens in flight) and model check, with the gateway's receive stamp.
+
+The servicer translates protobuf only: a Refusal aborts the call with its gRPC status and message;
+a downstream error is passed on with its own status and details.
+Threads: runs on the serving event loop (shared with the REST API). Invariants: the downstream
+call is cancelled whenever the handler ends (client cancellation, deadline, error, or the end of
+the stream); a tokens-in-flight reservation is released then too.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
+from urllib.parse import unquote
 
 import grpc
 
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc
 from pagedserve.common.wire import params_from_proto
+from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 _UNBOUNDED = 2**31 - 1
 
 
+def peer_host(peer: str | None) -> str | None:
+    """The client's address without the port, as REST sees it: 'ipv4:1.2.3.4:5' -> '1.2.3.4',
+    'ipv6:[::1]:5' -> '::1'; any other peer (a unix socket) as it is."""
+    if not peer:
+        return None
+    kind, _, rest = unquote(peer).partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0].strip("[]") or rest
+    return peer
+
+
+def request_problem(request: generate_pb2.GenerateRequest,
+                    info: generate_pb2.ModelInfo) -> tuple[grpc.StatusCode, str] | None:
+    """What is wrong with a GenerateRequest for the served model (status and message), or None."""
+    if request.model and request.model != info.model:
+        return grpc.StatusCode.NOT_FOUND, f"the model {request.model!r} does not exist"
+    if not info.ready:
+        return grpc.StatusCode.UNAVAILABLE, "the model is loading"
+    if request.WhichOneof("input") is None:
+        return grpc.StatusCode.INVALID_ARGUMENT, "one of prompt, prompt_token_ids or chat is required"
+    try:
+        params_from_proto(request.params, default_max_tokens=_UNBOUNDED)
+    except ValueError as exc:
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return None
+
+
 class GenerationService(generate_pb2_grpc.GenerationServicer):
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
-    async def _check_key(self, context: grpc.aio.ServicerContext) -> None:
+    async def _admit(self, context: grpc.aio.ServicerContext, n: int | None = None) -> None:
+        """The shared admission, as REST does it for every /v1 request; n: Generate's samples."""
         metadata = {key.lower(): value for key, value in (context.invocation_metadata() or ())}
-        if not self.backend.key_ok(metadata.get("authorization")):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or wrong API key (metadata authorization: Bearer <key>)")
+        admission = self.backend.admission
+        try:
+            admission.admit(metadata.get("authorization"), peer_host(context.peer()))
+            if n is not None:
+                admission.check_n(n)
+        except Refusal as refusal:
+            await context.abort(refusal.grpc_code, refusal.message)
 
     async def _model_info(self, context: grpc.aio.ServicerContext) -> generate_pb2.ModelInfo:
         try:
@@ -35,48 +77,49 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         received = time.time()
-        if self.backend.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down")
-        await self._check_key(context)
+        n = request.params.n or 1
+        await self._admit(context, n)
         info = await self._model_info(context)
-        if request.model and request.model != info.model:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"the model {request.model!r} does not exist")
-        if not info.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading")
-        if request.WhichOneof("input") is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one of prompt, prompt_token_ids or chat is required")
-        try:
-            params_from_proto(request.params, default_max_tokens=_UNBOUNDED)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        problem = request_problem(request, info)
+        if problem is not None:
+            await context.abort(*problem)
 
         forward = generate_pb2.GenerateRequest()
         forward.CopyFrom(request)
         forward.request_id = request.request_id or "cmpl-" + uuid.uuid4().hex
         forward.timings.gateway_received = received
-        n = request.params.n or 1
-        tracker = self.backend.metrics.track(received)
+        max_tokens = request.params.max_tokens if request.params.HasField("max_tokens") else None
+        admission, tracker = self.backend.admission, self.backend.metrics.track(received)
         tracker.request_id = forward.request_id
         # The client's deadline goes downstream; its cancellation cancels this handler, whose
         # finally cancels the downstream call (the scheduler then aborts and frees the KV blocks).
         # context.write rather than yield: a generator suspended at a yield when the cancellation
         # lands would only run its finally whenever it is garbage-collected.
         call = self.backend.tokenizer.Generate(forward, timeout=context.time_remaining())
-        finished = False
+        finished, accepted, reserved = False, False, 0
         try:
             while (msg := await call.read()) is not grpc.aio.EOF:
                 tracker.on_message(msg)
+                if not accepted:  # the first message: the prompt is counted, so are the tokens in flight
+                    reserved = admission.reserve(msg.usage.prompt_tokens, n, max_tokens, info.max_model_len)
+                    accepted = True
                 await context.write(msg)
             finished = True
+        except Refusal as refusal:
+            finished = True
+            call.cancel()
+            await self.backend.abort(forward.request_id)
+            await context.abort(refusal.grpc_code, refusal.message)
         except grpc.RpcError as exc:
             finished = True
             await context.abort(exc.code(), exc.details() or "")
         finally:
             call.cancel()
+            admission.release(reserved)
             tracker.finish(n, cancelled=not finished)
 
     async def GetModelInfo(self, request: generate_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
-        await self._check_key(context)
+        await self._admit(context)
         return await self._model_info(context)
 
 

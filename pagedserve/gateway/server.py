@@ -65,15 +65,15 @@ async def drain(backend: Backend, timeout_s: float) -> int:
     """Refuse new requests (503), wait up to timeout_s for those in flight, abort the rest (their
     streams end with finish_reason "abort" and an error event saying the server shut down).
     Returns how many were aborted."""
-    backend.draining = True
+    backend.admission.draining = True
     deadline = time.monotonic() + max(0.0, timeout_s)
     while backend.inflight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     left = list(backend.inflight)
     if left:
         log.info("shutdown: %d requests still in flight after %g s; aborting them", len(left), timeout_s)
-        for generation in left:
-            generation.abort_for_shutdown()
+        for call in left:
+            call.abort_for_shutdown()
         flush_until = time.monotonic() + DRAIN_FLUSH_S
         while backend.inflight and time.monotonic() < flush_until:
             await asyncio.sleep(0.05)
@@ -130,8 +130,8 @@ async def _serve(args) -> int:
             await asyncio.wait({drainer, stop_task}, return_when=asyncio.FIRST_COMPLETED)
             if not drainer.done():
                 drainer.cancel()
-                for generation in list(backend.inflight):
-                    generation.abort_for_shutdown()
+                for call in list(backend.inflight):
+                    call.abort_for_shutdown()
     except SystemExit as exc:
         code = int(exc.code or 1)
     finally:

@@ -1,0 +1,153 @@
+"""Admission: whether this gateway takes a request, decided in one place for both front ends, the
+REST API (http_gate.py, completion_call.py) and the public gRPC API (grpc_api.py).
+
+A refusal is a `Refusal`: the OpenAI-style error REST answers (HTTP status, type, code, headers
+such as Retry-After) together with the gRPC status the gRPC API aborts with, and one message for
+both, so the two front ends refuse alike. The checks, in the order a request meets them:
+
+  admit(authorization, client)   before the request is read or any service is asked:
+      the gateway is draining                  503 server_shutting_down    UNAVAILABLE
+      the API key is missing or wrong          401 invalid_api_key         UNAUTHENTICATED
+      over the rate (per API key; per client
+      address when no keys are configured)     429 rate_limit_exceeded     RESOURCE_EXHAUSTED
+  check_body_size(size)          REST only, on /v1 POSTs (gRPC has its own message size limit):
+      over --max-body-bytes                    413 request_too_large       RESOURCE_EXHAUSTED
+  check_n(n)                     once the request is parsed:
+      n over --max-n                           400 (param n)               INVALID_ARGUMENT
+  reserve(prompt, n, max_tokens, max_model_len)  once the tokenizer counted the prompt:
+      prompt + n * max_tokens over
+      --max-tokens-in-flight                   429 too_many_tokens_in_flight RESOURCE_EXHAUSTED
+    the caller release()s what reserve() returned when the request leaves the gateway.
+
+Threads: every method runs on the gateway's one asyncio loop (the REST and gRPC servers share
+it) and none awaits, so the state needs no lock.
+Invariants: tokens_in_flight is the sum of the reservations not yet released, never below 0; a
+request alone is always admitted whatever its size; API keys are compared in constant time (every
+key, so the time does not tell which matched) and never logged; the rate limiter keeps a digest
+of each key, never the key.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import grpc
+
+from pagedserve.gateway.limits import Limits, RateLimiter, retry_after
+from pagedserve.gateway.protocol import RequestError
+
+SHUTTING_DOWN_MESSAGE = ("the server is shutting down; retry on another gateway (a stream resumes with "
+                         "GET /v1/requests/{id}/stream)")
+BAD_API_KEY_MESSAGE = "Incorrect or missing API key (Authorization: Bearer <key>)."
+
+
+class Refusal(RequestError):
+    """A request the gateway does not take: a RequestError (REST renders it as it renders any,
+    status, {"error": ...} body and headers) that also names the gRPC status it maps to."""
+
+    def __init__(self, status: int, grpc_code: grpc.StatusCode, message: str, type: str, code: str | None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(status, message, param, type, code, headers)
+        self.grpc_code = grpc_code
+
+
+def shutting_down() -> Refusal:
+    return Refusal(503, grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN_MESSAGE, "service_unavailable",
+                   "server_shutting_down", headers={"Retry-After": "5"})
+
+
+def bad_api_key() -> Refusal:
+    return Refusal(401, grpc.StatusCode.UNAUTHENTICATED, BAD_API_KEY_MESSAGE, "invalid_request_error",
+                   "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def rate_limited(rate: tuple[float, float], wait_s: float) -> Refusal:
+    rps, burst = rate
+    return Refusal(429, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   f"rate limit exceeded: at most {rps:g} requests/s (burst {burst:g}) per API key",
+                   "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": retry_after(wait_s)})
+
+
+def body_too_large(limit: int) -> Refusal:
+    return Refusal(413, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   f"the request body exceeds --max-body-bytes ({limit} bytes)", "invalid_request_error",
+                   "request_too_large", headers={})
+
+
+def too_many_samples(n: int, max_n: int) -> Refusal:
+    return Refusal(400, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"n={n} exceeds the limit of {max_n} samples per request (--max-n)", "invalid_request_error",
+                   None, param="n")
+
+
+def too_many_tokens(needed: int, taken: int, bound: int) -> Refusal:
+    return Refusal(429, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   f"too many tokens in flight at this gateway: this request needs {needed} (prompt + n * "
+                   f"max_tokens), {taken} of {bound} are taken (--max-tokens-in-flight)",
+                   "rate_limit_error", "too_many_tokens_in_flight", headers={"Retry-After": "1"})
+
+
+class Admission:
+    """The gateway's admission state (draining, rate buckets, tokens in flight) and its checks;
+    each check raises a Refusal or lets the request on."""
+
+    def __init__(self, api_keys: str | list[str] | None = None, limits: Limits | None = None) -> None:
+        keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or [])
+        # Several keys may be valid; each is compared in constant time (and never logged).
+        self.api_keys: list[bytes] = [k.strip().encode() for k in keys if k and k.strip()]
+        self.limits = limits or Limits()
+        self.rate_limiter = RateLimiter(*self.limits.rate_limit) if self.limits.rate_limit else None
+        self.draining = False     # set once by the drain on SIGTERM; never cleared
+        self.tokens_in_flight = 0  # the sum of the admitted requests' prompt + n * max_tokens
+
+    def key_ok(self, authorization: str | None) -> bool:
+        if not self.api_keys:
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        given = token.strip().encode()
+        ok = False
+        for key in self.api_keys:  # every key compared: the time does not tell which one matched
+            ok |= hmac.compare_digest(given, key)
+        return ok and scheme.lower() == "bearer"
+
+    def admit(self, authorization: str | None, client: str | None) -> None:
+        """The caller's checks: draining, the API key, then one request off its rate bucket.
+        authorization: the Authorization header (metadata on gRPC); client: its address (host)."""
+        if self.draining:
+            raise shutting_down()
+        if not self.key_ok(authorization):
+            raise bad_api_key()
+        if self.rate_limiter is not None:
+            key = (authorization or "").partition(" ")[2].strip() if self.api_keys else None
+            wait = self.rate_limiter.check(RateLimiter.identity(key, client))
+            if wait > 0:
+                raise rate_limited(self.limits.rate_limit, wait)
+
+    def check_body_size(self, size: int) -> None:
+        limit = self.limits.max_body_bytes
+        if limit > 0 and size > limit:
+            raise body_too_large(limit)
+
+    def check_n(self, n: int) -> None:
+        if n > self.limits.max_n:
+            raise too_many_samples(n, self.limits.max_n)
+
+    def reserve(self, prompt_tokens: int, n: int, max_tokens: int | None, max_model_len: int) -> int:
+        """Count the request's prompt + n * max_tokens in flight (max_tokens None: up to the
+        context); returns the count to release() later."""
+        if max_tokens is None:
+            max_tokens = max(0, max_model_len - prompt_tokens)
+        needed = prompt_tokens + n * min(max_tokens, max_model_len)
+        if not self.reserve_tokens(needed):
+            raise too_many_tokens(needed, self.tokens_in_flight, self.limits.max_tokens_in_flight)
+        return needed
+
+    def reserve_tokens(self, tokens: int) -> bool:
+        bound = self.limits.max_tokens_in_flight
+        if bound > 0 and self.tokens_in_flight > 0 and self.tokens_in_flight + tokens > bound:
+            return False
+        self.tokens_in_flight += tokens
+        return True
+
+    def release(self, tokens: int) -> None:
+        self.tokens_in_flight = max(0, self.tokens_in_flight - tokens)

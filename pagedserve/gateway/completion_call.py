@@ -1,0 +1,354 @@
+"""One REST completions or chat call (or a resumed stream), from admission to its end:
+`CompletionCall` checks and forwards the request to the tokenizer's Generate stream, waits for
+it to be accepted (errors until then are plain HTTP errors), then answers with SSE (`stream`) or
+one JSON body collected to the end.
+
+Lifecycle and its invariants:
+  - accepted: the tokenizer's first message came; the call is in backend.inflight (the drain
+    waits for it) and holds its tokens-in-flight reservation (admission.reserve);
+  - ended, exactly once (`end`): the metrics tracker is finished, the call leaves
+    backend.inflight and its reservation is released, whether it ran to its end, failed, timed
+    out, was left by its client or was aborted by the drain;
+  - a client that leaves an unfinished call aborts its request at the scheduler, unless another
+    stream shares the request (an idempotent retry, a resume): then the tokenizer's resume grace
+    ends it if nobody comes back;
+  - a timeout that passes aborts the request (its KV blocks are freed), in-band for a stream
+    (the headers are gone) and as a 504 otherwise.
+Threads: everything runs on the serving event loop; aborts whose answer nobody waits for run as
+background tasks (spawn), kept referenced until done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedserve.v1 import generate_pb2
+from pagedserve.gateway.admission import Refusal
+from pagedserve.gateway.backend import Backend, rpc_error
+from pagedserve.gateway.metrics import RequestTracker
+from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
+                                         completion_to_generate, error_body, include_usage)
+from pagedserve.gateway.responses import ChunkBuilder, Collector
+from pagedserve.gateway.sse import DONE, CancellingStream, Cursor, ResumeSkip, sse_event
+
+# The tokenizer keeps a stream's request running this long after its caller vanished without
+# aborting it (this gateway died), so that the client can resume it from another gateway.
+RESUME_GRACE_METADATA = "pagedserve-resume-grace"
+SHUTDOWN_MESSAGE = "the server is shutting down: the request was aborted after --shutdown-timeout"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+log = logging.getLogger("pagedserve.gateway")
+
+_background: set[asyncio.Task] = set()
+
+
+def spawn(coro) -> None:
+    """Run coro in the background, referenced until it is done."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def _watch_disconnect(receive, on_disconnect: Callable[[], None]) -> None:
+    # After the body is read, receive() only returns once the client went away (or the response
+    # is complete, when this task is cancelled anyway).
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    on_disconnect()
+
+
+class CompletionCall:
+    """One completions/chat call (or a resumed stream): accepted before headers, then streamed
+    or collected."""
+
+    def __init__(self, backend: Backend, request: Request, chat: bool,
+                 body: CompletionRequest | ChatCompletionRequest | None) -> None:
+        self.backend, self.request, self.chat, self.body = backend, request, chat, body
+        self.received = time.time()
+        self.tracker: RequestTracker | None = backend.metrics.track(self.received)
+        self.call = None
+        self.client_gone = False
+        self.finished = False
+        self.shutdown = False  # aborted by the gateway's drain
+        self.reserved = 0      # tokens counted in the admission's tokens_in_flight
+        self.request_id = ""
+        # Another stream may share the request (an idempotent retry, a resume): then a client that
+        # leaves does not abort it; the tokenizer's resume grace ends it if nobody is left.
+        self.shared = False
+        self.n = 1  # a resume learns its n from the record; until then (or when there is none) one sample
+        if body is not None:
+            self.n, self.stream = body.n, body.stream
+            self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+            self.echo = not chat and body.echo
+            self.usage, self.timings = include_usage(body), body.timings
+
+    def _metadata(self):
+        grace = self.backend.limits.resume_grace_s
+        return ((RESUME_GRACE_METADATA, f"{grace:g}"),) if self.stream and grace > 0 else None
+
+    def _timeout(self) -> float | None:
+        timeout = getattr(self.body, "timeout", None)
+        if timeout is None:
+            return None
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+            raise RequestError(400, f"timeout must be a positive number of seconds, got {timeout!r}", "timeout")
+        return float(timeout)
+
+    async def start(self) -> Response:
+        body, backend = self.body, self.backend
+        backend.admission.check_n(body.n)
+        timeout = self._timeout()
+        info = await backend.served_model(body.model)
+        gen = chat_to_generate(body) if self.chat else completion_to_generate(body)
+        if gen.params.HasField("max_tokens") and gen.params.max_tokens > info.max_model_len:
+            name = "max_completion_tokens" if self.chat and body.max_completion_tokens is not None else "max_tokens"
+            raise RequestError(400, f"{name}={gen.params.max_tokens} exceeds the model's maximum context length "
+                               f"of {info.max_model_len} tokens", name)
+        request_id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        key = self.request.headers.get("idempotency-key")
+        if key:
+            # A retried POST attaches to the first one's generation and replays it from the start.
+            request_id = await backend.claim_idempotency_key(key, request_id)
+            self.shared = True
+        gen.request_id = request_id
+        self.tracker.request_id = request_id
+        gen.timings.gateway_received = self.received
+        self.model, self.request_id, self.created = info.model, request_id, int(self.received)
+        if self.stream:
+            await backend.resume_records.save(request_id, {
+                "chat": self.chat, "model": info.model, "created": self.created, "n": body.n,
+                "logprobs": self.logprobs, "usage": self.usage, "timings": self.timings,
+                "stop": list(gen.stop), "include_stop_str_in_output": gen.include_stop_str_in_output,
+                "skip_special_tokens": gen.skip_special_tokens})
+
+        self.call = backend.tokenizer.Generate(gen, timeout=timeout, metadata=self._metadata())
+        first = await self._first()
+        max_tokens = gen.params.max_tokens if gen.params.HasField("max_tokens") else None
+        try:
+            self.reserved = backend.admission.reserve(first.usage.prompt_tokens, body.n, max_tokens,
+                                                      info.max_model_len)
+        except Refusal:
+            self.end()
+            self.call.cancel()
+            await backend.abort(request_id)
+            raise
+        return await self._respond(first)
+
+    async def resume(self, request_id: str, last_event_id: str | None, after: str | None) -> Response:
+        """GET /v1/requests/{id}/stream: replay the request from the start through the tokenizer
+        (it re-attaches at the scheduler, which replays from Redis and goes on live), dropping what
+        the client already has."""
+        backend = self.backend
+        cursor_text = last_event_id if last_event_id not in (None, "") else after
+        skip = None
+        if cursor_text not in (None, ""):
+            try:
+                tokens, chars, done = Cursor.parse(cursor_text)
+            except ValueError:
+                raise RequestError(400, f"cannot parse the stream position {cursor_text!r}: want the SSE event id "
+                                   "(T:C[,T:C...]) in Last-Event-ID, or ?after=T (tokens)",
+                                   "Last-Event-ID" if last_event_id else "after") from None
+            if last_event_id in (None, ""):
+                chars = [None] * len(tokens)
+        record = await backend.get_record(request_id)
+        meta = await backend.resume_records.load(request_id) or {}
+        n = int(meta.get("n") or len(record.outputs) or record.params.n or 1)
+        self.chat = bool(meta.get("chat", request_id.startswith("chatcmpl-")))
+        self.n, self.stream, self.logprobs, self.echo = n, True, bool(meta.get("logprobs")), False
+        self.usage, self.timings = bool(meta.get("usage")), False
+        info = await backend.model_info()
+        self.model, self.created = meta.get("model") or info.model, int(meta.get("created") or self.received)
+        self.request_id = self.tracker.request_id = request_id
+        self.shared = True
+        gen = generate_pb2.GenerateRequest(request_id=request_id, params=record.params,
+                                           stop=list(meta.get("stop") or []),
+                                           include_stop_str_in_output=bool(meta.get("include_stop_str_in_output")),
+                                           skip_special_tokens=bool(meta.get("skip_special_tokens", True)))
+        gen.prompt_token_ids.ids.extend(record.prompt_token_ids)
+        if cursor_text not in (None, ""):
+            tokens += [0] * (n - len(tokens))
+            chars += [0] * (n - len(chars))
+            done += [False] * (n - len(done))
+            skip = ResumeSkip(backend.tokenizer, tokens, chars, done, gen.skip_special_tokens)
+        self.call = backend.tokenizer.Generate(gen, metadata=self._metadata())
+        first = await self._first()
+        return await self._respond(first, skip)
+
+    async def _first(self) -> generate_pb2.GenerateResponse:
+        try:
+            first = await self.call.read()
+        except grpc.RpcError as exc:
+            self.end()
+            raise rpc_error(exc) from exc
+        except BaseException:
+            self.end()
+            self.call.cancel()
+            raise
+        if first is grpc.aio.EOF:
+            self.end()
+            raise RequestError(500, "the tokenizer service ended the stream before accepting the request",
+                               type="server_error")
+        self.backend.inflight.add(self)
+        return first
+
+    async def _respond(self, first, skip: ResumeSkip | None = None) -> Response:
+        headers = {"x-request-id": self.request_id}
+        if self.stream:
+            return CancellingStream(self._stream(first, skip), self._closed, {**headers, **SSE_HEADERS})
+        return JSONResponse(await self._collect(first), headers=headers)
+
+    def end(self, cancelled: bool = False) -> None:
+        """Once: the request leaves this gateway's books."""
+        if self.tracker is not None:
+            self.tracker.finish(self.n, cancelled=cancelled)
+            self.tracker = None
+        self.backend.inflight.discard(self)
+        self.backend.admission.release(self.reserved)
+        self.reserved = 0
+
+    def _closed(self) -> None:
+        """The response ended: a stream not run to its end was left by its client, so its request
+        is aborted here (the tokenizer would otherwise keep it for a resume)."""
+        if not self.finished and self.call is not None:
+            self.client_gone = True
+            if self.request_id and not self.shared:
+                spawn(self.backend.abort(self.request_id))
+        if self.call is not None:
+            self.call.cancel()
+        self.end(cancelled=not self.finished)
+
+    def abort_for_shutdown(self) -> None:
+        """The drain gave up waiting: abort the request; its stream ends with an error event."""
+        self.shutdown = True
+        spawn(self.backend.abort(self.request_id))
+
+    def _disconnected(self) -> None:
+        self.client_gone = True
+        self.call.cancel()
+
+    async def _read(self) -> generate_pb2.GenerateResponse | None:
+        msg = await self.call.read()
+        if msg is grpc.aio.EOF:
+            return None
+        if self.tracker is not None:
+            self.tracker.on_message(msg)
+        return msg
+
+    async def _stream(self, first: generate_pb2.GenerateResponse, skip: ResumeSkip | None = None) -> AsyncIterator[str]:
+        builder = ChunkBuilder(self.chat, self.request_id, self.model, self.created, self.n, self.logprobs,
+                               echo=self.echo and skip is None)
+        cursor = Cursor(self.n)
+        usage, tracker = self.usage, self.tracker
+        try:
+            chunks = builder.add(first)
+            if skip is None:  # a resumed stream's client has had the role (chat) or echo chunks
+                for chunk in chunks:
+                    yield sse_event(chunk, cursor.event_id())
+            while (msg := await self._read()) is not None:
+                cursor.grow(msg.index)
+                send = await skip.apply(msg, cursor) if skip is not None else msg
+                cursor.advance(msg)
+                if send is None:
+                    builder.usage.add(msg)
+                    continue
+                chunks = builder.add(send)
+                if send.text and chunks and tracker is not None:
+                    tracker.streamed()
+                if self.timings and not usage and chunks and msg.finish_reason and tracker is not None \
+                        and tracker.all_finished(self.n):
+                    chunks[-1]["timings"] = tracker.timings_object()
+                for chunk in chunks:
+                    yield sse_event(chunk, cursor.event_id())
+            if usage:
+                chunk = builder.usage_chunk()
+                if self.timings and tracker is not None:
+                    chunk["timings"] = tracker.timings_object()
+                yield sse_event(chunk, cursor.event_id())
+            if self.shutdown:
+                yield sse_event(error_body(SHUTDOWN_MESSAGE, "service_unavailable", None, "server_shutdown"))
+            self.finished = True
+            yield DONE
+        except grpc.RpcError as exc:
+            # Headers are gone: report in-band, as vLLM does (the openai client raises on it).
+            self.finished = True
+            error = rpc_error(exc)
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                error.message = f"the request's timeout passed: it was aborted ({error.message})"
+                spawn(self.backend.abort(self.request_id))
+            yield sse_event(error_body(error.message, error.type, error.param, error.code))
+            yield DONE
+        finally:
+            self.call.cancel()
+            self.end(cancelled=not self.finished)
+
+    async def _collect(self, first: generate_pb2.GenerateResponse) -> dict:
+        collector = Collector(self.n)
+        collector.add(first)
+        watcher = asyncio.create_task(_watch_disconnect(self.request.receive, self._disconnected))
+        try:
+            while (msg := await self._read()) is not None:
+                collector.add(msg)
+        except (grpc.RpcError, asyncio.CancelledError) as exc:
+            self.end(cancelled=self.client_gone)
+            if self.client_gone:
+                # Nobody is listening; answer something short rather than raise into the server.
+                raise RequestError(499, "client closed the request", type="client_closed") from None
+            if isinstance(exc, grpc.RpcError):
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    spawn(self.backend.abort(self.request_id))
+                    raise RequestError(504, "the request's timeout passed: it was aborted", "timeout", "timeout",
+                                       "timeout") from exc
+                raise rpc_error(exc) from exc
+            raise
+        finally:
+            watcher.cancel()
+            self.call.cancel()
+        tracker = self.tracker
+        out_timings = tracker.timings_object() if self.timings and tracker is not None else None
+        self.end()
+        body = self.body
+        if self.chat:
+            out = collector.chat(self.request_id, self.model, self.created, bool(body.logprobs))
+        else:
+            out = collector.completion(self.request_id, self.model, self.created, body.logprobs is not None,
+                                       body.echo)
+        if out_timings is not None:
+            out["timings"] = out_timings
+        return out
+
+
+async def run_completion(backend: Backend, request: Request, chat: bool,
+                         body: CompletionRequest | ChatCompletionRequest) -> Response:
+    """POST /v1/completions and /v1/chat/completions; any failure before the headers is an HTTP error."""
+    try:
+        return await CompletionCall(backend, request, chat, body).start()
+    except RequestError:
+        raise
+    except grpc.RpcError as exc:
+        raise rpc_error(exc) from exc
+    except Exception as exc:
+        log.exception("generation failed")
+        raise RequestError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error") from exc
+
+
+async def resume_stream(backend: Backend, request: Request, request_id: str, last_event_id: str | None,
+                        after: str | None) -> Response:
+    """GET /v1/requests/{id}/stream."""
+    call = CompletionCall(backend, request, request_id.startswith("chatcmpl-"), None)
+    try:
+        return await call.resume(request_id, last_event_id, after)
+    except RequestError:
+        call.end()
+        raise
+    except grpc.RpcError as exc:
+        call.end()
+        raise rpc_error(exc) from exc

@@ -1,0 +1,99 @@
+"""The REST API's gate: a pure ASGI middleware in front of every route. On /v1 paths it asks the
+shared admission (admission.py: draining, API key, rate limit) and checks the body size; it
+counts every response by endpoint and status (pagedserve:http_requests_total).
+
+It must not wrap `receive` on the way through (a route watching for the client's disconnect
+reads it), except to hand on a body it had to read itself: a POST without Content-Length is read
+here up to --max-body-bytes and replayed to the route.
+Threads: runs on the serving event loop, like every route.
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from pagedserve.gateway.admission import Refusal
+from pagedserve.gateway.backend import Backend
+
+# Paths that answer without the API key: probes and scrapers do not carry one.
+OPEN_PATHS = ("/health", "/metrics")
+KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/engine/stats", "/health",
+                   "/metrics", "/dashboard")
+BODY_METHODS = ("POST", "PUT", "PATCH")
+
+
+def endpoint_label(path: str) -> str:
+    """The endpoint label of the HTTP counter: a bounded set, whatever paths clients send."""
+    if path in KNOWN_ENDPOINTS:
+        return path
+    return "/v1/requests/{id}" if path.startswith("/v1/requests/") else "other"
+
+
+class HttpGate:
+    """ASGI middleware: admission on /v1 paths (but OPEN_PATHS), responses counted everywhere."""
+
+    def __init__(self, app, backend: Backend) -> None:
+        self.app, self.backend = app, backend
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        label = endpoint_label(scope["path"])
+        http = self.backend.metrics.http
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                http.labels(label, str(message["status"])).inc()
+            await send(message)
+
+        if scope["path"].startswith("/v1") and scope["path"] not in OPEN_PATHS:
+            admission = self.backend.admission
+            headers = dict(scope.get("headers") or [])
+            client = scope.get("client")
+            try:
+                admission.admit(headers.get(b"authorization", b"").decode("latin-1"), client[0] if client else None)
+                limit = admission.limits.max_body_bytes
+                if limit > 0 and scope.get("method") in BODY_METHODS:
+                    length = headers.get(b"content-length")
+                    if length is None:
+                        # No Content-Length (chunked): read the body here, up to the limit.
+                        size, receive = await buffer_body(receive, limit)
+                    else:
+                        try:
+                            size = int(length)
+                        except ValueError:
+                            size = 0  # a malformed length is not refused here
+                    admission.check_body_size(size)
+            except Refusal as refusal:
+                response = JSONResponse(refusal.body(), status_code=refusal.status, headers=refusal.headers)
+                await response(scope, receive, counting_send)
+                return
+        await self.app(scope, receive, counting_send)
+
+
+async def buffer_body(receive, limit: int):
+    """(size, receive): the bytes read, reading no further once over `limit` (then `receive`
+    itself is handed back), else a receive that hands the whole body on, then defers to `receive`."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            return size, receive
+        if not message.get("more_body"):
+            break
+    body = b"".join(chunks)
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return size, replay
