@@ -1,7 +1,7 @@
 """Scheduler, driven step by step by a fake worker (no torch).
 
-The fake worker keeps its own state from the SchedulerOutput deltas only, exactly as the real
-ModelRunner does (finished ids, swaps, copies, new and cached request data), and simulates the KV
+The fake worker keeps its own state from the SchedulerOutput deltas only, with the real
+ModelRunner's own bookkeeping (pagedserve.worker.request_states), and simulates the KV
 cache slot by slot: each computed position writes a key naming the token prefix it was computed
 from, and every scheduled request checks that all its earlier positions read back their own keys.
 "Sampling" is a deterministic function of the token ids, so every request's output is known in
@@ -10,7 +10,7 @@ advance and must not depend on pool size, preemption mode, prefix caching or chu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -20,6 +20,7 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler.core.block_manager import cdiv
 from pagedserve.scheduler.core.request import Request, RequestStatus
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.worker.request_states import RequestStates
 
 
 def next_token(token_ids: list[int], sample_index: int = 0) -> int:
@@ -49,32 +50,30 @@ def make_request(req_id: str, prompt: list[int], max_tokens: int = 8, n: int = 1
 
 # ---- the fake worker ----------------------------------------------------------------------------
 
-@dataclass
-class WorkerState:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    sample_index: int
-    child_req_ids: list[str]
-    keys: list = field(default_factory=list)
-
-    def key(self, pos: int):
-        while len(self.keys) <= pos:
-            prev = self.keys[-1] if self.keys else None
-            self.keys.append(hash((prev, self.token_ids[len(self.keys)])))
-        return self.keys[pos]
+def prefix_key(token_ids: list[int], pos: int, cache: list) -> object:
+    """A key naming token_ids[:pos + 1]: what the KV at position pos was computed from."""
+    while len(cache) <= pos:
+        prev = cache[-1] if cache else None
+        cache.append(hash((prev, token_ids[len(cache)])))
+    return cache[pos]
 
 
 class FakeWorker:
+    """Keeps the worker's request state with the model runner's own bookkeeping (RequestStates),
+    and a simulated KV cache slot by slot."""
+
     def __init__(self, sched: Scheduler, check_kv: bool = True) -> None:
         self.sched = sched
         self.bs = sched.config.block_size
         self.check_kv = check_kv
-        self.requests: dict[str, WorkerState] = {}
+        self.requests = RequestStates()
+        self.keys: dict[str, list] = {}  # req_id -> prefix keys by position
         self.kv: dict[tuple[int, int], object] = {}  # (device block, offset) -> key
         self.host: dict[tuple[int, int], object] = {}
         self.kv_errors: list[str] = []
+
+    def key(self, state, pos: int):
+        return prefix_key(state.token_ids, pos, self.keys.setdefault(state.req_id, []))
 
     def _copy(self, src_map, src, dst_map, dst):
         for off in range(self.bs):
@@ -83,11 +82,7 @@ class FakeWorker:
             else:
                 dst_map.pop((dst, off), None)
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        sched = self.sched
-        for req_id in out.finished_req_ids:
-            assert req_id in self.requests, f"told to drop {req_id!r}, which the worker never had"
-            del self.requests[req_id]
+    def _block_ops(self, out: SchedulerOutput) -> None:
         # Swap-outs first (their device blocks may be reused this step), then swap-ins, then copies.
         for dev, host in out.blocks_to_swap_out:
             self._copy(self.kv, dev, self.host, host)
@@ -96,23 +91,20 @@ class FakeWorker:
         for src, dst in out.blocks_to_copy:
             assert src != dst
             self._copy(self.kv, src, self.kv, dst)
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        sched = self.sched
+        for req_id in out.finished_req_ids:
+            assert req_id in self.requests, f"told to drop {req_id!r}, which the worker never had"
+            self.keys.pop(req_id, None)
         for new in out.new_requests:
             assert new.req_id not in self.requests, f"{new.req_id} sent as new twice"
-            self.requests[new.req_id] = WorkerState(
-                list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.num_computed_tokens,
-                new.sample_index, list(new.child_req_ids))
+            self.keys.pop(new.req_id, None)
         for cached in out.cached_requests:
             assert cached.req_id in self.requests, f"delta for {cached.req_id}, unknown to the worker"
-            state = self.requests[cached.req_id]
-            if cached.block_ids is not None:
-                if cached.new_block_ids:
-                    assert cached.block_ids[-len(cached.new_block_ids):] == cached.new_block_ids
-                state.block_ids = list(cached.block_ids)
-                continue
-            if cached.replaced_block is not None:
-                index, block_id = cached.replaced_block
-                state.block_ids[index] = block_id
-            state.block_ids.extend(cached.new_block_ids)
+            if cached.block_ids is not None and cached.new_block_ids:
+                assert cached.block_ids[-len(cached.new_block_ids):] == cached.new_block_ids
+        self.requests.apply(out, self._block_ops)
 
         # The worker's state equals the scheduler's: the deltas were sufficient.
         live = {r.request_id for r in sched.running} | {r.request_id for r in sched.swapped}
@@ -135,34 +127,31 @@ class FakeWorker:
                 slot = (state.block_ids[index], pos % self.bs)
                 assert slot not in written, f"{req_id} and {written[slot]} write slot {slot} in one step"
                 written[slot] = req_id
-                self.kv[slot] = state.key(pos)
+                self.kv[slot] = self.key(state, pos)
         if self.check_kv:
             for req_id, n in out.num_scheduled_tokens.items():
                 state = self.requests[req_id]
                 for pos in range(state.num_computed_tokens + n):
                     slot = (state.block_ids[pos // self.bs], pos % self.bs)
-                    if self.kv.get(slot) != state.key(pos):
+                    if self.kv.get(slot) != self.key(state, pos):
                         self.kv_errors.append(
                             f"step {out.step_id}: {req_id} reads a wrong KV at position {pos}")
                         break
 
-        result = ModelRunnerOutput(out.step_id, {})
-        for req_id, n in out.num_scheduled_tokens.items():
-            state = self.requests[req_id]
-            state.num_computed_tokens += n
+        scheduled = [(self.requests[r], n) for r, n in out.num_scheduled_tokens.items()]
+        self.requests.advance(scheduled)
+        sampled: dict[str, list[int]] = {}
+        for state, _ in scheduled:
             if state.num_computed_tokens < len(state.token_ids):
                 continue
             # Greedy: only the fork step draws distinct tokens (one per sample).
             indices = [0] if not state.child_req_ids else range(1 + len(state.child_req_ids))
-            tokens = [next_token(state.token_ids, i) for i in indices]
-            result.sampled[req_id] = [SampledToken(t) for t in tokens]
-            for index, (child_id, token) in enumerate(zip(state.child_req_ids, tokens[1:]), start=1):
-                self.requests[child_id] = WorkerState(
-                    state.token_ids[:state.num_prompt_tokens] + [token], state.num_prompt_tokens,
-                    list(state.block_ids), state.num_computed_tokens, index, [])
-            state.child_req_ids = []
-            state.token_ids.append(tokens[0])
-        return result
+            sampled[state.req_id] = [next_token(state.token_ids, i) for i in indices]
+        for req_id in sampled:
+            for child_id in self.requests[req_id].child_req_ids:
+                self.keys.pop(child_id, None)
+        self.requests.commit(sampled)
+        return ModelRunnerOutput(out.step_id, {r: [SampledToken(t) for t in tokens] for r, tokens in sampled.items()})
 
 
 @dataclass

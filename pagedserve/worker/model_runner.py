@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,22 +17,11 @@ from pagedserve.worker.attention import AttentionMetadata, PrefillSeq, cpu_kerne
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.models import model_class
 from pagedserve.worker.parallel import broadcast_from_rank0, tp_group, using_group
+from pagedserve.worker.request_states import RequestState, RequestStates
 from pagedserve.worker.sampler import RowSampling, Sampler
 from pagedserve.worker.weights import iter_lazy_weights
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RequestState:
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    sample_index: int
-    child_req_ids: list[str]
 
 
 def sample_generator(params: SamplingParams, sample_index: int, num_output_tokens: int,
@@ -70,7 +58,7 @@ class ModelRunner:
         self.model = model.eval()
         self.kv: KVCache | None = None
         self.sampler = Sampler()
-        self.requests: dict[str, RequestState] = {}
+        self.requests = RequestStates()
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -109,32 +97,16 @@ class ModelRunner:
 
     # ---- state ---------------------------------------------------------------------------
     def _apply_delta(self, step: SchedulerOutput) -> None:
-        for req_id in step.finished_req_ids:
-            self.requests.pop(req_id, None)
+        self.requests.apply(step, self._block_ops)
+
+    def _block_ops(self, step: SchedulerOutput) -> None:
         # Swap-outs first: their device blocks may be handed to other requests in this same step.
         self.kv.swap_out(step.blocks_to_swap_out)
         self.kv.swap_in(step.blocks_to_swap_in)
         self.kv.copy_blocks(step.blocks_to_copy)
-        for new in step.new_requests:
-            self.requests[new.req_id] = RequestState(
-                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.params, list(new.block_ids),
-                new.num_computed_tokens, new.sample_index, list(new.child_req_ids))
-        for cached in step.cached_requests:
-            state = self._state(cached.req_id)
-            if cached.block_ids is not None:
-                state.block_ids = list(cached.block_ids)
-                continue
-            if cached.replaced_block is not None:
-                index, block_id = cached.replaced_block
-                state.block_ids[index] = block_id
-            state.block_ids.extend(cached.new_block_ids)
 
     def _state(self, req_id: str) -> RequestState:
-        try:
-            return self.requests[req_id]
-        except KeyError:
-            raise KeyError(f"worker has no state for request {req_id!r}: "
-                           "it was never sent or already dropped") from None
+        return self.requests.state(req_id)
 
     # ---- batch layout --------------------------------------------------------------------
     def _prepare(self, step: SchedulerOutput):
@@ -211,9 +183,8 @@ class ModelRunner:
             result.sample_time_s = time.perf_counter() - t1
         else:
             result.forward_time_s = time.perf_counter() - t0
-        for state, n in zip(order, counts):
-            state.num_computed_tokens += n
-        self._commit(result.sampled)
+        self.requests.advance(zip(order, counts))
+        self.requests.commit({req_id: [t.token_id for t in tokens] for req_id, tokens in result.sampled.items()})
         return result
 
     def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> dict[str, list[SampledToken]]:
@@ -263,14 +234,3 @@ class ModelRunner:
             shared[state.req_id] = [SampledToken(token_id, None, None) for token_id in ids[start:start + count]]
             start += count
         return shared
-
-    def _commit(self, sampled: dict[str, list[SampledToken]]) -> None:
-        for req_id, tokens in sampled.items():
-            state = self.requests[req_id]
-            for index, (child_id, token) in enumerate(zip(state.child_req_ids, tokens[1:]), start=1):
-                self.requests[child_id] = RequestState(
-                    child_id, state.token_ids[:state.num_prompt_tokens] + [token.token_id],
-                    state.num_prompt_tokens, state.params, list(state.block_ids),
-                    state.num_computed_tokens, index, [])
-            state.child_req_ids = []
-            state.token_ids.append(tokens[0].token_id)

@@ -1,0 +1,78 @@
+"""What a worker remembers of each request between steps, rebuilt from the scheduler's deltas
+alone (new requests once, then only appended or replaced block ids; dropped ids). No torch: the
+model runner uses it, and so do the tests' fake workers, so the two cannot drift apart.
+
+Invariant: after `apply(step)` the states equal the scheduler's view of its running and swapped
+requests (token ids, block tables, computed tokens); `advance` and `commit` then record what the
+step computed and sampled. Single-threaded: the runner's (or the fake worker's) step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from pagedserve.common.messages import SchedulerOutput
+from pagedserve.common.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    sample_index: int
+    child_req_ids: list[str]  # samples 1..n-1 fork from this one at its first sampled token
+
+
+class RequestStates(dict[str, RequestState]):
+    """req_id -> RequestState."""
+
+    def apply(self, step: SchedulerOutput, kv_ops: Callable[[SchedulerOutput], None] | None = None) -> None:
+        """The step's delta: drop finished ids, run the block operations (kv_ops: swap-outs first,
+        their device blocks may be handed to other requests in this same step), add new requests,
+        extend or replace the block tables of the others."""
+        for req_id in step.finished_req_ids:
+            self.pop(req_id, None)
+        if kv_ops is not None:
+            kv_ops(step)
+        for new in step.new_requests:
+            self[new.req_id] = RequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.params, list(new.block_ids),
+                new.num_computed_tokens, new.sample_index, list(new.child_req_ids))
+        for cached in step.cached_requests:
+            state = self.state(cached.req_id)
+            if cached.block_ids is not None:
+                state.block_ids = list(cached.block_ids)
+                continue
+            if cached.replaced_block is not None:
+                index, block_id = cached.replaced_block
+                state.block_ids[index] = block_id
+            state.block_ids.extend(cached.new_block_ids)
+
+    def state(self, req_id: str) -> RequestState:
+        try:
+            return self[req_id]
+        except KeyError:
+            raise KeyError(f"worker has no state for request {req_id!r}: "
+                           "it was never sent or already dropped") from None
+
+    def advance(self, scheduled: Iterable[tuple[RequestState, int]]) -> None:
+        """The step computed these tokens of these requests."""
+        for state, n in scheduled:
+            state.num_computed_tokens += n
+
+    def commit(self, sampled: dict[str, list[int]]) -> None:
+        """The sampled token ids (one per sample; n at a fork step): forked samples become their
+        own requests, sharing the parent's blocks; each request appends its token."""
+        for req_id, tokens in sampled.items():
+            state = self[req_id]
+            for index, (child_id, token) in enumerate(zip(state.child_req_ids, tokens[1:]), start=1):
+                self[child_id] = RequestState(
+                    child_id, state.token_ids[:state.num_prompt_tokens] + [token], state.num_prompt_tokens,
+                    state.params, list(state.block_ids), state.num_computed_tokens, index, [])
+            state.child_req_ids = []
+            state.token_ids.append(tokens[0])
