@@ -17,8 +17,26 @@ from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler
 # -- Generate against a fake scheduler ------------------------------------------------------------
 
 
+class ScriptAbort(Exception):
+    """A script's context.abort() on a Stream subscription."""
+
+    def __init__(self, code, details):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class SubscriptionContext:
+    """What a script sees as its context on the tokenizer's multiplexed Stream: an abort before
+    the script has accepted is a refusal of that subscription (as the real scheduler's submit
+    refuses), after it the whole stream fails (as a scheduler going away)."""
+
+    async def abort(self, code, details):
+        raise ScriptAbort(code, details)
+
+
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
-    """Each Generate call runs the next script: an async generator fn(request, context, fake)."""
+    """Each subscription (a Generate call, or a schedule command on the tokenizer's Stream) runs
+    the next script: an async generator fn(request, context, fake)."""
 
     def __init__(self, scripts):
         self.scripts = list(scripts)
@@ -36,6 +54,49 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+
+    async def Stream(self, request_iterator, context):
+        out: asyncio.Queue = asyncio.Queue()
+        tasks: dict[int, asyncio.Task] = {}
+
+        async def run(schedule):
+            self.requests.append(schedule)
+            script = self.scripts.pop(0)
+            started = False
+            try:
+                async for msg in script(schedule, SubscriptionContext(), self):
+                    started = True
+                    msg.tag = schedule.tag
+                    await out.put(scheduler_pb2.StepDeltas(deltas=[msg]))
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+            except ScriptAbort as exc:
+                if started:
+                    await out.put(exc)
+                else:
+                    await out.put(scheduler_pb2.StepDeltas(errors=[scheduler_pb2.SubscriptionError(
+                        tag=schedule.tag, request_id=schedule.request_id, code=exc.code.value[0],
+                        message=exc.details)]))
+
+        async def read_commands():
+            async for command in request_iterator:
+                if command.WhichOneof("command") == "schedule":
+                    tasks[command.schedule.tag] = asyncio.ensure_future(run(command.schedule))
+                elif command.WhichOneof("command") == "leave" and command.leave in tasks:
+                    tasks.pop(command.leave).cancel()
+
+        reader = asyncio.ensure_future(read_commands())
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, ScriptAbort):
+                    await context.abort(item.code, item.details)
+                yield item
+        finally:
+            reader.cancel()
+            for task in tasks.values():
+                task.cancel()
 
     async def Abort(self, request, context):
         self.aborts.append((request.request_id, request.index if request.HasField("index") else None))
@@ -73,7 +134,8 @@ def streamer(token_ids, n=1, finish="length", fail_after=None, pause=0.0, logpro
 
 
 async def start_stack(tokenizer, scripts, scheduler=True, retry_timeout=5.0):
-    from pagedserve.tokenizer.server import TokenizerService, TokenizerServicer
+    from pagedserve.tokenizer.server import TokenizerServicer
+    from pagedserve.tokenizer.service import TokenizerService
     sched_port = free_port()
     fake = FakeScheduler(scripts)
     sched_server = None

@@ -1,5 +1,6 @@
 """Request records and their delivery: what the scheduler writes to the store each step, and
-the thread that writes it and then hands the step's tokens to the subscribed streams.
+the thread that writes it and then hands the step's tokens to the subscribed streams (one
+hand-over per stream and step; see subscriptions.py).
 
 Tokens reach a client only after the step that made them is in the store ("durable before
 delivered"), so a restarted scheduler never resumes behind what a client has already seen.
@@ -8,18 +9,21 @@ The write runs on its own thread, off the step loop's critical path.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.common.messages import SampledToken
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.store import RecordWrite, RequestStore, StoredRequest
 from pagedserve.scheduler.core.request import Request
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.subscriptions import Subscription
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -34,23 +38,6 @@ class Delivery:
     finish_reason: str = ""
     timings: dict | None = None  # on a sample's last delivery
     num_cached_tokens: int = 0
-
-
-class Subscription:
-    """One stream's inbox, filled from the writer thread and read on the stream's event loop."""
-
-    def __init__(self, group_id: str, loop: asyncio.AbstractEventLoop, replayed: bool) -> None:
-        self.group_id = group_id
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.replayed = replayed  # False: ignore deliveries until the replay of earlier tokens
-
-    def push(self, item) -> None:
-        """item: (is_replay, list[Delivery]) or an exception to raise in the stream."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the stream's loop is gone: nobody is listening
 
 
 @dataclass(slots=True)
@@ -116,11 +103,15 @@ class RecordWriter:
                 if self.store_healthy:
                     log.warning("writing request records failed (%s); generation goes on without durability", exc)
                 self.store_healthy = False
+            # One hand-over per stream: a tokenizer's Stream carries all its requests of the step.
+            batches: dict = {}
             with self.lock:
                 for group, deliveries in publishes:
                     targets = [only_to] if only_to is not None else group.subscribers
                     for sub in targets:
-                        sub.push((only_to is not None, deliveries))
+                        batches.setdefault(sub.outbox, []).append((sub, (only_to is not None, deliveries)))
+            for outbox, items in batches.items():
+                outbox.post(items)
             for group in done:
                 self.on_group_done(group)
 

@@ -21,65 +21,106 @@ from pagedserve.common.grpc_util import (
 )
 from pagedserve.common.store import open_store
 from pagedserve.v1 import generate_pb2, scheduler_pb2, scheduler_pb2_grpc
-from pagedserve.scheduler.records import Delivery
 from pagedserve.scheduler.service import SchedulerService, ServiceConfig
+from pagedserve.scheduler.subscriptions import DeltaFilter, Outbox, Subscription, accepted_message, error_message
 from pagedserve.scheduler.worker_client import WorkerGroup
 
 log = logging.getLogger("pagedserve.scheduler")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 
-def delta_message(request_id: str, delivery: Delivery, tokens: list[int], logprobs) -> scheduler_pb2.TokenDelta:
-    msg = scheduler_pb2.TokenDelta(request_id=request_id, index=delivery.index, token_ids=tokens,
-                                   finish_reason=delivery.finish_reason,
-                                   num_cached_tokens=delivery.num_cached_tokens)
-    if logprobs:
-        for token in logprobs:
-            wire.token_to_proto(token, msg.logprobs.add())
-    if delivery.timings:
-        wire.timings_from_dict(delivery.timings, msg.timings)
-    return msg
-
-
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    """Translates protobuf to SchedulerService calls; the delivery bookkeeping is in subscriptions.py."""
+
     def __init__(self, service: SchedulerService) -> None:
         self.service = service
 
     async def Generate(self, request, context):
+        outbox = Outbox(asyncio.get_running_loop())
         try:
-            sub, group = self.service.submit(request, asyncio.get_running_loop())
+            sub, group = self.service.submit(request, outbox)
         except StatusError as exc:
             await context.abort(exc.code, exc.details)
         try:
-            accepted = scheduler_pb2.TokenDelta(request_id=group.group_id, accepted=True, n=group.n,
-                                                num_prompt_tokens=len(group.prompt_token_ids))
-            wire.timings_from_dict(group.timings, accepted.timings)
-            yield accepted
-            # Offsets make a replay and the live deltas after it line up with no token twice.
-            sent = list(request.skip_tokens) + [0] * max(0, group.n - len(request.skip_tokens))
-            finished = [False] * group.n
-            replayed = sub.replayed
-            while not all(finished):
-                item = await sub.queue.get()
-                if isinstance(item, StatusError):
-                    await context.abort(item.code, item.details)
-                is_replay, deliveries = item
-                replayed |= is_replay
-                if not replayed:
-                    continue
-                for delivery in deliveries:
-                    index = delivery.index
-                    if index >= group.n or finished[index]:
-                        continue
-                    skip = max(0, sent[index] - delivery.start)
-                    tokens = delivery.token_ids[skip:]
-                    logprobs = delivery.logprobs[skip:] if delivery.logprobs else None
-                    sent[index] += len(tokens)
-                    if tokens or delivery.finish_reason:
-                        yield delta_message(group.group_id, delivery, tokens, logprobs)
-                    finished[index] = bool(delivery.finish_reason)
+            yield accepted_message(group)
+            deltas = DeltaFilter.for_request(group.group_id, group.n, request.skip_tokens, sub.replayed)
+            while not deltas.done:
+                for _, item in await outbox.next_batch():
+                    if isinstance(item, StatusError):
+                        await context.abort(item.code, item.details)
+                    for msg in deltas.deltas(*item):
+                        yield msg
         finally:
             self.service.unsubscribe(sub)
+
+    async def Stream(self, request_iterator, context):
+        """A tokenizer's requests, multiplexed: subscriptions come and go by command; every
+        message down carries all of one step's deltas (and acceptances and errors) at once."""
+        outbox = Outbox(asyncio.get_running_loop())
+        live: dict[int, tuple[Subscription, DeltaFilter]] = {}
+        commands = asyncio.ensure_future(self._read_commands(request_iterator, outbox, live))
+        try:
+            while True:
+                batch = asyncio.ensure_future(outbox.next_batch())
+                await asyncio.wait([batch, commands], return_when=asyncio.FIRST_COMPLETED)
+                if not batch.done():
+                    batch.cancel()
+                    commands.result()  # the tokenizer closed its side (or the read failed): end
+                    return
+                out = scheduler_pb2.StepDeltas()
+                for sub, item in batch.result():
+                    if sub is None:  # refused at submit
+                        out.errors.append(item)
+                        continue
+                    entry = live.get(sub.tag)
+                    if entry is None or entry[0] is not sub:
+                        continue  # left already
+                    if isinstance(item, scheduler_pb2.TokenDelta):  # accepted
+                        out.deltas.append(item)
+                    elif isinstance(item, StatusError):
+                        out.errors.append(error_message(sub.tag, sub.group_id, item))
+                        self._leave(live, sub.tag)
+                    else:
+                        out.deltas.extend(entry[1].deltas(*item))
+                        if entry[1].done:
+                            self._leave(live, sub.tag)
+                if out.deltas or out.errors:
+                    yield out
+        finally:
+            commands.cancel()
+            for tag in list(live):
+                self._leave(live, tag)
+
+    async def _read_commands(self, request_iterator, outbox: Outbox, live: dict) -> None:
+        async for command in request_iterator:
+            kind = command.WhichOneof("command")
+            if kind == "leave":
+                self._leave(live, command.leave)
+                continue
+            if kind != "schedule":
+                continue
+            msg = command.schedule
+            try:
+                if msg.tag in live:
+                    raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"tag {msg.tag} is already in use")
+                sub, group = self.service.submit(msg, outbox, msg.tag)
+            except StatusError as exc:
+                outbox.post_here([(None, error_message(msg.tag, msg.request_id, exc))])
+                continue
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others' stream
+                log.exception("request %r: submit failed", msg.request_id)
+                error = StatusError(grpc.StatusCode.INTERNAL, f"the scheduler failed the request: {exc}")
+                outbox.post_here([(None, error_message(msg.tag, msg.request_id, error))])
+                continue
+            live[msg.tag] = (sub, DeltaFilter.for_request(group.group_id, group.n, msg.skip_tokens,
+                                                          sub.replayed, msg.tag))
+            # Before any delivery: those reach the outbox through call_soon_threadsafe, later.
+            outbox.post_here([(sub, accepted_message(group, msg.tag))])
+
+    def _leave(self, live: dict, tag: int) -> None:
+        entry = live.pop(tag, None)
+        if entry is not None:
+            self.service.unsubscribe(entry[0])
 
     async def Abort(self, request, context):
         index = request.index if request.HasField("index") else None

@@ -40,6 +40,11 @@ class SchedulerStub:
                 request_serializer=pagedserve_dot_v1_dot_scheduler__pb2.ScheduleRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_scheduler__pb2.TokenDelta.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/pagedserve.v1.Scheduler/Stream',
+                request_serializer=pagedserve_dot_v1_dot_scheduler__pb2.StreamCommand.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_scheduler__pb2.StepDeltas.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pagedserve.v1.Scheduler/Abort',
                 request_serializer=pagedserve_dot_v1_dot_scheduler__pb2.AbortRequest.SerializeToString,
@@ -71,7 +76,15 @@ class SchedulerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One request on its own stream (tools, grpcurl); the tokenizer uses Stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stream(self, request_iterator, context):
+        """A tokenizer's one stream for all its requests: commands up, one StepDeltas per step down.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -113,6 +126,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pagedserve_dot_v1_dot_scheduler__pb2.ScheduleRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_scheduler__pb2.TokenDelta.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=pagedserve_dot_v1_dot_scheduler__pb2.StreamCommand.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_scheduler__pb2.StepDeltas.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -167,6 +185,33 @@ class Scheduler:
             '/pagedserve.v1.Scheduler/Generate',
             pagedserve_dot_v1_dot_scheduler__pb2.ScheduleRequest.SerializeToString,
             pagedserve_dot_v1_dot_scheduler__pb2.TokenDelta.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagedserve.v1.Scheduler/Stream',
+            pagedserve_dot_v1_dot_scheduler__pb2.StreamCommand.SerializeToString,
+            pagedserve_dot_v1_dot_scheduler__pb2.StepDeltas.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,96 @@
+"""Recovery of the scheduler service: re-admitting unfinished requests from the store after a
+restart, and re-initialising the workers after a rank died or hung. Every request survives both
+and resumes by recompute; tokens already delivered are never sent again.
+
+Threads: `readmit_from_store` runs in start() before the step loop exists; `_recover_workers` on
+the step-loop thread (it blocks the loop until the workers are back). A mixin of SchedulerService.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.store import RecordWrite
+from pagedserve.scheduler.records import GroupState, resumed_requests
+from pagedserve.v1 import worker_pb2
+
+log = logging.getLogger("pagedserve.scheduler")
+
+
+class Recovery:
+    def _readmit_from_store(self) -> None:
+        eos = tuple(self.info.eos_token_ids)
+        readmitted = 0
+        for request_id in self.store.active_ids():
+            record = self.store.load(request_id)
+            if record is None:
+                continue
+            try:
+                params = SamplingParams(**record.params)
+                group = GroupState(request_id, record.n, record.prompt_token_ids, params, record.priority,
+                                   dict(record.timings), [""] * record.n)
+                group.timings.pop("worker_time_s", None)
+                requests, reasons = resumed_requests(record, params, eos, self.max_model_len,
+                                                     record.timings.get("scheduler_received", time.time()))
+                group.finish_reasons = reasons
+                if requests and not any(record.outputs):
+                    self.scheduler.add_request(requests[0])  # n samples fork from the prompt as usual
+                elif requests:
+                    self.scheduler.add_resumed_group(requests)
+            except (TypeError, ValueError) as exc:
+                log.warning("request %s cannot be resumed (%s): marked aborted", request_id, exc)
+                requests, group = [], None
+            if not requests:
+                fields = {"status": "finished"}
+                if group is not None:
+                    fields["finish_reasons"] = json.dumps(group.finish_reasons)
+                self.store.write([RecordWrite(request_id, fields, finished=True)])
+                continue
+            self.groups[request_id] = group
+            self.readmitted.append(request_id)
+            readmitted += 1
+        self.orphan_deadline = time.monotonic() + self.config.orphan_timeout_s
+        if readmitted:
+            log.info("re-admitted %d unfinished request(s) from the store; they resume by recompute", readmitted)
+
+    def _recover_workers(self, cause: str) -> None:
+        """A rank died or hung. Every request is kept (the scheduler holds its tokens so far, the
+        store its record): mark the engine unhealthy, wait until every rank answers again (the
+        launcher or the container runtime restarts dead ones), open a new session on them (they
+        forget every request) and put every request back to waiting to resume by recompute.
+        Clients see a pause; tokens already delivered are not sent again."""
+        failed_at = time.monotonic()
+        self.worker_cause = f"a worker rank is gone ({cause}); waiting for it to come back"
+        log.error("%s; keeping %d request(s) in flight until the workers are back", cause,
+                  len(self.scheduler.requests))
+        self.workers.close_streams()
+        attempt = 0
+        while not self.stopping.is_set():
+            try:
+                self.workers.connect(min(5.0 + attempt, 30.0))
+                sizes = self.start_session_again()
+            except Exception as exc:  # noqa: BLE001 - keep trying until stopped
+                attempt += 1
+                if attempt == 1 or attempt % 10 == 0:
+                    log.warning("workers not back yet: %s", exc)
+                time.sleep(0.5)
+                continue
+            moved = self.scheduler.preempt_all_for_new_session(sizes.num_gpu_blocks, sizes.num_cpu_blocks)
+            self.num_worker_recoveries += 1
+            self.worker_cause = ""
+            self.last_progress = time.monotonic()
+            log.info("the workers answer again after %.1f s: %d request(s) resume by recompute (%d were running)",
+                     time.monotonic() - failed_at, len(self.scheduler.waiting), moved)
+            return
+
+    def start_session_again(self) -> worker_pb2.ProfileResponse:
+        """A fresh KV pool on the workers (a new session: they forget every request)."""
+        old = self.scheduler.config
+        return self.workers.init_session(worker_pb2.ProfileRequest(
+            block_size=old.block_size, kv_cache_memory=self.config.kv_cache_memory or "",
+            swap_space=self.config.swap_space if old.preemption_mode == "swap" else "",
+            max_num_batched_tokens=old.max_num_batched_tokens,
+            gpu_memory_utilization=self.config.gpu_memory_utilization))

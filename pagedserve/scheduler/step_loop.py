@@ -1,0 +1,234 @@
+"""The scheduler service's step loop (vLLM's EngineCore, beside the service's I/O): admit, step the
+workers, publish each step's tokens through the record writer, abort.
+
+Threads: every method here runs on the step-loop thread, the only one that touches the Scheduler;
+other threads hand it work through `self.commands` (callables). `self.lock` guards `groups` and
+each group's subscriber list, which the gRPC event loop also reads.
+
+A mixin of SchedulerService (service.py), which owns the attributes used here: scheduler,
+workers, groups, lock, commands, writer, recorder, info, stopping, readmitted, orphan_deadline,
+last_progress, pending_admissions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+
+import grpc
+
+from pagedserve.common.grpc_util import StatusError
+from pagedserve.common.store import RecordWrite
+from pagedserve.scheduler.core.request import Request
+from pagedserve.scheduler.records import Delivery, GroupState
+from pagedserve.scheduler.stats_recorder import MAX_PREFILL_CHUNKS_KEPT
+from pagedserve.scheduler.subscriptions import Subscription
+from pagedserve.scheduler.worker_client import WorkerError
+
+log = logging.getLogger("pagedserve.scheduler")
+
+
+class StepLoop:
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            self._run_commands(block=not self.scheduler.has_unfinished())
+            if self.readmitted and time.monotonic() > self.orphan_deadline:
+                self._abort_orphans()
+            if self.stopping.is_set() or not self.scheduler.has_unfinished():
+                self.last_progress = time.monotonic()
+                continue
+            try:
+                self._step()
+                self.last_progress = time.monotonic()
+            except WorkerError as exc:
+                self._recover_workers(str(exc))
+            except Exception as exc:  # noqa: BLE001 - keep serving; the requests in flight fail loudly
+                log.exception("step failed")
+                self._fail_all(StatusError(grpc.StatusCode.INTERNAL, f"the engine step failed: {exc}"))
+
+    def _abort_orphans(self) -> None:
+        """Requests re-admitted after a restart whose clients went down with the old scheduler:
+        nobody re-attached within the grace period, so they stop rather than run for no one."""
+        orphans = [rid for rid in self.readmitted if (g := self.groups.get(rid)) is not None
+                   and not g.subscribers and not g.done]
+        self.readmitted = []
+        for request_id in orphans:
+            self._abort(request_id, None)
+        if orphans:
+            log.info("aborted %d re-admitted request(s) that no client re-attached to", len(orphans))
+
+    def _run_commands(self, block: bool) -> None:
+        waited = time.perf_counter()
+        try:
+            command = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return
+        finally:
+            if block:
+                self.recorder.totals.idle_s += time.perf_counter() - waited
+        command()
+        while True:
+            try:
+                self.commands.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _admit(self, group: GroupState) -> None:
+        self.pending_admissions -= 1
+        if group.done:
+            return
+        req = Request(group.group_id, list(group.prompt_token_ids), len(group.prompt_token_ids), group.params,
+                      tuple(self.info.eos_token_ids), group.priority)
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as exc:
+            self._end_group(group, StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+            return
+        self.recorder.totals.prompt_tokens += len(group.prompt_token_ids)
+        self.writer.submit([RecordWrite(group.group_id, group.creation_fields(), created=True)], [])
+
+    def _replay(self, group: GroupState, sub: Subscription) -> None:
+        members = {r.sample_index: r for r in self.scheduler.groups.get(group.group_id, [])}
+        deliveries = []
+        for index in range(group.n):
+            req = members.get(index)
+            tokens = req.output_token_ids if req is not None else []
+            logprobs = list(req.logprobs) if req is not None and group.params.logprobs is not None else None
+            reason = group.finish_reasons[index]
+            deliveries.append(Delivery(index, 0, tokens, logprobs, reason,
+                                       group.timings_snapshot() if reason else None, group.num_cached_tokens))
+        self.writer.submit([], [(group, deliveries)], only_to=sub)
+
+    def _step(self) -> None:
+        step_started = time.perf_counter()
+        sched = self.scheduler.schedule()
+        now = time.time()
+        requests = self.scheduler.requests
+        wants_logprobs = set()
+        for req_id in sched.num_scheduled_tokens:
+            req = requests[req_id]
+            if req.params.logprobs is not None:
+                wants_logprobs.add(req_id)
+            group = self.groups.get(req.group_id)
+            if group is not None:
+                group.timings.setdefault("first_scheduled", now)
+                group.num_preemptions = max(group.num_preemptions, req.num_preemptions)
+        stats = self.scheduler.last_step
+        completing = []  # requests whose prompt this step completes: (request, group)
+        for req_id in stats.prefill_req_ids:
+            req = requests[req_id]
+            group = self.groups.get(req.group_id)
+            if group is None or req.sample_index != 0:
+                continue
+            num = sched.num_scheduled_tokens[req_id]
+            group.num_prefill_chunks += 1
+            if len(group.prefill_chunks) < MAX_PREFILL_CHUNKS_KEPT:
+                group.prefill_chunks.append((now, num))
+            if req.num_computed_tokens + num >= req.num_tokens and "prefill_end" not in group.timings:
+                completing.append(group)
+        started = time.perf_counter()
+        result, overhead = self.workers.step(sched, wants_logprobs)
+        step_time = time.perf_counter() - started
+        if completing:
+            returned = time.time()
+            for group in completing:
+                group.timings.setdefault("prefill_end", returned)
+        step_worker_time = result.forward_time_s + result.sample_time_s
+        self.recorder.worker_step(step_time, overhead, step_worker_time)
+        for req_id in sched.num_scheduled_tokens:
+            req = requests.get(req_id)
+            group = self.groups.get(req.group_id) if req is not None else None
+            if group is not None and group.last_step_id != sched.step_id:
+                group.last_step_id = sched.step_id
+                group.worker_time_s += step_worker_time
+                group.num_steps += 1
+        self._publish(self.scheduler.update(sched, result))
+        self.recorder.step(sched.step_id, now, time.perf_counter() - step_started, stats, self.scheduler)
+
+    def _publish(self, updates) -> None:
+        now = time.time()
+        changed: dict[str, tuple[GroupState, RecordWrite, list[Delivery]]] = {}
+        done = []
+        for update in updates:
+            req = update.request
+            group = self.groups.get(req.group_id)
+            if group is None:
+                continue
+            if group.group_id not in changed:
+                changed[group.group_id] = (group, RecordWrite(group.group_id), [])
+            _, write, deliveries = changed[group.group_id]
+            tokens = [t.token_id for t in update.new_tokens]
+            self.recorder.totals.generation_tokens += len(tokens)
+            group.output_tokens += len(tokens)
+            write.new_tokens.setdefault(req.sample_index, []).extend(tokens)
+            if tokens and "first_token" not in group.timings:
+                group.timings["first_token"] = now
+                group.num_cached_tokens = req.num_cached_tokens
+                write.fields["status"] = "running"
+                write.fields["num_cached_tokens"] = str(req.num_cached_tokens)
+                write.fields["timings"] = ""  # filled below, once the step's updates are in
+            delivery = Delivery(req.sample_index, req.num_output_tokens - len(tokens), tokens,
+                                list(update.new_tokens) if group.params.logprobs is not None else None,
+                                num_cached_tokens=group.num_cached_tokens)
+            if update.finished:
+                group.finish_reasons[req.sample_index] = delivery.finish_reason = req.finish_reason or "stop"
+                if all(group.finish_reasons):
+                    group.timings["finished"] = now
+                    group.done = True
+                    done.append(group)
+                    self.recorder.finished(group)
+                    write.finished = True
+                    write.fields["status"] = "finished"
+                write.fields["finish_reasons"] = json.dumps(group.finish_reasons)
+                write.fields["timings"] = ""
+                delivery.timings = group.timings_snapshot()
+            deliveries.append(delivery)
+        for group, write, _ in changed.values():
+            if "timings" in write.fields:
+                write.fields["timings"] = json.dumps(group.timings_snapshot())
+                write.ttl_samples = group.n
+        self.writer.submit([w for _, w, _ in changed.values()], [(g, d) for g, _, d in changed.values()], done)
+
+    def _abort(self, request_id: str, index: int | None) -> None:
+        group = self.groups.get(request_id)
+        if group is None or group.done:
+            return
+        if not self.scheduler.abort(request_id, index) and index is not None:
+            return
+        now = time.time()
+        deliveries = []
+        for i in range(group.n) if index is None else [index]:
+            if not group.finish_reasons[i]:
+                group.finish_reasons[i] = "abort"
+                deliveries.append(Delivery(i, 0, [], finish_reason="abort"))
+        write = RecordWrite(request_id, {"finish_reasons": json.dumps(group.finish_reasons)})
+        if all(group.finish_reasons):
+            group.timings["finished"] = now
+            group.done = True
+            write.fields.update(status="finished", timings=json.dumps(group.timings_snapshot()))
+            write.finished = True
+            write.ttl_samples = group.n
+            self.recorder.remember(group)  # ended by abort: not counted as finished
+        for delivery in deliveries:
+            delivery.timings = group.timings_snapshot()
+        self.writer.submit([write], [(group, deliveries)], [group] if group.done else [])
+
+    def _end_group(self, group: GroupState, error: StatusError) -> None:
+        group.done = True
+        with self.lock:
+            for sub in group.subscribers:
+                sub.push(error)
+        self.writer.submit([], [], [group])
+
+    def _fail_all(self, error: StatusError) -> None:
+        for group in list(self.groups.values()):
+            if not group.done:
+                self.scheduler.abort(group.group_id)
+                self._end_group(group, error)
+
+    def _forget_group(self, group: GroupState) -> None:
+        with self.lock:
+            if self.groups.get(group.group_id) is group:
+                del self.groups[group.group_id]

@@ -1,0 +1,184 @@
+"""The tokenizer service as a plain class: chat template and tokenization on the way in (on one
+worker thread: HF tokenizers are not safe to call from several threads, and a long prompt must not
+stall the event loop), model info, and the request streams (request_stream.py) that turn the
+scheduler's token ids into text. Prompt and output text are never logged.
+
+Threads: the event loop of the process (every method but the tokenization work) and the one
+"tokenize" thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from pagedserve.common.grpc_util import StatusError, internal_channel
+from pagedserve.tokenizer.request_stream import RequestStream
+from pagedserve.tokenizer.scheduler_link import SchedulerLink
+from pagedserve.v1 import common_pb2, generate_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger("pagedserve.tokenizer")
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MODEL_INFO_TIMEOUT_S = 2.0
+
+
+def default_served_name(model: str | None, folder: Path) -> str:
+    if model and model.endswith(".gguf"):
+        return Path(model).stem  # the prepared folder's name carries a cache digest
+    return folder.name
+
+
+def load_tokenizer(model: str | None):
+    """(HF tokenizer, default served name, the model's vocab_size or None) for a folder or .gguf."""
+    from pagedserve.model_files.default_model import resolve_model
+    from pagedserve.model_files.tokenizer_files import load_tokenizer as load_folder_tokenizer
+    folder = resolve_model(model)
+    tokenizer = load_folder_tokenizer(folder)
+    try:
+        vocab_size = json.loads((folder / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        vocab_size = None
+    return tokenizer, default_served_name(model, folder), vocab_size
+
+
+class TokenizerService:
+    """Tokenization, model info and request streams; no gRPC server objects (see server.py)."""
+
+    def __init__(self, tokenizer, served_model_name: str, scheduler_addr: str,
+                 scheduler_retry_timeout: float = 120.0, vocab_size: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.scheduler_addr = scheduler_addr
+        self.retry_timeout_s = scheduler_retry_timeout
+        # The model may have more embedding rows than the tokenizer has tokens.
+        self.vocab_limit = max(len(tokenizer), vocab_size or 0)
+        self.channel = internal_channel(scheduler_addr, aio=True)
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        # One thread: long prompts do not stall other streams, and HF tokenizers are not safe to
+        # encode from several threads at once.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._token_text: dict[int, str] = {}
+        self._background: set[asyncio.Task] = set()
+        self.link = SchedulerLink(self.scheduler)  # one stream for all requests (opened on first use)
+
+    async def close(self) -> None:
+        await self.link.close()
+        await self.channel.close()
+        self._executor.shutdown(wait=False)
+
+    # -- tokenization -------------------------------------------------------------------------
+
+    def _chat(self, chat: generate_pb2.ChatMessages, tokenize: bool):
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        if not messages:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty (the chat has no messages)")
+        try:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=chat.add_generation_prompt,
+                                                     tokenize=tokenize)
+        except Exception as exc:  # jinja2 errors, raise_exception() in the template, no template at all
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"the model's chat template failed: {type(exc).__name__}: {exc}") from None
+        if tokenize and hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
+            out = out["input_ids"]
+        return list(out) if tokenize else out
+
+    def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            ids = self.tokenizer.encode(request.prompt) if request.prompt else []
+        elif which == "prompt_token_ids":
+            ids = list(request.prompt_token_ids.ids)
+            for i, tid in enumerate(ids):
+                if tid >= self.vocab_limit:
+                    raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"prompt_token_ids[{i}] = {tid} is out of range: the vocabulary has "
+                                       f"{self.vocab_limit} tokens")
+        elif which == "chat":
+            ids = self._chat(request.chat, tokenize=True)
+        else:
+            ids = []
+        if not ids:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        return ids
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def tokenize(self, request: generate_pb2.TokenizeRequest) -> generate_pb2.TokenizeResponse:
+        def work():
+            if request.WhichOneof("input") == "chat":
+                text = self._chat(request.chat, tokenize=False)
+                return self._chat(request.chat, tokenize=True), text
+            return self.tokenizer.encode(request.prompt) if request.prompt else [], request.prompt
+        ids, text = await self._in_thread(work)
+        return generate_pb2.TokenizeResponse(token_ids=ids, text=text)
+
+    def detokenize(self, request: generate_pb2.DetokenizeRequest) -> generate_pb2.DetokenizeResponse:
+        return generate_pb2.DetokenizeResponse(
+            text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:  # bounded by the vocabulary
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    async def model_info(self) -> generate_pb2.ModelInfo:
+        info = generate_pb2.ModelInfo(model=self.served_model_name, vocab_size=len(self.tokenizer))
+        try:
+            theirs = await self.scheduler.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=MODEL_INFO_TIMEOUT_S)
+            info.max_model_len, info.ready = theirs.max_model_len, theirs.ready
+        except grpc.aio.AioRpcError as exc:
+            log.info("scheduler GetModelInfo failed (%s): reporting not ready", exc.code().name)
+        return info
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def _validate(self, request: generate_pb2.GenerateRequest) -> None:
+        if request.model and request.model != self.served_model_name:
+            raise StatusError(grpc.StatusCode.NOT_FOUND,
+                               f"the model {request.model!r} is not served here (this is {self.served_model_name!r})")
+        if len(request.stop) > MAX_STOP_STRINGS:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"too many stop strings: {len(request.stop)} (at most {MAX_STOP_STRINGS})")
+        for i, s in enumerate(request.stop):
+            if not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"stop[{i}] has {len(s)} characters; a stop string must have 1 to "
+                                   f"{MAX_STOP_STRING_CHARS}")
+
+    async def start(self, request: generate_pb2.GenerateRequest, resume_grace_s: float = 0.0) -> RequestStream:
+        """Validate and tokenize a request; its `responses()` then subscribe it at the scheduler.
+        Raises StatusError for a bad request."""
+        timings = common_pb2.Timings()
+        timings.CopyFrom(request.timings)
+        timings.tokenizer_received = time.time()
+        self._validate(request)
+        prompt_ids = await self._in_thread(self._prompt_ids, request)
+        timings.tokenized = time.time()
+        request_id = request.request_id or f"tok-{uuid.uuid4().hex}"
+        schedule = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                                                 params=request.params, priority=request.priority, timings=timings)
+        return RequestStream(self, request, schedule, timings, resume_grace_s=resume_grace_s)
+
+    async def abort_sample(self, request_id: str, index: int) -> None:
+        """One of n samples hit a stop string here: the scheduler stops generating it."""
+        try:
+            await self.scheduler.Abort(scheduler_pb2.AbortRequest(request_id=request_id, index=index),
+                                       timeout=MODEL_INFO_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.info("request %s: abort of sample %d failed (%s)", request_id, index, exc.code().name)
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,60 @@
+"""A fake worker group for driving the scheduler service without a model: the scheduler's
+WorkerGroup interface over the model runner's own request bookkeeping (RequestStates), sampling a
+known function of the token ids, so every output is known in advance."""
+
+from __future__ import annotations
+
+import time
+
+from pagedserve.common.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
+from pagedserve.v1 import worker_pb2
+from pagedserve.worker.request_states import RequestStates
+
+VOCAB = 1000
+
+
+def next_token(token_ids: list[int]) -> int:
+    return (sum(token_ids) * 31 + len(token_ids)) % VOCAB
+
+
+def expected(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    while len(tokens) - len(prompt) < max_tokens:
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]
+
+
+class FakeWorkerGroup:
+    """The WorkerGroup interface of the scheduler over RequestStates (greedy, n = 1), with an
+    optional pause per step so that tests can act between steps."""
+
+    addresses = ["fake:0"]
+
+    def __init__(self, num_blocks: int = 256, step_delay_s: float = 0.0) -> None:
+        self.num_blocks, self.step_delay_s = num_blocks, step_delay_s
+        self.requests = RequestStates()
+        self.num_steps = 0
+
+    def connect(self, timeout_s: float) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(model="fake", device="cpu", max_model_len=512, vocab_size=VOCAB)
+
+    def init_session(self, profile: worker_pb2.ProfileRequest) -> worker_pb2.ProfileResponse:
+        self.requests = RequestStates()
+        return worker_pb2.ProfileResponse(num_gpu_blocks=self.num_blocks, bytes_per_block=1)
+
+    def step(self, out: SchedulerOutput, wants_logprobs) -> tuple[ModelRunnerOutput, float]:
+        time.sleep(self.step_delay_s)
+        self.num_steps += 1
+        self.requests.apply(out)
+        scheduled = [(self.requests.state(r), n) for r, n in out.num_scheduled_tokens.items()]
+        self.requests.advance(scheduled)
+        sampled = {s.req_id: [next_token(s.token_ids)] for s, _ in scheduled
+                   if s.num_computed_tokens == len(s.token_ids)}
+        self.requests.commit(sampled)
+        return ModelRunnerOutput(out.step_id, {r: [SampledToken(t)] for r, (t,) in sampled.items()}), 0.0
+
+    def close_streams(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,150 @@
+"""SchedulerService driven in-process, without gRPC: a fake worker group that keeps its request
+state with the model runner's own bookkeeping (RequestStates) and samples a known function of
+the token ids, and the real Redis store under a fresh key prefix.
+
+What the services rely on: a tokenizer's requests share one outbox and get one hand-over per
+step (not one per request); tokens are in the store before a subscriber sees them; a second
+subscriber attaching with skip_tokens sees no token twice; the last subscriber leaving aborts
+the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import pytest
+from fake_workers import FakeWorkerGroup, expected
+
+from pagedserve.common.store import open_store
+from pagedserve.scheduler.service import SchedulerService, ServiceConfig
+from pagedserve.scheduler.subscriptions import DeltaFilter, Outbox
+from pagedserve.v1 import common_pb2, scheduler_pb2
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+class CountingOutbox(Outbox):
+    def __init__(self, loop) -> None:
+        super().__init__(loop)
+        self.posts = 0
+
+    def post(self, items) -> None:
+        self.posts += 1
+        super().post(items)
+
+
+@pytest.fixture
+def service():
+    store = open_store(REDIS_URL, f"pstest-{uuid.uuid4().hex[:8]}:", 60)
+    workers = FakeWorkerGroup(step_delay_s=0.002)
+    svc = SchedulerService(ServiceConfig(max_num_seqs=64, max_num_batched_tokens=256), workers, store)
+    svc.start()
+    yield svc
+    svc.stop()
+
+
+def schedule(request_id: str, prompt: list[int], max_tokens: int, **extra) -> scheduler_pb2.ScheduleRequest:
+    return scheduler_pb2.ScheduleRequest(
+        request_id=request_id, prompt_token_ids=prompt,
+        params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), **extra)
+
+
+async def drain(outbox: Outbox, filters: dict[int, DeltaFilter], tokens: dict[int, list[int]], on_delta=None):
+    """Read the outbox until every subscription finished; tokens per tag."""
+    while not all(f.done for f in filters.values()):
+        for sub, item in await asyncio.wait_for(outbox.next_batch(), 30):
+            assert not isinstance(item, Exception), item
+            for delta in filters[sub.tag].deltas(*item):
+                assert delta.tag == sub.tag
+                if on_delta is not None:
+                    on_delta(delta)
+                tokens.setdefault(sub.tag, []).extend(delta.token_ids)
+
+
+def test_one_outbox_carries_many_requests_with_one_hand_over_per_step(service):
+    prompts = {tag: [tag, tag + 1, tag + 2] * (tag % 4 + 1) for tag in range(1, 17)}
+
+    async def main():
+        outbox = CountingOutbox(asyncio.get_running_loop())
+        filters, tokens = {}, {}
+        for tag, prompt in prompts.items():
+            sub, group = service.submit(schedule(f"r{tag}", prompt, 12), outbox, tag)
+            filters[tag] = DeltaFilter.for_request(group.group_id, group.n, [], sub.replayed, tag)
+        await drain(outbox, filters, tokens)
+        return outbox.posts, tokens
+
+    steps_before = service.workers.num_steps
+    posts, tokens = asyncio.run(main())
+    assert tokens == {tag: expected(prompt, 12) for tag, prompt in prompts.items()}
+    steps = service.workers.num_steps - steps_before
+    # 16 requests x 12 tokens arrive in about as many hand-overs as there were steps, not 192.
+    assert posts <= steps + 1 < 16 * 12 // 2, (posts, steps)
+
+
+def test_tokens_are_stored_before_they_are_delivered(service):
+    store = service.store
+
+    def check(delta):
+        record = store.load(delta.request_id)
+        assert record is not None and len(record.outputs[0]) >= filters[1].sent[0], "delivered before stored"
+
+    async def main():
+        outbox = Outbox(asyncio.get_running_loop())
+        sub, group = service.submit(schedule("durable", [5, 6, 7], 20), outbox, 1)
+        filters[1] = DeltaFilter.for_request(group.group_id, 1, [], sub.replayed, 1)
+        await drain(outbox, filters, tokens, on_delta=check)
+
+    filters, tokens = {}, {}
+    asyncio.run(main())
+    assert tokens[1] == expected([5, 6, 7], 20)
+
+
+def test_attach_with_skip_tokens_sends_no_token_twice(service):
+    service.workers.step_delay_s = 0.02  # slow enough to attach mid-way
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        first = Outbox(loop)
+        sub, group = service.submit(schedule("shared", [9, 9], 40), first, 1)
+        filters = {1: DeltaFilter.for_request(group.group_id, 1, [], sub.replayed, 1)}
+        seen: list[int] = []
+        while len(seen) < 5:
+            for _sub, item in await asyncio.wait_for(first.next_batch(), 30):
+                for delta in filters[1].deltas(*item):
+                    seen.extend(delta.token_ids)
+        # A re-attach as a tokenizer does after its stream broke: skip what it already has.
+        second = Outbox(loop)
+        sub2, group2 = service.submit(schedule("shared", [9, 9], 40, attach=True, skip_tokens=[len(seen)]),
+                                      second, 2)
+        assert group2 is group and not sub2.replayed
+        rest = {2: DeltaFilter.for_request(group.group_id, 1, [len(seen)], sub2.replayed, 2)}
+        tokens: dict[int, list[int]] = {}
+        await drain(second, rest, tokens)
+        return seen, tokens[2]
+
+    seen, rest = asyncio.run(main())
+    assert seen + rest == expected([9, 9], 40)
+
+
+def test_last_subscriber_leaving_aborts_and_frees_blocks(service):
+    service.workers.step_delay_s = 0.02
+    done = threading.Event()
+
+    async def main():
+        outbox = Outbox(asyncio.get_running_loop())
+        sub, group = service.submit(schedule("leaver", list(range(1, 40)), 400), outbox, 1)
+        await asyncio.wait_for(outbox.next_batch(), 30)  # it runs
+        service.unsubscribe(sub)
+        for _ in range(300):
+            stats = service.stats()
+            if stats.num_running == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks:
+                done.set()
+                return
+            await asyncio.sleep(0.02)
+
+    asyncio.run(main())
+    assert done.is_set(), "the request kept its blocks after its only subscriber left"
+    record = service.store.load("leaver")
+    assert record.finish_reasons == ["abort"] and len(record.outputs[0]) < 400

@@ -1,0 +1,133 @@
+"""The scheduler's Stream RPC (a tokenizer's one stream for all its requests), through the real
+servicer over a gRPC socket, with the fake worker group and the real Redis store: one message per
+step carries every request's deltas; a refused subscription fails alone; leaving aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+import pytest
+from fake_workers import FakeWorkerGroup, expected
+
+from pagedserve.common.grpc_util import free_port
+from pagedserve.common.store import open_store
+from pagedserve.scheduler.server import SchedulerServicer
+from pagedserve.scheduler.service import SchedulerService, ServiceConfig
+from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def schedule(request_id: str, prompt: list[int], max_tokens: int, tag: int, **extra) -> scheduler_pb2.StreamCommand:
+    return scheduler_pb2.StreamCommand(schedule=scheduler_pb2.ScheduleRequest(
+        request_id=request_id, prompt_token_ids=prompt, tag=tag,
+        params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), **extra))
+
+
+@pytest.fixture
+def scheduler():
+    store = open_store(REDIS_URL, f"pstest-{uuid.uuid4().hex[:8]}:", 60)
+    workers = FakeWorkerGroup(step_delay_s=0.005)
+    service = SchedulerService(ServiceConfig(max_num_seqs=64, max_num_batched_tokens=512), workers, store)
+    service.start()
+    yield service
+    service.stop()
+
+
+async def serve(service):
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return server, channel, scheduler_pb2_grpc.SchedulerStub(channel)
+
+
+def test_one_message_per_step_carries_every_request(scheduler):
+    prompts = {tag: [tag] * (3 + tag) for tag in range(1, 25)}
+
+    async def main():
+        server, channel, stub = await serve(scheduler)
+        commands: asyncio.Queue = asyncio.Queue()
+        for tag, prompt in prompts.items():
+            commands.put_nowait(schedule(f"s{tag}", prompt, 16, tag))
+
+        async def command_iter():
+            while True:
+                yield await commands.get()
+
+        call = stub.Stream(command_iter())
+        tokens = {tag: [] for tag in prompts}
+        finished, accepted, messages = set(), set(), 0
+        steps_before = scheduler.workers.num_steps
+        async for message in call:
+            messages += 1
+            assert not message.errors
+            for delta in message.deltas:
+                if delta.accepted:
+                    accepted.add(delta.tag)
+                    assert delta.request_id == f"s{delta.tag}" and delta.n == 1
+                    continue
+                tokens[delta.tag].extend(delta.token_ids)
+                if delta.finish_reason:
+                    finished.add(delta.tag)
+            if len(finished) == len(prompts):
+                break
+        call.cancel()
+        steps = scheduler.workers.num_steps - steps_before
+        await channel.close()
+        await server.stop(None)
+        return tokens, accepted, messages, steps
+
+    tokens, accepted, messages, steps = asyncio.run(main())
+    assert accepted == set(prompts)
+    assert tokens == {tag: expected(prompt, 16) for tag, prompt in prompts.items()}
+    # 24 requests x 16 tokens in about one message per step (plus the acceptances), not 384.
+    assert messages <= steps + 3, (messages, steps)
+
+
+def test_refused_subscription_fails_alone_and_leave_aborts(scheduler):
+    scheduler.workers.step_delay_s = 0.02
+
+    async def main():
+        server, channel, stub = await serve(scheduler)
+        commands: asyncio.Queue = asyncio.Queue()
+
+        async def command_iter():
+            while True:
+                yield await commands.get()
+
+        call = stub.Stream(command_iter())
+        commands.put_nowait(schedule("long", [1, 2, 3], 500, tag=1))
+        commands.put_nowait(schedule("too-big", [5] * 10, 10_000, tag=2))   # past max_model_len 512
+        commands.put_nowait(schedule("unknown", [5], 4, tag=3, attach=True))  # nothing to attach to
+        commands.put_nowait(schedule("dup", [7, 7], 4, tag=1))  # tag 1 is taken
+        errors, got = {}, 0
+        async for message in call:
+            for error in message.errors:
+                errors[error.tag, error.request_id] = (grpc.StatusCode.INVALID_ARGUMENT.value[0] == error.code,
+                                                       grpc.StatusCode.NOT_FOUND.value[0] == error.code, error.message)
+            got += sum(len(d.token_ids) for d in message.deltas if d.tag == 1)
+            if len(errors) == 3 and got >= 5:
+                break
+        commands.put_nowait(scheduler_pb2.StreamCommand(leave=1))
+        for _ in range(300):
+            stats = scheduler.stats()
+            if stats.num_running == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks:
+                break
+            await asyncio.sleep(0.02)
+        call.cancel()
+        await channel.close()
+        await server.stop(None)
+        return errors, stats
+
+    errors, stats = asyncio.run(main())
+    assert errors[2, "too-big"][0] and "maximum context length" in errors[2, "too-big"][2]
+    assert errors[3, "unknown"][1]
+    assert errors[1, "dup"][0] and "tag 1" in errors[1, "dup"][2]
+    # The long request kept going through the refusals; leaving aborted it and freed its blocks.
+    assert stats.num_running == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    assert scheduler.store.load("long").finish_reasons == ["abort"]
