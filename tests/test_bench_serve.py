@@ -10,15 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from pagedserve.bench.serve import (
-    PromptMaker,
-    arrival_gaps,
-    load_sharegpt,
-    parse_sweep,
-    prefix_requests,
-    random_requests,
-    summarize,
-)
+from pagedserve.bench.serve import parse_sweep
+from pagedserve.bench.serve_client import arrival_gaps, summarize
+from pagedserve.bench.serve_datasets import PromptMaker, load_sharegpt, prefix_requests, random_requests
 from service_stack import start_test_stack, tiny_model_with_tokenizer, wait_until_idle
 
 STAGES = ("gateway", "tokenizer", "queue", "prefill", "network")
