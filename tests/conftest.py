@@ -1,7 +1,12 @@
-"""Shared fixtures: tiny random-weight models saved as safetensors, and the default model."""
+"""Shared fixtures: tiny random-weight models saved as safetensors, the default model and its
+tokenizer, TLS certificates. The tests that start the services as processes live in tests/stack/
+(its conftest.py adds their fixtures). Helpers are modules here (tiny_models, service_stack,
+fake_workers, ...), importable from both folders; a conftest.py is no module to import from (there
+are two)."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,11 +15,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import build_tiny_model  # noqa: E402
-
-
-class NoTokenizer:
-    """Tiny test models have no tokenizer; the engine only needs its eos id."""
-    eos_token_id = None
 
 
 @pytest.fixture(scope="session")
@@ -42,12 +42,27 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model(None))
 
 
-NO_TOKENIZER = NoTokenizer()
+def make_certificates(folder: Path, name: str) -> dict[str, str]:
+    """A CA and one certificate it signed for 127.0.0.1 / localhost, usable by servers and clients."""
+    from pagedserve.common.grpc_util import TLS_ENV
+
+    def run(*argv: str) -> None:
+        subprocess.run(["openssl", *argv], cwd=folder, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}-ca.key", "-out", f"{name}-ca.pem",
+        "-days", "2", "-subj", f"/CN={name} test CA")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+        "-subj", "/CN=127.0.0.1")
+    (folder / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                                        "extendedKeyUsage=serverAuth,clientAuth\n")
+    run("x509", "-req", "-in", f"{name}.csr", "-CA", f"{name}-ca.pem", "-CAkey", f"{name}-ca.key", "-CAcreateserial",
+        "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
+    return {TLS_ENV["cert"]: str(folder / f"{name}.pem"), TLS_ENV["key"]: str(folder / f"{name}.key"),
+            TLS_ENV["ca"]: str(folder / f"{name}-ca.pem")}
 
 
-def make_engine(model: Path, tokenizer=NO_TOKENIZER, **overrides):
-    """A float32 engine on `model`; tokenizer=None loads the model's own."""
-    from pagedserve.engine import EngineConfig, LLMEngine
-    cfg = dict(model=str(model), dtype="float32", progress=False, kv_cache_memory="64MiB")
-    cfg.update(overrides)
-    return LLMEngine(EngineConfig(**cfg), tokenizer=tokenizer)
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """Two CAs, each with a certificate it signed: "ours" (the services') and "rogue" (a stranger's)."""
+    folder = tmp_path_factory.mktemp("tls")
+    return {"ours": make_certificates(folder, "ours"), "rogue": make_certificates(folder, "rogue")}

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from conftest import make_engine
 from pagedserve.common.sampling_params import SamplingParams
+from tiny_models import make_engine
 
 
 @pytest.fixture(scope="module")

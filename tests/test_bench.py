@@ -1,21 +1,16 @@
-"""`pagedserve bench throughput` end to end on a tiny random llama (no tokenizer in the folder)."""
+"""`pagedserve bench throughput` end to end on a tiny random llama (no tokenizer in the folder).
+`pagedserve bench services` (it starts the services): tests/stack/test_bench_stack.py."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
-import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tiny_models import build_tiny_model  # noqa: E402
-
-from pagedserve.bench import add_bench_parser  # noqa: E402
-from pagedserve.bench.throughput import make_workload  # noqa: E402
+from pagedserve.bench import add_bench_parser
+from pagedserve.bench.throughput import make_workload
+from tiny_models import build_tiny_model
 
 KEYS = {"output_tokens_per_s", "total_tokens_per_s", "baseline_output_tokens_per_s", "baseline_by_batch_size",
         "ratio_vs_transformers", "kv_waste_pct", "num_requests", "num_prompt_tokens", "num_output_tokens",
@@ -56,25 +51,3 @@ def test_bench_throughput_tiny_model(tmp_path):
     assert data["baseline_output_tokens_per_s"] > 0 and data["ratio_vs_transformers"] > 0
     assert 0 <= data["kv_waste_pct"] < 100
     assert data["num_steps"] > 0 and data["dtype"] == "float32"
-
-
-@pytest.mark.slow  # the services' tokenizer needs a real tokenizer: the default model's
-def test_bench_services_tiny_model(tmp_path, default_model_path):
-    from service_stack import tiny_model_with_tokenizer
-    model = tiny_model_with_tokenizer(tmp_path / "model", default_model_path)
-    out = tmp_path / "bench.json"
-    parser = argparse.ArgumentParser()
-    add_bench_parser(parser.add_subparsers())
-    args = parser.parse_args(["bench", "services", "--model", str(model), "--dtype", "float32", "--device", "cpu",
-                              "--workload", "random", "--num-prompts", "6", "--input-len", "20",
-                              "--output-len", "8", "--concurrency", "3", "--repeats", "2",
-                              "--kv-cache-memory", "16MiB", "--redis-url", "redis://127.0.0.1:6379/0",
-                              "--json", str(out)])
-    result = args.func(args)
-    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    assert result["output_tokens"] == 6 * 8 and len(result["runs"]) == 2
-    for run in result["runs"]:
-        for side in ("in_process", "services"):
-            assert run[side]["output_tok_s"] > 0 and run[side]["ttft_median_ms"] > 0
-        assert run["ratio"] == run["services"]["output_tok_s"] / run["in_process"]["output_tok_s"]
-    assert result["step_rtt_median_ms"] > 0

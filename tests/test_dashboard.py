@@ -1,172 +1,34 @@
 """The live dashboard (/dashboard): served by the gateway app with its script and style sheet;
 drawn by Debian's headless chromium from a stats fixture (every panel, a prefix-mounted copy, a
-stats object with most fields missing, a refused API key); and from the real services with
-requests in flight: the KV grid shows cells in use by running requests, the queues list them, the
-waterfall has a row per finished request, and a screenshot is saved as a test artifact."""
+stats object with most fields missing, a refused API key). From the real services with requests in
+flight: tests/stack/test_dashboard_stack.py."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
 import re
 import shutil
-import struct
-import subprocess
-import tempfile
 import threading
 import time
-import zlib
-from html.parser import HTMLParser
 from pathlib import Path
 
-import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Header, HTTPException
 from fastapi.testclient import TestClient
 
+from dashboard_page import chromium, dump_dom, queue_count, queue_ids
 from pagedserve.common.grpc_util import free_port
 from pagedserve.gateway import dashboard
 
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--hide-scrollbars",
-         "--no-first-run", "--mute-audio")
 KEY = "sk-dashboard-test"
-ARTIFACTS = Path(os.environ.get("PAGEDSERVE_TEST_ARTIFACTS") or Path(__file__).parent / "artifacts")
-
-
-# ---- headless chromium -------------------------------------------------------------------------
-
-def chromium() -> str:
-    path = shutil.which("chromium")
-    if path is None:
-        pytest.fail("Debian's chromium is not installed (no `chromium` on PATH). `make` installs it "
-                    "(as root: apt-get install -y chromium); the dashboard tests draw the page in it.")
-    return path
-
-
-def run_chromium(url: str, *args: str, budget_ms: int = 3000) -> str:
-    """One headless run on a throwaway profile; its stdout. Virtual time runs the page's polling
-    `budget_ms` ahead (it waits while fetches are pending), then chromium dumps or shoots."""
-    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
-        cmd = [chromium(), *FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}", *args, url]
-        proc = subprocess.run(cmd, capture_output=True, timeout=90)
-    out = proc.stdout.decode("utf-8", "replace")
-    assert proc.returncode == 0, f"chromium exited {proc.returncode}: {proc.stderr.decode(errors='replace')[-2000:]}"
-    return out
-
-
-def dump_dom(url: str, budget_ms: int = 3000) -> Node:
-    html = run_chromium(url, "--dump-dom", budget_ms=budget_ms)
-    assert "<html" in html, html[:500]
-    return parse(html)
-
-
-def screenshot(url: str, path: Path, width: int = 1400, height: int = 1000, budget_ms: int = 3000) -> bytes:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    run_chromium(url, f"--screenshot={path}", f"--window-size={width},{height}", budget_ms=budget_ms)
-    assert path.exists(), "chromium wrote no screenshot"
-    return path.read_bytes()
-
-
-def check_png(data: bytes, width: int, height: int) -> None:
-    """A valid PNG of that size whose pixels are not all alike (a blank page would be)."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (length,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
-        body = data[pos + 8:pos + 8 + length]
-        assert zlib.crc32(kind + body) == struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0]
-        chunks.setdefault(kind, []).append(body)
-        pos += 12 + length
-    w, h, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][0][:10])
-    assert (w, h) == (width, height)
-    assert b"IEND" in chunks
-    channels = {0: 1, 2: 3, 4: 2, 6: 4}[color]
-    raw = zlib.decompress(b"".join(chunks[b"IDAT"]))
-    assert len(raw) == h * (1 + w * channels * depth // 8)
-    assert len(set(raw)) > 64, "the screenshot is nearly uniform"
-    assert len(data) > 20_000, f"only {len(data)} bytes: a nearly empty page"
 
 
 def test_without_chromium_the_tests_fail_saying_make_installs_it(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(pytest.fail.Exception, match="`make` installs it"):
         chromium()
-
-
-# ---- a small DOM ---------------------------------------------------------------------------------
-
-class Node:
-    def __init__(self, tag: str, attrs: dict[str, str], parent: Node | None) -> None:
-        self.tag, self.attrs, self.parent = tag, attrs, parent
-        self.children: list[Node] = []
-        self.texts: list[str] = []
-
-    @property
-    def classes(self) -> set[str]:
-        return set(self.attrs.get("class", "").split())
-
-    @property
-    def text(self) -> str:
-        return "".join(self.texts) + "".join(child.text for child in self.children)
-
-    def all(self, tag: str | None = None, cls: str | None = None) -> list[Node]:
-        found = []
-        for child in self.children:
-            if (tag is None or child.tag == tag) and (cls is None or cls in child.classes):
-                found.append(child)
-            found.extend(child.all(tag, cls))
-        return found
-
-    def by_id(self, ident: str) -> Node:
-        hits = [n for n in self.all() if n.attrs.get("id") == ident]
-        assert hits, f"no element #{ident}"
-        return hits[0]
-
-
-VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
-
-
-class _Parser(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.root = self.node = Node("#document", {}, None)
-
-    def handle_starttag(self, tag, attrs):
-        node = Node(tag, {k: v or "" for k, v in attrs}, self.node)
-        self.node.children.append(node)
-        if tag not in VOID:
-            self.node = node
-
-    def handle_startendtag(self, tag, attrs):
-        self.node.children.append(Node(tag, {k: v or "" for k, v in attrs}, self.node))
-
-    def handle_endtag(self, tag):
-        node = self.node
-        while node.parent is not None and node.tag != tag:
-            node = node.parent
-        if node.parent is not None:
-            self.node = node.parent
-
-    def handle_data(self, data):
-        self.node.texts.append(data)
-
-
-def parse(html: str) -> Node:
-    parser = _Parser()
-    parser.feed(html)
-    return parser.root
-
-
-def queue_ids(dom: Node, name: str) -> list[str]:
-    return [li.attrs["data-request"] for li in dom.by_id(f"queue-{name}").all("li") if "data-request" in li.attrs]
-
-
-def queue_count(dom: Node, name: str) -> int:
-    return int(dom.by_id(f"queue-{name}").all(cls="count")[0].text)
 
 
 # ---- the page served by the gateway (no browser) -------------------------------------------------
@@ -372,116 +234,3 @@ def test_page_says_when_the_key_is_refused(fixture_server):
     status = dom.by_id("status-text").text
     assert "stats unavailable" in status and "401" in status, status
     assert not dom.by_id("kv-grid").all(cls="kv-cell")
-
-
-# ---- the page drawn from the real services -------------------------------------------------------
-
-# every client's prompts start alike (four 16-token blocks or so): the prefix cache has something to share
-SHARED_PREFIX = ("You are watching the pagedserve dashboard test. Its clients keep long completions in flight "
-                 "so that the KV cache grid, the queues and the step charts have something to show.")
-
-
-class Load:
-    """Threads that keep long streaming completions in flight, one after another, until stopped."""
-
-    def __init__(self, url: str, threads: int, max_tokens: int) -> None:
-        self.url, self.max_tokens = url, max_tokens
-        self.stop, self.errors = threading.Event(), []
-        self.streaming = [threading.Event() for _ in range(threads)]
-        self.finished: list[str] = []  # ids of the completions that ran to their end
-        self.seen: set[str] = set()
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
-        for thread in self.threads:
-            thread.start()
-
-    def _run(self, index: int) -> None:
-        body = {"prompt": SHARED_PREFIX + f" Client {index}: count slowly from one to a thousand.",
-                "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
-                while not self.stop.is_set():
-                    request_id = None
-                    with http.stream("POST", self.url + "/v1/completions", json=body) as reply:
-                        assert reply.status_code == 200, reply.read()
-                        for line in reply.iter_lines():
-                            if line.startswith("data: {") and request_id is None:
-                                request_id = json.loads(line[6:])["id"]
-                                with self.lock:
-                                    self.seen.add(request_id)
-                                self.streaming[index].set()
-                            if self.stop.is_set():
-                                return  # leaving the block closes the stream: the gateway cancels it
-                    with self.lock:
-                        self.finished.append(request_id)
-        except Exception as exc:  # reported by close()
-            self.errors.append(exc)
-
-    def close(self) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(60)
-        assert not self.errors, self.errors
-
-
-@pytest.fixture(scope="module")
-def tiny_model(default_model_path, tmp_path_factory):
-    from service_stack import tiny_model_with_tokenizer
-    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-tok"), default_model_path)
-
-
-@pytest.mark.slow
-def test_dashboard_on_the_real_services(tiny_model, tmp_path_factory):
-    from service_stack import start_test_stack
-    chromium()  # fail before starting anything when it is missing
-    # 2 MiB of KV cache: 256 blocks of 16 tokens on the tiny model (2 layers, 2 KV heads of 16, float32);
-    # six clients for four sequence slots: two of them wait
-    stack = start_test_stack(tiny_model, tmp_path_factory.mktemp("logs"), api_key=KEY, kv_cache_memory="2MiB",
-                             max_num_seqs=4, max_num_batched_tokens=128)
-    load = None
-    try:
-        url = stack.http_url
-        auth = {"Authorization": f"Bearer {KEY}"}
-        done = httpx.post(url + "/v1/completions", headers=auth, timeout=60,
-                          json={"prompt": "a short one first", "max_tokens": 8, "ignore_eos": True})
-        assert done.status_code == 200, done.text
-        load = Load(url, threads=6, max_tokens=160)
-        deadline = time.monotonic() + 60
-        while len(load.finished) < 3 or sum(e.is_set() for e in load.streaming) < 4:  # some done, more in flight
-            assert time.monotonic() < deadline and not load.errors, (load.finished, load.errors)
-            time.sleep(0.1)
-        stats = httpx.get(url + "/v1/engine/stats", headers=auth, timeout=10).json()
-        assert stats["kv"]["tables"] and "u" in stats["kv"]["states"], stats["kv"]  # the endpoint has what to draw
-
-        page = f"{url}/dashboard?key={KEY}"
-        dom = dump_dom(page)
-        assert dom.by_id("status-text").text.startswith("live"), dom.by_id("status-text").text
-        cells = dom.by_id("kv-grid").all(cls="kv-cell")
-        assert len(cells) == stats["kv"]["num_blocks"] == stats["config"]["num_gpu_blocks"]
-        used = [c for c in cells if "used" in c.classes and c.attrs.get("data-request")]
-        assert used, "no KV cell in use by a request"
-        running = queue_ids(dom, "running")
-        assert running and queue_count(dom, "running") == len(running)
-        assert {c.attrs["data-request"] for c in used} <= set(running)  # the grid's owners are running requests
-        for name in ("waiting", "swapped"):
-            dom.by_id(f"queue-{name}")
-        # a row per finished request (the first one, a short one, and those of the load that ran to their end)
-        rows = {r.attrs["data-request"]: r for r in dom.by_id("waterfall-body").all("g", "waterfall-row")}
-        with load.lock:
-            finished = {done.json()["id"], *load.finished}
-            seen = finished | load.seen
-        assert rows and set(rows) <= seen, (set(rows), seen)
-        assert set(rows) & finished
-        for row in rows.values():
-            assert {"stage-queue", "stage-prefill", "stage-decode"} <= {c for rect in row.all("rect", "stage")
-                                                                        for c in rect.classes}
-        assert dom.by_id("budget-chart").all("polyline", "series-tokens")
-
-        shot = screenshot(page, ARTIFACTS / "dashboard.png")
-        check_png(shot, 1400, 1000)
-    finally:
-        try:
-            if load is not None:
-                load.close()
-        finally:
-            stack.stop()

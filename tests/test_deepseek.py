@@ -15,12 +15,11 @@ if not torch.cuda.is_available():
     # (transformers or another test module may import it before this file's tests run).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import make_engine
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
 from pagedserve.worker.kv_cache import bytes_per_block
 from pagedserve.worker.mla_attention import TorchMLABackend, TritonMLABackend
-from tiny_models import build_tiny_model, hf_greedy
+from tiny_models import build_tiny_model, hf_greedy, make_engine
 
 MAX_NEW = 16
 LENGTHS = (3, 17, 60, 8, 33)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import make_engine
 from pagedserve.common.sampling_params import SamplingParams
-from tiny_models import build_tiny_model, hf_greedy
+from tiny_models import build_tiny_model, hf_greedy, make_engine
 
 MAX_NEW = 24
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_engine
 from pagedserve.common.sampling_params import SamplingParams
+from tiny_models import make_engine
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The gateway's one admission function (pagedserve/gateway/admission.py): driven directly, then
 through both front ends, where REST and the public gRPC API must refuse alike (the same message,
 the HTTP status and the gRPC status of the same Refusal) in front of the fake services of
-test_gateway_app."""
+tests/fake_services.py."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import grpc
 import httpx
 import pytest
 
+from fake_services import KEY, Stack
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from pagedserve.gateway.admission import (Admission, Refusal, bad_api_key, body_too_large, rate_limited, shutting_down,
                                           too_many_samples, too_many_tokens)
 from pagedserve.gateway.grpc_api import peer_host
 from pagedserve.gateway.limits import Limits
 from pagedserve.gateway.protocol import RequestError
-from test_gateway_app import KEY, Stack
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 METADATA = (("authorization", f"Bearer {KEY}"),)

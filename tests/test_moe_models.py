@@ -11,10 +11,9 @@ import re
 import pytest
 import torch
 
-from conftest import make_engine
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.sampling_params import SamplingParams
-from tiny_models import build_tiny_model, hf_greedy
+from tiny_models import build_tiny_model, hf_greedy, make_engine
 
 MAX_NEW = 16
 # Fixed lengths 3..60 (up to 4 blocks of 16 with the new tokens, 19 blocks in all); ids from a fixed seed.

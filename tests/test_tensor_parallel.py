@@ -1,14 +1,13 @@
 """Tensor parallelism over torch.distributed (gloo, two processes): the same greedy tokens as one
-rank, each rank holding about half the weights; in-process engines and the services alike."""
+rank, each rank holding about half the weights; in-process engines (the services:
+tests/stack/test_tensor_parallel_stack.py)."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
-from conftest import make_engine
 from pagedserve.common.sampling_params import SamplingParams
-from tiny_models import build_tiny_model, hf_greedy
+from tiny_models import build_tiny_model, hf_greedy, make_engine
 
 PROMPTS = [[1, 5, 9, 33], [3] * 27, list(range(3, 50)), [7, 8] * 11 + [9]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -79,38 +78,6 @@ def test_heads_that_do_not_split_are_refused(tmp_path_factory):
                              num_key_value_heads=3, hidden_size=48)
     with pytest.raises(ValueError, match="3 attention heads do not split across --tensor-parallel-size 2"):
         make_engine(model, tensor_parallel_size=2)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
-def test_services_with_two_worker_ranks(arch, default_model_path, tmp_path_factory):
-    """`serve --tensor-parallel-size 2`: two worker processes, the scheduler steps both; the text
-    equals one rank's and each rank reports about half the weights (DeepSeek: MoE and latent
-    attention over gRPC and gloo)."""
-    import openai
-
-    from pagedserve.v1 import worker_pb2, worker_pb2_grpc
-    from service_stack import start_test_stack, tiny_model_with_tokenizer
-
-    model = tiny_model_with_tokenizer(tmp_path_factory.mktemp(f"tp-tok-{arch}"), default_model_path, arch)
-    prompt = "The capital of France is"
-    with make_engine(model, tokenizer=None) as engine:
-        [[expected]] = engine.generate([engine.tokenizer.encode(prompt)], SamplingParams(temperature=0, max_tokens=12))
-        text = engine.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
-        bytes_one = engine.runner.weight_bytes()
-    stack = start_test_stack(model, tmp_path_factory.mktemp("tp-logs"), tensor_parallel_size=2)
-    try:
-        client = openai.OpenAI(base_url=stack.addresses["http"] + "/v1", api_key="unused", max_retries=0)
-        reply = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, temperature=0,
-                                          max_tokens=12)
-        assert reply.choices[0].text == text
-        for rank in (0, 1):
-            with grpc.insecure_channel(stack.addresses[f"worker{rank}"]) as channel:
-                info = worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10)
-            assert (info.rank, info.world_size) == (rank, 2)
-            assert 0.45 < info.weight_bytes / bytes_one < (0.62 if arch == "deepseek_v3" else 0.55)
-    finally:
-        stack.stop()
 
 
 def test_bench_tp_runs_both_rank_counts(llama, tmp_path):

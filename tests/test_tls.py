@@ -1,41 +1,18 @@
 """Mutual TLS between the internal services: certificates from files (PAGEDSERVE_TLS_CERT/KEY/CA,
-or `serve --tls-cert --tls-key --tls-ca`); a peer without a certificate the CA signed is refused."""
+or `serve --tls-cert --tls-key --tls-ca`); a peer without a certificate the CA signed is refused. The
+certificates come from conftest.py's `certificates`; the services themselves talking TLS:
+tests/stack/test_tls_stack.py."""
 
 from __future__ import annotations
 
-import subprocess
 from concurrent import futures
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pagedserve.common.grpc_util import TLS_ENV, add_internal_port, check_health, free_port, internal_channel
-
-
-def make_certificates(folder: Path, name: str) -> dict[str, str]:
-    """A CA and one certificate it signed for 127.0.0.1 / localhost, usable by servers and clients."""
-    def run(*argv: str) -> None:
-        subprocess.run(["openssl", *argv], cwd=folder, check=True, capture_output=True)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}-ca.key", "-out", f"{name}-ca.pem",
-        "-days", "2", "-subj", f"/CN={name} test CA")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-        "-subj", "/CN=127.0.0.1")
-    (folder / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-                                        "extendedKeyUsage=serverAuth,clientAuth\n")
-    run("x509", "-req", "-in", f"{name}.csr", "-CA", f"{name}-ca.pem", "-CAkey", f"{name}-ca.key", "-CAcreateserial",
-        "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
-    return {TLS_ENV["cert"]: str(folder / f"{name}.pem"), TLS_ENV["key"]: str(folder / f"{name}.key"),
-            TLS_ENV["ca"]: str(folder / f"{name}-ca.pem")}
-
-
-@pytest.fixture(scope="module")
-def certificates(tmp_path_factory) -> dict[str, dict[str, str]]:
-    folder = tmp_path_factory.mktemp("tls")
-    return {"ours": make_certificates(folder, "ours"), "rogue": make_certificates(folder, "rogue")}
+from pagedserve.common.grpc_util import TLS_ENV, add_internal_port, check_health, free_port
 
 
 @pytest.fixture
@@ -77,29 +54,3 @@ def test_half_a_configuration_is_an_error(certificates):
         internal_tls({TLS_ENV["cert"]: ours[TLS_ENV["cert"]]})
     with pytest.raises(ValueError, match="cannot read the TLS key file"):
         internal_tls({TLS_ENV["cert"]: ours[TLS_ENV["cert"]], TLS_ENV["key"]: "/nonexistent/key.pem"})
-
-
-@pytest.mark.slow
-def test_the_services_talk_tls_among_themselves(certificates, default_model_path, tmp_path_factory):
-    """`serve --tls-cert --tls-key --tls-ca`: every internal hop is mutual TLS; the public API is
-    unchanged; a plain-TCP client of the scheduler gets nothing."""
-    from service_stack import start_test_stack, tiny_model_with_tokenizer
-
-    from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-
-    ours = certificates["ours"]
-    model = tiny_model_with_tokenizer(tmp_path_factory.mktemp("tls-tok"), default_model_path)
-    stack = start_test_stack(model, tmp_path_factory.mktemp("tls-logs"), tls_cert=ours[TLS_ENV["cert"]],
-                             tls_key=ours[TLS_ENV["key"]], tls_ca=ours[TLS_ENV["ca"]])
-    try:
-        reply = httpx.post(stack.addresses["http"] + "/v1/completions", timeout=60,
-                           json={"model": httpx.get(stack.addresses["http"] + "/v1/models").json()["data"][0]["id"],
-                                 "prompt": "Hello", "max_tokens": 4, "temperature": 0})
-        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
-        scheduler = stack.addresses["scheduler"]
-        assert not check_health(scheduler, environ={}, timeout_s=2)
-        with internal_channel(scheduler, environ=ours) as channel:
-            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.StatsRequest(), timeout=10)
-        assert stats.ready
-    finally:
-        stack.stop()

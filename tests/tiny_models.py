@@ -1,4 +1,4 @@
-"""Tiny random-weight HF models, built and saved by the tests themselves."""
+"""Tiny random-weight HF models, built and saved by the tests themselves, and an engine over a model."""
 
 from __future__ import annotations
 
@@ -81,3 +81,19 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
                              do_sample=False, pad_token_id=0, eos_token_id=None)
         outs.append(gen[0, len(prompt):].tolist())
     return outs
+
+
+class NoTokenizer:
+    """Tiny test models have no tokenizer; the engine only needs its eos id."""
+    eos_token_id = None
+
+
+NO_TOKENIZER = NoTokenizer()
+
+
+def make_engine(model: Path, tokenizer=NO_TOKENIZER, **overrides):
+    """A float32 engine on `model`; tokenizer=None loads the model's own."""
+    from pagedserve.engine import EngineConfig, LLMEngine
+    cfg = dict(model=str(model), dtype="float32", progress=False, kv_cache_memory="64MiB")
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg), tokenizer=tokenizer)

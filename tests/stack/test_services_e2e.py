@@ -12,7 +12,7 @@ import grpc
 import httpx
 import pytest
 
-from service_stack import restart, scheduler_stats, start_test_stack, wait_until_idle
+from service_stack import restart, scheduler_stats, wait_until_idle
 
 pytestmark = pytest.mark.slow
 
@@ -22,10 +22,8 @@ PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a tim
 
 
 @pytest.fixture(scope="module")
-def stack(default_model_path, tmp_path_factory):
-    stack = start_test_stack(default_model_path, tmp_path_factory.mktemp("logs"), max_num_seqs=32)
-    yield stack
-    stack.stop()
+def stack(default_model_path, launch_stack):
+    return launch_stack(default_model_path, max_num_seqs=32)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +42,7 @@ def engine_and_tokenizer(default_model_path):
     """The engine core in this process on the same weights: the reference for greedy outputs."""
     from transformers import AutoTokenizer
 
-    from conftest import make_engine
+    from tiny_models import make_engine
     tokenizer = AutoTokenizer.from_pretrained(default_model_path)
     return make_engine(default_model_path, tokenizer=tokenizer, kv_cache_memory="128MiB"), tokenizer
 

@@ -1,177 +1,28 @@
-"""The gateway's reliability and security: stream resume from another gateway (Last-Event-ID),
-graceful drain on SIGTERM, request limits (413, 400 bounds, timeout, tokens in flight, per-key rate),
-several API keys, CORS off by default. Pure gateway logic in process; the rest on real processes,
-real Redis and a tiny model."""
+"""The gateway's reliability on real processes, real Redis and a tiny model: stream resume from
+another gateway (Last-Event-ID) after kill -9, graceful drain on SIGTERM, the shutdown timeout,
+request limits (timeout, tokens in flight, body size, max_tokens). The pure gateway logic is tested
+in process in tests/test_gateway_resume_and_limits.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import threading
 import time
-import types
 
 import httpx
 import pytest
 
 from pagedserve.common.grpc_util import free_port
 from pagedserve.launcher.processes import ServiceProcess
-from pagedserve.v1 import generate_pb2
-from pagedserve.gateway.app import Cursor, _Skip, build_app
-from pagedserve.gateway.backend import Backend
-from pagedserve.gateway.limits import Limits, RateLimiter, TokenBucket, parse_rate_limit
-from pagedserve.gateway.server import api_keys, drain
+from service_stack import wait_until_idle
 
 KEY = "sk-reliability"
 
 
-# ---- pure logic ---------------------------------------------------------------------------------
-def test_cursor_round_trip():
-    c = Cursor(2)
-    c.tokens, c.chars, c.done = [12, 7], [45, 30], [True, False]
-    assert c.event_id() == "12:45:f,7:30"
-    assert Cursor.parse("12:45:f,7:30") == ([12, 7], [45, 30], [True, False])
-    assert Cursor.parse("5") == ([5], [None], [False])
-    for bad in ("", "x", "1:2:3", "-1:0", "1:2:f:g"):
-        with pytest.raises(ValueError):
-            Cursor.parse(bad)
-
-
-def _msg(text: str, ids: list[int], finish: str = "") -> generate_pb2.GenerateResponse:
-    return generate_pb2.GenerateResponse(index=0, text=text, token_ids=ids, finish_reason=finish)
-
-
-def test_skip_cuts_a_replayed_message_at_the_cursor():
-    """Live the client got 'Hel' 'lo' (3 tokens, 5 chars); the replay comes as one message."""
-    skip = _Skip(None, [3], [5], [False], True)
-    cursor = Cursor(1)
-    out = asyncio.run(skip.apply(_msg("Hello world", [1, 2, 3, 4, 5]), cursor))
-    assert out.text == " world" and list(out.token_ids) == [4, 5]
-    cursor.tokens[0], cursor.chars[0] = 5, 11
-    nxt = _msg("!", [6], "length")
-    assert asyncio.run(skip.apply(nxt, cursor)) is nxt
-    # Everything already seen: dropped; the client saw the end: nothing at all.
-    assert asyncio.run(_Skip(None, [5], [11], [False], True).apply(_msg("Hello world", [1, 2, 3, 4, 5]),
-                                                                    Cursor(1))) is None
-    assert asyncio.run(_Skip(None, [6], [12], [True], True).apply(nxt, cursor)) is None
-
-
-def test_token_bucket_and_rate_limiter():
-    bucket = TokenBucket(2.0, 2.0, now=0.0)
-    assert bucket.take(0.0) == 0.0 and bucket.take(0.0) == 0.0
-    assert bucket.take(0.0) == pytest.approx(0.5)
-    assert bucket.take(0.5) == 0.0
-    limiter = RateLimiter(1.0, 1.0, max_keys=2)
-    a, b = RateLimiter.identity("key-a", None), RateLimiter.identity("key-b", None)
-    assert "key-a" not in a  # the key itself is never kept
-    assert limiter.check(a, 0.0) == 0.0 and limiter.check(a, 0.0) > 0 and limiter.check(b, 0.0) == 0.0
-    limiter.check("c", 0.0)
-    assert len(limiter.buckets) == 2
-    assert parse_rate_limit("5") == (5.0, 5.0) and parse_rate_limit("0.5:3") == (0.5, 3.0)
-    assert parse_rate_limit(None) is None and parse_rate_limit("0") is None
-    with pytest.raises(ValueError):
-        parse_rate_limit("1:0")
-
-
-def test_several_api_keys(tmp_path, monkeypatch):
-    path = tmp_path / "keys"
-    path.write_text("# team keys\nkey-file-1\n\nkey-file-2\n")
-    monkeypatch.setenv("PAGEDSERVE_API_KEY", "key-env-1, key-env-2")
-    args = types.SimpleNamespace(api_key=["key-flag"], api_key_file=str(path))
-    keys = api_keys(args)
-    assert keys == ["key-flag", "key-file-1", "key-file-2", "key-env-1", "key-env-2"]
-    backend = Backend("127.0.0.1:1", "127.0.0.1:1", api_key=keys)
-    for key in keys:
-        assert backend.key_ok(f"Bearer {key}")
-    assert not backend.key_ok("Bearer key-flag2") and not backend.key_ok(None) and not backend.key_ok("key-flag")
-    assert Backend("a", "b").key_ok(None)  # no keys: open
-
-
-def _client(backend: Backend) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(backend)), base_url="http://gw")
-
-
-def test_gate_limits_in_process():
-    """413 (Content-Length or chunked), 400 for n and timeout, 429 per key, 503 while draining, CORS off
-    by default: all answered by the gateway itself (no service behind it is asked)."""
-    async def main():
-        backend = Backend("127.0.0.1:1", "127.0.0.1:1", api_key=[KEY, "other"],
-                          limits=Limits(max_body_bytes=200, max_n=4, rate_limit=(1.0, 3.0)))
-        auth = {"Authorization": f"Bearer {KEY}"}
-        async with _client(backend) as http:
-            r = await http.post("/v1/completions", json={"prompt": "x" * 300}, headers=auth)
-            assert r.status_code == 413 and "max-body-bytes" in r.json()["error"]["message"]
-
-            async def chunks():
-                for _ in range(3):
-                    yield b"x" * 100
-            r = await http.post("/v1/completions", content=chunks(), headers=auth)
-            assert r.status_code == 413
-            r = await http.post("/v1/completions", json={"prompt": "hi", "n": 5}, headers=auth)
-            assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "4" in r.json()["error"]["message"]
-            # The burst of 3 is spent for this key; another key has its own bucket.
-            r = await http.post("/v1/completions", json={"prompt": "hi", "timeout": -1}, headers=auth)
-            assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
-            r = await http.post("/v1/completions", json={"prompt": "hi", "timeout": -1},
-                                headers={"Authorization": "Bearer other"})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
-            r = await http.options("/v1/models", headers={"Origin": "https://evil.example",
-                                                          "Access-Control-Request-Method": "GET"})
-            assert "access-control-allow-origin" not in r.headers
-            backend.draining = True
-            r = await http.get("/v1/models", headers={"Authorization": "Bearer other"})
-            assert r.status_code == 503 and r.headers["Retry-After"]
-        cors = Backend("a", "b", limits=Limits(cors_origins=["https://ok.example"]))
-        async with _client(cors) as http:
-            r = await http.options("/v1/models", headers={"Origin": "https://ok.example",
-                                                          "Access-Control-Request-Method": "GET"})
-            assert r.headers["access-control-allow-origin"] == "https://ok.example"
-    asyncio.run(main())
-
-
-def test_tokens_in_flight_bound():
-    backend = Backend("a", "b", limits=Limits(max_tokens_in_flight=100))
-    assert backend.reserve_tokens(150)  # alone, a request is always admitted
-    assert not backend.reserve_tokens(1)
-    backend.release_tokens(150)
-    assert backend.reserve_tokens(60) and backend.reserve_tokens(40) and not backend.reserve_tokens(1)
-
-
-def test_drain_waits_then_aborts():
-    class Gen:
-        def __init__(self, backend):
-            self.backend, self.aborted = backend, False
-
-        def abort_for_shutdown(self):
-            self.aborted = True
-            self.backend.inflight.discard(self)
-
-    async def main():
-        backend = Backend("a", "b")
-        quick, stuck = Gen(backend), Gen(backend)
-        backend.inflight |= {quick, stuck}
-        asyncio.get_running_loop().call_later(0.1, backend.inflight.discard, quick)
-        started = time.monotonic()
-        assert await drain(backend, 0.5) == 1
-        assert backend.draining and stuck.aborted and not quick.aborted
-        assert 0.4 < time.monotonic() - started < 3
-    asyncio.run(main())
-
-
-# ---- real processes ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_model(default_model_path, tmp_path_factory):
-    from service_stack import tiny_model_with_tokenizer
-    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-tok"), default_model_path)
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory):
-    from service_stack import start_test_stack
-    stack = start_test_stack(tiny_model, tmp_path_factory.mktemp("logs"), api_key=KEY)
-    yield stack
-    stack.stop()
+def stack(tiny_model, launch_stack):
+    return launch_stack(tiny_model, api_key=KEY)
 
 
 def extra_gateway(stack, log_dir, *flags: str) -> tuple[ServiceProcess, str]:
@@ -241,7 +92,6 @@ def usage_of(events) -> dict | None:
 
 @pytest.mark.slow
 def test_resume_from_another_gateway_after_kill_9(stack, tmp_path):
-    from service_stack import wait_until_idle
     with httpx.Client(timeout=120) as http:
         whole = http.post(stack.http_url + "/v1/completions", json={**LONG, "stream": False}, headers=AUTH).json()
     reference = whole["choices"][0]["text"]
@@ -323,7 +173,6 @@ def test_sigterm_drains_streams_and_refuses_new_requests(stack, tmp_path):
 
 @pytest.mark.slow
 def test_shutdown_timeout_aborts_the_rest_and_frees_blocks(stack, tmp_path):
-    from service_stack import wait_until_idle
     gw, url = extra_gateway(stack, tmp_path, "--shutdown-timeout", "0.5")
     try:
         with httpx.Client(timeout=120) as http, http.stream("POST", url + "/v1/completions",
@@ -344,7 +193,6 @@ def test_shutdown_timeout_aborts_the_rest_and_frees_blocks(stack, tmp_path):
 
 @pytest.mark.slow
 def test_limits_on_a_real_stack(stack, tmp_path):
-    from service_stack import wait_until_idle
     gw, url = extra_gateway(stack, tmp_path, "--max-tokens-in-flight", "900", "--max-body-bytes", "4096")
     try:
         with httpx.Client(timeout=120) as http:

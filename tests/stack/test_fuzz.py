@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from service_stack import start_test_stack, tiny_model_with_tokenizer, wait_until_idle
+from service_stack import wait_until_idle
 
 pytestmark = pytest.mark.slow  # the tiny model borrows the default model's tokenizer
 
@@ -38,16 +38,9 @@ FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None
 
 
 @pytest.fixture(scope="module")
-def tiny_model(default_model_path, tmp_path_factory):
-    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-tok"), default_model_path)
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory):
+def stack(tiny_model, launch_stack):
     # A short context keeps every accepted generation short (unset max_tokens: up to the context).
-    stack = start_test_stack(tiny_model, tmp_path_factory.mktemp("logs"), api_key=KEY, max_model_len=128)
-    yield stack
-    stack.stop()
+    return launch_stack(tiny_model, api_key=KEY, max_model_len=128)
 
 
 def assert_serves_normally(stack) -> None:

@@ -26,7 +26,7 @@ import httpx
 import pytest
 import redis
 
-from service_stack import REDIS_URL, scheduler_stats, start_test_stack, tiny_model_with_tokenizer, wait_until_idle
+from service_stack import REDIS_URL, scheduler_stats, wait_until_idle
 
 pytestmark = pytest.mark.slow  # the tiny model borrows the default model's tokenizer
 
@@ -68,15 +68,8 @@ def service_rss(stack) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(default_model_path, tmp_path_factory):
-    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-tok"), default_model_path)
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory):
-    stack = start_test_stack(tiny_model, tmp_path_factory.mktemp("logs"))
-    yield stack
-    stack.stop()
+def stack(tiny_model, launch_stack):
+    return launch_stack(tiny_model)
 
 
 def make_case(rng: random.Random, i: int) -> dict:

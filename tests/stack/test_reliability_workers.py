@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from pagedserve.launcher.processes import private_redis
-from service_stack import scheduler_stats, start_test_stack, tiny_model_with_tokenizer, wait_until_idle
+from service_stack import scheduler_stats, start_test_stack, wait_until_idle
 
 pytestmark = pytest.mark.slow  # the tiny model borrows the default model's tokenizer
 
@@ -24,17 +24,9 @@ MAX_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
-def tiny_model(default_model_path, tmp_path_factory):
-    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-rel"), default_model_path)
-
-
-@pytest.fixture(scope="module")
-def supervised(tiny_model, tmp_path_factory):
+def supervised(tiny_model, launch_stack):
     """A stack whose supervisor restarts dead children (as `pagedserve serve` does)."""
-    stack = start_test_stack(tiny_model, tmp_path_factory.mktemp("logs-sup"), max_restarts=3,
-                             max_num_batched_tokens=64, kv_cache_memory="64MiB")
-    yield stack
-    stack.stop()
+    return launch_stack(tiny_model, "logs-sup", max_restarts=3, max_num_batched_tokens=64, kv_cache_memory="64MiB")
 
 
 def proc(stack, name: str):

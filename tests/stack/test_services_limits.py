@@ -13,7 +13,7 @@ import pytest
 
 from pagedserve.common.grpc_util import free_port
 from pagedserve.launcher.processes import ServiceProcess
-from service_stack import scheduler_stats, start_test_stack, tiny_model_with_tokenizer, wait_until_idle
+from service_stack import scheduler_stats, wait_until_idle
 
 pytestmark = pytest.mark.slow  # the tiny model borrows the default model's tokenizer
 
@@ -21,16 +21,8 @@ KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="module")
-def tiny_model(default_model_path, tmp_path_factory):
-    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-tok"), default_model_path)
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory):
-    stack = start_test_stack(tiny_model, tmp_path_factory.mktemp("logs"), api_key=KEY, max_num_seqs=1,
-                             max_waiting_requests=1, kv_cache_memory="16MiB")
-    yield stack
-    stack.stop()
+def stack(tiny_model, launch_stack):
+    return launch_stack(tiny_model, api_key=KEY, max_num_seqs=1, max_waiting_requests=1, kv_cache_memory="16MiB")
 
 
 def auth(key: str = KEY) -> dict:
