@@ -64,7 +64,7 @@ def test_one_message_per_step_carries_every_request(scheduler):
         finished, accepted, messages = set(), set(), 0
         steps_before = scheduler.workers.num_steps
         async for message in call:
-            messages += 1
+            messages += any(not d.accepted for d in message.deltas)  # acceptances may come apart
             assert not message.errors
             for delta in message.deltas:
                 if delta.accepted:
@@ -85,8 +85,8 @@ def test_one_message_per_step_carries_every_request(scheduler):
     tokens, accepted, messages, steps = asyncio.run(main())
     assert accepted == set(prompts)
     assert tokens == {tag: expected(prompt, 16) for tag, prompt in prompts.items()}
-    # 24 requests x 16 tokens in about one message per step (plus the acceptances), not 384.
-    assert messages <= steps + 3, (messages, steps)
+    # 24 requests x 16 tokens in at most one message per step, not 384.
+    assert messages <= steps + 1, (messages, steps)
 
 
 def test_refused_subscription_fails_alone_and_leave_aborts(scheduler):
