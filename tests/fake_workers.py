@@ -5,8 +5,10 @@ known function of the token ids, so every output is known in advance."""
 from __future__ import annotations
 
 import time
+import uuid
 
 from pagedserve.common.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
+from pagedserve.common.store import open_store
 from pagedserve.v1 import worker_pb2
 from pagedserve.worker.request_states import RequestStates
 
@@ -58,3 +60,15 @@ class FakeWorkerGroup:
 
     def close(self) -> None:
         pass
+
+
+def started_service(step_delay_s: float, max_num_batched_tokens: int, redis_url: str = "redis://127.0.0.1:6379/0"):
+    """A started SchedulerService over a FakeWorkerGroup and the real Redis under a fresh key prefix
+    (the caller stops it)."""
+    from pagedserve.scheduler.service import SchedulerService, ServiceConfig
+
+    store = open_store(redis_url, f"pstest-{uuid.uuid4().hex[:8]}:", 60)
+    service = SchedulerService(ServiceConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens),
+                               FakeWorkerGroup(step_delay_s=step_delay_s), store)
+    service.start()
+    return service

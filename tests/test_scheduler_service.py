@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 
 import pytest
-from fake_workers import FakeWorkerGroup, expected
+from fake_workers import expected, started_service
 
-from pagedserve.common.store import open_store
-from pagedserve.scheduler.service import SchedulerService, ServiceConfig
 from pagedserve.scheduler.subscriptions import DeltaFilter, Outbox
 from pagedserve.v1 import common_pb2, scheduler_pb2
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 class CountingOutbox(Outbox):
@@ -37,12 +33,9 @@ class CountingOutbox(Outbox):
 
 @pytest.fixture
 def service():
-    store = open_store(REDIS_URL, f"pstest-{uuid.uuid4().hex[:8]}:", 60)
-    workers = FakeWorkerGroup(step_delay_s=0.002)
-    svc = SchedulerService(ServiceConfig(max_num_seqs=64, max_num_batched_tokens=256), workers, store)
-    svc.start()
-    yield svc
-    svc.stop()
+    service = started_service(0.002, 256)
+    yield service
+    service.stop()
 
 
 def schedule(request_id: str, prompt: list[int], max_tokens: int, **extra) -> scheduler_pb2.ScheduleRequest:

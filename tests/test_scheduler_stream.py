@@ -5,19 +5,15 @@ step carries every request's deltas; a refused subscription fails alone; leaving
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import grpc
 import pytest
-from fake_workers import FakeWorkerGroup, expected
+from fake_workers import expected, started_service
 
 from pagedserve.common.grpc_util import free_port
-from pagedserve.common.store import open_store
 from pagedserve.scheduler.server import SchedulerServicer
-from pagedserve.scheduler.service import SchedulerService, ServiceConfig
 from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def schedule(request_id: str, prompt: list[int], max_tokens: int, tag: int, **extra) -> scheduler_pb2.StreamCommand:
@@ -28,10 +24,7 @@ def schedule(request_id: str, prompt: list[int], max_tokens: int, tag: int, **ex
 
 @pytest.fixture
 def scheduler():
-    store = open_store(REDIS_URL, f"pstest-{uuid.uuid4().hex[:8]}:", 60)
-    workers = FakeWorkerGroup(step_delay_s=0.005)
-    service = SchedulerService(ServiceConfig(max_num_seqs=64, max_num_batched_tokens=512), workers, store)
-    service.start()
+    service = started_service(0.005, 512)
     yield service
     service.stop()
 
