@@ -107,9 +107,10 @@ def test_refused_subscription_fails_alone_and_leave_aborts(scheduler):
             if len(errors) == 3 and got >= 5:
                 break
         commands.put_nowait(scheduler_pb2.StreamCommand(leave=1))
-        for _ in range(300):
+        for _ in range(300):  # the blocks free on the step loop, the record is written after
             stats = scheduler.stats()
-            if stats.num_running == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks:
+            if stats.num_running == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks and \
+                    scheduler.store.load("long").finish_reasons == ["abort"]:
                 break
             await asyncio.sleep(0.02)
         call.cancel()
