@@ -57,7 +57,30 @@ def set_serving(servicer: health.HealthServicer, service_names: list[str], servi
         servicer.set(name, status)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now, picked below the kernel's ephemeral range when it can be: a port
+    the kernel hands out for bind(0) can be handed out again to another process's outgoing or
+    bind(0) socket (torch.distributed's gloo opens many) before the service we pick it for binds
+    it (seen: a gateway failing with "Address already in use" beside two gloo ranks)."""
+    import random
+    low, _ = _ephemeral_range()
+    if low > 10001:
+        for _ in range(50):
+            port = random.randrange(10000, low)
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
