@@ -1,4 +1,5 @@
 """Continuous batching with one token budget per step shared by decodes and prefill chunks.
+(Over 400 lines on purpose: it is one policy, and the budget accounting reads best in one place.)
 
 Each step: running decodes first (a decode is one token and keeps a stream moving), then running
 partial prefills, then swapped-out requests, then waiting ones — all against max_num_seqs and
