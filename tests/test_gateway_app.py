@@ -4,6 +4,7 @@ fake tokenizer and scheduler services whose behaviour each prompt selects (tests
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import httpx
@@ -52,16 +53,51 @@ def test_streaming_chat_with_usage(client):
     assert [lp.token for lp in lps] == ["Hello", " world"] and lps[0].top_logprobs[0].logprob == -0.5
 
 
-def test_streaming_completion_raw_sse(stack):
-    with httpx.stream("POST", stack.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"prompt": "hi", "stream": True, "echo": True, "max_tokens": 3}) as r:
+def naive_sse_read(url: str, body: dict) -> list[dict]:
+    """How vLLM's `bench serve` client (async_request_openai_completions / _chat_completions) and
+    many hand-written readers consume a stream: every non-empty line, `data: ` stripped, is JSON
+    until [DONE]. Any other SSE field (an `id:` line) breaks them."""
+    chunks = []
+    with httpx.stream("POST", url, headers={"Authorization": f"Bearer {KEY}"}, json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        raw = [line for line in r.iter_lines() if line]
-    # Every event but [DONE] carries an id (the resume cursor: tokens:chars received so far).
-    assert raw[0] == "id: 0:0" and raw[-3].startswith("id: ") and raw[-3].endswith(":f"), raw
-    lines = [line for line in raw if not line.startswith("id: ")]
-    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+        for line in r.iter_lines():
+            line = line.strip()
+            if not line:
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                break
+            chunks.append(json.loads(data))
+    return chunks
+
+
+def test_stream_is_byte_compatible_with_naive_sse_readers(stack):
+    chunks = naive_sse_read(stack.url + "/v1/completions", {"prompt": "hi", "stream": True, "max_tokens": 3,
+                                                           "stream_options": {"include_usage": True}})
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hello world"
+    assert chunks[-1]["usage"]["completion_tokens"] == 2
+    chunks = naive_sse_read(stack.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                                "stream": True, "max_tokens": 3})
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Hello world"
+
+
+def test_streaming_completion_raw_sse(stack):
+    def raw_lines(body: dict) -> list[str]:
+        with httpx.stream("POST", stack.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json=body) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            return [line for line in r.iter_lines() if line]
+
+    body = {"prompt": "hi", "stream": True, "echo": True, "max_tokens": 3}
+    # By default the bytes are OpenAI's: `data: ` lines only, no SSE `id:` field.
+    lines = raw_lines(body)
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines), lines
     assert '"text":"hi"' in lines[0] and '"object":"text_completion"' in lines[0]
+    # Opted in, every event but [DONE] carries an id (the resume cursor: tokens:chars so far).
+    raw = raw_lines({**body, "stream_options": {"include_event_ids": True}})
+    assert raw[0] == "id: 0:0" and raw[-3].startswith("id: ") and raw[-3].endswith(":f"), raw
+    data = [line for line in raw if not line.startswith("id: ")]
+    assert len(data) == len(lines) and all(line.startswith("data: ") for line in data)
 
 
 def test_completion_logprobs_shape(client):

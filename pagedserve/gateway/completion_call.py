@@ -36,7 +36,8 @@ from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import Backend, rpc_error
 from pagedserve.gateway.metrics import RequestTracker
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
-                                         completion_to_generate, error_body, include_usage)
+                                         completion_to_generate, error_body, include_event_ids,
+                                         include_usage)
 from pagedserve.gateway.responses import ChunkBuilder, Collector
 from pagedserve.gateway.sse import DONE, CancellingStream, Cursor, ResumeSkip, sse_event
 
@@ -90,6 +91,7 @@ class CompletionCall:
             self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
             self.echo = not chat and body.echo
             self.usage, self.timings = include_usage(body), body.timings
+            self.event_ids = include_event_ids(body)
 
     def _metadata(self):
         grace = self.backend.limits.resume_grace_s
@@ -165,6 +167,7 @@ class CompletionCall:
         self.chat = bool(meta.get("chat", request_id.startswith("chatcmpl-")))
         self.n, self.stream, self.logprobs, self.echo = n, True, bool(meta.get("logprobs")), False
         self.usage, self.timings = bool(meta.get("usage")), False
+        self.event_ids = True  # a client that resumes reads the cursor; only our own endpoint sends it
         info = await backend.model_info()
         self.model, self.created = meta.get("model") or info.model, int(meta.get("created") or self.received)
         self.request_id = self.tracker.request_id = request_id
@@ -248,11 +251,14 @@ class CompletionCall:
                                echo=self.echo and skip is None)
         cursor = Cursor(self.n)
         usage, tracker = self.usage, self.tracker
+
+        def event(chunk: dict) -> str:
+            return sse_event(chunk, cursor.event_id() if self.event_ids else None)
         try:
             chunks = builder.add(first)
             if skip is None:  # a resumed stream's client has had the role (chat) or echo chunks
                 for chunk in chunks:
-                    yield sse_event(chunk, cursor.event_id())
+                    yield event(chunk)
             while (msg := await self._read()) is not None:
                 cursor.grow(msg.index)
                 send = await skip.apply(msg, cursor) if skip is not None else msg
@@ -267,12 +273,12 @@ class CompletionCall:
                         and tracker.all_finished(self.n):
                     chunks[-1]["timings"] = tracker.timings_object()
                 for chunk in chunks:
-                    yield sse_event(chunk, cursor.event_id())
+                    yield event(chunk)
             if usage:
                 chunk = builder.usage_chunk()
                 if self.timings and tracker is not None:
                     chunk["timings"] = tracker.timings_object()
-                yield sse_event(chunk, cursor.event_id())
+                yield event(chunk)
             if self.shutdown:
                 yield sse_event(error_body(SHUTDOWN_MESSAGE, "service_unavailable", None, "server_shutdown"))
             self.finished = True

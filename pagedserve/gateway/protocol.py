@@ -46,6 +46,10 @@ def bad_request(message: str, param: str | None = None) -> RequestError:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # pagedserve's own, opt-in: each SSE event carries an `id:` line (the resume cursor for
+    # GET /v1/requests/{id}/stream with Last-Event-ID). Off by default: OpenAI's streams have no
+    # `id:` field and naive readers (vLLM's bench client) parse every non-`data: ` line as JSON.
+    include_event_ids: bool = False
 
 
 class _SamplingFields(BaseModel):
@@ -252,4 +256,8 @@ def chat_to_generate(req: ChatCompletionRequest) -> generate_pb2.GenerateRequest
 
 def include_usage(req: _SamplingFields) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def include_event_ids(req: _SamplingFields) -> bool:
+    return bool(req.stream_options and req.stream_options.include_event_ids)
 

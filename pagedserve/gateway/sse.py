@@ -2,7 +2,8 @@
 (`Cursor`, the SSE event id), the skipping of what a resumed client already has (`ResumeSkip`),
 and the response that cancels its gRPC call the moment it ends (`CancellingStream`).
 
-Threads: used on the serving event loop only. Invariants: an event id is the Cursor *after* the
+Threads: used on the serving event loop only. Invariants: by default no event has an `id:` line
+(OpenAI's bytes); when there is one, it is the Cursor *after* the
 event's message (so resuming after it never repeats nor drops a token or character); `[DONE]`
 and in-band errors carry no id.
 """
@@ -43,7 +44,8 @@ class CancellingStream(StreamingResponse):
 
 class Cursor:
     """Where a client is in a stream: per sample, the tokens and the characters of text it has
-    received, and whether it saw the sample's last chunk. It is the SSE event id:
+    received, and whether it saw the sample's last chunk. It is the SSE event id, sent when the
+    client opts in (stream_options.include_event_ids) and always on a resumed stream:
     `T:C` per sample (`T:C:f` once finished), samples joined by commas, e.g. `12:45` or `12:45:f,7:30`.
     GET /v1/requests/{id}/stream resumes after it (Last-Event-ID, or ?after=T[,T...] in tokens)."""
 

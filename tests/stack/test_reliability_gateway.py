@@ -62,7 +62,7 @@ class frozen_worker:
     def __exit__(self, *exc) -> None:
         self.worker.signal(signal.SIGCONT)
 LONG = {"prompt": "The history of the city", "max_tokens": 160, "temperature": 0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True}}
+        "stream": True, "stream_options": {"include_usage": True, "include_event_ids": True}}
 
 
 def read_events(lines, limit: int | None = None):
