@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from fake_services import KEY, MODEL, Stack
+from pagedserve.gateway.owners import owner_of_key
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 
@@ -33,7 +34,9 @@ def test_completion_and_chat_non_streaming(stack, client):
     assert out.choices[0].finish_reason == "length"
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (3, 2, 5)
     req = stack.tokenizer.requests[-1]
-    assert req.request_id == out.id and req.timings.gateway_received > 0 and req.params.max_tokens == 5
+    # Downstream the request is known by the internal id: the owner (a digest of the key), then the client's id.
+    assert req.request_id == owner_of_key(KEY) + "." + out.id
+    assert req.timings.gateway_received > 0 and req.params.max_tokens == 5
     chat = client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], n=2)
     assert chat.id.startswith("chatcmpl-") and [c.message.content for c in chat.choices] == ["Hello world"] * 2
     assert chat.choices[1].message.role == "assistant"
@@ -160,8 +163,15 @@ def test_client_disconnect_cancels_a_non_streamed_generation(stack):
 def test_idempotency_key_reuses_the_request_id(stack, client):
     first = client.completions.create(model=MODEL, prompt="hi", extra_headers={"Idempotency-Key": "abc"})
     second = client.completions.create(model=MODEL, prompt="hi", extra_headers={"Idempotency-Key": "abc"})
-    assert first.id == second.id == stack.tokenizer.requests[-1].request_id
+    assert first.id == second.id and stack.tokenizer.requests[-1].request_id == owner_of_key(KEY) + "." + first.id
     assert client.completions.create(model=MODEL, prompt="hi").id != first.id
+    # The same key with another body is a client bug, not a retry.
+    with pytest.raises(openai.UnprocessableEntityError, match="different request body"):
+        client.completions.create(model=MODEL, prompt="hello", extra_headers={"Idempotency-Key": "abc"})
+    # A key whose request was refused is free again: nothing was generated under it.
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=MODEL, prompt="full", extra_headers={"Idempotency-Key": "refused"})
+    assert client.completions.create(model=MODEL, prompt="hi", extra_headers={"Idempotency-Key": "refused"})
 
 
 def test_models_health_metrics_and_request_status(stack, client):

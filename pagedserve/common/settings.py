@@ -214,6 +214,9 @@ def _settings() -> tuple[Setting, ...]:
         # ---- the gateway --------------------------------------------------------------------
         S("--api-key", "serve gateway", many=True, secret=True, group="gateway",
           help="require a bearer key; repeat for several"),
+        S("--admin-api-key", "serve gateway", many=True, secret=True, group="gateway",
+          help="an operator key: it sees every request in /v1/engine/stats and the dashboard, and reads /docs; "
+          "repeat for several (ordinary keys see only their own requests)"),
         S("--api-key-file", "serve gateway", help="a file of accepted API keys, one a line (# comments)",
           group="gateway"),
         S("--cors-origins", "serve gateway", default="",

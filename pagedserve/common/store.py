@@ -79,6 +79,10 @@ class RequestStore(ABC):
         """Bind key to request_id unless it is bound already; return the id it is bound to."""
 
     @abstractmethod
+    def release_idempotency_key(self, key: str, request_id: str) -> None:
+        """Unbind key if it is bound to request_id (the claimer's request was refused)."""
+
+    @abstractmethod
     def ping(self) -> bool: ...
 
     def put_text(self, name: str, text: str) -> bool:
@@ -147,6 +151,18 @@ class RedisStore(RequestStore):
             return request_id
         return self.client.get(name) or request_id
 
+    def release_idempotency_key(self, key: str, request_id: str) -> None:
+        name = f"{self.prefix}idem:{key}"
+        with self.client.pipeline() as pipe:  # delete only our own claim
+            try:
+                pipe.watch(name)
+                if pipe.get(name) == request_id:
+                    pipe.multi()
+                    pipe.delete(name)
+                    pipe.execute()
+            except Exception:  # noqa: BLE001 - the claim then simply expires with the TTL
+                pass
+
     def put_text(self, name: str, text: str) -> bool:
         self.client.set(f"{self.prefix}{name}", text, ex=int(self.ttl_s))
         return True
@@ -200,6 +216,11 @@ class MemoryStore(RequestStore):
     def claim_idempotency_key(self, key: str, request_id: str) -> str:
         with self.lock:
             return self.idempotency.setdefault(key, request_id)
+
+    def release_idempotency_key(self, key: str, request_id: str) -> None:
+        with self.lock:
+            if self.idempotency.get(key) == request_id:
+                del self.idempotency[key]
 
     def ping(self) -> bool:
         return True

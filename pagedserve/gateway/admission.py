@@ -5,8 +5,9 @@ A refusal is a `Refusal`: the OpenAI-style error REST answers (HTTP status, type
 such as Retry-After) together with the gRPC status the gRPC API aborts with, and one message for
 both, so the two front ends refuse alike. The checks, in the order a request meets them:
 
-  admit(authorization, client)   before the request is read or any service is asked:
+  admit(authorization, client) -> Caller   before the request is read or any service is asked:
       the gateway is draining                  503 server_shutting_down    UNAVAILABLE
+      too many failed keys from this address   429 auth_throttled          RESOURCE_EXHAUSTED
       the API key is missing or wrong          401 invalid_api_key         UNAUTHENTICATED
       over the rate (per API key; per client
       address when no keys are configured)     429 rate_limit_exceeded     RESOURCE_EXHAUSTED
@@ -34,11 +35,15 @@ import hmac
 import grpc
 
 from pagedserve.gateway.limits import Limits, RateLimiter, retry_after
+from pagedserve.gateway.owners import SINGLE_TENANT, Caller, owner_of_key
 from pagedserve.gateway.protocol import RequestError
 
 SHUTTING_DOWN_MESSAGE = ("the server is shutting down; retry on another gateway (a stream resumes with "
                          "GET /v1/requests/{id}/stream)")
 BAD_API_KEY_MESSAGE = "Incorrect or missing API key (Authorization: Bearer <key>)."
+# Failed authentications per client address: a burst, then this many a second; beyond, 429 before
+# the key is even compared (a key guesser gets no answer either way).
+FAILED_AUTH_RATE, FAILED_AUTH_BURST = 1.0, 20
 
 
 class Refusal(RequestError):
@@ -68,6 +73,13 @@ def rate_limited(rate: tuple[float, float], wait_s: float) -> Refusal:
                    "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": retry_after(wait_s)})
 
 
+def auth_throttled(wait_s: float) -> Refusal:
+    return Refusal(429, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   f"too many failed authentications from this address (at most {FAILED_AUTH_BURST} in a burst, "
+                   f"then {FAILED_AUTH_RATE:g}/s)", "rate_limit_error", "auth_throttled",
+                   headers={"Retry-After": retry_after(wait_s)})
+
+
 def body_too_large(limit: int) -> Refusal:
     return Refusal(413, grpc.StatusCode.RESOURCE_EXHAUSTED,
                    f"the request body exceeds --max-body-bytes ({limit} bytes)", "invalid_request_error",
@@ -91,37 +103,56 @@ class Admission:
     """The gateway's admission state (draining, rate buckets, tokens in flight) and its checks;
     each check raises a Refusal or lets the request on."""
 
-    def __init__(self, api_keys: str | list[str] | None = None, limits: Limits | None = None) -> None:
+    def __init__(self, api_keys: str | list[str] | None = None, limits: Limits | None = None,
+                 admin_keys: list[str] | None = None) -> None:
         keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or [])
-        # Several keys may be valid; each is compared in constant time (and never logged).
-        self.api_keys: list[bytes] = [k.strip().encode() for k in keys if k and k.strip()]
+        admins = [k.strip() for k in admin_keys or [] if k and k.strip()]
+        # Several keys may be valid; each is compared in constant time (and never logged). An
+        # operator key is a key too; (key, owner, admin) per key.
+        self.keys: list[tuple[bytes, Caller]] = [
+            (k.encode(), Caller(owner_of_key(k), admin=k in admins))
+            for k in dict.fromkeys([k.strip() for k in keys if k and k.strip()] + admins)]
+        self.api_keys: list[bytes] = [k for k, _ in self.keys]
+        self.has_admin = bool(admins)
+        self.failed_auth = RateLimiter(FAILED_AUTH_RATE, FAILED_AUTH_BURST)
         self.limits = limits or Limits()
         self.rate_limiter = RateLimiter(*self.limits.rate_limit) if self.limits.rate_limit else None
         self.draining = False     # set once by the drain on SIGTERM; never cleared
         self.tokens_in_flight = 0  # the sum of the admitted requests' prompt + n * max_tokens
 
-    def key_ok(self, authorization: str | None) -> bool:
-        if not self.api_keys:
-            return True
+    def caller(self, authorization: str | None) -> Caller | None:
+        """Who presents this Authorization value: None when the key is missing or wrong."""
+        if not self.keys:
+            return SINGLE_TENANT
         scheme, _, token = (authorization or "").partition(" ")
         given = token.strip().encode()
-        ok = False
-        for key in self.api_keys:  # every key compared: the time does not tell which one matched
-            ok |= hmac.compare_digest(given, key)
-        return ok and scheme.lower() == "bearer"
+        found = None
+        for key, caller in self.keys:  # every key compared: the time does not tell which one matched
+            if hmac.compare_digest(given, key):
+                found = caller
+        return found if scheme.lower() == "bearer" else None
 
-    def admit(self, authorization: str | None, client: str | None) -> None:
-        """The caller's checks: draining, the API key, then one request off its rate bucket.
-        authorization: the Authorization header (metadata on gRPC); client: its address (host)."""
+    def key_ok(self, authorization: str | None) -> bool:
+        return self.caller(authorization) is not None
+
+    def admit(self, authorization: str | None, client: str | None) -> Caller:
+        """The caller's checks: draining, the API key, then one request off its rate bucket; returns
+        the Caller. authorization: the Authorization header (metadata on gRPC); client: its address."""
         if self.draining:
             raise shutting_down()
-        if not self.key_ok(authorization):
+        address = "addr:" + (client or "?")
+        if self.keys and (wait := self.failed_auth.wait(address)) > 0:
+            raise auth_throttled(wait)
+        caller = self.caller(authorization)
+        if caller is None:
+            self.failed_auth.check(address)
             raise bad_api_key()
         if self.rate_limiter is not None:
             key = (authorization or "").partition(" ")[2].strip() if self.api_keys else None
             wait = self.rate_limiter.check(RateLimiter.identity(key, client))
             if wait > 0:
                 raise rate_limited(self.limits.rate_limit, wait)
+        return caller
 
     def check_body_size(self, size: int) -> None:
         limit = self.limits.max_body_bytes

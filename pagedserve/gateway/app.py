@@ -23,10 +23,17 @@ from pagedserve.gateway import completion_call
 from pagedserve.gateway.health import readiness
 from pagedserve.gateway.http_gate import HttpGate
 from pagedserve.gateway.metrics import Metrics
-from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body
+from pagedserve.gateway.owners import SINGLE_TENANT, Caller
+from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, error_body,
+                                         internal_error)
 from pagedserve.gateway.sse import Cursor, ResumeSkip
 
 _Skip = ResumeSkip  # the name older callers import
+
+
+def caller_of(request: Request) -> Caller:
+    """The Caller the HTTP gate admitted (always set on /v1 paths)."""
+    return getattr(request.state, "caller", SINGLE_TENANT)
 
 
 def _error_response(exc: RequestError) -> JSONResponse:
@@ -47,6 +54,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         where = ".".join(loc)
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
         return _error_response(RequestError(400, message, loc[0] if loc else None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        # A generic message and a correlation id; the exception itself goes to the log only.
+        return _error_response(internal_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -85,8 +97,9 @@ def build_app(backend: Backend) -> FastAPI:
              "parent": None, "max_model_len": info.max_model_len, "ready": info.ready}]}
 
     @app.get("/v1/requests/{request_id}")
-    async def request_status(request_id: str) -> dict:
-        return await backend.request_status(request_id)
+    async def request_status(request_id: str, request: Request) -> dict:
+        """The caller's own request (another owner's answers 404, as if it did not exist)."""
+        return await backend.request_status(request_id, caller_of(request))
 
     @app.get("/v1/requests/{request_id}/stream")
     async def resume_stream(request_id: str, request: Request, after: str | None = None,
@@ -97,8 +110,9 @@ def build_app(backend: Backend) -> FastAPI:
         return await completion_call.resume_stream(backend, request, request_id, last_event_id, after)
 
     @app.get("/v1/engine/stats")
-    async def engine_stats(steps: int = 256) -> dict:
-        return await backend.engine_stats(steps)
+    async def engine_stats(request: Request, steps: int = 256) -> dict:
+        """The engine snapshot; an ordinary key sees only its own requests in it."""
+        return await backend.engine_stats(steps, caller_of(request))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -11,7 +11,9 @@ drain on SIGTERM waits for it to empty); the model info is cached only once the 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import time
 
 import grpc
 from pagedserve.common import wire
@@ -21,11 +23,14 @@ from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2, schedu
 from pagedserve.gateway.admission import Admission
 from pagedserve.gateway.limits import Limits
 from pagedserve.gateway.metrics import Metrics
+from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
 from pagedserve.gateway.protocol import RequestError
 from pagedserve.gateway.request_views import engine_stats_dict, status_dict
 from pagedserve.gateway.resume_records import ResumeRecords
 
 RPC_TIMEOUT_S = 5.0
+STATS_CACHE_S = 0.5   # how long one engine-stats snapshot serves every poller
+MAX_STATS_STEPS = 512
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -70,9 +75,9 @@ class Backend:
 
     def __init__(self, tokenizer_addr: str, scheduler_addr: str, api_key: str | list[str] | None = None,
                  store: RequestStore | None = None, metrics: Metrics | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, admin_keys: list[str] | None = None) -> None:
         self.tokenizer_addr, self.scheduler_addr = tokenizer_addr, scheduler_addr
-        self.admission = Admission(api_key, limits)
+        self.admission = Admission(api_key, limits, admin_keys)
         self.limits = self.admission.limits
         self.inflight: set = set()  # the REST calls this gateway is serving (completion_call.CompletionCall)
         # With no Redis the request records are the scheduler's; idempotency keys live here.
@@ -84,6 +89,8 @@ class Backend:
         self._tokenizer: generate_pb2_grpc.TokenizerStub | None = None
         self._scheduler: scheduler_pb2_grpc.SchedulerStub | None = None
         self._info: generate_pb2.ModelInfo | None = None
+        self._stats: tuple[float, scheduler_pb2.EngineStats] | None = None  # (when, snapshot)
+        self._stats_fetch: asyncio.Future | None = None  # the fetch in flight, shared by its waiters
 
     # -- the admission state's old names on Backend (admission.py owns it) --------------------
     @property
@@ -133,15 +140,17 @@ class Backend:
         except grpc.RpcError as exc:
             log.info("abort of request %s failed: %s", request_id, exc.code().name if hasattr(exc, "code") else exc)
 
-    async def get_record(self, request_id: str) -> scheduler_pb2.RequestRecord:
+    async def get_record(self, request_id: str, shown_id: str | None = None) -> scheduler_pb2.RequestRecord:
+        """The scheduler's record of the request with internal id request_id; 404 naming shown_id
+        (the client's id) when there is none."""
         try:
             return await self.scheduler.GetRequest(scheduler_pb2.GetRequestRequest(request_id=request_id),
                                                    timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as exc:
             error = rpc_error(exc)
             if error.status == 404:
-                error.message, error.param, error.code = f"no request with id {request_id!r}", "request_id", \
-                    "request_not_found"
+                error.message, error.param, error.code = f"no request with id {shown_id or request_id!r}", \
+                    "request_id", "request_not_found"
             raise error from exc
 
     async def model_info(self) -> generate_pb2.ModelInfo:
@@ -175,29 +184,62 @@ class Backend:
     async def stats(self) -> scheduler_pb2.SchedulerStats:
         return await self.scheduler.GetStats(scheduler_pb2.StatsRequest(), timeout=RPC_TIMEOUT_S)
 
-    async def claim_idempotency_key(self, key: str, request_id: str) -> str:
-        return await asyncio.to_thread(self.idempotency.claim_idempotency_key, key, request_id)
+    async def claim_idempotency_key(self, owner: str, key: str, client_id: str, body_digest: str) -> str:
+        """The client id of the generation an Idempotency-Key names for this owner: client_id when
+        this call claims it first. The same key with another body is refused (422), as Stripe and
+        the IETF draft do: it is a client bug, not a retry."""
+        name = f"{owner}:{hashlib.sha256(key.encode()).hexdigest()[:32]}"
+        mine = f"{client_id} {body_digest}"
+        bound = await asyncio.to_thread(self.idempotency.claim_idempotency_key, name, mine)
+        bound_id, _, bound_digest = bound.partition(" ")
+        if bound_digest != body_digest:
+            raise RequestError(422, "this Idempotency-Key was used with a different request body", None,
+                               code="idempotency_key_reused")
+        return bound_id
 
-    async def request_status(self, request_id: str) -> dict:
+    async def release_idempotency_key(self, owner: str, key: str, client_id: str, body_digest: str) -> None:
+        name = f"{owner}:{hashlib.sha256(key.encode()).hexdigest()[:32]}"
+        await asyncio.to_thread(self.idempotency.release_idempotency_key, name, f"{client_id} {body_digest}")
+
+    async def request_status(self, client_id: str, caller: Caller = SINGLE_TENANT) -> dict:
+        """GET /v1/requests/{id}: the caller's own request only (another owner's: 404)."""
+        if not valid_client_id(client_id):
+            raise RequestError(404, f"no request with id {client_id!r}", "request_id", code="request_not_found")
+        request_id = caller.internal_id(client_id)
         if self.store is not None:
             stored = await asyncio.to_thread(self.store.load, request_id)
             if stored is None:
-                raise RequestError(404, f"no request with id {request_id!r}", "request_id", code="request_not_found")
-            return status_dict(request_id, stored.status, stored.priority, len(stored.prompt_token_ids),
+                raise RequestError(404, f"no request with id {client_id!r}", "request_id", code="request_not_found")
+            return status_dict(client_id, stored.status, stored.priority, len(stored.prompt_token_ids),
                                [len(o) for o in stored.outputs], stored.finish_reasons,
                                self.metrics.merged_stamps(request_id, stored.timings), stored.num_cached_tokens)
-        record = await self.get_record(request_id)
+        record = await self.get_record(request_id, client_id)
         timings = self.metrics.merged_stamps(request_id, wire.timings_to_dict(record.timings))
-        return status_dict(request_id, record.status, record.priority, len(record.prompt_token_ids),
+        return status_dict(client_id, record.status, record.priority, len(record.prompt_token_ids),
                            [len(o.ids) for o in record.outputs], list(record.finish_reasons), timings, None)
 
-    async def engine_stats(self, steps: int = 256) -> dict:
+    async def engine_stats(self, steps: int = 256, caller: Caller = SINGLE_TENANT) -> dict:
         """GET /v1/engine/stats: the scheduler's snapshot as JSON, each recent request's timings
-        merged with this gateway's own stamps of it (first_token_streamed and the TTFT breakdown)."""
-        steps = max(0, min(int(steps), 512))
-        try:
-            msg = await self.scheduler.GetEngineStats(scheduler_pb2.EngineStatsRequest(max_steps=max(steps, 1)),
-                                                      timeout=RPC_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            raise rpc_error(exc) from exc
-        return engine_stats_dict(msg, steps, self.metrics.merged_stamps)
+        merged with this gateway's own stamps of it (first_token_streamed and the TTFT breakdown);
+        the caller sees its own requests (an operator all). The snapshot is shared by every poller
+        for STATS_CACHE_S, fetched once however many ask at the same time: pollers never add load
+        to the scheduler's step loop beyond one snapshot per interval."""
+        steps = max(0, min(int(steps), MAX_STATS_STEPS))
+        now = time.monotonic()
+        if self._stats is None or now - self._stats[0] > STATS_CACHE_S:
+            if self._stats_fetch is None:
+                self._stats_fetch = asyncio.ensure_future(self.scheduler.GetEngineStats(
+                    scheduler_pb2.EngineStatsRequest(max_steps=MAX_STATS_STEPS), timeout=RPC_TIMEOUT_S))
+                self._stats_fetch.add_done_callback(self._stats_fetched)
+            try:
+                msg = await asyncio.shield(self._stats_fetch)
+            except grpc.RpcError as exc:
+                raise rpc_error(exc) from exc
+        else:
+            msg = self._stats[1]
+        return engine_stats_dict(msg, steps, self.metrics.merged_stamps, caller)
+
+    def _stats_fetched(self, fetch: asyncio.Future) -> None:
+        self._stats_fetch = None
+        if not fetch.cancelled() and fetch.exception() is None:
+            self._stats = (time.monotonic(), fetch.result())

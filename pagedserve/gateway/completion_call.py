@@ -21,6 +21,7 @@ background tasks (spawn), kept referenced until done.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import time
@@ -35,9 +36,10 @@ from pagedserve.v1 import generate_pb2
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import Backend, rpc_error
 from pagedserve.gateway.metrics import RequestTracker
+from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
                                          completion_to_generate, error_body, include_event_ids,
-                                         include_usage)
+                                         include_usage, internal_error, prompt_too_long)
 from pagedserve.gateway.responses import ChunkBuilder, Collector
 from pagedserve.gateway.sse import DONE, CancellingStream, Cursor, ResumeSkip, sse_event
 
@@ -81,6 +83,10 @@ class CompletionCall:
         self.finished = False
         self.shutdown = False  # aborted by the gateway's drain
         self.reserved = 0      # tokens counted in the admission's tokens_in_flight
+        # The owner (set by the HTTP gate) and the two names of the request: the client's id (in the
+        # chunks and x-request-id) and the internal one the services know (owners.py).
+        self.caller: Caller = getattr(request.state, "caller", SINGLE_TENANT)
+        self.client_id = ""
         self.request_id = ""
         # Another stream may share the request (an idempotent retry, a resume): then a client that
         # leaves does not abort it; the tokenizer's resume grace ends it if nobody is left.
@@ -115,22 +121,37 @@ class CompletionCall:
             name = "max_completion_tokens" if self.chat and body.max_completion_tokens is not None else "max_tokens"
             raise RequestError(400, f"{name}={gen.params.max_tokens} exceeds the model's maximum context length "
                                f"of {info.max_model_len} tokens", name)
-        request_id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        too_long = prompt_too_long(gen, info.max_model_len)
+        if too_long:
+            raise RequestError(400, too_long, "messages" if self.chat else "prompt", code="context_length_exceeded")
+        client_id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         key = self.request.headers.get("idempotency-key")
         if key:
-            # A retried POST attaches to the first one's generation and replays it from the start.
-            request_id = await backend.claim_idempotency_key(key, request_id)
+            # A retried POST (same owner, same body) attaches to the first one's generation and
+            # replays it from the start; the key is the owner's, so nobody else's POST finds it.
+            digest = hashlib.sha256(body.model_dump_json().encode()).hexdigest()[:32]
+            mine = client_id
+            client_id = await backend.claim_idempotency_key(self.caller.owner, key, client_id, digest)
             self.shared = True
+            if client_id == mine:  # our claim: a refusal below must not leave it behind
+                try:
+                    return await self._generate(gen, info, client_id, timeout)
+                except BaseException:  # refused before any answer: the key is free for a retry
+                    await backend.release_idempotency_key(self.caller.owner, key, client_id, digest)
+                    raise
+        return await self._generate(gen, info, client_id, timeout)
+
+    async def _generate(self, gen: generate_pb2.GenerateRequest, info: generate_pb2.ModelInfo, client_id: str,
+                        timeout: float | None) -> Response:
+        """Send the request on under the caller's internal id; answer once the tokenizer accepts it."""
+        body, backend = self.body, self.backend
+        request_id = self.caller.internal_id(client_id)
         gen.request_id = request_id
         self.tracker.request_id = request_id
+        gen.ClearField("timings")  # stamps are ours: a client's would corrupt the metrics
         gen.timings.gateway_received = self.received
-        self.model, self.request_id, self.created = info.model, request_id, int(self.received)
-        if self.stream:
-            await backend.resume_records.save(request_id, {
-                "chat": self.chat, "model": info.model, "created": self.created, "n": body.n,
-                "logprobs": self.logprobs, "usage": self.usage, "timings": self.timings,
-                "stop": list(gen.stop), "include_stop_str_in_output": gen.include_stop_str_in_output,
-                "skip_special_tokens": gen.skip_special_tokens})
+        self.model, self.client_id, self.request_id, self.created = info.model, client_id, request_id, \
+            int(self.received)
 
         self.call = backend.tokenizer.Generate(gen, timeout=timeout, metadata=self._metadata())
         first = await self._first()
@@ -143,6 +164,12 @@ class CompletionCall:
             self.call.cancel()
             await backend.abort(request_id)
             raise
+        if self.stream:  # only once accepted: a refused request leaves nothing in the store
+            await backend.resume_records.save(request_id, {
+                "chat": self.chat, "model": info.model, "created": self.created, "n": body.n,
+                "logprobs": self.logprobs, "usage": self.usage, "timings": self.timings,
+                "stop": list(gen.stop), "include_stop_str_in_output": gen.include_stop_str_in_output,
+                "skip_special_tokens": gen.skip_special_tokens})
         return await self._respond(first)
 
     async def resume(self, request_id: str, last_event_id: str | None, after: str | None) -> Response:
@@ -150,6 +177,9 @@ class CompletionCall:
         (it re-attaches at the scheduler, which replays from Redis and goes on live), dropping what
         the client already has."""
         backend = self.backend
+        if not valid_client_id(request_id):
+            raise RequestError(404, f"no request with id {request_id!r}", "request_id", code="request_not_found")
+        self.client_id, request_id = request_id, self.caller.internal_id(request_id)
         cursor_text = last_event_id if last_event_id not in (None, "") else after
         skip = None
         if cursor_text not in (None, ""):
@@ -161,10 +191,10 @@ class CompletionCall:
                                    "Last-Event-ID" if last_event_id else "after") from None
             if last_event_id in (None, ""):
                 chars = [None] * len(tokens)
-        record = await backend.get_record(request_id)
+        record = await backend.get_record(request_id, self.client_id)
         meta = await backend.resume_records.load(request_id) or {}
         n = int(meta.get("n") or len(record.outputs) or record.params.n or 1)
-        self.chat = bool(meta.get("chat", request_id.startswith("chatcmpl-")))
+        self.chat = bool(meta.get("chat", self.client_id.startswith("chatcmpl-")))
         self.n, self.stream, self.logprobs, self.echo = n, True, bool(meta.get("logprobs")), False
         self.usage, self.timings = bool(meta.get("usage")), False
         self.event_ids = True  # a client that resumes reads the cursor; only our own endpoint sends it
@@ -204,7 +234,7 @@ class CompletionCall:
         return first
 
     async def _respond(self, first, skip: ResumeSkip | None = None) -> Response:
-        headers = {"x-request-id": self.request_id}
+        headers = {"x-request-id": self.client_id}
         if self.stream:
             return CancellingStream(self._stream(first, skip), self._closed, {**headers, **SSE_HEADERS})
         return JSONResponse(await self._collect(first), headers=headers)
@@ -247,7 +277,7 @@ class CompletionCall:
         return msg
 
     async def _stream(self, first: generate_pb2.GenerateResponse, skip: ResumeSkip | None = None) -> AsyncIterator[str]:
-        builder = ChunkBuilder(self.chat, self.request_id, self.model, self.created, self.n, self.logprobs,
+        builder = ChunkBuilder(self.chat, self.client_id, self.model, self.created, self.n, self.logprobs,
                                echo=self.echo and skip is None)
         cursor = Cursor(self.n)
         usage, tracker = self.usage, self.tracker
@@ -323,9 +353,9 @@ class CompletionCall:
         self.end()
         body = self.body
         if self.chat:
-            out = collector.chat(self.request_id, self.model, self.created, bool(body.logprobs))
+            out = collector.chat(self.client_id, self.model, self.created, bool(body.logprobs))
         else:
-            out = collector.completion(self.request_id, self.model, self.created, body.logprobs is not None,
+            out = collector.completion(self.client_id, self.model, self.created, body.logprobs is not None,
                                        body.echo)
         if out_timings is not None:
             out["timings"] = out_timings
@@ -342,8 +372,7 @@ async def run_completion(backend: Backend, request: Request, chat: bool,
     except grpc.RpcError as exc:
         raise rpc_error(exc) from exc
     except Exception as exc:
-        log.exception("generation failed")
-        raise RequestError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error") from exc
+        raise internal_error(exc) from exc
 
 
 async def resume_stream(backend: Backend, request: Request, request_id: str, last_event_id: str | None,

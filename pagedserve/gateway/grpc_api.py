@@ -1,6 +1,12 @@
 """The public gRPC Generation service: the same stream the tokenizer service produces, behind the
 gateway's admission (admission.py, shared with the REST API: draining, API key, rate limit, --max-n,
-tokens in flight) and model check, with the gateway's receive stamp.
+tokens in flight; the server's message size limit is --max-body-bytes) and model check, with the
+gateway's receive stamp (a client's own timings are dropped).
+
+Ids: the client's `request_id` (validated: owners.CLIENT_ID_PATTERN) is the caller's; downstream
+the request is known by the internal id owner.client_id (owners.py), so a Generate naming an id
+attaches to the caller's own request of that id, never another owner's, and every response goes
+back with the client's id.
 
 The servicer translates protobuf only: a Refusal aborts the call with its gRPC status and message;
 a downstream error is passed on with its own status and details.
@@ -21,6 +27,8 @@ from pagedserve.v1 import generate_pb2, generate_pb2_grpc
 from pagedserve.common.wire import params_from_proto
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend
+from pagedserve.gateway.owners import Caller, client_id_problem, valid_client_id
+from pagedserve.gateway.protocol import prompt_too_long
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 _UNBOUNDED = 2**31 - 1
@@ -46,6 +54,11 @@ def request_problem(request: generate_pb2.GenerateRequest,
         return grpc.StatusCode.UNAVAILABLE, "the model is loading"
     if request.WhichOneof("input") is None:
         return grpc.StatusCode.INVALID_ARGUMENT, "one of prompt, prompt_token_ids or chat is required"
+    if request.request_id and not valid_client_id(request.request_id):
+        return grpc.StatusCode.INVALID_ARGUMENT, client_id_problem(request.request_id)
+    too_long = prompt_too_long(request, info.max_model_len)
+    if too_long:
+        return grpc.StatusCode.INVALID_ARGUMENT, too_long
     try:
         params_from_proto(request.params, default_max_tokens=_UNBOUNDED)
     except ValueError as exc:
@@ -57,16 +70,17 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
-    async def _admit(self, context: grpc.aio.ServicerContext, n: int | None = None) -> None:
+    async def _admit(self, context: grpc.aio.ServicerContext, n: int | None = None) -> Caller:
         """The shared admission, as REST does it for every /v1 request; n: Generate's samples."""
         metadata = {key.lower(): value for key, value in (context.invocation_metadata() or ())}
         admission = self.backend.admission
         try:
-            admission.admit(metadata.get("authorization"), peer_host(context.peer()))
+            caller = admission.admit(metadata.get("authorization"), peer_host(context.peer()))
             if n is not None:
                 admission.check_n(n)
         except Refusal as refusal:
             await context.abort(refusal.grpc_code, refusal.message)
+        return caller
 
     async def _model_info(self, context: grpc.aio.ServicerContext) -> generate_pb2.ModelInfo:
         try:
@@ -78,7 +92,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         received = time.time()
         n = request.params.n or 1
-        await self._admit(context, n)
+        caller = await self._admit(context, n)
         info = await self._model_info(context)
         problem = request_problem(request, info)
         if problem is not None:
@@ -86,7 +100,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
         forward = generate_pb2.GenerateRequest()
         forward.CopyFrom(request)
-        forward.request_id = request.request_id or "cmpl-" + uuid.uuid4().hex
+        client_id = request.request_id or "cmpl-" + uuid.uuid4().hex
+        forward.request_id = caller.internal_id(client_id)
+        forward.ClearField("timings")  # stamps are ours: a client's would corrupt the metrics
         forward.timings.gateway_received = received
         max_tokens = request.params.max_tokens if request.params.HasField("max_tokens") else None
         admission, tracker = self.backend.admission, self.backend.metrics.track(received)
@@ -103,6 +119,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 if not accepted:  # the first message: the prompt is counted, so are the tokens in flight
                     reserved = admission.reserve(msg.usage.prompt_tokens, n, max_tokens, info.max_model_len)
                     accepted = True
+                msg.request_id = client_id
                 await context.write(msg)
             finished = True
         except Refusal as refusal:

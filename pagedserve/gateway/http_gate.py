@@ -1,5 +1,7 @@
 """The REST API's gate: a pure ASGI middleware in front of every route. On /v1 paths it asks the
-shared admission (admission.py: draining, API key, rate limit) and checks the body size; it
+shared admission (admission.py: draining, API key, rate limit), checks the body size and leaves
+the Caller (owners.py: the request's owner) in the request's state; the API's own description
+(/docs, /redoc, /openapi.json) wants the operator key (any key when no operator key is set); it
 counts every response by endpoint and status (pagedserve:http_requests_total).
 
 It must not wrap `receive` on the way through (a route watching for the client's disconnect
@@ -12,11 +14,20 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+import grpc
+
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import Backend
 
 # Paths that answer without the API key: probes and scrapers do not carry one.
 OPEN_PATHS = ("/health", "/metrics")
+# The API's description: for operators (it is a map of the attack surface).
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
+def operators_only() -> Refusal:
+    return Refusal(403, grpc.StatusCode.PERMISSION_DENIED, "this path wants the operator key (--admin-api-key)",
+                   "permission_error", "admin_key_required")
 KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/engine/stats", "/health",
                    "/metrics", "/dashboard")
 BODY_METHODS = ("POST", "PUT", "PATCH")
@@ -47,12 +58,17 @@ class HttpGate:
                 http.labels(label, str(message["status"])).inc()
             await send(message)
 
-        if scope["path"].startswith("/v1") and scope["path"] not in OPEN_PATHS:
+        path = scope["path"]
+        if (path.startswith("/v1") and path not in OPEN_PATHS) or path in DOCS_PATHS:
             admission = self.backend.admission
             headers = dict(scope.get("headers") or [])
             client = scope.get("client")
             try:
-                admission.admit(headers.get(b"authorization", b"").decode("latin-1"), client[0] if client else None)
+                caller = admission.admit(headers.get(b"authorization", b"").decode("latin-1"),
+                                         client[0] if client else None)
+                if path in DOCS_PATHS and admission.has_admin and not caller.admin:
+                    raise operators_only()
+                scope.setdefault("state", {})["caller"] = caller
                 limit = admission.limits.max_body_bytes
                 if limit > 0 and scope.get("method") in BODY_METHODS:
                     length = headers.get(b"content-length")

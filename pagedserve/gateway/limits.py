@@ -55,6 +55,12 @@ class TokenBucket:
             return 0.0
         return (1.0 - self.tokens) / self.rate
 
+    def wait(self, now: float | None = None) -> float:
+        """take() without taking: 0.0 when a token is there."""
+        now = time.monotonic() if now is None else now
+        tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate
+
 
 class RateLimiter:
     """One token bucket per client identity (the API key's digest, never the key itself)."""
@@ -78,6 +84,11 @@ class RateLimiter:
         else:
             self.buckets.move_to_end(identity)
         return bucket.take(now)
+
+    def wait(self, identity: str, now: float | None = None) -> float:
+        """How long identity must wait before check() would pass, without taking a token."""
+        bucket = self.buckets.get(identity)
+        return 0.0 if bucket is None else bucket.wait(now)
 
 
 def retry_after(seconds: float) -> str:

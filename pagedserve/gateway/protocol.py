@@ -6,12 +6,16 @@ naming the parameter rather than a gRPC error from some later stage.
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.v1 import generate_pb2
+
+log = logging.getLogger("pagedserve.gateway")
 
 # Only for validating min_tokens <= max_tokens when the client left max_tokens unset (that means
 # "up to the context", which the scheduler knows and we do not).
@@ -35,6 +39,15 @@ class RequestError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+def internal_error(exc: BaseException) -> RequestError:
+    """A 500 for an unexpected exception: a generic message and a correlation id, never the
+    exception's text (it may hold another request's data or internals); the log has both."""
+    correlation = uuid.uuid4().hex[:16]
+    log.error("internal error %s: %s: %s", correlation, type(exc).__name__, exc, exc_info=exc)
+    return RequestError(500, f"internal server error (correlation id {correlation})", type="server_error",
+                        code="internal_error")
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
@@ -52,9 +65,66 @@ class StreamOptions(BaseModel):
     include_event_ids: bool = False
 
 
+# No tokenizer makes a token of more characters than this on real text; a prompt of more than
+# max_model_len times it cannot fit the context, and is refused before anyone tokenizes it.
+MAX_CHARS_PER_TOKEN = 64
+
+
+def prompt_too_long(gen: generate_pb2.GenerateRequest, max_model_len: int) -> str | None:
+    """Why the GenerateRequest's text cannot fit the context, counted in characters before any
+    tokenization (a multi-megabyte prompt must not hold the tokenizer), or None."""
+    kind = gen.WhichOneof("input")
+    if kind == "prompt":
+        chars = len(gen.prompt)
+    elif kind == "chat":
+        chars = sum(len(m.content) + len(m.role) for m in gen.chat.messages)
+    else:
+        return None
+    bound = max_model_len * MAX_CHARS_PER_TOKEN
+    if chars > bound:
+        return (f"the prompt has {chars} characters: more than the context of {max_model_len} tokens can hold "
+                f"(at most {bound} characters are tokenized)")
+    return None
+
+
+def unencodable_path(value: Any, path: str = "") -> str | None:
+    """The path of the first string in value (JSON data) that is not valid Unicode (a lone UTF-16
+    surrogate, which JSON's \\uD800 escapes can carry): protobuf, Redis and the tokenizer all
+    need UTF-8. None when every string encodes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and unencodable_path(key) is not None:
+            return path or "body"
+        found = unencodable_path(item, f"{path}.{key}" if path and isinstance(key, str) else
+                                 f"{path}[{key}]" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 class _SamplingFields(BaseModel):
     # Clients send fields we do not know (OpenAI adds them often); ignoring them is what vLLM does.
-    model_config = ConfigDict(extra="ignore")
+    # No Infinity or NaN anywhere (Python's JSON parser accepts them; they mean nothing here).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = unencodable_path(data)
+        if where is not None:
+            raise ValueError(f"{where} is not valid Unicode (a lone UTF-16 surrogate); strings must encode as UTF-8")
+        return data
 
     model: str | None = None
     max_tokens: int | None = None

@@ -8,6 +8,7 @@ import time
 
 from pagedserve.common import wire
 from pagedserve.v1 import scheduler_pb2
+from pagedserve.gateway.owners import SINGLE_TENANT, Caller
 from pagedserve.gateway.responses import timings_object
 
 # (stage, from stamp, to stamp): the order a request moves through the pipeline.
@@ -60,14 +61,21 @@ def _plain(msg) -> dict:
     return out
 
 
-def engine_stats_dict(msg: scheduler_pb2.EngineStats, steps: int, merge=None) -> dict:
-    """The JSON of GET /v1/engine/stats. merge(request_id, stamps) adds the gateway's stamps."""
+def engine_stats_dict(msg: scheduler_pb2.EngineStats, steps: int, merge=None, caller: Caller = SINGLE_TENANT) -> dict:
+    """The JSON of GET /v1/engine/stats. merge(request_id, stamps) adds the gateway's stamps. The
+    caller sees its own requests, by its own ids (an operator: every request); the aggregates
+    (block states, step budgets, totals) are everyone's and name no request."""
+    def shown(ids) -> list[str]:
+        return [caller.shown_id(i) for i in ids if caller.sees(i)]
+
     recent = []
     for rec in msg.recent_requests:
+        if not caller.sees(rec.request_id):
+            continue
         stamps = wire.timings_to_dict(rec.timings)
         if merge is not None:
             stamps = merge(rec.request_id, stamps)
-        recent.append({"request_id": rec.request_id, "prompt_tokens": rec.prompt_tokens,
+        recent.append({"request_id": caller.shown_id(rec.request_id), "prompt_tokens": rec.prompt_tokens,
                        "output_tokens": rec.output_tokens, "finish_reason": rec.finish_reason,
                        "finish_reasons": list(rec.finish_reasons), "cached_tokens": rec.cached_tokens,
                        "prefill_chunk_list": [{"time": c.time, "tokens": c.tokens} for c in rec.prefill_chunks],
@@ -76,10 +84,11 @@ def engine_stats_dict(msg: scheduler_pb2.EngineStats, steps: int, merge=None) ->
     return {
         "time": msg.time or time.time(), "ready": msg.ready,
         "config": _plain(msg.config),
-        "queues": {"waiting": list(msg.waiting), "running": list(msg.running), "swapped": list(msg.swapped)},
+        "queues": {"waiting": shown(msg.waiting), "running": shown(msg.running), "swapped": shown(msg.swapped)},
         "queue_lengths": {"waiting": msg.num_waiting, "running": msg.num_running, "swapped": msg.num_swapped},
         "kv": {"num_blocks": msg.num_blocks, "states": msg.block_states,
-               "tables": {t.request_id: list(t.block_ids) for t in msg.tables}},
+               "tables": {caller.shown_id(t.request_id): list(t.block_ids) for t in msg.tables
+                          if caller.sees(t.request_id)}},
         "steps": [_plain(step) for step in msg.steps][-steps:] if steps else [],
         "recent_requests": recent,
         "totals": totals,

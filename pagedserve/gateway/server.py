@@ -11,6 +11,7 @@ import time
 
 import grpc
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedserve.common.grpc_util import (SERVER_OPTIONS, MalformedRequestInterceptor, add_health_and_reflection,
                                          set_serving)
@@ -33,6 +34,32 @@ class _Uvicorn(uvicorn.Server):
 
 
 DRAIN_FLUSH_S = 5.0  # after the aborts, how long the aborted streams get to send their last events
+# A connection must send a whole request head within this (and may idle this long between
+# requests): 300 connections trickling header bytes must not hold the server.
+HEADER_TIMEOUT_S = 10.0
+# Connections and requests in flight beyond which uvicorn answers 503 at once.
+LIMIT_CONCURRENCY = 4096
+
+
+class HeaderTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol with its keep-alive timer armed from the connection's first moment,
+    not only after a response: uvicorn cancels it when a complete request head arrives, so a
+    client that never finishes its headers is closed after HEADER_TIMEOUT_S (uvicorn has no
+    header timeout of its own)."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+
+def admin_keys(args) -> list[str]:
+    """--admin-api-key (repeatable) and PAGEDSERVE_ADMIN_API_KEY (comma-separated)."""
+    keys: list[str] = []
+    given = getattr(args, "admin_api_key", None)
+    for item in ([given] if isinstance(given, str) else given or []):
+        keys += [k.strip() for k in item.split(",")]
+    keys += [k.strip() for k in os.environ.get("PAGEDSERVE_ADMIN_API_KEY", "").split(",")]
+    return list(dict.fromkeys(k for k in keys if k))
 
 
 def api_keys(args) -> list[str]:
@@ -82,16 +109,22 @@ async def drain(backend: Backend, timeout_s: float) -> int:
 
 async def _serve(args) -> int:
     try:
-        keys = api_keys(args)
+        keys, admins = api_keys(args), admin_keys(args)
         limits = limits_from_args(args)
     except (OSError, ValueError) as exc:
         log.error("bad gateway settings: %s", exc)
         return 2
     redis_url = args.redis_url if args.redis_url not in (None, "", "memory", "memory://") else None
     store = open_store(redis_url, args.redis_prefix, args.redis_ttl) if redis_url else None
-    backend = Backend(args.tokenizer_addr, args.scheduler_addr, api_key=keys, store=store, limits=limits)
+    backend = Backend(args.tokenizer_addr, args.scheduler_addr, api_key=keys, store=store, limits=limits,
+                      admin_keys=admins)
 
-    grpc_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[MalformedRequestInterceptor()])
+    # The public API's messages are bounded like REST bodies (--max-body-bytes): gRPC refuses a
+    # larger one with RESOURCE_EXHAUSTED before it is parsed.
+    options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length" or not limits.max_body_bytes]
+    if limits.max_body_bytes:
+        options.append(("grpc.max_receive_message_length", limits.max_body_bytes))
+    grpc_server = grpc.aio.server(options=options, interceptors=[MalformedRequestInterceptor()])
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(backend), grpc_server)
     health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
     try:
@@ -102,7 +135,8 @@ async def _serve(args) -> int:
     await grpc_server.start()
 
     http = _Uvicorn(uvicorn.Config(build_app(backend), host=args.host, port=args.port, log_level="warning",
-                                   timeout_graceful_shutdown=DRAIN_FLUSH_S))
+                                   timeout_graceful_shutdown=DRAIN_FLUSH_S, http=HeaderTimeoutH11,
+                                   timeout_keep_alive=HEADER_TIMEOUT_S, limit_concurrency=LIMIT_CONCURRENCY))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
