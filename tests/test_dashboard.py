@@ -39,9 +39,12 @@ def test_gateway_serves_the_dashboard():
 
     app = build_app(Backend("127.0.0.1:9", "127.0.0.1:9", api_key=KEY))
     client = TestClient(app)
-    page = client.get("/dashboard")  # the page itself is open; its fetches carry ?key= as a bearer token
+    page = client.get("/dashboard")  # the page itself is open; its fetches carry #key= as a bearer token
     assert page.status_code == 200
     assert page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in csp and "default-src 'none'" in csp
+    assert page.headers["referrer-policy"] == "no-referrer" and page.headers["x-frame-options"] == "DENY"
     assert 'src="dashboard/static/dashboard.js"' in page.text
     assert 'href="dashboard/static/dashboard.css"' in page.text
     for name, media in (("dashboard.js", "text/javascript"), ("dashboard.css", "text/css"),
@@ -163,7 +166,7 @@ def fixture_server():
 
 def test_page_draws_every_panel_from_the_stats(fixture_server):
     data = fixture_server.full
-    dom = dump_dom(f"{fixture_server.url}/dashboard?key={KEY}")
+    dom = dump_dom(f"{fixture_server.url}/dashboard#key={KEY}")
     assert dom.by_id("status-text").text.startswith("live"), dom.by_id("status-text").text
     assert len(fixture_server.asked) >= 2 and all(s > 0 for s in fixture_server.asked)  # it polls, asking for steps
 
@@ -230,7 +233,7 @@ def test_page_under_a_path_prefix_with_fields_missing(fixture_server):
 
 
 def test_page_says_when_the_key_is_refused(fixture_server):
-    dom = dump_dom(f"{fixture_server.url}/dashboard?key=wrong", budget_ms=1500)
+    dom = dump_dom(f"{fixture_server.url}/dashboard#key=wrong", budget_ms=1500)
     status = dom.by_id("status-text").text
     assert "stats unavailable" in status and "401" in status, status
     assert not dom.by_id("kv-grid").all(cls="kv-cell")

@@ -91,7 +91,7 @@ def test_dashboard_on_the_real_services(tiny_model, tmp_path_factory):
         stats = httpx.get(url + "/v1/engine/stats", headers=auth, timeout=10).json()
         assert stats["kv"]["tables"] and "u" in stats["kv"]["states"], stats["kv"]  # the endpoint has what to draw
 
-        page = f"{url}/dashboard?key={KEY}"
+        page = f"{url}/dashboard#key={KEY}"
         dom = dump_dom(page)
         assert dom.by_id("status-text").text.startswith("live"), dom.by_id("status-text").text
         cells = dom.by_id("kv-grid").all(cls="kv-cell")

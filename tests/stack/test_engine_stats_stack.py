@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from pagedserve.gateway.backend import STATS_CACHE_S
+
 from service_stack import wait_until_idle
 
 STAGES = ("gateway", "tokenizer", "queue", "prefill", "network")
@@ -138,6 +140,7 @@ def test_tiny_pool_preempts_and_the_stats_show_it(stack, http):
     assert any(snap["kv"]["tables"] for snap in in_flight)
 
     wait_until_idle(stack)
+    time.sleep(STATS_CACHE_S)  # the gateway serves one snapshot per interval to every poller
     stats = http.get("/v1/engine/stats").json()
     assert "u" not in stats["kv"]["states"] and not stats["kv"]["tables"]
     assert not any(stats["queues"].values())

@@ -162,9 +162,10 @@ def test_request_record_has_the_timeline(stack, client, model_name):
         assert stage in text, stage
     import redis
     client_redis = redis.Redis.from_url("redis://127.0.0.1:6379/0")
-    for key in (f"{stack.redis_prefix}req:{reply.id}", f"{stack.redis_prefix}out:{reply.id}:0"):
+    internal = f"anon.{reply.id}"  # the services' id: the owner (no keys: anonymous), then the client's
+    for key in (f"{stack.redis_prefix}req:{internal}", f"{stack.redis_prefix}out:{internal}:0"):
         assert 0 < client_redis.ttl(key) <= 24 * 3600, key  # every record expires
-    assert reply.id.encode() not in client_redis.smembers(f"{stack.redis_prefix}active")
+    assert internal.encode() not in client_redis.smembers(f"{stack.redis_prefix}active")
     missing = httpx.get(f"{stack.http_url}/v1/requests/no-such-request", timeout=30)
     assert missing.status_code == 404 and "error" in missing.json()
 

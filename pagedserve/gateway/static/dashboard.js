@@ -14,8 +14,16 @@
   var COLORS = {tokens: "#3b7dd8", seqs: "#e4572e", kv: "#5bb56a", prefill: "#f2a541", decode: "#3b7dd8",
                 preempt: "#d62728"};
 
-  var params = new URLSearchParams(window.location.search);
-  var key = params.get("key");
+  // The key comes in the URL's fragment (#key=…), which browsers never send to a server nor put
+  // in a Referer; it is kept for this tab only and wiped from the address bar at once.
+  var key = null;
+  try { key = window.sessionStorage.getItem("pagedserve-key"); } catch (e) { /* storage off */ }
+  var fragment = new URLSearchParams(window.location.hash.replace(/^#/, ""));
+  if (fragment.get("key")) {
+    key = fragment.get("key");
+    try { window.sessionStorage.setItem("pagedserve-key", key); } catch (e) { /* storage off */ }
+    history.replaceState(null, "", window.location.pathname + window.location.search);
+  }
   var paused = false;
   var kvCells = [];  // the grid's cell elements, reused between polls
   var kvSig = [];    // what each cell shows, to touch only the cells that changed
