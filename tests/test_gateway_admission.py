@@ -17,6 +17,7 @@ from pagedserve.gateway.admission import (Admission, Refusal, bad_api_key, body_
                                           too_many_samples, too_many_tokens)
 from pagedserve.gateway.grpc_api import peer_host
 from pagedserve.gateway.limits import Limits
+from pagedserve.gateway.owners import owner_of_key
 from pagedserve.gateway.protocol import RequestError
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -45,6 +46,30 @@ def test_caller_checks_in_order():
                                                                  "server_shutting_down")
     assert refusal.headers == {"Retry-After": "5"}
     Admission().admit(None, None)  # no keys: open
+
+
+def test_failed_keys_are_throttled_per_address():
+    from pagedserve.gateway.admission import FAILED_AUTH_BURST
+    admission = Admission(["k1"])
+    for _ in range(FAILED_AUTH_BURST):
+        assert refusal_of(admission.admit, "Bearer guess", "10.0.0.9").status == 401
+    # Beyond the burst the address gets 429 before any key is compared, the right one included...
+    for authorization in ("Bearer guess", "Bearer k1"):
+        refusal = refusal_of(admission.admit, authorization, "10.0.0.9")
+        assert (refusal.status, refusal.code) == (429, "auth_throttled") and int(refusal.headers["Retry-After"]) >= 1
+    # ...while other addresses are not concerned.
+    assert admission.admit("Bearer k1", "10.0.0.10").owner == owner_of_key("k1")
+
+
+def test_owners_and_operators():
+    admission = Admission(["k1", "k2"], admin_keys=["op"])
+    one, two, operator = (admission.admit(f"Bearer {k}", None) for k in ("k1", "k2", "op"))
+    assert len({one.owner, two.owner, operator.owner}) == 3 and operator.admin and not one.admin
+    assert one.internal_id("cmpl-1") != two.internal_id("cmpl-1")
+    assert one.client_id(one.internal_id("cmpl-1")) == "cmpl-1" and two.client_id(one.internal_id("cmpl-1")) is None
+    assert not two.sees(one.internal_id("cmpl-1")) and operator.sees(one.internal_id("cmpl-1#0"))
+    assert operator.shown_id(one.internal_id("x")) == one.internal_id("x")
+    assert "k1" not in one.owner and Admission().admit(None, None).admin  # no keys: one anonymous operator
 
 
 def test_rate_limit_per_key_or_address():
@@ -211,3 +236,50 @@ def test_draining_refused_alike():
         assert r.json()["error"]["message"] == info.value.details()
     finally:
         stack.close()
+
+
+def test_client_timings_are_dropped_and_ids_checked_on_grpc(limited):
+    request = prompt("hi", max_tokens=2)
+    request.timings.first_token = 1.0  # a client's stamp would corrupt the metrics
+    with grpc.insecure_channel(f"127.0.0.1:{limited.grpc_port}") as channel:
+        replies = list(generate_pb2_grpc.GenerationStub(channel).Generate(request, metadata=METADATA, timeout=10))
+    forwarded = limited.tokenizer.requests[-1]
+    assert forwarded.timings.first_token == 0 and forwarded.timings.gateway_received > 0
+    assert forwarded.request_id.startswith(owner_of_key(KEY) + ".")
+    assert {r.request_id for r in replies} == {forwarded.request_id.split(".", 1)[1]}
+    code, message = grpc_refusal(limited, generate_pb2.GenerateRequest(prompt="hi", request_id="a/b"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "request_id must match" in message
+
+
+def test_a_request_head_must_arrive_in_time():
+    """uvicorn has no header timeout: the gateway's protocol arms the keep-alive timer at connect,
+    so a connection that trickles its head is closed (here after 0.3 s, asserted under 5 s)."""
+    import asyncio
+    import socket
+    import threading
+
+    import uvicorn
+
+    from pagedserve.common.grpc_util import free_port
+    from pagedserve.gateway.server import HeaderTimeoutH11
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=HeaderTimeoutH11,
+                                          timeout_keep_alive=0.3, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
+            slow.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # never finished
+            start = time.monotonic()
+            assert slow.recv(1024) == b""  # closed by the server
+            assert time.monotonic() - start < 5
+        assert httpx.get(f"http://127.0.0.1:{port}/", timeout=5).text == "ok"  # a whole head is served
+    finally:
+        server.should_exit = True
+        thread.join(10)

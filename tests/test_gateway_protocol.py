@@ -220,3 +220,42 @@ def test_completion_chunks_with_echo_and_offsets():
     assert c1["choices"][0]["logprobs"]["text_offset"] == [2] and c2["choices"][0]["logprobs"]["text_offset"] == [4]
     assert c2["choices"][0]["finish_reason"] == "length"
     assert ChunkBuilder(False, "c", "m", 0, 1, False).add(accepted()) == []
+
+
+# ---- input that cannot be encoded or means nothing (issue 13) ---------------------------------
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "caf\ud800"}, "prompt"),
+    ({"prompt": "x", "stop": ["ok", "\udfff"]}, "stop[1]"),
+    ({"prompt": "x", "model": "m\ud800"}, "model"),
+    ({"messages": [{"role": "user", "content": "hi \ud83d"}]}, "messages[0].content"),
+])
+def test_strings_that_are_not_unicode_are_refused_naming_the_field(body, field):
+    model = ChatCompletionRequest if "messages" in body else CompletionRequest
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    assert field in str(info.value) and "surrogate" in str(info.value)
+    assert model.model_validate({"prompt": "café 😀"} if model is CompletionRequest else
+                                {"messages": [{"role": "user", "content": "hi 😀"}]})  # real astral text is fine
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_numbers_are_refused(value):
+    with pytest.raises(ValidationError, match="finite"):
+        CompletionRequest.model_validate({"prompt": "x", "temperature": value})
+
+
+def test_an_internal_error_says_nothing_of_the_exception(caplog):
+    from pagedserve.gateway.protocol import internal_error
+    with caplog.at_level("ERROR", logger="pagedserve.gateway"):
+        error = internal_error(ValueError("secret detail of another request"))
+    assert error.status == 500 and "secret" not in error.message and "correlation id" in error.message
+    correlation = error.message.rsplit(" ", 1)[-1].rstrip(")")
+    assert any(correlation in r.getMessage() and "secret detail" in r.getMessage() for r in caplog.records)
+
+
+def test_prompts_are_bounded_in_characters_before_tokenization():
+    from pagedserve.gateway.protocol import MAX_CHARS_PER_TOKEN, prompt_too_long
+    fits = completion_to_generate(CompletionRequest(prompt="a" * (100 * MAX_CHARS_PER_TOKEN)))
+    assert prompt_too_long(fits, 100) is None
+    over = completion_to_generate(CompletionRequest(prompt="a" * (100 * MAX_CHARS_PER_TOKEN + 1)))
+    assert "6401 characters" in prompt_too_long(over, 100)

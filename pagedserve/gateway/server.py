@@ -10,6 +10,7 @@ import signal
 import time
 
 import grpc
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -42,14 +43,25 @@ LIMIT_CONCURRENCY = 4096
 
 
 class HeaderTimeoutH11(H11Protocol):
-    """uvicorn's h11 protocol with its keep-alive timer armed from the connection's first moment,
-    not only after a response: uvicorn cancels it when a complete request head arrives, so a
-    client that never finishes its headers is closed after HEADER_TIMEOUT_S (uvicorn has no
-    header timeout of its own)."""
+    """uvicorn's h11 protocol with a deadline on each request head (uvicorn has none: its
+    keep-alive timer is cancelled by any byte received). Armed when the connection opens and after
+    each response; when it fires while the client is still sending a head (h11 keeps the peer
+    IDLE until the whole head is parsed), the connection is closed."""
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+        self._arm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_deadline()
+
+    def _arm_head_deadline(self) -> None:
+        self.loop.call_later(self.timeout_keep_alive, self._head_deadline)
+
+    def _head_deadline(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
 
 
 def admin_keys(args) -> list[str]:
