@@ -283,3 +283,17 @@ def test_a_request_head_must_arrive_in_time():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_public_address_without_any_key_is_refused():
+    from argparse import Namespace
+
+    from pagedserve.gateway.server import unauthenticated_public
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        assert unauthenticated_public(Namespace(host=host), []) is None
+    assert "without an API key" in unauthenticated_public(Namespace(host="0.0.0.0"), [])
+    assert unauthenticated_public(Namespace(host="0.0.0.0"), ["k"]) is None
+    assert unauthenticated_public(Namespace(host="0.0.0.0", allow_unauthenticated=True), []) is None
+    # compose: the container listens on 0.0.0.0, the host publishes on loopback
+    assert unauthenticated_public(Namespace(host="0.0.0.0", published_address="127.0.0.1"), []) is None
+    assert unauthenticated_public(Namespace(host="0.0.0.0", published_address="10.1.2.3"), [])

@@ -217,6 +217,11 @@ def _settings() -> tuple[Setting, ...]:
         S("--admin-api-key", "serve gateway", many=True, secret=True, group="gateway",
           help="an operator key: it sees every request in /v1/engine/stats and the dashboard, and reads /docs; "
           "repeat for several (ordinary keys see only their own requests)"),
+        S("--published-address", "gateway", group="gateway", default_text="--host",
+          help="the address clients reach this gateway on, when it differs from --host (compose sets the host's "
+          "bind address); a non-loopback one needs an API key"),
+        S("--allow-unauthenticated", "serve gateway", bool, False, group="gateway",
+          help="serve a non-loopback address without any API key (anyone who reaches it may use it)"),
         S("--api-key-file", "serve gateway", help="a file of accepted API keys, one a line (# comments)",
           group="gateway"),
         S("--cors-origins", "serve gateway", default="",

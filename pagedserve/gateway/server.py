@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -119,12 +120,36 @@ async def drain(backend: Backend, timeout_s: float) -> int:
     return len(left)
 
 
+def is_loopback(host: str | None) -> bool:
+    """Whether only this machine reaches host ('localhost', 127.0.0.0/8, ::1)."""
+    if not host or host == "localhost":
+        return bool(host)
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def unauthenticated_public(args, keys: list[str]) -> str | None:
+    """Why this gateway must not start: a non-loopback address and no API key at all (unless
+    --allow-unauthenticated), else None."""
+    address = getattr(args, "published_address", None) or args.host
+    if keys or getattr(args, "allow_unauthenticated", False) or is_loopback(address):
+        return None
+    return (f"refusing to serve {address} without an API key: anyone who reaches it could use it. Set --api-key "
+            "(or PAGEDSERVE_API_KEY / --api-key-file), or --allow-unauthenticated to serve it open anyway")
+
+
 async def _serve(args) -> int:
     try:
         keys, admins = api_keys(args), admin_keys(args)
         limits = limits_from_args(args)
     except (OSError, ValueError) as exc:
         log.error("bad gateway settings: %s", exc)
+        return 2
+    refusal = unauthenticated_public(args, keys + admins)
+    if refusal:
+        log.error("%s", refusal)
         return 2
     redis_url = args.redis_url if args.redis_url not in (None, "", "memory", "memory://") else None
     store = open_store(redis_url, args.redis_prefix, args.redis_ttl) if redis_url else None
