@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 
+from pagedserve.common.config_file import expand_config
 from pagedserve.common.engine_args import add_engine_args
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.settings import apply_env_defaults
@@ -181,6 +182,17 @@ def add_service_parsers(sub) -> None:
         service.set_defaults(func=module.main)
 
 
+def _add_config_flag(parser: argparse.ArgumentParser) -> None:
+    """--config on every command (leaf parser); main() expands it before parsing (config_file.py)."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        parser.add_argument("--config", metavar="FILE.yaml",
+                            help="flags of this command from a YAML mapping (max-num-seqs: 64); flags after it win")
+    for action in subs:
+        for child in dict.fromkeys(action.choices.values()):
+            _add_config_flag(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -207,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from pagedserve.bench import add_bench_parser
     add_bench_parser(sub)
+    _add_config_flag(parser)
     return parser
 
 
@@ -219,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a PAGEDSERVE_* variable its flag refuses
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(expand_config(sys.argv[1:] if argv is None else argv))
+    except ValueError as exc:  # a --config file that is not a mapping of flags
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         code = args.func(args)
         return code if isinstance(code, int) else 0  # benches return their result dict

@@ -181,11 +181,16 @@ def test_models_health_metrics_and_request_status(stack, client):
     assert r.status_code == 200 and r.json()["status"] == "ok"
     client.completions.create(model=MODEL, prompt="hi")
     text = httpx.get(stack.url + "/metrics").text
-    for needle in ("pagedserve:num_requests_running 2.0", "pagedserve:kv_cache_usage_perc 0.25",
-                   "pagedserve:prefix_cache_hit_rate 0.4", "pagedserve:time_to_first_token_seconds_count",
-                   'pagedserve:request_stage_seconds_count{stage="scheduler_queue"}',
-                   'pagedserve:request_success_total{finished_reason="length"}',
-                   'pagedserve:http_requests_total{endpoint="/v1/completions",status="200"}'):
+    model = f'model_name="{MODEL}"'
+    for needle in (f"pagedserve:num_requests_running{{{model}}} 2.0", f"pagedserve:kv_cache_usage_perc{{{model}}} 0.25",
+                   f"pagedserve:prefix_cache_hit_rate{{{model}}} 0.4", "pagedserve:time_to_first_token_seconds_count",
+                   f'pagedserve:request_stage_seconds_count{{{model},stage="scheduler_queue"}}',
+                   f'pagedserve:request_success_total{{finished_reason="length",{model}}}',
+                   f'pagedserve:http_requests_total{{endpoint="/v1/completions",{model},status="200"}}',
+                   # vLLM's names, for its Grafana dashboard and autoscalers
+                   f"vllm:num_requests_running{{{model}}} 2.0", f"vllm:gpu_cache_usage_perc{{{model}}} 0.25",
+                   f"vllm:kv_cache_usage_perc{{{model}}} 0.25", f"vllm:time_to_first_token_seconds_count{{{model}}}",
+                   f'vllm:request_success_total{{finished_reason="length",{model}}}'):
         assert needle in text, needle
     headers = {"Authorization": f"Bearer {KEY}"}
     r = httpx.get(stack.url + "/v1/requests/known", headers=headers)

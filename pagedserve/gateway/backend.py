@@ -167,6 +167,8 @@ class Backend:
     async def fresh_model_info(self, timeout_s: float = RPC_TIMEOUT_S) -> generate_pb2.ModelInfo:
         """Ask the tokenizer now (health checks must see it answer); raises grpc.RpcError."""
         info = await self.tokenizer.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=timeout_s)
+        if info.model:
+            self.metrics.model_name = info.model
         if info.ready:
             self._info = info
         return info

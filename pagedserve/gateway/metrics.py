@@ -1,5 +1,9 @@
 """Prometheus metrics of the gateway, with vLLM's names under a `pagedserve:` prefix.
 
+Every sample carries a `model_name` label (the served model), and the metrics vLLM also has are
+exposed a second time under its own `vllm:` names (VLLM_NAMES), so that vLLM's Grafana dashboard,
+KEDA / HPA rules on `vllm:num_requests_waiting` and the like work unchanged.
+
 Engine-wide numbers (queues, KV usage, token totals) live in the scheduler: they are read with
 Scheduler.GetStats on each scrape. Per-request latencies are observed here when a request
 finishes, from the stage stamps its last messages carry, so that an operator can see which stage
@@ -12,7 +16,7 @@ import time
 from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pagedserve.common import wire
@@ -103,6 +107,45 @@ def _histogram(name: str, doc: str, data: scheduler_pb2.HistogramData) -> Histog
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=data.sum)
 
 
+# pagedserve: names that vLLM exposes under vllm: with the same meaning (its v1 engine's names;
+# gpu_cache_usage_perc is the older name of kv_cache_usage_perc that many dashboards still read).
+VLLM_NAMES = {
+    "num_requests_running": ["num_requests_running"], "num_requests_waiting": ["num_requests_waiting"],
+    "num_requests_swapped": ["num_requests_swapped"],
+    "kv_cache_usage_perc": ["kv_cache_usage_perc", "gpu_cache_usage_perc"],
+    "prefix_cache_queries": ["prefix_cache_queries"], "prefix_cache_hits": ["prefix_cache_hits"],
+    "num_preemptions": ["num_preemptions"], "prompt_tokens": ["prompt_tokens"],
+    "generation_tokens": ["generation_tokens"], "request_success": ["request_success"],
+    "time_to_first_token_seconds": ["time_to_first_token_seconds"],
+    "time_per_output_token_seconds": ["time_per_output_token_seconds", "inter_token_latency_seconds"],
+    "e2e_request_latency_seconds": ["e2e_request_latency_seconds"],
+    "request_queue_time_seconds": ["request_queue_time_seconds"],
+    "request_prefill_time_seconds": ["request_prefill_time_seconds"],
+    "request_decode_time_seconds": ["request_decode_time_seconds"],
+}
+
+
+class ModelNamedView(Collector):
+    """Every family of `inner` with a model_name label on each sample, and again under vLLM's
+    name where VLLM_NAMES has one. model_name() is read at each scrape (the gateway learns the
+    served model's name from the tokenizer once it answers)."""
+
+    def __init__(self, inner: CollectorRegistry, model_name) -> None:
+        self.inner, self.model_name = inner, model_name
+
+    def collect(self):
+        model = self.model_name() or ""
+        for family in self.inner.collect():
+            short = family.name.removeprefix(P)
+            for prefix, name in [(P, short)] + [("vllm:", alias) for alias in VLLM_NAMES.get(short, [])]:
+                out = Metric(prefix + name, family.documentation, family.type, family.unit)
+                for sample in family.samples:
+                    out.add_sample(prefix + name + sample.name[len(family.name):],
+                                   {**sample.labels, "model_name": model}, sample.value, sample.timestamp,
+                                   sample.exemplar)
+                yield out
+
+
 RECENT_TIMINGS = 4096  # finished requests whose gateway-side stamps are kept for /v1/requests and engine stats
 
 
@@ -130,10 +173,13 @@ class Metrics:
                                 registry=self.registry)
         self.http = Counter(P + "http_requests", "HTTP responses, by endpoint and status", ["endpoint", "status"],
                             registry=self.registry)
+        self.model_name = ""  # the served model's name, once the tokenizer said it
+        self.exposed = CollectorRegistry()
+        self.exposed.register(ModelNamedView(self.registry, lambda: self.model_name))
 
     def render(self, stats: scheduler_pb2.SchedulerStats | None) -> bytes:
         self.scheduler.stats = stats
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
 
     def track(self, received: float) -> RequestTracker:
         return RequestTracker(self, received)
