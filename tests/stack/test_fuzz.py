@@ -32,7 +32,8 @@ RPC_TIMEOUT_S = 30.0
 # Statuses that are a deliberate refusal; anything else but OK (INTERNAL, UNKNOWN, DEADLINE_EXCEEDED
 # on a short request, UNAVAILABLE from a dead service) is a bug.
 DELIBERATE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
-              grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION}
+              grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION,
+              grpc.StatusCode.ALREADY_EXISTS}  # an id in use by another prompt, or by a sample of another request
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
