@@ -68,7 +68,7 @@ def started_service(step_delay_s: float, max_num_batched_tokens: int, redis_url:
     (the caller stops it)."""
     from pagedserve.scheduler.service import SchedulerService, ServiceConfig
 
-    store = open_store(redis_url, f"pstest-{uuid.uuid4().hex[:8]}:", 60)
+    store = open_store(redis_url, f"pstest-{uuid.uuid4().hex[:8]}:", 60, 60)
     service = SchedulerService(ServiceConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens),
                                FakeWorkerGroup(step_delay_s=step_delay_s), store)
     service.start()
