@@ -273,3 +273,52 @@ def test_a_fault_in_one_requests_admission_step_or_publish_fails_it_alone(servic
         assert rid not in store.active_ids()  # a restarted scheduler does not run it again
     assert service.thread.is_alive()  # and the engine goes on serving
     assert asyncio.run(_submit_and_read(service, schedule("after", [7, 7], 12))) == expected([7, 7], 12)
+
+
+def test_an_abort_of_a_sample_that_does_not_exist_changes_nothing(service):
+    """Abort(index) past n used to raise in the step loop's command (an IndexError), which ended
+    the step-loop thread: every request then hung."""
+
+    async def main():
+        client = Client(service)
+        client.submit(1, schedule("target", [8, 1], 30))
+        assert not service.abort("target", 5) and not service.abort("target", -1)
+        assert not service.abort("nobody", 0)
+        await client.read()
+        return client
+
+    client = asyncio.run(main())
+    assert client.tokens[(1, 0)] == expected([8, 1], 30) and not client.errors
+
+
+def test_a_failed_step_ends_every_request_with_its_record(service, monkeypatch):
+    """What _fail_all is for: a step that failed as a whole (the forward pass raised, not a rank
+    that went away). Every request in flight ends with INTERNAL and its record finished, so that a
+    restarted scheduler does not run them again; the engine serves on."""
+    monkeypatch.setattr(service.workers, "step", _failing_once(service.workers.step, after_calls=3))
+
+    async def main():
+        client = Client(service)
+        client.submit(1, schedule("one", [1, 1], 30))
+        client.submit(2, schedule("two", [2, 2], 30, n=2))
+        await client.read()
+        return client
+
+    client = asyncio.run(main())
+    assert sorted(client.errors) == [1, 2]
+    assert {e.code for e in client.errors.values()} == {grpc.StatusCode.INTERNAL}
+    wait_idle(service)
+    for rid in ("one", "two"):
+        assert service.store.load(rid).status == "finished" and rid not in service.store.active_ids()
+    assert asyncio.run(_submit_and_read(service, schedule("after", [7, 7], 12))) == expected([7, 7], 12)
+
+
+def _failing_once(step, after_calls: int):
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == after_calls:
+            raise RuntimeError("injected forward-pass fault")
+        return step(*args, **kwargs)
+    return wrapped

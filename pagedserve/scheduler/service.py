@@ -247,8 +247,10 @@ class SchedulerService(StepLoop, Recovery, Health):
             self.commands.put(lambda: self._abort(group.group_id, None))
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Stop a live request, or one of its samples; False if there is no such request or sample."""
         with self.lock:
-            found = request_id in self.groups
+            group = self.groups.get(request_id)
+            found = group is not None and (index is None or 0 <= index < group.n)
         if found:
             self.commands.put(lambda: self._abort(request_id, index))
         return found

@@ -283,11 +283,13 @@ class StepLoop:
             if group is not None and not group.done:
                 self._fail_group(group, exc)
 
-    def _fail_group(self, group: GroupState, exc: Exception, stored: bool = True) -> None:
+    def _fail_group(self, group: GroupState, exc: Exception, stored: bool = True,
+                    error: StatusError | None = None) -> None:
         """An exception in this request's own work: it ends alone. Its blocks are freed, its
-        subscribers get INTERNAL (the exception goes to the log, not to the client), its record
-        (stored: one was written) is finished with the unfinished samples 'abort'."""
-        log.error("request %s failed in the scheduler; it alone is ended", group.group_id, exc_info=exc)
+        subscribers get INTERNAL (or error; the exception goes to the log, not to the client), its
+        record (stored: one was written) is finished with the unfinished samples 'abort'."""
+        if error is None:
+            log.error("request %s failed in the scheduler; it alone is ended", group.group_id, exc_info=exc)
         try:
             self.scheduler.abort(group.group_id)  # no-op when the Scheduler ended it already
         except Exception:  # noqa: BLE001 - its state may be what broke; the others go on regardless
@@ -301,18 +303,21 @@ class StepLoop:
                 "timings": json.dumps(group.timings_snapshot()), "error": "failed in the scheduler"},
                 finished=True, ttl_samples=group.n))
         group.done = True
-        error = StatusError(grpc.StatusCode.INTERNAL, f"request {group.group_id!r} failed in the scheduler "
-                            "(the scheduler's log says why); other requests are not affected")
+        error = error or StatusError(grpc.StatusCode.INTERNAL, f"request {group.group_id!r} failed in the "
+                                     "scheduler (the scheduler's log says why); other requests are not affected")
         with self.lock:
             for sub in group.subscribers:
                 sub.push(error)
         self.writer.submit(writes, [], [group])
 
     def _fail_all(self, error: StatusError) -> None:
+        """The step failed as a whole: every request ends with error, its record finished (those
+        admitted have one) so that a restarted scheduler does not run them again for nobody."""
         for group in list(self.groups.values()):
             if not group.done:
+                stored = group.group_id in self.scheduler.groups
                 self.scheduler.abort(group.group_id)
-                self._end_group(group, error)
+                self._fail_group(group, error, stored, error)
 
     def _forget_group(self, group: GroupState) -> None:
         with self.lock:
