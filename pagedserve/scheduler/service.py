@@ -9,9 +9,9 @@ one thread pings the store.
 
 Request ids: a schedule for the id of a live or stored request attaches to it (an idempotent
 retry, a resume) when it carries the same prompt and n (or attach=true), and is refused with
-ALREADY_EXISTS otherwise; a
-new request whose id or any of whose sample ids (`<id>#<i>`, see core/request.py) a live request
-holds is refused with ALREADY_EXISTS at submit, before it reaches the step loop. `live_ids` (all
+ALREADY_EXISTS otherwise; a new request whose id or any of whose sample ids (`<id>#<i>`, see
+core/request.py) a live request holds is refused with ALREADY_EXISTS at submit, before it
+reaches the step loop. `live_ids` (all
 sample ids of `groups`) is read and written under `lock` only, together with `groups`, so two
 concurrent submits of one id cannot both be admitted.
 """

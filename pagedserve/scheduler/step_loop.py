@@ -314,10 +314,8 @@ class StepLoop:
         """The step failed as a whole: every request ends with error, its record finished (those
         admitted have one) so that a restarted scheduler does not run them again for nobody."""
         for group in list(self.groups.values()):
-            if not group.done:
-                stored = group.group_id in self.scheduler.groups
-                self.scheduler.abort(group.group_id)
-                self._fail_group(group, error, stored, error)
+            if not group.done:  # (_fail_group frees it; an exception there cannot end this loop)
+                self._fail_group(group, error, group.group_id in self.scheduler.groups, error)
 
     def _forget_group(self, group: GroupState) -> None:
         with self.lock:
