@@ -60,6 +60,9 @@ def test_memory_store_keeps_at_most_its_caps_least_recently_used_first():
         store.claim_idempotency_key(f"k{i}", f"r{i}")
     assert list(store.idempotency) == ["k2", "k3"]
     assert store.claim_idempotency_key("k0", "new") == "new"  # forgotten: bound afresh
+    assert store.put_text("gwresume:r0", "{}") is False  # no other process would read it
+    with pytest.raises(ValueError, match="at most"):
+        store.put_text("gwresume:r0", "x" * (MAX_TEXT_BYTES + 1))  # the same refusal as Redis'
 
 
 def test_retention_text_cap_and_ttls_in_redis():

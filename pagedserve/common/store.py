@@ -107,6 +107,7 @@ class RequestStore(ABC):
         """Keep text under P<name> for the retention, where other processes can read it; False when
         this store keeps no such texts (the in-process store: no other process would see them).
         Raises ValueError, storing nothing, for a text over MAX_TEXT_BYTES (64 KiB) of UTF-8."""
+        check_text_size(name, text)
         return False
 
     def get_text(self, name: str) -> str | None:
