@@ -60,6 +60,10 @@ def test_memory_store_keeps_at_most_its_caps_least_recently_used_first():
         store.claim_idempotency_key(f"k{i}", f"r{i}")
     assert list(store.idempotency) == ["k2", "k3"]
     assert store.claim_idempotency_key("k0", "new") == "new"  # forgotten: bound afresh
+    store.release_idempotency_key("k0", "other")  # not its claim: kept
+    assert store.claim_idempotency_key("k0", "newer") == "new"
+    store.release_idempotency_key("k0", "new")
+    assert store.claim_idempotency_key("k0", "newer") == "newer"
     assert store.put_text("gwresume:r0", "{}") is False  # no other process would read it
     with pytest.raises(ValueError, match="at most"):
         store.put_text("gwresume:r0", "x" * (MAX_TEXT_BYTES + 1))  # the same refusal as Redis'

@@ -306,7 +306,8 @@ class MemoryStore(RequestStore):
 
     def release_idempotency_key(self, key: str, request_id: str) -> None:
         with self.lock:
-            if self.idempotency.get(key) == request_id:
+            bound = self.idempotency.get(key)
+            if bound is not None and bound[0] == request_id:
                 del self.idempotency[key]
 
     def ping(self) -> bool:
