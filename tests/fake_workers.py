@@ -27,8 +27,8 @@ def expected(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 class FakeWorkerGroup:
-    """The WorkerGroup interface of the scheduler over RequestStates (greedy, n = 1), with an
-    optional pause per step so that tests can act between steps."""
+    """The WorkerGroup interface of the scheduler over RequestStates (greedy: n samples all get
+    expected()), with an optional pause per step so that tests can act between steps."""
 
     addresses = ["fake:0"]
 
@@ -50,10 +50,11 @@ class FakeWorkerGroup:
         self.requests.apply(out)
         scheduled = [(self.requests.state(r), n) for r, n in out.num_scheduled_tokens.items()]
         self.requests.advance(scheduled)
-        sampled = {s.req_id: [next_token(s.token_ids)] for s, _ in scheduled
+        # Greedy: every sample draws the same token (at the fork step, one per sample).
+        sampled = {s.req_id: [next_token(s.token_ids)] * (1 + len(s.child_req_ids)) for s, _ in scheduled
                    if s.num_computed_tokens == len(s.token_ids)}
         self.requests.commit(sampled)
-        return ModelRunnerOutput(out.step_id, {r: [SampledToken(t)] for r, (t,) in sampled.items()}), 0.0
+        return ModelRunnerOutput(out.step_id, {r: [SampledToken(t) for t in ts] for r, ts in sampled.items()}), 0.0
 
     def close_streams(self) -> None:
         pass
@@ -67,7 +68,7 @@ def started_service(step_delay_s: float, max_num_batched_tokens: int, redis_url:
     (the caller stops it)."""
     from pagedserve.scheduler.service import SchedulerService, ServiceConfig
 
-    store = open_store(redis_url, f"pstest-{uuid.uuid4().hex[:8]}:", 60)
+    store = open_store(redis_url, f"pstest-{uuid.uuid4().hex[:8]}:", 60, 60)
     service = SchedulerService(ServiceConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens),
                                FakeWorkerGroup(step_delay_s=step_delay_s), store)
     service.start()

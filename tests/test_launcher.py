@@ -41,7 +41,7 @@ def test_routing_of_every_flag(monkeypatch):
                        "--scheduling-policy", "priority", "--no-prefix-caching", "--no-chunked-prefill",
                        "--max-waiting-requests", "9", "--tensor-parallel-size", "2", "--api-key", "sk-1",
                        "--served-model-name", "smol", "--host", "0.0.0.0", "--port", "8123", "--grpc-port", "8124")
-    argvs = service_argvs(cfg, PORTS, "redis://127.0.0.1:6399/0")
+    argvs = service_argvs(cfg, PORTS)
     assert list(argvs) == ["worker0", "worker1", "scheduler", "tokenizer", "gateway"]  # start order
     ns = {name: parse(argv) for name, argv in argvs.items()}  # each service's own parser accepts it
 
@@ -52,7 +52,7 @@ def test_routing_of_every_flag(monkeypatch):
 
     s = ns["scheduler"]
     assert s.worker_addrs == "127.0.0.1:7001,127.0.0.1:7002"
-    assert (s.host, s.port, s.redis_url) == ("127.0.0.1", 7010, "redis://127.0.0.1:6399/0")
+    assert (s.host, s.port, s.redis_url) == ("127.0.0.1", 7010, None)
     assert (s.block_size, s.kv_cache_memory, s.gpu_memory_utilization, s.swap_space) == (8, "256MiB", 0.5, "2GiB")
     assert (s.max_num_seqs, s.max_num_batched_tokens, s.long_prefill_token_threshold) == (7, 300, 40)
     assert (s.max_model_len, s.preemption_mode, s.scheduling_policy) == (512, "swap", "priority")
@@ -63,7 +63,14 @@ def test_routing_of_every_flag(monkeypatch):
         "/m", "smol", "127.0.0.1", 7020, "127.0.0.1:7010")
 
     g = ns["gateway"]
-    assert (g.host, g.port, g.grpc_port, g.redis_url) == ("0.0.0.0", 8123, 8124, "redis://127.0.0.1:6399/0")
+    assert (g.host, g.port, g.grpc_port, g.redis_url) == ("0.0.0.0", 8123, 8124, None)
+    # The Redis URL may carry a password: by environment, to the two services that use Redis only.
+    url = "redis://:secret@127.0.0.1:6399/0"
+    assert not any("--redis-url" in argv or url in argv for argv in argvs.values())
+    for name in ("scheduler", "gateway"):
+        assert service_env(cfg, name, {"PAGEDSERVE_REDIS_URL": "redis://elsewhere"}, url)["PAGEDSERVE_REDIS_URL"] == url
+    for name in ("worker0", "tokenizer"):
+        assert "PAGEDSERVE_REDIS_URL" not in service_env(cfg, name, {"PAGEDSERVE_REDIS_URL": url}, url)
     assert "sk-1" not in " ".join(argvs["gateway"])  # a key on a command line is visible to `ps`
     assert service_env(cfg, "gateway", {})["PAGEDSERVE_API_KEY"] == "sk-1"
     assert "PAGEDSERVE_API_KEY" not in service_env(cfg, "scheduler", {})
@@ -73,13 +80,13 @@ def test_routing_of_every_flag(monkeypatch):
 def test_defaults_leave_service_defaults_alone(monkeypatch):
     for key in [k for k in os.environ if k.startswith("PAGEDSERVE_")]:
         monkeypatch.delenv(key)
-    argvs = service_argvs(serve_config(), Ports([7001], 7010, 7020), "memory")
+    argvs = service_argvs(serve_config(), Ports([7001], 7010, 7020))
     assert "--model" not in argvs["worker0"] and "--model" not in argvs["tokenizer"]
     assert "--api-key" not in argvs["gateway"] and "--served-model-name" not in argvs["tokenizer"]
     for flag in ("--no-prefix-caching", "--no-chunked-prefill", "--max-num-batched-tokens", "--kv-cache-memory"):
         assert flag not in argvs["scheduler"]
     assert parse(argvs["scheduler"]).worker_addrs == "127.0.0.1:7001"
-    assert parse(argvs["gateway"]).redis_url == "memory"
+    assert service_env(serve_config(), "gateway", {})["PAGEDSERVE_REDIS_URL"] == "memory"
 
 
 def test_every_engine_flag_reaches_a_service():
@@ -90,7 +97,7 @@ def test_every_engine_flag_reaches_a_service():
     # service_argvs gives every worker rank --tensor-parallel-size itself (with its --rank).
     assert engine - {"tensor_parallel_size"} <= set(WORKER_FLAGS) | set(SCHEDULER_FLAGS) | set(TOKENIZER_FLAGS)
     cfg = StackConfig(tensor_parallel_size=2)
-    argvs = service_argvs(cfg, Ports([1, 2], 3, 4), "memory")
+    argvs = service_argvs(cfg, Ports([1, 2], 3, 4))
     assert [parse(argvs[f"worker{r}"]).tensor_parallel_size for r in (0, 1)] == [2, 2]
     assert [parse(argvs[f"worker{r}"]).rank for r in (0, 1)] == [0, 1]
 
@@ -103,7 +110,7 @@ def test_every_gateway_setting_reaches_the_gateway_and_keys_go_by_environment(mo
     cfg = serve_config("--api-key", "sk-1", "--api-key", "sk-2", "--api-key-file", str(keys), "--rate-limit", "5:10",
                        "--max-tokens-in-flight", "4096", "--max-body-bytes", "2048", "--max-n", "3",
                        "--cors-origins", "https://a.example", "--resume-grace", "7", "--shutdown-timeout", "4")
-    argvs = service_argvs(cfg, Ports([1], 2, 3), "memory")
+    argvs = service_argvs(cfg, Ports([1], 2, 3))
     g = parse(argvs["gateway"])
     assert (g.api_key_file, g.rate_limit, g.max_tokens_in_flight, g.max_body_bytes, g.max_n) == (
         str(keys), "5:10", 4096, 2048, 3)
@@ -126,7 +133,7 @@ def test_the_launchers_values_are_what_children_see():
     cfg = StackConfig(max_num_seqs=128, model="/m", env=env)
     scheduler = service_env(cfg, "scheduler", env)
     assert "PAGEDSERVE_MAX_NUM_SEQS" not in scheduler and "--max-num-seqs" not in \
-        service_argvs(cfg, PORTS_1, "memory")["scheduler"]
+        service_argvs(cfg, PORTS_1)["scheduler"]
     assert scheduler["PAGEDSERVE_REDIS_PREFIX"] == "t:" and scheduler["PAGEDSERVE_WORKER_TIMEOUT"] == "9"
     assert "PAGEDSERVE_MODEL" not in service_env(cfg, "worker0", env) and scheduler["PATH"] == "/bin"
     assert service_env(cfg, "gateway", env)["PAGEDSERVE_API_KEY"] == "sk-env"  # no key given: left as it is
@@ -146,7 +153,7 @@ def test_stack_config_is_the_serve_slice_of_the_settings():
 
 def test_bad_tensor_parallel_size():
     with pytest.raises(ValueError, match="tensor-parallel-size"):
-        service_argvs(StackConfig(tensor_parallel_size=0), Ports([], 1, 2), "memory")
+        service_argvs(StackConfig(tensor_parallel_size=0), Ports([], 1, 2))
 
 
 def test_client_host():
@@ -314,12 +321,29 @@ def test_without_redis_server_the_store_is_in_memory(monkeypatch, caplog):
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
-def test_private_redis_starts_and_goes(tmp_path):
+def test_private_redis_starts_and_goes(tmp_path, caplog):
+    """Bounded (maxmemory, volatile-lru) and locked (a random password, in a 0600 file and the URL
+    handed on by environment: on no command line), then gone with the stack."""
+    import redis
+    from urllib.parse import urlsplit
+
     from pagedserve.launcher.processes import redis_ping
     stack = Stack(stop_timeout=5)
-    url = resolve_redis(StackConfig(), stack, tmp_path)
+    url = resolve_redis(StackConfig(redis_maxmemory="64mb"), stack, tmp_path)
     redis_dir = stack._redis_dir
-    assert url.startswith("redis://127.0.0.1:") and redis_ping(url)
+    parts = urlsplit(url)
+    assert parts.hostname == "127.0.0.1" and len(parts.password) >= 32 and redis_ping(url)
+    client = redis.Redis.from_url(url, decode_responses=True)
+    assert client.config_get("maxmemory") == {"maxmemory": str(64 << 20)}
+    assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "volatile-lru"}
+    client.close()
+    anonymous = f"redis://127.0.0.1:{parts.port}/0"
+    assert not redis_ping(anonymous)
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(anonymous).set("pagedserve:x", "y")
+    assert parts.password.encode() not in open(f"/proc/{stack.processes[0].pid}/cmdline", "rb").read()
+    assert parts.password not in caplog.text
+    assert os.stat(os.path.join(redis_dir, "redis.conf")).st_mode & 0o077 == 0
     stack.stop()
     assert not redis_ping(url, 0.5)
     assert not os.path.exists(redis_dir)
@@ -372,6 +396,6 @@ def test_a_service_dies_with_its_killed_launcher(arms_own):
 
 
 def test_the_gateway_gets_its_drain_time_and_the_stack_waits_for_it():
-    argvs = service_argvs(StackConfig(shutdown_timeout=12.5), Ports([1], 2, 3), "memory")
+    argvs = service_argvs(StackConfig(shutdown_timeout=12.5), Ports([1], 2, 3))
     assert parse(argvs["gateway"]).shutdown_timeout == 12.5
     assert Stack(stop_timeout=10.0, drain_timeout=12.5).drain_timeout == 12.5

@@ -125,3 +125,44 @@ def test_refused_subscription_fails_alone_and_leave_aborts(scheduler):
     # The long request kept going through the refusals; leaving aborted it and freed its blocks.
     assert stats.num_running == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks
     assert scheduler.store.load("long").finish_reasons == ["abort"]
+
+
+def test_colliding_ids_on_a_stream_are_refused_and_the_others_finish(scheduler):
+    """Issue 13: on the gRPC Stream, the sample-id collision (`X#1`, then `X` with n=2) and two
+    schedules of one new id with different prompts sent together: each refusal is an
+    ALREADY_EXISTS error for that subscription alone; everything accepted finishes exactly."""
+
+    async def main():
+        server, channel, stub = await serve(scheduler)
+        commands = [schedule("bystander", [3, 1, 4], 24, tag=1), schedule("X#1", [2, 7], 12, tag=2),
+                    schedule("X", [8, 8], 12, tag=3), schedule("dup", [5, 5], 12, tag=4),
+                    schedule("dup", [6, 6], 12, tag=5)]
+        commands[2].schedule.params.n = 2
+
+        async def command_iter():
+            for command in commands:
+                yield command
+            await asyncio.Event().wait()  # keep the stream open
+
+        call = stub.Stream(command_iter())
+        tokens, finished, errors = {}, set(), {}
+        async for message in call:
+            for error in message.errors:
+                errors[error.tag] = (error.code, error.message)
+            for delta in message.deltas:
+                tokens.setdefault(delta.tag, []).extend(delta.token_ids)
+                if delta.finish_reason:
+                    finished.add(delta.tag)
+            if finished | set(errors) == {1, 2, 3, 4, 5}:
+                break
+        call.cancel()
+        await channel.close()
+        await server.stop(None)
+        return tokens, finished, errors
+
+    tokens, finished, errors = asyncio.run(main())
+    exists = grpc.StatusCode.ALREADY_EXISTS.value[0]
+    assert set(errors) == {3, 5} and {code for code, _ in errors.values()} == {exists}
+    assert "'X#1'" in errors[3][1] and "'dup'" in errors[5][1]
+    assert tokens[1] == expected([3, 1, 4], 24) and tokens[2] == expected([2, 7], 12)
+    assert tokens[4] == expected([5, 5], 12)

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.common.store import DEFAULT_PREFIX, DEFAULT_TTL_S
+from pagedserve.common.store import DEFAULT_PREFIX, DEFAULT_RETENTION_S, DEFAULT_TTL_S
 
 SERVICES = ("engine", "serve", "worker", "scheduler", "tokenizer", "gateway")
 ENV_PREFIX = "PAGEDSERVE_"
@@ -137,8 +137,16 @@ def _settings() -> tuple[Setting, ...]:
         S("--redis-url", "gateway", help="redis://host:port/db where the request records are; 'memory': none",
           default_text="none: ask the scheduler"),
         S("--redis-prefix", "scheduler gateway", default=DEFAULT_PREFIX, help="key prefix of the request records"),
-        S("--redis-ttl", "scheduler gateway", int, DEFAULT_TTL_S, "seconds a request record is kept"),
+        S("--redis-ttl", "scheduler gateway", int, DEFAULT_TTL_S,
+          "seconds the record of an unfinished request is kept (a restarted scheduler resumes it from there)"),
+        S("--request-retention", "serve scheduler gateway", int, DEFAULT_RETENTION_S,
+          "seconds a finished request's record (prompt, outputs, timings), its Idempotency-Key and its resume "
+          "record are kept (GET /v1/requests/{id}, retries and resumes find it until then)"),
         # ---- the launcher ------------------------------------------------------------------
+        S("--redis-maxmemory", "serve", default="256mb",
+          help="memory cap of the private redis-server (when no --redis-url is given), in Redis' units "
+          "(e.g. 256mb, 1gb); beyond it the least recently used records are evicted (volatile-lru: every "
+          "record has a TTL)", group="launcher"),
         S("--log-dir", "serve", help="write each service's output to LOG_DIR/<service>.log",
           default_text="this terminal", group="launcher"),
         S("--startup-timeout", "serve", float, 600.0,

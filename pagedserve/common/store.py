@@ -1,12 +1,23 @@
 """Durable request records: Redis, or an in-process stand-in when no Redis is configured.
 
-Layout under the key prefix P (every key expires after the TTL):
+Layout under the key prefix P (every key but `active` expires):
   P req:<id>        hash: status, prompt (JSON ids), params (JSON), n, priority, timings (JSON),
                     finish_reasons (JSON, one per sample), num_cached_tokens
   P out:<id>:<i>    list: output token ids of sample i
-  P active          set: ids not finished (what a restarted scheduler re-admits)
+  P active          set: ids not finished (what a restarted scheduler re-admits); no TTL, so a
+                    volatile-* eviction policy never drops it
   P idem:<key>      string: the request id an Idempotency-Key belongs to
-  P <name>          string: a small text kept by put_text (the gateway's gwresume:<id>)
+  P <name>          string: a small text kept by put_text (the gateway's gwresume:<id>), at most
+                    MAX_TEXT_BYTES
+
+How long: a request's record (and its output lists) lives ttl_s (--redis-ttl, long: a restarted
+scheduler must still find an unfinished request) from its creation or its first token, and
+retention_s (--request-retention, short; never more than ttl_s) from its finish; idempotency keys
+and texts live retention_s from when they were set.
+
+Threads: RedisStore is used from any thread (redis-py's pool); MemoryStore takes its lock on every
+call. Invariant of MemoryStore: it holds at most MAX_MEMORY_RECORDS records and MAX_MEMORY_KEYS
+idempotency keys (the least recently used go first), and never returns an expired one.
 """
 
 from __future__ import annotations
@@ -14,13 +25,20 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "pagedserve:"
-DEFAULT_TTL_S = 24 * 3600
+DEFAULT_TTL_S = 24 * 3600  # an unfinished request's record: long enough to resume after a restart
+DEFAULT_RETENTION_S = 3600  # a finished request's record, idempotency keys, texts
+MAX_TEXT_BYTES = 64 * 1024  # put_text refuses larger texts
+MAX_MEMORY_RECORDS = 10_000  # MemoryStore: records kept at most (least recently used dropped first)
+MAX_MEMORY_KEYS = 10_000  # MemoryStore: idempotency keys kept at most
 
 
 @dataclass(slots=True)
@@ -30,7 +48,7 @@ class RecordWrite:
     fields: dict[str, str] = field(default_factory=dict)  # hash fields to set
     new_tokens: dict[int, list[int]] = field(default_factory=dict)  # sample index -> tokens to append
     created: bool = False  # add to the active set
-    finished: bool = False  # remove from the active set
+    finished: bool = False  # remove from the active set; from now on it lives retention_s
     # (Re)start the TTL of the record and of these samples' output lists: done when a key is
     # created and at the finish, not on every step (a step then costs one RPUSH per sample).
     ttl_samples: int = 0
@@ -86,8 +104,10 @@ class RequestStore(ABC):
     def ping(self) -> bool: ...
 
     def put_text(self, name: str, text: str) -> bool:
-        """Keep text under P<name> for the TTL, where other processes can read it; False when this
-        store keeps no such texts (the in-process store: no other process would see them)."""
+        """Keep text under P<name> for the retention, where other processes can read it; False when
+        this store keeps no such texts (the in-process store: no other process would see them).
+        Raises ValueError, storing nothing, for a text over MAX_TEXT_BYTES (64 KiB) of UTF-8."""
+        check_text_size(name, text)
         return False
 
     def get_text(self, name: str) -> str | None:
@@ -95,13 +115,21 @@ class RequestStore(ABC):
         return None
 
 
+def check_text_size(name: str, text: str) -> None:
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_TEXT_BYTES:
+        raise ValueError(f"text {name[:64]!r} has {size} bytes; a stored text may have at most {MAX_TEXT_BYTES}")
+
+
 class RedisStore(RequestStore):
-    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, ttl_s: int = DEFAULT_TTL_S) -> None:
+    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, ttl_s: int = DEFAULT_TTL_S,
+                 retention_s: int = DEFAULT_RETENTION_S) -> None:
         import redis
 
         self.client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5.0,
                                            socket_connect_timeout=2.0)
-        self.prefix, self.ttl_s, self.url = prefix, ttl_s, url
+        self.prefix, self.ttl_s, self.url = prefix, int(ttl_s), url
+        self.retention_s = min(int(retention_s), self.ttl_s)
 
     def _req(self, request_id: str) -> str:
         return f"{self.prefix}req:{request_id}"
@@ -122,9 +150,10 @@ class RedisStore(RequestStore):
                 if tokens:
                     pipe.rpush(self._out(w.request_id, index), *tokens)
             if w.created or w.finished or w.ttl_samples:
-                pipe.expire(key, self.ttl_s)
+                ttl = self.retention_s if w.finished else self.ttl_s
+                pipe.expire(key, ttl)
                 for index in range(w.ttl_samples):
-                    pipe.expire(self._out(w.request_id, index), self.ttl_s)
+                    pipe.expire(self._out(w.request_id, index), ttl)
             if w.created:
                 pipe.sadd(active, w.request_id)
             if w.finished:
@@ -147,7 +176,7 @@ class RedisStore(RequestStore):
 
     def claim_idempotency_key(self, key: str, request_id: str) -> str:
         name = f"{self.prefix}idem:{key}"
-        if self.client.set(name, request_id, nx=True, ex=self.ttl_s):
+        if self.client.set(name, request_id, nx=True, ex=self.retention_s):
             return request_id
         return self.client.get(name) or request_id
 
@@ -164,7 +193,8 @@ class RedisStore(RequestStore):
                 pass
 
     def put_text(self, name: str, text: str) -> bool:
-        self.client.set(f"{self.prefix}{name}", text, ex=int(self.ttl_s))
+        check_text_size(name, text)
+        self.client.set(f"{self.prefix}{name}", text, ex=self.retention_s)
         return True
 
     def get_text(self, name: str) -> str | None:
@@ -177,58 +207,117 @@ class RedisStore(RequestStore):
             return False
 
 
+@dataclass(slots=True)
+class _MemoryRecord:
+    fields: dict[str, str] = field(default_factory=dict)
+    outputs: dict[int, list[int]] = field(default_factory=dict)
+    expires: float = float("inf")
+
+
 class MemoryStore(RequestStore):
-    """In-process stand-in: the same contract, lost when the process ends (durability off)."""
+    """In-process stand-in: the same contract, lost when the process ends (durability off).
+    Bounded: records expire as in Redis (ttl_s, then retention_s once finished) and at most
+    max_records records and max_keys idempotency keys are kept, the least recently used dropped
+    first. clock: seconds, monotonic (tests inject one)."""
 
     durable = False
 
-    def __init__(self) -> None:
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, retention_s: float = DEFAULT_RETENTION_S,
+                 max_records: int = MAX_MEMORY_RECORDS, max_keys: int = MAX_MEMORY_KEYS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s, self.retention_s = ttl_s, min(retention_s, ttl_s)
+        self.max_records, self.max_keys = max_records, max_keys
+        self.clock = clock
         self.lock = threading.Lock()
-        self.hashes: dict[str, dict[str, str]] = {}
-        self.outputs: dict[tuple[str, int], list[int]] = {}
+        self.records: OrderedDict[str, _MemoryRecord] = OrderedDict()  # least recently used first
         self.active: set[str] = set()
-        self.idempotency: dict[str, str] = {}
+        self.idempotency: OrderedDict[str, tuple[str, float]] = OrderedDict()  # key -> (id, expires)
+        self.next_sweep = 0.0
+
+    def _record(self, request_id: str, now: float) -> _MemoryRecord | None:
+        record = self.records.get(request_id)
+        if record is not None and record.expires <= now:
+            self._drop(request_id)
+            return None
+        if record is not None:
+            self.records.move_to_end(request_id)
+        return record
+
+    def _drop(self, request_id: str) -> None:
+        self.records.pop(request_id, None)
+        self.active.discard(request_id)
+
+    def _bound(self, now: float) -> None:
+        """Drop the least recently used beyond the caps; now and then, every expired entry."""
+        while len(self.records) > self.max_records:
+            self._drop(next(iter(self.records)))
+        while len(self.idempotency) > self.max_keys:
+            self.idempotency.popitem(last=False)
+        if now >= self.next_sweep:  # at most once a second: O(entries)
+            self.next_sweep = now + 1.0
+            for request_id in [r for r, rec in self.records.items() if rec.expires <= now]:
+                self._drop(request_id)
+            for key in [k for k, (_, expires) in self.idempotency.items() if expires <= now]:
+                del self.idempotency[key]
 
     def write(self, writes: list[RecordWrite]) -> None:
         with self.lock:
+            now = self.clock()
             for w in writes:
-                self.hashes.setdefault(w.request_id, {}).update(w.fields)
+                record = self._record(w.request_id, now)
+                if record is None:
+                    record = self.records[w.request_id] = _MemoryRecord(expires=now + self.ttl_s)
+                record.fields.update(w.fields)
                 for index, tokens in w.new_tokens.items():
-                    self.outputs.setdefault((w.request_id, index), []).extend(tokens)
+                    record.outputs.setdefault(index, []).extend(tokens)
+                if w.created or w.finished or w.ttl_samples:
+                    record.expires = now + (self.retention_s if w.finished else self.ttl_s)
                 if w.created:
                     self.active.add(w.request_id)
                 if w.finished:
                     self.active.discard(w.request_id)
+            self._bound(now)
 
     def load(self, request_id: str) -> StoredRequest | None:
         with self.lock:
-            fields = self.hashes.get(request_id)
-            if fields is None:
+            record = self._record(request_id, self.clock())
+            if record is None:
                 return None
-            n = int(fields.get("n", 1))
-            outputs = [list(self.outputs.get((request_id, i), [])) for i in range(n)]
-            return _decode(request_id, dict(fields), outputs)
+            n = int(record.fields.get("n", 1))
+            outputs = [list(record.outputs.get(i, [])) for i in range(n)]
+            return _decode(request_id, dict(record.fields), outputs)
 
     def active_ids(self) -> list[str]:
         with self.lock:
-            return sorted(self.active)
+            now = self.clock()
+            return sorted(r for r in self.active if self._record(r, now) is not None)
 
     def claim_idempotency_key(self, key: str, request_id: str) -> str:
         with self.lock:
-            return self.idempotency.setdefault(key, request_id)
+            now = self.clock()
+            bound = self.idempotency.get(key)
+            if bound is not None and bound[1] > now:
+                self.idempotency.move_to_end(key)
+                return bound[0]
+            self.idempotency[key] = (request_id, now + self.retention_s)
+            self.idempotency.move_to_end(key)
+            self._bound(now)
+            return request_id
 
     def release_idempotency_key(self, key: str, request_id: str) -> None:
         with self.lock:
-            if self.idempotency.get(key) == request_id:
+            bound = self.idempotency.get(key)
+            if bound is not None and bound[0] == request_id:
                 del self.idempotency[key]
 
     def ping(self) -> bool:
         return True
 
 
-def open_store(url: str | None, prefix: str = DEFAULT_PREFIX, ttl_s: int = DEFAULT_TTL_S) -> RequestStore:
-    """url: redis://host:port/db, or "memory" / None for the in-process store."""
+def open_store(url: str | None, prefix: str = DEFAULT_PREFIX, ttl_s: int = DEFAULT_TTL_S,
+               retention_s: int = DEFAULT_RETENTION_S) -> RequestStore:
+    """url: redis://[:password@]host:port/db, or "memory" / None for the in-process store."""
     if not url or url in ("memory", "memory://"):
         log.warning("no Redis configured: request records are kept in this process only (durability off)")
-        return MemoryStore()
-    return RedisStore(url, prefix, ttl_s)
+        return MemoryStore(ttl_s, retention_s)
+    return RedisStore(url, prefix, ttl_s, retention_s)

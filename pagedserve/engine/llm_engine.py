@@ -165,9 +165,14 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         result = self._on_all_ranks("execute", sched)
         self.num_steps += 1
+        updates = self.scheduler.update(sched, result)
+        for request_id, exc in self.scheduler.take_failed():
+            # One caller in one process: its request's fault is its error (the scheduler has
+            # aborted that request already and stays consistent for the others).
+            raise RuntimeError(f"request {request_id!r} failed in the scheduler: {exc}") from exc
         return [RequestOutput(u.request.group_id, u.request.sample_index, u.new_tokens, u.finished,
                               u.request.finish_reason, u.request.num_prompt_tokens, u.request.num_cached_tokens)
-                for u in self.scheduler.update(sched, result)]
+                for u in updates]
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
                  use_tqdm: bool = False) -> list[list[CompletedSample]]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.common.settings import LOOPBACK
-from pagedserve.launcher.redis_server import private_redis, redis_ping
+from pagedserve.launcher.redis_server import private_redis, redacted, redis_ping
 from pagedserve.launcher.service_process import ServiceError, ServiceProcess, describe_exit
 from pagedserve.launcher.wiring import (Ports, StackConfig, children_env, client_host, first_api_key,
                                         service_argvs, service_env)
@@ -174,14 +174,14 @@ def resolve_redis(cfg: StackConfig, stack: Stack, log_dir: Path | None) -> str:
                         cfg.redis_url)
             return "memory"
         if not redis_ping(cfg.redis_url):
-            raise ServiceError(f"no Redis answers PING at --redis-url {cfg.redis_url}")
+            raise ServiceError(f"no Redis answers PING at --redis-url {redacted(cfg.redis_url)}")
         return cfg.redis_url
     if shutil.which("redis-server"):
         # Without a log dir its start-up banner and warnings would only clutter the terminal.
-        proc, url, tmp = private_redis(log_dir / "redis.log" if log_dir else os.devnull)
+        proc, url, tmp = private_redis(log_dir / "redis.log" if log_dir else os.devnull, cfg.redis_maxmemory)
         stack.processes.append(proc)
         stack._redis_dir = tmp
-        log.info("private Redis at %s", url)
+        log.info("private Redis at %s (maxmemory %s, volatile-lru, password)", redacted(url), cfg.redis_maxmemory)
         return url
     log.warning("redis-server is not on the PATH and no --redis-url was given: request records stay in "
                 "the scheduler's memory (durability off: a restarted scheduler loses its requests)")
@@ -199,7 +199,7 @@ def start_stack(cfg: StackConfig, python: str = sys.executable) -> Stack:
     try:
         redis_url = stack.redis_url = resolve_redis(cfg, stack, log_dir)
         ports = Ports.free(cfg.tensor_parallel_size)
-        argvs = service_argvs(cfg, ports, redis_url)
+        argvs = service_argvs(cfg, ports)
         env = children_env(cfg)
         if cfg.tensor_parallel_size > 1:  # rendezvous of the ranks' torch.distributed group
             from pagedserve.common.grpc_util import free_port
@@ -210,7 +210,7 @@ def start_stack(cfg: StackConfig, python: str = sys.executable) -> Stack:
         health |= {"scheduler": f"{LOOPBACK}:{ports.scheduler}", "tokenizer": f"{LOOPBACK}:{ports.tokenizer}",
                    "gateway": f"{public}:{cfg.grpc_port}"}
         procs = {name: ServiceProcess(name, [python, "-m", "pagedserve.cli", *argv], health[name],
-                                      env=service_env(cfg, name, env),
+                                      env=service_env(cfg, name, env, redis_url),
                                       log_path=log_dir / f"{name}.log" if log_dir else None)
                  for name, argv in argvs.items()}
         procs["gateway"].health_internal = False  # its health is on the public gRPC port

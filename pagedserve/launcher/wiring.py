@@ -7,7 +7,9 @@ launcher's value: on its command line when it differs from the default (argv_for
 when it is a secret (an API key on a command line is visible to `ps`), else the default; the
 setting's PAGEDSERVE_* variable is taken out of the child's environment, so it cannot stand in for
 that default. The launcher sets the addresses itself (WIRED): each child's host and port, the
-addresses of the services it calls, the Redis URL, each worker's rank and the group's size.
+addresses of the services it calls, each worker's rank and the group's size; and the Redis URL,
+which may carry a password, by environment only (PAGEDSERVE_REDIS_URL, to the scheduler and the
+gateway, and taken out of every other child's environment): never on a command line.
 
 Threads: none. No torch.
 """
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedserve.common.settings import LOOPBACK, argv_for, handed_on_env, secret_env, settings_of, shared
+from pagedserve.common.settings import LOOPBACK, argv_for, env_name, handed_on_env, secret_env, settings_of, shared
 
 # Settings `serve` shares with a child that the launcher sets itself (service_argvs).
 WIRED = frozenset({"host", "port", "grpc_port", "tensor_parallel_size"})
@@ -100,9 +102,10 @@ def service_kind(name: str) -> str:
     return name.rstrip("0123456789")
 
 
-def service_argvs(cfg, ports: Ports, redis_url: str) -> dict[str, list[str]]:
+def service_argvs(cfg, ports: Ports) -> dict[str, list[str]]:
     """The command-line arguments (after `pagedserve`) of every service of the stack: a pure function.
-    Keys: worker0..workerN-1, scheduler, tokenizer, gateway (start order)."""
+    Keys: worker0..workerN-1, scheduler, tokenizer, gateway (start order). The Redis URL is not among
+    them: see service_env."""
     tp = cfg.tensor_parallel_size
     if tp < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
@@ -121,21 +124,28 @@ def service_argvs(cfg, ports: Ports, redis_url: str) -> dict[str, list[str]]:
         argvs[f"worker{rank}"] = ["worker", "--host", LOOPBACK, "--port", str(port), "--rank", str(rank),
                                   "--tensor-parallel-size", str(tp), *handed("worker")]
     argvs["scheduler"] = ["scheduler", "--host", LOOPBACK, "--port", str(ports.scheduler),
-                          "--worker-addrs", ",".join(worker_addrs), "--redis-url", redis_url, *handed("scheduler")]
+                          "--worker-addrs", ",".join(worker_addrs), *handed("scheduler")]
     argvs["tokenizer"] = ["tokenizer", "--host", LOOPBACK, "--port", str(ports.tokenizer),
                           "--scheduler-addr", scheduler_addr, *handed("tokenizer")]
     argvs["gateway"] = ["gateway", "--host", cfg.host, "--port", str(cfg.port), "--grpc-port", str(cfg.grpc_port),
-                        "--tokenizer-addr", tokenizer_addr, "--scheduler-addr", scheduler_addr,
-                        "--redis-url", redis_url, *handed("gateway")]
+                        "--tokenizer-addr", tokenizer_addr, "--scheduler-addr", scheduler_addr, *handed("gateway")]
     return argvs
 
 
-def service_env(cfg, name: str, env: Mapping[str, str]) -> dict[str, str]:
+REDIS_URL_ENV = env_name("redis_url")
+TAKES_REDIS = ("scheduler", "gateway")
+
+
+def service_env(cfg, name: str, env: Mapping[str, str], redis_url: str | None = None) -> dict[str, str]:
     """A service's environment: env without the variables of the settings the launcher hands it,
-    plus its secrets (which travel here rather than in its argv)."""
+    plus its secrets (which travel here rather than in its argv): the scheduler and the gateway get
+    the Redis URL (redis_url; None: "memory"), the others none."""
     kind = service_kind(name)
-    dropped = handed_on_env(kind, skip=WIRED)
-    return {k: v for k, v in env.items() if k not in dropped} | secret_env(kind, cfg.values())
+    dropped = handed_on_env(kind, skip=WIRED) | {REDIS_URL_ENV}
+    out = {k: v for k, v in env.items() if k not in dropped} | secret_env(kind, cfg.values())
+    if kind in TAKES_REDIS:
+        out[REDIS_URL_ENV] = redis_url or "memory"
+    return out
 
 
 def tls_env(cfg) -> dict[str, str]:

@@ -14,6 +14,7 @@ import time
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.store import RecordWrite
+from pagedserve.scheduler.core.request import sample_ids
 from pagedserve.scheduler.records import GroupState, resumed_requests
 from pagedserve.v1 import worker_pb2
 
@@ -50,6 +51,7 @@ class Recovery:
                 self.store.write([RecordWrite(request_id, fields, finished=True)])
                 continue
             self.groups[request_id] = group
+            self.live_ids.update(sample_ids(request_id, group.n))
             self.readmitted.append(request_id)
             readmitted += 1
         self.orphan_deadline = time.monotonic() + self.config.orphan_timeout_s

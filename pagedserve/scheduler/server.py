@@ -173,7 +173,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    store = open_store(args.redis_url, args.redis_prefix, args.redis_ttl)
+    store = open_store(args.redis_url, args.redis_prefix, args.redis_ttl, args.request_retention)
     workers = WorkerGroup([a.strip() for a in args.worker_addrs.split(",") if a.strip()],
                           step_timeout_s=args.step_timeout)
     service = SchedulerService(config_from_args(args), workers, store)

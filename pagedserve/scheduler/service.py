@@ -6,6 +6,14 @@ Threads: the caller's event loop (gRPC handlers) calls submit/unsubscribe/abort/
 step-loop thread owns the Scheduler (nothing else touches it: other threads hand it commands);
 one writer thread writes each step's records to the store and then publishes the step's tokens;
 one thread pings the store.
+
+Request ids: a schedule for the id of a live or stored request attaches to it (an idempotent
+retry, a resume) when it carries the same prompt and n (or attach=true), and is refused with
+ALREADY_EXISTS otherwise; a new request whose id or any of whose sample ids (`<id>#<i>`, see
+core/request.py) a live request holds is refused with ALREADY_EXISTS at submit, before it
+reaches the step loop. `live_ids` (all
+sample ids of `groups`) is read and written under `lock` only, together with `groups`, so two
+concurrent submits of one id cannot both be admitted.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from pagedserve.scheduler.recovery import Recovery
 from pagedserve.scheduler.stats_recorder import StatsRecorder
 from pagedserve.scheduler.step_loop import StepLoop
 from pagedserve.scheduler.subscriptions import Outbox, Subscription
+from pagedserve.scheduler.core.request import sample_ids
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.scheduler.worker_client import WorkerGroup
 
@@ -68,6 +77,7 @@ class SchedulerService(StepLoop, Recovery, Health):
         self.info: worker_pb2.WorkerInfo | None = None
         self.max_model_len = 0
         self.groups: dict[str, GroupState] = {}  # live requests, until their last tokens are published
+        self.live_ids: set[str] = set()  # every sample id of groups (guarded by lock, as groups is)
         self.lock = threading.Lock()
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.writer = RecordWriter(store, self.lock, self._forget_group)
@@ -133,9 +143,13 @@ class SchedulerService(StepLoop, Recovery, Health):
         with self.lock:
             group = self.groups.get(request_id)
             if group is not None:
+                if not msg.attach:
+                    self._check_same_request(request_id, group.n, group.prompt_token_ids, msg)
                 return self._attach_live(group, outbox, tag), group
         record = self.store.load(request_id) if msg.request_id else None
         if record is not None:
+            if not msg.attach:
+                self._check_same_request(record.request_id, record.n, record.prompt_token_ids, msg)
             return self._attach_stored(record, outbox, tag)
         if msg.attach:
             raise StatusError(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} to attach to")
@@ -147,6 +161,7 @@ class SchedulerService(StepLoop, Recovery, Health):
         sub = Subscription(request_id, outbox, replayed=True, tag=tag)
         group.subscribers.append(sub)
         with self.lock:
+            self._claim_ids(group)
             self.groups[request_id] = group
         self.pending_admissions += 1
         self.commands.put(lambda: self._admit(group))
@@ -182,6 +197,24 @@ class SchedulerService(StepLoop, Recovery, Health):
         timings["scheduler_received"] = time.time()
         return GroupState(request_id, params.n, prompt, params, msg.priority, timings, [""] * params.n)
 
+    def _claim_ids(self, group: GroupState) -> None:
+        """Under lock: take the ids of the group's samples, or refuse if a live request holds one."""
+        ids = sample_ids(group.group_id, group.n)
+        taken = next((i for i in ids if i in self.live_ids), None)
+        if taken is not None:
+            which = "is" if taken == group.group_id else f"(n={group.n}) cannot be used: its sample id {taken!r} is"
+            raise StatusError(grpc.StatusCode.ALREADY_EXISTS,
+                              f"request id {group.group_id!r} {which} already in use by a live request")
+        self.live_ids.update(ids)
+
+    @staticmethod
+    def _check_same_request(request_id: str, n: int, prompt: list[int], msg: scheduler_pb2.ScheduleRequest) -> None:
+        """A new schedule on a known id attaches only if it asks for the same thing (a retry)."""
+        if (msg.params.n or 1) != n or list(msg.prompt_token_ids) != prompt:
+            raise StatusError(grpc.StatusCode.ALREADY_EXISTS,
+                              f"request id {request_id!r} is already in use by another request (another prompt "
+                              "or n); use another id, or attach=true to follow that request")
+
     def _attach_live(self, group: GroupState, outbox: Outbox, tag: int) -> Subscription:
         """A second stream on a running request: replay its tokens so far, then follow it."""
         sub = Subscription(group.group_id, outbox, replayed=False, tag=tag)
@@ -214,8 +247,10 @@ class SchedulerService(StepLoop, Recovery, Health):
             self.commands.put(lambda: self._abort(group.group_id, None))
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Stop a live request, or one of its samples; False if there is no such request or sample."""
         with self.lock:
-            found = request_id in self.groups
+            group = self.groups.get(request_id)
+            found = group is not None and (index is None or 0 <= index < group.n)
         if found:
             self.commands.put(lambda: self._abort(request_id, index))
         return found

@@ -5,9 +5,15 @@ Threads: every method here runs on the step-loop thread, the only one that touch
 other threads hand it work through `self.commands` (callables). `self.lock` guards `groups` and
 each group's subscriber list, which the gRPC event loop also reads.
 
+A bad request fails alone: an exception in one request's admission, its scheduling or results
+(the Scheduler reports those through take_failed), its publishing, replay or abort ends that
+request (_fail_group: its subscribers get INTERNAL, its blocks are freed, its record is finished)
+and nothing else. _fail_all is only for a step that failed as a whole (e.g. the forward pass),
+where no single request can be blamed. No command's exception ends the step-loop thread.
+
 A mixin of SchedulerService (service.py), which owns the attributes used here: scheduler,
-workers, groups, lock, commands, writer, recorder, info, stopping, readmitted, orphan_deadline,
-last_progress, pending_admissions.
+workers, groups, live_ids, lock, commands, writer, recorder, info, stopping, readmitted,
+orphan_deadline, last_progress, pending_admissions.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import grpc
 
 from pagedserve.common.grpc_util import StatusError
 from pagedserve.common.store import RecordWrite
-from pagedserve.scheduler.core.request import Request
+from pagedserve.scheduler.core.request import Request, RequestIdInUse, sample_ids
 from pagedserve.scheduler.records import Delivery, GroupState
 from pagedserve.scheduler.stats_recorder import MAX_PREFILL_CHUNKS_KEPT
 from pagedserve.scheduler.subscriptions import Subscription
@@ -68,12 +74,20 @@ class StepLoop:
         finally:
             if block:
                 self.recorder.totals.idle_s += time.perf_counter() - waited
-        command()
+        self._run_command(command)
         while True:
             try:
-                self.commands.get_nowait()()
+                command = self.commands.get_nowait()
             except queue.Empty:
                 return
+            self._run_command(command)
+
+    @staticmethod
+    def _run_command(command) -> None:
+        try:
+            command()
+        except Exception:  # noqa: BLE001 - the commands blame their own request; this keeps the loop alive
+            log.exception("a step-loop command failed")
 
     def _admit(self, group: GroupState) -> None:
         self.pending_admissions -= 1
@@ -83,13 +97,29 @@ class StepLoop:
                       tuple(self.info.eos_token_ids), group.priority)
         try:
             self.scheduler.add_request(req)
+        except RequestIdInUse as exc:
+            self._end_group(group, StatusError(grpc.StatusCode.ALREADY_EXISTS, str(exc)))
+            return
         except ValueError as exc:
             self._end_group(group, StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
             return
-        self.recorder.totals.prompt_tokens += len(group.prompt_token_ids)
-        self.writer.submit([RecordWrite(group.group_id, group.creation_fields(), created=True)], [])
+        except Exception as exc:  # noqa: BLE001 - this request fails alone
+            self._fail_group(group, exc, stored=False)
+            return
+        try:
+            self.recorder.totals.prompt_tokens += len(group.prompt_token_ids)
+            self.writer.submit([RecordWrite(group.group_id, group.creation_fields(), created=True)], [])
+        except Exception as exc:  # noqa: BLE001 - this request fails alone
+            self._fail_group(group, exc, stored=False)
 
     def _replay(self, group: GroupState, sub: Subscription) -> None:
+        try:
+            self._replay_to(group, sub)
+        except Exception:  # noqa: BLE001 - only this subscriber's replay failed
+            log.exception("request %s: replay to a new subscriber failed", group.group_id)
+            sub.push(StatusError(grpc.StatusCode.INTERNAL, f"replaying request {group.group_id!r} failed"))
+
+    def _replay_to(self, group: GroupState, sub: Subscription) -> None:
         members = {r.sample_index: r for r in self.scheduler.groups.get(group.group_id, [])}
         deliveries = []
         for index in range(group.n):
@@ -104,6 +134,8 @@ class StepLoop:
     def _step(self) -> None:
         step_started = time.perf_counter()
         sched = self.scheduler.schedule()
+        if self.scheduler.failed:
+            self._end_failed()
         now = time.time()
         requests = self.scheduler.requests
         wants_logprobs = set()
@@ -144,47 +176,62 @@ class StepLoop:
                 group.last_step_id = sched.step_id
                 group.worker_time_s += step_worker_time
                 group.num_steps += 1
-        self._publish(self.scheduler.update(sched, result))
+        updates = self.scheduler.update(sched, result)
+        if self.scheduler.failed:
+            self._end_failed()
+        self._publish(updates)
         self.recorder.step(sched.step_id, now, time.perf_counter() - step_started, stats, self.scheduler)
 
     def _publish(self, updates) -> None:
         now = time.time()
         changed: dict[str, tuple[GroupState, RecordWrite, list[Delivery]]] = {}
-        done = []
+        done, failed = [], []
         for update in updates:
             req = update.request
             group = self.groups.get(req.group_id)
-            if group is None:
+            if group is None or group.done:
                 continue
-            if group.group_id not in changed:
-                changed[group.group_id] = (group, RecordWrite(group.group_id), [])
-            _, write, deliveries = changed[group.group_id]
-            tokens = [t.token_id for t in update.new_tokens]
-            self.recorder.totals.generation_tokens += len(tokens)
-            group.output_tokens += len(tokens)
-            write.new_tokens.setdefault(req.sample_index, []).extend(tokens)
-            if tokens and "first_token" not in group.timings:
-                group.timings["first_token"] = now
-                group.num_cached_tokens = req.num_cached_tokens
-                write.fields["status"] = "running"
-                write.fields["num_cached_tokens"] = str(req.num_cached_tokens)
-                write.fields["timings"] = ""  # filled below, once the step's updates are in
-            delivery = Delivery(req.sample_index, req.num_output_tokens - len(tokens), tokens,
-                                list(update.new_tokens) if group.params.logprobs is not None else None,
-                                num_cached_tokens=group.num_cached_tokens)
-            if update.finished:
-                group.finish_reasons[req.sample_index] = delivery.finish_reason = req.finish_reason or "stop"
-                if all(group.finish_reasons):
-                    group.timings["finished"] = now
-                    group.done = True
-                    done.append(group)
-                    self.recorder.finished(group)
-                    write.finished = True
-                    write.fields["status"] = "finished"
-                write.fields["finish_reasons"] = json.dumps(group.finish_reasons)
-                write.fields["timings"] = ""
-                delivery.timings = group.timings_snapshot()
-            deliveries.append(delivery)
+            try:  # free unless it raises (3.11): one try per sample, not per token
+                if group.group_id not in changed:
+                    changed[group.group_id] = (group, RecordWrite(group.group_id), [])
+                _, write, deliveries = changed[group.group_id]
+                tokens = [t.token_id for t in update.new_tokens]
+                self.recorder.totals.generation_tokens += len(tokens)
+                group.output_tokens += len(tokens)
+                write.new_tokens.setdefault(req.sample_index, []).extend(tokens)
+                if tokens and "first_token" not in group.timings:
+                    group.timings["first_token"] = now
+                    group.num_cached_tokens = req.num_cached_tokens
+                    write.fields["status"] = "running"
+                    write.fields["num_cached_tokens"] = str(req.num_cached_tokens)
+                    write.fields["timings"] = ""  # filled below, once the step's updates are in
+                delivery = Delivery(req.sample_index, req.num_output_tokens - len(tokens), tokens,
+                                    list(update.new_tokens) if group.params.logprobs is not None else None,
+                                    num_cached_tokens=group.num_cached_tokens)
+                if update.finished:
+                    group.finish_reasons[req.sample_index] = delivery.finish_reason = req.finish_reason or "stop"
+                    if all(group.finish_reasons):
+                        group.timings["finished"] = now
+                        group.done = True
+                        done.append(group)
+                        self.recorder.finished(group)
+                        write.finished = True
+                        write.fields["status"] = "finished"
+                    write.fields["finish_reasons"] = json.dumps(group.finish_reasons)
+                    write.fields["timings"] = ""
+                    delivery.timings = group.timings_snapshot()
+                deliveries.append(delivery)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                group.done = True  # its other samples' updates are skipped
+                failed.append((group, exc, req.sample_index))
+        for group, exc, index in failed:
+            # Nothing of this step reaches its client: what it finished here ends as aborted.
+            _, _, deliveries = changed.pop(group.group_id, (None, None, ()))
+            for i in [index, *(d.index for d in deliveries if d.finish_reason)]:
+                group.finish_reasons[i] = ""
+            if group in done:
+                done.remove(group)
+            self._fail_group(group, exc)
         for group, write, _ in changed.values():
             if "timings" in write.fields:
                 write.fields["timings"] = json.dumps(group.timings_snapshot())
@@ -195,6 +242,13 @@ class StepLoop:
         group = self.groups.get(request_id)
         if group is None or group.done:
             return
+        try:
+            self._abort_group(group, index)
+        except Exception as exc:  # noqa: BLE001 - this request fails alone
+            self._fail_group(group, exc)
+
+    def _abort_group(self, group: GroupState, index: int | None) -> None:
+        request_id = group.group_id
         if not self.scheduler.abort(request_id, index) and index is not None:
             return
         now = time.time()
@@ -222,13 +276,49 @@ class StepLoop:
                 sub.push(error)
         self.writer.submit([], [], [group])
 
+    def _end_failed(self) -> None:
+        """The requests whose own bookkeeping raised in the Scheduler (aborted there already)."""
+        for group_id, exc in self.scheduler.take_failed():
+            group = self.groups.get(group_id)
+            if group is not None and not group.done:
+                self._fail_group(group, exc)
+
+    def _fail_group(self, group: GroupState, exc: Exception, stored: bool = True,
+                    error: StatusError | None = None) -> None:
+        """An exception in this request's own work: it ends alone. Its blocks are freed, its
+        subscribers get INTERNAL (or error; the exception goes to the log, not to the client), its
+        record (stored: one was written) is finished with the unfinished samples 'abort'."""
+        if error is None:
+            log.error("request %s failed in the scheduler; it alone is ended", group.group_id, exc_info=exc)
+        try:
+            self.scheduler.abort(group.group_id)  # no-op when the Scheduler ended it already
+        except Exception:  # noqa: BLE001 - its state may be what broke; the others go on regardless
+            log.exception("request %s: freeing it failed too", group.group_id)
+        group.finish_reasons = [r or "abort" for r in group.finish_reasons]
+        group.timings["finished"] = time.time()
+        writes = []
+        if stored:
+            writes.append(RecordWrite(group.group_id, {
+                "status": "finished", "finish_reasons": json.dumps(group.finish_reasons),
+                "timings": json.dumps(group.timings_snapshot()), "error": "failed in the scheduler"},
+                finished=True, ttl_samples=group.n))
+        group.done = True
+        error = error or StatusError(grpc.StatusCode.INTERNAL, f"request {group.group_id!r} failed in the "
+                                     "scheduler (the scheduler's log says why); other requests are not affected")
+        with self.lock:
+            for sub in group.subscribers:
+                sub.push(error)
+        self.writer.submit(writes, [], [group])
+
     def _fail_all(self, error: StatusError) -> None:
+        """The step failed as a whole: every request ends with error, its record finished (those
+        admitted have one) so that a restarted scheduler does not run them again for nobody."""
         for group in list(self.groups.values()):
-            if not group.done:
-                self.scheduler.abort(group.group_id)
-                self._end_group(group, error)
+            if not group.done:  # (_fail_group frees it; an exception there cannot end this loop)
+                self._fail_group(group, error, group.group_id in self.scheduler.groups, error)
 
     def _forget_group(self, group: GroupState) -> None:
         with self.lock:
             if self.groups.get(group.group_id) is group:
                 del self.groups[group.group_id]
+                self.live_ids.difference_update(sample_ids(group.group_id, group.n))

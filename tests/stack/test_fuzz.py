@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -32,7 +34,8 @@ RPC_TIMEOUT_S = 30.0
 # Statuses that are a deliberate refusal; anything else but OK (INTERNAL, UNKNOWN, DEADLINE_EXCEEDED
 # on a short request, UNAVAILABLE from a dead service) is a bug.
 DELIBERATE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
-              grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION}
+              grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION,
+              grpc.StatusCode.ALREADY_EXISTS}  # an id in use by another prompt, or by a sample of another request
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
@@ -293,6 +296,44 @@ def test_scheduler_grpc_generate_malformed(stack, scheduler_channel):
 
     check()
     print(f"\nscheduler Generate outcomes: {seen}")
+    assert_serves_normally(stack)
+
+
+def test_scheduler_concurrent_duplicate_and_colliding_ids(stack, scheduler_channel):
+    """Issue 13: eight Generate calls for one new id at once, each with another prompt, and the
+    sample-id collision (`X#1` running, then `X` with n=2), beside a bystander: one duplicate runs,
+    the seven others get ALREADY_EXISTS, so does `X`; the bystander finishes with "length" and the
+    very tokens it gets alone."""
+    stub = scheduler_pb2_grpc.SchedulerStub(scheduler_channel)
+    uid = uuid.uuid4().hex[:8]
+
+    def schedule(request_id: str, prompt: list[int], max_tokens: int, n: int = 1) -> scheduler_pb2.ScheduleRequest:
+        params = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n)
+        return scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt, params=params)
+
+    def generate(request: scheduler_pb2.ScheduleRequest):
+        tokens, reasons = {}, {}
+        try:
+            for delta in stub.Generate(request, timeout=RPC_TIMEOUT_S):
+                tokens.setdefault(delta.index, []).extend(delta.token_ids)
+                if delta.finish_reason:
+                    reasons[delta.index] = delta.finish_reason
+        except grpc.RpcError as exc:
+            return exc.code()
+        return tokens, reasons
+
+    alone = generate(schedule(f"alone-{uid}", [5, 6, 7], 60))
+    with ThreadPoolExecutor(10) as pool:
+        bystander = pool.submit(generate, schedule(f"bystander-{uid}", [5, 6, 7], 60))
+        dups = [pool.submit(generate, schedule(f"dup-{uid}", [10 + i, 11], 20)) for i in range(8)]
+        first = stub.Generate(schedule(f"X{uid}#1", [9, 9], 100), timeout=RPC_TIMEOUT_S)
+        assert next(first).accepted  # X#1 is live
+        assert generate(schedule(f"X{uid}", [4, 4], 20, n=2)) is grpc.StatusCode.ALREADY_EXISTS
+        assert sum(1 for _ in first) > 0
+        outcomes = [d.result() for d in dups]
+        assert bystander.result() == alone and alone[1] == {0: "length"}
+    assert sum(1 for o in outcomes if isinstance(o, tuple)) == 1, outcomes
+    assert outcomes.count(grpc.StatusCode.ALREADY_EXISTS) == 7, outcomes
     assert_serves_normally(stack)
 
 

@@ -6,12 +6,14 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -91,10 +93,29 @@ def test_serve_answers_then_stops_on_ctrl_c(tmp_path, default_model_path):
         assert answer["choices"][0]["text"].strip(), answer
         kids = children(proc.pid)
         assert len(kids) >= 4  # worker, scheduler, tokenizer, gateway (and redis when installed)
+        if shutil.which("redis-server"):
+            check_private_redis(proc.pid, kids)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-4000:]
         assert_gone(kids)
+
+
+def check_private_redis(launcher_pid: int, kids: list[int]) -> None:
+    """The private Redis has a maxmemory and a password; the scheduler got its URL by environment;
+    the password is on no command line (`ps` shows those to every user)."""
+    import redis
+
+    scheduler = next(p for p in kids if b"\0scheduler\0" in Path(f"/proc/{p}/cmdline").read_bytes())
+    environ = dict(item.split(b"=", 1) for item in Path(f"/proc/{scheduler}/environ").read_bytes().split(b"\0") if item)
+    url = environ[b"PAGEDSERVE_REDIS_URL"].decode()
+    password = urlsplit(url).password
+    assert password and len(password) >= 32
+    for pid in [launcher_pid, *kids]:
+        assert password.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
+    client = redis.Redis.from_url(url, decode_responses=True)
+    assert int(client.config_get("maxmemory")["maxmemory"]) > 0
+    client.close()
 
 
 def tokenizer_pids(launcher_pid: int) -> list[int]:

@@ -1,4 +1,9 @@
-"""A request as the scheduler sees it: token ids, progress, status."""
+"""A request as the scheduler sees it: token ids, progress, status; and the ids of its samples.
+
+A request (a group) of n samples runs as n sequences: its own id for sample 0, and
+`<id>#<i>` for sample i (forked at the first token). Every one of those ids is the key of the
+sequence's block table, so no two live requests may share one (Scheduler.add_request checks).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,15 @@ from dataclasses import dataclass, field
 
 from pagedserve.common.messages import SampledToken
 from pagedserve.common.sampling_params import SamplingParams
+
+
+class RequestIdInUse(ValueError):
+    """A new request's id, or the id of one of its samples, belongs to a live request."""
+
+
+def sample_ids(group_id: str, n: int) -> list[str]:
+    """The sequence ids of a request's n samples: group_id, then group_id#1 .. group_id#(n-1)."""
+    return [group_id, *(f"{group_id}#{i}" for i in range(1, n))]
 
 
 class RequestStatus(enum.Enum):

@@ -5,6 +5,10 @@ Each step: running decodes first (a decode is one token and keeps a stream movin
 partial prefills, then swapped-out requests, then waiting ones — all against max_num_seqs and
 max_num_batched_tokens. When blocks run out the lowest-priority (latest-arrived) running request
 is preempted, by recompute or by swapping its blocks to the host pool.
+
+A bad request fails alone: an exception in one request's scheduling or result bookkeeping ends
+that request's whole group (aborted, its blocks freed) and is reported by take_failed(); the
+step goes on for the others. No two live requests share a sample id. (Both: isolation.py.)
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from dataclasses import dataclass
 from pagedserve.common.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SampledToken, \
     SchedulerOutput
 from pagedserve.scheduler.core.block_manager import BlockManager, cdiv
-from pagedserve.scheduler.core.request import Request, RequestStatus
+from pagedserve.scheduler.core.isolation import Isolation
+from pagedserve.scheduler.core.request import Request, RequestStatus, sample_ids
 
 
 @dataclass(slots=True)
@@ -82,7 +87,7 @@ class RequestUpdate:
     finished: bool
 
 
-class Scheduler:
+class Scheduler(Isolation):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_manager = BlockManager(config.num_gpu_blocks, config.block_size,
@@ -92,6 +97,8 @@ class Scheduler:
         self.swapped: list[Request] = []  # sorted by Request.sort_key
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
+        self.sample_ids: set[str] = set()  # every sample id of the groups, forked or still to fork
+        self.failed: list[tuple[str, Exception]] = []  # (group id, why): see Isolation.take_failed
         self._dropped_ids: list[str] = []  # the worker must forget these on the next step
         self._cut_short: list[Request] = []  # finished inside schedule(): reported by update()
         self._key = Request.sort_key if config.policy == "priority" else Request.arrival_key
@@ -117,13 +124,13 @@ class Scheduler:
                              f"({cfg.max_num_batched_tokens}) with chunked prefill disabled")
 
     def add_request(self, request: Request) -> None:
-        if request.group_id in self.groups:
-            raise ValueError(f"request id {request.group_id!r} is already in use")
+        """Queue a new request; raises ValueError (RequestIdInUse for a taken id) and changes nothing."""
         self.check_prompt(request.num_prompt_tokens)
-        if request.params.n > 1 and not request.child_req_ids:
-            request.child_req_ids = [f"{request.request_id}#{i}" for i in range(1, request.params.n)]
         if request.params.n > self.config.max_num_seqs:
             raise ValueError(f"n={request.params.n} is more than max_num_seqs ({self.config.max_num_seqs})")
+        self._claim(request.group_id, request.params.n)
+        if request.params.n > 1 and not request.child_req_ids:
+            request.child_req_ids = sample_ids(request.request_id, request.params.n)[1:]
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.groups[request.group_id] = [request]
@@ -133,10 +140,10 @@ class Scheduler:
         """Re-admit the unfinished samples of one request (after a restart) to run by recompute.
         Each carries its outputs so far in token_ids; samples already forked come separately."""
         group_id = requests[0].group_id
-        if group_id in self.groups:
-            raise ValueError(f"request id {group_id!r} is already in use")
         for req in requests:
             self.check_prompt(req.num_tokens)
+        self._claim(group_id, requests[0].params.n)
+        for req in requests:
             req.status = RequestStatus.WAITING
             req.num_computed_tokens = 0
             self.requests[req.request_id] = req
@@ -149,7 +156,7 @@ class Scheduler:
         if group is None:
             return False
         if sample_index is None:
-            del self.groups[group_id]
+            self._forget(group_id)
         elif any(r.child_req_ids for r in group):
             return False  # its samples have not forked yet: stopping one alone would strand the others
         for req in list(group):
@@ -200,15 +207,21 @@ class Scheduler:
             if self._budget == 0:
                 break
             if req.status is RequestStatus.RUNNING:
-                preempted |= not self._schedule_running(req, out)
+                try:
+                    preempted |= not self._schedule_running(req, out)
+                except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
+                    self._fail(req, exc, out)
 
-        while self.swapped and self._budget > 0 and not preempted:
-            if not self._swap_in(self.swapped[0], out):
-                break
-
-        while self.waiting and self._budget > 0 and not preempted:
-            if not self._admit(self.waiting[0], out):
-                break
+        for queue, admit in ((self.swapped, self._swap_in), (self.waiting, self._admit)):
+            while queue and self._budget > 0 and not preempted:
+                req = queue[0]
+                try:
+                    if not admit(req, out):
+                        break
+                except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
+                    self._fail(req, exc, out)
+                    if queue and queue[0] is req:
+                        break  # could not even be taken out: leave the queue for the next step
 
         self.last_step = self._step_stats(out, self.num_preemptions - preemptions_before, preempted)
         for entry in self._entries.values():
@@ -386,12 +399,19 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed_tokens += num_tokens
             samples = result.sampled.get(req_id)
-            if samples:
-                for child in self._fork(req, samples[1:]):
-                    updates.append(self._append(child, None))
-                updates.append(self._append(req, samples[0]))
-            if not req.status.finished:
-                self.block_manager.cache_full_blocks(req_id, req.token_ids, req.num_computed_tokens)
+            try:
+                if samples:
+                    for child in self._fork(req, samples[1:]):
+                        updates.append(self._append(child, None))
+                    updates.append(self._append(req, samples[0]))
+                if not req.status.finished:
+                    self.block_manager.cache_full_blocks(req_id, req.token_ids, req.num_computed_tokens)
+            except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
+                # The worker forked the samples itself when it sampled: it must drop those too.
+                self._fail(req, exc, worker_forked=req.child_req_ids if samples else ())
+        if self.failed:
+            failed = {group_id for group_id, _ in self.failed}
+            updates = [u for u in updates if u.request.group_id not in failed]
         return updates
 
     def _fork(self, parent: Request, child_samples: list[SampledToken]) -> list[Request]:
@@ -450,4 +470,4 @@ class Scheduler:
         group = self.groups.get(req.group_id)
         if group is not None and all(r.status.finished for r in group) and not any(
                 r.child_req_ids for r in group):
-            del self.groups[req.group_id]
+            self._forget(req.group_id)
