@@ -17,7 +17,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedserve.common.grpc_util import (SERVER_OPTIONS, MalformedRequestInterceptor, add_health_and_reflection,
                                          set_serving)
-from pagedserve.common.store import open_store
+from pagedserve.common.store import MemoryStore, open_store
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve.gateway.app import build_app
 from pagedserve.gateway.backend import Backend
@@ -152,7 +152,9 @@ async def _serve(args) -> int:
         log.error("%s", refusal)
         return 2
     redis_url = args.redis_url if args.redis_url not in (None, "", "memory", "memory://") else None
-    store = open_store(redis_url, args.redis_prefix, args.redis_ttl) if redis_url else None
+    retention = args.request_retention
+    store = open_store(redis_url, args.redis_prefix, args.redis_ttl, retention) if redis_url else \
+        MemoryStore(args.redis_ttl, retention)  # idempotency keys and resume records, in this process
     backend = Backend(args.tokenizer_addr, args.scheduler_addr, api_key=keys, store=store, limits=limits,
                       admin_keys=admins)
 
