@@ -142,3 +142,26 @@ def test_last_subscriber_leaving_aborts_and_frees_blocks(service):
     assert done.is_set(), "the request kept its blocks, or was not recorded as aborted, after its only subscriber left"
     record = service.store.load("leaver")
     assert record.finish_reasons == ["abort"] and len(record.outputs[0]) < 400
+
+
+def test_engine_stats_pollers_share_one_snapshot(service):
+    """Many pollers (gateways, dashboards) cost the step loop one snapshot per STATS_SNAPSHOT_S."""
+    from pagedserve.scheduler.service import STATS_SNAPSHOT_S
+
+    async def poll():
+        taken = 0
+        original = service.recorder.engine_stats
+
+        def counting(*args):
+            nonlocal taken
+            taken += 1
+            return original(*args)
+
+        service.recorder.engine_stats = counting
+        first = await service.engine_stats(64)
+        again = await asyncio.gather(*(service.engine_stats(64) for _ in range(8)))
+        assert all(s is first for s in again) and taken == 1
+        await asyncio.sleep(STATS_SNAPSHOT_S + 0.05)
+        assert await service.engine_stats(64) is not first and taken == 2
+
+    asyncio.run(poll())

@@ -46,6 +46,8 @@ from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.scheduler.worker_client import WorkerGroup
 
 log = logging.getLogger("pagedserve.scheduler")
+STATS_SNAPSHOT_S = 0.5  # how long one engine-stats snapshot answers every caller
+
 
 @dataclass(slots=True)
 class ServiceConfig:
@@ -83,6 +85,8 @@ class SchedulerService(StepLoop, Recovery, Health):
         self.writer = RecordWriter(store, self.lock, self._forget_group)
         self.pending_admissions = 0
         self.recorder = StatsRecorder()  # written by the step loop only
+        # max_steps -> (when, snapshot): the engine stats of the last STATS_SNAPSHOT_S (event loop only)
+        self._stats_snapshots: dict[int, tuple[float, scheduler_pb2.EngineStats]] = {}
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
         self.readmitted: list[str] = []
@@ -276,9 +280,19 @@ class SchedulerService(StepLoop, Recovery, Health):
 
     async def engine_stats(self, max_steps: int = 256, timeout_s: float = 4.0) -> scheduler_pb2.EngineStats:
         """A snapshot taken on the step-loop thread between two steps (the only thread that may
-        walk the scheduler's queues and the block pool)."""
+        walk the scheduler's queues and the block pool). One snapshot serves every caller asking
+        for as many steps within STATS_SNAPSHOT_S: however many gateways and dashboards poll, the
+        step loop spends at most a few snapshots a second on them."""
         if self.scheduler is None or self.thread is None or not self.thread.is_alive():
             return scheduler_pb2.EngineStats(time=time.time(), ready=False)
+        cached = self._stats_snapshots.get(max_steps)
+        if cached is not None and time.monotonic() - cached[0] < STATS_SNAPSHOT_S:
+            return cached[1]
+        snapshot = await self._take_engine_stats(max_steps, timeout_s)
+        self._stats_snapshots[max_steps] = (time.monotonic(), snapshot)
+        return snapshot
+
+    async def _take_engine_stats(self, max_steps: int, timeout_s: float) -> scheduler_pb2.EngineStats:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from pagedserve.gateway.backend import STATS_CACHE_S
+from pagedserve.scheduler.service import STATS_SNAPSHOT_S
 
 from service_stack import wait_until_idle
 
@@ -141,7 +142,7 @@ def test_tiny_pool_preempts_and_the_stats_show_it(stack, http):
     assert any(snap["kv"]["tables"] for snap in in_flight)
 
     wait_until_idle(stack)
-    time.sleep(STATS_CACHE_S)  # the gateway serves one snapshot per interval to every poller
+    time.sleep(STATS_CACHE_S + STATS_SNAPSHOT_S)  # the gateway and the scheduler each share a snapshot a while
     stats = http.get("/v1/engine/stats").json()
     assert "u" not in stats["kv"]["states"] and not stats["kv"]["tables"]
     assert not any(stats["queues"].values())
