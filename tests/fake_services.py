@@ -45,7 +45,7 @@ class FakeTokenizer(generate_pb2_grpc.TokenizerServicer):
                                             prompt_text=prompt if request.echo else "")
         if prompt == "slow":
             yield generate_pb2.GenerateResponse(request_id=request.request_id, text="tick", token_ids=[1])
-            deadline = time.time() + 10
+            deadline = time.time() + 30
             while context.is_active() and time.time() < deadline:
                 time.sleep(0.02)
             if not context.is_active():

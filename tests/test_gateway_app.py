@@ -237,7 +237,7 @@ def test_public_grpc_api(stack):
         next(call)
         next(call)
         call.cancel()
-        assert stack.tokenizer.cancelled.wait(5)
+        assert stack.tokenizer.cancelled.wait(20)  # generous: on a loaded machine it has taken over 5 s
 
 
 def test_resume_records_in_redis_or_in_process():
