@@ -155,8 +155,9 @@ class LLMEngine:
         self.scheduler.add_request(Request(request_id, list(prompt_token_ids), len(prompt_token_ids),
                                            params, self.eos_token_ids, priority))
 
-    def abort(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id)
+    def abort(self, request_id: str, sample_index: int | None = None) -> bool:
+        """Stop a request (or one of its samples; see Scheduler.abort). False if unknown."""
+        return self.scheduler.abort(request_id, sample_index)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
