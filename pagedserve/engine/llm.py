@@ -57,9 +57,10 @@ def load_engine(model: str | None, engine_args: dict[str, Any]) -> tuple[LLMEngi
     from pagedserve.model_files.tokenizer_files import load_tokenizer
 
     config = engine_config(model, **engine_args)
-    tokenizer = load_tokenizer(resolve_model(config.model))
+    chat_template = chat_templates.load_chat_template(config.chat_template)
+    tokenizer = load_tokenizer(config.tokenizer or resolve_model(config.model))
     engine = LLMEngine(config, tokenizer=tokenizer)
-    return engine, tokenizer, None
+    return engine, tokenizer, chat_template
 
 
 def as_params(params: EngineSamplingParams | None) -> EngineSamplingParams:
