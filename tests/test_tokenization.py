@@ -138,3 +138,16 @@ def test_a_folder_without_tokenizer_names_itself(tmp_path, default_model_path):
     tokenizer, name, _ = service_load(str(tmp_path), str(default_model_path))  # --tokenizer
     assert name == tmp_path.name and tokenizer.encode("Hello world") == load_tokenizer(default_model_path).encode(
         "Hello world")
+
+
+def test_the_tokenizer_service_refuses_such_a_folder_by_name(tmp_path, default_model_path):
+    import subprocess
+    import sys
+
+    from pagedserve.common.grpc_util import free_port
+    (tmp_path / "config.json").write_text((default_model_path / "config.json").read_text())
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "tokenizer", "--model", str(tmp_path),
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert f"no tokenizer in {tmp_path}" in proc.stderr and "--tokenizer" in proc.stderr
+    assert "sentencepiece" not in proc.stderr

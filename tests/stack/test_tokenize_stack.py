@@ -1,0 +1,120 @@
+"""POST /tokenize and /detokenize (vLLM's shapes) and chat-template control against the real
+services: a model folder without tokenizer files served with --tokenizer (the default model's)
+and --chat-template (a template of the test's, which reads a chat_template_kwargs variable), so
+every answer shows which tokenizer and template the tokenizer service used. The public gRPC API
+answers the same."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+
+from pagedserve.model_files.tokenizer_files import load_tokenizer
+from pagedserve.v1 import generate_pb2, generate_pb2_grpc
+from tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+TEMPLATE = ("{% for m in messages %}[{{ m.role }}{% if shout %}!{% endif %}] {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+CHAT = [{"role": "user", "content": "What is 2+2?"}]
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_path):
+    return load_tokenizer(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def stack(default_model_path, launch_stack, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("no-tokenizer")
+    build_tiny_model(folder, vocab_size=49152, max_position_embeddings=1024, eos_token_id=2, pad_token_id=2)
+    template = folder.parent / "template.jinja"
+    template.write_text(TEMPLATE)
+    return launch_stack(folder, tokenizer=str(default_model_path), chat_template=str(template))
+
+
+@pytest.fixture(scope="module")
+def http(stack):
+    with httpx.Client(base_url=stack.http_url, timeout=60) as client:
+        yield client
+
+
+def test_tokenize_a_prompt(http, tok):
+    r = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": 2, "max_model_len": 1024, "tokens": tok.encode("Hello world"),
+                        "token_strs": ["Hello", "Ġworld"]}
+    assert http.post("/tokenize", json={"prompt": "Hello"}).json()["token_strs"] is None
+
+
+def test_chats_go_through_the_operator_template_with_kwargs(http, stack, tok):
+    def tokenize(**body):
+        r = http.post("/tokenize", json={"messages": CHAT, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    def text(tokens):
+        r = http.post("/detokenize", json={"tokens": tokens})
+        assert r.status_code == 200, r.text
+        return r.json()["prompt"]
+
+    assert text(tokenize()) == "[user] What is 2+2?\n[assistant] "
+    assert text(tokenize(chat_template_kwargs={"shout": True})) == "[user!] What is 2+2?\n[assistant] "
+    assert text(tokenize(add_generation_prompt=False)) == "[user] What is 2+2?\n"
+    partial = CHAT + [{"role": "assistant", "content": "It is"}]
+    r = http.post("/tokenize", json={"messages": partial, "add_generation_prompt": False,
+                                     "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    assert text(r.json()["tokens"]) == "[user] What is 2+2?\n[assistant] It is"  # left open
+
+    # A chat completion renders the same prompt as /tokenize does, options included.
+    from openai import OpenAI
+    client = OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for extra, tokens in [({}, tokenize()), ({"chat_template_kwargs": {"shout": True}},
+                                            tokenize(chat_template_kwargs={"shout": True}))]:
+        reply = client.chat.completions.create(model="", messages=CHAT, max_tokens=2, temperature=0,
+                                               extra_body=extra)
+        assert reply.usage.prompt_tokens == len(tokens)
+
+
+def test_bad_requests_are_named(http):
+    cases = [
+        ({"prompt": "hi", "model": "other"}, 404, "other"),
+        ({}, 400, "exactly one of 'prompt'"),
+        ({"messages": CHAT, "continue_final_message": True}, 400, "cannot both be true"),
+        ({"messages": CHAT, "add_generation_prompt": False, "continue_final_message": True}, 400,
+         "last message to be the assistant's"),
+        ({"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400, "may not set messages"),
+    ]
+    for body, status, message in cases:
+        r = http.post("/tokenize", json=body)
+        assert r.status_code == status and message in r.json()["error"]["message"], (body, r.text)
+    r = http.post("/detokenize", json={"tokens": [1, 10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    assert "tokens[1] = 1000000 is out of range" in r.json()["error"]["message"]
+    r = http.post("/detokenize", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+
+
+def test_the_public_grpc_api_tokenizes_too(stack, http, tok):
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        r = stub.Tokenize(generate_pb2.TokenizeRequest(prompt="Hello world", return_token_strs=True), timeout=30)
+        assert list(r.token_ids) == tok.encode("Hello world") and r.max_model_len == 1024
+        assert list(r.token_strs) == ["Hello", "Ġworld"]
+        chat = generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(**m) for m in CHAT],
+                                         add_generation_prompt=True, chat_template_kwargs='{"shout": true}')
+        r = stub.Tokenize(generate_pb2.TokenizeRequest(chat=chat), timeout=30)
+        assert r.text == "[user!] What is 2+2?\n[assistant] "
+        assert list(r.token_ids) == http.post("/tokenize", json={"messages": CHAT, "chat_template_kwargs":
+                                                                 {"shout": True}}).json()["tokens"]
+        d = stub.Detokenize(generate_pb2.DetokenizeRequest(token_ids=r.token_ids), timeout=30)
+        assert d.text == r.text
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Detokenize(generate_pb2.DetokenizeRequest(token_ids=[10**6]), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Tokenize(generate_pb2.TokenizeRequest(prompt="x", model="other"), timeout=30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
