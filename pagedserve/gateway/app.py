@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.gateway.backend import Backend
-from pagedserve.gateway import completion_call, tokenization
+from pagedserve.gateway import batched_completion, completion_call, tokenization
 from pagedserve.gateway.health import readiness
 from pagedserve.gateway.http_gate import HttpGate
 from pagedserve.gateway.metrics import Metrics
@@ -90,6 +90,8 @@ def build_app(backend: Backend) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        if batched_completion.is_batched(body):  # a list of prompts
+            return await batched_completion.run_batched(backend, request, body)
         return await completion_call.run_completion(backend, request, False, body)
 
     @app.post("/v1/chat/completions")

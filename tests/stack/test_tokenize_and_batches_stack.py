@@ -2,7 +2,9 @@
 services: a model folder without tokenizer files served with --tokenizer (the default model's)
 and --chat-template (a template of the test's, which reads a chat_template_kwargs variable), so
 every answer shows which tokenizer and template the tokenizer service used. The public gRPC API
-answers the same."""
+answers the same. And /v1/completions with a list of prompts (strings or token-id lists): the
+choices of one batched request equal those of one request per prompt, indexed prompt i sample j
+at i * n + j, streamed or not, usage summed."""
 
 from __future__ import annotations
 
@@ -118,3 +120,63 @@ def test_the_public_grpc_api_tokenizes_too(stack, http, tok):
         with pytest.raises(grpc.RpcError) as err:
             stub.Tokenize(generate_pb2.TokenizeRequest(prompt="x", model="other"), timeout=30)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+PROMPTS = ["Hello", "The quick brown fox jumps over", "Once upon a time, in a land far away, there lived a"]
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    from openai import OpenAI
+    return OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def singles(client, prompts, **params):
+    return [client.completions.create(model="", prompt=p, max_tokens=6, **params) for p in prompts]
+
+
+def test_a_list_of_prompts_equals_one_request_each(client, tok):
+    for params in ({"temperature": 0}, {"temperature": 1.0, "seed": 7, "n": 2}):
+        n = params.get("n", 1)
+        alone = singles(client, PROMPTS, **params)
+        batch = client.completions.create(model="", prompt=PROMPTS, max_tokens=6, **params)
+        assert [c.index for c in batch.choices] == list(range(len(PROMPTS) * n))
+        assert [(c.text, c.finish_reason) for c in batch.choices] == \
+            [(c.text, c.finish_reason) for one in alone for c in one.choices]
+        assert batch.usage.prompt_tokens == sum(one.usage.prompt_tokens for one in alone)
+        assert batch.usage.completion_tokens == sum(one.usage.completion_tokens for one in alone)
+        # Token-id lists give the same as the strings they encode.
+        ids = client.completions.create(model="", prompt=[tok.encode(p) for p in PROMPTS], max_tokens=6, **params)
+        assert [c.text for c in ids.choices] == [c.text for c in batch.choices]
+    assert len({len(tok.encode(p)) for p in PROMPTS}) == 3  # three different lengths
+
+
+def test_a_list_of_prompts_streams_the_same_choices(client):
+    params = {"temperature": 1.0, "seed": 7, "n": 2, "max_tokens": 6}
+    batch = client.completions.create(model="", prompt=PROMPTS, **params)
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    ids, usage = set(), None
+    for chunk in client.completions.create(model="", prompt=PROMPTS, stream=True,
+                                           stream_options={"include_usage": True}, **params):
+        ids.add(chunk.id)
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert len(ids) == 1
+    assert [texts[i] for i in sorted(texts)] == [c.text for c in batch.choices]
+    assert [finish[i] for i in sorted(finish)] == [c.finish_reason for c in batch.choices]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (batch.usage.prompt_tokens, batch.usage.completion_tokens)
+
+
+def test_bad_prompt_lists_are_refused_whole(http):
+    cases = [({"prompt": ["a", [1, 2]]}, "prompt"),  # a mix: the request's schema refuses it
+             ({"prompt": [[1, 2], []]}, "prompt[1]: prompt must not be empty"),
+             ({"prompt": ["a"] * 257}, "at most 256"),
+             ({"prompt": ["a", "b"], "top_p": 7}, "top_p")]
+    for body, message in cases:
+        r = http.post("/v1/completions", json={"max_tokens": 2, **body})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
