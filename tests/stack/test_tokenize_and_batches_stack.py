@@ -180,3 +180,16 @@ def test_bad_prompt_lists_are_refused_whole(http):
     for body, message in cases:
         r = http.post("/v1/completions", json={"max_tokens": 2, **body})
         assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
+
+
+def test_a_prompt_refused_downstream_cancels_the_others(http, stack):
+    from service_stack import scheduler_stats, wait_until_idle
+    before = scheduler_stats(stack).generation_tokens_total
+    # The second prompt is over the context (1024 tokens): the scheduler refuses it, by which time
+    # the first, asked for 900 tokens, is running; it is aborted, not left to finish.
+    r = http.post("/v1/completions", json={"prompt": ["Hello", "hello " * 1100], "max_tokens": 900,
+                                           "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 400 and "1024" in r.json()["error"]["message"], r.text
+    stats = wait_until_idle(stack)
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.generation_tokens_total - before < 900
