@@ -161,3 +161,17 @@ def test_async_llm_streams_growing_outputs_to_the_same_text(llm, model):
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert (texts[-1], outs[-1].outputs[0].token_ids) == (reference[prompt].text, reference[prompt].token_ids)
+
+
+def test_tokenizer_and_chat_template_arguments(default_model_path, tmp_path):
+    from pagedserve import LLM
+    from tiny_models import build_tiny_model
+    folder = build_tiny_model(tmp_path / "bare", vocab_size=49152, max_position_embeddings=256, eos_token_id=2)
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer in {folder}.*--tokenizer"):
+        LLM(model=str(folder), **ENGINE_ARGS)
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if greet %}hi{% endif %}"
+    with LLM(model=str(folder), tokenizer=str(default_model_path), chat_template=template, **ENGINE_ARGS) as llm:
+        (out,) = llm.chat([{"role": "user", "content": "x"}], greedy(2), chat_template_kwargs={"greet": True})
+        assert out.prompt == "<user>xhi"
+        assert out.prompt_token_ids == llm.get_tokenizer().encode("<user>xhi", add_special_tokens=False)
+        assert len(out.outputs[0].token_ids) == 2
