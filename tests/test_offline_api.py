@@ -123,6 +123,8 @@ def test_bad_input_fails_before_anything_runs(llm, model):
         LLM(model=str(model), max_num_seq=4)
     with pytest.raises(ValueError, match=r"prompts\[1\].*vocabulary"):
         llm.generate(["fine", {"prompt_token_ids": [1, 10**9]}], greedy(2))
+    with pytest.raises(ValueError, match=r"prompts\[1\]: the prompt has 2000 tokens.*max_model_len"):
+        llm.generate(["fine", {"prompt_token_ids": [5] * 2000}], greedy(2))
     with pytest.raises(ValueError, match="top_p"):
         from pagedserve import SamplingParams
         SamplingParams(top_p=3.0)

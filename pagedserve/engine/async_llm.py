@@ -158,6 +158,16 @@ class AsyncLLM:
         return True
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug here: fail every waiting caller rather than hang them
+            self._closed = True
+            for sink in self._sinks.values():
+                sink.put(RuntimeError(f"the AsyncLLM engine thread failed: {type(exc).__name__}: {exc}"))
+            self._sinks.clear()
+            raise
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             # Block for work when idle; otherwise take what came in and step.

@@ -145,7 +145,10 @@ class LLM:
         for i, (_, ids) in enumerate(encoded):  # every prompt checked before one is added
             if not ids:
                 raise ValueError(f"prompts[{i}] is empty")
-            engine.scheduler.check_prompt(len(ids))
+            try:
+                engine.scheduler.check_prompt(len(ids))
+            except ValueError as exc:
+                raise ValueError(f"prompts[{i}]: {exc}") from None
             vocab = engine.model_config.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise ValueError(f"prompts[{i}]: a token id is outside the vocabulary [0, {vocab})")
