@@ -151,3 +151,19 @@ def test_the_tokenizer_service_refuses_such_a_folder_by_name(tmp_path, default_m
     assert proc.returncode == 1
     assert f"no tokenizer in {tmp_path}" in proc.stderr and "--tokenizer" in proc.stderr
     assert "sentencepiece" not in proc.stderr
+
+
+def test_chat_completions_carry_the_template_options():
+    from pagedserve.gateway.protocol import ChatCompletionRequest, chat_to_generate
+    partial = CHAT + [{"role": "assistant", "content": "It is"}]
+    gen = chat_to_generate(ChatCompletionRequest(messages=partial, add_generation_prompt=False,
+                                                 continue_final_message=True,
+                                                 chat_template_kwargs={"enable_thinking": False}))
+    assert gen.chat.continue_final_message and not gen.chat.add_generation_prompt
+    assert json.loads(gen.chat.chat_template_kwargs) == {"enable_thinking": False}
+    assert not chat_to_generate(ChatCompletionRequest(messages=CHAT)).chat.chat_template_kwargs  # default bytes
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template": "{{ x }}"}, "chat_template")):
+        with pytest.raises(RequestError) as err:
+            chat_to_generate(ChatCompletionRequest(messages=partial, **extra))
+        assert (err.value.status, err.value.param) == (400, param)
