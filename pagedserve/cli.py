@@ -19,7 +19,8 @@ SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
 
 
 # ---- generate ----------------------------------------------------------------------------
-def parse_prompt_line(line: str, where: str, tokenizer) -> tuple[list[int], SamplingParams]:
+def parse_prompt_line(line: str, where: str, tokenizer,
+                      chat_template: str | None = None) -> tuple[list[int], SamplingParams]:
     try:
         item = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -37,7 +38,7 @@ def parse_prompt_line(line: str, where: str, tokenizer) -> tuple[list[int], Samp
             raise ValueError(f"{where}: 'prompt' must be a string")
         ids = tokenizer.encode(item["prompt"], add_special_tokens=False)
     elif kinds[0] == "messages":
-        ids = chat_token_ids(tokenizer, item["messages"], where)
+        ids = chat_token_ids(tokenizer, item["messages"], where, chat_template)
     else:
         ids = item["prompt_token_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
@@ -49,14 +50,16 @@ def parse_prompt_line(line: str, where: str, tokenizer) -> tuple[list[int], Samp
     return ids, params
 
 
-def chat_token_ids(tokenizer, messages, where: str = "messages") -> list[int]:
+def chat_token_ids(tokenizer, messages, where: str = "messages", chat_template: str | None = None) -> list[int]:
+    from pagedserve.model_files import chat_templates
+
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                  for m in messages):
         raise ValueError(f"{where}: 'messages' must be a list of {{role, content}} objects")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
+    try:
+        return chat_templates.chat_token_ids(tokenizer, messages, chat_template=chat_template)[0]
+    except chat_templates.ChatTemplateError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def format_logprobs(samples) -> list[dict]:
@@ -76,18 +79,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     from transformers import AutoTokenizer
 
+    from pagedserve.model_files.chat_templates import load_chat_template
     from pagedserve.model_files.default_model import resolve_model
 
     # Read and check every line before loading weights, so a bad file fails in a second.
-    tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model(args.model))
+    template = load_chat_template(args.chat_template)
     try:
         if args.prompt is not None:
             line = json.dumps({"prompt": args.prompt, "max_tokens": args.max_tokens,
                                "temperature": args.temperature})
-            requests = [parse_prompt_line(line, "--prompt", tok)]
+            requests = [parse_prompt_line(line, "--prompt", tok, template)]
         else:
             with open(args.prompts_file, encoding="utf-8") as f:
-                requests = [parse_prompt_line(line, f"{args.prompts_file}:{n}", tok)
+                requests = [parse_prompt_line(line, f"{args.prompts_file}:{n}", tok, template)
                             for n, line in enumerate(f, 1) if line.strip()]
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -121,8 +126,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from pagedserve.engine import LLMEngine, engine_config_from_args
 
+    from pagedserve.model_files.chat_templates import load_chat_template
+
     engine = LLMEngine(engine_config_from_args(args))
     tok = engine.tokenizer
+    template = load_chat_template(args.chat_template)
     history: list[dict] = []
     print("pagedserve chat: type a message, /reset to clear, Ctrl-D to quit.", flush=True)
     turn = 0
@@ -138,7 +146,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not text.strip():
             continue
         history.append({"role": "user", "content": text})
-        ids = chat_token_ids(tok, history)
+        ids = chat_token_ids(tok, history, chat_template=template)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_p=0.95)
         turn += 1
         engine.add_request(f"chat-{turn}", ids, params)

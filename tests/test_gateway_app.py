@@ -264,3 +264,11 @@ def test_resume_records_in_redis_or_in_process():
         assert asyncio.run(other.load("cmpl-1")) == {"chat": True}
     finally:
         client.delete(f"{prefix}gwresume:cmpl-1")
+
+
+def test_tokenizer_endpoints_are_behind_the_key(stack):
+    # vLLM leaves /tokenize and /detokenize outside its /v1 key check; here they need the key too.
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        assert httpx.post(stack.url + path, json=body).status_code == 401
+        r = httpx.post(stack.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code not in (401, 404), r.text  # past the gate (the fake tokenizer answers)

@@ -213,6 +213,11 @@ def _settings() -> tuple[Setting, ...]:
         # ---- the tokenizer ------------------------------------------------------------------
         S("--served-model-name", "serve tokenizer", help="the name clients pass as model",
           default_text="the model folder's name", group="tokenizer"),
+        S("--tokenizer", "engine serve tokenizer worker", help="a folder with the tokenizer files, for a model "
+          "folder that has none (the worker reads its end-of-sequence token)", default_text="the model's folder",
+          group="tokenizer"),
+        S("--chat-template", "engine serve tokenizer", help="a Jinja chat template file (or the template itself) "
+          "used instead of the model's", default_text="the model's", group="tokenizer"),
         S("--scheduler-retry-timeout", "tokenizer", float, 120.0,
           "seconds a stream waits for a restarted scheduler before it fails", group="tokenizer"),
         # ---- a worker rank ------------------------------------------------------------------

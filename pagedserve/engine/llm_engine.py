@@ -27,6 +27,8 @@ _DEFAULTS = settings.defaults("engine")  # each default is declared in pagedserv
 class EngineConfig:
     """The engine's settings (pagedserve.common.settings, "engine"), as the engine names them."""
     model: str | None = _DEFAULTS["model"]  # HF folder or .gguf; None: the default model
+    tokenizer: str | None = _DEFAULTS["tokenizer"]  # folder of the tokenizer files; None: the model's
+    chat_template: str | None = _DEFAULTS["chat_template"]  # a file or inline Jinja; None: the model's
     device: str = _DEFAULTS["device"]
     dtype: str = _DEFAULTS["dtype"]
     block_size: int = _DEFAULTS["block_size"]
@@ -88,7 +90,7 @@ class LLMEngine:
         self.dtype = pick_dtype(config.dtype, self.device)
         if tokenizer is None:
             from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_path)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_ids(self.model_path, self.model_config, tokenizer)
         mc = self.model_config
@@ -155,8 +157,9 @@ class LLMEngine:
         self.scheduler.add_request(Request(request_id, list(prompt_token_ids), len(prompt_token_ids),
                                            params, self.eos_token_ids, priority))
 
-    def abort(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id)
+    def abort(self, request_id: str, sample_index: int | None = None) -> bool:
+        """Stop a request (or one of its samples; see Scheduler.abort). False if unknown."""
+        return self.scheduler.abort(request_id, sample_index)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

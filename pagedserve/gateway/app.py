@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.gateway.backend import Backend
-from pagedserve.gateway import completion_call
+from pagedserve.gateway import batched_completion, completion_call, tokenization
 from pagedserve.gateway.health import readiness
 from pagedserve.gateway.http_gate import HttpGate
 from pagedserve.gateway.metrics import Metrics
@@ -66,6 +66,13 @@ def _install_error_handlers(app: FastAPI) -> None:
                             headers=getattr(exc, "headers", None))
 
 
+async def _json_body(request: Request):
+    try:
+        return await request.json()
+    except ValueError:
+        raise RequestError(400, "the body is not valid JSON") from None
+
+
 def build_app(backend: Backend) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -83,11 +90,21 @@ def build_app(backend: Backend) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        if batched_completion.is_batched(body):  # a list of prompts
+            return await batched_completion.run_batched(backend, request, body)
         return await completion_call.run_completion(backend, request, False, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await completion_call.run_completion(backend, request, True, body)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        return await tokenization.tokenize(backend, await _json_body(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        return await tokenization.detokenize(backend, await _json_body(request))
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -92,6 +92,7 @@ class CompletionCall:
         # leaves does not abort it; the tokenizer's resume grace ends it if nobody is left.
         self.shared = False
         self.n = 1  # a resume learns its n from the record; until then (or when there is none) one sample
+        self.raw = False  # one prompt of a batch (batched_completion.py): answer chunks / a body, no Response
         if body is not None:
             self.n, self.stream = body.n, body.stream
             self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
@@ -234,6 +235,8 @@ class CompletionCall:
         return first
 
     async def _respond(self, first, skip: ResumeSkip | None = None) -> Response:
+        if self.raw:
+            return self._stream(first, skip) if self.stream else await self._collect(first)
         headers = {"x-request-id": self.client_id}
         if self.stream:
             return CancellingStream(self._stream(first, skip), self._closed, {**headers, **SSE_HEADERS})
@@ -283,6 +286,8 @@ class CompletionCall:
         usage, tracker = self.usage, self.tracker
 
         def event(chunk: dict) -> str:
+            if self.raw:
+                return chunk
             return sse_event(chunk, cursor.event_id() if self.event_ids else None)
         try:
             chunks = builder.add(first)
@@ -310,7 +315,8 @@ class CompletionCall:
                     chunk["timings"] = tracker.timings_object()
                 yield event(chunk)
             if self.shutdown:
-                yield sse_event(error_body(SHUTDOWN_MESSAGE, "service_unavailable", None, "server_shutdown"))
+                error = error_body(SHUTDOWN_MESSAGE, "service_unavailable", None, "server_shutdown")
+                yield error if self.raw else sse_event(error)
             self.finished = True
             yield DONE
         except grpc.RpcError as exc:
@@ -320,7 +326,8 @@ class CompletionCall:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 error.message = f"the request's timeout passed: it was aborted ({error.message})"
                 spawn(self.backend.abort(self.request_id))
-            yield sse_event(error_body(error.message, error.type, error.param, error.code))
+            body = error_body(error.message, error.type, error.param, error.code)
+            yield body if self.raw else sse_event(body)
             yield DONE
         finally:
             self.call.cancel()

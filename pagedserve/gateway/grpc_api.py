@@ -139,6 +139,31 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         await self._admit(context)
         return await self._model_info(context)
 
+    async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
+        """As POST /tokenize (the tokenizer does the work: tokenizer/tokenization.py)."""
+        info = await self._checked_model(request.model, context)
+        reply = await self._forward(self.backend.tokenizer.Tokenize, request, context)
+        reply.max_model_len = info.max_model_len
+        return reply
+
+    async def Detokenize(self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        """As POST /detokenize (but skip_special_tokens is the caller's)."""
+        await self._checked_model(request.model, context)
+        return await self._forward(self.backend.tokenizer.Detokenize, request, context)
+
+    async def _checked_model(self, model: str, context: grpc.aio.ServicerContext) -> generate_pb2.ModelInfo:
+        await self._admit(context)
+        info = await self._model_info(context)
+        if model and model != info.model:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"the model {model!r} does not exist")
+        return info
+
+    async def _forward(self, rpc, request, context: grpc.aio.ServicerContext):
+        try:
+            return await rpc(request, timeout=_timeout(context, RPC_TIMEOUT_S))
+        except grpc.RpcError as exc:
+            await context.abort(exc.code(), exc.details() or "")
+
 
 def _timeout(context: grpc.aio.ServicerContext, default: float) -> float:
     remaining = context.time_remaining()

@@ -1,8 +1,8 @@
-"""The REST API's gate: a pure ASGI middleware in front of every route. On /v1 paths it asks the
-shared admission (admission.py: draining, API key, rate limit), checks the body size and leaves
-the Caller (owners.py: the request's owner) in the request's state; the API's own description
-(/docs, /redoc, /openapi.json) wants the operator key (any key when no operator key is set); it
-counts every response by endpoint and status (pagedserve:http_requests_total).
+"""The REST API's gate: a pure ASGI middleware in front of every route. On /v1 paths (and vLLM's
+/tokenize, /detokenize) it asks the shared admission (admission.py: draining, API key, rate limit),
+checks the body size and leaves the Caller (owners.py: the request's owner) in the request's state;
+the API's own description (/docs, /redoc, /openapi.json) wants the operator key (any key when no
+operator key is set); it counts every response by endpoint and status (pagedserve:http_requests_total).
 
 It must not wrap `receive` on the way through (a route watching for the client's disconnect
 reads it), except to hand on a body it had to read itself: a POST without Content-Length is read
@@ -23,14 +23,16 @@ from pagedserve.gateway.backend import Backend
 OPEN_PATHS = ("/health", "/metrics")
 # The API's description: for operators (it is a map of the attack surface).
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+# vLLM's paths outside /v1 that still need the key (vLLM leaves them open; they read the model).
+GATED_PATHS = ("/tokenize", "/detokenize")
+KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/engine/stats", "/health",
+                   "/metrics", "/dashboard", *GATED_PATHS)
+BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
 def operators_only() -> Refusal:
     return Refusal(403, grpc.StatusCode.PERMISSION_DENIED, "this path wants the operator key (--admin-api-key)",
                    "permission_error", "admin_key_required")
-KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/engine/stats", "/health",
-                   "/metrics", "/dashboard")
-BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
 def endpoint_label(path: str) -> str:
@@ -59,7 +61,7 @@ class HttpGate:
             await send(message)
 
         path = scope["path"]
-        if (path.startswith("/v1") and path not in OPEN_PATHS) or path in DOCS_PATHS:
+        if ((path.startswith("/v1") or path in GATED_PATHS) and path not in OPEN_PATHS) or path in DOCS_PATHS:
             admission = self.backend.admission
             headers = dict(scope.get("headers") or [])
             client = scope.get("client")

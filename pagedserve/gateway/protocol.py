@@ -6,6 +6,7 @@ naming the parameter rather than a gRPC error from some later stage.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from typing import Any
@@ -183,6 +184,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the model continues the last (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+    chat_template: str | None = None  # vLLM's per-request template: refused (the server's is --chat-template)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -300,7 +304,7 @@ def chat_to_generate(req: ChatCompletionRequest) -> generate_pb2.GenerateRequest
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise bad_request("only response_format type 'text' is supported", "response_format")
     gen = generate_pb2.GenerateRequest()
-    gen.chat.add_generation_prompt = req.add_generation_prompt
+    fill_template_options(req, gen.chat)
     for i, message in enumerate(req.messages):
         if message.role not in _ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {message.role!r}",
@@ -322,6 +326,21 @@ def chat_to_generate(req: ChatCompletionRequest) -> generate_pb2.GenerateRequest
             exc.param = "max_completion_tokens"
         raise
     return gen
+
+
+def fill_template_options(req: ChatCompletionRequest, chat: generate_pb2.ChatMessages) -> None:
+    """add_generation_prompt, continue_final_message and chat_template_kwargs (checked by the
+    tokenizer, which renders the template: model_files/chat_templates.py)."""
+    if req.chat_template is not None:
+        raise bad_request("chat_template per request is not supported: the server's template is set with "
+                          "--chat-template", "chat_template")
+    if req.add_generation_prompt and req.continue_final_message:
+        raise bad_request("add_generation_prompt and continue_final_message cannot both be true "
+                          "(set add_generation_prompt to false to continue the last message)", "continue_final_message")
+    chat.add_generation_prompt = req.add_generation_prompt
+    chat.continue_final_message = req.continue_final_message
+    if req.chat_template_kwargs:
+        chat.chat_template_kwargs = json.dumps(req.chat_template_kwargs)
 
 
 def include_usage(req: _SamplingFields) -> bool:

@@ -16,9 +16,22 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+# A folder with none of these holds no tokenizer AutoTokenizer could build (it would fail with
+# "You need to have sentencepiece or tiktoken installed", which names neither folder nor cure).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model",
+                   "tokenizer.tiktoken", "vocab.txt")
+
+
 def load_tokenizer(folder: str | Path):
-    """The folder's HF tokenizer (encode, decode, apply_chat_template, len)."""
+    """The folder's HF tokenizer (encode, decode, apply_chat_template, len). A folder without
+    tokenizer files raises FileNotFoundError naming it and the --tokenizer flag."""
     folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no tokenizer: {folder} is not a folder")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {folder}: it has none of {', '.join(TOKENIZER_FILES)}; "
+                                "pass --tokenizer FOLDER (tokenizer=... in the Python API) with the model's "
+                                "tokenizer files")
     if (folder / "tokenizer.json").is_file():
         try:
             from transformers.tokenization_utils_tokenizers import TokenizersBackend as FastTokenizer
@@ -27,4 +40,7 @@ def load_tokenizer(folder: str | Path):
         return FastTokenizer.from_pretrained(folder)
     log.warning("%s has no tokenizer.json: loading it through AutoTokenizer, which imports torch", folder)
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ValueError(f"cannot load the tokenizer of {folder}: {exc}") from None

@@ -63,7 +63,10 @@ class TokenizerServicer(generate_pb2_grpc.TokenizerServicer):
             await context.abort(exc.code, exc.details)
 
     async def Detokenize(self, request, context):
-        return (await self._service(context)).detokenize(request)
+        try:
+            return (await self._service(context)).detokenize(request)
+        except StatusError as exc:
+            await context.abort(exc.code, exc.details)
 
     async def GetModelInfo(self, request, context):
         return await (await self._service(context)).model_info()
@@ -86,7 +89,7 @@ async def _serve(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     log.info("tokenizer listening on %s (loading the tokenizer)", address)
-    loader = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, args.model))
+    loader = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, args.model, args.tokenizer))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loader, stopper], return_when=asyncio.FIRST_COMPLETED)
     if not loader.done():
@@ -100,8 +103,13 @@ async def _serve(args) -> int:
         await server.stop(grace=None)
         return 1
     # Built here, not in the loader's thread: the scheduler channel belongs to this event loop.
-    service = TokenizerService(tokenizer, args.served_model_name or default_name, args.scheduler_addr,
-                               args.scheduler_retry_timeout, vocab_size)
+    try:
+        service = TokenizerService(tokenizer, args.served_model_name or default_name, args.scheduler_addr,
+                                   args.scheduler_retry_timeout, vocab_size, chat_template=args.chat_template)
+    except ValueError as exc:  # --chat-template names no file
+        log.error("%s", exc)
+        await server.stop(grace=None)
+        return 1
     servicer.service = service
     set_serving(health, [SERVICE_NAME])
     log.info("tokenizer serving %s on %s (scheduler at %s)", service.served_model_name, address,

@@ -20,6 +20,8 @@ from pathlib import Path
 import grpc
 
 from pagedserve.common.grpc_util import StatusError, internal_channel
+from pagedserve.model_files.chat_templates import ChatTemplateError, load_chat_template, render_chat
+from pagedserve.tokenizer import tokenization
 from pagedserve.tokenizer.request_stream import RequestStream
 from pagedserve.tokenizer.scheduler_link import SchedulerLink
 from pagedserve.v1 import common_pb2, generate_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -37,12 +39,13 @@ def default_served_name(model: str | None, folder: Path) -> str:
     return folder.name
 
 
-def load_tokenizer(model: str | None):
-    """(HF tokenizer, default served name, the model's vocab_size or None) for a folder or .gguf."""
+def load_tokenizer(model: str | None, tokenizer_folder: str | None = None):
+    """(HF tokenizer, default served name, the model's vocab_size or None) for a folder or .gguf;
+    tokenizer_folder (--tokenizer): where the tokenizer files are, if not with the model."""
     from pagedserve.model_files.default_model import resolve_model
     from pagedserve.model_files.tokenizer_files import load_tokenizer as load_folder_tokenizer
     folder = resolve_model(model)
-    tokenizer = load_folder_tokenizer(folder)
+    tokenizer = load_folder_tokenizer(Path(tokenizer_folder).expanduser() if tokenizer_folder else folder)
     try:
         vocab_size = json.loads((folder / "config.json").read_text()).get("vocab_size")
     except (OSError, ValueError):
@@ -54,8 +57,10 @@ class TokenizerService:
     """Tokenization, model info and request streams; no gRPC server objects (see server.py)."""
 
     def __init__(self, tokenizer, served_model_name: str, scheduler_addr: str,
-                 scheduler_retry_timeout: float = 120.0, vocab_size: int | None = None) -> None:
+                 scheduler_retry_timeout: float = 120.0, vocab_size: int | None = None,
+                 chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.chat_template = load_chat_template(chat_template)  # None: the model's own
         self.served_model_name = served_model_name
         self.scheduler_addr = scheduler_addr
         self.retry_timeout_s = scheduler_retry_timeout
@@ -78,18 +83,18 @@ class TokenizerService:
     # -- tokenization -------------------------------------------------------------------------
 
     def _chat(self, chat: generate_pb2.ChatMessages, tokenize: bool):
+        """The chat's prompt text (or its token ids) through the chat template (chat_templates.py)."""
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
         if not messages:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty (the chat has no messages)")
         try:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=chat.add_generation_prompt,
-                                                     tokenize=tokenize)
-        except Exception as exc:  # jinja2 errors, raise_exception() in the template, no template at all
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"the model's chat template failed: {type(exc).__name__}: {exc}") from None
-        if tokenize and hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
-            out = out["input_ids"]
-        return list(out) if tokenize else out
+            text = render_chat(self.tokenizer, messages, chat_template=self.chat_template,
+                               add_generation_prompt=chat.add_generation_prompt,
+                               continue_final_message=chat.continue_final_message,
+                               chat_template_kwargs=tokenization.template_kwargs(chat))
+        except ChatTemplateError as exc:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if tokenize else text
 
     def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("input")
@@ -114,17 +119,19 @@ class TokenizerService:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def tokenize(self, request: generate_pb2.TokenizeRequest) -> generate_pb2.TokenizeResponse:
-        def work():
-            if request.WhichOneof("input") == "chat":
-                text = self._chat(request.chat, tokenize=False)
-                return self._chat(request.chat, tokenize=True), text
-            return self.tokenizer.encode(request.prompt) if request.prompt else [], request.prompt
-        ids, text = await self._in_thread(work)
-        return generate_pb2.TokenizeResponse(token_ids=ids, text=text)
+        """/tokenize (tokenization.py): a prompt or a chat to token ids."""
+        self._check_model(request.model)
+        return await self._in_thread(tokenization.tokenize, self.tokenizer, request,
+                                     lambda chat: self._chat(chat, tokenize=False))
 
     def detokenize(self, request: generate_pb2.DetokenizeRequest) -> generate_pb2.DetokenizeResponse:
-        return generate_pb2.DetokenizeResponse(
-            text=self.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens))
+        self._check_model(request.model)
+        return tokenization.detokenize(self.tokenizer, request, self.vocab_limit)
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.served_model_name:
+            raise StatusError(grpc.StatusCode.NOT_FOUND,
+                               f"the model {model!r} is not served here (this is {self.served_model_name!r})")
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

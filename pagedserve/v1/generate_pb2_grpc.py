@@ -45,6 +45,16 @@ class GenerationStub:
                 request_serializer=pagedserve_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/pagedserve.v1.Generation/Tokenize',
+                request_serializer=pagedserve_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pagedserve.v1.Generation/Detokenize',
+                request_serializer=pagedserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -63,6 +73,20 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """POST /tokenize
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """POST /detokenize
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +99,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pagedserve_dot_v1_dot_generate__pb2.ModelInfoRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=pagedserve_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_generate__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=pagedserve_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +166,60 @@ class Generation:
             '/pagedserve.v1.Generation/GetModelInfo',
             pagedserve_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
             pagedserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Generation/Tokenize',
+            pagedserve_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+            pagedserve_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Generation/Detokenize',
+            pagedserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+            pagedserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,7 +36,7 @@ class WorkerService:
 
     def __init__(self, model: str | None, device: str = "auto", dtype: str = "auto",
                  max_model_len: int | None = None, rank: int = 0, world_size: int = 1,
-                 dist_init_method: str | None = None) -> None:
+                 dist_init_method: str | None = None, tokenizer: str | None = None) -> None:
         import torch  # noqa: F401 - the worker is the one service that needs it
 
         from pagedserve.model_files.default_model import resolve_model
@@ -54,7 +54,7 @@ class WorkerService:
         self.max_model_len = resolve_max_model_len(self.model_config, max_model_len)
         try:
             from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer or self.model_path)
         except (OSError, ValueError):
             tokenizer = None  # the eos ids of config.json and generation_config.json still apply
         self.eos_token_ids = eos_ids(self.model_path, self.model_config, tokenizer)
@@ -165,7 +165,7 @@ def dist_init_method(address: str | None) -> str | None:
 
 def serve(args: argparse.Namespace) -> int:
     service = WorkerService(args.model, args.device, args.dtype, args.max_model_len, args.rank,
-                            args.tensor_parallel_size, dist_init_method(args.dist_init_addr))
+                            args.tensor_parallel_size, dist_init_method(args.dist_init_addr), args.tokenizer)
     ready = threading.Event()
     # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)

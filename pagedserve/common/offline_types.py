@@ -1,0 +1,63 @@
+"""The offline API's plain types (`from pagedserve import SamplingParams`), in vLLM's shapes: pure
+Python, so `pagedserve.SamplingParams` loads no torch.
+
+SamplingParams here is the engine's (common/sampling_params.py: what the scheduler and worker
+read) plus what the text layer does on top, stop strings and special tokens, as the tokenizer
+service does for the servers. RequestOutput / CompletionOutput are what LLM.generate returns and
+AsyncLLM.generate yields: cumulative (each AsyncLLM output holds everything so far).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.common.messages import SampledToken
+from pagedserve.common.sampling_params import SamplingParams as EngineSamplingParams
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(slots=True)
+class SamplingParams(EngineSamplingParams):
+    """vLLM's SamplingParams: the engine's fields, plus `stop` (a string or a list of them; the
+    text ends before the first one unless include_stop_str_in_output) and skip_special_tokens."""
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def validate(self) -> None:
+        EngineSamplingParams.validate(self)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if (not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS
+                or not all(isinstance(s, str) and s for s in self.stop)):
+            raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, "
+                             f"got {self.stop!r}")
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample: vLLM's CompletionOutput."""
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[SampledToken] | None = None  # with SamplingParams.logprobs: one entry per token
+    finish_reason: str | None = None  # "stop", "length", "abort"; None while running
+    stop_reason: str | None = None  # the stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One prompt's result: vLLM's RequestOutput (prompt, prompt_token_ids, outputs[i])."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0

@@ -1,0 +1,176 @@
+"""vLLM's offline API over the in-process engine: `LLM(model=..., **engine_args)` with
+`generate(prompts, sampling_params)` and `chat(messages, sampling_params)`, returning one
+RequestOutput per prompt (pagedserve.common.offline_types). AsyncLLM (async_llm.py) is the
+streaming front over the same engine.
+
+Engine arguments are the engine's settings, declared once in pagedserve.common.settings (the
+flags of `pagedserve generate`, dashes as underscores: max_num_seqs, kv_cache_memory,
+no_prefix_caching, ...) plus the EngineConfig fields named after vLLM's (enable_prefix_caching,
+enable_chunked_prefill). Prompts are encoded as the tokenizer service encodes them (the
+tokenizer's own special tokens), chats rendered by model_files.chat_templates as the service
+renders them.
+
+Threads: an LLM is used from one thread at a time (the engine and HF tokenizers are not
+thread-safe). A bad prompt or parameter raises ValueError before any request is added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagedserve.common import settings
+from pagedserve.common.offline_types import RequestOutput, SamplingParams
+from pagedserve.common.sampling_params import SamplingParams as EngineSamplingParams
+from pagedserve.engine.llm_engine import EngineConfig, LLMEngine, engine_config_from_args
+from pagedserve.engine.text_requests import TextRequest
+from pagedserve.model_files import chat_templates
+
+
+def engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:
+    """EngineConfig from keyword arguments named as the engine's settings (or EngineConfig's own
+    fields); an unknown name raises TypeError listing the known ones."""
+    names = set(settings.defaults("engine"))
+    values = {**settings.defaults("engine"), "model": model}
+    direct = {}
+    for key, value in engine_args.items():
+        if key in names:
+            values[key] = value
+        elif key in EngineConfig.__dataclass_fields__:
+            direct[key] = value
+        else:
+            known = sorted(names | set(EngineConfig.__dataclass_fields__))
+            raise TypeError(f"unknown engine argument {key!r}; known: {', '.join(known)}")
+    config = engine_config_from_args(argparse.Namespace(**values), progress=False)
+    for key, value in direct.items():
+        setattr(config, key, value)
+    return config
+
+
+def load_engine(model: str | None, engine_args: dict[str, Any]) -> tuple[LLMEngine, Any, str | None]:
+    """(engine, tokenizer, operator chat template) for LLM and AsyncLLM."""
+    from pagedserve.model_files.default_model import resolve_model
+    from pagedserve.model_files.tokenizer_files import load_tokenizer
+
+    config = engine_config(model, **engine_args)
+    chat_template = chat_templates.load_chat_template(config.chat_template)
+    tokenizer = load_tokenizer(config.tokenizer or resolve_model(config.model))
+    engine = LLMEngine(config, tokenizer=tokenizer)
+    return engine, tokenizer, chat_template
+
+
+def as_params(params: EngineSamplingParams | None) -> EngineSamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, EngineSamplingParams):
+        raise TypeError(f"sampling_params must be a pagedserve SamplingParams, got {type(params).__name__}")
+    return params
+
+
+def encode_prompt(tokenizer, prompt: Any, where: str) -> tuple[str | None, list[int]]:
+    """(prompt text or None, token ids) of a str, {"prompt": str} or {"prompt_token_ids": [...]}."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"{where}: prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        prompt = prompt.get("prompt")
+    if not isinstance(prompt, str):
+        raise ValueError(f"{where}: a prompt is a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}; "
+                         f"got {type(prompt).__name__}")
+    return prompt, list(tokenizer.encode(prompt))
+
+
+def per_prompt(params, count: int) -> list[EngineSamplingParams]:
+    if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
+        if len(params) != count:
+            raise ValueError(f"{len(params)} sampling params for {count} prompts: give one, or one per prompt")
+        return [as_params(p) for p in params]
+    return [as_params(params)] * count
+
+
+class LLM:
+    """An engine in this process, used like vLLM's `LLM`."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine, self.tokenizer, self.chat_template = load_engine(model, engine_args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. prompts: a string, {"prompt": str},
+        {"prompt_token_ids": [...]}, or a list of those; sampling_params: one, or one per prompt."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        encoded = [encode_prompt(self.tokenizer, p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        return self._run(encoded, per_prompt(sampling_params, len(encoded)), use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Generate from one chat (a list of {role, content}) or a list of chats, rendered by the
+        model's chat template (or chat_template); one RequestOutput per chat."""
+        chats = [messages] if messages and isinstance(messages[0], dict) else messages
+        encoded = []
+        for i, chat in enumerate(chats):
+            try:
+                ids, text = chat_templates.chat_token_ids(
+                    self.tokenizer, chat, chat_template=chat_template or self.chat_template,
+                    add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs, tools=tools)
+            except chat_templates.ChatTemplateError as exc:
+                raise ValueError(f"messages[{i}]: {exc}" if len(chats) > 1 else str(exc)) from None
+            encoded.append((text, ids))
+        return self._run(encoded, per_prompt(sampling_params, len(encoded)), use_tqdm)
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[EngineSamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        for i, (_, ids) in enumerate(encoded):  # every prompt checked before one is added
+            if not ids:
+                raise ValueError(f"prompts[{i}] is empty")
+            try:
+                engine.scheduler.check_prompt(len(ids))
+            except ValueError as exc:
+                raise ValueError(f"prompts[{i}]: {exc}") from None
+            vocab = engine.model_config.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompts[{i}]: a token id is outside the vocabulary [0, {vocab})")
+        requests = {str(next(self._ids)): (text, ids, p) for (text, ids), p in zip(encoded, params)}
+        tracked = {rid: TextRequest(rid, text, ids, p, self.tokenizer) for rid, (text, ids, p) in requests.items()}
+        try:
+            for rid, req in tracked.items():
+                engine.add_request(rid, req.prompt_token_ids, req.params)
+            bar = tqdm(total=len(tracked), desc="generating", unit="req", disable=not use_tqdm)
+            unfinished = set(tracked)
+            while unfinished:
+                for out in engine.step():
+                    req = tracked[out.request_id]
+                    if req.apply(out):  # a stop string: the engine stops that sample (or all, n == 1)
+                        engine.abort(out.request_id, out.sample_index if req.params.n > 1 else None)
+                    if req.finished and out.request_id in unfinished:
+                        unfinished.discard(out.request_id)
+                        engine.abort(out.request_id)  # a stopped sample the engine could not abort alone
+                        bar.update(1)
+            bar.close()
+        except BaseException:
+            for rid in tracked:
+                engine.abort(rid)
+            raise
+        return [req.output() for req in tracked.values()]

@@ -1,0 +1,195 @@
+"""POST /tokenize and /detokenize (vLLM's shapes) and chat-template control against the real
+services: a model folder without tokenizer files served with --tokenizer (the default model's)
+and --chat-template (a template of the test's, which reads a chat_template_kwargs variable), so
+every answer shows which tokenizer and template the tokenizer service used. The public gRPC API
+answers the same. And /v1/completions with a list of prompts (strings or token-id lists): the
+choices of one batched request equal those of one request per prompt, indexed prompt i sample j
+at i * n + j, streamed or not, usage summed."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+
+from pagedserve.model_files.tokenizer_files import load_tokenizer
+from pagedserve.v1 import generate_pb2, generate_pb2_grpc
+from tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+TEMPLATE = ("{% for m in messages %}[{{ m.role }}{% if shout %}!{% endif %}] {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+CHAT = [{"role": "user", "content": "What is 2+2?"}]
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_path):
+    return load_tokenizer(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def stack(default_model_path, launch_stack, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("no-tokenizer")
+    build_tiny_model(folder, vocab_size=49152, max_position_embeddings=1024, eos_token_id=2, pad_token_id=2)
+    template = folder.parent / "template.jinja"
+    template.write_text(TEMPLATE)
+    return launch_stack(folder, tokenizer=str(default_model_path), chat_template=str(template))
+
+
+@pytest.fixture(scope="module")
+def http(stack):
+    with httpx.Client(base_url=stack.http_url, timeout=60) as client:
+        yield client
+
+
+def test_tokenize_a_prompt(http, tok):
+    r = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": 2, "max_model_len": 1024, "tokens": tok.encode("Hello world"),
+                        "token_strs": ["Hello", "Ġworld"]}
+    assert http.post("/tokenize", json={"prompt": "Hello"}).json()["token_strs"] is None
+
+
+def test_chats_go_through_the_operator_template_with_kwargs(http, stack, tok):
+    def tokenize(**body):
+        r = http.post("/tokenize", json={"messages": CHAT, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    def text(tokens):
+        r = http.post("/detokenize", json={"tokens": tokens})
+        assert r.status_code == 200, r.text
+        return r.json()["prompt"]
+
+    assert text(tokenize()) == "[user] What is 2+2?\n[assistant] "
+    assert text(tokenize(chat_template_kwargs={"shout": True})) == "[user!] What is 2+2?\n[assistant] "
+    assert text(tokenize(add_generation_prompt=False)) == "[user] What is 2+2?\n"
+    partial = CHAT + [{"role": "assistant", "content": "It is"}]
+    r = http.post("/tokenize", json={"messages": partial, "add_generation_prompt": False,
+                                     "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    assert text(r.json()["tokens"]) == "[user] What is 2+2?\n[assistant] It is"  # left open
+
+    # A chat completion renders the same prompt as /tokenize does, options included.
+    from openai import OpenAI
+    client = OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for extra, tokens in [({}, tokenize()), ({"chat_template_kwargs": {"shout": True}},
+                                            tokenize(chat_template_kwargs={"shout": True}))]:
+        reply = client.chat.completions.create(model="", messages=CHAT, max_tokens=2, temperature=0,
+                                               extra_body=extra)
+        assert reply.usage.prompt_tokens == len(tokens)
+
+
+def test_bad_requests_are_named(http):
+    cases = [
+        ({"prompt": "hi", "model": "other"}, 404, "other"),
+        ({}, 400, "exactly one of 'prompt'"),
+        ({"messages": CHAT, "continue_final_message": True}, 400, "cannot both be true"),
+        ({"messages": CHAT, "add_generation_prompt": False, "continue_final_message": True}, 400,
+         "last message to be the assistant's"),
+        ({"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400, "may not set messages"),
+    ]
+    for body, status, message in cases:
+        r = http.post("/tokenize", json=body)
+        assert r.status_code == status and message in r.json()["error"]["message"], (body, r.text)
+    r = http.post("/detokenize", json={"tokens": [1, 10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    assert "tokens[1] = 1000000 is out of range" in r.json()["error"]["message"]
+    r = http.post("/detokenize", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+
+
+def test_the_public_grpc_api_tokenizes_too(stack, http, tok):
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        r = stub.Tokenize(generate_pb2.TokenizeRequest(prompt="Hello world", return_token_strs=True), timeout=30)
+        assert list(r.token_ids) == tok.encode("Hello world") and r.max_model_len == 1024
+        assert list(r.token_strs) == ["Hello", "Ġworld"]
+        chat = generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(**m) for m in CHAT],
+                                         add_generation_prompt=True, chat_template_kwargs='{"shout": true}')
+        r = stub.Tokenize(generate_pb2.TokenizeRequest(chat=chat), timeout=30)
+        assert r.text == "[user!] What is 2+2?\n[assistant] "
+        assert list(r.token_ids) == http.post("/tokenize", json={"messages": CHAT, "chat_template_kwargs":
+                                                                 {"shout": True}}).json()["tokens"]
+        d = stub.Detokenize(generate_pb2.DetokenizeRequest(token_ids=r.token_ids), timeout=30)
+        assert d.text == r.text
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Detokenize(generate_pb2.DetokenizeRequest(token_ids=[10**6]), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Tokenize(generate_pb2.TokenizeRequest(prompt="x", model="other"), timeout=30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+PROMPTS = ["Hello", "The quick brown fox jumps over", "Once upon a time, in a land far away, there lived a"]
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    from openai import OpenAI
+    return OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def singles(client, prompts, **params):
+    return [client.completions.create(model="", prompt=p, max_tokens=6, **params) for p in prompts]
+
+
+def test_a_list_of_prompts_equals_one_request_each(client, tok):
+    for params in ({"temperature": 0}, {"temperature": 1.0, "seed": 7, "n": 2}):
+        n = params.get("n", 1)
+        alone = singles(client, PROMPTS, **params)
+        batch = client.completions.create(model="", prompt=PROMPTS, max_tokens=6, **params)
+        assert [c.index for c in batch.choices] == list(range(len(PROMPTS) * n))
+        assert [(c.text, c.finish_reason) for c in batch.choices] == \
+            [(c.text, c.finish_reason) for one in alone for c in one.choices]
+        assert batch.usage.prompt_tokens == sum(one.usage.prompt_tokens for one in alone)
+        assert batch.usage.completion_tokens == sum(one.usage.completion_tokens for one in alone)
+        # Token-id lists give the same as the strings they encode.
+        ids = client.completions.create(model="", prompt=[tok.encode(p) for p in PROMPTS], max_tokens=6, **params)
+        assert [c.text for c in ids.choices] == [c.text for c in batch.choices]
+    assert len({len(tok.encode(p)) for p in PROMPTS}) == 3  # three different lengths
+
+
+def test_a_list_of_prompts_streams_the_same_choices(client):
+    params = {"temperature": 1.0, "seed": 7, "n": 2, "max_tokens": 6}
+    batch = client.completions.create(model="", prompt=PROMPTS, **params)
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    ids, usage = set(), None
+    for chunk in client.completions.create(model="", prompt=PROMPTS, stream=True,
+                                           stream_options={"include_usage": True}, **params):
+        ids.add(chunk.id)
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert len(ids) == 1
+    assert [texts[i] for i in sorted(texts)] == [c.text for c in batch.choices]
+    assert [finish[i] for i in sorted(finish)] == [c.finish_reason for c in batch.choices]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (batch.usage.prompt_tokens, batch.usage.completion_tokens)
+
+
+def test_bad_prompt_lists_are_refused_whole(http):
+    cases = [({"prompt": ["a", [1, 2]]}, "prompt"),  # a mix: the request's schema refuses it
+             ({"prompt": [[1, 2], []]}, "prompt[1]: prompt must not be empty"),
+             ({"prompt": ["a"] * 257}, "at most 256"),
+             ({"prompt": ["a", "b"], "top_p": 7}, "top_p")]
+    for body, message in cases:
+        r = http.post("/v1/completions", json={"max_tokens": 2, **body})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
+
+
+def test_a_prompt_refused_downstream_cancels_the_others(http, stack):
+    from service_stack import scheduler_stats, wait_until_idle
+    before = scheduler_stats(stack).generation_tokens_total
+    # The second prompt is over the context (1024 tokens): the scheduler refuses it, by which time
+    # the first, asked for 900 tokens, is running; it is aborted, not left to finish.
+    r = http.post("/v1/completions", json={"prompt": ["Hello", "hello " * 1100], "max_tokens": 900,
+                                           "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 400 and "1024" in r.json()["error"]["message"], r.text
+    stats = wait_until_idle(stack)
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.generation_tokens_total - before < 900

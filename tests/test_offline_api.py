@@ -1,0 +1,179 @@
+"""The offline API (`from pagedserve import LLM, AsyncLLM, SamplingParams`) on a tiny random Llama
+that carries the default model's tokenizer: greedy tokens equal to transformers' (float32) and to
+`pagedserve generate`'s, several prompts in one call, stop strings, seeded n > 1 sampling, chats
+through the template, AsyncLLM streaming, and a package import that loads no torch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service_stack import tiny_model_with_tokenizer
+from tiny_models import hf_greedy
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_ARGS = dict(dtype="float32", kv_cache_memory="64MiB")
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog and then", "Once upon a time, in a land far away,"
+           " there lived a king who had three daughters. The youngest"]
+
+
+@pytest.fixture(scope="module")
+def model(default_model_path, tmp_path_factory) -> Path:
+    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("offline-model"), default_model_path)
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    from pagedserve import LLM
+    with LLM(model=str(model), **ENGINE_ARGS) as engine:
+        yield engine
+
+
+def greedy(max_tokens: int = 8, **kw):
+    from pagedserve import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_the_package_imports_without_torch():
+    code = ("import sys, pagedserve; from pagedserve import SamplingParams, RequestOutput; "
+            "SamplingParams(stop='x'); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_several_prompts_give_transformers_greedy_tokens(llm, model):
+    outs = llm.generate(PROMPTS, greedy(8))
+    tok = llm.get_tokenizer()
+    assert [o.prompt for o in outs] == PROMPTS
+    assert [o.prompt_token_ids for o in outs] == [tok.encode(p) for p in PROMPTS]
+    assert len({len(o.prompt_token_ids) for o in outs}) == 3  # three different lengths in one batch
+    expected = hf_greedy(model, [o.prompt_token_ids for o in outs], 8)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    for o in outs:
+        (sample,) = o.outputs
+        assert o.finished and sample.finish_reason == "length" and sample.index == 0
+        assert sample.text == tok.decode(sample.token_ids, skip_special_tokens=True)
+
+
+def test_same_text_as_pagedserve_generate(llm, model, tmp_path):
+    from pagedserve.cli import main
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True}) + "\n"
+                           for p in PROMPTS))
+    assert main(["generate", "--prompts-file", str(src), "--output", str(dst), "--model", str(model),
+                 "--dtype", "float32", "--kv-cache-memory", "64MiB"]) == 0
+    cli = [json.loads(line)["outputs"][0] for line in dst.read_text().splitlines()]
+    ours = [o.outputs[0] for o in llm.generate(PROMPTS, greedy(6))]
+    assert [(s.text, s.token_ids) for s in ours] == [(c["text"], c["token_ids"]) for c in cli]
+
+
+def test_stop_strings_cut_the_text_and_token_ids(llm):
+    full = llm.generate(PROMPTS[1], greedy(12))[0].outputs[0]
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    assert stop.strip(), full.text
+    cut = llm.generate(PROMPTS[1], greedy(12, stop=[stop]))[0].outputs[0]
+    assert cut.text == full.text[:full.text.index(stop)]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)] and len(cut.token_ids) < 12
+    kept = llm.generate(PROMPTS[1], greedy(12, stop=stop, include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == full.text[:full.text.index(stop) + len(stop)]
+
+
+def test_seeded_sampling_with_n_is_reproducible(llm):
+    from pagedserve import SamplingParams
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True, logprobs=0)
+    first, second = (llm.generate(PROMPTS[:2], params) for _ in range(2))
+    assert [[s.token_ids for s in o.outputs] for o in first] == [[s.token_ids for s in o.outputs] for o in second]
+    for o in first:
+        assert [s.index for s in o.outputs] == [0, 1, 2]
+        assert len({tuple(s.token_ids) for s in o.outputs}) > 1  # n samples, not one copied
+        assert all(len(s.logprobs) == 10 and s.cumulative_logprob < 0 for s in o.outputs)
+    other = llm.generate(PROMPTS[:2], SamplingParams(n=3, temperature=1.0, seed=99, max_tokens=10, ignore_eos=True))
+    assert [s.token_ids for s in other[0].outputs] != [s.token_ids for s in first[0].outputs]
+
+
+def test_chat_goes_through_the_template(llm):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    (out,) = llm.chat(messages, greedy(5))
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert out.prompt_token_ids == list(expected)
+    assert out.prompt.endswith("<|im_start|>assistant\n")
+    # continue_final_message: the assistant's turn is left open, no new one started.
+    partial = messages + [{"role": "assistant", "content": "The capital is"}]
+    (cont,) = llm.chat(partial, greedy(3), add_generation_prompt=False, continue_final_message=True)
+    assert cont.prompt.endswith("The capital is")
+    with pytest.raises(ValueError, match="continue_final_message needs the last message"):
+        llm.chat(messages, greedy(3), add_generation_prompt=False, continue_final_message=True)
+    # A list of chats: one output each, as a batch.
+    both = llm.chat([messages, partial], greedy(3), add_generation_prompt=False, continue_final_message=False)
+    assert len(both) == 2
+
+
+def test_bad_input_fails_before_anything_runs(llm, model):
+    from pagedserve import LLM
+    with pytest.raises(TypeError, match="unknown engine argument 'max_num_seq'"):
+        LLM(model=str(model), max_num_seq=4)
+    with pytest.raises(ValueError, match=r"prompts\[1\].*vocabulary"):
+        llm.generate(["fine", {"prompt_token_ids": [1, 10**9]}], greedy(2))
+    with pytest.raises(ValueError, match=r"prompts\[1\]: the prompt has 2000 tokens.*max_model_len"):
+        llm.generate(["fine", {"prompt_token_ids": [5] * 2000}], greedy(2))
+    with pytest.raises(ValueError, match="top_p"):
+        from pagedserve import SamplingParams
+        SamplingParams(top_p=3.0)
+    assert not llm.engine.has_unfinished()
+    assert llm.generate("fine", greedy(2))[0].finished
+
+
+def test_async_llm_streams_growing_outputs_to_the_same_text(llm, model):
+    from pagedserve import AsyncLLM
+    reference = {p: llm.generate(p, greedy(10))[0].outputs[0] for p in PROMPTS[:2]}
+
+    async def collect(engine, prompt, rid):
+        return [out async for out in engine.generate(prompt, greedy(10), request_id=rid)]
+
+    async def main():
+        async with AsyncLLM(model=str(model), **ENGINE_ARGS) as engine:
+            streams = await asyncio.gather(*(collect(engine, p, f"r{i}") for i, p in enumerate(PROMPTS[:2])))
+            # Leaving early aborts: the engine is idle again, and the id can be used again.
+            async for _ in engine.generate(PROMPTS[0], greedy(50), request_id="r0"):
+                break
+            for _ in range(200):  # the abort reaches the engine thread at its next step
+                if not engine.engine.has_unfinished():
+                    break
+                await asyncio.sleep(0.05)
+            assert not engine.engine.has_unfinished()
+            again = await collect(engine, PROMPTS[0], "r0")
+            assert again[-1].outputs[0].text == reference[PROMPTS[0]].text
+            return streams
+
+    streams = asyncio.run(main())
+    for prompt, outs in zip(PROMPTS[:2], streams):
+        assert len(outs) > 1
+        lengths = [len(o.outputs[0].token_ids) for o in outs]
+        assert lengths == sorted(lengths) and lengths[-1] == 10
+        texts = [o.outputs[0].text for o in outs]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert (texts[-1], outs[-1].outputs[0].token_ids) == (reference[prompt].text, reference[prompt].token_ids)
+
+
+def test_tokenizer_and_chat_template_arguments(default_model_path, tmp_path):
+    from pagedserve import LLM
+    from tiny_models import build_tiny_model
+    folder = build_tiny_model(tmp_path / "bare", vocab_size=49152, max_position_embeddings=256, eos_token_id=2)
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer in {folder}.*--tokenizer"):
+        LLM(model=str(folder), **ENGINE_ARGS)
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if greet %}hi{% endif %}"
+    with LLM(model=str(folder), tokenizer=str(default_model_path), chat_template=template, **ENGINE_ARGS) as llm:
+        (out,) = llm.chat([{"role": "user", "content": "x"}], greedy(2), chat_template_kwargs={"greet": True})
+        assert out.prompt == "<user>xhi"
+        assert out.prompt_token_ids == llm.get_tokenizer().encode("<user>xhi", add_special_tokens=False)
+        assert len(out.outputs[0].token_ids) == 2
