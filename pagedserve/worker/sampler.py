@@ -1,7 +1,10 @@
 """Turns a batch of next-token logits into one token per request (plus logprobs when asked).
 
 The whole step is vectorised over the vocabulary; the only per-row Python loops build small
-index lists and draw from per-request seeded generators.
+index lists and draw from per-request seeded generators. Order: penalties, logit_bias (one
+index_put over the rows that have it), min_tokens, the grammar masks (last, so that a bias
+cannot revive a token the grammar forbids), then temperature and truncation. A batch without
+any of these pays nothing for them.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.worker.structured_output import TokenMasks, unpack_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -82,6 +86,38 @@ def block_min_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> None:
         logits[torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)] = _NEG_INF
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[RowSampling]) -> None:
+    """Adds each row's logit_bias in place: one accumulate index_put for all rows that have one."""
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    values: list[float] = []
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        if r.params.logit_bias:
+            for token, bias in r.params.logit_bias.items():
+                if token < vocab:
+                    row_idx.append(i)
+                    tok_idx.append(token)
+                    values.append(bias)
+    if row_idx:
+        dev = logits.device
+        logits.index_put_((torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)),
+                          torch.tensor(values, device=dev, dtype=logits.dtype), accumulate=True)
+
+
+def apply_token_masks(x: torch.Tensor, raw: torch.Tensor, masks: TokenMasks) -> None:
+    """Sets to -inf, in place, every token a row's grammar forbids. A row left with nothing (the
+    grammar only allows eos while min_tokens blocks it) takes the grammar's choice over the
+    model's raw logits: the grammar is complete, so the sequence ends."""
+    rows = masks.rows.to(x.device)
+    allowed = unpack_bitmask(masks.bitmask.to(x.device), x.shape[1])
+    sub = x[rows].masked_fill_(~allowed, _NEG_INF)
+    dead = torch.isneginf(sub).all(-1)
+    if bool(dead.any()):
+        sub[dead] = raw[rows[dead]].masked_fill(~allowed[dead], _NEG_INF)
+    x[rows] = sub
+
+
 def truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Masks to -inf, in place, each row's tokens outside top_k, then top_p, then min_p.
 
@@ -135,18 +171,23 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[RowSampling]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[RowSampling], masks: TokenMasks | None = None) -> SamplerOutput:
+        """masks: the grammar masks of the constrained rows (None: no row is constrained)."""
         raw = logits.float()
         params = [r.params for r in rows]
         want_lp = any(p.logprobs is not None for p in params)
-        mutate = any(p.needs_penalties or _min_tokens_pending(r) for p, r in zip(params, rows))
+        mutate = masks is not None or any(p.needs_penalties or p.logit_bias or _min_tokens_pending(r)
+                                          for p, r in zip(params, rows))
         if not mutate and not want_lp and all(p.greedy for p in params):
             return SamplerOutput(raw.argmax(-1).tolist(), None, None)
 
         # raw must stay untouched: logprobs are reported from the model's own distribution.
         x = raw.clone() if mutate else raw
         apply_penalties(x, rows)
+        apply_logit_bias(x, rows)
         block_min_tokens(x, rows)
+        if masks is not None:
+            apply_token_masks(x, raw, masks)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) < len(rows):
             tokens = x.argmax(-1)

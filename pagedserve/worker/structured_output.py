@@ -1,0 +1,121 @@
+"""Structured outputs at the worker: one llguidance matcher per constrained sequence, and the
+step's token bitmask for the rows that sample under a grammar.
+
+- The model's LLTokenizer is built on the first constrained request (about a second; a worker
+  that never sees one never pays it).
+- Compiled grammars are cached by spec (an LRU keyed by StructuredOutput.key()): a cached
+  matcher is never advanced, each sequence starts from a deep copy of it.
+- A sequence's matcher lives in its RequestState and is built lazily, the first time the
+  sequence samples, by consuming its output tokens so far. That one rule covers a new request
+  (no outputs), the samples 2..n forked after the first token, a request re-sent after a
+  recompute preemption or a worker restart, and one resumed from the store.
+- Only tensor-parallel rank 0 samples, so only rank 0 builds matchers; the other ranks get the
+  token ids from rank 0 and never consult a grammar.
+
+Single-threaded: the model runner's step (llguidance's executor fills the rows in parallel
+inside one call).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedserve.common import structured_output
+from pagedserve.common.sampling_params import StructuredOutput
+
+log = logging.getLogger(__name__)
+
+GRAMMAR_CACHE_SIZE = 64
+
+
+@dataclass(slots=True)
+class TokenMasks:
+    """The step's grammar masks: rows[i] of the batch may only sample the tokens whose bit is set
+    in bitmask[i] (llguidance's layout: token t is bit t % 32 of int32 word t // 32)."""
+    rows: torch.Tensor  # [k] long, batch row indices
+    bitmask: torch.Tensor  # [k, ceil(V / 32)] int32
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[k, W] int32 -> [k, vocab] bool (allowed), vectorised: no loop over the vocabulary."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+class GrammarMatchers:
+    def __init__(self, tokenizer_folder: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer_folder = Path(tokenizer_folder)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._tokenizer = None
+        self._executor = None
+        self._cache: OrderedDict[str, object] = OrderedDict()
+        self.mask_time_s = 0.0  # filling and unpacking the bitmasks, summed over steps
+        self.mask_steps = 0  # steps that had at least one constrained row
+
+    def _ll_tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance
+            import llguidance.hf
+
+            from pagedserve.model_files.tokenizer_files import load_tokenizer
+
+            if not (self.tokenizer_folder / "tokenizer.json").is_file():
+                raise ValueError(f"structured outputs need the model's tokenizer.json, and {self.tokenizer_folder} "
+                                 "has none")
+            hf = load_tokenizer(self.tokenizer_folder)
+            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
+                                                           eos_token=list(self.eos_token_ids) or None)
+            self._executor = llguidance.LLExecutor()
+        return self._tokenizer
+
+    def new_matcher(self, spec: StructuredOutput, output_token_ids: list[int]):
+        """A matcher for a sequence that has produced output_token_ids so far."""
+        import llguidance
+
+        key = spec.key()
+        fresh = self._cache.get(key)
+        if fresh is None:
+            fresh = llguidance.LLMatcher(self._ll_tokenizer(), structured_output.grammar_text(spec), log_level=0)
+            if fresh.is_error():
+                log.warning("grammar %s failed to compile against the tokenizer: %s", key[:80], fresh.get_error())
+            self._cache[key] = fresh
+            if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        matcher = fresh.deep_copy()
+        if output_token_ids and not matcher.consume_tokens(output_token_ids):
+            log.warning("rebuilding a grammar matcher: the tokens so far do not match it (%s)", matcher.get_error())
+        return matcher
+
+    def fill(self, matchers: list, row_of: list[int]) -> torch.Tensor:
+        """One bitmask row per batch row: row_of[r] is the index into matchers of row r's matcher
+        (a forked request's n rows share its one matcher)."""
+        started = time.perf_counter()
+        import llguidance.numpy
+
+        words = (self.vocab_size + 31) // 32
+        filled = np.full((len(matchers), words), -1, dtype=np.int32)
+        if len(matchers) == 1:
+            llguidance.numpy.fill_next_token_bitmask(matchers[0], filled, 0)
+        else:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)],
+                                                         filled)
+        bitmask = torch.from_numpy(filled[row_of] if len(row_of) != len(matchers) else filled)
+        self.mask_time_s += time.perf_counter() - started
+        self.mask_steps += 1
+        return bitmask
+
+    @staticmethod
+    def advance(matcher, token_id: int) -> None:
+        if not matcher.is_stopped() and not matcher.consume_token(token_id):
+            log.warning("grammar matcher refused sampled token %d: %s", token_id, matcher.get_error())

@@ -1,0 +1,95 @@
+"""The sampler's constraints: grammar bitmasks (structured outputs) and logit_bias, on the batched
+sampler directly, with and without constrained rows in the batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.worker.sampler import RowSampling, Sampler
+from pagedserve.worker.structured_output import TokenMasks, unpack_bitmask
+
+VOCAB = 100
+sampler = Sampler()
+
+
+def row(seed=None, output=(), eos=(), **kw) -> RowSampling:
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return RowSampling(SamplingParams(**kw), gen, [], list(output), tuple(eos))
+
+
+def bitmask(allowed_sets: list[set[int]], vocab: int = VOCAB) -> torch.Tensor:
+    words = np.zeros((len(allowed_sets), (vocab + 31) // 32), dtype=np.uint32)
+    for i, allowed in enumerate(allowed_sets):
+        for t in allowed:
+            words[i, t // 32] |= np.uint32(1 << (t % 32))
+    return torch.from_numpy(words.view(np.int32))
+
+
+def test_unpack_bitmask_is_llguidance_layout():
+    sets = [{0, 31, 32, 63, 99}, set(range(VOCAB)), set()]
+    allowed = unpack_bitmask(bitmask(sets), VOCAB)
+    assert allowed.shape == (3, VOCAB)
+    for i, s in enumerate(sets):
+        assert set(torch.nonzero(allowed[i]).flatten().tolist()) == s
+
+
+def test_masks_hold_greedy_and_sampled_rows_and_leave_the_others_alone():
+    torch.manual_seed(0)
+    logits = torch.randn(4, VOCAB)
+    rows = [row(temperature=0.0), row(temperature=0.0), row(temperature=1.0, seed=1), row(temperature=1.0, seed=2)]
+    allowed = [{3, 50, 97}, {10, 11}]
+    masks = TokenMasks(torch.tensor([1, 2]), bitmask(allowed))
+    free = sampler(logits, rows).token_ids
+    for _ in range(50):
+        rows[2].generator.manual_seed(int(torch.randint(0, 2**31, ())))
+        out = sampler(logits, rows, masks).token_ids
+        assert out[1] == max(allowed[0], key=lambda t: logits[1, t])  # greedy among the allowed
+        assert out[2] in allowed[1]
+        assert out[0] == free[0]  # an unconstrained greedy row is untouched
+    rows[3].generator.manual_seed(2)
+    free_seeded = sampler(logits, [rows[3]]).token_ids[0]
+    rows[3].generator.manual_seed(2)
+    assert sampler(logits, rows, masks).token_ids[3] == free_seeded  # and so is a seeded sampled row
+
+
+def test_no_constrained_row_is_the_plain_path():
+    torch.manual_seed(1)
+    logits = torch.randn(3, VOCAB)
+    rows = [row(temperature=0.0) for _ in range(3)]
+    assert sampler(logits, rows, None).token_ids == logits.argmax(-1).tolist()
+
+
+def test_grammar_outranks_min_tokens_when_only_eos_is_left():
+    """The grammar is complete (only eos allowed) but min_tokens would block eos: the row still ends."""
+    logits = torch.randn(1, VOCAB)
+    r = row(temperature=1.0, min_tokens=5, eos=(2,))
+    out = sampler(logits, [r], TokenMasks(torch.tensor([0]), bitmask([{2}])))
+    assert out.token_ids == [2]
+
+
+def test_logprobs_stay_the_models_own_under_a_mask():
+    logits = torch.randn(1, VOCAB)
+    out = sampler(logits, [row(temperature=0.0, logprobs=0)], TokenMasks(torch.tensor([0]), bitmask([{7}])))
+    assert out.token_ids == [7]
+    assert abs(out.logprobs[0] - torch.log_softmax(logits[0], -1)[7].item()) < 1e-5
+
+
+def test_logit_bias_forces_and_bans():
+    torch.manual_seed(2)
+    logits = torch.randn(3, VOCAB)
+    greedy = logits.argmax(-1).tolist()
+    target = (greedy[0] + 1) % VOCAB
+    rows = [row(temperature=0.0, logit_bias={target: 100.0}), row(temperature=0.0, logit_bias={greedy[1]: -100.0}),
+            row(temperature=0.0)]
+    out = sampler(logits, rows).token_ids
+    assert out[0] == target
+    assert out[1] != greedy[1] and out[1] == logits[1].topk(2).indices[1].item()
+    assert out[2] == greedy[2]
+
+
+def test_logit_bias_cannot_revive_a_token_the_grammar_forbids():
+    logits = torch.randn(1, VOCAB)
+    r = row(temperature=0.0, logit_bias={5: 100.0})
+    assert sampler(logits, [r], TokenMasks(torch.tensor([0]), bitmask([{8, 9}]))).token_ids[0] in (8, 9)
