@@ -38,17 +38,18 @@ def add_structured_parser(bench_sub) -> None:
 def _run(engine, work, constrained: bool) -> dict:
     from pagedserve.bench.throughput import run_engine
 
-    grammars = engine.runner.grammars
-    mask_s, mask_steps = grammars.mask_time_s, grammars.mask_steps
+    grammars, sampler = engine.runner.grammars, engine.runner.sampler
+    mask_s, mask_steps = grammars.mask_time_s + sampler.mask_time_s, grammars.mask_steps
     spec = StructuredOutput(json_schema=json.dumps(SCHEMA))
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o,
                              structured_output=spec if constrained and i % 2 == 0 else None)
               for i, o in enumerate(work.output_lens)]
     out = run_engine(engine, work, params)
     steps = grammars.mask_steps - mask_steps
+    mask_s = grammars.mask_time_s + sampler.mask_time_s - mask_s
     return {"output_tokens_per_s": work.num_output_tokens / out["elapsed_s"], "elapsed_s": out["elapsed_s"],
-            "num_steps": out["num_steps"], "mask_steps": steps, "mask_time_s": grammars.mask_time_s - mask_s,
-            "mask_ms_per_step": 1000 * (grammars.mask_time_s - mask_s) / steps if steps else 0.0,
+            "num_steps": out["num_steps"], "mask_steps": steps, "mask_time_s": mask_s,
+            "mask_ms_per_step": 1000 * mask_s / steps if steps else 0.0,
             "step_ms_median": 1000 * statistics.median(out["step_times"])}
 
 

@@ -9,6 +9,7 @@ any of these pays nothing for them.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -171,6 +172,9 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self.mask_time_s = 0.0  # applying grammar masks, summed over steps (the bench reads it)
+
     def __call__(self, logits: torch.Tensor, rows: list[RowSampling], masks: TokenMasks | None = None) -> SamplerOutput:
         """masks: the grammar masks of the constrained rows (None: no row is constrained)."""
         raw = logits.float()
@@ -187,7 +191,9 @@ class Sampler:
         apply_logit_bias(x, rows)
         block_min_tokens(x, rows)
         if masks is not None:
+            started = time.perf_counter()
             apply_token_masks(x, raw, masks)
+            self.mask_time_s += time.perf_counter() - started
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) < len(rows):
             tokens = x.argmax(-1)

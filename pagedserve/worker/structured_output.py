@@ -58,7 +58,7 @@ class GrammarMatchers:
         self._tokenizer = None
         self._executor = None
         self._cache: OrderedDict[str, object] = OrderedDict()
-        self.mask_time_s = 0.0  # filling and unpacking the bitmasks, summed over steps
+        self.mask_time_s = 0.0  # filling the bitmasks, summed over steps (the sampler times applying them)
         self.mask_steps = 0  # steps that had at least one constrained row
 
     def _ll_tokenizer(self):
