@@ -88,3 +88,17 @@ def test_constraint_holds_across_recompute_preemption(model):
 def test_a_free_batch_builds_no_matcher(engine):
     engine.generate(prompts(2, seed=4), SamplingParams(temperature=0.0, max_tokens=4))
     assert all(s.matcher is None for s in engine.runner.requests.values())
+
+
+def test_two_tensor_parallel_ranks_give_the_same_constrained_samples(model, engine):
+    """Only rank 0 samples (and holds matchers); rank 1 takes its tokens from the broadcast."""
+    from transformers import AutoTokenizer
+    params = SamplingParams(n=2, temperature=1.0, seed=21, max_tokens=16,
+                            structured_output=StructuredOutput(regex=REGEX))
+    batch = prompts(2, seed=5)
+    one = [[s.token_ids for s in samples] for samples in engine.generate(batch, params)]
+    with make_engine(model, tokenizer=AutoTokenizer.from_pretrained(model), tensor_parallel_size=2) as two_ranks:
+        two = [[s.token_ids for s in samples] for samples in two_ranks.generate(batch, params)]
+    assert two == one
+    for text, reason in texts(engine, engine.generate(batch, params)):
+        assert reason == "stop" and re.fullmatch(REGEX, text), text

@@ -89,3 +89,13 @@ def test_off_values_of_unsupported_extensions_and_unknown_fields_pass():
 def test_logit_bias_is_clipped_to_100():
     params = completion(logit_bias={"5": 250, "7": -3.5}).params
     assert dict(params.logit_bias) == {5: 100.0, 7: -3.5}
+
+
+def test_params_round_trip_through_the_record_json_and_the_proto():
+    """The scheduler stores params as JSON (Redis records) and re-creates them on resume."""
+    from pagedserve.common.sampling_params import SamplingParams
+
+    params = wire.params_from_proto(chat(guided_choice=["x", "y"], logit_bias={"5": -2}).params)
+    again = SamplingParams(**json.loads(json.dumps(params.to_dict())))
+    assert again == params and again.logit_bias == {5: -2.0} and again.structured_output.choice == ["x", "y"]
+    assert wire.params_from_proto(wire.params_to_proto(again)) == params
