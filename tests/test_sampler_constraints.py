@@ -93,3 +93,17 @@ def test_logit_bias_cannot_revive_a_token_the_grammar_forbids():
     logits = torch.randn(1, VOCAB)
     r = row(temperature=0.0, logit_bias={5: 100.0})
     assert sampler(logits, [r], TokenMasks(torch.tensor([0]), bitmask([{8, 9}]))).token_ids[0] in (8, 9)
+
+
+def test_a_matcher_that_cannot_be_built_ends_its_row_alone(tmp_path):
+    """A model folder without tokenizer.json: that row may only sample eos; the step goes on."""
+    from pagedserve.common.sampling_params import StructuredOutput
+    from pagedserve.worker.structured_output import FAILED, GrammarMatchers
+
+    grammars = GrammarMatchers(tmp_path, VOCAB, (2, 40))
+    matcher = grammars.new_matcher(StructuredOutput(regex="a+"), [])
+    assert matcher is FAILED
+    grammars.advance(matcher, 5)  # a no-op, not an error
+    masks = TokenMasks(torch.tensor([1]), grammars.fill([matcher], [0]))
+    out = sampler(torch.randn(2, VOCAB), [row(temperature=0.0), row(temperature=1.0, seed=3)], masks)
+    assert out.token_ids[1] in (2, 40)

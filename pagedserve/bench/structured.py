@@ -65,8 +65,9 @@ def run_structured(args) -> dict:
     engine = build_engine(args, model_path, load_tokenizer(model_path))
     work = make_workload(args.num_prompts, engine.model_config.vocab_size)
     # Warm-up, untimed: the model, and the LLTokenizer and the schema's compiled grammar.
-    engine.generate([[100 + i for i in range(8)]], SamplingParams(
-        temperature=0.0, ignore_eos=True, max_tokens=4, structured_output=StructuredOutput(json_schema=json.dumps(SCHEMA))))
+    spec = StructuredOutput(json_schema=json.dumps(SCHEMA))
+    engine.generate([[100 + i for i in range(8)]],
+                    SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4, structured_output=spec))
     runs: dict[str, list[dict]] = {"plain": [], "schema": []}
     for round_ in range(args.rounds):
         for name in ("plain", "schema"):

@@ -33,6 +33,7 @@ from pagedserve.common.sampling_params import StructuredOutput
 log = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 64
+FAILED = "failed"  # a RequestState.matcher that could not be built: the row may only sample eos
 
 
 @dataclass(slots=True)
@@ -78,7 +79,15 @@ class GrammarMatchers:
         return self._tokenizer
 
     def new_matcher(self, spec: StructuredOutput, output_token_ids: list[int]):
-        """A matcher for a sequence that has produced output_token_ids so far."""
+        """A matcher for a sequence that has produced output_token_ids so far, or FAILED when none
+        can be built (the sequence then may only end: a bad request fails alone, not the step)."""
+        try:
+            return self._new_matcher(spec, output_token_ids)
+        except Exception:  # noqa: BLE001 - e.g. a model folder without tokenizer.json
+            log.exception("cannot build a grammar matcher for %s; the sequence is ended", spec.key()[:80])
+            return FAILED
+
+    def _new_matcher(self, spec: StructuredOutput, output_token_ids: list[int]):
         import llguidance
 
         key = spec.key()
@@ -105,11 +114,15 @@ class GrammarMatchers:
 
         words = (self.vocab_size + 31) // 32
         filled = np.full((len(matchers), words), -1, dtype=np.int32)
-        if len(matchers) == 1:
-            llguidance.numpy.fill_next_token_bitmask(matchers[0], filled, 0)
-        else:
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)],
-                                                         filled)
+        live = [(m, i) for i, m in enumerate(matchers) if m is not FAILED]
+        if len(live) == 1:
+            llguidance.numpy.fill_next_token_bitmask(live[0][0], filled, live[0][1])
+        elif live:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, live, filled)
+        for i in (i for i, m in enumerate(matchers) if m is FAILED):
+            filled[i] = 0
+            for eos in self.eos_token_ids:
+                filled[i, eos // 32] |= np.int32(np.uint32(1 << (eos % 32)).view(np.int32))
         bitmask = torch.from_numpy(filled[row_of] if len(row_of) != len(matchers) else filled)
         self.mask_time_s += time.perf_counter() - started
         self.mask_steps += 1
@@ -117,5 +130,5 @@ class GrammarMatchers:
 
     @staticmethod
     def advance(matcher, token_id: int) -> None:
-        if not matcher.is_stopped() and not matcher.consume_token(token_id):
+        if matcher is not FAILED and not matcher.is_stopped() and not matcher.consume_token(token_id):
             log.warning("grammar matcher refused sampled token %d: %s", token_id, matcher.get_error())
