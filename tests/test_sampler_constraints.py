@@ -8,7 +8,7 @@ import torch
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.sampler import RowSampling, Sampler
-from pagedserve.worker.structured_output import TokenMasks, unpack_bitmask
+from pagedserve.worker.structured_output import TokenMasks, forbidden_tokens, forbidden_tokens_torch
 
 VOCAB = 100
 sampler = Sampler()
@@ -27,12 +27,13 @@ def bitmask(allowed_sets: list[set[int]], vocab: int = VOCAB) -> torch.Tensor:
     return torch.from_numpy(words.view(np.int32))
 
 
-def test_unpack_bitmask_is_llguidance_layout():
+def test_bitmask_is_unpacked_in_llguidance_layout():
     sets = [{0, 31, 32, 63, 99}, set(range(VOCAB)), set()]
-    allowed = unpack_bitmask(bitmask(sets), VOCAB)
+    allowed = ~forbidden_tokens(bitmask(sets), VOCAB)
     assert allowed.shape == (3, VOCAB)
     for i, s in enumerate(sets):
         assert set(torch.nonzero(allowed[i]).flatten().tolist()) == s
+    assert torch.equal(~allowed, forbidden_tokens_torch(bitmask(sets), VOCAB))  # the GPU's way
 
 
 def test_masks_hold_greedy_and_sampled_rows_and_leave_the_others_alone():

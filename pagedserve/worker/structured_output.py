@@ -44,11 +44,21 @@ class TokenMasks:
     bitmask: torch.Tensor  # [k, ceil(V / 32)] int32
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[k, W] int32 -> [k, vocab] bool (allowed), vectorised: no loop over the vocabulary."""
+def forbidden_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[k, W] int32 bitmask -> [k, vocab] bool, True where the token is forbidden. Vectorised: on
+    the CPU numpy's unpackbits (little-endian words: bit t % 8 of byte t // 8 is token t), which is
+    about a hundred times faster here than torch's shifts; on a GPU torch's shifts on the device."""
+    if bitmask.device.type == "cpu":
+        words = bitmask.numpy()
+        bits = np.unpackbits((~words).view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits[:, :vocab].view(np.bool_))
+    return forbidden_tokens_torch(bitmask, vocab)
+
+
+def forbidden_tokens_torch(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+    return bits.view(bitmask.shape[0], -1)[:, :vocab] == 0
 
 
 class GrammarMatchers:
