@@ -83,7 +83,9 @@ class GrammarMatchers:
                 raise ValueError(f"structured outputs need the model's tokenizer.json, and {self.tokenizer_folder} "
                                  "has none")
             hf = load_tokenizer(self.tokenizer_folder)
-            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
+            # The logits' width, or the tokenizer's when it has more (added) tokens than the model
+            # head: the bitmask is sized by the tokenizer and cut to the logits when applied.
+            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=max(self.vocab_size, len(hf)),
                                                            eos_token=list(self.eos_token_ids) or None)
             self._executor = llguidance.LLExecutor()
         return self._tokenizer
@@ -122,7 +124,8 @@ class GrammarMatchers:
         started = time.perf_counter()
         import llguidance.numpy
 
-        words = (self.vocab_size + 31) // 32
+        vocab = self.vocab_size if self._tokenizer is None else self._tokenizer.vocab_size
+        words = (vocab + 31) // 32
         filled = np.full((len(matchers), words), -1, dtype=np.int32)
         live = [(m, i) for i, m in enumerate(matchers) if m is not FAILED]
         if len(live) == 1:
