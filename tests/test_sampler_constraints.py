@@ -108,3 +108,20 @@ def test_a_matcher_that_cannot_be_built_ends_its_row_alone(tmp_path):
     masks = TokenMasks(torch.tensor([1]), grammars.fill([matcher], [0]))
     out = sampler(torch.randn(2, VOCAB), [row(temperature=0.0), row(temperature=1.0, seed=3)], masks)
     assert out.token_ids[1] in (2, 40)
+
+
+def test_the_gpu_way_of_applying_masks_equals_the_cpu_way():
+    """The CUDA path (torch ops on the device) run on CPU tensors against the numpy path."""
+    from pagedserve.worker.sampler import _apply_token_masks_numpy, _apply_token_masks_torch
+
+    torch.manual_seed(4)
+    raw = torch.randn(5, VOCAB)
+    x = raw.clone()
+    x[3, 2] = float("-inf")  # min_tokens blocked eos on row 3, the only token its grammar allows
+    masks = TokenMasks(torch.tensor([0, 3, 4]), bitmask([{1, 50, 99}, {2}, set(range(0, VOCAB, 3))]))
+    a, b = x.clone(), x.clone()
+    _apply_token_masks_numpy(a, raw, masks)
+    _apply_token_masks_torch(b, raw, masks)
+    assert torch.equal(a, b)
+    assert torch.isfinite(a[3]).sum() == 1 and a[3, 2] == raw[3, 2]
+    assert torch.equal(a[[1, 2]], x[[1, 2]])

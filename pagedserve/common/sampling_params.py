@@ -70,10 +70,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def constrained(self) -> bool:
-        return self.structured_output is not None
-
-    @property
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.worker.structured_output import TokenMasks, forbidden_tokens
+from pagedserve.worker.structured_output import TokenMasks, forbidden_tokens, forbidden_tokens_torch
 
 _NEG_INF = float("-inf")
 
@@ -115,19 +115,27 @@ def apply_token_masks(x: torch.Tensor, raw: torch.Tensor, masks: TokenMasks) -> 
     On the CPU this runs in numpy, on x's own memory: these few memory-bound passes gain nothing
     from torch's intra-op threads, and on a busy machine those threads cost ten times the work."""
     if x.device.type == "cpu":
-        xn, rows = x.numpy(), masks.rows.numpy()
-        forbidden = forbidden_tokens(masks.bitmask, x.shape[1]).numpy()
-        sub = xn[rows]
-        np.putmask(sub, forbidden, _NEG_INF)
-        dead = sub.max(-1) == _NEG_INF
-        if dead.any():
-            revived = raw.numpy()[rows[dead]]
-            np.putmask(revived, forbidden[dead], _NEG_INF)
-            sub[dead] = revived
-        xn[rows] = sub
-        return
+        _apply_token_masks_numpy(x, raw, masks)
+    else:
+        _apply_token_masks_torch(x, raw, masks)
+
+
+def _apply_token_masks_numpy(x: torch.Tensor, raw: torch.Tensor, masks: TokenMasks) -> None:
+    xn, rows = x.numpy(), masks.rows.numpy()
+    forbidden = forbidden_tokens(masks.bitmask, x.shape[1]).numpy()
+    sub = xn[rows]
+    np.putmask(sub, forbidden, _NEG_INF)
+    dead = sub.max(-1) == _NEG_INF
+    if dead.any():
+        revived = raw.numpy()[rows[dead]]
+        np.putmask(revived, forbidden[dead], _NEG_INF)
+        sub[dead] = revived
+    xn[rows] = sub
+
+
+def _apply_token_masks_torch(x: torch.Tensor, raw: torch.Tensor, masks: TokenMasks) -> None:
     rows = masks.rows.to(x.device)
-    forbidden = forbidden_tokens(masks.bitmask.to(x.device), x.shape[1])
+    forbidden = forbidden_tokens_torch(masks.bitmask.to(x.device), x.shape[1])
     sub = x.index_select(0, rows).masked_fill_(forbidden, _NEG_INF)
     dead = sub.amax(-1) == _NEG_INF
     if bool(dead.any()):
