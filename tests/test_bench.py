@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
 import torch
 
 from pagedserve.bench import add_bench_parser
@@ -51,3 +52,19 @@ def test_bench_throughput_tiny_model(tmp_path):
     assert data["baseline_output_tokens_per_s"] > 0 and data["ratio_vs_transformers"] > 0
     assert 0 <= data["kv_waste_pct"] < 100
     assert data["num_steps"] > 0 and data["dtype"] == "float32"
+
+
+@pytest.mark.slow  # the default model's tokenizer (a grammar needs one)
+def test_bench_structured_tiny_model(tmp_path, default_model_path):
+    from service_stack import tiny_model_with_tokenizer
+
+    model = tiny_model_with_tokenizer(tmp_path / "model", default_model_path)
+    out = tmp_path / "structured.json"
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "structured", "--model", str(model), "--dtype", "float32", "--device", "cpu",
+                              "--json", str(out), "--num-prompts", "2", "--rounds", "1", "--kv-cache-memory", "8MiB"])
+    result = args.func(args)
+    assert json.loads(out.read_text())["ratio"] == result["ratio"] > 0
+    assert result["num_constrained"] == 1 and result["runs"]["plain"][0]["mask_steps"] == 0
+    assert result["runs"]["schema"][0]["mask_steps"] > 0 and result["mask_ms_per_step"] > 0

@@ -20,7 +20,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from pagedserve.bench.throughput import run_throughput
 
     bench = subparsers.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,services,tp,moe,serve}")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,services,tp,moe,serve,structured}")
     bench_sub.required = True
     p = bench_sub.add_parser("throughput", help="offline throughput vs transformers' static batching",
                              description=throughput_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,4 +39,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_moe_parser(bench_sub)
     from pagedserve.bench.serve import add_serve_parser
     add_serve_parser(bench_sub)
+    from pagedserve.bench.structured import add_structured_parser
+    add_structured_parser(bench_sub)
     return p

@@ -68,11 +68,13 @@ def build_engine(args, model_path: Path, tokenizer):
     return LLMEngine(config, tokenizer=tokenizer)
 
 
-def run_engine(engine, work: Workload) -> dict:
-    """Step the engine over the workload, timing it and sampling KV-block use after every step."""
+def run_engine(engine, work: Workload, params: list[SamplingParams] | None = None) -> dict:
+    """Step the engine over the workload, timing it and sampling KV-block use after every step.
+    params: one per request (default: greedy, ignore_eos, max_tokens its output length)."""
     bm = engine.scheduler.block_manager
     block_size = bm.block_size
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in work.output_lens]
+    if params is None:
+        params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in work.output_lens]
     ids = [f"bench-{i}" for i in range(len(work.prompts))]
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
     preemptions0, steps0 = engine.scheduler.num_preemptions, engine.num_steps

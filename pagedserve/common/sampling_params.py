@@ -1,12 +1,39 @@
-"""Per-request sampling parameters: pure Python, shared by scheduler and worker."""
+"""Per-request sampling parameters: pure Python, shared by scheduler and worker.
+
+SamplingParams round-trips through JSON (the request records): __post_init__ turns a stored
+structured_output dict and logit_bias's string keys back into their types before validating.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, asdict
 
 # Bounds a server applies to every request; a request outside them is refused at once.
 MAX_LOGPROBS = 20
 MAX_N = 16
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for each bias: [-100, 100]
+
+
+@dataclass(slots=True)
+class StructuredOutput:
+    """A constraint on the generated text (the proto's StructuredOutput): exactly one field set.
+    The worker compiles it with llguidance (pagedserve/worker/structured_output.py); the gateway
+    and the scheduler check it first (pagedserve/common/structured_output.py)."""
+    json_schema: str = ""  # a JSON Schema, serialized
+    json_object: bool = False  # any JSON object
+    regex: str = ""
+    choice: list[str] = field(default_factory=list)
+    grammar: str = ""  # Lark (llguidance's dialect) or GBNF
+
+    def kinds(self) -> list[str]:
+        return [name for name in ("json_schema", "json_object", "regex", "choice", "grammar") if getattr(self, name)]
+
+    def key(self) -> str:
+        """The spec as one string: the cache key of its compiled grammar."""
+        kind = self.kinds()[0]
+        value = getattr(self, kind)
+        return f"{kind}:{json.dumps(value) if kind == 'choice' else value}"
 
 
 @dataclass(slots=True)
@@ -25,8 +52,17 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob plus the top k
+    structured_output: StructuredOutput | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_output, dict):
+            self.structured_output = StructuredOutput(**self.structured_output)
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         self.validate()
 
     @property
@@ -69,6 +105,16 @@ class SamplingParams:
             bad("seed", "an integer")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "a list of non-negative integers")
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                if token < 0:
+                    raise ValueError(f"logit_bias token id {token} must be non-negative")
+                if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                    raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias!r}")
+        if self.structured_output is not None and len(self.structured_output.kinds()) != 1:
+            kinds = self.structured_output.kinds()
+            raise ValueError("structured_output must set exactly one of json_schema, json_object, regex, choice, "
+                             f"grammar; got {', '.join(kinds) if kinds else 'none'}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pagedserve.common.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SampledToken, \
     SchedulerOutput
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams, StructuredOutput
 from pagedserve.v1 import common_pb2, worker_pb2
 
 
@@ -25,7 +25,14 @@ def params_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int = 
         seed=msg.seed if msg.HasField("seed") else None,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
         min_tokens=msg.min_tokens, stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        structured_output=structured_output_from_proto(msg.structured_output)
+        if msg.HasField("structured_output") else None,
+        logit_bias=dict(msg.logit_bias) or None)
+
+
+def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
+    return StructuredOutput(msg.json_schema, msg.json_object, msg.regex, list(msg.choice), msg.grammar)
 
 
 def params_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | None = None) -> common_pb2.SamplingParams:
@@ -46,6 +53,16 @@ def params_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | Non
     msg.ignore_eos = params.ignore_eos
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    so = params.structured_output
+    if so is not None:
+        msg.structured_output.SetInParent()
+        msg.structured_output.json_schema = so.json_schema
+        msg.structured_output.json_object = so.json_object
+        msg.structured_output.regex = so.regex
+        msg.structured_output.choice[:] = so.choice
+        msg.structured_output.grammar = so.grammar
+    if params.logit_bias:
+        msg.logit_bias.update(params.logit_bias)
     return msg
 
 

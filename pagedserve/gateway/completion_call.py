@@ -37,6 +37,7 @@ from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import Backend, rpc_error
 from pagedserve.gateway.metrics import RequestTracker
 from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
+from pagedserve.gateway import structured
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
                                          completion_to_generate, error_body, include_event_ids,
                                          include_usage, internal_error, prompt_too_long)
@@ -125,6 +126,7 @@ class CompletionCall:
         too_long = prompt_too_long(gen, info.max_model_len)
         if too_long:
             raise RequestError(400, too_long, "messages" if self.chat else "prompt", code="context_length_exceeded")
+        structured.check_logit_bias_vocab(gen.params, info.vocab_size)
         client_id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         key = self.request.headers.get("idempotency-key")
         if key:

@@ -24,6 +24,7 @@ from urllib.parse import unquote
 import grpc
 
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc
+from pagedserve.common import structured_output
 from pagedserve.common.wire import params_from_proto
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend
@@ -60,7 +61,12 @@ def request_problem(request: generate_pb2.GenerateRequest,
     if too_long:
         return grpc.StatusCode.INVALID_ARGUMENT, too_long
     try:
-        params_from_proto(request.params, default_max_tokens=_UNBOUNDED)
+        params = params_from_proto(request.params, default_max_tokens=_UNBOUNDED)
+        if params.structured_output is not None:
+            structured_output.check(params.structured_output)
+        bad = sorted(t for t in params.logit_bias or () if t >= info.vocab_size)
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})")
     except ValueError as exc:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     return None

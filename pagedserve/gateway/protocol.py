@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.gateway import structured
 from pagedserve.v1 import generate_pb2
 
 log = logging.getLogger("pagedserve.gateway")
@@ -155,6 +156,19 @@ class _SamplingFields(BaseModel):
     # pagedserve's own: a deadline in seconds; when it passes the request is aborted (its KV blocks
     # freed) and answered 504 (in-band error event when streaming).
     timeout: float | None = None
+    # Structured outputs (gateway/structured.py): OpenAI's, vLLM's and vLLM's older names.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        structured.check_unsupported(data, set(cls.model_fields))  # known extensions: 400, not dropped
+        return data
 
 
 class CompletionRequest(_SamplingFields):
@@ -188,7 +202,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
     chat_template: str | None = None  # vLLM's per-request template: refused (the server's is --chat-template)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -223,8 +236,6 @@ def _check_uint32(value: int, name: str) -> None:
 def _fill_params(req: _SamplingFields, gen: generate_pb2.GenerateRequest, max_tokens: int | None,
                  logprobs: int | None) -> None:
     """Validate with the engine's own rules, then set only what the client sent."""
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (it must equal n when sent)", "best_of")
     check = {"n": req.n, "max_tokens": _UNBOUNDED if max_tokens is None else max_tokens,
@@ -265,6 +276,7 @@ def _fill_params(req: _SamplingFields, gen: generate_pb2.GenerateRequest, max_to
     p.ignore_eos = req.ignore_eos
     if logprobs is not None:
         p.logprobs = logprobs
+    structured.fill(req, p)
     gen.stop[:] = _stop_strings(req.stop)
     gen.include_stop_str_in_output = req.include_stop_str_in_output
     gen.skip_special_tokens = req.skip_special_tokens
@@ -301,8 +313,6 @@ def chat_to_generate(req: ChatCompletionRequest) -> generate_pb2.GenerateRequest
         raise bad_request("messages must not be empty", "messages")
     if req.tools:
         raise bad_request("tools are not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format type 'text' is supported", "response_format")
     gen = generate_pb2.GenerateRequest()
     fill_template_options(req, gen.chat)
     for i, message in enumerate(req.messages):

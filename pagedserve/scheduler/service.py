@@ -31,6 +31,7 @@ import grpc
 
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import StatusError
+from pagedserve.common import structured_output
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.settings import step_budgets
 from pagedserve.common.store import RequestStore, StoredRequest
@@ -195,6 +196,11 @@ class SchedulerService(StepLoop, Recovery, Health):
             self.scheduler.check_prompt(len(prompt))
             if params.n > self.config.max_num_seqs:
                 raise ValueError(f"n={params.n} is more than max_num_seqs ({self.config.max_num_seqs})")
+            bad = sorted(t for t in params.logit_bias or () if t >= vocab)
+            if bad:
+                raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            if params.structured_output is not None:
+                structured_output.check(params.structured_output)  # cached per spec
         except ValueError as exc:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         timings = {k: v for k, v in wire.timings_to_dict(msg.timings).items() if v}

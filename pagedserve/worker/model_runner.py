@@ -19,6 +19,7 @@ from pagedserve.worker.models import model_class
 from pagedserve.worker.parallel import broadcast_from_rank0, tp_group, using_group
 from pagedserve.worker.request_states import RequestState, RequestStates
 from pagedserve.worker.sampler import RowSampling, Sampler
+from pagedserve.worker.structured_output import GrammarMatchers, TokenMasks
 from pagedserve.worker.weights import iter_lazy_weights
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class ModelRunner:
         self.kv: KVCache | None = None
         self.sampler = Sampler()
         self.requests = RequestStates()
+        self.grammars = GrammarMatchers(model_path, model_config.vocab_size, eos_token_ids)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -204,7 +206,9 @@ class ModelRunner:
             repeats.append(len(indices))
         if any(r > 1 for r in repeats):
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
-        out = self.sampler(logits, rows)
+        constrained = [i for i, state in enumerate(states) if state.params.structured_output is not None]
+        masks = self._grammar_masks(states, repeats, constrained) if constrained else None
+        out = self.sampler(logits, rows, masks)
         sampled, row = {}, 0
         for state, count in zip(states, repeats):
             tokens = []
@@ -214,7 +218,23 @@ class ModelRunner:
                     None if out.top_logprobs is None else out.top_logprobs[row]))
                 row += 1
             sampled[state.req_id] = tokens
+        for i in constrained:  # samples 2..n of a fork build their own matcher when they next sample
+            self.grammars.advance(states[i].matcher, sampled[states[i].req_id][0].token_id)
         return sampled
+
+    def _grammar_masks(self, states: list[RequestState], repeats: list[int], constrained: list[int]) -> TokenMasks:
+        """The constrained rows' bitmasks; a state's matcher is built on its first sampling step
+        from its outputs so far (new, forked, re-sent after a preemption or a restart)."""
+        starts = np.cumsum([0] + repeats[:-1])
+        for i in constrained:
+            state = states[i]
+            if state.matcher is None:
+                state.matcher = self.grammars.new_matcher(state.params.structured_output,
+                                                          state.token_ids[state.num_prompt_tokens:])
+        rows = [int(starts[i]) + j for i in constrained for j in range(repeats[i])]
+        row_of = [k for k, i in enumerate(constrained) for _ in range(repeats[i])]
+        bitmask = self.grammars.fill([states[i].matcher for i in constrained], row_of)
+        return TokenMasks(torch.tensor(rows, dtype=torch.long), bitmask)
 
     def _share_sampled(self, sampled: dict[str, list[SampledToken]],
                        states: list[RequestState]) -> dict[str, list[SampledToken]]:

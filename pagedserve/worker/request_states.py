@@ -26,6 +26,7 @@ class RequestState:
     num_computed_tokens: int
     sample_index: int
     child_req_ids: list[str]  # samples 1..n-1 fork from this one at its first sampled token
+    matcher: object | None = None  # structured outputs: its grammar's state (rank 0 only, built lazily)
 
 
 class RequestStates(dict[str, RequestState]):

@@ -1,16 +1,22 @@
 """Turns a batch of next-token logits into one token per request (plus logprobs when asked).
 
 The whole step is vectorised over the vocabulary; the only per-row Python loops build small
-index lists and draw from per-request seeded generators.
+index lists and draw from per-request seeded generators. Order: penalties, logit_bias (one
+index_put over the rows that have it), min_tokens, the grammar masks (last, so that a bias
+cannot revive a token the grammar forbids), then temperature and truncation. A batch without
+any of these pays nothing for them.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.worker.structured_output import TokenMasks, forbidden_tokens, forbidden_tokens_torch
 
 _NEG_INF = float("-inf")
 
@@ -82,6 +88,61 @@ def block_min_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> None:
         logits[torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)] = _NEG_INF
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[RowSampling]) -> None:
+    """Adds each row's logit_bias in place: one accumulate index_put for all rows that have one."""
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    values: list[float] = []
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        if r.params.logit_bias:
+            for token, bias in r.params.logit_bias.items():
+                if token < vocab:
+                    row_idx.append(i)
+                    tok_idx.append(token)
+                    values.append(bias)
+    if row_idx:
+        dev = logits.device
+        logits.index_put_((torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)),
+                          torch.tensor(values, device=dev, dtype=logits.dtype), accumulate=True)
+
+
+def apply_token_masks(x: torch.Tensor, raw: torch.Tensor, masks: TokenMasks) -> None:
+    """Sets to -inf, in place, every token a row's grammar forbids. A row left with nothing (the
+    grammar only allows eos while min_tokens blocks it) takes the grammar's choice over the
+    model's raw logits: the grammar is complete, so the sequence ends.
+
+    On the CPU this runs in numpy, on x's own memory: these few memory-bound passes gain nothing
+    from torch's intra-op threads, and on a busy machine those threads cost ten times the work."""
+    if x.device.type == "cpu":
+        _apply_token_masks_numpy(x, raw, masks)
+    else:
+        _apply_token_masks_torch(x, raw, masks)
+
+
+def _apply_token_masks_numpy(x: torch.Tensor, raw: torch.Tensor, masks: TokenMasks) -> None:
+    xn, rows = x.numpy(), masks.rows.numpy()
+    forbidden = forbidden_tokens(masks.bitmask, x.shape[1]).numpy()
+    sub = xn[rows]
+    np.putmask(sub, forbidden, _NEG_INF)
+    dead = sub.max(-1) == _NEG_INF
+    if dead.any():
+        revived = raw.numpy()[rows[dead]]
+        np.putmask(revived, forbidden[dead], _NEG_INF)
+        sub[dead] = revived
+    xn[rows] = sub
+
+
+def _apply_token_masks_torch(x: torch.Tensor, raw: torch.Tensor, masks: TokenMasks) -> None:
+    rows = masks.rows.to(x.device)
+    forbidden = forbidden_tokens_torch(masks.bitmask.to(x.device), x.shape[1])
+    sub = x.index_select(0, rows).masked_fill_(forbidden, _NEG_INF)
+    dead = sub.amax(-1) == _NEG_INF
+    if bool(dead.any()):
+        sub[dead] = raw.index_select(0, rows[dead]).masked_fill_(forbidden[dead], _NEG_INF)
+    x.index_copy_(0, rows, sub)
+
+
 def truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Masks to -inf, in place, each row's tokens outside top_k, then top_p, then min_p.
 
@@ -135,18 +196,28 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[RowSampling]) -> SamplerOutput:
+    def __init__(self) -> None:
+        self.mask_time_s = 0.0  # applying grammar masks, summed over steps (the bench reads it)
+
+    def __call__(self, logits: torch.Tensor, rows: list[RowSampling], masks: TokenMasks | None = None) -> SamplerOutput:
+        """masks: the grammar masks of the constrained rows (None: no row is constrained)."""
         raw = logits.float()
         params = [r.params for r in rows]
         want_lp = any(p.logprobs is not None for p in params)
-        mutate = any(p.needs_penalties or _min_tokens_pending(r) for p, r in zip(params, rows))
+        mutate = masks is not None or any(p.needs_penalties or p.logit_bias or _min_tokens_pending(r)
+                                          for p, r in zip(params, rows))
         if not mutate and not want_lp and all(p.greedy for p in params):
             return SamplerOutput(raw.argmax(-1).tolist(), None, None)
 
         # raw must stay untouched: logprobs are reported from the model's own distribution.
         x = raw.clone() if mutate else raw
         apply_penalties(x, rows)
+        apply_logit_bias(x, rows)
         block_min_tokens(x, rows)
+        if masks is not None:
+            started = time.perf_counter()
+            apply_token_masks(x, raw, masks)
+            self.mask_time_s += time.perf_counter() - started
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) < len(rows):
             tokens = x.argmax(-1)

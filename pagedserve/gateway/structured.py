@@ -1,0 +1,167 @@
+"""The request fields that constrain what is sampled, mapped onto SamplingParams: structured
+outputs (OpenAI's `response_format`, vLLM's `structured_outputs` and the older `guided_*`
+fields), `logit_bias`; and the vLLM/OpenAI extension fields that pagedserve does not support,
+which are refused by name instead of being dropped like unknown fields.
+
+Everything here runs before anything is sent downstream (400 naming the field). Pure functions;
+the grammar check itself is pagedserve.common.structured_output's (cached per spec).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pagedserve.common import structured_output
+from pagedserve.common.sampling_params import LOGIT_BIAS_LIMIT, StructuredOutput
+from pagedserve.v1 import common_pb2
+
+# vLLM's (and OpenAI's legacy) request fields that pagedserve does not implement, with the values
+# that mean "off" and are accepted silently. A field a request model declares is not checked here
+# (it is supported), so a field that becomes supported only has to be declared.
+_OFF = (None, False, "", [], {})
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "use_beam_search": _OFF, "length_penalty": (*_OFF, 1, 1.0), "early_stopping": _OFF,
+    "spaces_between_special_tokens": (*_OFF, True), "truncate_prompt_tokens": _OFF, "prompt_logprobs": _OFF,
+    "allowed_token_ids": _OFF, "bad_words": _OFF, "logits_processors": _OFF,
+    "guided_whitespace_pattern": _OFF, "guided_decoding_backend": (*_OFF, "auto", "guidance", "llguidance"),
+    "structural_tag": _OFF, "return_tokens_as_token_ids": _OFF, "return_token_ids": _OFF,
+    "chat_template": _OFF, "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "documents": _OFF,
+    "mm_processor_kwargs": _OFF, "cache_salt": _OFF, "kv_transfer_params": _OFF, "vllm_xargs": _OFF,
+    "echo": _OFF,  # chat's echo (completions declares its own)
+    "functions": _OFF, "function_call": _OFF,  # OpenAI's legacy function calling
+}
+# Keys of vLLM's structured_outputs object: the constraint kinds, then options (value that is "off").
+_SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+             "json_object": "json_object"}
+_SO_OPTIONS_OFF = {"disable_fallback": _OFF, "disable_any_whitespace": _OFF, "disable_additional_properties": _OFF,
+                   "whitespace_pattern": _OFF, "structural_tag": _OFF, "backend": (*_OFF, "auto", "guidance"),
+                   "_backend": _OFF, "_backend_was_auto": _OFF}
+
+
+def _bad(message: str, param: str):
+    from pagedserve.gateway.protocol import bad_request
+    return bad_request(message, param)
+
+
+def _is_off(value: Any, off: tuple) -> bool:
+    return any(value is v or (type(value) is type(v) and value == v) for v in off)
+
+
+def check_unsupported(data: Any, declared: set[str]) -> None:
+    """400 naming the first known extension field the body sets that pagedserve does not support."""
+    if not isinstance(data, dict):
+        return
+    for name, off in UNSUPPORTED_FIELDS.items():
+        if name in data and name not in declared and not _is_off(data[name], off):
+            raise _bad(f"{name} is not supported by this server (got {data[name]!r}); leave it out", name)
+
+
+def _schema_text(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _bad(f"{where} is not valid JSON: {exc}", where.split(".")[0]) from None
+    if not isinstance(value, (dict, bool)):
+        raise _bad(f"{where} must be a JSON Schema object, got {type(value).__name__}", where.split(".")[0])
+    return json.dumps(value)
+
+
+def _from_response_format(rf: dict) -> tuple[str, StructuredOutput | None]:
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return "response_format", None
+    if kind == "json_object":
+        return "response_format", StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec and "json_schema" not in spec:
+            raise _bad("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                       "response_format")
+        schema = spec.get("schema", spec.get("json_schema"))
+        return "response_format", StructuredOutput(json_schema=_schema_text(schema, "response_format.json_schema"))
+    raise _bad(f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format")
+
+
+def _from_structured_outputs(so: dict) -> StructuredOutput:
+    for key, value in so.items():
+        if key in _SO_OPTIONS_OFF and not _is_off(value, _SO_OPTIONS_OFF[key]):
+            raise _bad(f"structured_outputs.{key} is not supported by this server (got {value!r})",
+                       "structured_outputs")
+        if key not in _SO_OPTIONS_OFF and key not in _SO_KINDS:
+            raise _bad(f"structured_outputs.{key} is not a known field; use one of {', '.join(_SO_KINDS)}",
+                       "structured_outputs")
+    kinds = [k for k in _SO_KINDS if k in so and not _is_off(so[k], _OFF)]
+    if len(kinds) != 1:
+        raise _bad(f"structured_outputs must set exactly one of {', '.join(_SO_KINDS)}, got "
+                   f"{', '.join(kinds) or 'none'}", "structured_outputs")
+    return _guided(kinds[0], so[kinds[0]], f"structured_outputs.{kinds[0]}")
+
+
+def _guided(kind: str, value: Any, where: str) -> StructuredOutput:
+    param = where.split(".")[0]
+    if kind == "json":
+        return StructuredOutput(json_schema=_schema_text(value, where))
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or any(not isinstance(c, str) or not c for c in value):
+            raise _bad(f"{where} must be a non-empty list of non-empty strings", param)
+        return StructuredOutput(choice=list(value))
+    if not isinstance(value, str) or not value:
+        raise _bad(f"{where} must be a non-empty string", param)
+    return StructuredOutput(**{_SO_KINDS[kind]: value})
+
+
+def structured_output_of(req: Any) -> StructuredOutput | None:
+    """The one constraint the request asks for (None: free text); 400 when it asks for two or
+    when the spec does not compile."""
+    found: list[tuple[str, StructuredOutput]] = []
+    if req.response_format:
+        where, spec = _from_response_format(req.response_format)
+        if spec is not None:
+            found.append((where, spec))
+    if req.structured_outputs:
+        found.append(("structured_outputs", _from_structured_outputs(req.structured_outputs)))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{kind}")
+        if value is not None:
+            found.append((f"guided_{kind}", _guided(kind, value, f"guided_{kind}")))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise _bad(f"only one structured output constraint per request, got {', '.join(w for w, _ in found)}",
+                   found[1][0])
+    where, spec = found[0]
+    try:
+        structured_output.check(spec)
+    except ValueError as exc:
+        raise _bad(f"{where}: {exc}", where) from None
+    return spec
+
+
+def fill(req: Any, params: common_pb2.SamplingParams) -> None:
+    """Sets params.structured_output and params.logit_bias from the request (validated)."""
+    spec = structured_output_of(req)
+    if spec is not None:
+        out = params.structured_output
+        out.SetInParent()
+        out.json_schema, out.json_object, out.regex, out.grammar = (spec.json_schema, spec.json_object,
+                                                                    spec.regex, spec.grammar)
+        out.choice[:] = spec.choice
+    for key, bias in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise _bad(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token < 2**32:
+            raise _bad(f"logit_bias token id {token} is outside the vocabulary", "logit_bias")
+        # OpenAI's range; larger values are clipped to it as vLLM does.
+        params.logit_bias[token] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(bias)))
+
+
+def check_logit_bias_vocab(params: common_pb2.SamplingParams, vocab_size: int) -> None:
+    bad = sorted(t for t in params.logit_bias if t >= vocab_size)
+    if bad:
+        raise _bad(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "logit_bias")

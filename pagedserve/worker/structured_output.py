@@ -1,0 +1,147 @@
+"""Structured outputs at the worker: one llguidance matcher per constrained sequence, and the
+step's token bitmask for the rows that sample under a grammar.
+
+- The model's LLTokenizer is built on the first constrained request (about a second; a worker
+  that never sees one never pays it).
+- Compiled grammars are cached by spec (an LRU keyed by StructuredOutput.key()): a cached
+  matcher is never advanced, each sequence starts from a deep copy of it.
+- A sequence's matcher lives in its RequestState and is built lazily, the first time the
+  sequence samples, by consuming its output tokens so far. That one rule covers a new request
+  (no outputs), the samples 2..n forked after the first token, a request re-sent after a
+  recompute preemption or a worker restart, and one resumed from the store.
+- Only tensor-parallel rank 0 samples, so only rank 0 builds matchers; the other ranks get the
+  token ids from rank 0 and never consult a grammar.
+
+Single-threaded: the model runner's step (llguidance's executor fills the rows in parallel
+inside one call).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedserve.common import structured_output
+from pagedserve.common.sampling_params import StructuredOutput
+
+log = logging.getLogger(__name__)
+
+GRAMMAR_CACHE_SIZE = 64
+FAILED = "failed"  # a RequestState.matcher that could not be built: the row may only sample eos
+
+
+@dataclass(slots=True)
+class TokenMasks:
+    """The step's grammar masks: rows[i] of the batch may only sample the tokens whose bit is set
+    in bitmask[i] (llguidance's layout: token t is bit t % 32 of int32 word t // 32)."""
+    rows: torch.Tensor  # [k] long, batch row indices
+    bitmask: torch.Tensor  # [k, ceil(V / 32)] int32
+
+
+def forbidden_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[k, W] int32 bitmask -> [k, vocab] bool, True where the token is forbidden. Vectorised: on
+    the CPU numpy's unpackbits (little-endian words: bit t % 8 of byte t // 8 is token t), which is
+    about a hundred times faster here than torch's shifts; on a GPU torch's shifts on the device."""
+    if bitmask.device.type == "cpu":
+        words = bitmask.numpy()
+        bits = np.unpackbits((~words).view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits[:, :vocab].view(np.bool_))
+    return forbidden_tokens_torch(bitmask, vocab)
+
+
+def forbidden_tokens_torch(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab] == 0
+
+
+class GrammarMatchers:
+    def __init__(self, tokenizer_folder: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer_folder = Path(tokenizer_folder)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._tokenizer = None
+        self._executor = None
+        self._cache: OrderedDict[str, object] = OrderedDict()
+        self.mask_time_s = 0.0  # filling the bitmasks, summed over steps (the sampler times applying them)
+        self.mask_steps = 0  # steps that had at least one constrained row
+
+    def _ll_tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance
+            import llguidance.hf
+
+            from pagedserve.model_files.tokenizer_files import load_tokenizer
+
+            if not (self.tokenizer_folder / "tokenizer.json").is_file():
+                raise ValueError(f"structured outputs need the model's tokenizer.json, and {self.tokenizer_folder} "
+                                 "has none")
+            hf = load_tokenizer(self.tokenizer_folder)
+            # The logits' width, or the tokenizer's when it has more (added) tokens than the model
+            # head: the bitmask is sized by the tokenizer and cut to the logits when applied.
+            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=max(self.vocab_size, len(hf)),
+                                                           eos_token=list(self.eos_token_ids) or None)
+            self._executor = llguidance.LLExecutor()
+        return self._tokenizer
+
+    def new_matcher(self, spec: StructuredOutput, output_token_ids: list[int]):
+        """A matcher for a sequence that has produced output_token_ids so far, or FAILED when none
+        can be built (the sequence then may only end: a bad request fails alone, not the step)."""
+        try:
+            return self._new_matcher(spec, output_token_ids)
+        except Exception:  # noqa: BLE001 - e.g. a model folder without tokenizer.json
+            log.exception("cannot build a grammar matcher for %s; the sequence is ended", spec.key()[:80])
+            return FAILED
+
+    def _new_matcher(self, spec: StructuredOutput, output_token_ids: list[int]):
+        import llguidance
+
+        key = spec.key()
+        fresh = self._cache.get(key)
+        if fresh is None:
+            fresh = llguidance.LLMatcher(self._ll_tokenizer(), structured_output.grammar_text(spec), log_level=0)
+            if fresh.is_error():
+                log.warning("grammar %s failed to compile against the tokenizer: %s", key[:80], fresh.get_error())
+            self._cache[key] = fresh
+            if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        matcher = fresh.deep_copy()
+        if output_token_ids and not matcher.consume_tokens(output_token_ids):
+            log.warning("rebuilding a grammar matcher: the tokens so far do not match it (%s)", matcher.get_error())
+        return matcher
+
+    def fill(self, matchers: list, row_of: list[int]) -> torch.Tensor:
+        """One bitmask row per batch row: row_of[r] is the index into matchers of row r's matcher
+        (a forked request's n rows share its one matcher)."""
+        started = time.perf_counter()
+        import llguidance.numpy
+
+        vocab = self.vocab_size if self._tokenizer is None else self._tokenizer.vocab_size
+        words = (vocab + 31) // 32
+        filled = np.full((len(matchers), words), -1, dtype=np.int32)
+        live = [(m, i) for i, m in enumerate(matchers) if m is not FAILED]
+        if len(live) == 1:
+            llguidance.numpy.fill_next_token_bitmask(live[0][0], filled, live[0][1])
+        elif live:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, live, filled)
+        for i in (i for i, m in enumerate(matchers) if m is FAILED):
+            filled[i] = 0
+            for eos in self.eos_token_ids:
+                filled[i, eos // 32] |= np.int32(np.uint32(1 << (eos % 32)).view(np.int32))
+        bitmask = torch.from_numpy(filled[row_of] if len(row_of) != len(matchers) else filled)
+        self.mask_time_s += time.perf_counter() - started
+        self.mask_steps += 1
+        return bitmask
+
+    @staticmethod
+    def advance(matcher, token_id: int) -> None:
+        if matcher is not FAILED and not matcher.is_stopped() and not matcher.consume_token(token_id):
+            log.warning("grammar matcher refused sampled token %d: %s", token_id, matcher.get_error())

@@ -1,0 +1,104 @@
+"""Structured outputs in the in-process engine (the worker's matchers and masks, the scheduler's
+preemption): a random-weight model samples arbitrary tokens, so only the grammar can make the
+text match. Each constrained sample either completes (finish "stop", the text matches in full)
+or runs out of tokens (finish "length", the text is a prefix the grammar still accepts)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from pagedserve.common.sampling_params import SamplingParams, StructuredOutput
+from service_stack import tiny_model_with_tokenizer
+from tiny_models import make_engine
+
+pytestmark = pytest.mark.slow  # the default model's tokenizer
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "kind": {"enum": ["cat", "dog", "fish"]},
+    "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    "owner": {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["age"], "additionalProperties": False}},
+    "required": ["name", "kind", "tags", "owner"], "additionalProperties": False}
+REGEX = r"(yes|no)-[0-9]{2}"
+
+
+@pytest.fixture(scope="module")
+def model(default_model_path, tmp_path_factory):
+    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-structured"), default_model_path)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    from transformers import AutoTokenizer
+    return make_engine(model, tokenizer=AutoTokenizer.from_pretrained(model))
+
+
+def texts(engine, outs):
+    return [(engine.tokenizer.decode(s.token_ids, skip_special_tokens=True), s.finish_reason)
+            for samples in outs for s in samples]
+
+
+def prompts(num, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 40000, int(n)).tolist() for n in rng.integers(5, 40, num)]
+
+
+def test_regex_and_choice_hold_for_seeded_samples_with_n(engine):
+    regex = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=16, structured_output=StructuredOutput(regex=REGEX))
+    choice = SamplingParams(n=4, temperature=1.0, seed=4, max_tokens=16,
+                            structured_output=StructuredOutput(choice=["alpha", "beta", "gamma delta"]))
+    free = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8)
+    outs = engine.generate(prompts(3, seed=1), [regex, choice, free])
+    got = texts(engine, outs)
+    for text, reason in got[:4]:
+        assert reason == "stop" and re.fullmatch(REGEX, text), text
+    for text, reason in got[4:8]:
+        assert reason == "stop" and text in ("alpha", "beta", "gamma delta"), text
+    assert len(set(t for t, _ in got[:4])) > 1  # the n samples differ: each has its own matcher
+
+
+def test_json_schema_output_validates(engine):
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=120,
+                            structured_output=StructuredOutput(json_schema=json.dumps(SCHEMA)))
+    for text, reason in texts(engine, engine.generate(prompts(4, seed=2), params)):
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_constraint_holds_across_recompute_preemption(model):
+    """A pool too small for the batch preempts requests mid-output; each is re-sent with its tokens
+    so far and its matcher is rebuilt from them."""
+    from transformers import AutoTokenizer
+    tight = make_engine(model, tokenizer=AutoTokenizer.from_pretrained(model), kv_cache_memory=14 * 8192,
+                        preemption_mode="recompute")
+    regex = r"[a-z]{3}(,[a-z]{3}){7}"  # long enough to be preempted in the middle
+    params = SamplingParams(temperature=1.0, seed=9, max_tokens=40, structured_output=StructuredOutput(regex=regex))
+    outs = tight.generate(prompts(8, seed=3), params)
+    assert tight.stats()["num_preemptions"] > 0
+    for text, reason in texts(tight, outs):
+        assert reason == "stop" and re.fullmatch(regex, text), text
+
+
+def test_a_free_batch_builds_no_matcher(engine):
+    engine.generate(prompts(2, seed=4), SamplingParams(temperature=0.0, max_tokens=4))
+    assert all(s.matcher is None for s in engine.runner.requests.values())
+
+
+def test_two_tensor_parallel_ranks_give_the_same_constrained_samples(model, engine):
+    """Only rank 0 samples (and holds matchers); rank 1 takes its tokens from the broadcast."""
+    from transformers import AutoTokenizer
+    params = SamplingParams(n=2, temperature=1.0, seed=21, max_tokens=16,
+                            structured_output=StructuredOutput(regex=REGEX))
+    batch = prompts(2, seed=5)
+    one = [[s.token_ids for s in samples] for samples in engine.generate(batch, params)]
+    with make_engine(model, tokenizer=AutoTokenizer.from_pretrained(model), tensor_parallel_size=2) as two_ranks:
+        two = [[s.token_ids for s in samples] for samples in two_ranks.generate(batch, params)]
+    assert two == one
+    for text, reason in texts(engine, engine.generate(batch, params)):
+        assert reason == "stop" and re.fullmatch(REGEX, text), text

@@ -1,0 +1,101 @@
+"""The gateway's mapping of structured-output fields, logit_bias and unsupported extension fields
+onto the GenerateRequest, and the 400s it answers before anything is sent downstream."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.common import wire
+from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate, \
+    completion_to_generate
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def chat(**fields):
+    return chat_to_generate(ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], **fields}))
+
+
+def completion(**fields):
+    return completion_to_generate(CompletionRequest.model_validate({"prompt": "hi", **fields}))
+
+
+def refused(build, **fields) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        build(**fields)
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize("build", [chat, completion])
+@pytest.mark.parametrize("fields, expect", [
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     {"json_schema": SCHEMA}),
+    ({"structured_outputs": {"json": SCHEMA}}, {"json_schema": SCHEMA}),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, {"regex": "[a-z]+"}),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, {"choice": ["a", "b"]}),
+    ({"structured_outputs": {"grammar": 'root ::= "x"'}}, {"grammar": 'root ::= "x"'}),
+    ({"guided_json": json.dumps(SCHEMA)}, {"json_schema": SCHEMA}),
+    ({"guided_json": SCHEMA, "guided_decoding_backend": "auto"}, {"json_schema": SCHEMA}),
+    ({"guided_regex": "a|b"}, {"regex": "a|b"}),
+    ({"guided_choice": ["x", "y"]}, {"choice": ["x", "y"]}),
+    ({"guided_grammar": 'start: "x"'}, {"grammar": 'start: "x"'}),
+])
+def test_constraints_become_one_structured_output(build, fields, expect):
+    params = wire.params_from_proto(build(**fields).params)
+    spec = params.structured_output
+    assert spec is not None and len(spec.kinds()) == 1
+    for name, value in expect.items():
+        got = getattr(spec, name)
+        assert (json.loads(got) if name == "json_schema" else got) == value
+
+
+def test_no_constraint_leaves_the_field_unset():
+    assert not chat().params.HasField("structured_output")
+    assert not chat(response_format={"type": "text"}).params.HasField("structured_output")
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+     "response_format", "bogus"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_regex": "(ab"}, "guided_regex", "unclosed group"),
+    ({"guided_grammar": "start: nothing_here"}, "guided_grammar", "unknown name"),
+    ({"guided_choice": []}, "guided_choice", "non-empty"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " *"}}, "structured_outputs", "whitespace_pattern"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "only one"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    ({"guided_whitespace_pattern": " +"}, "guided_whitespace_pattern", "not supported"),
+    ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "not supported"),
+    ({"use_beam_search": True}, "use_beam_search", "not supported"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
+])
+def test_bad_constraints_and_unsupported_extensions_are_400_naming_the_field(fields, param, words):
+    error = refused(chat, **fields)
+    assert error.param == param and words in error.message, error.message
+
+
+def test_off_values_of_unsupported_extensions_and_unknown_fields_pass():
+    chat(use_beam_search=False, guided_whitespace_pattern=None, spaces_between_special_tokens=True,
+         some_future_openai_field={"x": 1})
+
+
+def test_logit_bias_is_clipped_to_100():
+    params = completion(logit_bias={"5": 250, "7": -3.5}).params
+    assert dict(params.logit_bias) == {5: 100.0, 7: -3.5}
+
+
+def test_params_round_trip_through_the_record_json_and_the_proto():
+    """The scheduler stores params as JSON (Redis records) and re-creates them on resume."""
+    from pagedserve.common.sampling_params import SamplingParams
+
+    params = wire.params_from_proto(chat(guided_choice=["x", "y"], logit_bias={"5": -2}).params)
+    again = SamplingParams(**json.loads(json.dumps(params.to_dict())))
+    assert again == params and again.logit_bias == {5: -2.0} and again.structured_output.choice == ["x", "y"]
+    assert wire.params_from_proto(wire.params_to_proto(again)) == params
