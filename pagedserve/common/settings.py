@@ -250,6 +250,10 @@ def _settings() -> tuple[Setting, ...]:
         S("--shutdown-timeout", "serve gateway", float, 30.0,
           "on SIGTERM, seconds in-flight requests may take to finish (503 to new ones) before they are aborted",
           group="gateway"),
+        S("--tool-call-parser", "serve gateway", choices=("hermes", "llama3_json"),
+          help="how tool calls are read from the output of a chat request with tools and tool_choice "
+          "\"auto\": hermes (Hermes, Qwen: <tool_call>{...}</tool_call>), llama3_json (Llama 3: "
+          "{\"name\": ..., \"parameters\": ...}); unset: such requests get 400", group="gateway"),
         S("--resume-grace", "serve gateway", float, 60.0,
           "seconds a stream's request keeps running after its gateway died, for a resume "
           "(GET /v1/requests/{id}/stream); 0: it is aborted at once", group="gateway"),

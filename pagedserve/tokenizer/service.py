@@ -22,6 +22,7 @@ import grpc
 from pagedserve.common.grpc_util import StatusError, internal_channel
 from pagedserve.model_files.chat_templates import ChatTemplateError, load_chat_template, render_chat
 from pagedserve.tokenizer import tokenization
+from pagedserve.tokenizer.chat_render import template_messages, template_tools
 from pagedserve.tokenizer.request_stream import RequestStream
 from pagedserve.tokenizer.scheduler_link import SchedulerLink
 from pagedserve.v1 import common_pb2, generate_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -83,15 +84,20 @@ class TokenizerService:
     # -- tokenization -------------------------------------------------------------------------
 
     def _chat(self, chat: generate_pb2.ChatMessages, tokenize: bool):
-        """The chat's prompt text (or its token ids) through the chat template (chat_templates.py)."""
-        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        """The chat's prompt text (or its token ids) through the chat template (chat_templates.py),
+        the tools and the tool-call history included (chat_render.py)."""
+        messages = template_messages(chat)
         if not messages:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty (the chat has no messages)")
+        try:
+            tools = template_tools(chat)
+        except ValueError as exc:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         try:
             text = render_chat(self.tokenizer, messages, chat_template=self.chat_template,
                                add_generation_prompt=chat.add_generation_prompt,
                                continue_final_message=chat.continue_final_message,
-                               chat_template_kwargs=tokenization.template_kwargs(chat))
+                               chat_template_kwargs=tokenization.template_kwargs(chat), tools=tools)
         except ChatTemplateError as exc:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if tokenize else text

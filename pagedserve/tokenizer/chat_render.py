@@ -1,0 +1,60 @@
+"""ChatMessages (proto) -> what HF chat templates take: the `messages` list and the `tools` list.
+
+Templates written for tool calling (Qwen2.5, Hermes, Llama 3.1, Mistral) read
+  - tools as OpenAI entries: {"type": "function", "function": {"name", "description", "parameters"}};
+  - an assistant message's tool_calls as [{"id", "type": "function", "function": {"name", "arguments"}}]
+    with `arguments` a dict (they render it with `| tojson`; a JSON string would be quoted twice),
+    so arguments that are a JSON object are decoded here, as vLLM does; anything else stays text;
+  - a tool message as {"role": "tool", "content", "tool_call_id"} (and "name" when the client sent one).
+Fields the client did not send are left out, so a template's `is defined` tests see what they would
+see under transformers. Pure functions, no state: called on the tokenizer thread.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pagedserve.v1 import generate_pb2
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def template_messages(chat: generate_pb2.ChatMessages) -> list[dict]:
+    messages = []
+    for m in chat.messages:
+        message: dict = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                                     for c in m.tool_calls]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        messages.append(message)
+    return messages
+
+
+def template_tools(chat: generate_pb2.ChatMessages) -> list[dict] | None:
+    """None when the request offers no tools (templates test `if tools`; None renders as before)."""
+    if not chat.tools:
+        return None
+    tools = []
+    for i, t in enumerate(chat.tools):
+        function: dict = {"name": t.name}
+        if t.description:
+            function["description"] = t.description
+        # An empty schema is what OpenAI assumes when none is sent.
+        try:
+            function["parameters"] = json.loads(t.parameters_json) if t.parameters_json else \
+                {"type": "object", "properties": {}}
+        except ValueError as exc:
+            raise ValueError(f"tools[{i}].parameters_json is not JSON: {exc}") from None
+        tools.append({"type": "function", "function": function})
+    return tools
