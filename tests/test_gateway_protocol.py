@@ -115,7 +115,6 @@ def test_unsupported_features_are_refused():
     assert error_of(completion, best_of=3).param == "best_of"
     assert error_of(completion, suffix="x").param == "suffix"
     assert error_of(completion, echo=True, logprobs=1).param == "echo"
-    assert error_of(chat, tools=[{"type": "function"}]).param == "tools"
     assert error_of(chat, response_format={"type": "xml"}).param == "response_format"
     assert chat(response_format={"type": "text"}, logit_bias={}, best_of=1).params.n == 1
     with pytest.raises(RequestError):

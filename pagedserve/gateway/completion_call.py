@@ -42,6 +42,7 @@ from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionReques
                                          completion_to_generate, error_body, include_event_ids,
                                          include_usage, internal_error, prompt_too_long)
 from pagedserve.gateway.responses import ChunkBuilder, Collector
+from pagedserve.gateway.tools import ToolOutput, chat_tools
 from pagedserve.gateway.sse import DONE, CancellingStream, Cursor, ResumeSkip, sse_event
 
 # The tokenizer keeps a stream's request running this long after its caller vanished without
@@ -94,6 +95,7 @@ class CompletionCall:
         self.shared = False
         self.n = 1  # a resume learns its n from the record; until then (or when there is none) one sample
         self.raw = False  # one prompt of a batch (batched_completion.py): answer chunks / a body, no Response
+        self.tools: ToolOutput | None = None  # how a chat's samples are read for tool calls
         if body is not None:
             self.n, self.stream = body.n, body.stream
             self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
@@ -119,6 +121,8 @@ class CompletionCall:
         timeout = self._timeout()
         info = await backend.served_model(body.model)
         gen = chat_to_generate(body) if self.chat else completion_to_generate(body)
+        if self.chat:
+            self.tools = chat_tools(body, gen, backend.tool_call_parser)
         if gen.params.HasField("max_tokens") and gen.params.max_tokens > info.max_model_len:
             name = "max_completion_tokens" if self.chat and body.max_completion_tokens is not None else "max_tokens"
             raise RequestError(400, f"{name}={gen.params.max_tokens} exceeds the model's maximum context length "
@@ -172,7 +176,8 @@ class CompletionCall:
                 "chat": self.chat, "model": info.model, "created": self.created, "n": body.n,
                 "logprobs": self.logprobs, "usage": self.usage, "timings": self.timings,
                 "stop": list(gen.stop), "include_stop_str_in_output": gen.include_stop_str_in_output,
-                "skip_special_tokens": gen.skip_special_tokens})
+                "skip_special_tokens": gen.skip_special_tokens,
+                "tools": self.tools.state() if self.tools else None})
         return await self._respond(first)
 
     async def resume(self, request_id: str, last_event_id: str | None, after: str | None) -> Response:
@@ -201,6 +206,7 @@ class CompletionCall:
         self.n, self.stream, self.logprobs, self.echo = n, True, bool(meta.get("logprobs")), False
         self.usage, self.timings = bool(meta.get("usage")), False
         self.event_ids = True  # a client that resumes reads the cursor; only our own endpoint sends it
+        self.tools = ToolOutput.from_state(meta.get("tools"))
         info = await backend.model_info()
         self.model, self.created = meta.get("model") or info.model, int(meta.get("created") or self.received)
         self.request_id = self.tracker.request_id = request_id
@@ -283,7 +289,7 @@ class CompletionCall:
 
     async def _stream(self, first: generate_pb2.GenerateResponse, skip: ResumeSkip | None = None) -> AsyncIterator[str]:
         builder = ChunkBuilder(self.chat, self.client_id, self.model, self.created, self.n, self.logprobs,
-                               echo=self.echo and skip is None)
+                               echo=self.echo and skip is None, tools=self.tools)
         cursor = Cursor(self.n)
         usage, tracker = self.usage, self.tracker
 
@@ -300,6 +306,8 @@ class CompletionCall:
                 cursor.grow(msg.index)
                 send = await skip.apply(msg, cursor) if skip is not None else msg
                 cursor.advance(msg)
+                if skip is not None:
+                    builder.skip_text(msg.index, msg.text[:len(msg.text) - len(send.text if send else "")])
                 if send is None:
                     builder.usage.add(msg)
                     continue
@@ -362,7 +370,7 @@ class CompletionCall:
         self.end()
         body = self.body
         if self.chat:
-            out = collector.chat(self.client_id, self.model, self.created, bool(body.logprobs))
+            out = collector.chat(self.client_id, self.model, self.created, bool(body.logprobs), self.tools)
         else:
             out = collector.completion(self.client_id, self.model, self.created, body.logprobs is not None,
                                        body.echo)

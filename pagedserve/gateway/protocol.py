@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.gateway import structured
+from pagedserve.gateway.tools import history_fields
 from pagedserve.v1 import generate_pb2
 
 log = logging.getLogger("pagedserve.gateway")
@@ -190,6 +191,8 @@ class Message(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -201,7 +204,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False  # vLLM's: the model continues the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
     chat_template: str | None = None  # vLLM's per-request template: refused (the server's is --chat-template)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -309,17 +314,17 @@ def completion_to_generate(req: CompletionRequest) -> generate_pb2.GenerateReque
 
 
 def chat_to_generate(req: ChatCompletionRequest) -> generate_pb2.GenerateRequest:
+    """The tools and tool_choice are mapped by tools.apply_tools (it needs the server's parser)."""
     if not req.messages:
         raise bad_request("messages must not be empty", "messages")
-    if req.tools:
-        raise bad_request("tools are not supported", "tools")
     gen = generate_pb2.GenerateRequest()
     fill_template_options(req, gen.chat)
     for i, message in enumerate(req.messages):
         if message.role not in _ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {message.role!r}",
                               "messages")
-        gen.chat.messages.add(role=message.role, content=_message_text(message, f"messages[{i}]"))
+        proto = gen.chat.messages.add(role=message.role, content=_message_text(message, f"messages[{i}]"))
+        history_fields(message, proto, f"messages[{i}]")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")

@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedserve.gateway.tools import ToolOutput, finish_reason, message_fields, stream_deltas
 from pagedserve.v1 import common_pb2, generate_pb2
 
 # JSON has no -inf; vLLM clamps a logprob the same way so that strict JSON parsers accept it.
@@ -128,11 +129,17 @@ class Collector:
         return {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": self.usage.as_dict(), "system_fingerprint": None}
 
-    def chat(self, request_id: str, model: str, created: int, logprobs: bool) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(s.text)},
-                    "logprobs": chat_logprobs(s.logprobs) if logprobs else None,
-                    "finish_reason": s.finish_reason, "stop_reason": None}
-                   for i, s in enumerate(self.samples)]
+    def chat(self, request_id: str, model: str, created: int, logprobs: bool,
+             tools: ToolOutput | None = None) -> dict:
+        choices = []
+        for i, s in enumerate(self.samples):
+            message, reason = {"role": "assistant", "content": "".join(s.text)}, s.finish_reason
+            if tools is not None:  # the text read for tool calls
+                parsed = tools.parse(message["content"])
+                message.update(message_fields(parsed))
+                reason = finish_reason(reason, bool(parsed.calls))
+            choices.append({"index": i, "message": message, "logprobs": chat_logprobs(s.logprobs) if logprobs else None,
+                            "finish_reason": reason, "stop_reason": None})
         return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": self.usage.as_dict(), "system_fingerprint": None}
 
@@ -144,9 +151,10 @@ class ChunkBuilder:
     prompt comes first in each sample's text."""
 
     def __init__(self, chat: bool, request_id: str, model: str, created: int, n: int,
-                 logprobs: bool, echo: bool = False) -> None:
+                 logprobs: bool, echo: bool = False, tools: ToolOutput | None = None) -> None:
         self.chat, self.request_id, self.model, self.created = chat, request_id, model, created
         self.n, self.logprobs, self.echo = n, logprobs, echo
+        self.tools, self.parsers, self.called = tools, {}, set()  # tool calls: a parser per sample
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.usage = UsageTracker()
         self.offsets: dict[int, CompletionLogprobs] = {}
@@ -181,8 +189,34 @@ class ChunkBuilder:
                 logprobs = chat_logprobs(msg.logprobs)
             else:
                 logprobs = self.offsets.setdefault(msg.index, CompletionLogprobs()).build(msg.logprobs)
+        if self.chat and self.tools is not None:
+            return self._tool_chunks(msg, logprobs)
         text = msg.text if (msg.text or not self.chat or not msg.finish_reason) else None
         return [self._chunk([self._choice(msg.index, text, logprobs, msg.finish_reason or None)])]
+
+    def _parser(self, index: int):
+        if index not in self.parsers:
+            self.parsers[index] = self.tools.new()
+        return self.parsers[index]
+
+    def skip_text(self, index: int, text: str) -> None:
+        """A resumed stream: text the client already had, read by the parser to catch up."""
+        if self.chat and self.tools is not None and text:
+            if any(e.name is not None for e in self._parser(index).feed(text)):
+                self.called.add(index)
+
+    def _tool_chunks(self, msg: generate_pb2.GenerateResponse, logprobs: dict | None) -> list[dict]:
+        parser = self._parser(msg.index)
+        events = parser.feed(msg.text) if msg.text else []
+        if msg.finish_reason:
+            events += parser.finish()
+        if any(e.name is not None for e in events):
+            self.called.add(msg.index)
+        reason = finish_reason(msg.finish_reason or None, msg.index in self.called)
+        deltas = stream_deltas(events) or ([{}] if reason or logprobs else [])
+        return [self._chunk([{"index": msg.index, "delta": delta, "logprobs": logprobs if j == 0 else None,
+                              "finish_reason": reason if j == len(deltas) - 1 else None}])
+                for j, delta in enumerate(deltas)]
 
     def usage_chunk(self) -> dict:
         chunk = self._chunk([])

@@ -156,7 +156,7 @@ async def _serve(args) -> int:
     store = open_store(redis_url, args.redis_prefix, args.redis_ttl, retention) if redis_url else \
         MemoryStore(args.redis_ttl, retention)  # idempotency keys and resume records, in this process
     backend = Backend(args.tokenizer_addr, args.scheduler_addr, api_key=keys, store=store, limits=limits,
-                      admin_keys=admins)
+                      admin_keys=admins, tool_call_parser=getattr(args, "tool_call_parser", None))
 
     # The public API's messages are bounded like REST bodies (--max-body-bytes): gRPC refuses a
     # larger one with RESOURCE_EXHAUSTED before it is parsed.
