@@ -8,10 +8,9 @@ tool-call history, checked and mapped onto the GenerateRequest, and how the outp
                        of {"name", "parameters"} objects, one of the tools each (vLLM's schema);
   {"type": "function", "function": {"name": N}}   rendered, and the output constrained to N's
                        parameters schema: it is N's arguments.
-The forced forms set params.structured_output.json_schema (the structured-output machinery that
-applies it as a token mask lives in the worker); a build whose SamplingParams lacks that field
-answers 400 rather than let an unconstrained model pretend. Pure functions and a small dataclass;
-no I/O.
+The forced forms set params.structured_output.json_schema, checked like any structured output
+(pagedserve/common/structured_output.py) and applied as a token mask in the worker; they cannot be
+combined with response_format or another constraint. Pure functions and a small dataclass; no I/O.
 """
 
 from __future__ import annotations
@@ -21,8 +20,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.common import structured_output
+from pagedserve.common.sampling_params import StructuredOutput
 from pagedserve.gateway.tool_parsers import PARSERS, NamedCallParser, Parsed, RequiredCallsParser, ToolParser, assemble
-from pagedserve.v1 import common_pb2, generate_pb2
+from pagedserve.v1 import generate_pb2
 
 # OpenAI's rule for function names.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -37,10 +38,6 @@ def _bad(message: str, param: str):
 def chat_tools(req, gen: generate_pb2.GenerateRequest, tool_call_parser: str | None) -> ToolOutput | None:
     """apply_tools for a ChatCompletionRequest."""
     return apply_tools(req.tools, req.tool_choice, req.parallel_tool_calls, gen, tool_call_parser)
-
-
-def has_structured_output() -> bool:
-    return "structured_output" in common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
 
 
 @dataclass(slots=True)
@@ -101,10 +98,11 @@ def _chosen_name(choice: Any) -> str:
 
 
 def required_schema(schemas: dict[str, dict], parallel: bool) -> dict:
-    """tool_choice "required": a JSON array of calls, each one of the tools (vLLM's shape)."""
-    items = {"type": "object", "anyOf": [
-        {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
-         "required": ["name", "parameters"]} for name, params in schemas.items()]}
+    """tool_choice "required": a JSON array of calls, each one of the tools (vLLM's shape, but
+    closed: a call object has exactly its two keys, so the model cannot ramble on in extra ones)."""
+    items = {"anyOf": [
+        {"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+         "required": ["name", "parameters"], "additionalProperties": False} for name, params in schemas.items()]}
     schema: dict = {"type": "array", "minItems": 1, "items": items}
     if not parallel:
         schema["maxItems"] = 1
@@ -146,11 +144,16 @@ def apply_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: 
                        f"({', '.join(schemas)})", "tool_choice")
         out, schema = ToolOutput(function=name), schemas[name]
     if schema is not None:
-        if not has_structured_output():
-            # WIRING PENDING: the structured-output field (feat/structured) is not in this build.
-            raise _bad(f"tool_choice {tool_choice!r} needs structured outputs, which this server lacks",
-                       "tool_choice")
-        gen.params.structured_output.json_schema = json.dumps(schema)
+        if gen.params.HasField("structured_output"):
+            raise _bad(f"tool_choice {tool_choice!r} constrains the output itself: it cannot be combined with "
+                       "response_format or another structured output", "tool_choice")
+        spec = StructuredOutput(json_schema=json.dumps(schema))
+        try:
+            structured_output.check(spec)
+        except ValueError as exc:
+            raise _bad(f"the tools' parameters do not compile for tool_choice {tool_choice!r}: {exc}", "tools") \
+                from None
+        gen.params.structured_output.json_schema = spec.json_schema
     gen.chat.tools.extend(protos)
     return out
 

@@ -1,0 +1,207 @@
+"""Tool calling through every service, driven by the official `openai` client, on a tiny random
+model whose tokenizer carries a tool-capable (Hermes/Qwen-style) chat template written here.
+
+The model's weights are random, so only a constraint makes it call anything: forced tool_choice
+(named, required) is enforced by structured outputs; "auto" is read by --tool-call-parser hermes,
+and a structured_outputs regex shaped like a Hermes call stands in for a model trained to write one.
+What the model saw is checked on the token ids the scheduler stored for the request, against
+transformers' own rendering of the same messages and tools with the same template."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+You may call these functions:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Reply with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{{ message.content or "" }}
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response id="{{ message.tool_call_id }}">
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                             "unit": {"type": "string", "enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"},
+    {"role": "user", "content": "And now?"},
+]
+# A Hermes call, as a model trained for it writes one (with some content before it).
+HERMES_REGEX = r'Let me check\. <tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}", ' \
+               r'"unit": "c"\}\}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model):
+    (tiny_model / "chat_template.jinja").write_text(TEMPLATE)
+    return tiny_model
+
+
+@pytest.fixture(scope="module")
+def stack(tool_model, launch_stack):
+    return launch_stack(tool_model, tool_call_parser="hermes", max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+def stored_prompt(stack, request_id: str) -> list[int]:
+    with grpc.insecure_channel(stack.addresses["scheduler"]) as channel:
+        record = scheduler_pb2_grpc.SchedulerStub(channel).GetRequest(
+            scheduler_pb2.GetRequestRequest(request_id=request_id), timeout=30)
+    return list(record.prompt_token_ids)
+
+
+def reference_ids(tool_model, messages, tools) -> list[int]:
+    """transformers' rendering, with the assistant's arguments as a dict as HF templates expect."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_model)
+    hf_messages = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+        hf_messages.append(m)
+    text = tokenizer.apply_chat_template(hf_messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert "get_weather" in text and "21 degrees, sunny" in text and '"city": "Paris"' in text
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_call(call, name: str | None = None) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert name is None or call.function.name == name
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, SCHEMAS[call.function.name])
+    return arguments
+
+
+def streamed(client, **kw):
+    with client.chat.completions.stream(**kw) as stream:
+        return stream.get_final_completion()
+
+
+def test_the_model_sees_the_tools_and_the_tool_result(stack, client, model_name, tool_model):
+    out = client.chat.completions.create(model=model_name, messages=HISTORY, tools=TOOLS, max_tokens=4,
+                                         temperature=0)
+    expected = reference_ids(tool_model, HISTORY, TOOLS)
+    assert stored_prompt(stack, out.id) == expected and out.usage.prompt_tokens == len(expected)
+    # tool_choice "none": the tools are not offered (the prompt is the plain chat's) nor parsed.
+    plain = client.chat.completions.create(model=model_name, messages=HISTORY, tools=TOOLS, tool_choice="none",
+                                           max_tokens=4, temperature=0)
+    assert stored_prompt(stack, plain.id) == reference_ids(tool_model, HISTORY, None)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice_yields_a_valid_call(client, model_name, stream):
+    kw = dict(model=model_name, messages=HISTORY, tools=TOOLS, max_tokens=200, temperature=1.0, seed=7,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    out = streamed(client, **kw) if stream else client.chat.completions.create(**kw)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    check_call(call, "get_weather")
+
+
+def test_streamed_calls_assemble_to_the_non_streamed_ones(client, model_name):
+    kw = dict(model=model_name, messages=HISTORY, tools=TOOLS, max_tokens=200, temperature=1.0, seed=11,
+              tool_choice="required")
+    whole = client.chat.completions.create(**kw).choices[0]
+    parts = streamed(client, **kw).choices[0]
+    assert whole.finish_reason == parts.finish_reason == "tool_calls"
+    assert len(whole.message.tool_calls) >= 1
+    for call in whole.message.tool_calls:
+        check_call(call)
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in parts.message.tool_calls]
+    single = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
+    assert len(single.message.tool_calls) == 1
+
+
+def test_auto_reads_hermes_calls_whole_and_streamed(client, model_name):
+    kw = dict(model=model_name, messages=HISTORY, tools=TOOLS, max_tokens=120, temperature=1.0, seed=3,
+              extra_body={"structured_outputs": {"regex": HERMES_REGEX}})
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Let me check."
+    [call] = whole.message.tool_calls
+    check_call(call, "get_weather")
+    parts = streamed(client, **kw).choices[0]
+    assert parts.message.content == "Let me check." and parts.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in parts.message.tool_calls] == \
+        [(call.function.name, call.function.arguments)]
+    # Raw chunks: the call's name comes whole in its first delta, then argument fragments.
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert all(d.function.name is None and d.id is None for d in deltas[1:])
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+def test_bad_tool_requests_are_refused(client, model_name):
+    def error(messages=HISTORY, **kw) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model_name, messages=messages, max_tokens=2, **kw)
+        return info.value
+
+    exc = error(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "launch_rockets"}})
+    assert "launch_rockets" in exc.message and exc.body["param"] == "tool_choice"
+    exc = error(tools=[{"type": "function", "function": {"name": "bad name!"}}])
+    assert "tools[0].function.name" in exc.message and exc.body["param"] == "tools"
+    exc = error(tools=[{"type": "retrieval"}])
+    assert "tools[0]" in exc.message
+    exc = error(tools=[{"type": "function", "function": {"name": "f", "parameters": [1]}}], tool_choice="none")
+    assert "parameters" in exc.message
+    exc = error(tool_choice="required")
+    assert "tool_choice" in exc.message
+    exc = error(messages=[{"role": "tool", "content": "x"}])
+    assert "tool_call_id" in exc.message
+
