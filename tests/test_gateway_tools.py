@@ -128,3 +128,19 @@ def test_streamed_chunks_as_openai_sends_them():
     assert all(set(f) == {"index", "function"} and set(f["function"]) == {"arguments"} for f in fragments)
     assert "".join(f["function"]["arguments"] for f in fragments) == '{"city": "Paris"}'
     assert deltas[-1][1] == "tool_calls" and all(r is None for _, r in deltas[:-1])
+
+
+def test_a_resumed_stream_catches_up_without_resending():
+    """A resumed stream's builder reads the text the client already had (skip_text) and sends only
+    what follows, in the same shape: the client's pieces add up to the whole call."""
+    msgs = responses(TEXTS)
+    first = ChunkBuilder(True, "id", "m", 0, 1, False, tools=ToolOutput(parser="hermes"))
+    before = [c["choices"][0]["delta"] for msg in msgs[:4] for c in first.add(msg)]
+    resumed = ChunkBuilder(True, "id", "m", 0, 1, False, tools=ToolOutput(parser="hermes"))
+    for msg in msgs[1:4]:
+        resumed.skip_text(msg.index, msg.text)
+    after = [c["choices"][0] for msg in msgs[4:] for c in resumed.add(msg)]
+    calls = [d["tool_calls"][0] for d in before + [c["delta"] for c in after] if "tool_calls" in d]
+    assert sum("id" in c for c in calls) == 1 and after[-1]["finish_reason"] == "tool_calls"
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
+    assert all("content" not in c["delta"] for c in after)

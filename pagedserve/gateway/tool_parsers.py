@@ -25,20 +25,18 @@ content before, several calls), `llama3_json` (Llama 3.x: the output is `{"name"
 {...}}`, several separated by `;`, optionally after `<|python_tag|>`; output not starting with `{` is
 content), and two used for forced tool_choice, whose output a JSON schema constrains:
 NamedCallParser (the output is the named function's arguments) and RequiredCallsParser (a JSON
-array of {"name", "parameters"}). Plain Python, no state shared between objects; the JSON scanning
-runs once per character of a call (never over the vocabulary).
+array of {"name", "parameters"}). Plain Python, no state shared between objects; a call's JSON is
+read by call_scanner.CallScanner, once per character of the call (never over the vocabulary).
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-_ARGUMENT_KEYS = ("arguments", "parameters")
-
+from pagedserve.gateway.call_scanner import CallScanner
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
@@ -87,142 +85,6 @@ def _held(buf: str, tag: str) -> int:
     return 0
 
 
-class _CallScanner:
-    """One JSON object, character by character: where it ends, its top-level keys, the `name`
-    string and the span of the arguments' value. The top level is checked strictly (a malformed
-    one fails at once); nested values only for balance: json.loads judges the whole at the end."""
-
-    __slots__ = ("text", "depth", "in_str", "esc", "expect", "key", "key_start", "value_start",
-                 "value_kind", "last", "name", "args_key", "args_start", "args_end", "failed", "done")
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.depth = 0
-        self.in_str = self.esc = False
-        self.expect = "open"  # open, keystr, colon, value, valstr, nested, scalar, comma
-        self.key: str | None = None
-        self.key_start = self.value_start = self.last = 0
-        self.value_kind = ""
-        self.name: str | None = None
-        self.args_key: str | None = None
-        self.args_start = self.args_end = -1  # end -1: the arguments' value is not complete
-        self.failed = self.done = False
-
-    def feed(self, piece: str) -> str:
-        """Scan piece; returns what follows the object (or the failing character on)."""
-        base = len(self.text)
-        self.text += piece
-        for i, ch in enumerate(piece):
-            pos = base + i
-            if not self._step(ch, pos):
-                self.failed = True
-                self.text = self.text[:pos]
-                return piece[i:]
-            if self.done:
-                self.text = self.text[:pos + 1]
-                return piece[i + 1:]
-        return ""
-
-    def _value_end(self, end: int) -> None:
-        if self.key == "name" and self.value_kind == "str":
-            self.name = json.loads(self.text[self.value_start:end])
-        elif self.key == self.args_key:
-            self.args_end = end
-        self.expect = "comma"
-
-    def _step(self, ch: str, pos: int) -> bool:
-        if self.in_str:
-            if self.esc:
-                self.esc = False
-            elif ch == "\\":
-                self.esc = True
-            elif ch == '"':
-                self.in_str = False
-                if self.expect == "keystr":
-                    self.key, self.expect = json.loads(self.text[self.key_start:pos + 1]), "colon"
-                elif self.expect == "valstr":
-                    self._value_end(pos + 1)
-            self.last = pos
-            return True
-        if ch.isspace():
-            return True
-        expect = self.expect
-        if expect == "nested":
-            self.last = pos
-            if ch == '"':
-                self.in_str = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 1:
-                    self._value_end(pos + 1)
-            return True
-        if expect == "scalar":
-            if ch not in ",}":
-                self.last = pos
-                return True
-            self._value_end(self.last + 1)
-            expect = "comma"
-        if expect == "open":
-            self.depth, self.expect = 1, "key"
-            return ch == "{"
-        if expect == "key":
-            if ch == "}" and self.key is None:  # {}
-                self.done = True
-                return True
-            self.key_start, self.expect, self.in_str = pos, "keystr", True
-            return ch == '"'
-        if expect == "colon":
-            self.expect = "value"
-            return ch == ":"
-        if expect == "value":
-            self.value_start = self.last = pos
-            if self.key in _ARGUMENT_KEYS and self.args_key is None:
-                self.args_key, self.args_start = self.key, pos
-            if ch == '"':
-                self.value_kind, self.expect, self.in_str = "str", "valstr", True
-            elif ch in "{[":
-                self.value_kind, self.expect, self.depth = "nested", "nested", 2
-            elif ch in ",}:]":
-                return False
-            else:
-                self.value_kind, self.expect = "scalar", "scalar"
-            return True
-        # comma
-        if ch == ",":
-            self.expect = "key"
-            return True
-        if ch == "}":
-            self.done = True
-            return True
-        return False
-
-    def streamable_arguments(self) -> str:
-        """The arguments' text that can go out now: an object's text up to its last non-space."""
-        if self.args_start < 0 or self.text[self.args_start] != "{":
-            return ""
-        end = self.args_end if self.args_end >= 0 else self.last + 1
-        return self.text[self.args_start:end]
-
-    def result(self) -> tuple[str, str] | None:
-        """(name, arguments) of a complete, valid call object, else None."""
-        try:
-            obj = json.loads(self.text)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-            return None
-        if self.args_key is None:
-            return obj["name"], "{}"
-        value = obj[self.args_key]
-        if isinstance(value, dict):
-            return obj["name"], self.text[self.args_start:self.args_end]
-        if isinstance(value, str):  # some models write the arguments as a JSON string
-            return obj["name"], value
-        return None
-
-
 class ToolParser(ABC):
     """See the module docstring for the contract. Subclasses frame the calls in the text (tags,
     separators) with the helpers here: _content, _start_call, _feed_call, _end_content."""
@@ -236,7 +98,7 @@ class ToolParser(ABC):
         self._buf = ""
         self._pending_ws = ""  # whitespace after content: content if more follows, else dropped
         self._after_call = False
-        self._call: _CallScanner | None = None
+        self._call: CallScanner | None = None
         self._call_prefix = ""  # the text that opened the call (its tag), content again if it fails
         self._index: int | None = None  # the call's index once announced; -1: dropped (max_calls)
         self._args_sent = 0
@@ -281,7 +143,7 @@ class ToolParser(ABC):
 
     # -- calls ------------------------------------------------------------------------------
     def _start_call(self, prefix: str) -> None:
-        self._call, self._call_prefix, self._index, self._args_sent = _CallScanner(), prefix, None, 0
+        self._call, self._call_prefix, self._index, self._args_sent = CallScanner(), prefix, None, 0
 
     def _announce(self, name: str) -> None:
         if self.max_calls is not None and self.calls >= self.max_calls:
@@ -292,10 +154,12 @@ class ToolParser(ABC):
         self._pending_ws = ""
         self.events.append(Event(index=self._index, id=new_call_id(), name=name))
 
-    def _send_arguments(self, text: str) -> None:
-        if self._index is not None and self._index >= 0 and len(text) > self._args_sent:
-            self.events.append(Event(index=self._index, arguments=text[self._args_sent:]))
-            self._args_sent = len(text)
+    def _send_arguments(self, text: str, start: int = 0, end: int | None = None) -> None:
+        """Send what is new of the arguments text[start:end] (only the new part is sliced)."""
+        end = len(text) if end is None else end
+        if self._index is not None and self._index >= 0 and end - start > self._args_sent:
+            self.events.append(Event(index=self._index, arguments=text[start + self._args_sent:end]))
+            self._args_sent = end - start
 
     def _feed_call(self, text: str) -> tuple[str, str]:
         """Feed the open call; ("more", ""), ("done", rest) or ("failed", rest). A failed call
@@ -305,7 +169,9 @@ class ToolParser(ABC):
         if self.stream and not call.failed:
             if self._index is None and call.name:
                 self._announce(call.name)
-            self._send_arguments(call.streamable_arguments())
+            end = call.streamable_end()
+            if end >= 0:
+                self._send_arguments(call.text, call.args_start, end)
         if not call.done and not call.failed:
             return "more", ""
         found = call.result() if call.done else None
@@ -474,24 +340,26 @@ class NamedCallParser(ToolParser):
         super().__init__(stream, max_calls)
         self.function = function
 
-    @classmethod
-    def parse_named(cls, function: str, text: str) -> Parsed:
-        parser = cls(function, stream=False)
-        return assemble(parser.feed(text) + parser.finish())
-
     def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        body = self._buf.strip()
-        if self.stream and body:
-            if self._index is None:
-                self._announce(self.function)
-            self._send_arguments(body)
+        if self._index is None and not self._buf:  # leading whitespace is no part of the arguments
+            text = text.lstrip()
+        self._buf += text  # streamed: only trailing whitespace waits here; whole: everything
+        if self.stream:
+            body = self._buf.rstrip()
+            if body:
+                if self._index is None:
+                    self._announce(self.function)
+                self.events.append(Event(index=self._index, arguments=body))
+                self._args_sent += len(body)
+                self._buf = self._buf[len(body):]
         return self._take()
 
     def finish(self) -> list[Event]:
         if self._index is None:
             self._announce(self.function)
-        self._send_arguments(self._buf.strip() or "{}")
+        body = self._buf.rstrip() if not self.stream else ""
+        if body or not self._args_sent:
+            self.events.append(Event(index=self._index, arguments=body or "{}"))
         return self._take()
 
 
