@@ -80,6 +80,9 @@ HERMES_CASES = [
     ("<tool_call>[1, 2]</tool_call> ok", "<tool_call>[1, 2]</tool_call> ok", []),
     ("a <tool_ b", "a <tool_ b", []),
     ('x <tool_call>{"name": 3}</tool_call>', 'x <tool_call>{"name": 3}</tool_call>', []),
+    # bad escapes in a key or in the name: text, never an exception
+    ('<tool_call>{"\\x": 1}</tool_call>', '<tool_call>{"\\x": 1}</tool_call>', []),
+    ('<tool_call>{"name": "\\q"}</tool_call>', '<tool_call>{"name": "\\q"}</tool_call>', []),
 ]
 
 
@@ -154,3 +157,21 @@ def test_forced_parsers():
 def test_the_setting_offers_exactly_the_registered_parsers():
     assert set(setting("gateway", "tool_call_parser").choices) == set(PARSERS)
     assert set(setting("serve", "tool_call_parser").choices) == set(PARSERS)
+
+
+@pytest.mark.parametrize("make", [HermesParser, Llama3JsonParser, RequiredCallsParser,
+                                  lambda **kw: NamedCallParser("f", **kw)])
+def test_garbage_never_raises_and_text_without_calls_is_kept(make):
+    """Seeded random text made of the formats' own pieces (tags, braces, quotes, bad escapes):
+    no parser raises, and whole text that yields no call comes back exactly as content."""
+    atoms = ["<tool_call>", "</tool_call>", "<|python_tag|>", "{", "}", "[", "]", '"', "\\", "\\x", ":", ",", ";",
+             '"name"', '"arguments"', '"parameters"', '"f"', '"\\q"', " ", "\n", "1", "null", "é", "a"]
+    rng = random.Random(5)
+    for _ in range(300):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 25)))
+        whole = make(stream=False)
+        parsed = assemble(whole.feed(text) + whole.finish())
+        if not parsed.calls:
+            assert parsed.content == text
+        for pieces in (list(text), [text]):
+            streamed(lambda: make(stream=True), pieces)

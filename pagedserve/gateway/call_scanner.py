@@ -15,6 +15,15 @@ import json
 _ARGUMENT_KEYS = ("arguments", "parameters")
 
 
+def _string(text: str) -> str | None:
+    """A JSON string literal's value; None when it is not one (a bad escape)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
 class CallScanner:
     """One JSON object, character by character: where it ends, its top-level keys, the `name`
     string and the span of the arguments' value. The top level is checked strictly (a malformed
@@ -51,12 +60,15 @@ class CallScanner:
                 return piece[i + 1:]
         return ""
 
-    def _value_end(self, end: int) -> None:
+    def _value_end(self, end: int) -> bool:
         if self.key == "name" and self.value_kind == "str":
-            self.name = json.loads(self.text[self.value_start:end])
+            self.name = _string(self.text[self.value_start:end])
+            if self.name is None:
+                return False
         elif self.key == self.args_key:
             self.args_end = end
         self.expect = "comma"
+        return True
 
     def _step(self, ch: str, pos: int) -> bool:
         if self.in_str:
@@ -66,10 +78,12 @@ class CallScanner:
                 self.esc = True
             elif ch == '"':
                 self.in_str = False
+                self.last = pos
                 if self.expect == "keystr":
-                    self.key, self.expect = json.loads(self.text[self.key_start:pos + 1]), "colon"
-                elif self.expect == "valstr":
-                    self._value_end(pos + 1)
+                    self.key, self.expect = _string(self.text[self.key_start:pos + 1]), "colon"
+                    return self.key is not None
+                if self.expect == "valstr":
+                    return self._value_end(pos + 1)
             self.last = pos
             return True
         if ch.isspace():
@@ -84,13 +98,14 @@ class CallScanner:
             elif ch in "}]":
                 self.depth -= 1
                 if self.depth == 1:
-                    self._value_end(pos + 1)
+                    return self._value_end(pos + 1)
             return True
         if expect == "scalar":
             if ch not in ",}":
                 self.last = pos
                 return True
-            self._value_end(self.last + 1)
+            if not self._value_end(self.last + 1):
+                return False
             expect = "comma"
         if expect == "open":
             self.depth, self.expect = 1, "key"
