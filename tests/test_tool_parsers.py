@@ -175,3 +175,8 @@ def test_garbage_never_raises_and_text_without_calls_is_kept(make):
             assert parsed.content == text
         for pieces in (list(text), [text]):
             streamed(lambda: make(stream=True), pieces)
+
+
+def test_deep_nesting_is_text_not_an_error():
+    text = '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 100000 + "]" * 100000 + "}}</tool_call>"
+    assert HermesParser.parse(text).content == text

@@ -152,7 +152,7 @@ class CallScanner:
         """(name, arguments) of a complete, valid call object, else None."""
         try:
             obj = json.loads(self.text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than json can read
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return None
