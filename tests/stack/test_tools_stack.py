@@ -16,6 +16,7 @@ import jsonschema
 import openai
 import pytest
 
+from pagedserve.gateway.owners import ANONYMOUS
 from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -93,9 +94,10 @@ def model_name(client):
 
 
 def stored_prompt(stack, request_id: str) -> list[int]:
+    """The prompt ids the scheduler holds for the request (the services know it by owner.id)."""
     with grpc.insecure_channel(stack.addresses["scheduler"]) as channel:
         record = scheduler_pb2_grpc.SchedulerStub(channel).GetRequest(
-            scheduler_pb2.GetRequestRequest(request_id=request_id), timeout=30)
+            scheduler_pb2.GetRequestRequest(request_id=f"{ANONYMOUS}.{request_id}"), timeout=30)
     return list(record.prompt_token_ids)
 
 
