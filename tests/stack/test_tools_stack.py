@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import grpc
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -207,3 +208,49 @@ def test_bad_tool_requests_are_refused(client, model_name):
     exc = error(messages=[{"role": "tool", "content": "x"}])
     assert "tool_call_id" in exc.message
 
+
+
+def sse_events(lines) -> list[tuple[str | None, dict]]:
+    events, event_id = [], None
+    for line in lines:
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: ") and line != "data: [DONE]":
+            events.append((event_id, json.loads(line[6:])))
+    return events
+
+
+def assembled(chunks: list[dict]) -> tuple[str, list[tuple[str, str]]]:
+    """Content and (name, arguments) per call, put together from raw chunks by index."""
+    content, calls = "", {}
+    for chunk in chunks:
+        for choice in chunk.get("choices", []):
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                entry = calls.setdefault(call["index"], ["", ""])
+                entry[0] += call.get("function", {}).get("name") or ""
+                entry[1] += call.get("function", {}).get("arguments") or ""
+    return content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+def test_a_resumed_stream_continues_the_call(stack, model_name):
+    """Resumed from an event inside the call, the rest adds up to the same content and call."""
+    body = {"model": model_name, "messages": HISTORY, "tools": TOOLS, "max_tokens": 120, "temperature": 1.0,
+            "seed": 3, "stream": True, "stream_options": {"include_event_ids": True},
+            "structured_outputs": {"regex": HERMES_REGEX}}
+    with httpx.Client(timeout=300) as http:
+        with http.stream("POST", stack.http_url + "/v1/chat/completions", json=body) as reply:
+            request_id = reply.headers["x-request-id"]
+            events = sse_events(reply.iter_lines())
+        whole = assembled([d for _, d in events])
+        assert whole[0] == "Let me check." and [name for name, _ in whole[1]] == ["get_weather"]
+        inside = [i for i, (_, d) in enumerate(events) if d.get("choices") and
+                  (d["choices"][0]["delta"].get("tool_calls") or [{}])[0].get("function", {}).get("arguments")]
+        cut = inside[len(inside) // 2]  # the client has the name and part of the arguments
+        reply = http.get(f"{stack.http_url}/v1/requests/{request_id}/stream",
+                         headers={"Last-Event-ID": events[cut][0]})
+        assert reply.status_code == 200, reply.text
+    rest = [d for _, d in sse_events(reply.text.splitlines())]
+    assert assembled([d for _, d in events[:cut + 1]] + rest) == whole
+    assert [c["choices"][0]["finish_reason"] for c in rest if c.get("choices")][-1] == "tool_calls"
