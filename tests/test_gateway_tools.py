@@ -45,6 +45,9 @@ def test_tool_choice_modes():
     schema = json.loads(gen.params.structured_output.json_schema)
     assert out == ToolOutput(required=True, max_calls=1) and (schema["type"], schema["maxItems"]) == ("array", 1)
     assert [b["properties"]["name"]["enum"] for b in schema["items"]["anyOf"]] == [["get_weather"], ["now"]]
+    gen, _ = request(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                     tool_choice={"type": "function", "function": {"name": "f"}})
+    assert json.loads(gen.params.structured_output.json_schema) == {"type": "object"}
     gen, out = request(parser=None)  # no tools: plain chat, whatever the server's parser
     assert out is None and not gen.chat.tools
 

@@ -11,6 +11,7 @@ tool-call history, checked and mapped onto the GenerateRequest, and how the outp
 The forced forms set params.structured_output.json_schema, checked like any structured output
 (pagedserve/common/structured_output.py) and applied as a token mask in the worker; they cannot be
 combined with response_format or another constraint. Pure functions and a small dataclass; no I/O.
+Threads: the gateway's event loop (request mapping, and the response shapes at its end).
 """
 
 from __future__ import annotations
@@ -86,7 +87,10 @@ def _tool(entry: Any, i: int) -> tuple[generate_pb2.Tool, dict]:
                    "tools")
     tool = generate_pb2.Tool(name=name, description=description or "",
                              parameters_json=json.dumps(parameters) if parameters is not None else "")
-    return tool, parameters if parameters is not None else EMPTY_PARAMETERS
+    if parameters is None:
+        return tool, EMPTY_PARAMETERS
+    # A forced call's arguments are an object even when the schema leaves the type out ({}).
+    return tool, parameters if "type" in parameters else {"type": "object", **parameters}
 
 
 def _chosen_name(choice: Any) -> str:
