@@ -254,3 +254,28 @@ def test_a_resumed_stream_continues_the_call(stack, model_name):
     rest = [d for _, d in sse_events(reply.text.splitlines())]
     assert assembled([d for _, d in events[:cut + 1]] + rest) == whole
     assert [c["choices"][0]["finish_reason"] for c in rest if c.get("choices")][-1] == "tool_calls"
+
+
+def test_public_grpc_api_renders_tools(stack, tool_model):
+    """The gRPC Generate API carries the tools and the history in ChatMessages (no parsing there:
+    the text comes back as the model wrote it); a tool whose schema is not JSON is INVALID_ARGUMENT."""
+    from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+    chat = generate_pb2.ChatMessages(add_generation_prompt=True)
+    for m in HISTORY:
+        proto = chat.messages.add(role=m["role"], content=m["content"] or "", tool_call_id=m.get("tool_call_id", ""))
+        for c in m.get("tool_calls", []):
+            proto.tool_calls.add(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+    for t in TOOLS:
+        f = t["function"]
+        chat.tools.add(name=f["name"], description=f.get("description", ""),
+                       parameters_json=json.dumps(f["parameters"]))
+    params = common_pb2.SamplingParams(max_tokens=2, temperature=0.0)
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        replies = list(stub.Generate(generate_pb2.GenerateRequest(chat=chat, params=params), timeout=120))
+        assert replies[-1].usage.prompt_tokens == len(reference_ids(tool_model, HISTORY, TOOLS))
+        chat.tools[0].parameters_json = "{not json"
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(generate_pb2.GenerateRequest(chat=chat, params=params), timeout=120))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools[0].parameters_json" in info.value.details()
