@@ -95,6 +95,43 @@ def test_resume_unknown_request_is_404(stack):
     assert reply.status_code == 404, (reply.status_code, reply.text)
 
 
+# schemathesis sends UTF-8 bodies, which cannot carry a lone UTF-16 surrogate; JSON's \\uD800
+# escapes can. Each string field of a valid body, in turn, gets one: a 400 naming the field, never a 5xx.
+SURROGATE_BODIES = {
+    "/v1/completions": {"prompt": "hello", "model": None, "stop": ["x"], "user": "u", "suffix": "s"},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi", "name": "n"}], "stop": "x",
+                             "user": "u"},
+}
+
+
+@FUZZ
+@given(endpoint=st.sampled_from(sorted(SURROGATE_BODIES)), surrogate=st.integers(0xD800, 0xDFFF),
+       where=st.integers(0, 100), prefix=st.text(max_size=5))
+def test_lone_surrogates_in_any_string_field_are_400(stack, endpoint, surrogate, where, prefix):
+    import json
+
+    body = json.loads(json.dumps(SURROGATE_BODIES[endpoint]))
+    paths = []
+
+    def walk(node, path):
+        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(value, (dict, list)):
+                walk(value, path + [key])
+            elif isinstance(value, str) or value is None:
+                paths.append(path + [key])
+
+    walk(body, [])
+    path = paths[where % len(paths)]
+    node = body
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = prefix + chr(surrogate)
+    reply = httpx.post(stack.http_url + endpoint, content=json.dumps(body).encode(), timeout=REQUEST_TIMEOUT_S,
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert reply.status_code == 400, (path, reply.status_code, reply.text)
+    assert "surrogate" in reply.json()["error"]["message"]
+
+
 def test_serves_after_openapi_fuzz(stack):
     assert_serves_normally(stack)
 
