@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 from fastapi import Request
@@ -43,6 +43,7 @@ from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionReques
                                          include_usage, internal_error, prompt_too_long)
 from pagedserve.gateway.responses import ChunkBuilder, Collector
 from pagedserve.gateway.tools import ToolOutput, chat_tools
+from pagedserve.gateway.background import spawn, watch_disconnect
 from pagedserve.gateway.sse import DONE, CancellingStream, Cursor, ResumeSkip, sse_event
 
 # The tokenizer keeps a stream's request running this long after its caller vanished without
@@ -52,24 +53,6 @@ SHUTDOWN_MESSAGE = "the server is shutting down: the request was aborted after -
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 log = logging.getLogger("pagedserve.gateway")
-
-_background: set[asyncio.Task] = set()
-
-
-def spawn(coro) -> None:
-    """Run coro in the background, referenced until it is done."""
-    task = asyncio.get_running_loop().create_task(coro)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-
-
-async def _watch_disconnect(receive, on_disconnect: Callable[[], None]) -> None:
-    # After the body is read, receive() only returns once the client went away (or the response
-    # is complete, when this task is cancelled anyway).
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    on_disconnect()
-
 
 class CompletionCall:
     """One completions/chat call (or a resumed stream): accepted before headers, then streamed
@@ -346,7 +329,7 @@ class CompletionCall:
     async def _collect(self, first: generate_pb2.GenerateResponse) -> dict:
         collector = Collector(self.n)
         collector.add(first)
-        watcher = asyncio.create_task(_watch_disconnect(self.request.receive, self._disconnected))
+        watcher = asyncio.create_task(watch_disconnect(self.request.receive, self._disconnected))
         try:
             while (msg := await self._read()) is not None:
                 collector.add(msg)
