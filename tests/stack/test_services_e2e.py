@@ -129,7 +129,7 @@ def test_a_disconnected_stream_frees_its_blocks(stack, model_name):
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", stack.http_url + "/v1/completions", json=body) as response:
             assert response.status_code == 200
-            lines, seen = 0, []
+            lines, seen, busy = 0, [], None
             for line in response.iter_lines():
                 lines += line.startswith("data: ")
                 seen.append(line[:120])
@@ -137,7 +137,8 @@ def test_a_disconnected_stream_frees_its_blocks(stack, model_name):
                     busy = scheduler_stats(stack)
                     if busy.num_running == 1 and busy.num_free_gpu_blocks < busy.num_gpu_blocks or lines >= 60:
                         break  # running and holding blocks (a moment's preemption on a loaded machine is not)
-            assert busy.num_running == 1 and busy.num_free_gpu_blocks < busy.num_gpu_blocks, (busy, seen[-4:])
+            assert busy is not None and busy.num_running == 1 and busy.num_free_gpu_blocks < busy.num_gpu_blocks, \
+                (busy, seen[-4:])
     stats = wait_until_idle(stack, timeout_s=10)
     assert stats.num_running == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks
     assert stats.generation_tokens_total - before.generation_tokens_total < 500  # stopped, not run to the end
