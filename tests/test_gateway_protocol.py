@@ -114,7 +114,6 @@ def test_invalid_parameters_are_400_naming_the_field(field, value):
 def test_unsupported_features_are_refused():
     assert error_of(completion, best_of=3).param == "best_of"
     assert error_of(completion, suffix="x").param == "suffix"
-    assert error_of(completion, echo=True, logprobs=1).param == "echo"
     assert error_of(chat, response_format={"type": "xml"}).param == "response_format"
     assert chat(response_format={"type": "text"}, logit_bias={}, best_of=1).params.n == 1
     with pytest.raises(RequestError):
@@ -210,14 +209,55 @@ def test_chat_chunks_role_first_then_deltas_then_finish_and_usage():
 
 
 def test_completion_chunks_with_echo_and_offsets():
-    b = ChunkBuilder(False, "cmpl-x", "m", 9, n=1, logprobs=True, echo=True)
+    b = ChunkBuilder(False, "cmpl-x", "m", 9, n=1, logprobs=False, echo=True)
     (first,) = b.add(accepted(prompt_text="ab"))
     assert first["object"] == "text_completion" and first["choices"][0]["text"] == "ab"
-    (c1,) = b.add(delta(0, "cd", [1], logprobs=[lp("cd", -1.0)]))
-    (c2,) = b.add(delta(0, "e", [2], "length", 2, logprobs=[lp("e", -1.0)]))
-    assert c1["choices"][0]["logprobs"]["text_offset"] == [2] and c2["choices"][0]["logprobs"]["text_offset"] == [4]
-    assert c2["choices"][0]["finish_reason"] == "length"
     assert ChunkBuilder(False, "c", "m", 0, 1, False).add(accepted()) == []
+    # echo with logprobs: the prompt's text waits for its logprobs (the first message) and goes with them.
+    b = ChunkBuilder(False, "cmpl-x", "m", 9, n=1, logprobs=True, echo=True)
+    assert b.add(accepted(prompt_text="ab")) == []
+    first = delta(0, "cd", [1], logprobs=[lp("cd", -1.0)])
+    first.prompt_logprobs.extend([lp("a", 0.0), lp("b", -3.0, [("x", -0.1)])])
+    (c1,) = b.add(first)
+    (c2,) = b.add(delta(0, "e", [2], "length", 2, logprobs=[lp("e", -1.0)]))
+    assert c1["choices"][0]["text"] == "abcd"
+    assert c1["choices"][0]["logprobs"]["tokens"] == ["a", "b", "cd"]
+    assert c1["choices"][0]["logprobs"]["token_logprobs"] == [None, -3.0, -1.0]
+    assert c1["choices"][0]["logprobs"]["top_logprobs"][:2] == [None, {"x": -0.1, "b": -3.0}]
+    assert c1["choices"][0]["logprobs"]["text_offset"] == [0, 1, 2]
+    assert c2["choices"][0]["logprobs"]["text_offset"] == [4]
+    assert c2["choices"][0]["finish_reason"] == "length" and "prompt_logprobs" not in c1["choices"][0]
+
+
+def test_echo_with_logprobs_covers_the_prompt_and_prompt_logprobs_take_vllms_shape():
+    gen = completion(echo=True, logprobs=2, max_tokens=0)
+    assert gen.params.prompt_logprobs == 2 and gen.params.max_tokens == 0 and gen.params.logprobs == 2
+    assert completion(echo=True, logprobs=2, prompt_logprobs=5).params.prompt_logprobs == 5
+    assert completion(prompt_logprobs=0).params.prompt_logprobs == 0
+    assert not completion(logprobs=1).params.HasField("prompt_logprobs")
+    assert not completion(echo=True).params.HasField("prompt_logprobs")
+    assert error_of(completion, prompt_logprobs=MAX_LOGPROBS + 1).param == "prompt_logprobs"
+    assert error_of(completion, max_tokens=0).param == "max_tokens"
+    assert error_of(completion, echo=True, max_tokens=0, n=2).param == "max_tokens"
+    assert error_of(chat, max_tokens=0).param == "max_tokens"
+    assert error_of(chat, prompt_logprobs=1).param == "prompt_logprobs"  # chat: not supported, said so
+    c = Collector(1)
+    first = delta(0, " c", [7], "length", 1, [lp(" c", -0.5)])
+    first.prompt_logprobs.extend([common_pb2.TokenLogprob(token_id=4, token="A"),
+                                  common_pb2.TokenLogprob(token_id=5, token=" b", logprob=-2.0, rank=3,
+                                                          top=[common_pb2.TopLogprob(token_id=9, token=" x",
+                                                                                     logprob=-0.25)])])
+    for msg in (accepted(prompt_text="A b"), first):
+        c.add(msg)
+    (choice,) = c.completion("c", "m", 0, logprobs=True, echo=True, prompt_logprobs=True)["choices"]
+    assert choice["text"] == "A b c"
+    assert choice["logprobs"] == {"tokens": ["A", " b", " c"], "token_logprobs": [None, -2.0, -0.5],
+                                  "top_logprobs": [None, {" x": -0.25, " b": -2.0}, {" c": -0.5}],
+                                  "text_offset": [0, 1, 3]}
+    assert choice["prompt_logprobs"] == [None, {"5": {"logprob": -2.0, "rank": 3, "decoded_token": " b"},
+                                                "9": {"logprob": -0.25, "rank": 1, "decoded_token": " x"}}]
+    (plain,) = c.completion("c", "m", 0, logprobs=False, echo=False)["choices"]
+    assert plain["text"] == " c" and plain["logprobs"] is None and "prompt_logprobs" not in plain
 
 
 # ---- input that cannot be encoded or means nothing (issue 13) ---------------------------------

@@ -52,6 +52,15 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    rank: int | None = None  # prompt logprobs: the token's rank in the vocabulary (1: the top)
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """What one step's chunk computed of a request's prompt logprobs: tokens[i] is the prompt
+    token at position start + i (start >= 1: position 0 is predicted by nothing)."""
+    start: int
+    tokens: list[SampledToken]
 
 
 @dataclass(slots=True)
@@ -62,3 +71,4 @@ class ModelRunnerOutput:
     sampled: dict[str, list[SampledToken]]
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

@@ -54,6 +54,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob plus the top k
     structured_output: StructuredOutput | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    # None: off; k >= 0: each prompt token's logprob and rank plus the top k at its position
+    # (vLLM's prompt_logprobs). Such a request takes no prefix-cache hits: a cached prefix has no logits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -94,13 +97,20 @@ class SamplingParams:
             bad("presence_penalty", "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "in [-2, 2]")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", "an integer >= 1")
+        # max_tokens 0: the prompt alone (completions' echo, lm-eval's loglikelihood): it runs its
+        # prefill, for its prompt logprobs, and finishes "length" without sampling.
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            bad("max_tokens", "an integer >= 1 (or 0: the prompt only)")
+        if self.max_tokens == 0 and self.n != 1:
+            raise ValueError(f"max_tokens 0 (the prompt only) needs n=1, got n={self.n}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "an integer")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -6,8 +6,8 @@ does the reverse. Kept in one place so that a field added to a message is added 
 
 from __future__ import annotations
 
-from pagedserve.common.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SampledToken, \
-    SchedulerOutput
+from pagedserve.common.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, PromptLogprobs, \
+    SampledToken, SchedulerOutput
 from pagedserve.common.sampling_params import SamplingParams, StructuredOutput
 from pagedserve.v1 import common_pb2, worker_pb2
 
@@ -28,7 +28,8 @@ def params_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int = 
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         structured_output=structured_output_from_proto(msg.structured_output)
         if msg.HasField("structured_output") else None,
-        logit_bias=dict(msg.logit_bias) or None)
+        logit_bias=dict(msg.logit_bias) or None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)
 
 
 def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
@@ -63,6 +64,8 @@ def params_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | Non
         msg.structured_output.grammar = so.grammar
     if params.logit_bias:
         msg.logit_bias.update(params.logit_bias)
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
 
 
@@ -74,12 +77,14 @@ def token_to_proto(token: SampledToken, out: common_pb2.TokenLogprob) -> None:
     if token.top_logprobs:
         for token_id, logprob in token.top_logprobs:
             out.top.add(token_id=token_id, logprob=logprob)
+    if token.rank is not None:
+        out.rank = token.rank
 
 
 def token_from_proto(msg: common_pb2.TokenLogprob, with_logprobs: bool) -> SampledToken:
     if not with_logprobs:
         return SampledToken(msg.token_id)
-    return SampledToken(msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top])
+    return SampledToken(msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top], msg.rank or None)
 
 
 # ---- one step -------------------------------------------------------------------------------
@@ -134,6 +139,10 @@ def result_to_proto(result: ModelRunnerOutput, worker_time_s: float = 0.0) -> wo
         entry = msg.sampled.add(req_id=req_id)
         for token in tokens:
             token_to_proto(token, entry.tokens.add())
+    for req_id, prompt in result.prompt_logprobs.items():
+        entry = msg.prompt_logprobs.add(req_id=req_id, start=prompt.start)
+        for token in prompt.tokens:
+            token_to_proto(token, entry.tokens.add())
     return msg
 
 
@@ -143,7 +152,9 @@ def result_from_proto(msg: worker_pb2.StepResult, wants_logprobs: set[str] | Non
     for entry in msg.sampled:
         with_logprobs = wants_logprobs is not None and entry.req_id in wants_logprobs
         sampled[entry.req_id] = [token_from_proto(t, with_logprobs) for t in entry.tokens]
-    return ModelRunnerOutput(msg.step_id, sampled, msg.forward_time_s, msg.sample_time_s)
+    prompt = {entry.req_id: PromptLogprobs(entry.start, [token_from_proto(t, True) for t in entry.tokens])
+              for entry in msg.prompt_logprobs}
+    return ModelRunnerOutput(msg.step_id, sampled, msg.forward_time_s, msg.sample_time_s, prompt)
 
 
 # ---- timings --------------------------------------------------------------------------------

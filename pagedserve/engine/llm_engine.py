@@ -59,6 +59,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    prompt_logprobs: list[SampledToken] | None = None  # positions 1.., on a sample's first output
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class CompletedSample:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[SampledToken] | None = None  # positions 1.. of the prompt, when asked
 
 
 def engine_config_from_args(args: argparse.Namespace, progress: bool = True) -> EngineConfig:
@@ -179,7 +181,8 @@ class LLMEngine:
             # aborted that request already and stays consistent for the others).
             raise RuntimeError(f"request {request_id!r} failed in the scheduler: {exc}") from exc
         return [RequestOutput(u.request.group_id, u.request.sample_index, u.new_tokens, u.finished,
-                              u.request.finish_reason, u.request.num_prompt_tokens, u.request.num_cached_tokens)
+                              u.request.finish_reason, u.request.num_prompt_tokens, u.request.num_cached_tokens,
+                              u.prompt_logprobs)
                 for u in updates]
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
@@ -196,6 +199,8 @@ class LLMEngine:
         while self.has_unfinished():
             for out in self.step():
                 sample = results[out.request_id][out.sample_index]
+                if out.prompt_logprobs is not None:
+                    sample.prompt_logprobs = out.prompt_logprobs
                 for token in out.new_tokens:
                     sample.token_ids.append(token.token_id)
                     if token.logprob is not None:

@@ -272,7 +272,8 @@ class CompletionCall:
 
     async def _stream(self, first: generate_pb2.GenerateResponse, skip: ResumeSkip | None = None) -> AsyncIterator[str]:
         builder = ChunkBuilder(self.chat, self.client_id, self.model, self.created, self.n, self.logprobs,
-                               echo=self.echo and skip is None, tools=self.tools)
+                               echo=self.echo and skip is None, tools=self.tools,
+                               prompt_logprobs=getattr(self.body, "prompt_logprobs", None) is not None)
         cursor = Cursor(self.n)
         usage, tracker = self.usage, self.tracker
 
@@ -356,7 +357,7 @@ class CompletionCall:
             out = collector.chat(self.client_id, self.model, self.created, bool(body.logprobs), self.tools)
         else:
             out = collector.completion(self.client_id, self.model, self.created, body.logprobs is not None,
-                                       body.echo)
+                                       body.echo, body.prompt_logprobs is not None)
         if out_timings is not None:
             out["timings"] = out_timings
         return out

@@ -178,6 +178,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each choice's "prompt_logprobs"
 
 
 class TextPart(BaseModel):
@@ -239,13 +240,16 @@ def _check_uint32(value: int, name: str) -> None:
 
 
 def _fill_params(req: _SamplingFields, gen: generate_pb2.GenerateRequest, max_tokens: int | None,
-                 logprobs: int | None) -> None:
+                 logprobs: int | None, prompt_logprobs: int | None = None, echo: bool = False) -> None:
     """Validate with the engine's own rules, then set only what the client sent."""
+    if max_tokens == 0 and not echo:  # as vLLM: the prompt alone is an echo's answer only
+        raise bad_request("max_tokens must be at least 1 (0 is accepted only with echo on /v1/completions)",
+                          "max_tokens")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (it must equal n when sent)", "best_of")
     check = {"n": req.n, "max_tokens": _UNBOUNDED if max_tokens is None else max_tokens,
              "min_tokens": req.min_tokens, "stop_token_ids": list(req.stop_token_ids or []),
-             "logprobs": logprobs}
+             "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed"):
         if getattr(req, name) is not None:
@@ -281,6 +285,8 @@ def _fill_params(req: _SamplingFields, gen: generate_pb2.GenerateRequest, max_to
     p.ignore_eos = req.ignore_eos
     if logprobs is not None:
         p.logprobs = logprobs
+    if prompt_logprobs is not None:
+        p.prompt_logprobs = prompt_logprobs
     structured.fill(req, p)
     gen.stop[:] = _stop_strings(req.stop)
     gen.include_stop_str_in_output = req.include_stop_str_in_output
@@ -306,9 +312,11 @@ def completion_to_generate(req: CompletionRequest) -> generate_pb2.GenerateReque
         gen.prompt_token_ids.ids[:] = prompt
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
-    _fill_params(req, gen, req.max_tokens, req.logprobs)
+    # As vLLM: echo with logprobs covers the prompt too, at the same top k, unless prompt_logprobs says.
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.logprobs
+    _fill_params(req, gen, req.max_tokens, req.logprobs, prompt_logprobs, req.echo)
     gen.echo = req.echo
     return gen
 

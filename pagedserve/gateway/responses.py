@@ -74,9 +74,19 @@ class CompletionLogprobs:
     def __init__(self, offset: int = 0) -> None:
         self.offset = offset
 
-    def build(self, entries: Iterable[common_pb2.TokenLogprob]) -> dict:
+    def build(self, entries: Iterable[common_pb2.TokenLogprob], prompt: Iterable[common_pb2.TokenLogprob] = ()) -> dict:
+        """prompt: an echoed prompt's entries (GenerateResponse.prompt_logprobs), listed first; its
+        first token has no logprob (None), as OpenAI and vLLM answer."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for e in entries:
+        prompt = list(prompt)
+        if prompt:
+            first = prompt.pop(0)
+            out["tokens"].append(first.token)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            out["text_offset"].append(self.offset)
+            self.offset += len(first.token)
+        for e in [*prompt, *entries]:
             out["tokens"].append(e.token)
             out["token_logprobs"].append(clamp_logprob(e.logprob))
             # Like vLLM: the sampled token is listed among the alternatives even when not in the top k.
@@ -88,12 +98,28 @@ class CompletionLogprobs:
         return out
 
 
+def vllm_prompt_logprobs(entries: Iterable[common_pb2.TokenLogprob]) -> list[dict | None]:
+    """vLLM's choice "prompt_logprobs": None for the first token, then per position
+    {token_id: {logprob, rank, decoded_token}}: the prompt token first, then the top k."""
+    entries = list(entries)
+    out: list[dict | None] = [None] if entries else []
+    for e in entries[1:]:
+        position = {str(e.token_id): {"logprob": clamp_logprob(e.logprob), "rank": e.rank or None,
+                                      "decoded_token": e.token}}
+        for rank, t in enumerate(e.top, start=1):
+            position.setdefault(str(t.token_id), {"logprob": clamp_logprob(t.logprob), "rank": rank,
+                                                  "decoded_token": t.token})
+        out.append(position)
+    return out
+
+
 # ---- whole responses ------------------------------------------------------------------------
 @dataclass
 class SampleOutput:
     text: list[str] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
 class Collector:
@@ -115,17 +141,27 @@ class Collector:
         if msg.text:
             sample.text.append(msg.text)
         sample.logprobs.extend(msg.logprobs)
+        if msg.prompt_logprobs:
+            sample.prompt_logprobs = list(msg.prompt_logprobs)
         if msg.finish_reason:
             sample.finish_reason = msg.finish_reason
 
-    def completion(self, request_id: str, model: str, created: int, logprobs: bool, echo: bool) -> dict:
+    def completion(self, request_id: str, model: str, created: int, logprobs: bool, echo: bool,
+                   prompt_logprobs: bool = False) -> dict:
+        """echo with logprobs: the logprobs cover the prompt, then the completion (text_offset from 0).
+        prompt_logprobs (vLLM's field was sent): each choice carries "prompt_logprobs"."""
         choices = []
         for i, s in enumerate(self.samples):
             prefix = self.prompt_text if echo else ""
-            choices.append({
+            echoed = s.prompt_logprobs if echo else ()
+            choice = {
                 "index": i, "text": prefix + "".join(s.text),
-                "logprobs": CompletionLogprobs(len(prefix)).build(s.logprobs) if logprobs else None,
-                "finish_reason": s.finish_reason, "stop_reason": None})
+                "logprobs": CompletionLogprobs(0 if echoed else len(prefix)).build(s.logprobs, echoed)
+                if logprobs else None,
+                "finish_reason": s.finish_reason, "stop_reason": None}
+            if prompt_logprobs:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(s.prompt_logprobs)
+            choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": self.usage.as_dict(), "system_fingerprint": None}
 
@@ -151,10 +187,14 @@ class ChunkBuilder:
     prompt comes first in each sample's text."""
 
     def __init__(self, chat: bool, request_id: str, model: str, created: int, n: int,
-                 logprobs: bool, echo: bool = False, tools: ToolOutput | None = None) -> None:
+                 logprobs: bool, echo: bool = False, tools: ToolOutput | None = None,
+                 prompt_logprobs: bool = False) -> None:
         self.chat, self.request_id, self.model, self.created = chat, request_id, model, created
-        self.n, self.logprobs, self.echo = n, logprobs, echo
+        self.n, self.logprobs, self.echo, self.prompt_logprobs = n, logprobs, echo, prompt_logprobs
         self.tools, self.parsers, self.called = tools, {}, set()  # tool calls: a parser per sample
+        # echo with logprobs: each sample's prompt text waits for its first message, which brings
+        # the prompt's logprobs, and goes out in one chunk with them.
+        self.held_prompt: dict[int, str] = {}
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.usage = UsageTracker()
         self.offsets: dict[int, CompletionLogprobs] = {}
@@ -179,20 +219,31 @@ class ChunkBuilder:
                 return [self._chunk([self._choice(i, "", None, None, role=True)]) for i in range(self.n)]
             prompt = msg.prompt_text if self.echo else ""
             for i in range(self.n):
-                self.offsets[i] = CompletionLogprobs(len(prompt))
+                self.offsets[i] = CompletionLogprobs(0 if prompt and self.logprobs else len(prompt))
+            if prompt and self.logprobs:
+                self.held_prompt = dict.fromkeys(range(self.n), prompt)
+                return []
             return [self._chunk([self._choice(i, prompt, None, None)]) for i in range(self.n)] if prompt else []
-        if not msg.text and not msg.finish_reason and not (self.logprobs and msg.logprobs):
+        held = self.held_prompt.pop(msg.index, None)
+        echoed = msg.prompt_logprobs if held is not None else ()
+        if held is None and not msg.text and not msg.finish_reason and not (self.logprobs and msg.logprobs) \
+                and not (self.prompt_logprobs and msg.prompt_logprobs):
             return []
         logprobs = None
-        if self.logprobs and msg.logprobs:
+        if self.logprobs and (msg.logprobs or echoed):
             if self.chat:
                 logprobs = chat_logprobs(msg.logprobs)
             else:
-                logprobs = self.offsets.setdefault(msg.index, CompletionLogprobs()).build(msg.logprobs)
+                logprobs = self.offsets.setdefault(msg.index, CompletionLogprobs()).build(msg.logprobs, echoed)
         if self.chat and self.tools is not None:
             return self._tool_chunks(msg, logprobs)
         text = msg.text if (msg.text or not self.chat or not msg.finish_reason) else None
-        return [self._chunk([self._choice(msg.index, text, logprobs, msg.finish_reason or None)])]
+        if held is not None:
+            text = held + (text or "")
+        choice = self._choice(msg.index, text, logprobs, msg.finish_reason or None)
+        if self.prompt_logprobs and msg.prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(msg.prompt_logprobs)
+        return [self._chunk([choice])]
 
     def _parser(self, index: int):
         if index not in self.parsers:

@@ -38,6 +38,7 @@ class Delivery:
     finish_reason: str = ""
     timings: dict | None = None  # on a sample's last delivery
     num_cached_tokens: int = 0
+    prompt_logprobs: list[SampledToken] | None = None  # with its first token (start 0), when asked
 
 
 @dataclass(slots=True)

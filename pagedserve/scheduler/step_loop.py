@@ -127,8 +127,11 @@ class StepLoop:
             tokens = req.output_token_ids if req is not None else []
             logprobs = list(req.logprobs) if req is not None and group.params.logprobs is not None else None
             reason = group.finish_reasons[index]
+            prompt = list(req.prompt_logprobs) if req is not None and tokens and group.params.prompt_logprobs \
+                is not None else None
             deliveries.append(Delivery(index, 0, tokens, logprobs, reason,
-                                       group.timings_snapshot() if reason else None, group.num_cached_tokens))
+                                       group.timings_snapshot() if reason else None, group.num_cached_tokens,
+                                       prompt))
         self.writer.submit([], [(group, deliveries)], only_to=sub)
 
     def _step(self) -> None:
@@ -207,7 +210,8 @@ class StepLoop:
                     write.fields["timings"] = ""  # filled below, once the step's updates are in
                 delivery = Delivery(req.sample_index, req.num_output_tokens - len(tokens), tokens,
                                     list(update.new_tokens) if group.params.logprobs is not None else None,
-                                    num_cached_tokens=group.num_cached_tokens)
+                                    num_cached_tokens=group.num_cached_tokens,
+                                    prompt_logprobs=update.prompt_logprobs)
                 if update.finished:
                     group.finish_reasons[req.sample_index] = delivery.finish_reason = req.finish_reason or "stop"
                     if all(group.finish_reasons):

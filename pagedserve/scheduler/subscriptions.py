@@ -94,21 +94,25 @@ class DeltaFilter:
             skip = max(0, self.sent[index] - delivery.start)
             tokens = delivery.token_ids[skip:]
             logprobs = delivery.logprobs[skip:] if delivery.logprobs else None
+            # The prompt's logprobs ride with the first token: past it, this subscriber has them.
+            prompt = delivery.prompt_logprobs if self.sent[index] <= delivery.start else None
             self.sent[index] += len(tokens)
             if tokens or delivery.finish_reason:
-                out.append(delta_message(self.request_id, delivery, tokens, logprobs, self.tag))
+                out.append(delta_message(self.request_id, delivery, tokens, logprobs, self.tag, prompt))
             self.finished[index] = bool(delivery.finish_reason)
         return out
 
 
 def delta_message(request_id: str, delivery: Delivery, tokens: list[int], logprobs,
-                  tag: int = 0) -> scheduler_pb2.TokenDelta:
+                  tag: int = 0, prompt_logprobs=None) -> scheduler_pb2.TokenDelta:
     msg = scheduler_pb2.TokenDelta(request_id=request_id, index=delivery.index, token_ids=tokens,
                                    finish_reason=delivery.finish_reason,
                                    num_cached_tokens=delivery.num_cached_tokens, tag=tag)
     if logprobs:
         for token in logprobs:
             wire.token_to_proto(token, msg.logprobs.add())
+    for token in prompt_logprobs or ():
+        wire.token_to_proto(token, msg.prompt_logprobs.add())
     if delivery.timings:
         wire.timings_from_dict(delivery.timings, msg.timings)
     return msg

@@ -167,11 +167,13 @@ class RequestStream:
                                                  token_ids=delta.token_ids[:used])
         if len(delta.logprobs) == len(delta.token_ids):
             for lp in delta.logprobs[:used]:
-                self._add_logprob(response, lp)
+                self._add_logprob(response.logprobs.add(), lp)
+        if delta.prompt_logprobs:
+            self._add_prompt_logprobs(response, delta.prompt_logprobs)
         s.forwarded += used
         finish = "stop" if stopped else delta.finish_reason
         if not finish:
-            return (response if response.text or response.token_ids else None), False
+            return (response if response.text or response.token_ids or response.prompt_logprobs else None), False
         s.finished = True
         response.finish_reason = finish
         response.usage.prompt_tokens = self.prompt_tokens
@@ -184,8 +186,14 @@ class RequestStream:
         # The scheduler still generates this sample only if it had not finished it itself.
         return response, stopped and not delta.finish_reason
 
-    def _add_logprob(self, response: generate_pb2.GenerateResponse, lp: common_pb2.TokenLogprob) -> None:
-        out = response.logprobs.add()
+    def _add_prompt_logprobs(self, response: generate_pb2.GenerateResponse, entries) -> None:
+        """One entry per prompt token: the first has its token only (nothing predicts it)."""
+        first = self.schedule.prompt_token_ids[0]
+        response.prompt_logprobs.add(token_id=first, token=self.service.token_text(first))
+        for lp in entries:
+            self._add_logprob(response.prompt_logprobs.add(), lp)
+
+    def _add_logprob(self, out: common_pb2.TokenLogprob, lp: common_pb2.TokenLogprob) -> None:
         out.CopyFrom(lp)
         out.token = self.service.token_text(lp.token_id)
         for top in out.top:

@@ -16,6 +16,7 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.attention import AttentionMetadata, PrefillSeq, cpu_kernels, make_backend
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.models import model_class
+from pagedserve.worker import prompt_logprobs
 from pagedserve.worker.parallel import broadcast_from_rank0, tp_group, using_group
 from pagedserve.worker.request_states import RequestState, RequestStates
 from pagedserve.worker.sampler import RowSampling, Sampler
@@ -170,8 +171,9 @@ class ModelRunner:
         input_ids, positions, meta, order, counts = self._prepare(step)
         hidden = self.model(input_ids, positions, self.kv.device_cache, meta)
         ends = np.cumsum(counts) - 1
+        # max_tokens 0 (the prompt only): the prefill runs, nothing is sampled.
         samplers = [i for i, (s, n) in enumerate(zip(order, counts))
-                    if s.num_computed_tokens + n == len(s.token_ids)]
+                    if s.num_computed_tokens + n == len(s.token_ids) and s.params.max_tokens]
         result = ModelRunnerOutput(step.step_id, {})
         if samplers:
             logits = self.model.compute_logits(hidden[torch.as_tensor(ends[samplers], device=self.device)])
@@ -185,6 +187,8 @@ class ModelRunner:
             result.sample_time_s = time.perf_counter() - t1
         else:
             result.forward_time_s = time.perf_counter() - t0
+        if any(s.params.prompt_logprobs is not None for s in order):
+            result.prompt_logprobs = prompt_logprobs.compute(self.model, hidden, order, counts, tp_group().rank == 0)
         self.requests.advance(zip(order, counts))
         self.requests.commit({req_id: [t.token_id for t in tokens] for req_id, tokens in result.sampled.items()})
         return result

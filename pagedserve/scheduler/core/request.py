@@ -56,6 +56,7 @@ class Request:
     num_preemptions: int = 0
     sent_to_worker: bool = False  # the worker holds its state (cleared by a recompute preemption)
     logprobs: list[SampledToken] = field(default_factory=list)
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)  # positions 1, 2, ... as computed
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
@@ -78,6 +79,13 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
+
+    def add_prompt_logprobs(self, start: int, tokens: list[SampledToken]) -> None:
+        """A chunk's prompt logprobs (tokens[i] at position start + i): keeps each position's first
+        copy, so a prompt re-run by a recompute preemption delivers no position twice."""
+        wanted = 1 + len(self.prompt_logprobs)
+        if start <= wanted < start + len(tokens):
+            self.prompt_logprobs.extend(tokens[wanted - start:])
 
     def sort_key(self) -> tuple[int, float, int]:
         return (self.priority, self.arrival_time, self.sample_index)

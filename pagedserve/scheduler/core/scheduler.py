@@ -85,6 +85,9 @@ class RequestUpdate:
     request: Request
     new_tokens: list[SampledToken]
     finished: bool
+    # With prompt_logprobs, on each sample's first update (its first token, or the finish of a
+    # max_tokens 0 request): the prompt's logprobs, positions 1 .. P-1.
+    prompt_logprobs: list[SampledToken] | None = None
 
 
 class Scheduler(Isolation):
@@ -364,7 +367,9 @@ class Scheduler(Isolation):
         if self._num_seqs_after(req) > cfg.max_num_seqs:
             self._wait_reason = "seq_budget"
             return False
-        hits = bm.find_cached_prefix(req.request_id, req.token_ids)
+        # A cached prefix computes no logits: a request that wants its prompt's logprobs takes no
+        # hits (as vLLM does); it still fills the cache for others.
+        hits = bm.find_cached_prefix(req.request_id, req.token_ids) if req.params.prompt_logprobs is None else []
         num_computed = len(hits) * cfg.block_size
         num_new = req.num_tokens - num_computed
         # Unchunked prefill waits for a step with room, unless no step could ever hold it
@@ -400,6 +405,15 @@ class Scheduler(Isolation):
             req.num_computed_tokens += num_tokens
             samples = result.sampled.get(req_id)
             try:
+                prompt = result.prompt_logprobs.get(req_id)
+                if prompt is not None:
+                    req.add_prompt_logprobs(prompt.start, prompt.tokens)
+                if req.params.max_tokens == 0:  # the prompt only: done once it is computed, nothing sampled
+                    if req.num_computed_tokens >= req.num_tokens:
+                        self._finish(req, RequestStatus.FINISHED_LENGTH)
+                        updates.append(RequestUpdate(req, [], True, self._first_prompt_logprobs(req)))
+                        continue
+                    samples = None
                 if samples:
                     for child in self._fork(req, samples[1:]):
                         updates.append(self._append(child, None))
@@ -426,6 +440,7 @@ class Scheduler(Isolation):
                             first_scheduled_time=parent.first_scheduled_time)
             if sample.logprob is not None:
                 child.logprobs.append(sample)
+            child.prompt_logprobs = parent.prompt_logprobs  # complete: the prompt is computed
             self.block_manager.fork(parent.request_id, child_id)
             self.requests[child_id] = child
             self.groups[parent.group_id].append(child)
@@ -455,7 +470,14 @@ class Scheduler(Isolation):
             stop = RequestStatus.FINISHED_LENGTH
         if stop is not None:
             self._finish(req, stop)
-        return RequestUpdate(req, new, stop is not None)
+        first = self._first_prompt_logprobs(req) if req.num_output_tokens == 1 else None
+        return RequestUpdate(req, new, stop is not None, first)
+
+    @staticmethod
+    def _first_prompt_logprobs(req: Request) -> list[SampledToken] | None:
+        # Sent once, with a sample's first token: a request resumed after a restart (outputs
+        # already stored) or re-run by recompute is past it and sends nothing again.
+        return list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         queue = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
