@@ -1,0 +1,177 @@
+"""Prompt logprobs through every service on the default model in float32, against transformers'
+forward pass over the same weights: completions' echo + logprobs (the legacy logprobs object over
+prompt then completion), vLLM's prompt_logprobs, max_tokens 0, streaming, a prompt the prefix
+cache holds, prefill in chunks (max_num_batched_tokens 8); then lm-evaluation-harness's
+`local-completions` on a small local loglikelihood task, whose accuracy must be transformers'."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from service_stack import scheduler_stats
+
+pytestmark = pytest.mark.slow
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "lm_eval"
+TEXT = "The capital of France is Paris, and the capital of Germany is Berlin. Both are large cities."
+
+
+@pytest.fixture(scope="module")
+def stack(default_model_path, launch_stack):
+    return launch_stack(default_model_path, kv_cache_memory="64MiB", max_num_batched_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def hf(default_model_path):
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_path, gguf_file="model.gguf",
+                                                              dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+def log_dist(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: row i is the log-distribution that predicts ids[i + 1] (the last row: the next)."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def prompt_reference(model, ids: list[int]) -> list[float]:
+    dist = log_dist(model, ids)
+    return dist[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
+
+
+def test_echo_logprobs_match_transformers_with_and_without_a_cached_prefix(stack, client, model_name, hf):
+    tokenizer, model = hf
+    ids = tokenizer(TEXT)["input_ids"]
+    assert len(ids) > 8  # prefilled in chunks
+    want = prompt_reference(model, ids)
+    dist = log_dist(model, ids)
+    client.completions.create(model=model_name, prompt=TEXT, max_tokens=1, temperature=0)  # fills the cache
+    hits = scheduler_stats(stack).prefix_cache_hits
+    client.completions.create(model=model_name, prompt=TEXT, max_tokens=1, temperature=0)
+    assert scheduler_stats(stack).prefix_cache_hits > hits  # a plain request does hit it
+    for _ in range(2):
+        hits = scheduler_stats(stack).prefix_cache_hits
+        out = client.completions.create(model=model_name, prompt=TEXT, echo=True, logprobs=3, max_tokens=0,
+                                        temperature=0)
+        assert scheduler_stats(stack).prefix_cache_hits == hits  # computed again: a cached prefix has no logits
+        (choice,) = out.choices
+        assert choice.text == TEXT and choice.finish_reason == "length" and out.usage.completion_tokens == 0
+        lp = choice.logprobs
+        assert lp.tokens == [tokenizer.decode([t]) for t in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], want)) < 1e-3
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+        for i, top in enumerate(lp.top_logprobs[1:]):
+            best = dist[i].topk(3)
+            assert {tokenizer.decode([t]) for t in best.indices.tolist()} <= set(top)
+            assert abs(max(top.values()) - best.values[0].item()) < 1e-3
+
+
+def test_lm_eval_request_shape_token_ids_echo_and_one_token(client, model_name, hf):
+    tokenizer, model = hf
+    ids = tokenizer("Question: What do bees make?\nAnswer: honey")["input_ids"]
+    out = client.completions.create(model=model_name, prompt=[ids], echo=True, logprobs=1, max_tokens=1,
+                                    temperature=0, seed=1234)
+    (choice,) = out.choices
+    dist = log_dist(model, ids)
+    lp = choice.logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:-1], prompt_reference(model, ids))) < 1e-3
+    next_id = int(dist[-1].argmax())
+    assert lp.tokens[-1] == tokenizer.decode([next_id]) and abs(lp.token_logprobs[-1] - dist[-1].max().item()) < 1e-3
+    assert choice.text == tokenizer.decode(ids) + tokenizer.decode([next_id])
+
+
+def test_vllm_prompt_logprobs_and_streaming_echo(client, model_name, hf):
+    tokenizer, model = hf
+    ids = tokenizer(TEXT)["input_ids"]
+    want = prompt_reference(model, ids)
+    dist = log_dist(model, ids)
+    out = client.completions.create(model=model_name, prompt=TEXT, max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    (choice,) = out.choices
+    assert choice.logprobs is None
+    prompt = choice.model_extra["prompt_logprobs"]
+    assert len(prompt) == len(ids) and prompt[0] is None
+    for i, (position, token) in enumerate(zip(prompt[1:], ids[1:])):
+        entry = position[str(token)]
+        assert abs(entry["logprob"] - want[i]) < 1e-3 and entry["decoded_token"] == tokenizer.decode([token])
+        assert entry["rank"] == int((dist[i] >= dist[i, token]).sum())
+        top = dist[i].topk(2).indices.tolist()
+        assert [position[str(t)]["rank"] for t in top if t != token or entry["rank"] <= 2][:1] == [1]
+        assert set(map(str, top)) <= set(position) and len(position) <= 3
+    # Streaming echo + logprobs: the prompt's text goes out with its logprobs, then the tokens.
+    chunks = list(client.completions.create(model=model_name, prompt=TEXT, echo=True, logprobs=0, max_tokens=3,
+                                            temperature=0, stream=True))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    tokens, logprobs, offsets = [], [], []
+    for c in chunks:
+        if c.choices and c.choices[0].logprobs is not None:
+            tokens += c.choices[0].logprobs.tokens
+            logprobs += c.choices[0].logprobs.token_logprobs
+            offsets += c.choices[0].logprobs.text_offset
+    whole = client.completions.create(model=model_name, prompt=TEXT, echo=True, logprobs=0, max_tokens=3,
+                                      temperature=0)
+    assert text == whole.choices[0].text and text.startswith(TEXT)
+    assert tokens == whole.choices[0].logprobs.tokens and len(tokens) == len(ids) + 3
+    assert logprobs[0] is None and max(abs(a - b) for a, b in zip(logprobs[1:len(ids)], want)) < 1e-3
+    assert offsets == whole.choices[0].logprobs.text_offset
+
+
+def test_lm_eval_local_completions_accuracy_equals_transformers(stack, model_name, hf, default_model_path,
+                                                                monkeypatch):
+    import json
+
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    tokenizer, model = hf
+    docs = [json.loads(line) for line in (DATA / "tiny_qa.jsonl").read_text().splitlines()]
+    # The reference: lm-eval's own request layout (context "Question: ...\nAnswer:", continuation
+    # " " + choice, split after encoding the whole), scored by transformers.
+    correct, expected_scores = 0, []
+    for doc in docs:
+        context = f"Question: {doc['question']}\nAnswer:"
+        scores = []
+        for choice in doc["choices"]:
+            ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
+            whole = tokenizer(context + " " + choice, add_special_tokens=False)["input_ids"]
+            dist = log_dist(model, whole)
+            scores.append(sum(dist[i - 1, whole[i]].item() for i in range(len(ctx), len(whole))))
+        expected_scores.append(scores)
+        correct += max(range(len(scores)), key=scores.__getitem__) == doc["answer"]
+    monkeypatch.chdir(DATA)  # the task's data_files path is relative
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(Path(os.environ.get("TMPDIR", "/tmp")) / "pagedserve-lm-eval"))
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"model": model_name, "base_url": stack.http_url + "/v1/completions",
+                    "tokenizer": str(default_model_path), "tokenizer_backend": "huggingface",
+                    "tokenized_requests": True, "num_concurrent": 2, "max_retries": 1},
+        tasks=["pagedserve_tiny_qa"], task_manager=TaskManager(include_path=str(DATA)), log_samples=True)
+    acc = results["results"]["pagedserve_tiny_qa"]["acc,none"]
+    assert acc == pytest.approx(correct / len(docs))
+    samples = sorted(results["samples"]["pagedserve_tiny_qa"], key=lambda s: s["doc_id"])
+    assert len(samples) == len(docs)
+    for sample, scores in zip(samples, expected_scores):
+        got = [resp[0][0] for resp in sample["resps"]]
+        assert len(got) == len(scores) and got == pytest.approx(scores, abs=5e-3)
+    print(f"lm-eval acc {acc:.3f} = transformers' {correct}/{len(docs)}")
