@@ -177,3 +177,22 @@ def test_tokenizer_and_chat_template_arguments(default_model_path, tmp_path):
         assert out.prompt == "<user>xhi"
         assert out.prompt_token_ids == llm.get_tokenizer().encode("<user>xhi", add_special_tokens=False)
         assert len(out.outputs[0].token_ids) == 2
+
+
+def test_prompt_logprobs_as_vllm_returns_them(llm, model):
+    import torch
+    import transformers
+
+    out, only = llm.generate([PROMPTS[1], PROMPTS[2]], [greedy(2, prompt_logprobs=1), greedy(0, prompt_logprobs=0)])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    for o, k in ((out, 1), (only, 0)):
+        ids = o.prompt_token_ids
+        with torch.no_grad():
+            dist = reference(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+        want = dist.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
+        assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(ids)
+        assert [e.token_id for e in o.prompt_logprobs[1:]] == ids[1:]
+        assert max(abs(e.logprob - w) for e, w in zip(o.prompt_logprobs[1:], want)) < 1e-3
+        assert all(len(e.top_logprobs) == k for e in o.prompt_logprobs[1:])
+    assert len(out.outputs[0].token_ids) == 2
+    assert only.outputs[0].token_ids == [] and only.outputs[0].finish_reason == "length" and only.finished

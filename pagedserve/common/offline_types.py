@@ -61,3 +61,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None first (nothing predicts
+    # it), then each token's logprob, rank and the top k (vLLM's RequestOutput.prompt_logprobs).
+    prompt_logprobs: list[SampledToken | None] | None = None

@@ -14,7 +14,8 @@ from pagedserve.tokenizer.detokenizer import SampleText
 
 
 class TextRequest:
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "samples", "texts", "num_cached_tokens")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "samples", "texts", "num_cached_tokens",
+                 "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer) -> None:
@@ -30,6 +31,7 @@ class TextRequest:
                         for i in range(params.n)]
         self.texts = [SampleText(tokenizer, prompt_token_ids, skip, stop, include) for _ in range(params.n)]
         self.num_cached_tokens = 0
+        self.prompt_logprobs = None
 
     @property
     def finished(self) -> bool:
@@ -43,6 +45,8 @@ class TextRequest:
         if sample.finish_reason is not None:
             return False
         self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None, *out.prompt_logprobs]
         ids = [t.token_id for t in out.new_tokens]
         text, used, stopped = self.texts[out.sample_index].push(ids, final=out.finished)
         sample.text += text
@@ -70,4 +74,5 @@ class TextRequest:
                                     None if s.logprobs is None else list(s.logprobs), s.finish_reason, s.stop_reason)
                    for s in self.samples]
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs, self.finished,
-                             self.num_cached_tokens)
+                             self.num_cached_tokens,
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs))
