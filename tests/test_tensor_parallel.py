@@ -89,3 +89,18 @@ def test_bench_tp_runs_both_rank_counts(llama, tmp_path):
     result = json.loads(out.read_text())
     assert result["tensor_parallel_size"] == 2 and len(result["2_ranks_output_tok_s"]) == 1
     assert result["median_ratio"] > 0
+
+
+def test_prompt_logprobs_on_two_ranks_equal_one(llama_one_kv_head):
+    # The head's all-gather runs on every rank; rank 0 alone builds the result (vocab 255: uneven split).
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    out = []
+    for ranks in (1, 2):
+        with make_engine(llama_one_kv_head, tensor_parallel_size=ranks, max_num_batched_tokens=16) as engine:
+            out.append([[(t.token_id, t.rank, [i for i, _ in t.top_logprobs]) for t in samples[0].prompt_logprobs]
+                        + [[t.logprob for t in samples[0].prompt_logprobs]]
+                        for samples in engine.generate(PROMPTS, params)])
+    for prompt, one, two in zip(PROMPTS, *out):
+        assert len(one) == len(prompt)  # an entry per prompt position after the first, then the logprobs
+        assert one[:-1] == two[:-1]
+        assert max(abs(a - b) for a, b in zip(one[-1], two[-1])) < 1e-4
