@@ -240,7 +240,8 @@ def test_echo_with_logprobs_covers_the_prompt_and_prompt_logprobs_take_vllms_sha
     assert error_of(completion, max_tokens=0).param == "max_tokens"
     assert error_of(completion, echo=True, max_tokens=0, n=2).param == "max_tokens"
     assert error_of(chat, max_tokens=0).param == "max_tokens"
-    assert error_of(chat, prompt_logprobs=1).param == "prompt_logprobs"  # chat: not supported, said so
+    assert chat(prompt_logprobs=1).params.prompt_logprobs == 1 and not chat().params.HasField("prompt_logprobs")
+    assert error_of(chat, prompt_logprobs=-1).param == "prompt_logprobs"
     c = Collector(1)
     first = delta(0, " c", [7], "length", 1, [lp(" c", -0.5)])
     first.prompt_logprobs.extend([common_pb2.TokenLogprob(token_id=4, token="A"),

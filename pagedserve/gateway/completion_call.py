@@ -41,7 +41,7 @@ from pagedserve.gateway import structured
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
                                          completion_to_generate, error_body, include_event_ids,
                                          include_usage, internal_error, prompt_too_long)
-from pagedserve.gateway.responses import ChunkBuilder, Collector
+from pagedserve.gateway.responses import ChunkBuilder, Collector, vllm_prompt_logprobs
 from pagedserve.gateway.tools import ToolOutput, chat_tools
 from pagedserve.gateway.background import spawn, watch_disconnect
 from pagedserve.gateway.sse import DONE, CancellingStream, Cursor, ResumeSkip, sse_event
@@ -355,6 +355,8 @@ class CompletionCall:
         body = self.body
         if self.chat:
             out = collector.chat(self.client_id, self.model, self.created, bool(body.logprobs), self.tools)
+            if body.prompt_logprobs is not None:  # vLLM's: one list for the request, beside the choices
+                out["prompt_logprobs"] = vllm_prompt_logprobs(collector.samples[0].prompt_logprobs)
         else:
             out = collector.completion(self.client_id, self.model, self.created, body.logprobs is not None,
                                        body.echo, body.prompt_logprobs is not None)

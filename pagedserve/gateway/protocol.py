@@ -208,6 +208,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the response's "prompt_logprobs" (the templated prompt)
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -343,7 +344,7 @@ def chat_to_generate(req: ChatCompletionRequest) -> generate_pb2.GenerateRequest
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; the newer one wins.
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     try:
-        _fill_params(req, gen, max_tokens, logprobs)
+        _fill_params(req, gen, max_tokens, logprobs, req.prompt_logprobs)
     except RequestError as exc:
         if exc.param == "max_tokens" and req.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"

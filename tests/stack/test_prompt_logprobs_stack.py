@@ -175,3 +175,17 @@ def test_lm_eval_local_completions_accuracy_equals_transformers(stack, model_nam
         got = [resp[0][0] for resp in sample["resps"]]
         assert len(got) == len(scores) and got == pytest.approx(scores, abs=5e-3)
     print(f"lm-eval acc {acc:.3f} = transformers' {correct}/{len(docs)}")
+
+
+def test_chat_prompt_logprobs_cover_the_templated_prompt(stack, client, model_name, hf):
+    import httpx
+
+    tokenizer, model = hf
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = httpx.post(stack.http_url + "/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    out = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1, temperature=0,
+                                         extra_body={"prompt_logprobs": 0})
+    prompt = out.model_extra["prompt_logprobs"]
+    assert len(prompt) == len(ids) and prompt[0] is None
+    got = [position[str(token)]["logprob"] for position, token in zip(prompt[1:], ids[1:])]
+    assert max(abs(a - b) for a, b in zip(got, prompt_reference(model, ids))) < 1e-3
