@@ -29,6 +29,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--baseline-batch-sizes", type=parse_batch_sizes, default=[8, 32],
                    help="comma-separated static batch sizes for the transformers baseline (default 8,32)")
     p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--profile", action="store_true",
+                   help="time each part of every engine step (matmuls, attention, sampler, metadata, ...) "
+                        "and print them per step kind against their floors (costs a little speed)")
     add_engine_args(p)
     p.set_defaults(func=run_throughput)
     from pagedserve.bench.services import add_services_parser

@@ -189,7 +189,15 @@ def run_throughput(args) -> dict:
 
     # Warm-up: one tiny request, outside the timed region.
     engine.generate([[100 + i for i in range(8)]], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4))
+    profiler = None
+    if getattr(args, "profile", False):
+        if engine.ranks is not None:
+            raise ValueError("--profile times one process's steps: use it with --tensor-parallel-size 1")
+        from pagedserve.worker.step_profile import StepProfiler
+        profiler = StepProfiler(engine.runner).install()
     ours = run_engine(engine, work)
+    if profiler is not None:
+        profiler.remove()
     dtype, device = engine.dtype, engine.device
     block_size = engine.scheduler.block_manager.block_size
     engine.close()
@@ -226,7 +234,12 @@ def run_throughput(args) -> dict:
         "torch_threads": torch.get_num_threads(),
         "cpu": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
     }
+    if profiler is not None:
+        result["profile"] = {"matmul_flops_per_s": profiler.mm_rate, "memory_bytes_per_s": profiler.bandwidth,
+                             "kinds": profiler.rows()}
     print_table(result, block_size)
+    if profiler is not None:
+        profiler.print_table()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -14,6 +14,7 @@ from pagedserve.common.messages import ModelRunnerOutput, SampledToken, Schedule
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.attention import AttentionMetadata, PrefillSeq, cpu_kernels, make_backend
+from pagedserve.worker.cpu_linear import pack_model
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.models import model_class
 from pagedserve.worker import prompt_logprobs
@@ -57,6 +58,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous_dtype)
         model.load_weights(iter_lazy_weights(model_path, dtype, progress))
+        pack_model(model, device, dtype)
         self.model = model.eval()
         self.kv: KVCache | None = None
         self.sampler = Sampler()

@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.worker.cpu_linear import packed_linear
+
 
 @dataclass(slots=True)
 class TPGroup:
@@ -151,6 +153,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_sizes = [s.size for s in shards]
         self.weight = new_param(sum(self.output_sizes), in_features)
         mark_loader(self.weight, self._load, len(shards))
+        self.packed = None  # the weight in oneDNN's layout, on the CPU (cpu_linear.pack_model)
         self.bias = None
         if bias:
             self.bias = new_param(sum(self.output_sizes))
@@ -161,6 +164,8 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data.narrow(0, self.offsets[part], shard.size), loaded.narrow(0, shard.start, shard.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -174,6 +179,7 @@ class RowParallelLinear(nn.Module):
         self.reduce = reduce  # False: the caller sums several partial outputs with one all_reduce
         self.weight = new_param(out_features, self.shard.size)
         mark_loader(self.weight, self._load, 1)
+        self.packed = None
         self.bias = None
         if bias:
             self.bias = new_param(out_features)
@@ -183,7 +189,7 @@ class RowParallelLinear(nn.Module):
         copy_checked(param.data, loaded.narrow(1, self.shard.start, self.shard.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = F.linear(x, self.weight) if self.packed is None else packed_linear(x, self.packed)
         if self.reduce:
             all_reduce(out)
         return out if self.bias is None else out + self.bias
@@ -196,12 +202,15 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.weight = new_param(out_features, in_features)
         mark_loader(self.weight, load_full, 1)
+        self.packed = None
         self.bias = None
         if bias:
             self.bias = new_param(out_features)
             mark_loader(self.bias, load_full, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -219,6 +228,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_rows = max(0, min(vocab_size, self.start + self.rows_per_rank) - self.start)
         self.weight = new_param(self.rows_per_rank, hidden_size)
         mark_loader(self.weight, self._load, 1)
+        self.packed = None  # for `logits`; the embedding lookup reads `weight`
 
     def _load(self, param: nn.Parameter, loaded, part: int) -> None:
         param.data.zero_()
@@ -235,7 +245,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 [rows, vocab_size] logits of hidden [rows, hidden_size]."""
-        if hidden.device.type == "cpu":
+        if self.packed is not None:
+            local = packed_linear(hidden, self.packed).float()
+        elif hidden.device.type == "cpu":
             # [vocab, hidden] @ [hidden, rows]: MKL streams the big weight once; F.linear's layout
             # ran 1.5-2x slower for decode batches on a 49k vocabulary.
             local = torch.mm(self.weight, hidden.t()).t().float().contiguous()
