@@ -57,3 +57,28 @@ def test_small_m_linear_rejects_bad_input():
         ops.small_m_linear(torch.randn(2, 7), torch.randn(3, 7))
     with pytest.raises(RuntimeError, match="float32"):
         ops.small_m_linear(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens, hidden", [(1, 64), (7, 37), (33, 576)])
+def test_rms_norm_with_and_without_residual(dtype, tokens, hidden):
+    from pagedserve.worker.models.llama import RMSNorm
+
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = (torch.randn(hidden) * 0.5 + 1).to(dtype)
+    x, residual = (torch.randn(tokens, hidden) * 3).to(dtype), (torch.randn(tokens, hidden) * 3).to(dtype)
+    tol = TOLERANCE[dtype]
+    assert torch.allclose(ops.rms_norm(x, norm.weight, 1e-5).float(), norm(x).float(), rtol=tol, atol=tol)
+    total = residual + x
+    got = ops.rms_norm(x, norm.weight, 1e-5, residual)
+    assert torch.equal(residual, total)  # the residual add happened in place, rounded as torch rounds it
+    assert torch.allclose(got.float(), norm(total).float(), rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:  # rounded where transformers rounds: equal, not just close
+        assert torch.equal(got, norm(total))
+
+
+def test_rms_norm_rejects_bad_input():
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="residual must match"):
+        ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5, torch.randn(3, 8))

@@ -6,6 +6,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::optional<at::Tensor> residual);
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w);
 void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
                     const at::Tensor& positions);
@@ -16,5 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over a paged KV cache (query [B,H,D], caches [N,bs,KVH,D])");
   m.def("small_m_linear", &pagedserve::small_m_linear, "x @ w.T in float32 for small row counts");
   m.def("silu_and_mul", &pagedserve::silu_and_mul, "silu(x[:, :I]) * x[:, I:]");
+  m.def("rms_norm", &pagedserve::rms_norm, "RMSNorm (float32 statistics); with residual: residual += x, then norm it",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("rotary_inplace", &pagedserve::rotary_inplace, "rotate-half rotary embedding of q and k in place");
 }

@@ -85,8 +85,7 @@ void decode_fixed(const at::Tensor& query, const at::Tensor& k_cache, const at::
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         scalar_t* orow = o + (seq * num_heads + h) * D;
-        for (int i = 0; i < NV; ++i)
-          for (int l = 0; l < kLanes; ++l) orow[i * kLanes + l] = static_cast<scalar_t>(acc[h * NV + i][l]);
+        for (int i = 0; i < NV; ++i) store_f(orow + i * kLanes, acc[h * NV + i]);
       }
     }
   });

@@ -1,23 +1,18 @@
 // Small SIMD helpers shared by the CPU kernels.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 namespace pagedserve {
 
-// float rows are used in place; narrower types are widened into `buffer` once per row.
-template <typename scalar_t>
-inline const float* as_float(const scalar_t* src, float* buffer, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) buffer[d] = static_cast<float>(src[d]);
-  return buffer;
-}
-template <>
-inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
-
 // GCC vector extensions: AVX2 (or AVX-512) code under -march=native, without intrinsics.
 typedef float vfloat __attribute__((vector_size(32)));
+typedef uint32_t vu32 __attribute__((vector_size(32)));
+typedef uint16_t vu16 __attribute__((vector_size(16)));
 constexpr int kLanes = 8;
 
 inline vfloat load_v(const float* p) {
@@ -25,6 +20,56 @@ inline vfloat load_v(const float* p) {
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
+inline void store_v(float* p, vfloat v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+// kLanes elements of any dtype widened to float (bfloat16: a shift, as c10 does it, but whole
+// vectors at once; a scalar conversion per element cost more than the arithmetic around it).
+template <typename scalar_t>
+inline vfloat load_f(const scalar_t* p) {
+  vfloat v;
+  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+}
+template <>
+inline vfloat load_f<float>(const float* p) { return load_v(p); }
+template <>
+inline vfloat load_f<c10::BFloat16>(const c10::BFloat16* p) {
+  vu16 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  const vu32 w = __builtin_convertvector(h, vu32) << 16;
+  vfloat v;
+  __builtin_memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+// kLanes floats narrowed to scalar_t, rounding to nearest even as c10's conversions do.
+template <typename scalar_t>
+inline void store_f(scalar_t* p, vfloat v) {
+  for (int l = 0; l < kLanes; ++l) p[l] = static_cast<scalar_t>(v[l]);
+}
+template <>
+inline void store_f<float>(float* p, vfloat v) { store_v(p, v); }
+template <>
+inline void store_f<c10::BFloat16>(c10::BFloat16* p, vfloat v) {
+  vu32 b;
+  __builtin_memcpy(&b, &v, sizeof(b));
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  const vu32 nan = (vu32)(v != v);  // c10 turns any NaN into 0x7FC0
+  b = (b & ~nan) | (0x7FC0u & nan);
+  const vu16 h = __builtin_convertvector(b, vu16);
+  __builtin_memcpy(p, &h, sizeof(h));
+}
+
+// float rows are used in place; narrower types are widened into `buffer` once per row.
+template <typename scalar_t>
+inline const float* as_float(const scalar_t* src, float* buffer, int64_t n) {
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) store_v(buffer + d, load_f(src + d));
+  for (; d < n; ++d) buffer[d] = static_cast<float>(src[d]);
+  return buffer;
+}
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
 inline float hsum(vfloat v) {
   float s = 0.f;
   for (int l = 0; l < kLanes; ++l) s += v[l];

@@ -142,6 +142,19 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+    def forward_fused(self, out, residual, rope, kv_cache, meta: AttentionMetadata, ops):
+        """The same layer with each residual add fused into the norm after it (the CPU kernel):
+        takes the previous layer's MLP output and the running residual (None at the first layer,
+        where `out` is the embedding), returns this layer's MLP output and the residual, which
+        it updates in place."""
+        if residual is None:
+            residual, normed = out, ops.rms_norm(out, self.input_layernorm.weight, self.input_layernorm.eps)
+        else:
+            normed = ops.rms_norm(out, self.input_layernorm.weight, self.input_layernorm.eps, residual)
+        out = self.self_attn(normed, rope, kv_cache, meta)
+        normed = ops.rms_norm(out, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual)
+        return self.mlp(normed), residual
+
 
 # HF projection name -> (our merged module, part): q/k/v and gate/up each run as one matmul.
 MERGED_PROJECTIONS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -162,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.init_rope(max_positions)
         self.requires_grad_(False)
+        self._fused_norms: bool | None = None
 
     def make_attention(self, layer_index: int, backend: AttentionBackend) -> nn.Module:
         return LlamaAttention(self.cfg, backend, self.cpu_ops)
@@ -184,9 +198,24 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rope(positions, hidden.dtype)
+        if self.fused_norms:
+            out, residual, ops = hidden, None, self.cpu_ops
+            for i, layer in enumerate(self.layers):
+                out, residual = layer.forward_fused(out, residual, rope, kv_caches[i], meta, ops)
+            return ops.rms_norm(out, self.norm.weight, self.norm.eps, residual)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, rope, kv_caches[i], meta)
         return self.norm(hidden)
+
+    @property
+    def fused_norms(self) -> bool:
+        """Whether the CPU kernels can run every norm with the residual add before it."""
+        if self._fused_norms is None:
+            norms = [self.norm] + [n for layer in self.layers for n in (layer.input_layernorm,
+                                                                       layer.post_attention_layernorm)]
+            self._fused_norms = (hasattr(self.cpu_ops, "rms_norm") and all(type(n) is RMSNorm for n in norms)
+                                 and all(type(layer) is DecoderLayer for layer in self.layers))
+        return self._fused_norms
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
