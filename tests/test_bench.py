@@ -68,3 +68,38 @@ def test_bench_structured_tiny_model(tmp_path, default_model_path):
     assert json.loads(out.read_text())["ratio"] == result["ratio"] > 0
     assert result["num_constrained"] == 1 and result["runs"]["plain"][0]["mask_steps"] == 0
     assert result["runs"]["schema"][0]["mask_steps"] > 0 and result["mask_ms_per_step"] > 0
+
+
+def test_bench_throughput_profile(tmp_path, capsys):
+    """--profile: every step is counted under one kind, its parts add up to no more than the
+    step, the floors are positive, and the hooks are gone afterwards (the engine runs unwrapped)."""
+    from pagedserve.worker import step_profile
+
+    model = build_tiny_model(tmp_path / "model")
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "throughput", "--model", str(model), "--dtype", "float32", "--device", "cpu",
+                              "--num-prompts", "4", "--no-baseline", "--kv-cache-memory", "8MiB", "--profile"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = args.func(args)
+    finally:
+        torch.set_num_threads(threads)
+    kinds = data["profile"]["kinds"]
+    assert sum(k["steps"] for k in kinds) == data["num_steps"]
+    names = {k["kind"] for k in kinds}
+    assert names <= set(step_profile.KINDS) and "prefill" in names
+    for kind in kinds:
+        parts = kind["parts_s"]
+        assert set(parts) == set(step_profile.PARTS)
+        assert parts["matmul"] > 0 and parts["attention"] > 0 and kind["flops"] > 0
+        assert all(v >= 0 for v in parts.values()), parts  # nested timers consistent: nothing counted twice
+        assert abs(sum(parts.values()) - kind["total_s"]) <= 1e-6 * max(1.0, kind["total_s"])
+        assert kind["matmul_floor_s"] > 0 and kind["weight_bytes_floor_s"] > 0
+    out = capsys.readouterr().out
+    assert "step kind" in out and "matmul" in out and "lm_head" in out
+    from pagedserve.worker.models import llama
+    assert "<locals>" not in llama.linear.__qualname__  # the profiler's wrapper was taken out again
+    assert step_profile.step_kind({"a": 1, "b": 1}) == "decode 2-8"
+    assert step_profile.step_kind({"a": 1, "b": 7}) == "mixed" and step_profile.step_kind({"a": 9}) == "prefill"
