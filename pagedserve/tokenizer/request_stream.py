@@ -57,6 +57,7 @@ class RequestStream:
     sub: SchedulerSubscription | None = None
     stopped_by_us: list[int] = field(default_factory=list)  # samples a stop string ended (n > 1)
     detached: bool = False
+    responses_done: bool = False  # responses() ran to its end (or raised): the caller had its answer
 
     @property
     def request_id(self) -> str:
@@ -74,6 +75,7 @@ class RequestStream:
             caller_gone = True
             raise
         finally:
+            self.responses_done = not caller_gone
             if caller_gone and self.resume_grace_s > 0:
                 self.detach()
             elif not self.detached:
@@ -81,8 +83,10 @@ class RequestStream:
 
     def caller_done(self, cancelled: bool) -> None:
         """The caller's call ended (from its done callback, which runs even if the response
-        iterator is never resumed)."""
-        if self.resume_grace_s > 0 and cancelled:
+        iterator is never resumed). A call that ended before its responses did lost its caller,
+        whatever `cancelled` says: a peer killed outright (kill -9) can end the call with
+        cancelled() False, and this callback can run before the iterator is cancelled."""
+        if self.resume_grace_s > 0 and (cancelled or not self.responses_done):
             self.detach()
         elif not self.detached:
             self.leave()
