@@ -24,6 +24,14 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+# oneDNN keeps a compiled primitive per (shape, row count) it has seen, 1,024 by default; a step's
+# row count varies from 1 to the token budget, so a long-running worker filled that cache and its
+# RSS grew ~190 MiB over the soak test (tests/stack/test_soak.py; 128 entries: ~160 MiB, 32:
+# 100-120 MiB). 16 primitives (the five weight shapes of a layer at the row counts of the last few
+# steps: a steady decode batch always hits) kept it near 80 MiB. Read by oneDNN once, at its first
+# primitive: set here, on import, before any model is packed; a value in the environment wins.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
