@@ -110,9 +110,11 @@ def test_dashboard_on_the_real_services(tiny_model, tmp_path_factory):
             seen = finished | load.seen
         assert rows and set(rows) <= seen, (set(rows), seen)
         assert set(rows) & finished
-        for row in rows.values():
-            assert {"stage-queue", "stage-prefill", "stage-decode"} <= {c for rect in row.all("rect", "stage")
-                                                                        for c in rect.classes}
+        stages = {rid: {c for rect in row.all("rect", "stage") for c in rect.classes} for rid, row in rows.items()}
+        assert all({"stage-queue", "stage-prefill"} <= s for s in stages.values()), stages
+        # A decode bar starts after the first token reached the client: a short request whose first
+        # token was sent late on a loaded machine (or with its body, unstreamed) may have none.
+        assert any("stage-decode" in s for s in stages.values()), stages
         assert dom.by_id("budget-chart").all("polyline", "series-tokens")
 
         shot = screenshot(page, ARTIFACTS / "dashboard.png")
