@@ -24,7 +24,7 @@ from pagedserve.gateway.admission import Admission
 from pagedserve.gateway.limits import Limits
 from pagedserve.gateway.metrics import Metrics
 from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
-from pagedserve.gateway.protocol import RequestError
+from pagedserve.gateway.protocol import RequestError, internal_error
 from pagedserve.gateway.request_views import engine_stats_dict, status_dict
 from pagedserve.gateway.resume_records import ResumeRecords
 
@@ -64,6 +64,16 @@ def rpc_error(exc: grpc.RpcError) -> RequestError:
         param = "prompt"
     headers = {"Retry-After": str(retry_after)} if retry_after else {}
     return RequestError(status, details, param, kind, code.name.lower(), headers=headers)
+
+
+def as_request_error(exc: Exception) -> RequestError:
+    """Any failure before a response's headers, as the HTTP error to answer with: a RequestError as
+    it is, a gRPC error by GRPC_TO_HTTP, anything else a 500 with a correlation id."""
+    if isinstance(exc, RequestError):
+        return exc
+    if isinstance(exc, grpc.RpcError):
+        return rpc_error(exc)
+    return internal_error(exc)
 
 
 def not_ready_error(cause: str) -> RequestError:

@@ -19,14 +19,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import grpc
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.gateway.backend import Backend, rpc_error
+from pagedserve.gateway.backend import Backend, as_request_error
 from pagedserve.gateway.completion_call import SSE_HEADERS, CompletionCall
-from pagedserve.gateway.protocol import (CompletionRequest, RequestError, bad_request, completion_to_generate,
-                                         internal_error)
+from pagedserve.gateway.protocol import (CompletionRequest, RequestError, bad_request, completion_to_generate)
 from pagedserve.gateway.responses import usage_dict
 from pagedserve.gateway.sse import DONE, CancellingStream, sse_event
 
@@ -61,10 +59,8 @@ async def run_batched(backend: Backend, request: Request, body: CompletionReques
         return await _run(backend, request, body)
     except RequestError:
         raise
-    except grpc.RpcError as exc:
-        raise rpc_error(exc) from exc
     except Exception as exc:
-        raise internal_error(exc) from exc
+        raise as_request_error(exc) from exc
 
 
 async def _run(backend: Backend, request: Request, body: CompletionRequest) -> Response:

@@ -34,13 +34,13 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedserve.v1 import generate_pb2
 from pagedserve.gateway.admission import Refusal
-from pagedserve.gateway.backend import Backend, rpc_error
+from pagedserve.gateway.backend import Backend, as_request_error, rpc_error
 from pagedserve.gateway.metrics import RequestTracker
 from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
 from pagedserve.gateway import structured
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
                                          completion_to_generate, error_body, include_event_ids,
-                                         include_usage, internal_error, prompt_too_long)
+                                         include_usage, prompt_too_long)
 from pagedserve.gateway.responses import ChunkBuilder, Collector, vllm_prompt_logprobs
 from pagedserve.gateway.tools import ToolOutput, chat_tools
 from pagedserve.gateway.background import spawn, watch_disconnect
@@ -372,10 +372,8 @@ async def run_completion(backend: Backend, request: Request, chat: bool,
         return await CompletionCall(backend, request, chat, body).start()
     except RequestError:
         raise
-    except grpc.RpcError as exc:
-        raise rpc_error(exc) from exc
     except Exception as exc:
-        raise internal_error(exc) from exc
+        raise as_request_error(exc) from exc
 
 
 async def resume_stream(backend: Backend, request: Request, request_id: str, last_event_id: str | None,

@@ -32,3 +32,15 @@ def launch_stack(tmp_path_factory):
     yield launch
     for stack in reversed(stacks):
         stack.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    """The `openai` client on the module's `stack` (a module may define its own)."""
+    import openai
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id

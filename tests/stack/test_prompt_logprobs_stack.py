@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 
@@ -24,16 +23,6 @@ TEXT = "The capital of France is Paris, and the capital of Germany is Berlin. Bo
 @pytest.fixture(scope="module")
 def stack(default_model_path, launch_stack):
     return launch_stack(default_model_path, kv_cache_memory="64MiB", max_num_batched_tokens=8)
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model_name(client):
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

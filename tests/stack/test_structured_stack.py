@@ -48,16 +48,6 @@ def stack(tiny_model, launch_stack):
 
 
 @pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model_name(client):
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def ll_tokenizer(tiny_model):
     import llguidance.hf
     from transformers import AutoTokenizer

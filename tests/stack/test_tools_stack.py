@@ -84,16 +84,6 @@ def stack(tool_model, launch_stack):
     return launch_stack(tool_model, tool_call_parser="hermes", max_num_seqs=16)
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model_name(client):
-    return client.models.list().data[0].id
-
-
 def stored_prompt(stack, request_id: str) -> list[int]:
     """The prompt ids the scheduler holds for the request (the services know it by owner.id)."""
     with grpc.insecure_channel(stack.addresses["scheduler"]) as channel:
