@@ -134,3 +134,35 @@ def test_dockerfile_fetches_the_default_model_at_build_time():
     assert "download.pytorch.org/whl/cpu" in text
     assert "RUN pagedserve download" in text
     assert "PAGEDSERVE_DATA_DIR=/models" in text
+
+
+def _torch_install_step(variant: str, tmp_path: Path) -> list[str]:
+    """Run the Dockerfile's torch step as sh would, with TORCH_VARIANT=variant and a stand-in pip
+    that records its arguments; returns them (or raises CalledProcessError with the step's stderr)."""
+    tmp_path = tmp_path / variant
+    tmp_path.mkdir()
+    text = (ROOT / "compose" / "Dockerfile").read_text()
+    step = next(block for block in text.split("\nRUN ")[1:] if "TORCH_VARIANT" in block.split("\n")[0])
+    lines = []
+    for line in step.split("\n"):
+        lines.append(line.rstrip("\\").rstrip())
+        if not line.endswith("\\"):
+            break
+    (tmp_path / "pip").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/pip.log\n")
+    (tmp_path / "pip").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "TORCH_VARIANT": variant}
+    subprocess.run(["sh", "-c", " ".join(lines)], env=env, check=True, capture_output=True, text=True, timeout=30)
+    return (tmp_path / "pip.log").read_text().split()
+
+
+def test_dockerfile_builds_cpu_by_default_and_cuda_on_request(tmp_path):
+    text = (ROOT / "compose" / "Dockerfile").read_text()
+    assert "ARG TORCH_VARIANT=cpu" in text
+    assert "NVIDIA_VISIBLE_DEVICES" not in text.replace("# No NVIDIA_VISIBLE_DEVICES", "")
+    cpu = _torch_install_step("cpu", tmp_path)
+    assert cpu == ["install", "--index-url", "https://download.pytorch.org/whl/cpu", "torch>=2.13,<2.15"]
+    cuda = _torch_install_step("cuda", tmp_path)
+    assert cuda == ["install", "torch>=2.13,<2.15"]  # PyPI's torch: the CUDA build, NCCL and Triton with it
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        _torch_install_step("rocm", tmp_path)
+    assert "TORCH_VARIANT must be cpu or cuda, not 'rocm'" in failed.value.stderr
