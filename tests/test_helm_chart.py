@@ -454,3 +454,46 @@ def test_rank_script_passes_sigterm_to_every_rank(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert sorted((tmp_path / "stopped").read_text().split()) == ["0", "1"]
+
+
+# ---- the README documents every value ----------------------------------------------------------------
+# Values whose content is free-form (a Kubernetes structure, a map of variables): documented whole.
+OPAQUE_VALUES = {"resources", "env", "schedulerEnv", "workerEnv", "ncclEnv", "nodeSelector", "tolerations",
+                 "affinity", "annotations", "podDisruptionBudget", "podSecurityContext", "securityContext",
+                 "labels", "volume", "hosts", "tls", "podAnnotations", "imagePullSecrets"}
+
+
+def value_paths(values: dict, prefix: str = "") -> set[str]:
+    paths = set()
+    for key, value in values.items():
+        if isinstance(value, dict) and value and key not in OPAQUE_VALUES:
+            paths |= value_paths(value, f"{prefix}{key}.")
+        else:
+            paths.add(prefix + key)
+    return paths
+
+
+def documented_paths() -> set[str]:
+    """The value paths in the first column of the README's table; `.x` after `a.b.c` is `a.b.x`."""
+    import re
+    paths = set()
+    for line in (CHART / "README.md").read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        parent = ""
+        for token in re.findall(r"`([^`]+)`", line.split("|")[1]):
+            path = parent + token if token.startswith(".") else token
+            parent = path.rsplit(".", 1)[0] if "." in path else ""
+            paths.add(path)
+    return paths
+
+
+def test_readme_documents_every_value():
+    values = value_paths(yaml.safe_load((CHART / "values.yaml").read_text()))
+    values |= value_paths(yaml.safe_load((CHART / "charts" / "redis" / "values.yaml").read_text()), "redis.")
+    documented = documented_paths()
+    wildcards = tuple(p.removesuffix("*") for p in documented if p.endswith(".*"))
+    missing = sorted(p for p in values if p not in documented and not p.startswith(wildcards))
+    assert missing == [], "values the README's table does not document"
+    stale = sorted(p for p in documented if not p.endswith(".*") and p not in values)
+    assert stale == [], "the README documents values that values.yaml does not have"
