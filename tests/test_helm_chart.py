@@ -102,22 +102,27 @@ def test_helm_lint_passes():
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("values", sorted(VALUES))
-@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_every_object_validates_against_the_kubernetes_schemas(rendered, values, version):
+def validate(docs: list[dict], version: str, what: str) -> int:
+    """Validate every object but the ServiceMonitor (a CRD, checked by its own test); returns how many."""
     kv = kubernetes_validate()
     checked = 0
-    for doc in rendered[values]:
-        if doc["kind"] == "ServiceMonitor":  # a CRD: test_service_monitor_scrapes_the_gateways checks it
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
             assert doc["apiVersion"] == "monitoring.coreos.com/v1"
             continue
         try:
             kv.validate(doc, version, strict=True)
         except kv.ValidationError as exc:
-            pytest.fail(f"{values}: {doc['kind']} {doc['metadata']['name']} is not a valid Kubernetes {version} "
+            pytest.fail(f"{what}: {doc['kind']} {doc['metadata']['name']} is not a valid Kubernetes {version} "
                         f"object at {'.'.join(map(str, exc.path))}: {exc.message}", pytrace=False)
         checked += 1
-    assert checked >= 9
+    return checked
+
+
+@pytest.mark.parametrize("values", sorted(VALUES))
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_object_validates_against_the_kubernetes_schemas(rendered, values, version):
+    assert validate(rendered[values], version, values) >= 9
 
 
 def test_the_objects_of_each_values_file(rendered):
@@ -353,6 +358,22 @@ def test_api_keys_come_from_a_secret(rendered, values):
         assert base64.b64decode(data["admin-api-keys"]).decode() == "sk-admin"
     else:  # none given: one random key
         assert len(keys) == 1 and keys[0].startswith("sk-") and len(keys[0]) == 43
+
+
+def test_external_redis_by_url_and_no_api_keys():
+    docs = render("--set", "redis.enabled=false", "--set", "externalRedis.url=redis://:pw@redis.infra:6380/2",
+                  "--set", "auth.allowUnauthenticated=true")
+    validate(docs, KUBERNETES_VERSIONS[-1], "external URL, no keys")
+    import base64
+    secrets = by_kind(docs, "Secret")
+    assert sorted(secrets) == [f"{RELEASE}-pagedserve-redis-url"]  # the URL carries a password: a Secret
+    assert base64.b64decode(secrets[f"{RELEASE}-pagedserve-redis-url"]["data"]["redis-url"]) == \
+        b"redis://:pw@redis.infra:6380/2"
+    assert f"{RELEASE}-redis" not in by_kind(docs, "StatefulSet")
+    gateway = obj(docs, "Deployment", "gateway")
+    env = env_of(containers(gateway)["gateway"])
+    assert env["PAGEDSERVE_ALLOW_UNAUTHENTICATED"] == "1"
+    assert "PAGEDSERVE_API_KEY_FILE" not in env and "volumes" not in gateway["spec"]["template"]["spec"]
 
 
 def test_hpas_scale_the_gateways_and_tokenizers(rendered):
