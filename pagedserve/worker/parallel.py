@@ -253,7 +253,28 @@ class VocabParallelEmbedding(nn.Module):
             local = torch.mm(self.weight, hidden.t()).t().float().contiguous()
         else:
             local = F.linear(hidden, self.weight).float()
+        if self.weight.dtype != torch.float32:
+            refine_top_logits(local, hidden, self.weight)
         return all_gather_last_dim(local)[:, :self.vocab_size]
+
+
+# A bfloat16 matmul accumulates in float32 but rounds its output to 8 bits of mantissa: logits
+# near 20 come out in steps of 0.125, so two candidates float32 tells apart by 0.2 can tie, and
+# argmax then takes the lower token id (the default model in bfloat16 answered "Write a haiku
+# about the sea." with <|im_end|> where float32 and transformers' bfloat16 answer "\n").
+# Recomputing each row's few best in float32 restores their order at rows * k * hidden FLOPs.
+REFINED_TOP = 8
+
+
+def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """Overwrite the REFINED_TOP largest logits of each row with their float32 dot products.
+    logits [rows, n] float32 (computed in weight's dtype); hidden [rows, h]; weight [n, h]."""
+    k = min(REFINED_TOP, logits.shape[1])
+    if k == 0 or logits.shape[0] == 0:
+        return
+    top = logits.topk(k, dim=1, sorted=False).indices
+    exact = torch.bmm(weight[top].float(), hidden.float().unsqueeze(2)).squeeze(2)
+    logits.scatter_(1, top, exact)
 
 
 def copy_checked(dest: torch.Tensor, src: torch.Tensor) -> None:
