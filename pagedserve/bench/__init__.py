@@ -44,4 +44,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_serve_parser(bench_sub)
     from pagedserve.bench.structured import add_structured_parser
     add_structured_parser(bench_sub)
+    from pagedserve.bench.vllm_cpu import add_vllm_cpu_parser
+    add_vllm_cpu_parser(bench_sub)
     return p
