@@ -30,8 +30,8 @@ def test_gguf_export_holds_the_workers_weights(default_model_path, tmp_path):
 
     from pagedserve.worker.gguf_weights import iter_gguf_weights
 
-    folder = safetensors_folder(default_model_path, tmp_path)
-    assert safetensors_folder(default_model_path, tmp_path) == folder  # made once
+    folder = safetensors_folder(default_model_path, tmp_path / "exports")  # made if missing
+    assert safetensors_folder(default_model_path, tmp_path / "exports") == folder  # made once
     saved = load_file(folder / "model.safetensors")
     expected = dict(iter_gguf_weights(default_model_path / "model.gguf", torch.float32))
     assert saved.keys() == expected.keys()

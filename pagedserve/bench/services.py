@@ -137,6 +137,24 @@ def start_services(args, model_path):
         no_prefix_caching=args.no_prefix_caching, no_chunked_prefill=args.no_chunked_prefill, log_dir=None))
 
 
+def service_cpu_seconds(stack) -> dict[str, float]:
+    """CPU seconds (user + system, threads included) each service process has used so far. On a
+    shared machine this is the steadiest measure of what a service costs: wall time swings with
+    the load, the CPU a process burns per token much less."""
+    import psutil
+
+    used = {}
+    for proc in stack.processes:
+        if proc.proc is not None and proc.proc.poll() is None:
+            times = psutil.Process(proc.proc.pid).cpu_times()
+            used[proc.name] = used.get(proc.name, 0.0) + times.user + times.system
+    return used
+
+
+def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], num_tokens: int) -> dict[str, float]:
+    return {name: 1e3 * (after[name] - before.get(name, 0.0)) / num_tokens for name in after}
+
+
 def scheduler_stats(stack):
     from pagedserve.common.grpc_util import internal_channel
     from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -165,8 +183,13 @@ def run_services_bench(args) -> dict:
         model = httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"][0]["id"]
         asyncio.run(run_clients(stack.http_url, model, make_workload(4, vocab, 1), args.concurrency))  # warm-up
         for repeat in range(args.repeats):
+            cpu0 = time.process_time()
             in_process = run_in_process(engine, work, args.concurrency)
+            in_process["cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu0) / work.num_output_tokens
+            used0 = service_cpu_seconds(stack)
             services = asyncio.run(run_clients(stack.http_url, model, work, args.concurrency))
+            services["cpu_ms_per_token"] = cpu_ms_per_token(used0, service_cpu_seconds(stack),
+                                                            work.num_output_tokens)
             pairs.append({"in_process": in_process, "services": services,
                           "ratio": services["output_tok_s"] / in_process["output_tok_s"]})
             print(f"run {repeat + 1}: in-process {in_process['output_tok_s']:.1f} out tok/s, services "
@@ -185,6 +208,12 @@ def run_services_bench(args) -> dict:
         result[name] = med
         print(f"{name:12}{med['output_tok_s']:10.1f}{med['ttft_median_ms']:13.1f}{med['tpot_median_ms']:13.1f}"
               f"{med['elapsed_s']:11.1f}")
+    cpu = {name: statistics.median(p["services"]["cpu_ms_per_token"][name] for p in pairs)
+           for name in pairs[0]["services"]["cpu_ms_per_token"]}
+    result["services_cpu_ms_per_token"] = cpu
+    result["in_process_cpu_ms_per_token"] = statistics.median(p["in_process"]["cpu_ms_per_token"] for p in pairs)
+    print("CPU ms per output token (median): in-process " + f"{result['in_process_cpu_ms_per_token']:.2f}; "
+          + ", ".join(f"{name} {ms:.2f}" for name, ms in cpu.items()))
     print(f"services / in-process throughput: median {result['throughput_ratio_median']:.3f}x over "
           f"{len(pairs)} alternating runs; scheduler->worker round trip beyond compute: median "
           f"{result['step_rtt_median_ms']:.2f} ms per step (median step {result['step_time_median_ms']:.1f} ms)")

@@ -72,6 +72,7 @@ def safetensors_folder(model_path: Path, cache: Path) -> Path:
     from pagedserve.worker.gguf_weights import iter_gguf_weights
 
     (gguf,) = sorted(model_path.glob("*.gguf"))[:1]
+    cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".export-"))
     weights = {name: t.contiguous() for name, t in iter_gguf_weights(gguf, torch.float32)}
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -29,3 +29,7 @@ def test_bench_services_tiny_model(tmp_path, tiny_model):
             assert run[side]["output_tok_s"] > 0 and run[side]["ttft_median_ms"] > 0
         assert run["ratio"] == run["services"]["output_tok_s"] / run["in_process"]["output_tok_s"]
     assert result["step_rtt_median_ms"] > 0
+    # Every service process's CPU per output token is counted; the worker does the model's work.
+    cpu = result["services_cpu_ms_per_token"]
+    assert {"gateway", "tokenizer", "scheduler"} <= set(cpu) and any(n.startswith("worker") for n in cpu)
+    assert all(ms > 0 for ms in cpu.values()) and result["in_process_cpu_ms_per_token"] > 0
