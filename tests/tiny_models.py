@@ -51,6 +51,17 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
             common.setdefault("topk_method", "group_limited_greedy")
             cfg = transformers.DeepseekV2Config(tie_word_embeddings=False, **common)
             model = transformers.DeepseekV2ForCausalLM(cfg)
+    elif arch == "gemma3":
+        # Local and global layers interleaved (pattern 2: layers 0, 2 local; 1, 3 global), a
+        # window shorter than most test prompts, distinct rope bases.
+        common = {**common, **dict(num_hidden_layers=4, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                                   layer_types=["sliding_attention", "full_attention"] * 2,
+                                   rope_parameters={
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
+                  **overrides}
+        cfg = transformers.Gemma3TextConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
+        model = transformers.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(arch)
     # Random init gives near-uniform logits; sharper weights make greedy choices well separated.
@@ -60,6 +71,8 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
                 param.normal_(0.0, 0.15)
             elif "bias" in name:
                 param.normal_(0.0, 0.1)
+            elif arch == "gemma3" and "norm" in name:  # zero-centred (1 + w) norms: vary them too
+                param.normal_(0.0, 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's load-balancing bias
                 buffer.normal_(0.0, 0.1)

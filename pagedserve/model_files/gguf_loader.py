@@ -30,7 +30,10 @@ log = logging.getLogger(__name__)
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
+# Chat templates shipped for GGUF architectures whose files usually carry none (templates/*.jinja).
+BUILTIN_CHAT_TEMPLATES = {"gemma3": "gemma3.jinja"}
 PREPARED_FILES = ("config.json", "tokenizer_config.json", "model.gguf")
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -52,6 +55,14 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 norms by llama.cpp's names: ffn_norm is the pre-feedforward norm there, and llama.cpp
+# stores every norm weight as (1 + w), which worker/gguf_weights.py turns back into HF's w.
+_GEMMA3_NAMES = {**_LAYER_NAMES,
+                 "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                 "post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+                 "attn_q_norm.weight": "self_attn.q_norm.weight",
+                 "attn_k_norm.weight": "self_attn.k_norm.weight"}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -211,6 +222,8 @@ def hf_config(g: GGUFFile) -> dict:
         if original := key("rope.scaling.original_context_length"):
             cfg["rope_scaling"]["original_max_position_embeddings"] = original
         cfg["rope_parameters"].update(cfg["rope_scaling"])
+    if arch == "gemma3":
+        _gemma3_config(g, cfg, key)
     if "rope_freqs.weight" in g.tensors:
         # Llama 3.x GGUFs bake the llama3 rope scaling into a tensor; transformers ignores it too,
         # which only matters beyond the original context length.
@@ -218,14 +231,35 @@ def hf_config(g: GGUFFile) -> dict:
     return cfg
 
 
+def _gemma3_config(g: GGUFFile, cfg: dict, key) -> None:
+    """What a Gemma 3 GGUF leaves to convention (llama.cpp hard-codes these; transformers takes
+    Gemma3TextConfig's defaults): every 6th layer global, local rope base 10k, queries scaled by
+    query_pre_attn_scalar = head_dim, GeGLU; chat turns end with <end_of_turn>."""
+    window, layers = key("attention.sliding_window"), cfg["num_hidden_layers"]
+    cfg.update({
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": window,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        "query_pre_attn_scalar": 256,  # transformers' default; 256 = head_dim for the sizes up to 12B
+        "rope_local_base_freq": 10000.0,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": dict(cfg["rope_parameters"])},
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    })
+    tokens = g.fields.get("tokenizer.ggml.tokens") or []
+    if "<end_of_turn>" in tokens and not g.fields.get("tokenizer.ggml.eot_token_id"):
+        cfg["eot_token_id"] = tokens.index("<end_of_turn>")
+
+
 def gguf_to_hf_config(gguf_path: str | Path) -> dict:
     """The HF config.json dict describing the model in a GGUF file."""
     return hf_config(GGUFFile(gguf_path))
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, arch: str = "llama") -> str | None:
     if m := _BLOCK.fullmatch(name):
-        suffix = _LAYER_NAMES.get(m[2])
+        suffix = (_GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES).get(m[2])
         return f"model.layers.{m[1]}.{suffix}" if suffix else None
     return _GLOBAL_NAMES.get(name)
 
@@ -254,12 +288,17 @@ def prepare_gguf_folder(gguf_path: str | Path, out_dir: str | Path) -> Path:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file="model.gguf")
+        arch = gguf_arch(g)
+        if not getattr(tokenizer, "chat_template", None) and arch in BUILTIN_CHAT_TEMPLATES:
+            template = Path(__file__).parent / "templates" / BUILTIN_CHAT_TEMPLATES[arch]
+            tokenizer.chat_template = template.read_text(encoding="utf-8")
         tokenizer.save_pretrained(tmp)
+        # Chat models end turns with an end-of-turn token that is not always the eos token.
+        eot = g.fields.get("tokenizer.ggml.eot_token_id", cfg.pop("eot_token_id", None))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         eos = [cfg["eos_token_id"]]
-        # Chat models end turns with an end-of-turn token that is not always the eos token.
-        if g.fields.get("tokenizer.ggml.eot_token_id") not in (None, *eos):
-            eos.append(g.fields["tokenizer.ggml.eot_token_id"])
+        if eot not in (None, *eos):
+            eos.append(eot)
         gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": eos[0] if len(eos) == 1 else eos}
         if "pad_token_id" in cfg:
             gen["pad_token_id"] = cfg["pad_token_id"]

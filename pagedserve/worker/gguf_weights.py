@@ -23,15 +23,22 @@ def iter_gguf_weights(gguf_path: str | Path, dtype: torch.dtype) -> Iterator[tup
     """
     g = GGUFFile(gguf_path)
     cfg = hf_config(g)
-    names = {name: hf_name(name) for name in g.tensors if name != "rope_freqs.weight"}
+    arch = gguf_arch(g)
+    names = {name: hf_name(name, arch) for name in g.tensors if name != "rope_freqs.weight"}
     if unknown := [name for name, mapped in names.items() if mapped is None]:
         raise ValueError(f"{g.path}: unexpected tensors {unknown[:5]}")
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
-    permuted = ARCHITECTURES[gguf_arch(g)][2]
+    permuted = ARCHITECTURES[arch][2]
+    # llama.cpp stores Gemma's zero-centred norm weights as 1 + w; HF (and our model) keep w.
+    # Subtracted in float32 as transformers' GGUF loader does, so the weights are identical.
+    shifted_norms = arch == "gemma3"
 
     def weights():
         for name, mapped in names.items():
-            w = torch.from_numpy(g.dequantized(name))
+            array = g.dequantized(name)
+            if shifted_norms and name.endswith("norm.weight"):
+                array = array - 1
+            w = torch.from_numpy(array)
             kind = name.split(".")[-2]
             if permuted and kind in heads:
                 w = _unpermute(w, heads[kind])
