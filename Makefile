@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve chat test test-fast download bench lint clean protos
+.PHONY: serve chat test test-heavy test-fast download bench lint clean protos
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ chat: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The tests marked heavy (tests/conftest.py), skipped by `make test`: Gemma 3 270M against transformers.
+test-heavy: $(STAMP)
+	PAGEDSERVE_HEAVY_TESTS=1 $(BIN)/python -m pytest -q -m heavy $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)

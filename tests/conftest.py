@@ -66,3 +66,16 @@ def certificates(tmp_path_factory) -> dict[str, dict[str, str]]:
     """Two CAs, each with a certificate it signed: "ours" (the services') and "rogue" (a stranger's)."""
     folder = tmp_path_factory.mktemp("tls")
     return {"ours": make_certificates(folder, "ours"), "rogue": make_certificates(folder, "rogue")}
+
+
+# ---- heavy tests: realism the 20-minute suite cannot afford ----------------------------------
+# A test marked `heavy` (Gemma 3 270M in float32 against transformers: ~10-35 min on 2 cores)
+# runs with `make test-heavy` (PAGEDSERVE_HEAVY_TESTS=1) and is skipped, saying so, otherwise.
+def pytest_collection_modifyitems(config, items):
+    import os
+    if os.environ.get("PAGEDSERVE_HEAVY_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="heavy: run with `make test-heavy` (PAGEDSERVE_HEAVY_TESTS=1)")
+    for item in items:
+        if "heavy" in item.keywords:
+            item.add_marker(skip)

@@ -19,7 +19,7 @@ from pagedserve.common.sampling_params import SamplingParams
 from service_stack import scheduler_stats, start_test_stack
 from tiny_models import make_engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # ~10-35 min on 2 cores: `make test-heavy`
 
 MAX_NEW = 8
 CHUNK = 128
