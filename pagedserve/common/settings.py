@@ -27,6 +27,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.common.replicas import (DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TTL_S,
+                                        DEFAULT_PUBLISHED_BLOCKS)
 from pagedserve.common.store import DEFAULT_PREFIX, DEFAULT_RETENTION_S, DEFAULT_TTL_S
 
 SERVICES = ("engine", "serve", "worker", "scheduler", "tokenizer", "gateway")
@@ -136,12 +138,35 @@ def _settings() -> tuple[Setting, ...]:
           default_text="an in-process store"),
         S("--redis-url", "gateway", help="redis://host:port/db where the request records are; 'memory': none",
           default_text="none: ask the scheduler"),
-        S("--redis-prefix", "scheduler gateway", default=DEFAULT_PREFIX, help="key prefix of the request records"),
+        S("--redis-url", "tokenizer", help="redis://host:port/db of the engine replicas' registry: requests are "
+          "routed over the replicas registered there (docs/scale-out.md)",
+          default_text="none: the one scheduler at --scheduler-addr"),
+        S("--redis-prefix", "scheduler gateway tokenizer", default=DEFAULT_PREFIX,
+          help="key prefix of the request records and the replica registry"),
         S("--redis-ttl", "scheduler gateway", int, DEFAULT_TTL_S,
           "seconds the record of an unfinished request is kept (a restarted scheduler resumes it from there)"),
         S("--request-retention", "serve scheduler gateway", int, DEFAULT_RETENTION_S,
           "seconds a finished request's record (prompt, outputs, timings), its Idempotency-Key and its resume "
           "record are kept (GET /v1/requests/{id}, retries and resumes find it until then)"),
+        # ---- engine replicas (data parallel; docs/scale-out.md) ----------------------------
+        S("--data-parallel-size", "serve", int, 1, "engine replicas to start (each: its worker ranks and a "
+          "scheduler), behind one tokenizer that routes over them; more than 1 needs Redis", group="replicas"),
+        S("--routing-policy", "serve tokenizer", default="prefix", choices=("prefix", "least_load", "round_robin"),
+          help="how a request's replica is picked: prefix (the one whose prefix cache holds most of the prompt, "
+          "unless it is much busier), least_load (fewest queued and running tokens), round_robin",
+          group="replicas"),
+        S("--replica-id", "scheduler", default="", group="replicas",
+          help="this scheduler is engine replica ID: it registers in Redis (--redis-url) and heart-beats; keep "
+          "it stable across restarts (a restarted replica resumes its own requests); empty: a single engine"),
+        S("--advertise-addr", "scheduler", group="replicas", default_text="--host:--port",
+          help="host:port where tokenizers and gateways reach this replica's scheduler"),
+        S("--heartbeat-interval", "scheduler", float, DEFAULT_HEARTBEAT_INTERVAL_S, group="replicas",
+          help="seconds between a replica's heartbeats (load and prefix-cache change published each time)"),
+        S("--heartbeat-ttl", "serve scheduler", float, DEFAULT_HEARTBEAT_TTL_S, group="replicas",
+          help="seconds a replica stays in routing after its last heartbeat; then its streams move to "
+          "another replica"),
+        S("--published-prefix-blocks", "scheduler", int, DEFAULT_PUBLISHED_BLOCKS, group="replicas",
+          help="most prefix-cache block hashes a replica publishes (its most recently cached)"),
         # ---- the launcher ------------------------------------------------------------------
         S("--redis-maxmemory", "serve", default="256mb",
           help="memory cap of the private redis-server (when no --redis-url is given), in Redis' units "

@@ -5,7 +5,8 @@ Layout under the key prefix P (every key but `active` expires):
                     finish_reasons (JSON, one per sample), num_cached_tokens
   P out:<id>:<i>    list: output token ids of sample i
   P active          set: ids not finished (what a restarted scheduler re-admits); no TTL, so a
-                    volatile-* eviction policy never drops it
+                    volatile-* eviction policy never drops it. An engine replica (--replica-id R,
+                    docs/scale-out.md) keeps P active:R instead, and its records carry replica=R
   P idem:<key>      string: the request id an Idempotency-Key belongs to
   P <name>          string: a small text kept by put_text (the gateway's gwresume:<id>), at most
                     MAX_TEXT_BYTES
@@ -103,6 +104,12 @@ class RequestStore(ABC):
     @abstractmethod
     def ping(self) -> bool: ...
 
+    def adopt(self, request_id: str, old_replica: str, new_replica: str) -> bool:
+        """Move an unfinished request from old_replica's active set to new_replica's, atomically
+        (of several adopters one wins); False when it is not in old_replica's set (finished, or
+        adopted already). Only a store shared by replicas (Redis) adopts."""
+        return False
+
     def put_text(self, name: str, text: str) -> bool:
         """Keep text under P<name> for the retention, where other processes can read it; False when
         this store keeps no such texts (the in-process store: no other process would see them).
@@ -123,13 +130,18 @@ def check_text_size(name: str, text: str) -> None:
 
 class RedisStore(RequestStore):
     def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, ttl_s: int = DEFAULT_TTL_S,
-                 retention_s: int = DEFAULT_RETENTION_S) -> None:
+                 retention_s: int = DEFAULT_RETENTION_S, replica_id: str = "") -> None:
         import redis
 
         self.client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5.0,
                                            socket_connect_timeout=2.0)
         self.prefix, self.ttl_s, self.url = prefix, int(ttl_s), url
         self.retention_s = min(int(retention_s), self.ttl_s)
+        self.replica_id = replica_id  # "": a single engine (P active, no replica field)
+
+    def _active(self, replica_id: str | None = None) -> str:
+        replica_id = self.replica_id if replica_id is None else replica_id
+        return f"{self.prefix}active:{replica_id}" if replica_id else f"{self.prefix}active"
 
     def _req(self, request_id: str) -> str:
         return f"{self.prefix}req:{request_id}"
@@ -141,11 +153,14 @@ class RedisStore(RequestStore):
         if not writes:
             return
         pipe = self.client.pipeline(transaction=False)
-        active = f"{self.prefix}active"
+        active = self._active()
         for w in writes:
             key = self._req(w.request_id)
-            if w.fields:
-                pipe.hset(key, mapping=w.fields)
+            fields = w.fields
+            if w.created and self.replica_id:
+                fields = {**fields, "replica": self.replica_id}
+            if fields:
+                pipe.hset(key, mapping=fields)
             for index, tokens in w.new_tokens.items():
                 if tokens:
                     pipe.rpush(self._out(w.request_id, index), *tokens)
@@ -172,7 +187,17 @@ class RedisStore(RequestStore):
         return _decode(request_id, fields, outputs)
 
     def active_ids(self) -> list[str]:
-        return sorted(self.client.smembers(f"{self.prefix}active"))
+        return sorted(self.client.smembers(self._active()))
+
+    def adopt(self, request_id: str, old_replica: str, new_replica: str) -> bool:
+        if not self.client.smove(self._active(old_replica), self._active(new_replica), request_id):
+            return False
+        self.client.hset(self._req(request_id), "replica", new_replica)
+        return True
+
+    def owner(self, request_id: str) -> str:
+        """The replica whose active set holds the request per its record ("" for none)."""
+        return self.client.hget(self._req(request_id), "replica") or ""
 
     def claim_idempotency_key(self, key: str, request_id: str) -> str:
         name = f"{self.prefix}idem:{key}"
@@ -315,9 +340,13 @@ class MemoryStore(RequestStore):
 
 
 def open_store(url: str | None, prefix: str = DEFAULT_PREFIX, ttl_s: int = DEFAULT_TTL_S,
-               retention_s: int = DEFAULT_RETENTION_S) -> RequestStore:
-    """url: redis://[:password@]host:port/db, or "memory" / None for the in-process store."""
+               retention_s: int = DEFAULT_RETENTION_S, replica_id: str = "") -> RequestStore:
+    """url: redis://[:password@]host:port/db, or "memory" / None for the in-process store;
+    replica_id: this engine replica's (docs/scale-out.md), which needs Redis."""
     if not url or url in ("memory", "memory://"):
+        if replica_id:
+            raise ValueError(f"--replica-id {replica_id!r} needs a shared Redis (--redis-url), not the "
+                             "in-process store")
         log.warning("no Redis configured: request records are kept in this process only (durability off)")
         return MemoryStore(ttl_s, retention_s)
-    return RedisStore(url, prefix, ttl_s, retention_s)
+    return RedisStore(url, prefix, ttl_s, retention_s, replica_id)

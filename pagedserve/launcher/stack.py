@@ -31,7 +31,7 @@ from pagedserve.common.settings import LOOPBACK
 from pagedserve.launcher.redis_server import private_redis, redacted, redis_ping
 from pagedserve.launcher.service_process import ServiceError, ServiceProcess, describe_exit
 from pagedserve.launcher.wiring import (Ports, StackConfig, children_env, client_host, first_api_key,
-                                        service_argvs, service_env)
+                                        replica_of, replica_suffix, service_argvs, service_env, service_kind)
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +120,9 @@ class Stack:
         self._supervisor.start()
 
     def _restart(self, dead: ServiceProcess) -> None:
-        group = [p for p in self.processes if p.name.startswith("worker")] if dead.name.startswith("worker") \
-            else [dead]
+        # A replica's worker ranks restart together; another replica's are left alone.
+        group = [p for p in self.processes if service_kind(p.name) == "worker" and replica_of(p.name) ==
+                 replica_of(dead.name)] if service_kind(dead.name) == "worker" else [dead]
         for old in group:
             old.stop(self.stop_timeout)
         fresh = []
@@ -196,32 +197,45 @@ def start_stack(cfg: StackConfig, python: str = sys.executable) -> Stack:
     check_port_free(cfg.host, cfg.grpc_port, "the gRPC address")
     stack = Stack(stop_timeout=cfg.stop_timeout, startup_timeout=cfg.startup_timeout,
                   drain_timeout=cfg.shutdown_timeout)
+    dp = cfg.data_parallel_size
     try:
         redis_url = stack.redis_url = resolve_redis(cfg, stack, log_dir)
-        ports = Ports.free(cfg.tensor_parallel_size)
+        if dp > 1 and redis_url == "memory":
+            raise ServiceError(f"--data-parallel-size {dp} needs Redis (the replicas' registry and request "
+                               "records): give --redis-url, or put redis-server on the PATH")
+        ports = Ports.free(cfg.tensor_parallel_size, dp)
         argvs = service_argvs(cfg, ports)
         env = children_env(cfg)
-        if cfg.tensor_parallel_size > 1:  # rendezvous of the ranks' torch.distributed group
-            from pagedserve.common.grpc_util import free_port
-            env.setdefault("MASTER_ADDR", LOOPBACK)
-            env.setdefault("MASTER_PORT", str(free_port()))
         public = client_host(cfg.host)
-        health = {f"worker{r}": f"{LOOPBACK}:{p}" for r, p in enumerate(ports.workers)}
-        health |= {"scheduler": f"{LOOPBACK}:{ports.scheduler}", "tokenizer": f"{LOOPBACK}:{ports.tokenizer}",
-                   "gateway": f"{public}:{cfg.grpc_port}"}
+        health = {"tokenizer": f"{LOOPBACK}:{ports.tokenizer}", "gateway": f"{public}:{cfg.grpc_port}"}
+        replica_env: dict[str, dict[str, str]] = {}
+        for index, replica in enumerate(ports.replicas):
+            suffix = replica_suffix(dp, index)
+            health |= {f"worker{r}{suffix}": f"{LOOPBACK}:{p}" for r, p in enumerate(replica.workers)}
+            health[f"scheduler{suffix}"] = f"{LOOPBACK}:{replica.scheduler}"
+            own = replica_env[suffix.removeprefix("@")] = dict(env)
+            if cfg.tensor_parallel_size > 1:  # rendezvous of each replica's torch.distributed group
+                from pagedserve.common.grpc_util import free_port
+                own.setdefault("MASTER_ADDR", LOOPBACK)
+                if dp > 1 or "MASTER_PORT" not in own:
+                    own["MASTER_PORT"] = str(free_port())
         procs = {name: ServiceProcess(name, [python, "-m", "pagedserve.cli", *argv], health[name],
-                                      env=service_env(cfg, name, env, redis_url),
+                                      env=service_env(cfg, name, replica_env.get(replica_of(name), env), redis_url),
                                       log_path=log_dir / f"{name}.log" if log_dir else None)
                  for name, argv in argvs.items()}
         procs["gateway"].health_internal = False  # its health is on the public gRPC port
-        workers = [p for name, p in procs.items() if name.startswith("worker")]
+        workers = [p for name, p in procs.items() if service_kind(name) == "worker"]
         # Ranks start together (they meet in torch.distributed), then each must be SERVING.
         for proc in workers:
             stack.processes.append(proc.start())
         for proc in workers:
             proc.wait_healthy(cfg.startup_timeout)
-        for name in ("scheduler", "tokenizer", "gateway"):
+        schedulers = [name for name in procs if service_kind(name) == "scheduler"]
+        for name in schedulers:
             stack.processes.append(procs[name].start())
+        for name in [*schedulers, "tokenizer", "gateway"]:
+            if name not in schedulers:
+                stack.processes.append(procs[name].start())
             procs[name].wait_healthy(cfg.startup_timeout)
         stack.addresses = {**health, "http": f"http://{public}:{cfg.port}", "grpc": f"{public}:{cfg.grpc_port}"}
         # The gateway's HTTP server may come up a moment after its gRPC health turns SERVING.

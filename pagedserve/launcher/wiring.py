@@ -70,13 +70,24 @@ GATEWAY_FLAGS = _handed("gateway")
 
 
 @dataclass
-class Ports:
+class ReplicaPorts:
     workers: list[int]
     scheduler: int
+
+
+@dataclass
+class Ports:
+    workers: list[int]  # replica 0's worker ranks
+    scheduler: int  # replica 0's scheduler
     tokenizer: int
+    more: list[ReplicaPorts] = field(default_factory=list)  # replicas 1..N-1 (--data-parallel-size N)
+
+    @property
+    def replicas(self) -> list[ReplicaPorts]:
+        return [ReplicaPorts(self.workers, self.scheduler), *self.more]
 
     @classmethod
-    def free(cls, tensor_parallel_size: int) -> Ports:
+    def free(cls, tensor_parallel_size: int, data_parallel_size: int = 1) -> Ports:
         from pagedserve.common.grpc_util import free_port
         taken: set[int] = set()
 
@@ -85,7 +96,20 @@ class Ports:
                 pass
             taken.add(port)
             return port
-        return cls([pick() for _ in range(tensor_parallel_size)], pick(), pick())
+        ports = cls([pick() for _ in range(tensor_parallel_size)], pick(), pick())
+        ports.more = [ReplicaPorts([pick() for _ in range(tensor_parallel_size)], pick())
+                      for _ in range(data_parallel_size - 1)]
+        return ports
+
+
+def replica_suffix(dp: int, index: int) -> str:
+    """What the names of replica index's services end with: "" for a single engine, "@r<i>"."""
+    return f"@r{index}" if dp > 1 else ""
+
+
+def replica_of(name: str) -> str:
+    """scheduler@r1 -> "r1"; a service of a single engine (or none) -> ""."""
+    return name.partition("@")[2]
 
 
 def client_host(host: str) -> str:
@@ -98,33 +122,45 @@ def client_host(host: str) -> str:
 
 
 def service_kind(name: str) -> str:
-    """worker0, worker1, ... -> worker; the others are their own kind."""
-    return name.rstrip("0123456789")
+    """worker0, worker1, worker0@r1, ... -> worker; scheduler@r1 -> scheduler; the others are
+    their own kind."""
+    return name.partition("@")[0].rstrip("0123456789")
 
 
 def service_argvs(cfg, ports: Ports) -> dict[str, list[str]]:
     """The command-line arguments (after `pagedserve`) of every service of the stack: a pure function.
-    Keys: worker0..workerN-1, scheduler, tokenizer, gateway (start order). The Redis URL is not among
-    them: see service_env."""
+    Keys: worker0..workerN-1, scheduler, tokenizer, gateway (start order); with --data-parallel-size
+    D > 1, each replica i's worker<r>@r<i> and scheduler@r<i> (its --replica-id r<i>) instead of the
+    first two. The Redis URL is not among them: see service_env."""
     tp = cfg.tensor_parallel_size
+    dp = getattr(cfg, "data_parallel_size", 1)
     if tp < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
-    if len(ports.workers) != tp:
+    if dp < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {dp}")
+    if len(ports.replicas) != dp:
+        raise ValueError(f"ports for {len(ports.replicas)} replicas for data parallel size {dp}")
+    if any(len(r.workers) != tp for r in ports.replicas):
         raise ValueError(f"{len(ports.workers)} worker ports for tensor parallel size {tp}")
     values = cfg.values()
 
     def handed(service: str) -> list[str]:
         return argv_for(service, values, skip=WIRED)
 
-    worker_addrs = [f"{LOOPBACK}:{p}" for p in ports.workers]
     scheduler_addr = f"{LOOPBACK}:{ports.scheduler}"
     tokenizer_addr = f"{LOOPBACK}:{ports.tokenizer}"
     argvs: dict[str, list[str]] = {}
-    for rank, port in enumerate(ports.workers):
-        argvs[f"worker{rank}"] = ["worker", "--host", LOOPBACK, "--port", str(port), "--rank", str(rank),
-                                  "--tensor-parallel-size", str(tp), *handed("worker")]
-    argvs["scheduler"] = ["scheduler", "--host", LOOPBACK, "--port", str(ports.scheduler),
-                          "--worker-addrs", ",".join(worker_addrs), *handed("scheduler")]
+    for index, replica in enumerate(ports.replicas):
+        suffix = replica_suffix(dp, index)
+        for rank, port in enumerate(replica.workers):
+            argvs[f"worker{rank}{suffix}"] = ["worker", "--host", LOOPBACK, "--port", str(port), "--rank", str(rank),
+                                              "--tensor-parallel-size", str(tp), *handed("worker")]
+    for index, replica in enumerate(ports.replicas):
+        suffix = replica_suffix(dp, index)
+        identity = ["--replica-id", f"r{index}"] if dp > 1 else []
+        argvs[f"scheduler{suffix}"] = ["scheduler", "--host", LOOPBACK, "--port", str(replica.scheduler),
+                                       "--worker-addrs", ",".join(f"{LOOPBACK}:{p}" for p in replica.workers),
+                                       *identity, *handed("scheduler")]
     argvs["tokenizer"] = ["tokenizer", "--host", LOOPBACK, "--port", str(ports.tokenizer),
                           "--scheduler-addr", scheduler_addr, *handed("tokenizer")]
     argvs["gateway"] = ["gateway", "--host", cfg.host, "--port", str(cfg.port), "--grpc-port", str(cfg.grpc_port),
@@ -139,11 +175,12 @@ TAKES_REDIS = ("scheduler", "gateway")
 def service_env(cfg, name: str, env: Mapping[str, str], redis_url: str | None = None) -> dict[str, str]:
     """A service's environment: env without the variables of the settings the launcher hands it,
     plus its secrets (which travel here rather than in its argv): the scheduler and the gateway get
-    the Redis URL (redis_url; None: "memory"), the others none."""
+    the Redis URL (redis_url; None: "memory"), and with several engine replicas the tokenizer too
+    (the registry it routes over); the others none."""
     kind = service_kind(name)
     dropped = handed_on_env(kind, skip=WIRED) | {REDIS_URL_ENV}
     out = {k: v for k, v in env.items() if k not in dropped} | secret_env(kind, cfg.values())
-    if kind in TAKES_REDIS:
+    if kind in TAKES_REDIS or (kind == "tokenizer" and getattr(cfg, "data_parallel_size", 1) > 1):
         out[REDIS_URL_ENV] = redis_url or "memory"
     return out
 

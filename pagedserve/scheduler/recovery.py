@@ -23,33 +23,15 @@ log = logging.getLogger("pagedserve.scheduler")
 
 class Recovery:
     def _readmit_from_store(self) -> None:
-        eos = tuple(self.info.eos_token_ids)
         readmitted = 0
         for request_id in self.store.active_ids():
             record = self.store.load(request_id)
             if record is None:
                 continue
-            try:
-                params = SamplingParams(**record.params)
-                group = GroupState(request_id, record.n, record.prompt_token_ids, params, record.priority,
-                                   dict(record.timings), [""] * record.n)
-                group.timings.pop("worker_time_s", None)
-                requests, reasons = resumed_requests(record, params, eos, self.max_model_len,
-                                                     record.timings.get("scheduler_received", time.time()))
-                group.finish_reasons = reasons
-                if requests and not any(record.outputs):
-                    self.scheduler.add_request(requests[0])  # n samples fork from the prompt as usual
-                elif requests:
-                    self.scheduler.add_resumed_group(requests)
-            except (TypeError, ValueError) as exc:
-                log.warning("request %s cannot be resumed (%s): marked aborted", request_id, exc)
-                requests, group = [], None
+            group, requests = self._resume_plan(record)
             if not requests:
-                fields = {"status": "finished"}
-                if group is not None:
-                    fields["finish_reasons"] = json.dumps(group.finish_reasons)
-                self.store.write([RecordWrite(request_id, fields, finished=True)])
                 continue
+            self._add_resumed(record, requests)
             self.groups[request_id] = group
             self.live_ids.update(sample_ids(request_id, group.n))
             self.readmitted.append(request_id)
@@ -57,6 +39,37 @@ class Recovery:
         self.orphan_deadline = time.monotonic() + self.config.orphan_timeout_s
         if readmitted:
             log.info("re-admitted %d unfinished request(s) from the store; they resume by recompute", readmitted)
+
+    def _resume_plan(self, record) -> tuple[GroupState | None, list]:
+        """The group and the Requests that resume a stored unfinished request by recompute; a
+        record that cannot resume, or whose samples had all finished, is marked finished (no
+        requests then). Touches no scheduler state: any thread."""
+        eos = tuple(self.info.eos_token_ids)
+        request_id = record.request_id
+        try:
+            params = SamplingParams(**record.params)
+            group = GroupState(request_id, record.n, record.prompt_token_ids, params, record.priority,
+                               dict(record.timings), [""] * record.n)
+            group.timings.pop("worker_time_s", None)
+            requests, reasons = resumed_requests(record, params, eos, self.max_model_len,
+                                                 record.timings.get("scheduler_received", time.time()))
+            group.finish_reasons = reasons
+        except (TypeError, ValueError) as exc:
+            log.warning("request %s cannot be resumed (%s): marked aborted", request_id, exc)
+            requests, group = [], None
+        if not requests:
+            fields = {"status": "finished"}
+            if group is not None:
+                fields["finish_reasons"] = json.dumps(group.finish_reasons)
+            self.store.write([RecordWrite(request_id, fields, finished=True)])
+        return group, requests
+
+    def _add_resumed(self, record, requests: list) -> None:
+        """On the step-loop thread (or before it runs): hand the resumed Requests to the scheduler."""
+        if requests and not any(record.outputs):
+            self.scheduler.add_request(requests[0])  # n samples fork from the prompt as usual
+        elif requests:
+            self.scheduler.add_resumed_group(requests)
 
     def _recover_workers(self, cause: str) -> None:
         """A rank died or hung. Every request is kept (the scheduler holds its tokens so far, the

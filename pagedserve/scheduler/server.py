@@ -173,7 +173,8 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    store = open_store(args.redis_url, args.redis_prefix, args.redis_ttl, args.request_retention)
+    replica_id = getattr(args, "replica_id", "") or ""
+    store = open_store(args.redis_url, args.redis_prefix, args.redis_ttl, args.request_retention, replica_id)
     workers = WorkerGroup([a.strip() for a in args.worker_addrs.split(",") if a.strip()],
                           step_timeout_s=args.step_timeout)
     service = SchedulerService(config_from_args(args), workers, store)
@@ -194,15 +195,34 @@ async def _serve(args: argparse.Namespace) -> int:
                                  return_when=asyncio.FIRST_COMPLETED)
     if starting in done:
         starting.result()  # raise what failed at start-up
+        heartbeat = await asyncio.to_thread(_start_heartbeat, args, service, store) if replica_id else None
         set_serving(health, [SERVICE_NAME])
         log.info("scheduler ready (model %s, max_model_len %d)", service.model_name(), service.max_model_len)
         watcher = asyncio.ensure_future(_watch_health(service, health))
         await stop.wait()
         watcher.cancel()
+        if heartbeat is not None:
+            await asyncio.to_thread(heartbeat.stop)  # out of routing before the streams close
     set_serving(health, [SERVICE_NAME], False)
     await server.stop(grace=2.0)
     await asyncio.to_thread(service.stop)
     return 0
+
+
+def _start_heartbeat(args: argparse.Namespace, service: SchedulerService, store):
+    """Register this engine replica in the Redis registry and keep it there (docs/scale-out.md)."""
+    from pagedserve.common.replicas import ReplicaPublisher
+    from pagedserve.scheduler.replica_heartbeat import Heartbeat
+    host = args.host if args.host not in ("", "0.0.0.0", "::", "[::]") else "127.0.0.1"
+    addr = args.advertise_addr or f"{host}:{args.port}"
+    publisher = ReplicaPublisher(store.client, args.redis_prefix, args.replica_id, args.heartbeat_ttl,
+                                 args.published_prefix_blocks)
+    heartbeat = Heartbeat(service, publisher, addr, args.heartbeat_interval)
+    heartbeat.beat()  # registered before anyone is told this scheduler is ready
+    heartbeat.start()
+    log.info("replica %s registered at %s (heartbeat every %g s, TTL %g s)", args.replica_id, addr,
+             args.heartbeat_interval, args.heartbeat_ttl)
+    return heartbeat
 
 
 async def _watch_health(service: SchedulerService, health, interval_s: float = 0.25) -> None:

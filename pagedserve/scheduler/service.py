@@ -36,6 +36,7 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.settings import step_budgets
 from pagedserve.common.store import RequestStore, StoredRequest
 from pagedserve.v1 import scheduler_pb2, worker_pb2
+from pagedserve.scheduler.adoption import Adoption
 from pagedserve.scheduler.health import Health
 from pagedserve.scheduler.records import Delivery, GroupState, RecordWriter
 from pagedserve.scheduler.recovery import Recovery
@@ -72,7 +73,7 @@ class ServiceConfig:
     store_check_interval_s: float = 1.0  # how often the store (Redis) is pinged
 
 
-class SchedulerService(StepLoop, Recovery, Health):
+class SchedulerService(StepLoop, Recovery, Adoption, Health):
     def __init__(self, config: ServiceConfig, workers: WorkerGroup, store: RequestStore) -> None:
         self.config, self.workers, self.store = config, workers, store
         self.scheduler: Scheduler | None = None
@@ -155,7 +156,8 @@ class SchedulerService(StepLoop, Recovery, Health):
         if record is not None:
             if not msg.attach:
                 self._check_same_request(record.request_id, record.n, record.prompt_token_ids, msg)
-            return self._attach_stored(record, outbox, tag)
+            adopted = self._adopt(record, outbox, tag)  # a dead replica's request resumes here
+            return adopted or self._attach_stored(record, outbox, tag)
         if msg.attach:
             raise StatusError(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} to attach to")
         group = self._validate(request_id, msg)

@@ -22,6 +22,7 @@ import grpc
 
 from pagedserve.common.grpc_util import StatusError
 from pagedserve.tokenizer.detokenizer import SampleText
+from pagedserve.tokenizer.replica_router import Charge, Target
 from pagedserve.tokenizer.scheduler_link import Broken, SchedulerSubscription
 from pagedserve.v1 import common_pb2, generate_pb2, scheduler_pb2
 
@@ -55,6 +56,8 @@ class RequestStream:
     cached_tokens: int = 0
     accepted_timings: common_pb2.Timings = field(default_factory=common_pb2.Timings)
     sub: SchedulerSubscription | None = None
+    target: Target | None = None  # the scheduler (engine replica) the request runs on
+    charge: Charge | None = None  # its share of that replica's in-flight tokens (replicas only)
     stopped_by_us: list[int] = field(default_factory=list)  # samples a stop string ended (n > 1)
     detached: bool = False
     responses_done: bool = False  # responses() ran to its end (or raised): the caller had its answer
@@ -94,13 +97,26 @@ class RequestStream:
     def leave(self) -> None:
         if self.sub is not None:
             self.sub.leave()
+        if self.charge is not None:
+            self.charge.release()
+
+    async def _route(self, schedule: scheduler_pb2.ScheduleRequest) -> None:
+        """Pick the scheduler for schedule (the same replica while it lives; docs/scale-out.md)."""
+        target, charge = await self.service.route(schedule)
+        if self.charge is not None:
+            self.charge.release()
+        if self.target is not None and target.id != self.target.id:
+            log.info("request %s moves from replica %s to replica %s", self.request_id, self.target.id,
+                     target.id)
+        self.target, self.charge = target, charge
 
     # -- acceptance ---------------------------------------------------------------------------
     async def _accept(self) -> generate_pb2.GenerateResponse:
-        self.sub = self.service.link.subscribe(self.schedule)
+        await self._route(self.schedule)
+        self.sub = self.target.link.subscribe(self.schedule)
         first = await self.sub.read()  # raises the scheduler's refusal as StatusError
         if isinstance(first, Broken):
-            log.info("scheduler at %s not reachable: %s", self.service.scheduler_addr, first.details)
+            log.info("scheduler at %s not reachable: %s", self.target.addr, first.details)
             raise StatusError(grpc.StatusCode.UNAVAILABLE, UNREACHABLE)
         if not first.accepted:
             raise StatusError(grpc.StatusCode.INTERNAL, "the scheduler's stream did not start with accepted")
@@ -208,7 +224,7 @@ class RequestStream:
             self.leave()  # leaving the only subscription aborts the request at the scheduler
             return
         self.stopped_by_us.append(index)
-        self.service.spawn(self.service.abort_sample(self.request_id, index))
+        self.service.spawn(self.service.abort_sample(self.request_id, index, self.target.stub))
 
     async def _reattach(self, retry_until: float) -> None:
         """Subscribe again past the tokens already received, or raise."""
@@ -223,7 +239,8 @@ class RequestStream:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE,
                                   f"the scheduler did not come back within --scheduler-retry-timeout "
                                   f"({self.service.retry_timeout_s:g} s)")
-            self.sub = self.service.link.subscribe(attach)
+            await self._route(attach)
+            self.sub = self.target.link.subscribe(attach)
             try:
                 first = await asyncio.wait_for(self.sub.read(), left)
             except asyncio.TimeoutError:
@@ -247,7 +264,7 @@ class RequestStream:
                                   "the scheduler's re-attached stream did not start with accepted")
             log.info("request %s re-attached", self.request_id)
             for index in self.stopped_by_us:  # a restarted scheduler does not know about them
-                self.service.spawn(self.service.abort_sample(self.request_id, index))
+                self.service.spawn(self.service.abort_sample(self.request_id, index, self.target.stub))
             return
 
     # -- a resumable stream whose caller vanished -----------------------------------------------

@@ -103,17 +103,23 @@ async def _serve(args) -> int:
         await server.stop(grace=None)
         return 1
     # Built here, not in the loader's thread: the scheduler channel belongs to this event loop.
+    router = None
+    if args.redis_url and args.redis_url not in ("memory", "memory://"):
+        from pagedserve.tokenizer.replica_router import ReplicaRouter
+        router = ReplicaRouter(args.redis_url, args.redis_prefix, args.routing_policy)
     try:
         service = TokenizerService(tokenizer, args.served_model_name or default_name, args.scheduler_addr,
-                                   args.scheduler_retry_timeout, vocab_size, chat_template=args.chat_template)
+                                   args.scheduler_retry_timeout, vocab_size, chat_template=args.chat_template,
+                                   router=router)
     except ValueError as exc:  # --chat-template names no file
         log.error("%s", exc)
         await server.stop(grace=None)
         return 1
     servicer.service = service
     set_serving(health, [SERVICE_NAME])
-    log.info("tokenizer serving %s on %s (scheduler at %s)", service.served_model_name, address,
-             args.scheduler_addr)
+    log.info("tokenizer serving %s on %s (%s)", service.served_model_name, address,
+             f"engine replicas from the Redis registry, routing {args.routing_policy}" if router else
+             f"scheduler at {args.scheduler_addr}")
     await stopper
     log.info("tokenizer shutting down")
     set_serving(health, [SERVICE_NAME], serving=False)

@@ -23,6 +23,7 @@ from pagedserve.common.grpc_util import StatusError, internal_channel
 from pagedserve.model_files.chat_templates import ChatTemplateError, load_chat_template, render_chat
 from pagedserve.tokenizer import tokenization
 from pagedserve.tokenizer.chat_render import template_messages, template_tools
+from pagedserve.tokenizer.replica_router import Charge, ReplicaRouter, Target
 from pagedserve.tokenizer.request_stream import RequestStream
 from pagedserve.tokenizer.scheduler_link import SchedulerLink
 from pagedserve.v1 import common_pb2, generate_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -59,7 +60,7 @@ class TokenizerService:
 
     def __init__(self, tokenizer, served_model_name: str, scheduler_addr: str,
                  scheduler_retry_timeout: float = 120.0, vocab_size: int | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, router: ReplicaRouter | None = None) -> None:
         self.tokenizer = tokenizer
         self.chat_template = load_chat_template(chat_template)  # None: the model's own
         self.served_model_name = served_model_name
@@ -75,8 +76,29 @@ class TokenizerService:
         self._token_text: dict[int, str] = {}
         self._background: set[asyncio.Task] = set()
         self.link = SchedulerLink(self.scheduler)  # one stream for all requests (opened on first use)
+        # Engine replicas (docs/scale-out.md): a router over the registered schedulers, one link
+        # each; without one (or while none is registered) every request goes to scheduler_addr.
+        self.router = router
+        self.single = Target("", scheduler_addr, self.link, self.scheduler)
+
+    async def route(self, schedule: scheduler_pb2.ScheduleRequest) -> tuple[Target, Charge | None]:
+        """The scheduler this request (or re-attach) goes to, and its charge on that replica's
+        in-flight tokens (None without replicas)."""
+        if self.router is not None:
+            target = await self.router.pick(schedule)
+            if target is not None:
+                return target, self.router.charge(target, schedule)
+        return self.single, None
+
+    def any_scheduler(self):
+        """A scheduler stub for questions every replica answers alike (model info)."""
+        if self.router is not None and self.router.replicas:
+            return self.router.target(min(self.router.replicas)).stub
+        return self.scheduler
 
     async def close(self) -> None:
+        if self.router is not None:
+            await self.router.close()
         await self.link.close()
         await self.channel.close()
         self._executor.shutdown(wait=False)
@@ -148,7 +170,10 @@ class TokenizerService:
     async def model_info(self) -> generate_pb2.ModelInfo:
         info = generate_pb2.ModelInfo(model=self.served_model_name, vocab_size=len(self.tokenizer))
         try:
-            theirs = await self.scheduler.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=MODEL_INFO_TIMEOUT_S)
+            if self.router is not None:
+                await self.router.refresh()
+            theirs = await self.any_scheduler().GetModelInfo(generate_pb2.ModelInfoRequest(),
+                                                             timeout=MODEL_INFO_TIMEOUT_S)
             info.max_model_len, info.ready = theirs.max_model_len, theirs.ready
         except grpc.aio.AioRpcError as exc:
             log.info("scheduler GetModelInfo failed (%s): reporting not ready", exc.code().name)
@@ -183,10 +208,11 @@ class TokenizerService:
                                                  params=request.params, priority=request.priority, timings=timings)
         return RequestStream(self, request, schedule, timings, resume_grace_s=resume_grace_s)
 
-    async def abort_sample(self, request_id: str, index: int) -> None:
-        """One of n samples hit a stop string here: the scheduler stops generating it."""
+    async def abort_sample(self, request_id: str, index: int, scheduler=None) -> None:
+        """One of n samples hit a stop string here: the scheduler (the request's replica's) stops
+        generating it."""
         try:
-            await self.scheduler.Abort(scheduler_pb2.AbortRequest(request_id=request_id, index=index),
+            await (scheduler or self.scheduler).Abort(scheduler_pb2.AbortRequest(request_id=request_id, index=index),
                                        timeout=MODEL_INFO_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             log.info("request %s: abort of sample %d failed (%s)", request_id, index, exc.code().name)

@@ -1,0 +1,200 @@
+"""The tokenizer's choice of an engine replica per request (docs/scale-out.md, "Routing").
+
+Replicas come from the Redis registry (common/replicas.py), re-read every REFRESH_S; the tokenizer
+keeps one scheduler link (one bidi stream) per replica it has used. Policies:
+
+  round_robin   the next healthy replica in turn
+  least_load    the fewest tokens queued and running: the larger of what the replica last
+                published and what this tokenizer has in flight there (prompt + max_tokens of the
+                requests it routed and that have not ended), so a burst balances before the next
+                heartbeat
+  prefix        the most expected prefix-cache hit against load: score = hit tokens -
+                LOAD_WEIGHT * load tokens, where hit = the leading blocks of the prompt's block-hash
+                chain (common/prefix_hashes.py) found in the replica's published cache, or routed
+                there recently by this tokenizer (a bounded memory: requests of one prefix that
+                arrive within a heartbeat stick together); ties go to least load, then in turn
+
+A request that already has an owner (its record names a replica: a retry, a resume, a re-attach)
+goes to that owner while it lives, whatever the policy: n > 1 samples and resumed streams stay on
+the replica that holds them. A dead owner's request goes to the best other replica, which adopts it.
+
+Threads: the tokenizer's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pagedserve.common.grpc_util import internal_channel
+from pagedserve.common.prefix_hashes import block_hashes
+from pagedserve.common.replicas import ReplicaInfo, cached_prefix_blocks, read_replicas
+from pagedserve.tokenizer.scheduler_link import SchedulerLink
+from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger("pagedserve.tokenizer")
+
+POLICIES = ("prefix", "least_load", "round_robin")
+REFRESH_S = 0.5
+LOAD_WEIGHT = 0.5  # a token of load ahead costs half a token of prefill saved
+RECENT_BLOCKS = 65536  # block hash -> replica this tokenizer routed it to, least recent dropped first
+DEFAULT_OUTPUT_ESTIMATE = 256  # tokens charged for a request without max_tokens
+
+
+@dataclass(slots=True)
+class Target:
+    """Where one request's stream goes: a replica's scheduler ("" id: the single scheduler)."""
+    id: str
+    addr: str
+    link: SchedulerLink
+    stub: scheduler_pb2_grpc.SchedulerStub
+    channel: object = None
+    inflight_tokens: int = 0
+    routed: int = 0  # requests routed here by this tokenizer
+
+
+@dataclass(slots=True)
+class Charge:
+    """What one request added to its target's in-flight tokens (released once)."""
+    target: Target
+    tokens: int
+    released: bool = field(default=False)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.target.inflight_tokens -= self.tokens
+
+
+class ReplicaRouter:
+    def __init__(self, redis_url: str, prefix: str, policy: str = "prefix") -> None:
+        import redis.asyncio
+        if policy not in POLICIES:
+            raise ValueError(f"--routing-policy {policy!r}: one of {', '.join(POLICIES)}")
+        self.client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5.0,
+                                                   socket_connect_timeout=2.0)
+        self.prefix, self.policy = prefix, policy
+        self.replicas: dict[str, ReplicaInfo] = {}
+        self.targets: dict[str, Target] = {}
+        self.recent: OrderedDict[int, str] = OrderedDict()
+        self.turn = itertools.count()
+        self.refreshed = 0.0
+        self._refreshing: asyncio.Task | None = None
+
+    async def close(self) -> None:
+        for target in self.targets.values():
+            await target.link.close()
+            await target.channel.close()
+        await self.client.aclose()
+
+    # -- the registry ---------------------------------------------------------------------------
+    async def refresh(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self.refreshed < REFRESH_S:
+            return
+        try:
+            found = await read_replicas(self.client, self.prefix)
+        except Exception as exc:  # noqa: BLE001 - Redis away: route on what was known
+            log.warning("cannot read the replica registry (%s); routing on the last known replicas", exc)
+            return
+        self.refreshed = time.monotonic()
+        gone = set(self.replicas) - {r.id for r in found}
+        if gone:
+            log.info("replica(s) %s left the registry", ", ".join(sorted(gone)))
+        self.replicas = {r.id: r for r in found}
+        for info in found:
+            target = self.targets.get(info.id)
+            if target is not None and target.addr != info.addr:  # it moved (a restart elsewhere)
+                await target.link.close()
+                await target.channel.close()
+                del self.targets[info.id]
+
+    def alive(self, replica_id: str) -> bool:
+        return replica_id in self.replicas
+
+    def target(self, replica_id: str) -> Target:
+        target = self.targets.get(replica_id)
+        if target is None:
+            addr = self.replicas[replica_id].addr
+            channel = internal_channel(addr, aio=True)
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            target = self.targets[replica_id] = Target(replica_id, addr, SchedulerLink(stub), stub, channel)
+        return target
+
+    # -- the choice -----------------------------------------------------------------------------
+    async def pick(self, schedule: scheduler_pb2.ScheduleRequest) -> Target | None:
+        """The replica for this request; None when no replica is registered."""
+        await self.refresh()
+        if not self.replicas:
+            await self.refresh(force=True)
+            if not self.replicas:
+                return None
+        owner = ""
+        hashes: list[int] = []
+        block_size = next(iter(self.replicas.values())).block_size
+        prompt = schedule.prompt_token_ids
+        if self.policy == "prefix" and prompt:
+            hashes = block_hashes(prompt, block_size, (len(prompt) - 1) // block_size)
+        pipe = self.client.pipeline(transaction=False)
+        if schedule.request_id:
+            pipe.hget(f"{self.prefix}req:{schedule.request_id}", "replica")
+        try:
+            if schedule.request_id:
+                owner = (await pipe.execute())[0] or ""
+        except Exception as exc:  # noqa: BLE001 - route without the owner
+            log.info("request %s: owner lookup failed (%s)", schedule.request_id, exc)
+        if owner in self.replicas:
+            return self.target(owner)
+        healthy = [r for r in self.replicas.values() if r.healthy] or list(self.replicas.values())
+        ids = [r.id for r in healthy]
+        if self.policy == "round_robin" or len(ids) == 1:
+            chosen = ids[next(self.turn) % len(ids)]
+        else:
+            load = {r.id: max(r.load_tokens, self.targets[r.id].inflight_tokens if r.id in self.targets else 0)
+                    for r in healthy}
+            hits = {r: 0 for r in ids}
+            if self.policy == "prefix" and hashes:
+                try:
+                    hits = await cached_prefix_blocks(self.client, self.prefix, ids, hashes)
+                except Exception as exc:  # noqa: BLE001 - route on load and the local memory
+                    log.info("prefix lookup failed (%s)", exc)
+                for replica_id, count in self._recent_hits(hashes).items():
+                    if replica_id in hits:
+                        hits[replica_id] = max(hits[replica_id], count)
+            first = next(self.turn)
+            order = {r: (i - first) % len(ids) for i, r in enumerate(ids)}  # ties in turn
+            chosen = max(ids, key=lambda r: (hits[r] * block_size - LOAD_WEIGHT * load[r], -load[r], -order[r]))
+        if hashes:
+            self._remember(hashes, chosen)
+        target = self.target(chosen)
+        target.routed += 1
+        return target
+
+    def charge(self, target: Target, schedule: scheduler_pb2.ScheduleRequest) -> Charge:
+        params = schedule.params
+        out = params.max_tokens if params.HasField("max_tokens") else DEFAULT_OUTPUT_ESTIMATE
+        tokens = len(schedule.prompt_token_ids) + max(1, params.n) * out
+        target.inflight_tokens += tokens
+        return Charge(target, tokens)
+
+    def _recent_hits(self, hashes: list[int]) -> dict[str, int]:
+        """replica -> leading blocks of hashes this tokenizer routed there last."""
+        first = self.recent.get(hashes[0])
+        if first is None:
+            return {}
+        count = 0
+        for h in hashes:
+            if self.recent.get(h) != first:
+                break
+            count += 1
+        return {first: count}
+
+    def _remember(self, hashes: list[int], replica_id: str) -> None:
+        for h in hashes:
+            self.recent[h] = replica_id
+            self.recent.move_to_end(h)
+        while len(self.recent) > RECENT_BLOCKS:
+            self.recent.popitem(last=False)
