@@ -127,9 +127,10 @@ def build_app(backend: Backend) -> FastAPI:
         return await completion_call.resume_stream(backend, request, request_id, last_event_id, after)
 
     @app.get("/v1/engine/stats")
-    async def engine_stats(request: Request, steps: int = 256) -> dict:
-        """The engine snapshot; an ordinary key sees only its own requests in it."""
-        return await backend.engine_stats(steps, caller_of(request))
+    async def engine_stats(request: Request, steps: int = 256, replica: str = "") -> dict:
+        """The engine snapshot; an ordinary key sees only its own requests in it. With engine
+        replicas: `replica` picks whose snapshot (default the first); `replicas` lists them all."""
+        return await backend.engine_stats(steps, caller_of(request), replica)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -150,10 +151,12 @@ def build_app(backend: Backend) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         try:
-            stats = await backend.stats()
+            per_replica = await backend.replica_stats()
         except grpc.RpcError:
-            stats = None
-        return Response(backend.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+            per_replica = []
+        stats = per_replica[0][1] if len(per_replica) == 1 and not per_replica[0][0] else None
+        return Response(backend.metrics.render(stats, per_replica if stats is None else None),
+                        media_type=CONTENT_TYPE_LATEST)
 
     try:  # the live dashboard (its own module; the API works without it)
         from pagedserve.gateway import dashboard

@@ -101,8 +101,12 @@ class Backend:
         self._tokenizer: generate_pb2_grpc.TokenizerStub | None = None
         self._scheduler: scheduler_pb2_grpc.SchedulerStub | None = None
         self._info: generate_pb2.ModelInfo | None = None
-        self._stats: tuple[float, scheduler_pb2.EngineStats] | None = None  # (when, snapshot)
-        self._stats_fetch: asyncio.Future | None = None  # the fetch in flight, shared by its waiters
+        # replica id ("": the one scheduler) -> (when, snapshot), and the fetch in flight shared by its waiters
+        self._stats_by_replica: dict[str, tuple[float, scheduler_pb2.EngineStats]] = {}
+        self._fetches: dict[str, asyncio.Future] = {}
+        # Engine replicas (gateway/replicas.py, set by the server when it has Redis): None, or no
+        # replica registered, is a single engine at scheduler_addr.
+        self.replicas = None
 
     # -- the admission state's old names on Backend (admission.py owns it) --------------------
     @property
@@ -139,7 +143,20 @@ class Backend:
             self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._channel(self.scheduler_addr))
         return self._scheduler
 
+    async def schedulers_of(self, request_id: str) -> list:
+        """The scheduler(s) that may hold the request: its replica's (every replica's while the owner is
+        not recorded yet), or the one scheduler."""
+        stubs = await self.replicas.owner_stubs(request_id) if self.replicas is not None else []
+        return stubs or [self.scheduler]
+
+    async def replica_stubs(self) -> list[tuple[str, scheduler_pb2_grpc.SchedulerStub]]:
+        """(replica id, stub) of every live replica; [("", the one scheduler)] without replicas."""
+        replicas = await self.replicas.list() if self.replicas is not None else []
+        return [(r.id, self.replicas.stub(r)) for r in replicas] or [("", self.scheduler)]
+
     async def close(self) -> None:
+        if self.replicas is not None:
+            await self.replicas.close()
         for channel in self._channels:
             await channel.close()
         self._channels.clear()
@@ -147,17 +164,20 @@ class Backend:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request at the scheduler (its KV blocks are freed); errors are only logged."""
-        try:
-            await self.scheduler.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            log.info("abort of request %s failed: %s", request_id, exc.code().name if hasattr(exc, "code") else exc)
+        for scheduler in await self.schedulers_of(request_id):
+            try:
+                await scheduler.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                log.info("abort of request %s failed: %s", request_id,
+                         exc.code().name if hasattr(exc, "code") else exc)
 
     async def get_record(self, request_id: str, shown_id: str | None = None) -> scheduler_pb2.RequestRecord:
         """The scheduler's record of the request with internal id request_id; 404 naming shown_id
         (the client's id) when there is none."""
         try:
-            return await self.scheduler.GetRequest(scheduler_pb2.GetRequestRequest(request_id=request_id),
-                                                   timeout=RPC_TIMEOUT_S)
+            scheduler = (await self.schedulers_of(request_id))[0]
+            return await scheduler.GetRequest(scheduler_pb2.GetRequestRequest(request_id=request_id),
+                                              timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as exc:
             error = rpc_error(exc)
             if error.status == 404:
@@ -196,7 +216,23 @@ class Backend:
         return info
 
     async def stats(self) -> scheduler_pb2.SchedulerStats:
-        return await self.scheduler.GetStats(scheduler_pb2.StatsRequest(), timeout=RPC_TIMEOUT_S)
+        """The scheduler's stats; with replicas, a ready and healthy one's if any (the engine serves
+        while one does), else the first's."""
+        per_replica = await self.replica_stats()
+        if not per_replica:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "no engine replica answered")
+        return next((s for _, s in per_replica if s.ready and not s.unhealthy_cause), per_replica[0][1])
+
+    async def replica_stats(self) -> list[tuple[str, scheduler_pb2.SchedulerStats]]:
+        """(replica id, GetStats) of every replica that answers; [("", stats)] for a single engine
+        (whose error is raised)."""
+        stubs = await self.replica_stubs()
+        if len(stubs) == 1 and not stubs[0][0]:
+            return [("", await stubs[0][1].GetStats(scheduler_pb2.StatsRequest(), timeout=RPC_TIMEOUT_S))]
+        answers = await asyncio.gather(*(stub.GetStats(scheduler_pb2.StatsRequest(), timeout=RPC_TIMEOUT_S)
+                                         for _, stub in stubs), return_exceptions=True)
+        return [(rid, a) for (rid, _), a in zip(stubs, answers) if isinstance(a, scheduler_pb2.SchedulerStats)]
 
     async def claim_idempotency_key(self, owner: str, key: str, client_id: str, body_digest: str) -> str:
         """The client id of the generation an Idempotency-Key names for this owner: client_id when
@@ -232,28 +268,64 @@ class Backend:
         return status_dict(client_id, record.status, record.priority, len(record.prompt_token_ids),
                            [len(o.ids) for o in record.outputs], list(record.finish_reasons), timings, None)
 
-    async def engine_stats(self, steps: int = 256, caller: Caller = SINGLE_TENANT) -> dict:
+    async def engine_stats(self, steps: int = 256, caller: Caller = SINGLE_TENANT, replica: str = "") -> dict:
         """GET /v1/engine/stats: the scheduler's snapshot as JSON, each recent request's timings
         merged with this gateway's own stamps of it (first_token_streamed and the TTFT breakdown);
         the caller sees its own requests (an operator all). The snapshot is shared by every poller
         for STATS_CACHE_S, fetched once however many ask at the same time: pollers never add load
-        to the scheduler's step loop beyond one snapshot per interval."""
-        steps = max(0, min(int(steps), MAX_STATS_STEPS))
-        now = time.monotonic()
-        if self._stats is None or now - self._stats[0] > STATS_CACHE_S:
-            if self._stats_fetch is None:
-                self._stats_fetch = asyncio.ensure_future(self.scheduler.GetEngineStats(
-                    scheduler_pb2.EngineStatsRequest(max_steps=MAX_STATS_STEPS), timeout=RPC_TIMEOUT_S))
-                self._stats_fetch.add_done_callback(self._stats_fetched)
-            try:
-                msg = await asyncio.shield(self._stats_fetch)
-            except grpc.RpcError as exc:
-                raise rpc_error(exc) from exc
-        else:
-            msg = self._stats[1]
-        return engine_stats_dict(msg, steps, self.metrics.merged_stamps, caller)
+        to the scheduler's step loop beyond one snapshot per interval.
 
-    def _stats_fetched(self, fetch: asyncio.Future) -> None:
-        self._stats_fetch = None
+        With engine replicas the JSON is one replica's (`replica`, default the first) and adds
+        `replica` (its id) and `replicas`: every replica's id, address, queues and KV usage."""
+        steps = max(0, min(int(steps), MAX_STATS_STEPS))
+        stubs = await self.replica_stubs()
+        if len(stubs) == 1 and not stubs[0][0]:
+            return engine_stats_dict(await self._engine_snapshot(), steps, self.metrics.merged_stamps, caller)
+        answers = await asyncio.gather(*(self._engine_snapshot(rid, stub) for rid, stub in stubs),
+                                       return_exceptions=True)
+        infos = {r.id: r for r in self.replicas.replicas}
+        listed, chosen = [], None
+        for (rid, _), msg in zip(stubs, answers):
+            entry = {"id": rid, "addr": infos[rid].addr if rid in infos else "", "ready": False}
+            if isinstance(msg, scheduler_pb2.EngineStats):
+                view = engine_stats_dict(msg, 0, None, caller)
+                used = sum(1 for c in msg.block_states if c == "u")
+                totals = view["totals"]
+                entry |= {"ready": msg.ready, "queue_lengths": view["queue_lengths"], "queues": view["queues"],
+                          "kv": {"num_blocks": msg.num_blocks, "usage": used / msg.num_blocks if msg.num_blocks
+                                 else 0.0},
+                          "prefix_cache_queries": totals.get("prefix_cache_queries", 0),
+                          "prefix_cache_hits": totals.get("prefix_cache_hits", 0)}
+                if chosen is None or rid == replica:
+                    chosen = (rid, msg)
+            else:
+                entry["error"] = rpc_error(msg).message if isinstance(msg, grpc.RpcError) else str(msg)
+            listed.append(entry)
+        if chosen is None:
+            raise RequestError(503, "no engine replica answered", None, "service_unavailable")
+        out = engine_stats_dict(chosen[1], steps, self.metrics.merged_stamps, caller)
+        out["replica"], out["replicas"] = chosen[0], listed
+        return out
+
+    async def _engine_snapshot(self, replica: str = "", stub=None) -> scheduler_pb2.EngineStats:
+        """One scheduler's GetEngineStats, cached STATS_CACHE_S and fetched once for every waiter."""
+        now = time.monotonic()
+        cached = self._stats_by_replica.get(replica)
+        if cached is not None and now - cached[0] <= STATS_CACHE_S:
+            return cached[1]
+        fetch = self._fetches.get(replica)
+        if fetch is None:
+            fetch = self._fetches[replica] = asyncio.ensure_future((stub or self.scheduler).GetEngineStats(
+                scheduler_pb2.EngineStatsRequest(max_steps=MAX_STATS_STEPS), timeout=RPC_TIMEOUT_S))
+            fetch.add_done_callback(lambda f: self._stats_fetched(replica, f))
+        try:
+            return await asyncio.shield(fetch)
+        except grpc.RpcError as exc:
+            if not replica:
+                raise rpc_error(exc) from exc
+            raise
+
+    def _stats_fetched(self, replica: str, fetch: asyncio.Future) -> None:
+        self._fetches.pop(replica, None)
         if not fetch.cancelled() and fetch.exception() is None:
-            self._stats = (time.monotonic(), fetch.result())
+            self._stats_by_replica[replica] = (time.monotonic(), fetch.result())

@@ -35,76 +35,103 @@ STAGE_BUCKETS = [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 
 
 class SchedulerStatsCollector(Collector):
-    """Exposes the last Scheduler.GetStats answer; the /metrics handler refreshes it first."""
+    """Exposes the last Scheduler.GetStats answer(s); the /metrics handler refreshes them first.
+    With engine replicas (docs/scale-out.md) every engine sample carries a `replica` label, one
+    sample per replica; a single engine's samples have none (as before)."""
 
     def __init__(self) -> None:
         self.stats: scheduler_pb2.SchedulerStats | None = None
+        self.per_replica: list[tuple[str, scheduler_pb2.SchedulerStats]] = []
 
     def collect(self):
         up = GaugeMetricFamily(P + "scheduler_up", "1 when the last GetStats of this scrape answered")
-        up.add_metric([], 1.0 if self.stats is not None else 0.0)
+        up.add_metric([], 1.0 if self.stats is not None or self.per_replica else 0.0)
         yield up
-        s = self.stats
-        if s is None:
+        answers = self.per_replica or ([("", self.stats)] if self.stats is not None else [])
+        if not answers:
             return
-
-        def gauge(name: str, doc: str, value: float):
-            return GaugeMetricFamily(P + name, doc, value=value)
-
-        def counter(name: str, doc: str, value: float):
-            return CounterMetricFamily(P + name, doc, value=value)
-
-        yield gauge("num_requests_running", "Requests in the running batch", s.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting)
-        yield gauge("num_requests_swapped", "Requests swapped out to the host", s.num_swapped)
-        usage = 1.0 - s.num_free_gpu_blocks / s.num_gpu_blocks if s.num_gpu_blocks else 0.0
-        yield gauge("kv_cache_usage_perc", "KV cache usage, 1 = full", usage)
-        yield gauge("num_gpu_blocks", "KV cache blocks on the device", s.num_gpu_blocks)
-        yield gauge("num_cached_blocks", "Free blocks still holding a reusable prefix", s.num_cached_blocks)
-        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        yield gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up", hit_rate)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits)
-        yield counter("num_preemptions", "Preemptions", s.num_preemptions)
-        yield counter("prompt_tokens", "Prompt tokens processed", s.prompt_tokens_total)
-        yield counter("generation_tokens", "Tokens generated", s.generation_tokens_total)
-        yield counter("engine_steps", "Engine steps run", s.num_steps)
-        yield counter("requests_finished", "Requests finished at the scheduler", s.requests_finished_total)
-        yield gauge("step_rtt_median_seconds", "Scheduler->worker round trip minus worker time (median)",
-                    s.step_rtt_median_s)
-        yield gauge("step_time_median_seconds", "Engine step time (median)", s.step_time_median_s)
-        yield gauge("model_ready", "1 when the workers are loaded and the KV cache allocated", float(s.ready))
-        yield gauge("max_waiting_requests", "Waiting queue bound (429 beyond it)", s.max_waiting_requests)
-        used = s.num_gpu_blocks - s.num_free_gpu_blocks
-        yield gauge("kv_blocks_used", "KV blocks in use by requests", used)
-        yield gauge("kv_blocks_cached", "KV blocks free but holding a reusable prefix", s.num_cached_blocks)
-        yield gauge("kv_blocks_free", "KV blocks free and holding nothing reusable",
-                    s.num_free_gpu_blocks - s.num_cached_blocks)
-        yield gauge("max_num_seqs", "Sequences one step may run", s.max_num_seqs)
-        yield gauge("max_num_batched_tokens", "Tokens one step may schedule", s.max_num_batched_tokens)
-        yield counter("scheduled_prefill_tokens", "Prompt (and recompute) tokens scheduled",
-                      s.scheduled_prefill_tokens_total)
-        yield counter("scheduled_decode_tokens", "Decode tokens scheduled", s.scheduled_decode_tokens_total)
-        reasons = CounterMetricFamily(P + "waiting_reasons", "Requests left waiting after a step, per step, by why "
-                                      "(no_blocks, seq_budget, token_budget)", labels=["reason"])
-        for reason in ("no_blocks", "seq_budget", "token_budget"):
-            reasons.add_metric([reason], getattr(s.waiting_reasons_total, reason))
-        yield reasons
-        for name, doc, data in (
-                ("step_scheduled_tokens", "Tokens scheduled per engine step", s.step_scheduled_tokens),
-                ("step_token_budget_utilization", "Scheduled tokens / max_num_batched_tokens per step",
-                 s.step_token_budget_utilization),
-                ("step_duration_seconds", "Engine step wall time at the scheduler", s.step_duration_seconds)):
-            if data.bounds:
-                yield _histogram(P + name, doc, data)
+        labels = ["replica"] if any(rid for rid, _ in answers) else []
+        families: dict[str, Metric] = {}
+        order: list[str] = []
+        for rid, s in answers:
+            for kind, name, doc, value in _engine_samples(s):
+                family = families.get(name)
+                if family is None:
+                    order.append(name)
+                    if kind == "histogram":
+                        family = HistogramMetricFamily(P + name, doc, labels=labels)
+                    elif kind == "labelled":
+                        family = CounterMetricFamily(P + name, doc, labels=[*labels, "reason"])
+                    else:
+                        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                            P + name, doc, labels=labels)
+                    families[name] = family
+                key = [rid] if labels else []
+                if kind == "histogram":
+                    family.add_metric(key, buckets=_buckets(value), sum_value=value.sum)
+                elif kind == "labelled":
+                    for reason, count in value:
+                        family.add_metric([*key, reason], count)
+                else:
+                    family.add_metric(key, value)
+        for name in order:
+            yield families[name]
 
 
-def _histogram(name: str, doc: str, data: scheduler_pb2.HistogramData) -> HistogramMetricFamily:
+def _engine_samples(s: scheduler_pb2.SchedulerStats) -> list[tuple[str, str, str, object]]:
+    """(kind, name, help, value) of one scheduler's engine metrics, in exposition order."""
+    usage = 1.0 - s.num_free_gpu_blocks / s.num_gpu_blocks if s.num_gpu_blocks else 0.0
+    hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+    used = s.num_gpu_blocks - s.num_free_gpu_blocks
+    g, c = "gauge", "counter"
+    out = [
+        (g, "num_requests_running", "Requests in the running batch", s.num_running),
+        (g, "num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
+        (g, "num_requests_swapped", "Requests swapped out to the host", s.num_swapped),
+        (g, "kv_cache_usage_perc", "KV cache usage, 1 = full", usage),
+        (g, "num_gpu_blocks", "KV cache blocks on the device", s.num_gpu_blocks),
+        (g, "num_cached_blocks", "Free blocks still holding a reusable prefix", s.num_cached_blocks),
+        (g, "prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up", hit_rate),
+        (c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
+        (c, "prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
+        (c, "num_preemptions", "Preemptions", s.num_preemptions),
+        (c, "prompt_tokens", "Prompt tokens processed", s.prompt_tokens_total),
+        (c, "generation_tokens", "Tokens generated", s.generation_tokens_total),
+        (c, "engine_steps", "Engine steps run", s.num_steps),
+        (c, "requests_finished", "Requests finished at the scheduler", s.requests_finished_total),
+        (g, "step_rtt_median_seconds", "Scheduler->worker round trip minus worker time (median)",
+         s.step_rtt_median_s),
+        (g, "step_time_median_seconds", "Engine step time (median)", s.step_time_median_s),
+        (g, "model_ready", "1 when the workers are loaded and the KV cache allocated", float(s.ready)),
+        (g, "max_waiting_requests", "Waiting queue bound (429 beyond it)", s.max_waiting_requests),
+        (g, "kv_blocks_used", "KV blocks in use by requests", used),
+        (g, "kv_blocks_cached", "KV blocks free but holding a reusable prefix", s.num_cached_blocks),
+        (g, "kv_blocks_free", "KV blocks free and holding nothing reusable",
+         s.num_free_gpu_blocks - s.num_cached_blocks),
+        (g, "max_num_seqs", "Sequences one step may run", s.max_num_seqs),
+        (g, "max_num_batched_tokens", "Tokens one step may schedule", s.max_num_batched_tokens),
+        (c, "scheduled_prefill_tokens", "Prompt (and recompute) tokens scheduled", s.scheduled_prefill_tokens_total),
+        (c, "scheduled_decode_tokens", "Decode tokens scheduled", s.scheduled_decode_tokens_total),
+        ("labelled", "waiting_reasons", "Requests left waiting after a step, per step, by why "
+         "(no_blocks, seq_budget, token_budget)",
+         [(r, getattr(s.waiting_reasons_total, r)) for r in ("no_blocks", "seq_budget", "token_budget")]),
+    ]
+    for name, doc, data in (
+            ("step_scheduled_tokens", "Tokens scheduled per engine step", s.step_scheduled_tokens),
+            ("step_token_budget_utilization", "Scheduled tokens / max_num_batched_tokens per step",
+             s.step_token_budget_utilization),
+            ("step_duration_seconds", "Engine step wall time at the scheduler", s.step_duration_seconds)):
+        if data.bounds:
+            out.append(("histogram", name, doc, data))
+    return out
+
+
+def _buckets(data: scheduler_pb2.HistogramData) -> list[tuple[str, float]]:
     buckets, total = [], 0
     for bound, count in zip(list(data.bounds) + [float("inf")], data.counts):
         total += count
         buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
-    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=data.sum)
+    return buckets
 
 
 # pagedserve: names that vLLM exposes under vllm: with the same meaning (its v1 engine's names;
@@ -177,8 +204,11 @@ class Metrics:
         self.exposed = CollectorRegistry()
         self.exposed.register(ModelNamedView(self.registry, lambda: self.model_name))
 
-    def render(self, stats: scheduler_pb2.SchedulerStats | None) -> bytes:
+    def render(self, stats: scheduler_pb2.SchedulerStats | None,
+               per_replica: list[tuple[str, scheduler_pb2.SchedulerStats]] | None = None) -> bytes:
+        """The exposition; per_replica: each engine replica's stats (a `replica` label each)."""
         self.scheduler.stats = stats
+        self.scheduler.per_replica = per_replica or []
         return generate_latest(self.exposed)
 
     def track(self, received: float) -> RequestTracker:

@@ -496,7 +496,29 @@
     $("status-dot").className = "dot " + (ok ? "ok" : "bad");
     $("status-text").textContent = text;
   }
+  // Engine replicas (docs/scale-out.md): the stats carry `replicas`; the selector picks whose
+  // snapshot the panels draw, and its options say each replica's queues and KV usage.
+  var replica = "";
+  function renderReplicas(d) {
+    var list = arr(d.replicas), pick = $("replica");
+    $("replica-pick").hidden = list.length === 0;
+    if (!list.length) return;
+    replica = String(d.replica || replica);
+    var sig = list.map(function (r) { return r.id; }).join(",");
+    if (pick.dataset.sig !== sig) {
+      pick.textContent = "";
+      list.forEach(function (r) { var o = el("option"); o.value = r.id; pick.appendChild(o); });
+      pick.dataset.sig = sig;
+    }
+    list.forEach(function (r, i) {
+      var q = obj(r.queue_lengths), kv = obj(r.kv);
+      pick.options[i].textContent = r.id + (r.ready ? "" : " (down)") + " · " + fmt(num(q.running)) + " running, " +
+        fmt(num(q.waiting)) + " waiting, KV " + fmt(100 * (num(kv.usage) || 0), 0) + "%";
+    });
+    pick.value = replica;
+  }
   function render(d) {
+    renderReplicas(d);
     liveRequests(d);
     var panels = [renderHeadline, renderKv, renderQueues, renderBudget, renderWaterfall];
     panels.forEach(function (p) {
@@ -508,7 +530,8 @@
     if (paused) { setTimeout(poll, POLL_MS); return; }
     var headers = {Accept: "application/json"};
     if (key) headers.Authorization = "Bearer " + key;
-    fetch("v1/engine/stats?steps=" + STEPS, {headers: headers, cache: "no-store"})
+    var which = replica ? "&replica=" + encodeURIComponent(replica) : "";
+    fetch("v1/engine/stats?steps=" + STEPS + which, {headers: headers, cache: "no-store"})
       .then(function (resp) {
         if (!resp.ok) {
           return resp.text().then(function (t) {
@@ -527,6 +550,7 @@
       .catch(function (e) { setStatus(false, "stats unavailable: " + e.message); })
       .then(function () { setTimeout(poll, POLL_MS); });
   }
+  $("replica").addEventListener("change", function () { replica = this.value; });
   $("pause").addEventListener("click", function () {
     paused = !paused;
     this.textContent = paused ? "Resume" : "Pause";
