@@ -52,6 +52,7 @@ class ReplicaInfo:
     num_running: int = 0
     waiting_tokens: int = 0  # prompt tokens of the waiting requests
     running_tokens: int = 0  # prompt + output tokens of the running requests (their KV)
+    pending_tokens: int = 0  # tokens still to prefill (or recompute), waiting and running requests
     kv_usage: float = 0.0  # 0..1
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
@@ -75,7 +76,8 @@ class ReplicaInfo:
 
     @property
     def load_tokens(self) -> int:
-        return self.waiting_tokens + self.running_tokens
+        """Work ahead, in tokens: what is still to prefill, and one token per running sequence."""
+        return self.pending_tokens + self.num_running
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,8 @@ class Heartbeat:
                 num_waiting=len(sched.waiting) + service.pending_admissions, num_running=len(sched.running),
                 waiting_tokens=sum(r.num_tokens for r in sched.waiting),
                 running_tokens=sum(r.num_tokens for r in sched.running), kv_usage=round(bm.usage(), 4),
+                pending_tokens=sum(max(0, r.num_tokens - r.num_computed_tokens) for q in (sched.waiting, sched.running)
+                                   for r in q),
                 prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits, started=self.started)
             out.append((info, list(bm.pool.cached)))  # dict order: most recently cached last
             done.set()

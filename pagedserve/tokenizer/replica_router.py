@@ -125,8 +125,9 @@ class ReplicaRouter:
         return target
 
     # -- the choice -----------------------------------------------------------------------------
-    async def pick(self, schedule: scheduler_pb2.ScheduleRequest) -> Target | None:
-        """The replica for this request; None when no replica is registered."""
+    async def pick(self, schedule: scheduler_pb2.ScheduleRequest) -> tuple[Target, int] | None:
+        """The replica for this request and the prompt tokens expected from its prefix cache; None
+        when no replica is registered."""
         await self.refresh()
         if not self.replicas:
             await self.refresh(force=True)
@@ -147,15 +148,15 @@ class ReplicaRouter:
         except Exception as exc:  # noqa: BLE001 - route without the owner
             log.info("request %s: owner lookup failed (%s)", schedule.request_id, exc)
         if owner in self.replicas:
-            return self.target(owner)
+            return self.target(owner), 0
         healthy = [r for r in self.replicas.values() if r.healthy] or list(self.replicas.values())
         ids = [r.id for r in healthy]
+        hits = {r: 0 for r in ids}
         if self.policy == "round_robin" or len(ids) == 1:
             chosen = ids[next(self.turn) % len(ids)]
         else:
             load = {r.id: max(r.load_tokens, self.targets[r.id].inflight_tokens if r.id in self.targets else 0)
                     for r in healthy}
-            hits = {r: 0 for r in ids}
             if self.policy == "prefix" and hashes:
                 try:
                     hits = await cached_prefix_blocks(self.client, self.prefix, ids, hashes)
@@ -171,12 +172,14 @@ class ReplicaRouter:
             self._remember(hashes, chosen)
         target = self.target(chosen)
         target.routed += 1
-        return target
+        return target, hits.get(chosen, 0) * block_size
 
-    def charge(self, target: Target, schedule: scheduler_pb2.ScheduleRequest) -> Charge:
+    def charge(self, target: Target, schedule: scheduler_pb2.ScheduleRequest, cached_tokens: int = 0) -> Charge:
+        """Count the request's work on target until it ends: its prompt tokens not expected from the
+        prefix cache, and its output budget."""
         params = schedule.params
         out = params.max_tokens if params.HasField("max_tokens") else DEFAULT_OUTPUT_ESTIMATE
-        tokens = len(schedule.prompt_token_ids) + max(1, params.n) * out
+        tokens = max(1, len(schedule.prompt_token_ids) - cached_tokens) + max(1, params.n) * out
         target.inflight_tokens += tokens
         return Charge(target, tokens)
 

@@ -85,9 +85,9 @@ class TokenizerService:
         """The scheduler this request (or re-attach) goes to, and its charge on that replica's
         in-flight tokens (None without replicas)."""
         if self.router is not None:
-            target = await self.router.pick(schedule)
-            if target is not None:
-                return target, self.router.charge(target, schedule)
+            picked = await self.router.pick(schedule)
+            if picked is not None:
+                return picked[0], self.router.charge(picked[0], schedule, picked[1])
         return self.single, None
 
     def any_scheduler(self):
