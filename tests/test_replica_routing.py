@@ -157,7 +157,8 @@ def test_prefix_routing_follows_the_published_cache_and_its_own_recent_routes(pr
         homes.setdefault(p, []).append(rid)
     for p, rids in homes.items():
         assert max(rids.count("r0"), rids.count("r1")) >= 14, (p, rids)  # mostly on one replica
-    assert {max(set(r), key=r.count) for r in homes.values()} == {"r0", "r1"}
+    main = [max(set(r), key=r.count) for r in homes.values()]
+    assert main.count("r0") == main.count("r1") == 4  # new prefixes spread evenly
 
 
 def test_a_request_with_an_owner_goes_to_it_while_it_lives(prefix):

@@ -12,7 +12,10 @@ keeps one scheduler link (one bidi stream) per replica it has used. Policies:
                 LOAD_WEIGHT * load tokens, where hit = the leading blocks of the prompt's block-hash
                 chain (common/prefix_hashes.py) found in the replica's published cache, or routed
                 there recently by this tokenizer (a bounded memory: requests of one prefix that
-                arrive within a heartbeat stick together); ties go to least load, then in turn
+                arrive within a heartbeat stick together). A prompt no replica holds any of goes
+                to the replica this tokenizer has sent the fewest distinct blocks lately, so that
+                new prefixes spread evenly and each replica's cache holds its share of them (not
+                all of them, thrashing); ties go to least load, then in turn
 
 A request that already has an owner (its record names a replica: a retry, a resume, a re-attach)
 goes to that owner while it lives, whatever the policy: n > 1 samples and resumed streams stay on
@@ -81,6 +84,7 @@ class ReplicaRouter:
         self.replicas: dict[str, ReplicaInfo] = {}
         self.targets: dict[str, Target] = {}
         self.recent: OrderedDict[int, str] = OrderedDict()
+        self.remembered: dict[str, int] = {}  # replica -> blocks of `recent` routed there
         self.turn = itertools.count()
         self.refreshed = 0.0
         self._refreshing: asyncio.Task | None = None
@@ -167,7 +171,12 @@ class ReplicaRouter:
                         hits[replica_id] = max(hits[replica_id], count)
             first = next(self.turn)
             order = {r: (i - first) % len(ids) for i, r in enumerate(ids)}  # ties in turn
-            chosen = max(ids, key=lambda r: (hits[r] * block_size - LOAD_WEIGHT * load[r], -load[r], -order[r]))
+            if any(hits.values()):
+                chosen = max(ids, key=lambda r: (hits[r] * block_size - LOAD_WEIGHT * load[r], -load[r], -order[r]))
+            elif hashes:  # a new prefix: to the replica that holds the fewest of this tokenizer's blocks
+                chosen = min(ids, key=lambda r: (self.remembered.get(r, 0), load[r], order[r]))
+            else:
+                chosen = min(ids, key=lambda r: (load[r], order[r]))
         if hashes:
             self._remember(hashes, chosen)
         target = self.target(chosen)
@@ -196,8 +205,14 @@ class ReplicaRouter:
         return {first: count}
 
     def _remember(self, hashes: list[int], replica_id: str) -> None:
+        counts = self.remembered
         for h in hashes:
+            before = self.recent.get(h)
+            if before != replica_id:
+                if before is not None:
+                    counts[before] -= 1
+                counts[replica_id] = counts.get(replica_id, 0) + 1
             self.recent[h] = replica_id
             self.recent.move_to_end(h)
         while len(self.recent) > RECENT_BLOCKS:
-            self.recent.popitem(last=False)
+            counts[self.recent.popitem(last=False)[1]] -= 1

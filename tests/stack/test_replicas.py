@@ -1,0 +1,155 @@
+"""Two engine replicas of a tiny model on loopback (`serve --data-parallel-size 2`, real processes,
+real Redis; docs/scale-out.md): prefix-aware routing against round robin on a shared-prefix
+workload, and a replica killed with -9 mid-stream whose streams finish on the other replica with
+the greedy text of an uninterrupted run."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import redis
+
+from service_stack import REDIS_URL
+
+pytestmark = pytest.mark.slow  # the tiny model borrows the default model's tokenizer
+
+# Each replica's KV pool holds 136 blocks of 16 tokens (8 KiB each for the tiny model in float32):
+# about 4 of the 8 prefixes of 32 blocks. Routed by prefix, each replica keeps its 4 prefixes;
+# taking turns, each replica sees all 8 and keeps evicting them.
+KV_PER_REPLICA = "1088KiB"
+NUM_PREFIXES, SUFFIXES, PREFIX_LEN, SUFFIX_LEN = 8, 16, 512, 16
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, launch_stack):
+    return launch_stack(tiny_model, "replicas", data_parallel_size=2, kv_cache_memory=KV_PER_REPLICA,
+                        max_num_batched_tokens=256)
+
+
+def proc(stack, name: str):
+    return next(p for p in stack.processes if p.name == name)
+
+
+def use_policy(stack, policy: str) -> None:
+    """Restart the tokenizer with --routing-policy policy (the gateway reconnects by itself)."""
+    from pagedserve.launcher.processes import ServiceProcess
+    old = proc(stack, "tokenizer")
+    old.stop()
+    argv = [a for a in old.argv]
+    if "--routing-policy" in argv:
+        i = argv.index("--routing-policy")
+        del argv[i:i + 2]
+    new = ServiceProcess("tokenizer", [*argv, "--routing-policy", policy], old.health_address, env=old.env,
+                         log_path=old.log_path.with_name(f"tokenizer-{policy}.log"))
+    new.start()
+    stack.processes[stack.processes.index(old)] = new
+    new.wait_healthy(120)
+
+
+def owner(stack, client_id: str) -> str:
+    store = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    return store.hget(f"{stack.redis_prefix}req:anon.{client_id}", "replica") or ""
+
+
+def shared_prefix_run(stack, seed: int) -> tuple[float, dict[int, list[str]]]:
+    """8 prefixes x 16 suffixes, shuffled, 4 at a time: (prefix-cache hit rate, prefix -> replicas)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(100, 40000) for _ in range(PREFIX_LEN)] for _ in range(NUM_PREFIXES)]
+    work = [(p, [rng.randrange(100, 40000) for _ in range(SUFFIX_LEN)]) for p in range(NUM_PREFIXES)
+            for _ in range(SUFFIXES)]
+    rng.shuffle(work)
+    client = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="none", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+
+    def one(item):
+        p, suffix = item
+        reply = client.completions.create(model=model, prompt=prefixes[p] + suffix, max_tokens=2, temperature=0)
+        return p, reply.id, reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, work))
+    homes: dict[int, list[str]] = {}
+    for p, rid, _, _ in results:
+        homes.setdefault(p, []).append(owner(stack, rid))
+    return sum(r[3] for r in results) / sum(r[2] for r in results), homes
+
+
+def test_prefix_routing_beats_round_robin_and_keeps_each_prefix_on_one_replica(stack):
+    use_policy(stack, "round_robin")
+    rr_rate, rr_homes = shared_prefix_run(stack, seed=1)
+    use_policy(stack, "prefix")
+    prefix_rate, homes = shared_prefix_run(stack, seed=2)
+    print(f"\nprefix-cache hit rate: round_robin {rr_rate:.3f}, prefix {prefix_rate:.3f}")
+    import httpx
+    stats = httpx.get(stack.http_url + "/v1/engine/stats?steps=0", timeout=30).json()
+    print([(r["id"], r["kv"], r["prefix_cache_hits"], r["prefix_cache_queries"]) for r in stats["replicas"]])
+    print({p: "".join(x[-1] for x in r) for p, r in homes.items()})
+    assert all(len(set(r)) == 2 for r in rr_homes.values())  # turns: every prefix on both replicas
+    assert prefix_rate >= 1.5 * rr_rate
+    for p, replicas in homes.items():
+        assert max(replicas.count("r0"), replicas.count("r1")) >= 12, (p, replicas)  # mostly on one
+    main = [max(set(r), key=r.count) for r in homes.values()]
+    assert main.count("r0") == main.count("r1") == 4  # the prefixes spread evenly
+
+
+PROMPT = "Story number {}: once upon a time there was a"
+MAX_TOKENS = 120
+
+
+def greedy_streams(stack, fault=None) -> tuple[list[str], list[str]]:
+    """8 greedy streams of one shared prompt prefix (so they land on one replica); fault(ids) runs
+    once every stream has a few tokens."""
+    client = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="none", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    texts, ids, progress, errors = [""] * 8, [""] * 8, [0] * 8, []
+
+    def run(i: int) -> None:
+        try:
+            stream = client.completions.create(model=model, prompt=PROMPT.format(i), max_tokens=MAX_TOKENS,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True})
+            for chunk in stream:
+                ids[i] = chunk.id
+                if chunk.choices and chunk.choices[0].text:
+                    texts[i] += chunk.choices[0].text
+                    progress[i] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    if fault is not None:
+        deadline = time.monotonic() + 120
+        while min(progress) < 3 and time.monotonic() < deadline and not errors:
+            time.sleep(0.01)
+        assert min(progress) >= 3, f"the streams did not start: {errors}"
+        fault(ids)
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return texts, ids
+
+
+def test_kill_9_of_a_replica_moves_its_streams_to_the_other(stack):
+    use_policy(stack, "prefix")
+    expected, _ = greedy_streams(stack)
+    killed = []
+
+    def kill_replica(ids) -> None:
+        owners = {owner(stack, i) for i in ids}
+        assert len(owners) == 1 and "" not in owners, owners  # all 8 on one replica
+        victim = owners.pop()
+        for name in (f"scheduler@{victim}", f"worker0@{victim}"):
+            proc(stack, name).signal(signal.SIGKILL)
+        killed.append(victim)
+
+    texts, ids = greedy_streams(stack, kill_replica)
+    assert texts == expected  # nothing lost, nothing twice
+    survivor = {"r0": "r1", "r1": "r0"}[killed[0]]
+    assert [owner(stack, i) for i in ids] == [survivor] * 8  # adopted by the other replica
