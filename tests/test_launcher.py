@@ -399,3 +399,28 @@ def test_the_gateway_gets_its_drain_time_and_the_stack_waits_for_it():
     argvs = service_argvs(StackConfig(shutdown_timeout=12.5), Ports([1], 2, 3))
     assert parse(argvs["gateway"]).shutdown_timeout == 12.5
     assert Stack(stop_timeout=10.0, drain_timeout=12.5).drain_timeout == 12.5
+
+
+def test_data_parallel_replicas_each_get_their_ranks_an_id_and_the_tokenizer_the_registry(monkeypatch):
+    """--data-parallel-size 2 (docs/scale-out.md): each replica's ranks and scheduler, the scheduler
+    with --replica-id r<i> and its own ranks' addresses; the tokenizer gets the policy and, by
+    environment, the Redis it routes over; a single engine's tokenizer gets no Redis."""
+    for key in [k for k in os.environ if k.startswith("PAGEDSERVE_")]:
+        monkeypatch.delenv(key)
+    from pagedserve.launcher.wiring import ReplicaPorts, replica_of, service_kind
+    cfg = serve_config("--data-parallel-size", "2", "--tensor-parallel-size", "2", "--routing-policy",
+                       "least_load", "--heartbeat-ttl", "3")
+    ports = Ports([1, 2], 3, 4, more=[ReplicaPorts([5, 6], 7)])
+    argvs = service_argvs(cfg, ports)
+    assert list(argvs) == ["worker0@r0", "worker1@r0", "worker0@r1", "worker1@r1", "scheduler@r0", "scheduler@r1",
+                           "tokenizer", "gateway"]
+    r1 = parse(argvs["scheduler@r1"])
+    assert (r1.replica_id, r1.worker_addrs, r1.port, r1.heartbeat_ttl) == ("r1", "127.0.0.1:5,127.0.0.1:6", 7, 3.0)
+    assert parse(argvs["scheduler@r0"]).replica_id == "r0"
+    assert parse(argvs["tokenizer"]).routing_policy == "least_load"
+    assert (service_kind("worker1@r1"), replica_of("worker1@r1"), replica_of("scheduler")) == ("worker", "r1", "")
+    assert service_env(cfg, "tokenizer", {}, "redis://x")["PAGEDSERVE_REDIS_URL"] == "redis://x"
+    assert "PAGEDSERVE_REDIS_URL" not in service_env(serve_config(), "tokenizer", {"PAGEDSERVE_REDIS_URL": "r"}, "r")
+    assert "--replica-id" not in service_argvs(serve_config(), PORTS_1)["scheduler"]  # one engine: as before
+    with pytest.raises(ValueError, match="replicas"):
+        service_argvs(cfg, PORTS)

@@ -171,3 +171,23 @@ def test_a_request_with_an_owner_goes_to_it_while_it_lives(prefix):
     time.sleep(0.01)
     chosen, _ = _route(prefix, "round_robin", [_schedule([5] * 40, request_id="abc")])
     assert chosen == ["r0"]
+
+
+def test_metrics_carry_a_replica_label_and_bench_reads_the_hit_rate_per_replica():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedserve.bench.serve_client import prefix_hit_rates
+    from pagedserve.gateway.metrics import Metrics
+    a = scheduler_pb2.SchedulerStats(prefix_cache_hits=30, prefix_cache_queries=40, num_gpu_blocks=8, num_running=2)
+    b = scheduler_pb2.SchedulerStats(prefix_cache_hits=10, prefix_cache_queries=40, num_gpu_blocks=8)
+    metrics = Metrics()
+    text = metrics.render(None, [("r0", a), ("r1", b)]).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    running = families["pagedserve:num_requests_running"].samples
+    assert {(s.labels["replica"], s.value) for s in running} == {("r0", 2.0), ("r1", 0.0)}
+    single = metrics.render(a).decode()
+    assert "replica=" not in single and 'pagedserve:num_requests_running{model_name=""} 2.0' in single
+    before = {"r0": (10.0, 20.0), "r1": (0.0, 0.0)}
+    overall, per = prefix_hit_rates(before, {"r0": (30.0, 40.0), "r1": (10.0, 40.0)})
+    assert overall == 30 / 60 and per == {"r0": 1.0, "r1": 0.25}
+    assert prefix_hit_rates({"": (0.0, 10.0)}, {"": (5.0, 20.0)}) == (0.5, {})

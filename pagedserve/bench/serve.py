@@ -41,8 +41,8 @@ import math
 import os
 from pathlib import Path
 
-from pagedserve.bench.serve_client import (aggregate, read_prefix_cache_counters, request_body, resolve_model,
-                                           run_requests)
+from pagedserve.bench.serve_client import (aggregate, prefix_hit_rates, read_prefix_cache_counters, request_body,
+                                           resolve_model, run_requests)
 from pagedserve.bench.serve_datasets import BenchRequest, build_dataset, load_tokenizer
 
 
@@ -134,6 +134,8 @@ def print_report(result: dict) -> None:
         rows.append(("Request goodput (req/s):", _fmt(result["goodput"])))
     if result["prefix_cache_hit_rate"] is not None:
         rows.append(("Prefix cache hit rate:", f"{100 * result['prefix_cache_hit_rate']:.1f}%"))
+    for replica, rate in sorted((result.get("prefix_cache_hit_rate_by_replica") or {}).items()):
+        rows.append((f"  replica {replica}:", "n/a" if rate is None else f"{100 * rate:.1f}%"))
     print(f"{' Serving Benchmark Result ':=^60}")
     for label, value in rows:
         print(f"{label:<40}{value!s:>20}")
@@ -170,10 +172,8 @@ def run_once(args, model: str, requests: list[BenchRequest], tokenizer, request_
             args.burstiness, args.timeout, progress))
         after = read_prefix_cache_counters(http_sync, args.base_url, headers)
     result = aggregate(results, requests, duration, args.slo_ttft_ms, args.slo_tpot_ms)
-    hit_rate = None
-    if before is not None and after is not None and after[1] > before[1]:
-        hit_rate = (after[0] - before[0]) / (after[1] - before[1])
-    result["prefix_cache_hit_rate"] = hit_rate
+    # Overall and per engine replica (a `replica` label on the counters; docs/scale-out.md).
+    result["prefix_cache_hit_rate"], result["prefix_cache_hit_rate_by_replica"] = prefix_hit_rates(before, after)
     result.update(request_rate="inf" if math.isinf(request_rate) else request_rate,
                   max_concurrency=max_concurrency)
     return result

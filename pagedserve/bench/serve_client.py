@@ -131,28 +131,41 @@ async def send_request(http, url: str, body: dict, headers: dict) -> RequestResu
 
 # ---- the server's metrics -----------------------------------------------------------------------
 
-def read_prefix_cache_counters(http_sync, base_url: str, headers: dict) -> tuple[float, float] | None:
-    """(hits, queries) of our gateway's Prometheus counters, or None if the endpoint lacks them."""
+def read_prefix_cache_counters(http_sync, base_url: str, headers: dict) -> dict[str, tuple[float, float]] | None:
+    """replica -> (hits, queries) of our gateway's Prometheus counters ("" for a single engine,
+    whose samples carry no `replica` label), or None if the endpoint lacks them."""
+    from prometheus_client.parser import text_string_to_metric_families
     try:
         reply = http_sync.get(base_url + "/metrics", headers=headers)
         if reply.status_code != 200:
             return None
-    except Exception:  # noqa: BLE001
+        families = list(text_string_to_metric_families(reply.text))
+    except Exception:  # noqa: BLE001 - not our server, or not Prometheus text
         return None
-    values = {}
-    for line in reply.text.splitlines():
-        if line.startswith("#") or not line.strip():
+    values: dict[str, dict[str, float]] = {}
+    for family in families:
+        if family.name not in ("pagedserve:prefix_cache_hits", "pagedserve:prefix_cache_queries"):
             continue
-        name, _, rest = line.partition(" ")
-        name = name.split("{", 1)[0].removesuffix("_total")
-        if name in ("pagedserve:prefix_cache_hits", "pagedserve:prefix_cache_queries"):
-            try:
-                values[name] = float(rest.split()[0])
-            except (ValueError, IndexError):
-                pass
-    if len(values) != 2:
-        return None
-    return values["pagedserve:prefix_cache_hits"], values["pagedserve:prefix_cache_queries"]
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            values.setdefault(sample.labels.get("replica", ""), {})[family.name] = float(sample.value)
+    out = {replica: (v["pagedserve:prefix_cache_hits"], v["pagedserve:prefix_cache_queries"])
+           for replica, v in values.items() if len(v) == 2}
+    return out or None
+
+
+def prefix_hit_rates(before: dict | None, after: dict | None) -> tuple[float | None, dict[str, float | None]]:
+    """(overall hit rate, replica -> hit rate) between two read_prefix_cache_counters answers: the
+    prompt tokens found in the prefix cache / looked up, over the run (None where none was looked up)."""
+    if before is None or after is None:
+        return None, {}
+    per, hits, queries = {}, 0.0, 0.0
+    for replica, (h, q) in after.items():
+        h0, q0 = before.get(replica, (0.0, 0.0))
+        per[replica] = (h - h0) / (q - q0) if q > q0 else None
+        hits, queries = hits + h - h0, queries + q - q0
+    return (hits / queries if queries > 0 else None), {r: v for r, v in per.items() if r}
 
 
 def resolve_model(http_sync, base_url: str, headers: dict) -> str:
