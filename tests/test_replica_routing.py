@@ -191,3 +191,17 @@ def test_metrics_carry_a_replica_label_and_bench_reads_the_hit_rate_per_replica(
     overall, per = prefix_hit_rates(before, {"r0": (30.0, 40.0), "r1": (10.0, 40.0)})
     assert overall == 30 / 60 and per == {"r0": 1.0, "r1": 0.25}
     assert prefix_hit_rates({"": (0.0, 10.0)}, {"": (5.0, 20.0)}) == (0.5, {})
+
+
+def test_prefix_routing_gives_way_to_load_when_the_replicas_are_out_of_balance(prefix):
+    rng = random.Random(3)
+    shared = [rng.randrange(1, 40000) for _ in range(128)]
+    client = sync_client()
+    ReplicaPublisher(client, prefix, "r0", ttl_s=30).beat(
+        ReplicaInfo("r0", "127.0.0.1:1000", num_waiting=40, pending_tokens=40 * 128), block_hashes(shared, 16))
+    ReplicaPublisher(client, prefix, "r1", ttl_s=30).beat(ReplicaInfo("r1", "127.0.0.1:1001", num_waiting=10), [])
+    chosen, _ = _route(prefix, "prefix", [_schedule(shared + [9] * 8)])
+    assert chosen == ["r1"]  # 40 against 10 requests: the load decides
+    ReplicaPublisher(client, prefix, "r1", ttl_s=30).beat(ReplicaInfo("r1", "127.0.0.1:1001", num_waiting=30), [])
+    chosen, _ = _route(prefix, "prefix", [_schedule(shared + [9] * 8)])
+    assert chosen == ["r0"]  # 40 against 30: within the balance, the cache decides

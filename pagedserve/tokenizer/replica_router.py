@@ -5,17 +5,20 @@ keeps one scheduler link (one bidi stream) per replica it has used. Policies:
 
   round_robin   the next healthy replica in turn
   least_load    the fewest tokens queued and running: the larger of what the replica last
-                published and what this tokenizer has in flight there (prompt + max_tokens of the
-                requests it routed and that have not ended), so a burst balances before the next
-                heartbeat
-  prefix        the most expected prefix-cache hit against load: score = hit tokens -
-                LOAD_WEIGHT * load tokens, where hit = the leading blocks of the prompt's block-hash
-                chain (common/prefix_hashes.py) found in the replica's published cache, or routed
-                there recently by this tokenizer (a bounded memory: requests of one prefix that
-                arrive within a heartbeat stick together). A prompt no replica holds any of goes
-                to the replica this tokenizer has sent the fewest distinct blocks lately, so that
-                new prefixes spread evenly and each replica's cache holds its share of them (not
-                all of them, thrashing); ties go to least load, then in turn
+                published and what this tokenizer has in flight there (prompt tokens not expected
+                from the cache + max_tokens of the requests it routed that have not ended), so a
+                burst balances before the next heartbeat
+  prefix        the longest expected prefix-cache hit, unless the replicas' loads are out of
+                balance (in requests, waiting and running: the busiest has more than BALANCE_ABS
+                more than the idlest and more than BALANCE_REL times as many; SGLang's router's
+                rule), when least_load decides. The hit is the leading blocks of the prompt's
+                block-hash chain (common/prefix_hashes.py) found in the replica's published cache,
+                or routed there recently by this tokenizer (a bounded memory: requests of one
+                prefix that arrive within a heartbeat stick together); equal hits go to least
+                load. A prompt no replica holds any of goes to the replica this tokenizer has sent
+                the fewest distinct blocks lately, so that new prefixes spread evenly and each
+                replica's cache holds its share of them (not all of them, thrashing); ties go to
+                least load, then in turn
 
 A request that already has an owner (its record names a replica: a retry, a resume, a re-attach)
 goes to that owner while it lives, whatever the policy: n > 1 samples and resumed streams stay on
@@ -43,7 +46,8 @@ log = logging.getLogger("pagedserve.tokenizer")
 
 POLICIES = ("prefix", "least_load", "round_robin")
 REFRESH_S = 0.5
-LOAD_WEIGHT = 0.5  # a token of load ahead costs half a token of prefill saved
+BALANCE_ABS = 16  # prefix: requests more on the busiest replica than on the idlest ...
+BALANCE_REL = 1.5  # ... and this many times as many: then the load decides, not the cache
 RECENT_BLOCKS = 65536  # block hash -> replica this tokenizer routed it to, least recent dropped first
 DEFAULT_OUTPUT_ESTIMATE = 256  # tokens charged for a request without max_tokens
 
@@ -57,6 +61,7 @@ class Target:
     stub: scheduler_pb2_grpc.SchedulerStub
     channel: object = None
     inflight_tokens: int = 0
+    inflight_requests: int = 0
     routed: int = 0  # requests routed here by this tokenizer
 
 
@@ -71,6 +76,7 @@ class Charge:
         if not self.released:
             self.released = True
             self.target.inflight_tokens -= self.tokens
+            self.target.inflight_requests -= 1
 
 
 class ReplicaRouter:
@@ -159,21 +165,25 @@ class ReplicaRouter:
         if self.policy == "round_robin" or len(ids) == 1:
             chosen = ids[next(self.turn) % len(ids)]
         else:
-            load = {r.id: max(r.load_tokens, self.targets[r.id].inflight_tokens if r.id in self.targets else 0)
-                    for r in healthy}
-            if self.policy == "prefix" and hashes:
+            mine = {r: self.targets.get(r) for r in ids}
+            load = {r.id: max(r.load_tokens, mine[r.id].inflight_tokens if mine[r.id] else 0) for r in healthy}
+            count = {r.id: max(r.num_waiting + r.num_running, mine[r.id].inflight_requests if mine[r.id] else 0)
+                     for r in healthy}
+            busiest, idlest = max(count.values()), min(count.values())
+            balanced = busiest - idlest <= BALANCE_ABS or busiest <= BALANCE_REL * idlest
+            if self.policy == "prefix" and hashes and balanced:
                 try:
                     hits = await cached_prefix_blocks(self.client, self.prefix, ids, hashes)
                 except Exception as exc:  # noqa: BLE001 - route on load and the local memory
                     log.info("prefix lookup failed (%s)", exc)
-                for replica_id, count in self._recent_hits(hashes).items():
+                for replica_id, blocks in self._recent_hits(hashes).items():
                     if replica_id in hits:
-                        hits[replica_id] = max(hits[replica_id], count)
+                        hits[replica_id] = max(hits[replica_id], blocks)
             first = next(self.turn)
             order = {r: (i - first) % len(ids) for i, r in enumerate(ids)}  # ties in turn
             if any(hits.values()):
-                chosen = max(ids, key=lambda r: (hits[r] * block_size - LOAD_WEIGHT * load[r], -load[r], -order[r]))
-            elif hashes:  # a new prefix: to the replica that holds the fewest of this tokenizer's blocks
+                chosen = max(ids, key=lambda r: (hits[r], -load[r], -order[r]))
+            elif hashes and balanced:  # a new prefix: where this tokenizer sent the fewest blocks
                 chosen = min(ids, key=lambda r: (self.remembered.get(r, 0), load[r], order[r]))
             else:
                 chosen = min(ids, key=lambda r: (load[r], order[r]))
@@ -190,6 +200,7 @@ class ReplicaRouter:
         out = params.max_tokens if params.HasField("max_tokens") else DEFAULT_OUTPUT_ESTIMATE
         tokens = max(1, len(schedule.prompt_token_ids) - cached_tokens) + max(1, params.n) * out
         target.inflight_tokens += tokens
+        target.inflight_requests += 1
         return Charge(target, tokens)
 
     def _recent_hits(self, hashes: list[int]) -> dict[str, int]:
