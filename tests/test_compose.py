@@ -166,3 +166,21 @@ def test_dockerfile_builds_cpu_by_default_and_cuda_on_request(tmp_path):
     with pytest.raises(subprocess.CalledProcessError) as failed:
         _torch_install_step("rocm", tmp_path)
     assert "TORCH_VARIANT must be cpu or cuda, not 'rocm'" in failed.value.stderr
+
+
+def test_the_replicas_overlay_names_only_flags_and_wires_a_second_replica():
+    """compose/docker-compose.replicas.yml (docs/scale-out.md): every variable names a flag of its
+    service; replica r1 has its own worker; the tokenizer routes over the Redis registry."""
+    overlay = yaml.safe_load((ROOT / "compose" / "docker-compose.replicas.yml").read_text())["services"]
+    kinds = {"scheduler": "scheduler", "scheduler-r1": "scheduler", "tokenizer": "tokenizer"}
+    for name, kind in kinds.items():
+        assert unknown_variables(service_parser(kind), _env(overlay[name])) == [], name
+    assert _env(overlay["scheduler-r1"])["PAGEDSERVE_WORKER_ADDRS"] == "worker-r1:50061"
+    assert {_env(overlay[n])["PAGEDSERVE_REPLICA_ID"] for n in ("scheduler", "scheduler-r1")} == {"r0", "r1"}
+    assert _env(overlay["tokenizer"])["PAGEDSERVE_REDIS_URL"].startswith("redis://redis:")
+    exe = shutil.which("docker-compose")
+    if exe is not None:
+        overlay_file = ROOT / "compose" / "docker-compose.replicas.yml"
+        proc = subprocess.run([exe, "-f", str(COMPOSE_FILE), "-f", str(overlay_file), "config", "-q"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
