@@ -5,6 +5,7 @@ the greedy text of an uninterrupted run."""
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import threading
@@ -95,6 +96,40 @@ def test_prefix_routing_beats_round_robin_and_keeps_each_prefix_on_one_replica(s
         assert max(replicas.count("r0"), replicas.count("r1")) >= 12, (p, replicas)  # mostly on one
     main = [max(set(r), key=r.count) for r in homes.values()]
     assert main.count("r0") == main.count("r1") == 4  # the prefixes spread evenly
+
+
+def sse_texts(lines) -> dict[int, str]:
+    """sample index -> text of an SSE completion stream (until [DONE])."""
+    texts: dict[int, str] = {}
+    for line in lines:
+        if line == "data: [DONE]":
+            break
+        if line.startswith("data: "):
+            for choice in json.loads(line[6:]).get("choices", []):
+                texts[choice["index"]] = texts.get(choice["index"], "") + (choice.get("text") or "")
+    return texts
+
+
+def test_n_samples_and_resumed_streams_stay_on_the_replica_that_holds_them(stack):
+    """Round robin would send each new call to the other replica: a request's n = 2 samples run
+    on one replica, and GET /v1/requests/{id}/stream (a resume, while the request runs) goes to
+    the replica that owns it, replaying both samples whole."""
+    use_policy(stack, "round_robin")
+    body = {"prompt": "The history of the city", "max_tokens": 160, "n": 2, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=300) as http, http.stream("POST", stack.http_url + "/v1/completions",
+                                                        json=body) as first:
+        request_id = first.headers["x-request-id"]
+        lines = first.iter_lines()
+        head = [next(lines) for _ in range(6)]
+        home = owner(stack, request_id)
+        assert home in ("r0", "r1")
+        resumed = [sse_texts(http.get(f"{stack.http_url}/v1/requests/{request_id}/stream?after=0").text.splitlines())
+                   for _ in range(3)]
+        whole = sse_texts([*head, *lines])
+    assert set(whole) == {0, 1} and all(whole.values())
+    assert resumed == [whole] * 3
+    assert owner(stack, request_id) == home
 
 
 PROMPT = "Story number {}: once upon a time there was a"
