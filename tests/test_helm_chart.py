@@ -31,10 +31,6 @@ RELEASE = "ps"
 KUBERNETES_VERSIONS = ("1.27.0", "1.35.0")
 # Variables of the replica interface (docs/scale-out.md) that the settings table may not declare yet
 # (they land with the engine replicas); a service that does not know them ignores them.
-REPLICA_VARIABLES = {"scheduler": {"PAGEDSERVE_REPLICA_ID", "PAGEDSERVE_ADVERTISE_ADDR"},
-                     "tokenizer": {"PAGEDSERVE_REDIS_URL", "PAGEDSERVE_REDIS_PREFIX", "PAGEDSERVE_ROUTING_POLICY"}}
-
-
 def helm_binary() -> str:
     found = shutil.which("helm") or shutil.which("helm", path=str(Path(sys.executable).parent))
     if found is None:
@@ -271,7 +267,7 @@ def test_disruption_budgets_select_their_pods(rendered, values):
 @pytest.mark.parametrize("values", sorted(VALUES))
 def test_every_pagedserve_variable_names_a_flag_of_its_service(rendered, values, monkeypatch):
     """A misspelt PAGEDSERVE_* variable would be ignored by the service: each must name a flag of
-    that service (or be one of the replica interface's), and the literal ones must parse."""
+    that service, and the literal ones must parse."""
     from pagedserve.cli import build_parser
 
     docs = rendered[values]
@@ -284,8 +280,7 @@ def test_every_pagedserve_variable_names_a_flag_of_its_service(rendered, values,
             parser = service_parser(service)
             known = {f"PAGEDSERVE_{a.dest.upper()}" for a in parser._actions if a.option_strings}
             env = env_of(container)
-            unknown = sorted(k for k in env if k.startswith("PAGEDSERVE_") and k not in known
-                             and k not in REPLICA_VARIABLES.get(service, set()))
+            unknown = sorted(k for k in env if k.startswith("PAGEDSERVE_") and k not in known)
             assert unknown == [], f"{values}: {service} gets variables that name no flag"
             for key in [k for k in os.environ if k.startswith("PAGEDSERVE_")]:
                 monkeypatch.delenv(key)
