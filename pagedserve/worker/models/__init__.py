@@ -10,6 +10,9 @@ _MODELS = {
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3", "Qwen3MoeForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
 }
