@@ -103,9 +103,10 @@ def test_layers_are_what_the_config_says(case):
 def test_longrope_picks_the_set_per_sequence(tmp_path):
     """A batch of a short and a long sequence: each gets its own factor set (transformers runs
     them one at a time)."""
-    folder = build_tiny_model(tmp_path, "phi3", **{**LONGROPE, "partial_rotary_factor": 1.0,
-                                                   "rope_scaling": dict(rope_type="su", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
-                                                                        long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0])})
+    scaling = dict(rope_type="su", original_max_position_embeddings=32,  # "su": LongRoPE's first name
+                   short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+                   long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0])
+    folder = build_tiny_model(tmp_path, "phi3", rope_scaling=scaling)
     prompts = make_prompts([5, 12, 40, 50], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     got = [s[0].token_ids for s in make_engine(folder).generate(prompts, params)]

@@ -40,8 +40,8 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
         model = transformers.Qwen3ForCausalLM(cfg)
     elif arch == "qwen3_moe":
         # The first layer dense (mlp_only_layers), the others MoE; no shared expert.
-        common = {**dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0],
-                         norm_topk_prob=True), **common}
+        common = {**dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         mlp_only_layers=[0], norm_topk_prob=True), **common}
         cfg = transformers.Qwen3MoeConfig(tie_word_embeddings=False, **common)
         model = transformers.Qwen3MoeForCausalLM(cfg)
     elif arch == "phi3":

@@ -43,9 +43,11 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
 
     def _load_packed(self, param: nn.Parameter, loaded, part: int) -> None:
         if loaded.shape[0] != sum(self.full_sizes):
-            raise ValueError(f"a fused tensor of {loaded.shape[0]} rows, expected {' + '.join(map(str, self.full_sizes))}")
+            expected = " + ".join(map(str, self.full_sizes))
+            raise ValueError(f"a fused tensor of {loaded.shape[0]} rows, expected {expected}")
         for offset, full_offset, shard in zip(self.offsets, self.full_offsets, self.shards):
-            copy_checked(param.data.narrow(0, offset, shard.size), loaded.narrow(0, full_offset + shard.start, shard.size))
+            rows = loaded.narrow(0, full_offset + shard.start, shard.size)
+            copy_checked(param.data.narrow(0, offset, shard.size), rows)
 
 
 def rope_settings(cfg: ModelConfig) -> dict:
