@@ -28,7 +28,8 @@ class HubModelNotFound(FileNotFoundError):
 
 def looks_like_hub_id(model: str) -> bool:
     """`org/name`, as the hub spells repository ids (a path that exists is a path, not an id)."""
-    return bool(_HUB_ID.match(model)) and ".." not in model and not Path(model).expanduser().exists()
+    return (bool(_HUB_ID.match(model)) and ".." not in model and not model.endswith(".gguf")
+            and not Path(model).expanduser().exists())
 
 
 def hub_cache_dir() -> Path:
@@ -44,7 +45,8 @@ def hub_offline() -> bool:
 
 
 def _how_to_get(repo_id: str) -> str:
-    return (f"To get it: run `pagedserve pull {repo_id}` where the hub (or a mirror named by HF_ENDPOINT) is "
+    return (f"(Nor is there a local folder {Path(repo_id).resolve()}.) To get it: run `pagedserve pull {repo_id}` "
+            "where the hub (or a mirror named by HF_ENDPOINT) is "
             f"reachable and copy {hub_cache_dir()} (or set HF_HOME / HF_HUB_CACHE to a copy), "
             "or pass --model a local folder holding config.json, *.safetensors and the tokenizer files")
 
