@@ -1,7 +1,8 @@
-"""Model sources: --model takes a Hugging Face hub id, served from a pre-filled HF cache (built here,
-in huggingface_hub's layout: refs/, blobs/, snapshots/ of symlinks) with HF_HUB_OFFLINE set, as
-these machines reach no hub; clear errors for an id the cache lacks (offline, or the hub
-unreachable); `pagedserve pull` and `pagedserve list`; a prepared model's name as --model."""
+"""Model sources: --model takes a Hugging Face hub id, downloaded from a hub mirror on loopback
+(tests/hub_mirror.py, as these machines reach no hub) or served from a pre-filled HF cache (built
+here in huggingface_hub's layout: refs/, blobs/, snapshots/ of symlinks) with HF_HUB_OFFLINE set;
+clear errors for an id the cache lacks (offline, or the hub unreachable); `pagedserve pull` and
+`pagedserve list`; a prepared model's name as --model."""
 
 from __future__ import annotations
 
@@ -138,3 +139,25 @@ def test_serve_with_an_id_it_cannot_get_exits_non_zero(hub):
                           capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert proc.returncode == 2
     assert "pagedserve serve: model 'tiny-org/absent' is not in the local Hugging Face cache" in proc.stderr
+
+
+def test_a_hub_id_is_downloaded_from_a_mirror_once(hub, tiny, tmp_path, monkeypatch):
+    from hub_mirror import HubMirror
+
+    from pagedserve.cli import main
+    repo = tmp_path / "mirror" / "tiny-org" / "mirrored"
+    shutil.copytree(tiny, repo)
+    (repo / "pytorch_model.bin").write_bytes(b"a second copy of the weights, never fetched")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with HubMirror(tmp_path / "mirror") as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        assert main(["pull", "tiny-org/mirrored"]) == 0
+        with pytest.raises(HubModelNotFound, match=rf"no model 'tiny-org/absent' on {url}"):
+            resolve_model("tiny-org/absent")
+    folder = resolve_model("tiny-org/mirrored")  # the mirror is gone: the cache answers
+    assert folder.parents[1] == hub.parents[2] / "models--tiny-org--mirrored"
+    assert sorted(f.name for f in folder.iterdir()) == sorted(f.name for f in tiny.iterdir())
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with make_engine("tiny-org/mirrored") as by_id, make_engine(tiny) as by_folder:
+        ours, reference = (engine.generate([[5, 6, 7]], params)[0][0].token_ids for engine in (by_id, by_folder))
+        assert ours == reference
