@@ -161,3 +161,10 @@ def test_a_hub_id_is_downloaded_from_a_mirror_once(hub, tiny, tmp_path, monkeypa
     with make_engine("tiny-org/mirrored") as by_id, make_engine(tiny) as by_folder:
         ours, reference = (engine.generate([[5, 6, 7]], params)[0][0].token_ids for engine in (by_id, by_folder))
         assert ours == reference
+
+
+def test_pull_of_the_default_models_name_prepares_it_as_download_does(default_model_path, capsys):
+    from pagedserve.cli import main
+    assert main(["pull", "smollm2-135m-instruct"]) == 0  # names are matched without case
+    assert capsys.readouterr().out.strip() == str(default_model_path)
+    assert resolve_model("SmolLM2-135M-Instruct") == resolve_model(None) == default_model_path
