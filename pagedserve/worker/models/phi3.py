@@ -16,10 +16,17 @@ unchunked prompts match transformers token for token. A prompt longer than
 original_max_position_embeddings prefilled in chunks gets the short set on its chunks before the
 boundary (transformers, in one pass, gives every token the long set). The rope table holds the
 short rows then the long rows; a token's position indexes the long half by adding max_positions.
+
+Not handled (logged at load when the long set can be used): transformers recomputes a sequence's
+whole cache with the long set when it grows past the original context; we keep it (as vLLM
+does), and the prefix cache may hand a sequence blocks computed with the other set (a long
+prompt's blocks to a short one sharing its prefix). Exact behaviour past the boundary needs the
+scheduler to key cached blocks by factor set and recompute at the crossing.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -29,6 +36,8 @@ from pagedserve.common.model_config import ModelConfig
 from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
 from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, apply_rotary, linear
 from pagedserve.worker.parallel import ColumnParallelLinear, Shard, copy_checked, even_shard, mark_loader
+
+log = logging.getLogger(__name__)
 
 
 class PackedColumnParallelLinear(ColumnParallelLinear):
@@ -120,6 +129,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         self.longrope = (cfg.rope_scaling or {}).get("rope_type") == "longrope"
         self.original_max_positions = params.get("original_max_position_embeddings") or max_positions
         self.max_positions = max_positions
+        if self.longrope and max_positions > self.original_max_positions:
+            log.warning("LongRoPE: sequences past %d tokens switch to the long factors; their earlier KV "
+                        "stays as computed (transformers recomputes it), and prefix-cache hits may mix the two "
+                        "sets: --no-prefix-caching, or --max-model-len %d, for exact results",
+                        self.original_max_positions, self.original_max_positions)
         super().__init__(cfg, backend, max_positions, cpu_ops)
 
     def make_attention(self, layer_index: int, backend: AttentionBackend) -> nn.Module:
