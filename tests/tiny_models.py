@@ -34,6 +34,19 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
                          shared_expert_intermediate_size=96, norm_topk_prob=False), **common}
         cfg = transformers.Qwen2MoeConfig(tie_word_embeddings=False, **common)
         model = transformers.Qwen2MoeForCausalLM(cfg)
+    elif arch == "qwen3":
+        common = {**dict(head_dim=16), **common}
+        cfg = transformers.Qwen3Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    elif arch == "qwen3_moe":
+        # The first layer dense (mlp_only_layers), the others MoE; no shared expert.
+        common = {**dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         mlp_only_layers=[0], norm_topk_prob=True), **common}
+        cfg = transformers.Qwen3MoeConfig(tie_word_embeddings=False, **common)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif arch == "phi3":
+        cfg = transformers.Phi3Config(tie_word_embeddings=False, **common)
+        model = transformers.Phi3ForCausalLM(cfg)
     elif arch in ("deepseek_v3", "deepseek_v2"):
         # Multi-head latent attention (q and kv compressed), the first layer dense, then MoE
         # with shared experts and group-limited routing. MLA has as many KV heads as query heads

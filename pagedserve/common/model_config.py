@@ -6,9 +6,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedserve.common.checkpoint_quantization import check_quantization
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
@@ -53,7 +55,8 @@ class ModelConfig:
         return KVLayout(2, max(1, self.num_key_value_heads // tensor_parallel_size), self.head_dim)
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict, where: str = "the model") -> "ModelConfig":
+        check_quantization(cfg, where)  # before anything else: no weight of such a checkpoint would load
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -66,13 +69,17 @@ class ModelConfig:
         if scaling is not None:
             scaling = dict(scaling)
             scaling.setdefault("rope_type", scaling.get("type", "default"))
+            if arch == "Phi3ForCausalLM" and scaling["rope_type"] in ("su", "yarn"):
+                scaling["rope_type"] = "longrope"  # Phi-3's older names for it (as transformers maps them)
             if scaling["rope_type"] == "default":
                 scaling = None
+            elif scaling["rope_type"] == "longrope" and arch == "Phi3ForCausalLM":
+                pass  # models/phi3.py
             elif scaling["rope_type"] == "yarn" and arch in MLA_ARCHITECTURES:
                 pass  # DeepSeek's own rope (models/deepseek.py) implements yarn with its mscale
             elif scaling["rope_type"] not in ("llama3", "linear"):
                 raise ValueError(f"unsupported rope_scaling type {scaling['rope_type']!r} for {arch}; "
-                                 "supported: llama3, linear (and yarn for DeepSeek)")
+                                 "supported: llama3, linear (yarn for DeepSeek, longrope for Phi-3)")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -94,7 +101,9 @@ class ModelConfig:
                             or bool(cfg.get("attention_bias", False))),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
+            # Phi-3 has no use_sliding_window switch: a sliding_window there is always applied.
+            sliding_window=(cfg.get("sliding_window") if cfg.get("use_sliding_window") or arch == "Phi3ForCausalLM"
+                            else None),
             hf=dict(cfg),
         )
 
@@ -107,4 +116,4 @@ class ModelConfig:
             cfg = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"corrupt config.json in {folder}: {exc}") from exc
-        return cls.from_hf_dict(cfg)
+        return cls.from_hf_dict(cfg, f"the model in {folder}")

@@ -189,7 +189,9 @@ def _settings() -> tuple[Setting, ...]:
         S("--tls-ca", "serve", help="PEM CA that signed every service's certificate (then clients must present "
           "one too)", group="launcher"),
         # ---- the engine ---------------------------------------------------------------------
-        S("--model", "engine serve worker tokenizer", help="HF model folder or .gguf file",
+        S("--model", "engine serve worker tokenizer",
+          help="HF model folder, .gguf file, Hugging Face hub id (org/name; downloaded once into the HF cache) "
+          "or a name from `pagedserve list`",
           default_text="SmolLM2-135M-Instruct", group="engine"),
         S("--device", "engine serve worker", default="auto", choices=("auto", "cpu", "cuda"),
           help="where the model runs (auto: CUDA when there is one)", group="engine"),

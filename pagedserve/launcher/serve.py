@@ -30,6 +30,16 @@ def _served_model_name(http_url: str, api_key: str | None) -> str | None:
         return None
 
 
+def check_model(model: str | None) -> None:
+    """Before any service starts: the model is found (a hub id is downloaded here, once, for every
+    rank) and its config.json is one we can serve (an architecture we have, no quantization_config
+    we cannot load), so that a bad --model fails in a second with its reason, not as a worker's
+    log tail."""
+    from pagedserve.common.model_config import ModelConfig
+    from pagedserve.model_files.default_model import resolve_model
+    ModelConfig.from_folder(resolve_model(model))
+
+
 def main(args: argparse.Namespace) -> int:
     import logging
     import signal
@@ -50,6 +60,11 @@ def main(args: argparse.Namespace) -> int:
         stopping = True
         raise _Stop(signal.Signals(signum).name)
 
+    try:
+        check_model(args.model)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pagedserve serve: {exc}", file=sys.stderr)
+        return 2
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     stack = None
     try:

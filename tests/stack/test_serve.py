@@ -70,12 +70,28 @@ def wait_banner(proc: subprocess.Popen, timeout_s: float = 600) -> re.Match:
 
 
 def test_a_service_that_fails_to_start_stops_the_launcher(tmp_path):
-    proc = start_serve(tmp_path, "--model", str(tmp_path / "no-such-model"), "--port", str(free_port()),
+    # config.json passes serve's own check; the weights file is junk, which only the worker reads.
+    model = tmp_path / "broken-weights"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)))
+    (model / "model.safetensors").write_bytes(b"junk")
+    proc = start_serve(tmp_path, "--model", str(model), "--port", str(free_port()),
                        "--grpc-port", str(free_port()), "--redis-url", "memory")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err
-    assert "worker0" in err and "exit code" in err and "no-such-model" in err
+    assert "worker0" in err and "exit code" in err and "model.safetensors" in err
     assert (tmp_path / "logs" / "worker0.log").exists()
+
+
+def test_a_model_that_is_not_there_fails_before_any_service_starts(tmp_path):
+    proc = start_serve(tmp_path, "--model", str(tmp_path / "no-such-model"), "--port", str(free_port()),
+                       "--grpc-port", str(free_port()), "--redis-url", "memory")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    assert "pagedserve serve: model not found" in err and "no-such-model" in err
+    assert not (tmp_path / "logs" / "worker0.log").exists()
 
 
 @pytest.mark.slow

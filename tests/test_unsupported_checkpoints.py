@@ -1,0 +1,85 @@
+"""Checkpoints we cannot load say so before any weight is read: a quantization_config (AWQ, GPTQ,
+FP8, bitsandbytes) names the method and what is supported, in ModelConfig, the engine and
+`serve` (which exits non-zero before starting a service)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedserve.common.checkpoint_quantization import SUPPORTED_QUANTIZATION, UnsupportedQuantization
+from pagedserve.common.model_config import ModelConfig
+
+LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+CONFIGS = {
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
+            "AWQ (4-bit, group size 128)"),
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
+             "GPTQ (4-bit, group size 32)"),
+    "fp8": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "FP8"),
+    "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes (4-bit)"),
+    "bitsandbytes_legacy": ({"load_in_8bit": True}, "bitsandbytes (8-bit)"),  # before quant_method existed
+}
+
+
+def quantized_folder(folder, quantization_config):
+    """config.json with the quantization_config, and a weight file that is not safetensors at all:
+    the refusal must come before anything reads it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**LLAMA, "quantization_config": quantization_config}))
+    (folder / "model.safetensors").write_bytes(b"not read")
+    return folder
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_the_method_and_what_is_supported_are_named(tmp_path, kind):
+    qc, named = CONFIGS[kind]
+    folder = quantized_folder(tmp_path / kind, qc)
+    with pytest.raises(UnsupportedQuantization) as err:
+        ModelConfig.from_folder(folder)
+    message = str(err.value)
+    assert f"is quantized with {named} (quantization_config in config.json)" in message
+    assert str(folder) in message and f"Supported: {SUPPORTED_QUANTIZATION}" in message
+    assert "GGUF files (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)" in message and "int8" in message
+
+
+def test_an_unknown_method_is_named_as_written(tmp_path):
+    with pytest.raises(UnsupportedQuantization, match="quantized with mystery-q "):
+        ModelConfig.from_folder(quantized_folder(tmp_path, {"quant_method": "mystery-q"}))
+
+
+def test_an_unquantized_config_passes():
+    assert ModelConfig.from_hf_dict(dict(LLAMA)).architecture == "LlamaForCausalLM"
+    assert ModelConfig.from_hf_dict({**LLAMA, "quantization_config": None}).architecture == "LlamaForCausalLM"
+
+
+def test_the_engine_refuses_it(tmp_path):
+    from tiny_models import make_engine
+    with pytest.raises(ValueError, match="quantized with GPTQ"):
+        make_engine(quantized_folder(tmp_path, CONFIGS["gptq"][0]))
+
+
+@pytest.mark.parametrize("kind", ["awq", "gptq"])
+def test_serve_exits_non_zero_naming_it(tmp_path, kind):
+    qc, named = CONFIGS[kind]
+    folder = quantized_folder(tmp_path / kind, qc)
+    env = {**os.environ, "PAGEDSERVE_DATA_DIR": str(tmp_path / "data")}
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(folder), "--port", "0"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert f"quantized with {named}" in proc.stderr and "Supported: none" in proc.stderr
+    assert "started" not in proc.stderr  # no service was started
+
+
+def test_phi3_su_rope_is_longrope():
+    scaling = {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    cfg = ModelConfig.from_hf_dict({**LLAMA, "architectures": ["Phi3ForCausalLM"],
+                                    "original_max_position_embeddings": 32, "rope_scaling": scaling})
+    assert cfg.rope_scaling["rope_type"] == "longrope"
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'su' for LlamaForCausalLM"):
+        ModelConfig.from_hf_dict({**LLAMA, "rope_scaling": {"type": "su", "short_factor": [1.0] * 8}})
