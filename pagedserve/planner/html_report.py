@@ -98,5 +98,6 @@ def write_html(path: str | Path, pairs: list[tuple[str, dict, dict]]) -> Path:
     body.extend(section(name, plan, real) for name, plan, real in pairs)
     body.append("</body></html>")
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(body), encoding="utf-8")
     return path
