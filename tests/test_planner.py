@@ -160,3 +160,19 @@ def test_workload_flags_match_bench_serves():
     for key, value in vars(planner.parse_args([])).items():
         if key != "trace":
             assert serve_args[key] == value, key
+
+
+def test_bench_serve_records_a_trace_the_planner_replays(tmp_path):
+    from pagedserve.bench.serve import write_trace
+    from pagedserve.bench.serve_datasets import BenchRequest
+    from pagedserve.planner.trace import load_trace
+
+    requests = [BenchRequest([5, 6, 7, 8], 4, 3), BenchRequest("some words here", 3, 9)]
+    result = {"requests": [{"prompt_tokens": 4, "output_tokens": 3}, {"prompt_tokens": 5, "output_tokens": None}]}
+    args = argparse.Namespace(request_rate=2.0, seed=1, burstiness=1.0)
+    path = tmp_path / "trace.jsonl"
+    write_trace(str(path), requests, result, args)
+    trace = load_trace(path)
+    assert sorted((r.prompt_tokens, r.output_tokens) for r in trace) == [(4, 3), (5, 9)]
+    assert [5, 6, 7, 8] in [r.prompt_token_ids for r in trace]
+    assert all(r.arrival_s > 0 for r in trace)

@@ -24,9 +24,9 @@ from pagedserve.common.messages import NewRequestData, SchedulerOutput
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.planner.cost_model import Profile, StepShape, fit
 
-PREFILL_TOKENS = (16, 64, 128, 256, 512)
-DECODE_SEQS = (1, 4, 16, 32, 64)
-CONTEXTS = (64, 256, 1024)
+PREFILL_TOKENS = (32, 128, 512)
+DECODE_SEQS = (1, 4, 16, 64)
+CONTEXTS = (64, 512)
 PREFILL_CONTEXTS = (0, 256)
 QUICK = dict(prefill=(16, 64, 128), decode=(1, 4, 16), contexts=(32, 128), prefill_contexts=(0, 64))
 MAX_POOL_BLOCKS = 2048
