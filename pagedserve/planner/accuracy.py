@@ -5,9 +5,9 @@ Starts `pagedserve serve`'s services (as `bench services` does), then for each w
 the relative error of the plan's median TTFT, median TPOT and output throughput. Workloads (the
 issue's): random 128/64 at concurrency 4 and 16, and the shared-prefix dataset at concurrency 16.
 
-The profile's per-step overhead, when it has none (calibrate's --step-overhead-ms left at 0), is
-taken from the services themselves after a warm-up: the scheduler's median round trip beyond the
-worker's compute, the figure `bench services` prints. The plan is made before its workload runs.
+The profile's fixed costs, when it has none (calibrate's --step-overhead-ms and
+--request-overhead-ms left at 0), are taken from the services during a warm-up run of 8 other
+requests (fill_overheads). Each plan is made before its workload runs.
 
 A benchmark, not a test: on a shared machine the real run's speed drifts; say so beside the numbers.
 Writes <out-dir>/accuracy.json and <out-dir>/plan_vs_real.html (html_report.py).
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from pagedserve.common.engine_args import add_engine_args
@@ -65,6 +66,25 @@ def compare(plan: dict, real: dict) -> dict:
     return rows
 
 
+def fill_overheads(profile, before, after, elapsed: float, warm: dict) -> None:
+    """The fixed costs the profile leaves at 0, from the warm-up run on the services: per step, the
+    step loop's busy time beyond the worker's compute (the scheduler's Python, the round trip, the
+    publishing of tokens); per request, the first token's path outside the scheduler (gateway,
+    tokenizer, network and the client, from bench serve's TTFT breakdown)."""
+    steps = after.num_steps - before.num_steps
+    if profile.step_overhead_s == 0 and steps > 0:
+        busy = elapsed - (after.idle_seconds_total - before.idle_seconds_total)
+        worker = after.worker_busy_seconds_total - before.worker_busy_seconds_total
+        profile.step_overhead_s = max(0.0, (busy - worker) / steps)
+        print(f"per-step overhead from the services: {1e3 * profile.step_overhead_s:.2f} ms "
+              f"(round trip alone: {1e3 * after.step_rtt_median_s:.2f} ms)", flush=True)
+    breakdown = warm.get("ttft_breakdown_ms") or {}
+    if profile.request_overhead_s == 0 and breakdown:
+        ms = sum(breakdown.get(k, 0.0) for k in ("gateway", "tokenizer", "network", "client_overhead"))
+        profile.request_overhead_s = max(0.0, ms) / 1e3
+        print(f"per-request overhead from the services: {ms:.2f} ms", flush=True)
+
+
 def run_accuracy(args) -> dict:
     import httpx
 
@@ -86,10 +106,10 @@ def run_accuracy(args) -> dict:
         model = httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"][0]["id"]
         warm = serve_args(stack.http_url, ["--model", model, "--num-prompts", "8", "--seed", "1000",
                                            "--input-len", "128", "--output-len", "16", "--max-concurrency", "4"])
-        run_serve_bench(warm)
-        if profile.step_overhead_s == 0:
-            profile.step_overhead_s = scheduler_stats(stack).step_rtt_median_s
-            print(f"per-step overhead from the services: {1e3 * profile.step_overhead_s:.2f} ms", flush=True)
+        before, started = scheduler_stats(stack), time.perf_counter()
+        warm_result = run_serve_bench(warm)
+        after, elapsed = scheduler_stats(stack), time.perf_counter() - started
+        fill_overheads(profile, before, after, elapsed, warm_result)
         for name, flags in chosen:
             ns = serve_args(stack.http_url, ["--model", model, "--num-prompts", str(args.num_prompts), *flags])
             ns.profile_model, ns.trace = model, None
@@ -106,7 +126,8 @@ def run_accuracy(args) -> dict:
             err = "n/a" if c["error"] is None else f"{100 * c['error']:+.1f}%"
             print(f"{row['workload']:<28}{metric:<28}{c['plan'] or 0:>10.1f}{c['real'] or 0:>10.1f}{err:>9}")
     summary = {"profile": args.profile, "num_prompts": args.num_prompts,
-               "step_overhead_ms": 1e3 * profile.step_overhead_s, "rows": rows}
+               "step_overhead_ms": 1e3 * profile.step_overhead_s,
+               "request_overhead_ms": 1e3 * profile.request_overhead_s, "rows": rows}
     (out_dir / "accuracy.json").write_text(json.dumps(summary, indent=2))
     html = write_html(out_dir / "plan_vs_real.html", [(r["workload"], r["plan"], r["real"]) for r in rows])
     print(f"wrote {out_dir / 'accuracy.json'} and {html}")
