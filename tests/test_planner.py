@@ -176,3 +176,15 @@ def test_bench_serve_records_a_trace_the_planner_replays(tmp_path):
     assert sorted((r.prompt_tokens, r.output_tokens) for r in trace) == [(4, 3), (5, 9)]
     assert [5, 6, 7, 8] in [r.prompt_token_ids for r in trace]
     assert all(r.arrival_s > 0 for r in trace)
+
+
+def test_plan_on_a_sharegpt_file(profile_path, tmp_path):
+    def conv(human: str, gpt: str) -> dict:
+        return {"conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": gpt}]}
+
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([conv("tell me about the sea " * 4, "the sea is wide and deep " * 3),
+                                conv("why is the sky blue " * 3, "light scatters in the air " * 2)]))
+    result = plan(profile_path, tmp_path, "--dataset", "sharegpt", "--dataset-path", str(data), "--num-prompts", "5")
+    assert result["completed"] == 2 and result["dataset"] == "sharegpt"
+    assert result["total_output_tokens"] == sum(r["expected_output_tokens"] for r in result["requests"])

@@ -60,7 +60,7 @@ def load_workload(args) -> list[TraceRequest]:
     if args.dataset == "sharegpt" or args.tokenizer:
         from pagedserve.bench.serve_datasets import load_tokenizer
 
-        tokenizer = load_tokenizer(args.tokenizer, args.profile_model)
+        tokenizer = load_tokenizer(args.tokenizer, getattr(args, "profile_model_path", args.profile_model))
     return from_dataset(args, tokenizer)
 
 
@@ -121,7 +121,7 @@ def run_plan(args) -> dict | int:
     if not args.profile:
         raise ValueError("pagedserve plan needs --profile FILE (from `pagedserve calibrate --out FILE`)")
     profile = Profile.load(args.profile)
-    args.profile_model = Path(profile.model).name
+    args.profile_model, args.profile_model_path = Path(profile.model).name, profile.model
     trace = load_workload(args)
     config = workload_config(args, trace)
     if args.sweep:
