@@ -38,6 +38,7 @@ def add_accuracy_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", required=True, metavar="FILE", help="from `pagedserve calibrate`")
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0, help="workload i draws its prompts with seed + i")
     p.add_argument("--workloads", default=None, help="comma-separated indices of the workloads to run (default all)")
     p.add_argument("--redis-url", default=None, help="default: a private redis-server, as `pagedserve serve`")
     p.add_argument("--out-dir", default="plan-accuracy-out")
@@ -110,8 +111,10 @@ def run_accuracy(args) -> dict:
         warm_result = run_serve_bench(warm)
         after, elapsed = scheduler_stats(stack), time.perf_counter() - started
         fill_overheads(profile, before, after, elapsed, warm_result)
-        for name, flags in chosen:
-            ns = serve_args(stack.http_url, ["--model", model, "--num-prompts", str(args.num_prompts), *flags])
+        for index, (name, flags) in enumerate(chosen):
+            # Each workload its own prompts (seed): one run's prompts would be the next one's cache hits.
+            ns = serve_args(stack.http_url, ["--model", model, "--num-prompts", str(args.num_prompts),
+                                             "--seed", str(args.seed + index), *flags])
             ns.profile_model, ns.trace = model, None
             trace = from_dataset(ns, None)
             plan = simulate(profile, engine_values(args), trace, ns.max_concurrency, ns.request_rate, None, None,
