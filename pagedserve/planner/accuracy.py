@@ -76,7 +76,8 @@ def fill_overheads(profile, before, after, elapsed: float, warm: dict) -> None:
     if profile.step_overhead_s == 0 and steps > 0:
         busy = elapsed - (after.idle_seconds_total - before.idle_seconds_total)
         worker = after.worker_busy_seconds_total - before.worker_busy_seconds_total
-        profile.step_overhead_s = max(0.0, (busy - worker) / steps)
+        # At least the round trip: the busy-time difference is noisy where steps are few.
+        profile.step_overhead_s = max(after.step_rtt_median_s, (busy - worker) / steps)
         print(f"per-step overhead from the services: {1e3 * profile.step_overhead_s:.2f} ms "
               f"(round trip alone: {1e3 * after.step_rtt_median_s:.2f} ms)", flush=True)
     breakdown = warm.get("ttft_breakdown_ms") or {}

@@ -5,7 +5,8 @@ Each point is a real SchedulerOutput run by the real ModelRunner (new requests t
 first tokens are cached, as prefix-cache hits do, so a decode at context C costs one step, not C).
 The KV content is garbage (the timing does not depend on it); block ids wrap around a pool of at
 most MAX_POOL_BLOCKS so a large grid needs no large pool. Each point runs once to warm up and then
---repeats times; the median is kept. The fit and its error are printed (cost_model.fit).
+--repeats times, its decodes continuing as cached requests (StepMaker); the median is kept. The
+fit and its error are printed (cost_model.fit).
 
 Fixed costs the runner does not see are flags (they come from `pagedserve bench services`: its
 "scheduler->worker round trip beyond compute" is --step-overhead-ms) and a measurement (the
@@ -20,7 +21,7 @@ import itertools
 import statistics
 import time
 
-from pagedserve.common.messages import NewRequestData, SchedulerOutput
+from pagedserve.common.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.planner.cost_model import Profile, StepShape, fit
 
@@ -54,14 +55,19 @@ def grid_points(max_len: int, quick: bool, max_tokens: int) -> list[tuple[int, i
 
 
 class StepMaker:
-    """SchedulerOutputs for grid points, over a wrapped pool of block ids; each step drops the
-    previous step's requests from the runner."""
+    """SchedulerOutputs for grid points, over a wrapped pool of block ids. A point's first step
+    (rep 0, the warm-up) sends its requests new; the next ones run the same decodes again as cached
+    requests one token further on, as a server's decodes run, beside a fresh prefill chunk (a new
+    request's first chunk, as in serving). Each point's first step drops the previous point's."""
 
-    def __init__(self, block_size: int, num_blocks: int, vocab_size: int) -> None:
+    def __init__(self, block_size: int, num_blocks: int, vocab_size: int, max_reps: int = 8) -> None:
         self.block_size, self.num_blocks, self.vocab = block_size, num_blocks, vocab_size
+        self.max_reps = max_reps
         self.next_block = 0
         self.step_id = 0
         self.live: list[str] = []
+        self.decodes: list[str] = []
+        self.prefills: list[str] = []
         self.params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
     def _blocks(self, num_tokens: int) -> list[int]:
@@ -70,26 +76,36 @@ class StepMaker:
         self.next_block = (self.next_block + count) % self.num_blocks
         return ids
 
-    def _request(self, num_cached: int, num_new: int) -> NewRequestData:
+    def _request(self, num_cached: int, num_new: int, spare: int = 0) -> str:
         req_id = f"cal-{self.step_id}-{len(self.new)}"
         tokens = [(7 + 31 * i) % self.vocab for i in range(num_cached + num_new)]
-        entry = NewRequestData(req_id, tokens, len(tokens), self.params, self._blocks(len(tokens) + 1), num_cached)
-        self.new.append(entry)
+        self.new.append(NewRequestData(req_id, tokens, len(tokens), self.params,
+                                       self._blocks(len(tokens) + 1 + spare), num_cached))
         self.scheduled[req_id] = num_new
-        return entry
+        return req_id
 
-    def step(self, p: int, cp: int, d: int, c: int) -> tuple[SchedulerOutput, StepShape]:
+    def step(self, p: int, cp: int, d: int, c: int, rep: int = 0) -> tuple[SchedulerOutput, StepShape]:
+        if rep > self.max_reps:
+            raise ValueError(f"at most {self.max_reps} runs of one point (its blocks are sized for that)")
         self.step_id += 1
         self.new: list[NewRequestData] = []
         self.scheduled: dict[str, int] = {}
         shape = StepShape()
-        for _ in range(d):  # decodes first, as the scheduler orders them
-            self._request(c, 1)
-            shape.add(1, c, c + 1)
+        cached = []
+        if rep == 0:
+            finished = self.live
+            self.decodes = [self._request(c, 1, spare=self.max_reps) for _ in range(d)]
+        else:
+            finished = self.prefills
+            for req_id in self.decodes:  # decodes first, as the scheduler orders them
+                cached.append(CachedRequestData(req_id, []))
+                self.scheduled[req_id] = 1
+        for _ in self.decodes:
+            shape.add(1, c + rep, c + rep + 1)
+        self.prefills = [self._request(cp, p)] if p else []
         if p:
-            self._request(cp, p)
             shape.add(p, cp, cp + p)
-        out = SchedulerOutput(self.step_id, self.new, [], self.scheduled, finished_req_ids=self.live)
+        out = SchedulerOutput(self.step_id, self.new, cached, self.scheduled, finished_req_ids=list(finished))
         self.live = list(self.scheduled)
         return out, shape
 
@@ -133,14 +149,14 @@ def calibrate(args) -> Profile:
     points = grid_points(max_len, args.quick, max(budget, max(PREFILL_TOKENS)))
     pool = min(MAX_POOL_BLOCKS, default_blocks)
     runner.allocate_kv_cache(pool)
-    maker = StepMaker(bs, pool, mc.vocab_size)
+    maker = StepMaker(bs, pool, mc.vocab_size, max_reps=args.repeats)
     print(f"calibrating {model_path.name} on {device.type} ({str(dtype).removeprefix('torch.')}): "
           f"{len(points)} step shapes x {args.repeats} runs", flush=True)
     samples, records = [], []
     for point in points:
         times = []
         for rep in range(args.repeats + 1):
-            step, shape = maker.step(*point)
+            step, shape = maker.step(*point, rep=rep)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
