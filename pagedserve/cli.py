@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from pagedserve.bench import add_bench_parser
     add_bench_parser(sub)
+    from pagedserve.planner import add_planner_parsers
+    add_planner_parsers(sub)
     _add_config_flag(parser)
     return parser
 

@@ -41,6 +41,8 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
+
 from pagedserve.bench.serve_client import (aggregate, prefix_hit_rates, read_prefix_cache_counters, request_body,
                                            resolve_model, run_requests)
 from pagedserve.bench.serve_datasets import BenchRequest, build_dataset, load_tokenizer
@@ -110,6 +112,8 @@ def add_serve_parser(bench_sub) -> None:
                    help="run at each load level and plot; alone: concurrency:1,4,16,64")
     p.add_argument("--out-dir", default="bench-serve-out", help="where --sweep writes sweep.json and the plots")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON here")
+    p.add_argument("--record-trace", default=None, metavar="FILE.jsonl",
+                   help="write the run's requests as a trace `pagedserve plan --trace` replays")
     p.set_defaults(func=run_serve_bench)
 
 
@@ -205,6 +209,8 @@ def run_serve_bench(args) -> dict:
         print_report(result)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
+        if getattr(args, "record_trace", None):
+            write_trace(args.record_trace, requests, result, args)
         return result
 
     kind, levels = args.sweep
@@ -233,6 +239,21 @@ def run_serve_bench(args) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def write_trace(path: str, requests: list[BenchRequest], result: dict, args) -> None:
+    """The run as a planner trace (pagedserve/planner/trace.py): each request's send time as the
+    arrival process drew it, its prompt (token ids when it was sent as ids) and the tokens it got."""
+    from pagedserve.bench.serve_client import arrival_gaps
+
+    arrivals = np.cumsum(arrival_gaps(len(requests), args.request_rate, args.seed, args.burstiness)).tolist()
+    with open(path, "w", encoding="utf-8") as f:
+        for arrival, req, got in zip(arrivals, requests, result["requests"]):
+            line = {"arrival_s": arrival, "prompt_tokens": got["prompt_tokens"] or req.prompt_len,
+                    "output_tokens": got["output_tokens"] or req.output_len}
+            if isinstance(req.prompt, list):
+                line["prompt_token_ids"] = req.prompt
+            f.write(json.dumps(line) + "\n")
 
 
 def _level_label(level: float) -> str:

@@ -1,0 +1,145 @@
+"""`pagedserve plan`: replay a workload through the real scheduler on a calibrated profile and
+report what `bench serve` would (its --json keys, its printed report); with --sweep, every
+combination of the budgets given, ranked (sweep.py); with --memory, the KV-cache arithmetic
+(memory.py).
+
+The scheduler is configured the way the server configures it: the step budgets from
+settings.step_budgets on the profile's device, the KV pool from --kv-cache-memory (else the pool the
+server sized when the profile was made) divided by the model's bytes per block. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from pagedserve.common import settings
+from pagedserve.planner.cost_model import Profile
+from pagedserve.planner.memory import parse_size
+from pagedserve.planner.report import bench_json
+from pagedserve.planner.simulator import Simulator
+from pagedserve.planner.trace import TraceRequest, from_dataset, load_trace
+from pagedserve.scheduler.core.scheduler import SchedulerConfig
+
+ENGINE_KEYS = ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
+               "long_prefill_token_threshold", "max_model_len", "preemption_mode", "scheduling_policy",
+               "no_prefix_caching", "no_chunked_prefill", "swap_space")
+
+
+def scheduler_config(profile: Profile, engine: dict) -> SchedulerConfig:
+    """The SchedulerConfig `pagedserve serve` would build with these engine flags on the profiled
+    machine (engine: ENGINE_KEYS -> value, None for the default)."""
+    budget, threshold = settings.step_budgets(engine.get("max_num_batched_tokens"),
+                                              engine.get("long_prefill_token_threshold"), profile.device)
+    block_size = engine.get("block_size") or 16
+    per_block = profile.kv_bytes_per_token * block_size
+    pool_bytes = parse_size(engine["kv_cache_memory"]) if engine.get("kv_cache_memory") else \
+        profile.default_kv_cache_bytes
+    num_blocks = pool_bytes // per_block
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache budget of {pool_bytes} bytes holds no block ({per_block} bytes each)")
+    max_len = engine.get("max_model_len") or profile.max_model_len
+    if max_len > profile.max_model_len:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's context of {profile.max_model_len}")
+    mode = engine.get("preemption_mode") or "recompute"
+    host = parse_size(engine.get("swap_space") or "1GiB") // per_block if mode == "swap" else 0
+    return SchedulerConfig(num_gpu_blocks=int(num_blocks), block_size=block_size,
+                           max_num_seqs=engine.get("max_num_seqs") or 128, max_num_batched_tokens=budget,
+                           max_model_len=max_len, num_cpu_blocks=int(host),
+                           enable_prefix_caching=not engine.get("no_prefix_caching"),
+                           enable_chunked_prefill=not engine.get("no_chunked_prefill"), preemption_mode=mode,
+                           policy=engine.get("scheduling_policy") or "fcfs",
+                           long_prefill_token_threshold=threshold)
+
+
+def load_workload(args) -> list[TraceRequest]:
+    if args.trace:
+        return load_trace(args.trace)
+    tokenizer = None
+    if args.dataset == "sharegpt" or args.tokenizer:
+        from pagedserve.bench.serve_datasets import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer, getattr(args, "profile_model_path", args.profile_model))
+    return from_dataset(args, tokenizer)
+
+
+def workload_config(args, trace: list[TraceRequest]) -> dict:
+    """The workload keys `bench serve --json` writes, as far as a plan knows them."""
+    return {"model": args.profile_model, "dataset": "trace" if args.trace else args.dataset,
+            "dataset_path": args.trace or args.dataset_path, "num_prompts": len(trace), "prompt_format": "token_ids",
+            "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
+            "num_prefixes": args.num_prefixes, "suffixes_per_prefix": args.suffixes_per_prefix,
+            "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "burstiness": args.burstiness,
+            "seed": args.seed, "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+
+
+def simulate(profile: Profile, engine: dict, trace: list[TraceRequest], max_concurrency: int | None,
+             request_rate: float, slo_ttft_ms: float | None, slo_tpot_ms: float | None, config: dict) -> dict:
+    sched_config = scheduler_config(profile, engine)
+    sim = Simulator(sched_config, profile.step_time, profile.request_overhead_s, max_concurrency).run(trace)
+    result = bench_json(sim, trace, slo_ttft_ms, slo_tpot_ms, request_rate, max_concurrency, config)
+    waits = [t.send_s - r.arrival_s for t, r in zip(sim.requests, trace)]
+    result["planner"].update(
+        engine={k: getattr(sched_config, k) for k in ("num_gpu_blocks", "block_size", "max_num_seqs",
+                                                        "max_num_batched_tokens", "long_prefill_token_threshold",
+                                                        "max_model_len", "enable_prefix_caching",
+                                                        "enable_chunked_prefill", "preemption_mode")},
+        mean_client_wait_ms=1e3 * sum(waits) / len(waits) if waits else 0.0,
+        profile={"model": profile.model, "device": profile.device, "dtype": profile.dtype,
+                 "fit_mean_abs_rel_error": profile.cost.fit.mean_abs_rel_error,
+                 "step_overhead_ms": 1e3 * profile.step_overhead_s,
+                 "request_overhead_ms": 1e3 * profile.request_overhead_s})
+    return result
+
+
+def print_planner_lines(result: dict) -> None:
+    p = result["planner"]
+    waits = ", ".join(f"{k} {v:.1f}" for k, v in p["waiting_request_seconds"].items() if v) or "none"
+    print(f"{' Planner (simulated) ':-^60}")
+    for label, value in (("Steps:", p["num_steps"]), ("Mean step (ms):", f"{p['mean_step_ms']:.2f}"),
+                         ("Mean tokens per step:", f"{p['mean_step_tokens']:.1f}"),
+                         ("Preemptions:", p["num_preemptions"]),
+                         ("KV usage peak / mean:",
+                          f"{100 * p['kv_usage_peak']:.1f}% / {100 * p['kv_usage_mean']:.1f}%"),
+                         ("Mean running / waiting:", f"{p['mean_running']:.1f} / {p['mean_waiting']:.1f}"),
+                         ("Client-side wait (mean ms):", f"{p['mean_client_wait_ms']:.1f}")):
+        print(f"{label:<40}{value!s:>20}")
+    print(f"waiting (request-seconds by reason): {waits}")
+
+
+def engine_values(args) -> dict:
+    return {k: getattr(args, k, None) for k in ENGINE_KEYS}
+
+
+def run_plan(args) -> dict | int:
+    from pagedserve.bench.serve import print_report
+
+    if args.memory:
+        from pagedserve.planner.memory import run_memory
+        return run_memory(args)
+    if not args.profile:
+        raise ValueError("pagedserve plan needs --profile FILE (from `pagedserve calibrate --out FILE`)")
+    profile = Profile.load(args.profile)
+    args.profile_model, args.profile_model_path = Path(profile.model).name, profile.model
+    trace = load_workload(args)
+    config = workload_config(args, trace)
+    if args.sweep:
+        from pagedserve.planner.sweep import run_sweep
+        return run_sweep(args, profile, trace, config)
+    result = simulate(profile, engine_values(args), trace, args.max_concurrency, args.request_rate,
+                      args.slo_ttft_ms, args.slo_tpot_ms, config)
+    print_report(result)
+    print_planner_lines(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.compare:
+        from pagedserve.planner.html_report import write_html
+        real = json.loads(Path(args.compare).read_text())
+        page = write_html(Path(args.out_dir) / "plan_vs_real.html", [(config["dataset"], result, real)])
+        print(f"wrote {page}")
+    return result
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
