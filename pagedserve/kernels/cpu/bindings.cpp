@@ -10,6 +10,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w);
 void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
                     const at::Tensor& positions);
+at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& qtypes);
+at::Tensor dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t cols);
 }  // namespace pagedserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -19,5 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &pagedserve::silu_and_mul, "silu(x[:, :I]) * x[:, I:]");
   m.def("rms_norm", &pagedserve::rms_norm, "RMSNorm (float32 statistics); with residual: residual += x, then norm it",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("quant_linear", &pagedserve::quant_linear,
+        "x [M, K] @ concat(weights).T in float32; weights: uint8 [N_i, bytes] of GGUF blocks of qtypes[i]");
+  m.def("dequantize_rows", &pagedserve::dequantize_rows, "GGUF blocks uint8 [N, bytes] -> float32 [N, cols]");
   m.def("rotary_inplace", &pagedserve::rotary_inplace, "rotate-half rotary embedding of q and k in place");
 }
