@@ -37,7 +37,8 @@ def start_test_stack(model: Path, log_dir: Path, **overrides):
     prefix = f"pstest-{uuid.uuid4().hex[:8]}:"
     env = {**os.environ, "PAGEDSERVE_REDIS_PREFIX": prefix}
     settings = dict(model=str(model), port=free_port(), grpc_port=free_port(), redis_url=REDIS_URL,
-                    dtype="float32", kv_cache_memory="256MiB", log_dir=str(log_dir), env=env, startup_timeout=300)
+                    dtype="float32", quantization="none", kv_cache_memory="256MiB", log_dir=str(log_dir), env=env,
+                    startup_timeout=300)
     cfg = StackConfig(**{**settings, **overrides})
     stack = start_stack(cfg)
     stack.redis_prefix = prefix

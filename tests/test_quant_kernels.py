@@ -85,8 +85,9 @@ def test_parts_of_mixed_formats_fill_consecutive_columns():
     parts = [("Q4_K", 9), ("Q6_K", 5), ("Q8_0", 3)]
     blocks = [random_blocks(fmt, n, cols, rng) for fmt, n in parts]
     x = torch.randn(5, cols)
-    got = ops.quant_linear(x, [torch.from_numpy(b) for b in blocks], [int(GGMLQuantizationType[f]) for f, _ in parts])
-    each = [ops.quant_linear(x, [torch.from_numpy(b)], [int(GGMLQuantizationType[f])]) for b, (f, _) in zip(blocks, parts)]
+    qtypes = [int(GGMLQuantizationType[f]) for f, _ in parts]
+    got = ops.quant_linear(x, [torch.from_numpy(b) for b in blocks], qtypes)
+    each = [ops.quant_linear(x, [torch.from_numpy(b)], [q]) for b, q in zip(blocks, qtypes)]
     assert torch.equal(got, torch.cat(each, dim=1))
 
 

@@ -118,8 +118,9 @@ NO_TOKENIZER = NoTokenizer()
 
 
 def make_engine(model: Path, tokenizer=NO_TOKENIZER, **overrides):
-    """A float32 engine on `model`; tokenizer=None loads the model's own."""
+    """A float32 engine on `model` with its weights dequantized (what transformers computes);
+    tokenizer=None loads the model's own."""
     from pagedserve.engine import EngineConfig, LLMEngine
-    cfg = dict(model=str(model), dtype="float32", progress=False, kv_cache_memory="64MiB")
+    cfg = dict(model=str(model), dtype="float32", quantization="none", progress=False, kv_cache_memory="64MiB")
     cfg.update(overrides)
     return LLMEngine(EngineConfig(**cfg), tokenizer=tokenizer)

@@ -20,7 +20,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from pagedserve.bench.throughput import run_throughput
 
     bench = subparsers.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,services,tp,moe,serve,structured}")
+    bench_sub = bench.add_subparsers(dest="bench_command",
+                                     metavar="{throughput,latency,services,tp,moe,serve,structured}")
     bench_sub.required = True
     p = bench_sub.add_parser("throughput", help="offline throughput vs transformers' static batching",
                              description=throughput_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,6 +35,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "and print them per step kind against their floors (costs a little speed)")
     add_engine_args(p)
     p.set_defaults(func=run_throughput)
+    from pagedserve.bench.latency import add_latency_parser
+    add_latency_parser(bench_sub)
     from pagedserve.bench.services import add_services_parser
     add_services_parser(bench_sub)
     from pagedserve.bench.tp import add_tp_parser

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -31,6 +32,7 @@ class EngineConfig:
     chat_template: str | None = _DEFAULTS["chat_template"]  # a file or inline Jinja; None: the model's
     device: str = _DEFAULTS["device"]
     dtype: str = _DEFAULTS["dtype"]
+    quantization: str = _DEFAULTS["quantization"]  # auto: a GGUF's own blocks on the CPU; none; int8
     block_size: int = _DEFAULTS["block_size"]
     kv_cache_memory: str | int | None = _DEFAULTS["kv_cache_memory"]  # None: 2GiB on CPU; CUDA: what is left
     gpu_memory_utilization: float = _DEFAULTS["gpu_memory_utilization"]
@@ -100,7 +102,8 @@ class LLMEngine:
         config.max_num_batched_tokens, long_prefill_token_threshold = settings.step_budgets(
             config.max_num_batched_tokens, config.long_prefill_token_threshold, self.device.type)
         runner_kwargs = dict(model_config=mc, model_path=self.model_path, dtype=self.dtype, device=self.device,
-                             block_size=config.block_size, max_model_len=max_len, eos_token_ids=self.eos_token_ids)
+                             block_size=config.block_size, max_model_len=max_len, eos_token_ids=self.eos_token_ids,
+                             quantization=config.quantization)
         self.ranks = None
         if config.tensor_parallel_size > 1:
             from pagedserve.worker.local_ranks import LocalRanks
@@ -110,6 +113,8 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
+        log.info("loaded %s (%s on %s; linear weights %s)", Path(self.model_path).name,
+                 str(self.dtype).removeprefix("torch."), self.device, self.runner.weights_description)
         num_blocks, num_host_blocks = self._size_kv_cache()
         max_concurrency = num_blocks * config.block_size / max_len
         log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB); maximum concurrency at %d tokens "

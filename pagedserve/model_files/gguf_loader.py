@@ -153,6 +153,12 @@ class GGUFFile:
         block, type_size = GGML_QUANT_SIZES[info.qtype]
         return int(np.prod(info.dims)) // block * type_size
 
+    def blocks(self, name: str) -> np.ndarray:
+        """A 2-D tensor's bytes as uint8 [rows, bytes per row] (a view of the memory map)."""
+        info = self.tensors[name]
+        rows = int(np.prod(info.dims[1:]))
+        return np.frombuffer(self._buf, np.uint8, self._nbytes(info), info.offset).reshape(rows, -1)
+
     def dequantized(self, name: str) -> np.ndarray:
         """float32 array in numpy order ([rows, row_length])."""
         info = self.tensors[name]

@@ -22,7 +22,8 @@ from pagedserve.worker.parallel import broadcast_from_rank0, tp_group, using_gro
 from pagedserve.worker.request_states import RequestState, RequestStates
 from pagedserve.worker.sampler import RowSampling, Sampler
 from pagedserve.worker.structured_output import GrammarMatchers, TokenMasks
-from pagedserve.worker.weights import iter_lazy_weights
+from pagedserve.worker import quantized
+from pagedserve.worker.weights import iter_lazy_weights, weight_files
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def sample_generator(params: SamplingParams, sample_index: int, num_output_token
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_path: str | Path, dtype: torch.dtype,
                  device: torch.device, block_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], progress: bool = True) -> None:
+                 eos_token_ids: tuple[int, ...], progress: bool = True, quantization: str = "auto") -> None:
         self.config = model_config
         self.device = device
         self.dtype = dtype
@@ -57,7 +58,13 @@ class ModelRunner:
                                                                cpu_kernels(device))
         finally:
             torch.set_default_dtype(previous_dtype)
-        model.load_weights(iter_lazy_weights(model_path, dtype, progress))
+        is_gguf = weight_files(Path(model_path))[0].suffix == ".gguf"
+        self.quantization = quantized.resolve(quantization, device, is_gguf)
+        model.load_weights(iter_lazy_weights(model_path, dtype, progress, keep_quantized=self.quantization == "gguf"))
+        formats = quantized.finalize(model, self.quantization) if self.quantization != "none" else {}
+        # what the log line naming the model says about its weights
+        self.weights_description = "float" if not formats else "quantized on the CPU kernels (" + ", ".join(
+            f"{count} {name}" for name, count in sorted(formats.items())) + " matrices)"
         pack_model(model, device, dtype)
         self.model = model.eval()
         self.kv: KVCache | None = None
@@ -66,7 +73,8 @@ class ModelRunner:
         self.grammars = GrammarMatchers(model_path, model_config.vocab_size, eos_token_ids)
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        quant = sum(m.quant.nbytes for m in self.model.modules() if getattr(m, "quant", None) is not None)
+        return quant + sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.kv = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device, num_host_blocks,

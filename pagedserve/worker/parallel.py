@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.worker.cpu_linear import packed_linear
+from pagedserve.worker.quantized import DEQUANTIZE_ABOVE, QuantizedTensor
 
 
 @dataclass(slots=True)
@@ -154,6 +155,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = new_param(sum(self.output_sizes), in_features)
         mark_loader(self.weight, self._load, len(shards))
         self.packed = None  # the weight in oneDNN's layout, on the CPU (cpu_linear.pack_model)
+        init_quantized(self)
         self.bias = None
         if bias:
             self.bias = new_param(sum(self.output_sizes))
@@ -161,9 +163,16 @@ class ColumnParallelLinear(nn.Module):
 
     def _load(self, param: nn.Parameter, loaded, part: int) -> None:
         shard = self.shards[part]
-        copy_checked(param.data.narrow(0, self.offsets[part], shard.size), loaded.narrow(0, shard.start, shard.size))
+        src = loaded.narrow(0, shard.start, shard.size)
+        if isinstance(src, QuantizedTensor):
+            check_shape((shard.size, param.shape[1]), src.shape)
+            self.quant_parts[part] = src
+            return
+        copy_checked(param.data.narrow(0, self.offsets[part], shard.size), src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -180,16 +189,20 @@ class RowParallelLinear(nn.Module):
         self.weight = new_param(out_features, self.shard.size)
         mark_loader(self.weight, self._load, 1)
         self.packed = None
+        init_quantized(self)
         self.bias = None
         if bias:
             self.bias = new_param(out_features)
             mark_loader(self.bias, lambda p, w, part: copy_checked(p.data, w.full()), 1)
 
     def _load(self, param: nn.Parameter, loaded, part: int) -> None:
-        copy_checked(param.data, loaded.narrow(1, self.shard.start, self.shard.size))
+        store_or_copy(self, param, loaded.narrow(1, self.shard.start, self.shard.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight) if self.packed is None else packed_linear(x, self.packed)
+        if self.quant is not None:
+            out = self.quant.linear(x)
+        else:
+            out = F.linear(x, self.weight) if self.packed is None else packed_linear(x, self.packed)
         if self.reduce:
             all_reduce(out)
         return out if self.bias is None else out + self.bias
@@ -201,14 +214,17 @@ class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = new_param(out_features, in_features)
-        mark_loader(self.weight, load_full, 1)
+        mark_loader(self.weight, lambda p, w, part: store_or_copy(self, p, w.full()), 1)
         self.packed = None
+        init_quantized(self)
         self.bias = None
         if bias:
             self.bias = new_param(out_features)
             mark_loader(self.bias, load_full, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -229,22 +245,36 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = new_param(self.rows_per_rank, hidden_size)
         mark_loader(self.weight, self._load, 1)
         self.packed = None  # for `logits`; the embedding lookup reads `weight`
+        init_quantized(self)
 
     def _load(self, param: nn.Parameter, loaded, part: int) -> None:
+        src = loaded.narrow(0, self.start, self.num_rows)
+        if isinstance(src, QuantizedTensor):
+            check_shape((self.num_rows, param.shape[1]), src.shape)
+            self.quant_parts[0] = src.padded_rows(self.rows_per_rank)
+            return
         param.data.zero_()
-        copy_checked(param.data[:self.num_rows], loaded.narrow(0, self.start, self.num_rows))
+        copy_checked(param.data[:self.num_rows], src)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self.quant is None else self.quant.rows(ids, self.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if _tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.num_rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return all_reduce(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 [rows, vocab_size] logits of hidden [rows, hidden_size]."""
+        if self.quant is not None:  # float32 sums, unless many rows took the dequantized matmul
+            local = self.quant.linear(hidden, dtype=torch.float32)
+            if hidden.dtype != torch.float32 and hidden.shape[0] > DEQUANTIZE_ABOVE:
+                refine_top_logits(local, hidden, rows_of=lambda ids: self.quant.rows(ids, torch.float32))
+            return all_gather_last_dim(local)[:, :self.vocab_size]
         if self.packed is not None:
             local = packed_linear(hidden, self.packed).float()
         elif hidden.device.type == "cpu":
@@ -266,15 +296,38 @@ class VocabParallelEmbedding(nn.Module):
 REFINED_TOP = 8
 
 
-def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                      rows_of=None) -> None:
     """Overwrite the REFINED_TOP largest logits of each row with their float32 dot products.
-    logits [rows, n] float32 (computed in weight's dtype); hidden [rows, h]; weight [n, h]."""
+    logits [rows, n] float32 (computed in weight's dtype); hidden [rows, h]; weight [n, h], or
+    rows_of(ids [rows, k]) -> those weight rows in float32 [rows, k, h] (a quantized weight)."""
     k = min(REFINED_TOP, logits.shape[1])
     if k == 0 or logits.shape[0] == 0:
         return
     top = logits.topk(k, dim=1, sorted=False).indices
-    exact = torch.bmm(weight[top].float(), hidden.float().unsqueeze(2)).squeeze(2)
+    rows = weight[top].float() if rows_of is None else rows_of(top)
+    exact = torch.bmm(rows, hidden.float().unsqueeze(2)).squeeze(2)
     logits.scatter_(1, top, exact)
+
+
+def init_quantized(layer: nn.Module) -> None:
+    layer.quant = None  # a quantized.QuantizedWeight: forward runs the quantized kernel on it
+    layer.quant_parts = {}  # part -> QuantizedTensor as loaded, until quantized.finalize
+
+
+def store_or_copy(layer: nn.Module, param: nn.Parameter, src) -> None:
+    """A one-part weight: quantized blocks are kept for quantized.finalize, float ones copied."""
+    if isinstance(src, QuantizedTensor):
+        check_shape(tuple(param.shape), src.shape)
+        layer.quant_parts[0] = src
+    else:
+        copy_checked(param.data, src)
+
+
+def check_shape(expected: tuple, got: tuple) -> None:
+    if tuple(expected) != tuple(got):
+        raise ValueError(f"checkpoint tensor of shape {tuple(got)} does not fit a parameter shard "
+                         f"of shape {tuple(expected)}")
 
 
 def copy_checked(dest: torch.Tensor, src: torch.Tensor) -> None:

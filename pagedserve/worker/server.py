@@ -36,7 +36,8 @@ class WorkerService:
 
     def __init__(self, model: str | None, device: str = "auto", dtype: str = "auto",
                  max_model_len: int | None = None, rank: int = 0, world_size: int = 1,
-                 dist_init_method: str | None = None, tokenizer: str | None = None) -> None:
+                 dist_init_method: str | None = None, tokenizer: str | None = None,
+                 quantization: str = "auto") -> None:
         import torch  # noqa: F401 - the worker is the one service that needs it
 
         from pagedserve.model_files.default_model import resolve_model
@@ -47,6 +48,7 @@ class WorkerService:
             raise ValueError(f"--rank {rank} is outside a tensor-parallel group of size {world_size}")
         self.rank, self.world_size = rank, world_size
         self.dist_init_method = dist_init_method
+        self.quantization = quantization
         self.model_path = resolve_model(model)
         self.model_config = ModelConfig.from_folder(self.model_path)
         self.device = pick_device(device)
@@ -70,9 +72,10 @@ class WorkerService:
         init_tensor_parallel(self.rank, self.world_size, self.dist_init_method, self.device)
         self.runner = ModelRunner(self.model_config, self.model_path, self.dtype, self.device, block_size=16,
                                   max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-                                  progress=False)
-        log.info("rank %d loaded %s (%s on %s) in %.1f s", self.rank, Path(self.model_path).name,
-                 str(self.dtype).removeprefix("torch."), self.device, time.monotonic() - started)
+                                  progress=False, quantization=self.quantization)
+        log.info("rank %d loaded %s (%s on %s; linear weights %s) in %.1f s", self.rank, Path(self.model_path).name,
+                 str(self.dtype).removeprefix("torch."), self.device, self.runner.weights_description,
+                 time.monotonic() - started)
 
     def describe(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(
@@ -165,7 +168,8 @@ def dist_init_method(address: str | None) -> str | None:
 
 def serve(args: argparse.Namespace) -> int:
     service = WorkerService(args.model, args.device, args.dtype, args.max_model_len, args.rank,
-                            args.tensor_parallel_size, dist_init_method(args.dist_init_addr), args.tokenizer)
+                            args.tensor_parallel_size, dist_init_method(args.dist_init_addr), args.tokenizer,
+                            args.quantization)
     ready = threading.Event()
     # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)

@@ -40,7 +40,11 @@ Format format_of(int64_t qtype) {
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);  // one instruction; c10's conversion is a dozen integer ops
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // One 32-element sub-block of a weight row: its elements as unsigned bytes, in the activation's
@@ -128,13 +132,13 @@ inline float hsum8(__m256 v) {
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> scale;
-  std::vector<int32_t> sum16;
+  std::vector<float> sum16;  // scale * the integer sum of each 16 values
   int64_t cols;
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t cols) {
   QuantizedRows out{std::vector<int8_t>(rows * cols), std::vector<float>(rows * cols / 32),
-                    std::vector<int32_t>(rows * cols / 16), cols};
+                    std::vector<float>(rows * cols / 16), cols};
   for (int64_t i = 0; i < rows * cols / 32; ++i) {
     const float* v = x + 32 * i;
     float amax = 0.f;
@@ -147,8 +151,8 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t cols) {
       sums[j / 16] += q;
     }
     out.scale[i] = d;
-    out.sum16[2 * i] = sums[0];
-    out.sum16[2 * i + 1] = sums[1];
+    out.sum16[2 * i] = d * sums[0];
+    out.sum16[2 * i + 1] = d * sums[1];
   }
   return out;
 }
@@ -182,10 +186,11 @@ void matmul_rows(const QuantizedRows& x, int64_t rows, const uint8_t* w, int64_t
             if (sb.sign) qx = _mm256_sign_epi8(qx, sb.q);
             const float dx = x.scale[r * x.cols / 32 + k32];
             const __m256 prod = _mm256_cvtepi32_ps(dot_u8s8(u, qx));
-            acc[m] = _mm256_fmadd_ps(prod, _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[m]);
-            const int32_t* sums = x.sum16.data() + r * x.cols / 16 + 2 * k32;
-            if (sb.offset[0] != 0.f || sb.offset[1] != 0.f)
-              off[m] += dx * (sb.offset[0] * sums[0] + sb.offset[1] * sums[1]);
+            if constexpr (T == Q6_K) acc[m] = _mm256_fmadd_ps(prod, _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[m]);
+            else acc[m] = _mm256_fmadd_ps(prod, _mm256_set1_ps(sb.scale[0] * dx), acc[m]);
+            const float* sums = x.sum16.data() + r * x.cols / 16 + 2 * k32;
+            if constexpr (T == Q6_K) off[m] += sb.offset[0] * sums[0] + sb.offset[1] * sums[1];
+            else if constexpr (T != Q8_0) off[m] += sb.offset[0] * (sums[0] + sums[1]);
           }
         }
       }

@@ -156,6 +156,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, [head_shard(heads, self.nope_dim + self.v_dim)])
+        self.kv_b_proj.quant_parts = None  # read as float per-head views (absorbed_weights): never quantized
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias)
         self.backend, self.interleave, self.scale, self.cpu_ops = backend, interleave, scale, cpu_ops
 

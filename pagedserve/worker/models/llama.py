@@ -68,7 +68,7 @@ def use_small_m(x: torch.Tensor, cpu_ops) -> bool:
 
 
 def linear(x: torch.Tensor, layer: nn.Module, cpu_ops) -> torch.Tensor:
-    if use_small_m(x, cpu_ops):
+    if layer.quant is None and use_small_m(x, cpu_ops):
         out = cpu_ops.small_m_linear(x.contiguous(), layer.weight)
         if isinstance(layer, RowParallelLinear) and layer.reduce:
             all_reduce(out)
@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if use_small_m(hidden, self.cpu_ops) and tp_group().world_size == 1:
+        if head.quant is None and use_small_m(hidden, self.cpu_ops) and tp_group().world_size == 1:
             return self.cpu_ops.small_m_linear(hidden.contiguous(), head.weight)
         return head.logits(hidden)
 

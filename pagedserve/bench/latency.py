@@ -1,0 +1,88 @@
+"""`pagedserve bench latency`: one stream through the in-process engine, the way `llama-bench`
+measures a model: time to first token of an --input-len prompt, then --output-len greedy tokens
+(ignore_eos) decoded one at a time. A GGUF model is served quantized unless --quantization none.
+
+Prints and (--json) writes decode_tokens_per_s, ttft_ms, prefill_tokens_per_s, rss_mib (the
+process's resident memory after the run: weights, KV pool, kernels), weight_mib (what a decode
+step reads of weights) and weight_read_gb_per_s (that times the decode rate: how close a step is
+to the machine's memory bandwidth). Prompt ids: numpy.random.default_rng(0) over [100, vocab).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pagedserve.common.engine_args import add_engine_args
+from pagedserve.common.sampling_params import SamplingParams
+
+
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagedserve.bench.throughput import build_engine, load_tokenizer
+    from pagedserve.model_files.default_model import resolve_model
+
+    model_path = resolve_model(args.model)
+    engine = build_engine(args, model_path, load_tokenizer(model_path))
+    try:
+        runner = engine.runner
+        vocab = engine.model_config.vocab_size
+        prompt = np.random.default_rng(0).integers(100, vocab, args.input_len).tolist()
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
+        for warm in range(args.warmup + 1):  # the last run is the measured one
+            engine.add_request(f"latency-{warm}", prompt, params)
+            start = time.perf_counter()
+            token_times: list[float] = []
+            while engine.has_unfinished():
+                for out in engine.step():
+                    token_times.extend(time.perf_counter() for _ in out.new_tokens)
+        if len(token_times) != args.output_len:
+            raise RuntimeError(f"produced {len(token_times)} tokens, expected {args.output_len}")
+        ttft = token_times[0] - start
+        decode_s = token_times[-1] - token_times[0]
+        decode_rate = (len(token_times) - 1) / decode_s if decode_s > 0 else float("nan")
+        weight_bytes = runner.weight_bytes()
+        result = {
+            "model": str(model_path), "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+            "quantization": runner.quantization, "linear_weights": runner.weights_description,
+            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "input_len": args.input_len, "output_len": args.output_len,
+            "ttft_ms": ttft * 1e3, "prefill_tokens_per_s": args.input_len / ttft,
+            "decode_tokens_per_s": decode_rate, "decode_ms_per_token": 1e3 / decode_rate,
+            "rss_mib": rss_mib(), "weight_mib": weight_bytes / 2**20,
+            "weight_read_gb_per_s": weight_bytes * decode_rate / 1e9,
+        }
+    finally:
+        engine.close()
+    print(f"{Path(result['model']).name} ({result['dtype']}, linear weights {result['linear_weights']}), "
+          f"{result['threads']} threads: TTFT {result['ttft_ms']:.1f} ms for {args.input_len} tokens, "
+          f"decode {decode_rate:.1f} tok/s ({result['decode_ms_per_token']:.2f} ms/token, weights "
+          f"{result['weight_mib']:.0f} MiB read at {result['weight_read_gb_per_s']:.1f} GB/s), "
+          f"RSS {result['rss_mib']:.0f} MiB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def add_latency_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("latency", help="one stream in process: time to first token and decode tokens/s",
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens (default 128)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured runs first (default 1)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON here")
+    add_engine_args(p)
+    p.set_defaults(func=run_latency)

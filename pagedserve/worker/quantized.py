@@ -1,0 +1,156 @@
+"""Linear weights kept quantized on the CPU: GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) as the file
+stores them, or float weights rounded to Q8_0 blocks (`--quantization int8`, weight-only int8 with
+a scale per 32 values), multiplied by kernels/cpu/quant_linear.cpp, which reads the blocks.
+
+--quantization: auto (the default) keeps a GGUF's own blocks and leaves HF folders in float;
+none dequantizes everything at load (the float path: correctness tests, and CUDA, which has no
+quantized kernel yet: there `auto` dequantizes at load and says so); int8 rounds every linear
+weight (and the LM head) of any checkpoint to Q8_0. Norms, biases and float16/32 GGUF tensors
+stay in float. A QuantizedTensor is rows of whole blocks: tensor-parallel ranks take whole rows
+(column-parallel) or whole blocks of every row (row-parallel: the split must fall on a block
+boundary, else the load fails naming the sizes). Set at load, read-only afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("auto", "none", "int8")
+KERNEL_TYPES = {GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")}
+
+
+@dataclass(slots=True)
+class QuantizedTensor:
+    """A [rows, cols] weight as uint8 blocks [rows, cols / block * bytes_per_block]."""
+    blocks: torch.Tensor
+    qtype: GGMLQuantizationType
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.blocks.shape[0], self.cols)
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
+        if dim == 0:
+            return QuantizedTensor(self.blocks.narrow(0, start, length), self.qtype, self.cols)
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        if start % block or length % block:
+            raise ValueError(f"a tensor-parallel split at columns [{start}:{start + length}] does not fall on "
+                             f"{self.qtype.name} blocks of {block}; use --quantization none for this split")
+        return QuantizedTensor(self.blocks.narrow(1, start // block * size, length // block * size).contiguous(),
+                               self.qtype, length)
+
+    def permute_rows(self, order: torch.Tensor) -> QuantizedTensor:
+        return QuantizedTensor(self.blocks[order].contiguous(), self.qtype, self.cols)
+
+    def padded_rows(self, rows: int) -> QuantizedTensor:
+        """Zero rows added below (a zero block is zero in every format: its scales are 0)."""
+        extra = rows - self.blocks.shape[0]
+        if extra <= 0:
+            return self
+        pad = torch.zeros(extra, self.blocks.shape[1], dtype=torch.uint8)
+        return QuantizedTensor(torch.cat([self.blocks, pad]), self.qtype, self.cols)
+
+    def dequantize(self, ops, dtype: torch.dtype) -> torch.Tensor:
+        return ops.dequantize_rows(self.blocks, int(self.qtype), self.cols).to(dtype)
+
+
+class QuantizedWeight:
+    """A layer's weight as one or more QuantizedTensors stacked by rows (q/k/v or gate/up parts
+    may come in different formats: a Q4_K_M file stores some V rows as Q6_K)."""
+
+    __slots__ = ("parts", "ops", "_blocks", "_qtypes")
+
+    def __init__(self, parts: list[QuantizedTensor], ops) -> None:
+        self.parts, self.ops = parts, ops
+        self._blocks = [p.blocks for p in parts]
+        self._qtypes = [int(p.qtype) for p in parts]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._blocks)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [rows, cols] @ weight.T (+ bias), in `dtype` (default x's; the kernel sums in float32)."""
+        out = self.ops.quant_linear(x, self._blocks, self._qtypes)
+        if bias is not None:
+            out += bias
+        return out.to(dtype or x.dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The weight rows `ids` in float (an embedding lookup; one part only)."""
+        (part,) = self.parts
+        return self.ops.dequantize_rows(part.blocks[ids.reshape(-1)], int(part.qtype), part.cols) \
+            .to(dtype).reshape(*ids.shape, part.cols)
+
+    def describe(self) -> Counter:
+        return Counter(p.qtype.name for p in self.parts)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> QuantizedTensor:
+    """Float weight [rows, cols] -> Q8_0 blocks: per 32 values a float16 scale amax/127 and int8s."""
+    rows, cols = weight.shape
+    if cols % 32:
+        raise ValueError(f"--quantization int8 needs rows of a multiple of 32 values, got {cols}")
+    w = weight.detach().float().reshape(rows, cols // 32, 32)
+    d = (w.abs().amax(-1, keepdim=True) / 127).half()
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros((), dtype=torch.float32))
+    q = torch.round(w * inv).clamp_(-127, 127).to(torch.int8)
+    blocks = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1)  # [rows, blocks, 2 + 32]
+    return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), GGMLQuantizationType.Q8_0, cols)
+
+
+def resolve(requested: str, device: torch.device, is_gguf: bool) -> str:
+    """What the load does: "gguf" (keep the file's blocks), "int8" or "none"."""
+    if requested not in CHOICES:
+        raise ValueError(f"--quantization must be one of {', '.join(CHOICES)}, got {requested!r}")
+    if requested == "none" or (requested == "auto" and not is_gguf):
+        return "none"
+    if device.type != "cpu":
+        log.warning("--quantization %s: no quantized kernel on %s yet; weights are dequantized at load",
+                    requested, device.type)
+        return "none"
+    from pagedserve.kernels import cpu_ops
+    if cpu_ops.load() is None:
+        log.warning("--quantization %s: the CPU kernels are not built here; weights are dequantized at load",
+                    requested)
+        return "none"
+    return "gguf" if requested == "auto" else "int8"
+
+
+def finalize(model: torch.nn.Module, mode: str) -> Counter:
+    """After the load: layers that received quantized parts (or, for int8, every linear weight and
+    the LM head) switch to the quantized kernel and drop their float weight. Returns the formats."""
+    from pagedserve.kernels import cpu_ops
+    from pagedserve.worker.parallel import VocabParallelEmbedding
+
+    ops = cpu_ops.load()
+    head = getattr(model, "lm_head", None) or getattr(model, "embed_tokens", None)
+    formats: Counter = Counter()
+    for module in model.modules():
+        parts = getattr(module, "quant_parts", None)
+        if parts is None:
+            continue
+        weight = module.weight
+        int8 = mode == "int8" and weight.dim() == 2 and weight.numel() and weight.dtype.is_floating_point \
+            and (not isinstance(module, VocabParallelEmbedding) or module is head)
+        if not parts and not int8:
+            continue
+        offsets = getattr(module, "offsets", [0])
+        sizes = getattr(module, "output_sizes", [weight.shape[0]])
+        for i in range(len(sizes)):  # int8: every part; else a float part beside quantized ones (float16)
+            if i not in parts:
+                parts[i] = quantize_q8_0(weight.narrow(0, offsets[i], sizes[i]))
+        module.quant = QuantizedWeight([parts[i] for i in range(len(sizes))], ops)
+        module.weight = torch.nn.Parameter(torch.empty(0, weight.shape[1], dtype=weight.dtype), requires_grad=False)
+        module.quant_parts = None
+        formats += module.quant.describe()
+    return formats
