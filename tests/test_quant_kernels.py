@@ -1,12 +1,11 @@
 """The quantized-weight CPU matmul against dequantize-then-matmul (gguf.quants is the reference
 dequantization, bit-identical to transformers'), on random blocks and odd shapes, every format.
 
-Tolerances, per format alike (the weights are used exactly; only the activation is rounded):
-- dequantize_rows equals gguf.quants exactly;
-- quant_linear equals the float64 product of the dequantized weight with the activation as the
-  kernel quantizes it (int8 per element, a scale per 32) within 1e-5 of the output's scale;
-- against the unrounded activation, every output's error is under 1% of |x_m| |w_n| (the int8
-  activation's rounding is ~0.6% of |x_m| per element, and averages out along the row).
+Tolerances, the same for every format (the weights are used exactly; only the activation is rounded):
+- dequantize_rows equals gguf.quants exactly (float32);
+- quant_linear against the float64 product of the dequantized weight and the activation: every
+  output's error under 1% of |x_m| |w_n| (the int8 activation's rounding is ~0.6% of |x_m| per
+  element and averages out along the row), and under 0.01% with precise=True (two roundings).
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ ops = cpu_ops.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler for the CPU kernels here")
 
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+# |error| / (|x_m| |w_n|) of every output, all formats: one int8 rounding of the activation; two
+TOLERANCE = {False: 1e-2, True: 1e-4}
 # byte offsets of each format's float16 fields (scales and minimums) inside a block
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
 
@@ -43,14 +44,6 @@ def reference_weight(fmt: str, blocks: np.ndarray, cols: int) -> torch.Tensor:
     return torch.from_numpy(dequantize(blocks, GGMLQuantizationType[fmt]).reshape(len(blocks), cols).copy())
 
 
-def q8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """The activation as the kernel sees it: int8 per element, amax/127 per 32 (round half even)."""
-    blocks = x.double().reshape(x.shape[0], -1, 32)
-    d = (blocks.abs().amax(-1, keepdim=True).float() / 127).double()
-    inv = torch.where(d > 0, 1 / d.float().double(), torch.zeros_like(d)).float().double()
-    return (torch.round((blocks.float() * inv.float()).double()) * d).reshape(x.shape)
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_rows_equals_gguf(fmt):
     rng = np.random.default_rng(0)
@@ -61,22 +54,20 @@ def test_dequantize_rows_equals_gguf(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows, n", [(1, 1), (3, 37), (8, 16), (13, 50)])
+@pytest.mark.parametrize("rows, n", [(1, 1), (3, 37), (4, 16), (6, 9), (13, 50)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quant_linear_matches_dequantized_matmul(fmt, rows, n, dtype):
+@pytest.mark.parametrize("precise", [False, True])
+def test_quant_linear_matches_dequantized_matmul(fmt, rows, n, dtype, precise):
     rng = np.random.default_rng(rows * 100 + n)
     cols = 768 if fmt.endswith("_K") else 160  # K-quants: 3 blocks of 256; others: 5 blocks of 32
     blocks = random_blocks(fmt, n, cols, rng)
     weight = reference_weight(fmt, blocks, cols).double()
     x = (torch.from_numpy(rng.standard_normal((rows, cols))).float() * 2).to(dtype)
-    got = ops.quant_linear(x, [torch.from_numpy(blocks)], [int(GGMLQuantizationType[fmt])])
+    got = ops.quant_linear(x, [torch.from_numpy(blocks)], [int(GGMLQuantizationType[fmt])], precise)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
-    exact = q8_rounded(x.float()) @ weight.T
-    scale = exact.abs().max().item() + 1e-30
-    assert (got.double() - exact).abs().max().item() <= 1e-5 * scale
     ideal = x.double() @ weight.T
     norms = x.double().norm(dim=1, keepdim=True) * weight.norm(dim=1)  # |x_m| |w_n|: a dot product's scale
-    assert ((got.double() - ideal).abs() / norms).max().item() <= 0.01
+    assert ((got.double() - ideal).abs() / norms).max().item() <= TOLERANCE[precise]
 
 
 def test_parts_of_mixed_formats_fill_consecutive_columns():

@@ -122,7 +122,8 @@ from pathlib import Path
 sys.path.insert(0, {root!r})
 from tests.test_quantized_model import top1
 from tests.tiny_models import make_engine
-engine = make_engine(Path({model!r}), tokenizer=None, quantization={quant!r}, kv_cache_memory="96MiB")
+engine = make_engine(Path({model!r}), tokenizer=None, quantization={quant!r}, kv_cache_memory="96MiB",
+                     max_num_batched_tokens={budget})
 ids = top1(engine, json.loads(Path({prompts!r}).read_text()))
 rss = next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS"))
 print(json.dumps({{"top1": ids, "rss_mib": rss / 1024, "weights": engine.runner.weights_description}}))
@@ -131,8 +132,9 @@ print(json.dumps({{"top1": ids, "rss_mib": rss / 1024, "weights": engine.runner.
 
 def measure(model: Path, quant: str, prompts_file: Path) -> dict:
     """top-1 ids and resident memory of an engine alone in a fresh process (one worker's RSS)."""
+    # Chunks of 8 tokens: the quantized kernel's rows (more rows dequantize: quantized.DEQUANTIZE_ABOVE)
     code = _MEASURE.format(root=str(Path(__file__).parents[1]), model=str(model), quant=quant,
-                           prompts=str(prompts_file))
+                           prompts=str(prompts_file), budget=8 if quant != "none" else 512)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -18,11 +18,19 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "none", "int8")
+# More rows than this (prefill chunks, batches of over 8 sequences) dequantize and run oneDNN's
+# float matmul: there the arithmetic, not the weight bytes, bounds a step, and the int8 kernel's
+# per-block scaling costs ~3x oneDNN's bfloat16 at 64 rows (docs/performance.md).
+DEQUANTIZE_ABOVE = 8
+# The activation rounded to int8 twice (the rounding error again): one rounding (llama.cpp's q8
+# scheme) flipped 3.3% of the default model's teacher-forced top-1 tokens against float32.
+PRECISE = True
 KERNEL_TYPES = {GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")}
 
 
@@ -79,17 +87,28 @@ class QuantizedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [rows, cols] @ weight.T (+ bias), in `dtype` (default x's; the kernel sums in float32)."""
-        out = self.ops.quant_linear(x, self._blocks, self._qtypes)
+        """x [rows, cols] @ weight.T (+ bias), in `dtype` (default x's). Up to DEQUANTIZE_ABOVE rows the
+        kernel reads the blocks (a decode step: memory-bound); more rows (prefill, big batches:
+        compute-bound) dequantize the weight to x's dtype and run the float matmul (oneDNN)."""
+        if x.shape[0] > DEQUANTIZE_ABOVE and x.dtype in (torch.float32, torch.bfloat16):
+            out = F.linear(x, self.dense(x.dtype), bias)
+            return out if dtype is None else out.to(dtype)
+        out = self.ops.quant_linear(x, self._blocks, self._qtypes, PRECISE)
         if bias is not None:
             out += bias
         return out.to(dtype or x.dtype)
 
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        bf16 = dtype == torch.bfloat16
+        parts = [self.ops.dequantize_rows(p.blocks, int(p.qtype), p.cols, bf16) for p in self.parts]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The weight rows `ids` in float (an embedding lookup; one part only)."""
         (part,) = self.parts
-        return self.ops.dequantize_rows(part.blocks[ids.reshape(-1)], int(part.qtype), part.cols) \
-            .to(dtype).reshape(*ids.shape, part.cols)
+        rows = self.ops.dequantize_rows(part.blocks[ids.reshape(-1)], int(part.qtype), part.cols,
+                                        dtype == torch.bfloat16)
+        return rows.to(dtype).reshape(*ids.shape, part.cols)
 
     def describe(self) -> Counter:
         return Counter(p.qtype.name for p in self.parts)

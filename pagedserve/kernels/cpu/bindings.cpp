@@ -10,8 +10,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w);
 void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
                     const at::Tensor& positions);
-at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& qtypes);
-at::Tensor dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t cols);
+at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& qtypes,
+                        bool precise);
+at::Tensor dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t cols, bool bfloat16);
 }  // namespace pagedserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -22,7 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &pagedserve::rms_norm, "RMSNorm (float32 statistics); with residual: residual += x, then norm it",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("quant_linear", &pagedserve::quant_linear,
-        "x [M, K] @ concat(weights).T in float32; weights: uint8 [N_i, bytes] of GGUF blocks of qtypes[i]");
-  m.def("dequantize_rows", &pagedserve::dequantize_rows, "GGUF blocks uint8 [N, bytes] -> float32 [N, cols]");
+        "x [M, K] @ concat(weights).T in float32; weights: uint8 [N_i, bytes] of GGUF blocks of qtypes[i]",
+        py::arg("x"), py::arg("weights"), py::arg("qtypes"), py::arg("precise") = false);
+  m.def("dequantize_rows", &pagedserve::dequantize_rows, "GGUF blocks uint8 [N, bytes] -> [N, cols] float32 (or bfloat16)",
+        py::arg("w"), py::arg("qtype"), py::arg("cols"), py::arg("bfloat16") = false);
   m.def("rotary_inplace", &pagedserve::rotary_inplace, "rotate-half rotary embedding of q and k in place");
 }
