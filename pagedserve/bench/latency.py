@@ -2,7 +2,9 @@
 measures a model: time to first token of an --input-len prompt, then --output-len greedy tokens
 (ignore_eos) decoded one at a time. A GGUF model is served quantized unless --quantization none.
 
-Prints and (--json) writes decode_tokens_per_s, ttft_ms, prefill_tokens_per_s, rss_mib (the
+Prints and (--json) writes decode_tokens_per_s, ttft_ms, prefill_tokens_per_s,
+decode_cpu_ms_per_token (the process's CPU time per token: with OMP_NUM_THREADS=1 the number to
+compare on a shared machine, where wall time includes other processes' turns), rss_mib (the
 process's resident memory after the run: weights, KV pool, kernels), weight_mib (what a decode
 step reads of weights) and weight_read_gb_per_s (that times the decode rate: how close a step is
 to the machine's memory bandwidth). Prompt ids: numpy.random.default_rng(0) over [100, vocab).
@@ -46,9 +48,11 @@ def run_latency(args: argparse.Namespace) -> int:
             engine.add_request(f"latency-{warm}", prompt, params)
             start = time.perf_counter()
             token_times: list[float] = []
+            cpu_times: list[float] = []  # process CPU time: what a shared machine's wall clock hides
             while engine.has_unfinished():
                 for out in engine.step():
                     token_times.extend(time.perf_counter() for _ in out.new_tokens)
+                    cpu_times.extend(time.process_time() for _ in out.new_tokens)
         if len(token_times) != args.output_len:
             raise RuntimeError(f"produced {len(token_times)} tokens, expected {args.output_len}")
         ttft = token_times[0] - start
@@ -62,6 +66,7 @@ def run_latency(args: argparse.Namespace) -> int:
             "input_len": args.input_len, "output_len": args.output_len,
             "ttft_ms": ttft * 1e3, "prefill_tokens_per_s": args.input_len / ttft,
             "decode_tokens_per_s": decode_rate, "decode_ms_per_token": 1e3 / decode_rate,
+            "decode_cpu_ms_per_token": (cpu_times[-1] - cpu_times[0]) * 1e3 / max(1, len(cpu_times) - 1),
             "rss_mib": rss_mib(), "weight_mib": weight_bytes / 2**20,
             "weight_read_gb_per_s": weight_bytes * decode_rate / 1e9,
         }
@@ -69,7 +74,8 @@ def run_latency(args: argparse.Namespace) -> int:
         engine.close()
     print(f"{Path(result['model']).name} ({result['dtype']}, linear weights {result['linear_weights']}), "
           f"{result['threads']} threads: TTFT {result['ttft_ms']:.1f} ms for {args.input_len} tokens, "
-          f"decode {decode_rate:.1f} tok/s ({result['decode_ms_per_token']:.2f} ms/token, weights "
+          f"decode {decode_rate:.1f} tok/s ({result['decode_ms_per_token']:.2f} ms/token, "
+          f"{result['decode_cpu_ms_per_token']:.2f} ms CPU time/token; weights "
           f"{result['weight_mib']:.0f} MiB read at {result['weight_read_gb_per_s']:.1f} GB/s), "
           f"RSS {result['rss_mib']:.0f} MiB")
     if args.json:

@@ -114,12 +114,12 @@ inline SubBlock decode(const uint8_t* b, int s) {
   return out;
 }
 
-// 8 int32 lanes, each the dot product of 4 unsigned bytes of `u` with 4 signed bytes of `s`.
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
+// acc + 8 int32 lanes, each the dot product of 4 unsigned bytes of `u` with 4 signed bytes of `s`.
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+  return _mm256_dpbusd_epi32(acc, u, s);
 #else  // no overflow: |q| <= 128 (Q8_0's magnitude) and |qx| <= 127, two products per int16
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
 
@@ -130,12 +130,13 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The activation rows quantized: int8 values and a scale per 32, and (precise) the rounding error
-// quantized again the same way, so that x = scale * q + scale2 * q2 to ~1/32,000 of each block's
-// largest value; plus the exact float sums of every 16 values, for the formats' offsets.
+// The activation rows quantized: int8 values and a scale per 32 (amax / 127), and (precise) the
+// rounding error in int8 steps of 1/256 of that scale: x = scale / 256 * (256 * q + q2) to within
+// 1/512 of a step (~1/65,000 of the block's largest value); `scale` then holds scale / 256. Plus
+// the exact float sums of every 16 values, for the formats' offsets.
 struct QuantizedRows {
   std::vector<int8_t> q, q2;
-  std::vector<float> scale, scale2;
+  std::vector<float> scale;
   std::vector<float> sum16;
   int64_t cols;
 };
@@ -151,16 +152,20 @@ inline float quantize_block(const float* v, int8_t* q) {
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t cols, bool precise) {
   const int64_t n = rows * cols;
   QuantizedRows out{std::vector<int8_t>(n), std::vector<int8_t>(precise ? n : 0), std::vector<float>(n / 32),
-                    std::vector<float>(precise ? n / 32 : 0), std::vector<float>(n / 16), cols};
+                    std::vector<float>(n / 16), cols};
   for (int64_t i = 0; i < n / 32; ++i) {
     const float* v = x + 32 * i;
     const float d = out.scale[i] = quantize_block(v, out.q.data() + 32 * i);
-    float sums[2] = {0.f, 0.f}, rest[32];
-    for (int j = 0; j < 32; ++j) {
-      sums[j / 16] += v[j];
-      rest[j] = v[j] - d * out.q[32 * i + j];
+    float sums[2] = {0.f, 0.f};
+    for (int j = 0; j < 32; ++j) sums[j / 16] += v[j];
+    if (precise) {  // |rest| <= d / 2, so rest / (d / 256) is within [-128, 128]
+      const float inv = d > 0.f ? 256.f / d : 0.f;
+      for (int j = 0; j < 32; ++j) {
+        const float rest = v[j] - d * out.q[32 * i + j];
+        out.q2[32 * i + j] = static_cast<int8_t>(std::clamp(std::nearbyint(rest * inv), -127.f, 127.f));
+      }
+      out.scale[i] = d / 256.f;
     }
-    if (precise) out.scale2[i] = quantize_block(rest, out.q2.data() + 32 * i);
     out.sum16[2 * i] = sums[0];
     out.sum16[2 * i + 1] = sums[1];
   }
@@ -203,20 +208,19 @@ inline void tile(const QuantizedRows& x, int64_t m0, const uint8_t* w, int64_t r
         const int64_t r = m0 + i;
         const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + r * x.cols + 32 * k32));
         const float dx = x.scale[r * x.cols / 32 + k32];
+        __m256i qx2;
+        if constexpr (P) qx2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q2.data() + r * x.cols + 32 * k32));
         const float* sums = x.sum16.data() + r * x.cols / 16 + 2 * k32;
         const __m256 dxv = _mm256_set1_ps(dx);
 #pragma GCC unroll 8
         for (int j = 0; j < NR; ++j) {
           const __m256i q = T == Q8_0 ? _mm256_sign_epi8(qx, sb[j].q) : qx;
-          const __m256 prod = _mm256_cvtepi32_ps(dot_u8s8(u[j], q));
-          if constexpr (P) {  // the second, finer rounding of the activation
-            const __m256i qx2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q2.data() + r * x.cols + 32 * k32));
+          __m256i dot = dot_u8s8(_mm256_setzero_si256(), u[j], q);
+          if constexpr (P) {  // the finer rounding: 256 * dot(q) + dot(q2), still exact in int32
             const __m256i q2 = T == Q8_0 ? _mm256_sign_epi8(qx2, sb[j].q) : qx2;
-            const __m256 prod2 = _mm256_cvtepi32_ps(dot_u8s8(u[j], q2));
-            const float dx2 = x.scale2[r * x.cols / 32 + k32];
-            if constexpr (T == Q6_K) acc[i][j] = _mm256_fmadd_ps(prod2, _mm256_mul_ps(scale[j], _mm256_set1_ps(dx2)), acc[i][j]);
-            else acc[i][j] = _mm256_fmadd_ps(prod2, _mm256_set1_ps(sb[j].scale[0] * dx2), acc[i][j]);
+            dot = dot_u8s8(_mm256_slli_epi32(dot, 8), u[j], q2);
           }
+          const __m256 prod = _mm256_cvtepi32_ps(dot);
           if constexpr (T == Q6_K) {
             acc[i][j] = _mm256_fmadd_ps(prod, _mm256_mul_ps(scale[j], dxv), acc[i][j]);
             off[i][j] += sb[j].offset[0] * sums[0] + sb[j].offset[1] * sums[1];
