@@ -195,10 +195,15 @@ def run_throughput(args) -> dict:
             raise ValueError("--profile times one process's steps: use it with --tensor-parallel-size 1")
         from pagedserve.worker.step_profile import StepProfiler
         profiler = StepProfiler(engine.runner).install()
+    cpu_start = time.process_time()
     ours = run_engine(engine, work)
+    cpu_s = time.process_time() - cpu_start  # on a shared machine, with 1 thread, the comparable number
+    from pagedserve.bench.latency import rss_mib
+    rss = rss_mib()
     if profiler is not None:
         profiler.remove()
     dtype, device = engine.dtype, engine.device
+    quantization, weights = engine.runner.quantization, engine.runner.weights_description
     block_size = engine.scheduler.block_manager.block_size
     engine.close()
     del engine
@@ -228,6 +233,11 @@ def run_throughput(args) -> dict:
         "num_output_tokens": work.num_output_tokens,
         "elapsed_s": elapsed,
         "dtype": str(dtype).removeprefix("torch."),
+        "quantization": quantization,
+        "linear_weights": weights,
+        "cpu_s": cpu_s,
+        "output_tokens_per_cpu_s": work.num_output_tokens / cpu_s,
+        "rss_mib": rss,
         "model": str(args.model) if args.model else str(model_path),
         "num_steps": ours["num_steps"],
         "num_preemptions": ours["num_preemptions"],
