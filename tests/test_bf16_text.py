@@ -36,7 +36,7 @@ NEAR_TIE = 0.1
 def _run(model, dtype: str, logprobs: int | None):
     from pagedserve import LLM, SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=logprobs)
-    with LLM(model=str(model), dtype=dtype, kv_cache_memory="64MiB") as llm:
+    with LLM(model=str(model), dtype=dtype, quantization="none", kv_cache_memory="64MiB") as llm:
         return llm.generate(PROMPTS, params)
 
 
