@@ -28,6 +28,7 @@ CHOICES = ("auto", "none", "int8")
 # float matmul: there the arithmetic, not the weight bytes, bounds a step, and the int8 kernel's
 # per-block scaling costs ~3x oneDNN's bfloat16 at 64 rows (docs/performance.md).
 DEQUANTIZE_ABOVE = 8
+DEQUANTIZE_CHUNK = 4096  # weight rows dequantized at a time on that path
 # The activation rounded to int8 twice (the rounding error again): one rounding (llama.cpp's q8
 # scheme) flipped 3.3% of the default model's teacher-forced top-1 tokens against float32.
 PRECISE = True
@@ -91,12 +92,26 @@ class QuantizedWeight:
         kernel reads the blocks (a decode step: memory-bound); more rows (prefill, big batches:
         compute-bound) dequantize the weight to x's dtype and run the float matmul (oneDNN)."""
         if x.shape[0] > DEQUANTIZE_ABOVE and x.dtype in (torch.float32, torch.bfloat16):
-            out = F.linear(x, self.dense(x.dtype), bias)
+            out = self._dequantized_linear(x)
+            if bias is not None:
+                out += bias
             return out if dtype is None else out.to(dtype)
         out = self.ops.quant_linear(x, self._blocks, self._qtypes, PRECISE)
         if bias is not None:
             out += bias
         return out.to(dtype or x.dtype)
+
+    def _dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T through the weight dequantized DEQUANTIZE_CHUNK rows at a time: a whole LM head
+        (49k x 576) dequantized at once is a fresh 56 MB buffer each call, and its page faults cost
+        more than the matmul; chunks of a few MB are recycled by the allocator."""
+        bf16 = x.dtype == torch.bfloat16
+        outs = []
+        for p in self.parts:
+            for start in range(0, p.blocks.shape[0], DEQUANTIZE_CHUNK):
+                w = self.ops.dequantize_rows(p.blocks[start:start + DEQUANTIZE_CHUNK], int(p.qtype), p.cols, bf16)
+                outs.append(F.linear(x, w))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         bf16 = dtype == torch.bfloat16
