@@ -21,11 +21,11 @@ from pagedserve.kernels import cpu_ops
 ops = cpu_ops.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler for the CPU kernels here")
 
-FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
 # |error| / (|x_m| |w_n|) of every output, all formats: one int8 rounding of the activation; two
 TOLERANCE = {False: 1e-2, True: 1e-4}
 # byte offsets of each format's float16 fields (scales and minimums) inside a block
-HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
 
 
 def random_blocks(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -87,4 +87,4 @@ def test_bad_shapes_are_named():
     with pytest.raises(RuntimeError, match="do not hold"):
         ops.quant_linear(torch.zeros(1, 64), [blocks], [int(GGMLQuantizationType.Q4_0)])
     with pytest.raises(RuntimeError, match="unsupported quantization type"):
-        ops.quant_linear(torch.zeros(1, 32), [blocks], [int(GGMLQuantizationType.Q5_0)])
+        ops.quant_linear(torch.zeros(1, 32), [blocks], [int(GGMLQuantizationType.Q5_1)])

@@ -198,9 +198,9 @@ def _settings() -> tuple[Setting, ...]:
         S("--dtype", "engine serve worker", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
           help="auto: bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32", group="engine"),
         S("--quantization", "engine serve worker", default="auto", choices=("auto", "none", "int8"),
-          help="linear weights kept quantized on the CPU: auto = a GGUF's own blocks (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K), "
-          "float for HF folders; none = dequantize at load (what CUDA does today); int8 = weight-only int8 "
-          "(Q8_0 blocks) for any checkpoint", group="engine"),
+          help="linear weights kept quantized on the CPU: auto = a GGUF's own blocks "
+          "(Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K), float for HF folders; none = dequantize at load (what CUDA "
+          "does today); int8 = weight-only int8 (Q8_0 blocks) for any checkpoint", group="engine"),
         S("--tensor-parallel-size", "engine serve worker", int, 1,
           "ranks the model is split across (one worker process each; in process, ranks 1..N-1 are spawned)",
           group="engine"),

@@ -1,6 +1,7 @@
-"""Linear weights kept quantized on the CPU: GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) as the file
-stores them, or float weights rounded to Q8_0 blocks (`--quantization int8`, weight-only int8 with
-a scale per 32 values), multiplied by kernels/cpu/quant_linear.cpp, which reads the blocks.
+"""Linear weights kept quantized on the CPU: GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) as the
+file stores them (Gemma 3's Q4_K_M file holds Q5_0 where rows are not multiples of 256), or float
+weights rounded to Q8_0 blocks (`--quantization int8`, weight-only int8 with a scale per 32
+values), multiplied by kernels/cpu/quant_linear.cpp, which reads the blocks.
 
 --quantization: auto (the default) keeps a GGUF's own blocks and leaves HF folders in float;
 none dequantizes everything at load (the float path: correctness tests, and CUDA, which has no
@@ -32,7 +33,7 @@ DEQUANTIZE_CHUNK = 4096  # weight rows dequantized at a time on that path
 # The activation rounded to int8 twice (the rounding error again): one rounding (llama.cpp's q8
 # scheme) flipped 3.3% of the default model's teacher-forced top-1 tokens against float32.
 PRECISE = True
-KERNEL_TYPES = {GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")}
+KERNEL_TYPES = {GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")}
 
 
 @dataclass(slots=True)

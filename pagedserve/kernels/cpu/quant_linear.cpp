@@ -1,4 +1,4 @@
-// Matmuls that read GGUF-quantized weight blocks as they are stored (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K).
+// Matmuls that read GGUF-quantized weight blocks as they are stored (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K).
 //
 // The activation rows are quantized first, llama.cpp's q8 way: int8 per element, a float scale per
 // 32 elements and the integer sums of every 16 (which carry the formats' offsets: Q4_0's -8,
@@ -21,7 +21,7 @@ namespace pagedserve {
 namespace {
 
 // ggml_type ids, as GGUF stores them.
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
 struct Format {
   int64_t block;  // elements per block
@@ -32,11 +32,12 @@ Format format_of(int64_t qtype) {
   switch (qtype) {
     case Q4_0: return {32, 18};
     case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
     case Q8_0: return {32, 34};
     case Q4_K: return {256, 144};
     case Q6_K: return {256, 210};
   }
-  TORCH_CHECK(false, "unsupported quantization type ", qtype, " (supported: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)");
+  TORCH_CHECK(false, "unsupported quantization type ", qtype, " (supported: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)");
 }
 
 inline float half_at(const uint8_t* p) {
@@ -75,6 +76,22 @@ inline SubBlock decode(const uint8_t* b, int s) {
     out.q = nibbles_lo(both);
     out.scale[0] = out.scale[1] = d;
     out.offset[0] = out.offset[1] = T == Q4_0 ? -8.f * d : half_at(b + 2);
+  } else if constexpr (T == Q5_0) {  // half d, qh[4] (bit e: the 5th bit of element e), qs[16]; d * (q - 16)
+    const float d = half_at(b);
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
+    const __m256i low = nibbles_lo(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m256i high = _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(0x10));
+#else
+    alignas(32) uint8_t bits[32];
+    for (int e = 0; e < 32; ++e) bits[e] = ((qh >> e) & 1u) << 4;
+    const __m256i high = _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+#endif
+    out.q = _mm256_or_si256(low, high);
+    out.scale[0] = out.scale[1] = d;
+    out.offset[0] = out.offset[1] = -16.f * d;
   } else if constexpr (T == Q8_0) {
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
     out.q = q;  // the caller takes abs() and moves the signs onto the activation
@@ -173,7 +190,8 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t cols, bool pre
 }
 
 template <int64_t T>
-constexpr Format kFormat = T == Q4_0 ? Format{32, 18} : T == Q4_1 ? Format{32, 20} : T == Q8_0 ? Format{32, 34}
+constexpr Format kFormat = T == Q4_0 ? Format{32, 18} : T == Q4_1 ? Format{32, 20} : T == Q5_0 ? Format{32, 22}
+                         : T == Q8_0 ? Format{32, 34}
                          : T == Q4_K ? Format{256, 144} : Format{256, 210};
 
 // out[m0 + i, col0 + n0 + j] for i < MR activation rows and j < NR weight rows: a register tile.
@@ -268,6 +286,8 @@ void matmul_dispatch(int64_t qtype, const QuantizedRows& x, int64_t rows, const 
                               : matmul_rows<Q4_0, true>(x, rows, w, row_bytes, n0, n1, out, out_stride, col0);
     case Q4_1: return x.q2.empty() ? matmul_rows<Q4_1, false>(x, rows, w, row_bytes, n0, n1, out, out_stride, col0)
                               : matmul_rows<Q4_1, true>(x, rows, w, row_bytes, n0, n1, out, out_stride, col0);
+    case Q5_0: return x.q2.empty() ? matmul_rows<Q5_0, false>(x, rows, w, row_bytes, n0, n1, out, out_stride, col0)
+                              : matmul_rows<Q5_0, true>(x, rows, w, row_bytes, n0, n1, out, out_stride, col0);
     case Q8_0: return x.q2.empty() ? matmul_rows<Q8_0, false>(x, rows, w, row_bytes, n0, n1, out, out_stride, col0)
                               : matmul_rows<Q8_0, true>(x, rows, w, row_bytes, n0, n1, out, out_stride, col0);
     case Q4_K: return x.q2.empty() ? matmul_rows<Q4_K, false>(x, rows, w, row_bytes, n0, n1, out, out_stride, col0)
@@ -308,6 +328,7 @@ void dequantize_range(int64_t qtype, const uint8_t* src, scalar_t* dst, int64_t 
     switch (qtype) {
       case Q4_0: dequantize_block<Q4_0>(blk, y); break;
       case Q4_1: dequantize_block<Q4_1>(blk, y); break;
+      case Q5_0: dequantize_block<Q5_0>(blk, y); break;
       case Q8_0: dequantize_block<Q8_0>(blk, y); break;
       case Q4_K: dequantize_block<Q4_K>(blk, y); break;
       case Q6_K: dequantize_block<Q6_K>(blk, y); break;
