@@ -146,21 +146,32 @@ def english_text() -> str:
     return "\n\n".join(m.__doc__ for m in (argparse, collections, email, json_mod, logging, sp, threading, unittest))
 
 
-@pytest.mark.slow
-def test_default_model_quantized_top1_agreement(default_model_path, tmp_path):
+def check_agreement(model_path: Path, tmp_path: Path, formats: tuple[str, ...]) -> None:
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(default_model_path).encode(english_text())
+    ids = AutoTokenizer.from_pretrained(model_path).encode(english_text())
     assert len(ids) >= 2004
     prompts = [ids[i * 501:(i + 1) * 501] for i in range(4)]  # 4 x 500 predicted positions
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    quant = measure(default_model_path, "auto", prompts_file)
-    plain = measure(default_model_path, "none", prompts_file)
+    quant = measure(model_path, "auto", prompts_file)
+    plain = measure(model_path, "none", prompts_file)
     rate = agreement(quant["top1"], plain["top1"])
-    print(f"\ndefault model, {len(plain['top1'])} teacher-forced positions: top-1 agreement {rate:.4f}; "
+    print(f"\n{model_path.name}, {len(plain['top1'])} teacher-forced positions: top-1 agreement {rate:.4f}; "
           f"worker RSS quantized ({quant['weights']}) {quant['rss_mib']:.0f} MiB, "
           f"dequantized float32 {plain['rss_mib']:.0f} MiB")
     assert len(plain["top1"]) == 2000
-    assert "Q4_1" in quant["weights"]
+    assert all(f in quant["weights"] for f in formats), quant["weights"]
     assert rate >= AGREEMENT
+
+
+@pytest.mark.slow
+def test_default_model_quantized_top1_agreement(default_model_path, tmp_path):
+    check_agreement(default_model_path, tmp_path, ("Q4_1", "Q8_0"))
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # Gemma 3 270M in float32 over 2,000 positions: `make test-heavy`
+def test_gemma3_quantized_top1_agreement(tmp_path):
+    from pagedserve.model_files.default_model import ensure_named_model
+    check_agreement(ensure_named_model("gemma3-270m", progress=False), tmp_path, ("Q4_K", "Q5_0", "Q6_K", "Q8_0"))

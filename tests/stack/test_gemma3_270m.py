@@ -96,7 +96,8 @@ def test_generate_command(gemma_path, tmp_path, expected):
     src.write_text("".join(json.dumps({"messages": chat, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
                            + "\n" for chat in CHATS))
     proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "generate", "--model", "gemma3-270m",
-                           "--dtype", "float32", "--max-num-batched-tokens", str(CHUNK), "--kv-cache-memory",
+                           "--dtype", "float32", "--quantization", "none", "--max-num-batched-tokens", str(CHUNK),
+                           "--kv-cache-memory",
                            KV_MEMORY, "--prompts-file", str(src), "--output", str(dst)],
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
