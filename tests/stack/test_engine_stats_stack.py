@@ -20,6 +20,7 @@ from service_stack import wait_until_idle
 
 STAGES = ("gateway", "tokenizer", "queue", "prefill", "network")
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # about 40 tokens
+OUTPUT_TOKENS = 120  # with the prompt, 10 of the tiny pool's 12 blocks: each request fits alone
 
 
 # The stack tests are slow: the tiny model borrows the default model's tokenizer.
@@ -120,8 +121,11 @@ def test_tiny_pool_preempts_and_the_stats_show_it(stack, http):
     cfg = stats["config"]
     assert cfg["num_gpu_blocks"] == 12 and cfg["block_size"] == 16
     assert cfg["max_num_seqs"] >= 1 and cfg["max_num_batched_tokens"] >= 1 and cfg["max_model_len"] == 1024
-    # Four requests of ~120 tokens (8 blocks each) into 12 blocks: most of them wait or are preempted.
-    threads, results = _run_concurrently(http, 4, 80)
+    # Eight requests of ~160 tokens (10 blocks each) into 12 blocks: most of them wait or are
+    # preempted. Long enough (about a thousand steps) that snapshots up to STATS_CACHE_S +
+    # STATS_SNAPSHOT_S old still catch blocks in use: four requests of 80 tokens ran out in under
+    # that on a quiet machine, and the test saw none.
+    threads, results = _run_concurrently(http, 8, OUTPUT_TOKENS)
     in_flight = []
     while any(t.is_alive() for t in threads):
         snap = http.get("/v1/engine/stats", params={"steps": 8}).json()
@@ -162,7 +166,7 @@ def test_tiny_pool_preempts_and_the_stats_show_it(stack, http):
     for reply in results:
         body = reply.json()
         entry = recent[body["id"]]
-        assert entry["output_tokens"] == 80 and entry["finish_reason"] == "length"
+        assert entry["output_tokens"] == OUTPUT_TOKENS and entry["finish_reason"] == "length"
         assert entry["prompt_tokens"] == body["usage"]["prompt_tokens"]
         check_timings(entry["timings"])
         assert entry["timings"]["ttft_ms"] == pytest.approx(body["timings"]["ttft_ms"])
