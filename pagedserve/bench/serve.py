@@ -73,17 +73,8 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
     return kind, levels
 
 
-def add_serve_parser(bench_sub) -> None:
-    p = bench_sub.add_parser("serve", help="load generator against an OpenAI-compatible endpoint (vLLM style)",
-                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--tokenizer", default=None,
-                   help="a tokenizer (path or name) for token-id prompts and ShareGPT lengths; default: the "
-                        "model id when it is a local folder or a model pagedserve prepared, else none "
-                        "(text prompts)")
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload and SLO flags, shared with `pagedserve plan` (the planner replays the same draws)."""
     p.add_argument("--dataset", choices=["random", "prefix", "sharegpt"], default="random")
     p.add_argument("--dataset-path", default=None, help="the ShareGPT JSON/JSONL file")
     p.add_argument("--num-prompts", type=int, default=100)
@@ -102,6 +93,20 @@ def add_serve_parser(bench_sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
+
+
+def add_serve_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("serve", help="load generator against an OpenAI-compatible endpoint (vLLM style)",
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer (path or name) for token-id prompts and ShareGPT lengths; default: the "
+                        "model id when it is a local folder or a model pagedserve prepared, else none "
+                        "(text prompts)")
+    add_workload_args(p)
     p.add_argument("--num-warmups", type=int, default=0, help="requests sent (unmeasured) before the run")
     p.add_argument("--plain-openai", action="store_true",
                    help="leave out the fields only vLLM-like servers know (ignore_eos, timings)")

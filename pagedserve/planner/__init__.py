@@ -10,40 +10,17 @@ calibrate loads torch when it runs, the simulator never does.
 from __future__ import annotations
 
 import argparse
-import math
 
+from pagedserve.bench.serve import add_workload_args as add_serve_workload_args
 from pagedserve.common.engine_args import add_engine_args
 
 
-def _rate(text: str) -> float:
-    rate = float(text)
-    if not rate > 0:
-        raise argparse.ArgumentTypeError(f"the request rate must be positive or inf, got {text!r}")
-    return rate
-
-
 def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """`bench serve`'s workload flags, with its defaults (tests/test_planner.py checks they agree)."""
+    """`bench serve`'s own workload flags (the same function), and a trace to replay instead."""
     p.add_argument("--trace", default=None, metavar="FILE.jsonl",
                    help="replay this trace (arrival_s, prompt_tokens, output_tokens[, prefix_id, prefix_tokens]) "
                         "instead of a dataset")
-    p.add_argument("--dataset", choices=["random", "prefix", "sharegpt"], default="random")
-    p.add_argument("--dataset-path", default=None, help="the ShareGPT JSON/JSONL file")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--input-len", type=int, default=128, help="random dataset")
-    p.add_argument("--output-len", type=int, default=128, help="random and prefix datasets")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="random lengths uniform in len*(1 -/+ r)")
-    p.add_argument("--num-prefixes", type=int, default=4, help="prefix dataset")
-    p.add_argument("--suffixes-per-prefix", type=int, default=8, help="prefix dataset")
-    p.add_argument("--prefix-len", type=int, default=256, help="prefix dataset")
-    p.add_argument("--suffix-len", type=int, default=32, help="prefix dataset")
-    p.add_argument("--request-rate", type=_rate, default=math.inf,
-                   help="Poisson arrivals per second (default inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival times")
-    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
-    p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
+    add_serve_workload_args(p)
 
 
 def add_planner_parsers(sub) -> None:

@@ -10,23 +10,11 @@ are enough.
 
 from __future__ import annotations
 
-import re
+from pagedserve.common.sizes import parse_size
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 POOL_SIZES = ("512MiB", "1GiB", "2GiB", "4GiB", "8GiB", "16GiB", "40GiB", "80GiB")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
-
-
-def parse_size(text: str | int) -> int:
-    """'512MiB', '2GiB', '1.5G' or a plain byte count (as the worker's --kv-cache-memory reads it)."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use a byte count or e.g. 512MiB, 2GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def kv_bytes_per_token(model_folder, dtype: str, tensor_parallel_size: int = 1) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pagedserve.common import settings
 from pagedserve.planner.cost_model import Profile
-from pagedserve.planner.memory import parse_size
+from pagedserve.common.sizes import parse_size
 from pagedserve.planner.report import bench_json
 from pagedserve.planner.simulator import Simulator
 from pagedserve.planner.trace import TraceRequest, from_dataset, load_trace

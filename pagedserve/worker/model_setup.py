@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from pagedserve.common.model_config import ModelConfig
-from pagedserve.worker.kv_cache import bytes_per_block, parse_size
+from pagedserve.common.sizes import parse_size
+from pagedserve.worker.kv_cache import bytes_per_block
 
 
 def pick_device(name: str) -> torch.device:
