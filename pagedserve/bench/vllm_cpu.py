@@ -37,6 +37,9 @@ def add_vllm_cpu_parser(bench_sub) -> None:
     p.add_argument("--model", default=None, help="model folder or name (default: the default model)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--quantization", default="none", choices=("none", "auto"),
+                   help="pagedserve's weights: none (dequantized, as vLLM reads them: like for like) or auto "
+                        "(a GGUF's own blocks)")
     p.add_argument("--vllm-version", default="0.32.0")
     p.add_argument("--venv", default=None, help="vLLM's virtual environment (default: <data dir>/vllm-cpu-<version>)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="cores for each engine")
@@ -93,7 +96,8 @@ def safetensors_folder(model_path: Path, cache: Path) -> Path:
 def run_ours(args, model: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "pagedserve.cli", "bench", "throughput", "--no-baseline", "--dtype", args.dtype,
-               "--num-prompts", str(args.num_prompts), "--json", f.name, "--model", model]
+               "--num-prompts", str(args.num_prompts), "--json", f.name, "--model", model,
+               "--quantization", args.quantization]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         subprocess.run(cmd, check=True, env=env)
         return json.loads(Path(f.name).read_text())
