@@ -21,6 +21,7 @@ import numpy as np
 from pagedserve.bench.throughput import Workload, build_engine, cpu_name, load_tokenizer, make_workload
 from pagedserve.common.engine_args import add_engine_args
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.settings import setting
 
 
 def add_services_parser(bench_sub) -> None:
@@ -35,6 +36,9 @@ def add_services_parser(bench_sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="alternating in-process / services runs")
     p.add_argument("--redis-url", default=None, help="default: a private redis-server, as `pagedserve serve`")
     p.add_argument("--json", default=None, metavar="FILE")
+    wait = setting("worker", "omp_wait_policy")
+    p.add_argument("--omp-wait-policy", choices=wait.choices, default=wait.default,
+                   help=f"the services' worker's (the in-process engine keeps the runtime's); default {wait.default}")
     add_engine_args(p)
     p.set_defaults(func=run_services_bench)
 
@@ -130,7 +134,8 @@ def start_services(args, model_path):
 
     return start_stack(StackConfig(
         model=str(model_path), port=free_port(), grpc_port=free_port(), redis_url=args.redis_url,
-        device=args.device, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        device=args.device, dtype=args.dtype, quantization=args.quantization, omp_wait_policy=args.omp_wait_policy,
+        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
         preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
@@ -197,6 +202,7 @@ def run_services_bench(args) -> dict:
         stats = scheduler_stats(stack)
     ratios = sorted(p["ratio"] for p in pairs)
     result = {"cpu": cpu_name(), "dtype": dtype, "workload": args.workload, "num_prompts": len(work.prompts),
+              "omp_wait_policy": args.omp_wait_policy,
               "concurrency": args.concurrency, "output_tokens": work.num_output_tokens, "runs": pairs,
               "throughput_ratio_median": statistics.median(ratios),
               "step_rtt_median_ms": 1e3 * stats.step_rtt_median_s,

@@ -1,0 +1,45 @@
+"""--omp-wait-policy: the worker puts it into its environment before torch (and libgomp) load;
+a user's own OMP_WAIT_POLICY / GOMP_SPINCOUNT wins; serve hands it on to the worker ranks."""
+
+import subprocess
+import sys
+
+import pytest
+
+from pagedserve.common.settings import argv_for, defaults
+from pagedserve.worker.main import apply_omp_wait_policy
+
+
+def test_passive_is_the_worker_default_and_lands_in_the_environment():
+    assert defaults("worker")["omp_wait_policy"] == "passive"
+    # In a fresh interpreter, as `pagedserve worker` starts: torch is not loaded yet.
+    code = ("import os, sys; from pagedserve.worker.main import apply_omp_wait_policy as a; "
+            "env = {}; print(a('passive', env), 'torch' in sys.modules, env)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "PASSIVE False {'OMP_WAIT_POLICY': 'PASSIVE'}"
+
+
+@pytest.mark.parametrize("environ", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}])
+def test_the_users_own_variables_win(environ):
+    before = dict(environ)
+    assert apply_omp_wait_policy("passive", environ) is None
+    assert environ == before
+
+
+def test_runtime_leaves_the_environment_alone():
+    environ = {}
+    assert apply_omp_wait_policy("runtime", environ) is None and environ == {}
+
+
+def test_too_late_once_torch_is_loaded():
+    import torch  # noqa: F401 - the point: this process has loaded it
+
+    environ = {}
+    assert apply_omp_wait_policy("active", environ) is None and environ == {}
+
+
+def test_serve_hands_a_non_default_policy_to_the_worker():
+    values = defaults("serve") | {"omp_wait_policy": "active"}
+    argv = argv_for("worker", values)
+    assert argv[argv.index("--omp-wait-policy") + 1] == "active"
+    assert "--omp-wait-policy" not in argv_for("worker", defaults("serve"))
