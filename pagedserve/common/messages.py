@@ -2,6 +2,12 @@
 
 They carry deltas only: a request's prompt goes across once, when the worker first sees it;
 afterwards only its new block ids and how many tokens it runs this step.
+
+Block tables: one per KV group (common/model_config.KVGroups). Group 0's travels in the original
+fields (block_ids, new_block_ids, replaced_block), groups 1.. in the `group_*` fields, which are
+empty for a model with one group. A sliding group's entries for blocks it dropped are id 0 (the
+null block) in whole tables; a table the worker already has is not told of drops (attention
+never reads those entries unmasked).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hits: KV already in the first blocks
     sample_index: int = 0  # which of the n samples of its prompt this sequence is (seeds differ)
     child_req_ids: list[str] = field(default_factory=list)  # n > 1: ids of samples 1..n-1, forked on first sample
+    group_block_ids: list[list[int]] = field(default_factory=list)  # tables of KV groups 1..
 
 
 @dataclass(slots=True)
@@ -29,6 +36,9 @@ class CachedRequestData:
     new_block_ids: list[int]
     replaced_block: tuple[int, int] | None = None  # (index in block table, new block id) after copy-on-write
     block_ids: list[int] | None = None  # whole table again, only after a swap-in
+    group_new_block_ids: list[list[int]] = field(default_factory=list)  # KV groups 1..: appended ids
+    group_replaced: list[tuple[int, int, int]] = field(default_factory=list)  # (group, index, new id)
+    group_block_ids: list[list[int]] | None = None  # KV groups 1..: whole tables, with block_ids
 
 
 @dataclass(slots=True)

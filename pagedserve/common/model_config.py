@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,43 @@ class KVLayout:
     num_planes: int
     num_heads: int
     head_dim: int
+
+
+def layer_types(hf: dict) -> list[str]:
+    """Gemma 3: 'sliding_attention' or 'full_attention' per layer, from config.json
+    (`layer_types`, or every `sliding_window_pattern`-th layer global)."""
+    n = hf["num_hidden_layers"]
+    if hf.get("layer_types"):
+        return list(hf["layer_types"])
+    pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroups:
+    """How the layers share the KV pool (after vLLM v1's hybrid KV-cache manager).
+
+    Layers are grouped by attention kind into groups of equal size k (the gcd of the kinds'
+    layer counts), full-attention groups first. A block id means "k layers x block_size tokens"
+    in every group: the KV tensor has k layer slots, and layer `layers[g][s]` lives in slot s of
+    group g's blocks. Each request has one block table per group; a sliding group's table drops
+    (frees) the blocks that fall out of its window. A model without sliding layers is one group
+    of all its layers, window 0: one table, exactly the layout of a plain paged cache.
+    """
+    layers: tuple[tuple[int, ...], ...]  # per group, its layers (index = slot)
+    windows: tuple[int, ...]  # per group: 0 = full attention, else the sliding window in tokens
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.layers[0])
+
+    @property
+    def hybrid(self) -> bool:
+        return any(self.windows)
+
+    def slot_of(self) -> dict[int, tuple[int, int]]:
+        """layer -> (group, slot)."""
+        return {layer: (g, s) for g, group in enumerate(self.layers) for s, layer in enumerate(group)}
 
 
 @dataclass(slots=True)
@@ -53,6 +91,21 @@ class ModelConfig:
             return KVLayout(1, 1, self.hf["kv_lora_rank"] + self.hf["qk_rope_head_dim"])
         # KV heads split across ranks; with fewer KV heads than ranks each rank keeps one.
         return KVLayout(2, max(1, self.num_key_value_heads // tensor_parallel_size), self.head_dim)
+
+    def kv_groups(self) -> KVGroups:
+        """Gemma 3 with a window: its global and local layers in groups (KVGroups); every other
+        model (and a Gemma 3 without a window, or with only one kind of layer): one group."""
+        n = self.num_hidden_layers
+        window = self.hf.get("sliding_window") if self.architecture == "Gemma3ForCausalLM" else None
+        kinds = layer_types({**self.hf, "num_hidden_layers": n}) if window else []
+        local = [i for i, t in enumerate(kinds) if t == "sliding_attention"]
+        full = [i for i, t in enumerate(kinds) if t != "sliding_attention"]
+        if not local or not full:
+            return KVGroups((tuple(range(n)),), (0,))
+        k = math.gcd(len(local), len(full))
+        groups = [tuple(full[i:i + k]) for i in range(0, len(full), k)]
+        groups += [tuple(local[i:i + k]) for i in range(0, len(local), k)]
+        return KVGroups(tuple(groups), tuple(0 if g[0] in full else int(window) for g in groups))
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, where: str = "the model") -> "ModelConfig":

@@ -98,6 +98,8 @@ def step_to_proto(step: SchedulerOutput, session_id: str = "") -> worker_pb2.Ste
                                      num_prompt_tokens=new.num_prompt_tokens, block_ids=new.block_ids,
                                      num_computed_tokens=new.num_computed_tokens,
                                      sample_index=new.sample_index, child_req_ids=new.child_req_ids)
+        for ids in new.group_block_ids:
+            entry.group_block_ids.add(ids=ids)
         params_to_proto(new.params, entry.params)
     for cached in step.cached_requests:
         entry = msg.cached_requests.add(req_id=cached.req_id, new_block_ids=cached.new_block_ids)
@@ -106,6 +108,12 @@ def step_to_proto(step: SchedulerOutput, session_id: str = "") -> worker_pb2.Ste
         if cached.block_ids is not None:
             entry.has_block_ids = True
             entry.block_ids[:] = cached.block_ids
+            for ids in cached.group_block_ids or ():
+                entry.group_block_ids.add(ids=ids)
+        for ids in cached.group_new_block_ids:
+            entry.group_new_block_ids.add(ids=ids)
+        for group, index, block_id in cached.group_replaced:
+            entry.group_replaced.add(group=group, index=index, block_id=block_id)
     for pairs, field in ((step.blocks_to_copy, msg.blocks_to_copy), (step.blocks_to_swap_out, msg.blocks_to_swap_out),
                          (step.blocks_to_swap_in, msg.blocks_to_swap_in)):
         for src, dst in pairs:
@@ -118,11 +126,16 @@ def step_from_proto(msg: worker_pb2.StepRequest) -> SchedulerOutput:
         req_id=new.req_id, token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
         params=params_from_proto(new.params), block_ids=list(new.block_ids),
         num_computed_tokens=new.num_computed_tokens, sample_index=new.sample_index,
-        child_req_ids=list(new.child_req_ids)) for new in msg.new_requests]
+        child_req_ids=list(new.child_req_ids), group_block_ids=[list(t.ids) for t in new.group_block_ids])
+        for new in msg.new_requests]
     cached_requests = [CachedRequestData(
         req_id=c.req_id, new_block_ids=list(c.new_block_ids),
         replaced_block=(c.replaced_index, c.replaced_block_id) if c.HasField("replaced_index") else None,
-        block_ids=list(c.block_ids) if c.has_block_ids else None) for c in msg.cached_requests]
+        block_ids=list(c.block_ids) if c.has_block_ids else None,
+        group_new_block_ids=[list(t.ids) for t in c.group_new_block_ids],
+        group_replaced=[(r.group, r.index, r.block_id) for r in c.group_replaced],
+        group_block_ids=[list(t.ids) for t in c.group_block_ids] if c.has_block_ids else None)
+        for c in msg.cached_requests]
     return SchedulerOutput(
         step_id=msg.step_id, new_requests=new_requests, cached_requests=cached_requests,
         num_scheduled_tokens=dict(zip(msg.scheduled_req_ids, msg.num_scheduled_tokens)),

@@ -127,7 +127,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,
             num_cpu_blocks=num_host_blocks, enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
-            policy=config.policy, long_prefill_token_threshold=long_prefill_token_threshold))
+            policy=config.policy, long_prefill_token_threshold=long_prefill_token_threshold,
+            kv_group_windows=mc.kv_groups().windows))
         self.num_steps = 0
 
     def _on_all_ranks(self, method: str, *args):

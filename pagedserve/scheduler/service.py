@@ -118,7 +118,7 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
             max_num_batched_tokens=budget, max_model_len=self.max_model_len, num_cpu_blocks=sizes.num_cpu_blocks,
             enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
             preemption_mode=cfg.preemption_mode, policy=cfg.policy,
-            long_prefill_token_threshold=long_prefill))
+            long_prefill_token_threshold=long_prefill, kv_group_windows=tuple(sizes.kv_group_windows) or (0,)))
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %d rank(s); step budget %d tokens, %d seqs",
                  sizes.num_gpu_blocks, cfg.block_size, sizes.num_gpu_blocks * sizes.bytes_per_block / 2**20,
                  len(self.workers.addresses), budget, cfg.max_num_seqs)

@@ -48,14 +48,16 @@ class ProfileRequest(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., kv_cache_memory: _Optional[str] = ..., swap_space: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ...) -> None: ...
 
 class ProfileResponse(_message.Message):
-    __slots__ = ("num_gpu_blocks", "num_cpu_blocks", "bytes_per_block")
+    __slots__ = ("num_gpu_blocks", "num_cpu_blocks", "bytes_per_block", "kv_group_windows")
     NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     num_gpu_blocks: int
     num_cpu_blocks: int
     bytes_per_block: int
-    def __init__(self, num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+    kv_group_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
     __slots__ = ("num_gpu_blocks", "num_cpu_blocks", "block_size", "session_id")
@@ -74,7 +76,7 @@ class InitCacheResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "params", "block_ids", "num_computed_tokens", "sample_index", "child_req_ids")
+    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "params", "block_ids", "num_computed_tokens", "sample_index", "child_req_ids", "group_block_ids")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +85,7 @@ class NewRequest(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     CHILD_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -91,23 +94,46 @@ class NewRequest(_message.Message):
     num_computed_tokens: int
     sample_index: int
     child_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sample_index: _Optional[int] = ..., child_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    group_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sample_index: _Optional[int] = ..., child_req_ids: _Optional[_Iterable[str]] = ..., group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
+
+class BlockIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GroupReplacedBlock(_message.Message):
+    __slots__ = ("group", "index", "block_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    index: int
+    block_id: int
+    def __init__(self, group: _Optional[int] = ..., index: _Optional[int] = ..., block_id: _Optional[int] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
-    __slots__ = ("req_id", "new_block_ids", "replaced_index", "replaced_block_id", "has_block_ids", "block_ids")
+    __slots__ = ("req_id", "new_block_ids", "replaced_index", "replaced_block_id", "has_block_ids", "block_ids", "group_new_block_ids", "group_replaced", "group_block_ids")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     REPLACED_INDEX_FIELD_NUMBER: _ClassVar[int]
     REPLACED_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_REPLACED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     replaced_index: int
     replaced_block_id: int
     has_block_ids: bool
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., replaced_index: _Optional[int] = ..., replaced_block_id: _Optional[int] = ..., has_block_ids: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    group_new_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    group_replaced: _containers.RepeatedCompositeFieldContainer[GroupReplacedBlock]
+    group_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    def __init__(self, req_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., replaced_index: _Optional[int] = ..., replaced_block_id: _Optional[int] = ..., has_block_ids: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., group_new_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., group_replaced: _Optional[_Iterable[_Union[GroupReplacedBlock, _Mapping]]] = ..., group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
 
 class BlockPair(_message.Message):
     __slots__ = ("src", "dst")

@@ -1,4 +1,9 @@
-"""The device KV block pool (and the host pool that swapped blocks go to)."""
+"""The device KV block pool (and the host pool that swapped blocks go to).
+
+With KV groups (common/model_config.KVGroups) the first dimension is the group's layer slots,
+not the layers: block b of slot s holds layer `groups.layers[g][s]` for whichever group g owns
+block b (the scheduler's block manager hands each id to one group at a time). A model with one
+group has a slot per layer: the plain layout."""
 
 from __future__ import annotations
 
@@ -12,21 +17,22 @@ log = logging.getLogger(__name__)
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-    """One block's bytes on one rank, all layers."""
+    """One block's bytes on one rank: all layer slots (every layer, for a model with one KV group)."""
     elem = torch.empty((), dtype=dtype).element_size()
     layout = cfg.kv_layout(tensor_parallel_size)
-    return layout.num_planes * cfg.num_hidden_layers * block_size * layout.num_heads * layout.head_dim * elem
+    return layout.num_planes * cfg.kv_groups().num_slots * block_size * layout.num_heads * layout.head_dim * elem
 
 
 class KVCache:
-    """All layers' blocks in one tensor [layers, planes (K/V, or MLA's one latent), blocks,
+    """All layers' blocks in one tensor [layer slots, planes (K/V, or MLA's one latent), blocks,
     block_size, kv_heads, head_dim], so a block copy or swap moves every layer's slice in one
     indexed copy."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, num_host_blocks: int = 0, tensor_parallel_size: int = 1) -> None:
         layout = cfg.kv_layout(tensor_parallel_size)
-        shape = (cfg.num_hidden_layers, layout.num_planes, num_blocks, block_size, layout.num_heads, layout.head_dim)
+        self.groups = cfg.kv_groups()
+        shape = (self.groups.num_slots, layout.num_planes, num_blocks, block_size, layout.num_heads, layout.head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -35,6 +41,14 @@ class KVCache:
             host_shape = shape[:2] + (num_host_blocks,) + shape[3:]
             pin = device.type == "cuda"
             self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+
+    def model_caches(self) -> torch.Tensor | list[torch.Tensor]:
+        """What the model indexes by layer: the tensor itself, or with KV groups a view per layer
+        of its slot."""
+        if not self.groups.hybrid:
+            return self.device_cache
+        slots = self.groups.slot_of()
+        return [self.device_cache[slots[layer][1]] for layer in range(len(slots))]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:

@@ -68,6 +68,7 @@ class ModelRunner:
         pack_model(model, device, dtype)
         self.model = model.eval()
         self.kv: KVCache | None = None
+        self._decode_shared: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's decode lens, mask
         self.sampler = Sampler()
         self.requests = RequestStates()
         self.grammars = GrammarMatchers(model_path, model_config.vocab_size, eos_token_ids)
@@ -100,7 +101,7 @@ class ModelRunner:
         slots = torch.zeros(num_tokens, dtype=torch.long, device=self.device)  # all tokens share one slot
         meta = AttentionMetadata(slots, 0, None, None, None,
                                  [PrefillSeq(0, num_tokens, 0, torch.zeros(1, dtype=torch.long, device=self.device))])
-        hidden = self.model(ids, positions, scratch.device_cache, meta)
+        hidden = self.model(ids, positions, scratch.model_caches(), meta)
         self.model.compute_logits(hidden[-256:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -123,49 +124,68 @@ class ModelRunner:
 
     # ---- batch layout --------------------------------------------------------------------
     def _prepare(self, step: SchedulerOutput):
-        bs = self.block_size
+        """The step's flattened inputs and its AttentionMetadata: one object, or with KV groups a
+        list with each layer's group's (slot mapping and tables differ per group; the decode
+        mask is shared)."""
         decodes = [(self._state(r), n) for r, n in step.num_scheduled_tokens.items() if n == 1]
         prefills = [(self._state(r), n) for r, n in step.num_scheduled_tokens.items() if n > 1]
         num_tokens = step.total_num_scheduled_tokens
         input_ids = np.empty(num_tokens, dtype=np.int64)
         positions = np.empty(num_tokens, dtype=np.int64)
-        slots = np.empty(num_tokens, dtype=np.int64)
         num_decodes = len(decodes)
-        decode_tables = decode_lens = decode_mask = None
         if num_decodes:
-            pos = np.fromiter((s.num_computed_tokens for s, _ in decodes), np.int64, num_decodes)
             input_ids[:num_decodes] = [s.token_ids[s.num_computed_tokens] for s, _ in decodes]
-            max_blocks = int(pos.max()) // bs + 1
-            tables = np.zeros((num_decodes, max_blocks), dtype=np.int64)
-            for row, (s, _) in enumerate(decodes):
-                used = s.block_ids[:max_blocks]
-                tables[row, :len(used)] = used
-            positions[:num_decodes] = pos
-            slots[:num_decodes] = tables[np.arange(num_decodes), pos // bs] * bs + pos % bs
-            seq_lens = torch.from_numpy(pos + 1)
-            span = torch.arange(max_blocks * bs)
-            decode_mask = torch.zeros(num_decodes, 1, 1, max_blocks * bs)
-            decode_mask.masked_fill_((span[None, :] >= seq_lens[:, None]).view(num_decodes, 1, 1, -1), float("-inf"))
-            decode_tables, decode_lens = torch.from_numpy(tables), seq_lens
-        seqs, start = [], num_decodes
+            positions[:num_decodes] = [s.num_computed_tokens for s, _ in decodes]
+        start = num_decodes
         for state, n in prefills:
             c = state.num_computed_tokens
-            pos = np.arange(c, c + n)
-            blocks = np.asarray(state.block_ids[:-(-(c + n) // bs)], dtype=np.int64)
             input_ids[start:start + n] = state.token_ids[c:c + n]
-            positions[start:start + n] = pos
-            slots[start:start + n] = blocks[pos // bs] * bs + pos % bs
-            seqs.append(PrefillSeq(start, n, c, torch.from_numpy(blocks).to(self.device)))
+            positions[start:start + n] = np.arange(c, c + n)
             start += n
-        meta = AttentionMetadata(
-            torch.from_numpy(slots).to(self.device), num_decodes,
-            None if decode_tables is None else decode_tables.to(self.device),
-            None if decode_lens is None else decode_lens.to(self.device),
-            None if decode_mask is None else decode_mask.to(self.device), seqs)
+        groups = self.kv.groups
+        metas = [self._group_meta(decodes, prefills, positions, g) for g in range(len(groups.layers))]
+        if groups.hybrid:
+            slot_of = groups.slot_of()
+            meta = [metas[slot_of[layer][0]] for layer in range(len(slot_of))]
+        else:
+            meta = metas[0]
         order = [s for s, _ in decodes] + [s for s, _ in prefills]
         counts = [1] * num_decodes + [n for _, n in prefills]
         return (torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
                 meta, order, counts)
+
+    def _group_meta(self, decodes, prefills, positions: np.ndarray, group: int) -> AttentionMetadata:
+        bs = self.block_size
+        table_of = (lambda s: s.block_ids) if group == 0 else (lambda s: s.group_block_ids[group - 1])
+        slots = np.empty(len(positions), dtype=np.int64)
+        num_decodes = len(decodes)
+        decode_tables = decode_lens = decode_mask = None
+        if num_decodes:
+            pos = positions[:num_decodes]
+            max_blocks = int(pos.max()) // bs + 1
+            tables = np.zeros((num_decodes, max_blocks), dtype=np.int64)
+            for row, (s, _) in enumerate(decodes):
+                used = table_of(s)[:max_blocks]
+                tables[row, :len(used)] = used
+            slots[:num_decodes] = tables[np.arange(num_decodes), pos // bs] * bs + pos % bs
+            if group == 0:
+                seq_lens = torch.from_numpy(pos + 1)
+                span = torch.arange(max_blocks * bs)
+                mask = torch.zeros(num_decodes, 1, 1, max_blocks * bs)
+                mask.masked_fill_((span[None, :] >= seq_lens[:, None]).view(num_decodes, 1, 1, -1), float("-inf"))
+                self._decode_shared = (seq_lens.to(self.device), mask.to(self.device))
+            decode_tables = torch.from_numpy(tables).to(self.device)
+            decode_lens, decode_mask = self._decode_shared  # group 0 comes first and builds them
+        seqs, start = [], num_decodes
+        for state, n in prefills:
+            c = state.num_computed_tokens
+            pos = positions[start:start + n]
+            blocks = np.asarray(table_of(state)[:-(-(c + n) // bs)], dtype=np.int64)
+            slots[start:start + n] = blocks[pos // bs] * bs + pos % bs
+            seqs.append(PrefillSeq(start, n, c, torch.from_numpy(blocks).to(self.device)))
+            start += n
+        return AttentionMetadata(torch.from_numpy(slots).to(self.device), num_decodes, decode_tables, decode_lens,
+                                 decode_mask, seqs)
 
     # ---- one step ------------------------------------------------------------------------
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -179,7 +199,7 @@ class ModelRunner:
             return ModelRunnerOutput(step.step_id, {})
         t0 = time.perf_counter()
         input_ids, positions, meta, order, counts = self._prepare(step)
-        hidden = self.model(input_ids, positions, self.kv.device_cache, meta)
+        hidden = self.model(input_ids, positions, self.kv.model_caches(), meta)
         ends = np.cumsum(counts) - 1
         # max_tokens 0 (the prompt only): the prefill runs, nothing is sampled.
         samplers = [i for i, (s, n) in enumerate(zip(order, counts))

@@ -1,5 +1,5 @@
 """What a worker remembers of each request between steps, rebuilt from the scheduler's deltas
-alone (new requests once, then only appended or replaced block ids; dropped ids). No torch: the
+alone (new requests once, then only appended or replaced block ids, per KV group; dropped ids). No torch: the
 model runner uses it, and so do the tests' fake workers, so the two cannot drift apart.
 
 Invariant: after `apply(step)` the states equal the scheduler's view of its running and swapped
@@ -26,6 +26,7 @@ class RequestState:
     num_computed_tokens: int
     sample_index: int
     child_req_ids: list[str]  # samples 1..n-1 fork from this one at its first sampled token
+    group_block_ids: list[list[int]]  # the tables of KV groups 1.. (common/model_config.KVGroups)
     matcher: object | None = None  # structured outputs: its grammar's state (rank 0 only, built lazily)
 
 
@@ -43,16 +44,22 @@ class RequestStates(dict[str, RequestState]):
         for new in step.new_requests:
             self[new.req_id] = RequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.params, list(new.block_ids),
-                new.num_computed_tokens, new.sample_index, list(new.child_req_ids))
+                new.num_computed_tokens, new.sample_index, list(new.child_req_ids),
+                [list(t) for t in new.group_block_ids])
         for cached in step.cached_requests:
             state = self.state(cached.req_id)
             if cached.block_ids is not None:
                 state.block_ids = list(cached.block_ids)
+                state.group_block_ids = [list(t) for t in cached.group_block_ids or ()]
                 continue
             if cached.replaced_block is not None:
                 index, block_id = cached.replaced_block
                 state.block_ids[index] = block_id
+            for group, index, block_id in cached.group_replaced:
+                state.group_block_ids[group - 1][index] = block_id
             state.block_ids.extend(cached.new_block_ids)
+            for table, ids in zip(state.group_block_ids, cached.group_new_block_ids):
+                table.extend(ids)
 
     def state(self, req_id: str) -> RequestState:
         try:
@@ -74,6 +81,7 @@ class RequestStates(dict[str, RequestState]):
             for index, (child_id, token) in enumerate(zip(state.child_req_ids, tokens[1:]), start=1):
                 self[child_id] = RequestState(
                     child_id, state.token_ids[:state.num_prompt_tokens] + [token], state.num_prompt_tokens,
-                    state.params, list(state.block_ids), state.num_computed_tokens, index, [])
+                    state.params, list(state.block_ids), state.num_computed_tokens, index, [],
+                    [list(t) for t in state.group_block_ids])
             state.child_req_ids = []
             state.token_ids.append(tokens[0])

@@ -93,7 +93,8 @@ class WorkerService:
             request.max_num_batched_tokens or 512, request.swap_space or 0)
         return worker_pb2.ProfileResponse(num_gpu_blocks=num_blocks, num_cpu_blocks=num_host,
                                           bytes_per_block=bytes_per_block(self.model_config, block_size, self.dtype,
-                                                                          self.world_size))
+                                                                          self.world_size),
+                                          kv_group_windows=self.model_config.kv_groups().windows)
 
     def init_cache(self, request: worker_pb2.InitCacheRequest) -> None:
         with self.lock:

@@ -5,10 +5,11 @@ A query at position p sees keys at positions p - window + 1 .. p (transformers'
 `sliding_window_overlay`: kv_idx > q_idx - window). The backend is the torch one with that band
 applied on top of the causal mask; it reads only the blocks that hold keys inside some query's
 window (prefill) or masks the rest (decode), so entries of a block table that lie wholly before
-the window are never relied on — the block manager may release them (docs/sliding_window.md).
+the window are never relied on — the block manager releases them (their entries point at the null
+block, or at a block since given to another sequence: read only under the mask; docs/sliding_window.md).
 
 One instance per model, shared by its local layers; the windowed decode mask is built once per
-step (per AttentionMetadata object) and reused by every local layer.
+step (per decode mask: every KV group's metadata of a step shares it) and reused by every local layer.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class SlidingWindowAttention(TorchAttentionBackend):
         self.window = window
         self._meta: AttentionMetadata | None = None
         self._windowed: AttentionMetadata | None = None
+        self._mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (decode mask, windowed)
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         return super().forward(query, key, value, k_cache, v_cache, self._windowed_meta(meta, k_cache.shape[1]), scale)
@@ -38,12 +40,14 @@ class SlidingWindowAttention(TorchAttentionBackend):
             return self._windowed
         windowed = meta
         if meta.num_decodes:
-            span = meta.decode_mask.shape[-1]
-            keys = torch.arange(span, device=meta.decode_mask.device)
-            # the decoded token sits at seq_len - 1 and sees seq_len - window .. seq_len - 1
-            stale = keys[None, :] < (meta.decode_seq_lens[:, None] - self.window)
-            mask = meta.decode_mask.masked_fill(stale.view(meta.num_decodes, 1, 1, span), float("-inf"))
-            windowed = dataclasses.replace(meta, decode_mask=mask)
+            if self._mask is None or self._mask[0] is not meta.decode_mask:
+                span = meta.decode_mask.shape[-1]
+                keys = torch.arange(span, device=meta.decode_mask.device)
+                # the decoded token sits at seq_len - 1 and sees seq_len - window .. seq_len - 1
+                stale = keys[None, :] < (meta.decode_seq_lens[:, None] - self.window)
+                self._mask = (meta.decode_mask, meta.decode_mask.masked_fill(
+                    stale.view(meta.num_decodes, 1, 1, span), float("-inf")))
+            windowed = dataclasses.replace(meta, decode_mask=self._mask[1])
         self._meta, self._windowed = meta, windowed
         return windowed
 

@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.common.messages import CachedRequestData, NewRequestData, SchedulerOutput
-from pagedserve.scheduler.core.block_manager import BlockManager, cdiv
+from pagedserve.scheduler.core.block_manager import Allocation, cdiv
 from pagedserve.scheduler.core.isolation import Isolation
+from pagedserve.scheduler.core.kv_groups import blocks_for_sequence, make_block_manager, step_entry
 from pagedserve.scheduler.core.results import Results
 from pagedserve.scheduler.core.request import Request, RequestStatus, sample_ids
 
@@ -40,6 +41,8 @@ class SchedulerConfig:
     # Most prompt tokens one request prefills in a step (0: no cap). Keeps steps short while a
     # long prompt prefills, so decodes and short prompts beside it are not held for seconds.
     long_prefill_token_threshold: int = 0
+    # Per KV group (common/model_config.KVGroups): 0 full attention, else the sliding window.
+    kv_group_windows: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
@@ -83,8 +86,8 @@ class StepStats:
 class Scheduler(Isolation, Results):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.block_manager = BlockManager(config.num_gpu_blocks, config.block_size,
-                                          config.enable_prefix_caching, config.num_cpu_blocks)
+        self.block_manager = make_block_manager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching,
+                                                config.num_cpu_blocks, config.kv_group_windows)
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []  # sorted by Request.sort_key
         self.swapped: list[Request] = []  # sorted by Request.sort_key
@@ -108,10 +111,11 @@ class Scheduler(Isolation, Results):
         if num_prompt_tokens >= cfg.max_model_len:
             raise ValueError(f"the prompt has {num_prompt_tokens} tokens, but the model's context "
                              f"(max_model_len) is {cfg.max_model_len} tokens including the output")
-        need = cdiv(num_prompt_tokens + 1, cfg.block_size)
-        if need > cfg.num_gpu_blocks:
+        chunk = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else num_prompt_tokens + 1
+        need = blocks_for_sequence(cfg.kv_group_windows, cfg.block_size, num_prompt_tokens + 1, chunk)
+        if need > self.block_manager.num_total_blocks:
             raise ValueError(f"the prompt needs {need} KV blocks of {cfg.block_size} tokens, but the "
-                             f"whole KV pool has {cfg.num_gpu_blocks}; raise --kv-cache-memory")
+                             f"whole KV pool has {self.block_manager.num_total_blocks}; raise --kv-cache-memory")
         if not cfg.enable_chunked_prefill and num_prompt_tokens > cfg.max_num_batched_tokens:
             raise ValueError(f"the prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
                              f"({cfg.max_num_batched_tokens}) with chunked prefill disabled")
@@ -164,8 +168,8 @@ class Scheduler(Isolation, Results):
         Returns how many requests were preempted."""
         cfg = self.config
         cfg.num_gpu_blocks, cfg.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
-        self.block_manager = BlockManager(cfg.num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                          cfg.num_cpu_blocks)
+        self.block_manager = make_block_manager(cfg.num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                                cfg.num_cpu_blocks, cfg.kv_group_windows)
         moved = self.running + self.swapped
         self.running, self.swapped = [], []
         for req in moved + self.waiting:
@@ -189,7 +193,7 @@ class Scheduler(Isolation, Results):
         self._dropped_ids = []
         self._budget = self.config.max_num_batched_tokens
         self._entries: dict[str, NewRequestData | CachedRequestData] = {}
-        self._copies: dict[str, tuple[int, int]] = {}
+        self._copies: dict[str, list[tuple[int, int]]] = {}
         self._wait_reason = None
         preemptions_before = self.num_preemptions
         preempted = False
@@ -219,7 +223,7 @@ class Scheduler(Isolation, Results):
         self.last_step = self._step_stats(out, self.num_preemptions - preemptions_before, preempted)
         for entry in self._entries.values():
             (out.new_requests if isinstance(entry, NewRequestData) else out.cached_requests).append(entry)
-        out.blocks_to_copy = list(self._copies.values())
+        out.blocks_to_copy = [pair for pairs in self._copies.values() for pair in pairs]
         return out
 
     def _step_stats(self, out: SchedulerOutput, preemptions: int, preempted: bool) -> StepStats:
@@ -263,7 +267,7 @@ class Scheduler(Isolation, Results):
         num_new = self._chunk(req.num_tokens - req.num_computed_tokens)
         preempted = False
         while True:
-            result = self.block_manager.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
+            result = self.block_manager.allocate(req.request_id, req.num_computed_tokens, num_new)
             if result is not None:
                 break
             victim = self.running[-1]
@@ -278,31 +282,20 @@ class Scheduler(Isolation, Results):
             preempted = True
             if victim is req:
                 return False
-        new_block_ids, copy = result
-        self._record(req, num_new, new_block_ids, copy, out)
+        self._record(req, num_new, result, out)
         return not preempted
 
-    def _record(self, req: Request, num_new: int, new_block_ids: list[int], copy, out: SchedulerOutput,
+    def _record(self, req: Request, num_new: int, alloc: Allocation, out: SchedulerOutput,
                 whole_table: bool = False) -> None:
         out.num_scheduled_tokens[req.request_id] = num_new
         self._budget -= num_new
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
+        self._entries[req.request_id] = step_entry(self.block_manager, req, alloc, whole_table)
         if not req.sent_to_worker:
-            self._entries[req.request_id] = NewRequestData(
-                req.request_id, list(req.token_ids), req.num_prompt_tokens, req.params,
-                self.block_manager.block_ids(req.request_id), req.num_computed_tokens,
-                req.sample_index, list(req.child_req_ids))
             req.sent_to_worker = True
-            return
-        entry = CachedRequestData(req.request_id, new_block_ids)
-        if whole_table:
-            entry.block_ids = self.block_manager.block_ids(req.request_id)
-        if copy is not None:
-            self._copies[req.request_id] = copy
-            index = self.block_manager.block_ids(req.request_id).index(copy[1])
-            entry.replaced_block = (index, copy[1])
-        self._entries[req.request_id] = entry
+        elif alloc.replaced:
+            self._copies[req.request_id] = [(src, dst) for _, _, src, dst in alloc.replaced]
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
@@ -344,12 +337,12 @@ class Scheduler(Isolation, Results):
             self._wait_reason = "no_blocks"
             return False
         out.blocks_to_swap_in.extend(bm.swap_in(req.request_id))
-        result = bm.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
+        result = bm.allocate(req.request_id, req.num_computed_tokens, num_new)
         assert result is not None, "swap-in reserved the blocks it needs"
         self.swapped.remove(req)
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=self._key)
-        self._record(req, num_new, result[0], result[1], out, whole_table=True)
+        self._record(req, num_new, result, out, whole_table=True)
         return True
 
     def _admit(self, req: Request, out: SchedulerOutput) -> bool:
@@ -370,7 +363,7 @@ class Scheduler(Isolation, Results):
         num_new = self._chunk(num_new)
         # The watermark keeps headroom for running decodes; with none running it would only
         # keep a prompt that needs the whole pool out forever.
-        result = bm.allocate_slots(req.request_id, num_computed, num_new, hits, reserve_watermark=bool(self.running))
+        result = bm.allocate(req.request_id, num_computed, num_new, hits, reserve_watermark=bool(self.running))
         if result is None:
             self._wait_reason = "no_blocks"
             return False
@@ -381,7 +374,7 @@ class Scheduler(Isolation, Results):
         req.num_computed_tokens = num_computed
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=self._key)
-        self._record(req, num_new, result[0], None, out)
+        self._record(req, num_new, result, out)
         return True
 
     def _finish(self, req: Request, status: RequestStatus) -> None:

@@ -18,20 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.common.model_config import ModelConfig
+from pagedserve.common.model_config import ModelConfig, layer_types  # noqa: F401 (re-exported)
 from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
 from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, apply_rotary, linear
 from pagedserve.worker.parallel import VocabParallelEmbedding
 from pagedserve.worker.sliding_window import SlidingWindowAttention
-
-
-def layer_types(hf: dict) -> list[str]:
-    """'sliding_attention' or 'full_attention' per layer, from config.json."""
-    n = hf["num_hidden_layers"]
-    if hf.get("layer_types"):
-        return list(hf["layer_types"])
-    pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
-    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
 
 
 def rope_params(hf: dict) -> dict[str, dict]:
@@ -169,8 +160,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         hidden = self.embed_tokens(input_ids)
         hidden = hidden * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=hidden.dtype, device=hidden.device)
         ropes = self.ropes(positions, hidden.dtype)
-        for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, ropes, kv_caches[i], meta)
+        for i, layer in enumerate(self.layers):  # meta: one for all layers, or per layer (KV groups)
+            hidden = layer(hidden, ropes, kv_caches[i], meta[i] if isinstance(meta, list) else meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

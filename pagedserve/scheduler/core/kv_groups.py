@@ -1,0 +1,51 @@
+"""The scheduler's side of KV groups (common/model_config.KVGroups): how many blocks a prompt needs
+when sliding groups drop what leaves their window, and the step delta of one request (group 0's
+table in the messages' original fields, groups 1.. in their `group_*` fields). No torch; called
+from the step loop's thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedserve.common.messages import CachedRequestData, NewRequestData
+from pagedserve.scheduler.core.block_manager import Allocation, BlockManager, cdiv
+
+
+def make_block_manager(num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool, num_cpu_blocks: int,
+                       windows: Sequence[int]) -> BlockManager:
+    return BlockManager(num_gpu_blocks, block_size, enable_prefix_caching, num_cpu_blocks, windows=windows)
+
+
+def blocks_for_sequence(windows: Sequence[int], block_size: int, num_tokens: int, max_chunk: int) -> int:
+    """The most blocks one sequence of num_tokens holds at once, over all groups, when it is
+    computed in chunks of at most max_chunk tokens: a full group holds all of it; a sliding group
+    (window W) the blocks from the one holding `computed - W + 1` to the end of the chunk, plus
+    the null block's share (not counted: it is held once for all)."""
+    full = cdiv(num_tokens, block_size)
+    total = 0
+    for window in windows:
+        if not window:
+            total += full
+        else:
+            total += min(full, cdiv(window - 1 + max_chunk, block_size) + 1)
+    return total
+
+
+def step_entry(bm: BlockManager, req, alloc: Allocation | None, whole_table: bool) -> NewRequestData | CachedRequestData:
+    """What the worker needs of this request's tables this step. `req` is a scheduler Request;
+    alloc is None only for a request new to the worker (its whole tables are sent)."""
+    if not req.sent_to_worker:
+        return NewRequestData(req.request_id, list(req.token_ids), req.num_prompt_tokens, req.params,
+                              bm.block_ids(req.request_id), req.num_computed_tokens, req.sample_index,
+                              list(req.child_req_ids), group_block_ids=bm.group_block_ids(req.request_id))
+    entry = CachedRequestData(req.request_id, alloc.new_block_ids[0], group_new_block_ids=alloc.new_block_ids[1:])
+    if whole_table:
+        entry.block_ids = bm.block_ids(req.request_id)
+        entry.group_block_ids = bm.group_block_ids(req.request_id)
+    for group, index, _src, dst in alloc.replaced:
+        if group == 0:
+            entry.replaced_block = (index, dst)
+        else:
+            entry.group_replaced.append((group, index, dst))
+    return entry
