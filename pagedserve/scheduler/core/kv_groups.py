@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from pagedserve.common.messages import CachedRequestData, NewRequestData
 from pagedserve.scheduler.core.block_manager import Allocation, BlockManager, cdiv
+from pagedserve.scheduler.core.request import Request
 
 
 def make_block_manager(num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool, num_cpu_blocks: int,
@@ -32,9 +33,10 @@ def blocks_for_sequence(windows: Sequence[int], block_size: int, num_tokens: int
     return total
 
 
-def step_entry(bm: BlockManager, req, alloc: Allocation | None, whole_table: bool) -> NewRequestData | CachedRequestData:
-    """What the worker needs of this request's tables this step. `req` is a scheduler Request;
-    alloc is None only for a request new to the worker (its whole tables are sent)."""
+def step_entry(bm: BlockManager, req: Request, alloc: Allocation,
+               whole_table: bool) -> NewRequestData | CachedRequestData:
+    """What the worker needs of this request's tables this step (a request new to the worker:
+    its whole tables)."""
     if not req.sent_to_worker:
         return NewRequestData(req.request_id, list(req.token_ids), req.num_prompt_tokens, req.params,
                               bm.block_ids(req.request_id), req.num_computed_tokens, req.sample_index,
