@@ -7,6 +7,11 @@ cache slot by slot: each computed position writes a key naming the token prefix 
 from, and every scheduled request checks that all its earlier positions read back their own keys.
 "Sampling" is a deterministic function of the token ids, so every request's output is known in
 advance and must not depend on pool size, preemption mode, prefix caching or chunking.
+
+With KV groups (SchedulerConfig.kv_group_windows: a sliding-window model) every group's table is
+written, and read back: a full group at every position, a sliding group (window W) from the first
+query's window start (num_computed - W + 1) on; a sliding group must never hold more than the
+blocks its window and the step's chunk reach.
 """
 
 from __future__ import annotations
@@ -69,6 +74,12 @@ class FakeWorker:
         self.kv: dict[tuple[int, int], object] = {}  # (device block, offset) -> key
         self.host: dict[tuple[int, int], object] = {}
         self.kv_errors: list[str] = []
+        self.windows = sched.config.kv_group_windows
+        self.hybrid = any(self.windows)
+
+    @staticmethod
+    def tables(state) -> list[list[int]]:
+        return [state.block_ids, *state.group_block_ids]
 
     def key(self, state, pos: int):
         return prefix_key(state.token_ids, pos, self.keys.setdefault(state.req_id, []))
@@ -107,9 +118,13 @@ class FakeWorker:
         # The worker's state equals the scheduler's: the deltas were sufficient.
         live = {r.request_id for r in sched.running} | {r.request_id for r in sched.swapped}
         assert set(self.requests) == live, f"worker holds {sorted(self.requests)}, scheduler {sorted(live)}"
+        bm = sched.block_manager
         for req in sched.running:
             state = self.requests[req.request_id]
-            assert state.block_ids == sched.block_manager.block_ids(req.request_id), req.request_id
+            assert state.block_ids == bm.block_ids(req.request_id), req.request_id
+            # Sliding groups: the worker is not told of dropped blocks (id 0 in the scheduler's table).
+            for mine, theirs in zip(state.group_block_ids, bm.group_block_ids(req.request_id), strict=True):
+                assert len(mine) == len(theirs) and all(t in (0, m) for m, t in zip(mine, theirs)), req.request_id
             assert state.token_ids == req.token_ids and state.num_computed_tokens == req.num_computed_tokens
 
         written: dict[tuple[int, int], str] = {}
@@ -119,22 +134,26 @@ class FakeWorker:
             assert sched.requests[req_id].status is RequestStatus.RUNNING
             c = state.num_computed_tokens
             assert c + n <= len(state.token_ids), f"{req_id} runs past its known tokens"
-            for pos in range(c, c + n):
-                index = pos // self.bs
-                assert index < len(state.block_ids), f"{req_id}: position {pos} has no block"
-                slot = (state.block_ids[index], pos % self.bs)
-                assert slot not in written, f"{req_id} and {written[slot]} write slot {slot} in one step"
-                written[slot] = req_id
-                self.kv[slot] = self.key(state, pos)
+            for table in self.tables(state):
+                for pos in range(c, c + n):
+                    index = pos // self.bs
+                    assert index < len(table), f"{req_id}: position {pos} has no block"
+                    assert not (self.hybrid and table[index] == 0), f"{req_id} writes the null block"
+                    slot = (table[index], pos % self.bs)
+                    assert slot not in written, f"{req_id} and {written[slot]} write slot {slot} in one step"
+                    written[slot] = req_id
+                    self.kv[slot] = self.key(state, pos)
         if self.check_kv:
             for req_id, n in out.num_scheduled_tokens.items():
                 state = self.requests[req_id]
-                for pos in range(state.num_computed_tokens + n):
-                    slot = (state.block_ids[pos // self.bs], pos % self.bs)
-                    if self.kv.get(slot) != self.key(state, pos):
-                        self.kv_errors.append(
-                            f"step {out.step_id}: {req_id} reads a wrong KV at position {pos}")
-                        break
+                c = state.num_computed_tokens
+                for table, window in zip(self.tables(state), self.windows):
+                    for pos in range(max(0, c - window + 1) if window else 0, c + n):
+                        slot = (table[pos // self.bs], pos % self.bs)
+                        if self.kv.get(slot) != self.key(state, pos):
+                            self.kv_errors.append(
+                                f"step {out.step_id}: {req_id} reads a wrong KV at position {pos}")
+                            break
 
         scheduled = [(self.requests[r], n) for r, n in out.num_scheduled_tokens.items()]
         self.requests.advance(scheduled)
@@ -183,13 +202,26 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert req.request_id in bm.cpu_tables and req.request_id not in bm.tables
     for req in sched.waiting:
         assert req.request_id not in bm.tables and req.num_computed_tokens == 0
+    # Every group's table covers the same tokens; a sliding group holds only what its window
+    # and this step's chunk reach.
+    for req in sched.running:
+        n = out.num_scheduled_tokens.get(req.request_id, 0)
+        for tables, window in zip(bm.group_tables, bm.windows):
+            table = tables[req.request_id]
+            assert len(table) == len(bm.tables[req.request_id])
+            if window and n:
+                held = sum(b is not bm.null_block for b in table)
+                assert held <= cdiv(window - 1 + n, bm.block_size) + 1, (req.request_id, held)
     # Reference counts equal the number of tables holding each block; nothing leaked.
     counts = {}
-    for table in bm.tables.values():
-        for block in table:
-            counts[block.block_id] = counts.get(block.block_id, 0) + 1
+    for tables in bm.group_tables:
+        for table in tables.values():
+            for block in table:
+                if block is not bm.null_block:
+                    counts[block.block_id] = counts.get(block.block_id, 0) + 1
     for block in bm.pool.blocks:
-        assert block.ref_count == counts.get(block.block_id, 0)
+        if block is not bm.null_block:
+            assert block.ref_count == counts.get(block.block_id, 0)
     assert bm.num_free_blocks + len(counts) == bm.num_total_blocks
 
 
@@ -261,7 +293,8 @@ def assert_drained(sched: Scheduler) -> None:
     assert not bm.tables and not bm.cpu_tables and not bm.block_hashes and not bm.num_cached_blocks
     if bm.cpu_pool is not None:
         assert bm.cpu_pool.num_free == bm.cpu_pool.num_blocks
-    assert all(b.ref_count == 0 for b in bm.pool.blocks)
+    assert all(b.ref_count == 0 for b in bm.pool.blocks if b is not bm.null_block)
+    assert not any(t for tables in bm.group_tables + bm.group_cpu_tables for t in tables)
 
 
 # ---- workload -----------------------------------------------------------------------------------

@@ -70,8 +70,8 @@ def test_a_fault_in_one_requests_scheduling_or_results_fails_its_group_alone():
     bm = d.sched.block_manager
     # Admission from waiting, a later decode step (both in schedule()), the fork and the prefix
     # cache bookkeeping of the results (update()).
-    bm.allocate_slots = raising_for("bad-admit", bm.allocate_slots)
-    bm.allocate_slots = raising_for("bad-decode", bm.allocate_slots, after=6)
+    bm.allocate = raising_for("bad-admit", bm.allocate)
+    bm.allocate = raising_for("bad-decode", bm.allocate, after=6)
     bm.fork = raising_for("bad-fork", bm.fork)
     bm.cache_full_blocks = raising_for("bad-result", bm.cache_full_blocks, after=4)
     good = [("a", [1, 2, 3, 4, 5], 12, 1), ("b", [6, 7], 9, 2), ("c", list(range(20, 41)), 7, 1)]

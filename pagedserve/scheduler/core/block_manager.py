@@ -158,7 +158,7 @@ class BlockManager:
         return max(0, num_computed_tokens - window + 1) // self.block_size if window else 0
 
     def _group_prefix(self, seq_id: str, group: int, num: int, hits: Sequence[KVBlock]) -> list[KVBlock]:
-        if group == 0:
+        if group == 0 or num == 0:
             return list(hits)
         hashes = self.block_hashes[seq_id]
         skip = min(num, self._skipped(group, num * self.block_size))
@@ -227,11 +227,13 @@ class BlockManager:
             need = sum(max(0, num_blocks - num) + sum(1 for b in p if b.ref_count == 0) for p in prefixes)
             if not self.can_allocate(need, reserve_watermark):
                 return None
-            new_ids = []
-            for tables, prefix in zip(self.group_tables, prefixes):
+            # Take every group's hits before allocating: a hit may sit in the free queue.
+            for prefix in prefixes:
                 for block in prefix:
                     if block is not self.null_block:
                         self.pool.touch(block)
+            new_ids = []
+            for tables, prefix in zip(self.group_tables, prefixes):
                 table = tables[seq_id] = prefix
                 table.extend(self.pool.allocate() for _ in range(num_blocks - len(table)))
                 new_ids.append([b.block_id for b in table])
