@@ -177,7 +177,8 @@ def test_outputs_and_kv_with_sliding_groups(name, overrides, windows):
 
     def note_drops(drv, out):  # a sliding group holding fewer blocks than the full one
         bm = drv.sched.block_manager
-        dropped.extend(r.request_id for r in drv.sched.running if held(bm, r.request_id)[-1] < len(bm.tables[r.request_id]))
+        dropped.extend(r.request_id for r in drv.sched.running
+                       if held(bm, r.request_id)[-1] < len(bm.tables[r.request_id]))
 
     res = run(cfg, make_requests(work), on_step=note_drops)
     assert dropped, "no sliding group ever dropped a block"
