@@ -1,6 +1,8 @@
 """Gemma 3 on a tiny random model built here: greedy tokens equal transformers' Gemma3ForCausalLM
 (plain, chunked prefill, preemption by recompute and by swap, two tensor-parallel ranks), with a
 window of 8 tokens so every prompt but the shortest outlives it and local layers really drop keys.
+The local layers' KV group frees the blocks that leave the window all along (KV groups: a long
+prompt fits a pool that full attention could not hold; a prefix-cache hit serves a second request).
 The sliding-window backend equals dense windowed attention on its own."""
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from tiny_models import build_tiny_model, hf_greedy, make_engine
 
 MAX_NEW = 16
 LENGTHS = [3, 9, 17, 28, 44, 60]
-# layers * (K, V) * block size 16 * KV heads * head dim * float32
+# layers * (K, V) * block size 16 * KV heads * head dim * float32: a block of full attention in
+# every layer. With KV groups a block holds 2 layers (the 2 global ones, or the 2 local ones).
 BLOCK_BYTES = 4 * 2 * 16 * 2 * 32 * 4
+GROUP_BLOCK_BYTES = BLOCK_BYTES // 2
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
@@ -43,6 +47,54 @@ def test_batch_matches_transformers(gemma):
     assert run(engine) == expected
     local = [layer.self_attn.backend for layer in engine.runner.model.layers]
     assert [isinstance(b, SlidingWindowAttention) for b in local] == [True, False, True, False]
+
+
+def test_local_layers_form_a_sliding_group(gemma):
+    from pagedserve.worker.kv_cache import bytes_per_block
+    folder, _ = gemma
+    engine = make_engine(folder)
+    assert engine.runner.config.kv_groups().layers == ((1, 3), (0, 2))
+    assert engine.scheduler.block_manager.windows == (0, 8)
+    assert bytes_per_block(engine.runner.config, 16, torch.float32) == GROUP_BLOCK_BYTES
+    assert engine.runner.kv.device_cache.shape[0] == 2  # layer slots, not layers
+
+
+def test_a_long_prompt_fits_only_because_the_window_is_freed(gemma):
+    folder, _ = gemma
+    prompt = make_prompts(seed=3)[-1] * 5  # 300 tokens
+    expected = hf_greedy(folder, [prompt], MAX_NEW)
+    # 20 blocks of 16 in the global group, at most 4 in the local one (chunks of 32: 7 + 32
+    # tokens), and the null block: 25 fit in 28. Full attention would need 20 of BLOCK_BYTES.
+    memory = 28 * GROUP_BLOCK_BYTES
+    assert memory < 20 * BLOCK_BYTES
+    engine = make_engine(folder, kv_cache_memory=memory, max_num_batched_tokens=32)
+    seen, tokens = [], []
+    engine.add_request("long", prompt, GREEDY)
+    bm = engine.scheduler.block_manager
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += [t.token_id for t in out.new_tokens]
+        if "long" in bm.tables:  # (global blocks, local blocks) held after the step
+            seen.append((len(bm.tables["long"]), bm.num_held_blocks("long") - len(bm.tables["long"])))
+    assert [tokens] == expected
+    assert max(full for full, _ in seen) == 20 and max(local for _, local in seen) <= 4
+    assert seen[-1][1] <= 2  # decoding: the window's 8 tokens straddle at most 2 blocks of 16
+    assert engine.stats()["num_preemptions"] == 0
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_prefix_cache_hits_on_a_sliding_model(gemma):
+    folder, expected = gemma
+    engine = make_engine(folder, max_num_batched_tokens=16)
+    long = PROMPTS[-1]  # 60 tokens
+    other = long[:50] + [7, 7, 7]
+    assert run(engine, [long]) == [expected[-1]]
+    hits = engine.stats()["prefix_cache_hits"]
+    # 48 tokens hit: the global group's 3 blocks, and the local group's block 2 alone (blocks 0
+    # and 1 lie wholly before the first computed token's window).
+    assert run(engine, [other]) == hf_greedy(folder, [other], MAX_NEW)
+    assert engine.stats()["prefix_cache_hits"] - hits == 48
+    assert run(engine, [long]) == [expected[-1]]
 
 
 def test_window_changes_the_tokens(gemma, tmp_path):

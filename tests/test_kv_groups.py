@@ -229,3 +229,33 @@ def test_group_tables_cross_the_wire():
     assert back.cached_requests[0] == step.cached_requests[0]
     assert back.cached_requests[1] == step.cached_requests[1]
     assert back.cached_requests[2] == CachedRequestData("d", [17])
+
+
+# ---- what it saves: Gemma 3 270M ---------------------------------------------------------------------
+
+def gemma3_270m_kv_bytes(num_tokens: int, chunk: int = 128, bs: int = 16, elem: int = 4) -> tuple[int, int]:
+    """(bytes held once the request has num_tokens, the peak while its prompt prefilled) for one
+    request of num_tokens - 16 prompt tokens prefilled in chunks of `chunk` (the CPU default:
+    long_prefill_token_threshold 128), then decoded, counted from the block manager's tables."""
+    cfg = ModelConfig.from_hf_dict(GEMMA3_270M)
+    groups, layout = cfg.kv_groups(), cfg.kv_layout()
+    block_bytes = groups.num_slots * bs * layout.num_planes * layout.num_heads * layout.head_dim * elem
+    bm = BlockManager(100_000, bs, enable_prefix_caching=False, windows=groups.windows)
+    done, peak, prompt = 0, 0, num_tokens - 16
+    while done < num_tokens:
+        step = min(chunk, prompt - done) if done < prompt else 1
+        assert bm.allocate("r", done, step) is not None
+        peak = max(peak, bm.num_held_blocks("r"))
+        done += step
+    return bm.num_held_blocks("r") * block_bytes, peak * block_bytes
+
+
+def test_gemma3_270m_kv_bytes_per_token():
+    # Full attention: 18 layers x (K, V) x 256 x float32 = 36,864 bytes per token.
+    full = 18 * 2 * 256 * 4
+    measured = {n: gemma3_270m_kv_bytes(n) for n in (1024, 4096, 32768)}
+    # docs/sliding_window.md's table: the 3 global layers keep every token (6,144 B/token), the 15
+    # local ones 32 blocks of 16 each once the window is full (33 while it straddles 33 blocks).
+    assert measured == {1024: (22_020_096, 25_362_432), 4096: (40_894_464, 44_236_800),
+                        32768: (217_055_232, 220_397_568)}
+    assert [round(n * full / held, 2) for n, (held, _) in measured.items()] == [1.71, 3.69, 5.57]
