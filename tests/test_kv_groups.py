@@ -7,6 +7,7 @@ capacity a long request needs, and the step delta on the wire."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pagedserve.common.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.common.model_config import ModelConfig
@@ -16,6 +17,7 @@ from pagedserve.scheduler.core.block_manager import BlockManager, cdiv
 from pagedserve.scheduler.core.kv_groups import blocks_for_sequence
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_driver import Driver, assert_drained, make_request, make_requests, reference, run, workload
+from test_scheduler_outputs import scenarios
 
 GEMMA3_270M = dict(architectures=["Gemma3ForCausalLM"], vocab_size=262144, hidden_size=640, intermediate_size=2048,
                    num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
@@ -190,6 +192,36 @@ def test_outputs_and_kv_with_sliding_groups(name, overrides, windows):
         assert any(s.blocks_to_copy for s in res.steps), "the n>1 requests never copied a block on write"
     if "swap" in name and "small-host" not in name:
         assert any(s.blocks_to_swap_out for s in res.steps) and any(s.blocks_to_swap_in for s in res.steps)
+
+
+@st.composite
+def grouped_scenarios(draw):
+    """test_scheduler_outputs' random workloads and configs, over KV groups (windows down to 1)."""
+    work, cfg, aborts = draw(scenarios())
+    windows = draw(st.sampled_from([(0, 1), (0, 3), (0, 5, 5), (0, 2, 0, 7)]))
+    return work, dict(cfg, kv_group_windows=windows, num_gpu_blocks=cfg["num_gpu_blocks"] * len(windows) + 1), aborts
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(grouped_scenarios())
+def test_random_workloads_with_sliding_groups(scenario):
+    work, overrides, aborts = scenario
+    d = Driver(SchedulerConfig(**overrides))
+    d.add(*make_requests(work))
+    aborted = set()
+
+    def on_step(drv, out):
+        for when, group_id in aborts:
+            if when == len(drv.steps) and drv.sched.abort(group_id):
+                aborted.add(group_id)
+
+    d.run(on_step=on_step)
+    d.flush()
+    for req_id, out in reference(work).items():
+        if req_id.split("#")[0] not in aborted:
+            assert d.outputs[req_id] == out
+    assert d.worker.kv_errors == []
+    assert_drained(d.sched)
 
 
 def test_a_long_request_needs_far_fewer_blocks():
