@@ -97,6 +97,36 @@ def test_prefix_cache_hits_on_a_sliding_model(gemma):
     assert run(engine, [long]) == [expected[-1]]
 
 
+def test_scheduler_and_worker_over_the_wire(gemma):
+    # The services' path: the worker reports its KV groups, the scheduler's per-group deltas
+    # cross as protobuf, and the worker's runner applies them.
+    from pagedserve.common import wire
+    from pagedserve.scheduler.core.request import Request
+    from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
+    from pagedserve.v1 import worker_pb2
+    from pagedserve.worker.server import WorkerService
+    folder, expected = gemma
+    worker = WorkerService(str(folder), device="cpu", dtype="float32", quantization="none")
+    worker.load()
+    sizes = worker.profile(worker_pb2.ProfileRequest(block_size=16, kv_cache_memory=str(24 * GROUP_BLOCK_BYTES),
+                                                     max_num_batched_tokens=16))
+    assert list(sizes.kv_group_windows) == [0, 8] and sizes.bytes_per_block == GROUP_BLOCK_BYTES
+    worker.init_cache(worker_pb2.InitCacheRequest(num_gpu_blocks=sizes.num_gpu_blocks, block_size=16,
+                                                  session_id="s"))
+    sched = Scheduler(SchedulerConfig(num_gpu_blocks=sizes.num_gpu_blocks, block_size=16, max_num_batched_tokens=16,
+                                      max_model_len=512, kv_group_windows=tuple(sizes.kv_group_windows)))
+    for i, prompt in enumerate(PROMPTS):
+        sched.add_request(Request(f"r{i}", list(prompt), len(prompt), GREEDY, arrival_time=float(i)))
+    outputs = {}
+    while sched.has_unfinished():
+        out = sched.schedule()
+        result = wire.result_from_proto(worker.step(wire.step_to_proto(out, "s")))
+        outputs.update({u.request.request_id: u.request.output_token_ids for u in sched.update(out, result)
+                        if u.finished})
+    assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    assert sched.num_preemptions > 0  # 24 blocks for six requests: preempted on the way
+
+
 def test_window_changes_the_tokens(gemma, tmp_path):
     # The reference is not blind to the window: the same weights with a window wider than every
     # sequence give other tokens, so the match above depends on the window being applied.
