@@ -170,8 +170,10 @@ def dense_windowed(q, k, v, window, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("chunks", [[37], [5, 11, 1, 1, 19]], ids=["one_prefill", "chunks_then_decodes"])
-def test_sliding_window_backend_equals_dense(chunks):
+@pytest.mark.parametrize("windowed", [False, True], ids=["whole_table", "window_rows"])
+@pytest.mark.parametrize("chunks", [[37], [5, 11, 1, 1, 19], [13, 1, 1, 1, 1, 1, 1, 1, 1]],
+                         ids=["one_prefill", "chunks_then_decodes", "decodes"])
+def test_sliding_window_backend_equals_dense(chunks, windowed):
     from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
     from pagedserve.worker.sliding_window import SlidingWindowAttention
 
@@ -184,7 +186,13 @@ def test_sliding_window_backend_equals_dense(chunks):
     for size in chunks:
         rows = slice(done, done + size)
         slots = table[torch.arange(done, done + size) // bs] * bs + torch.arange(done, done + size) % bs
-        if size == 1:
+        if size == 1 and windowed:  # the runner's layout for a sliding KV group: rows from the window on
+            first = max(0, done - window + 1) // bs
+            keys = first * bs + torch.arange((done // bs + 1 - first) * bs)
+            mask = torch.zeros(1, 1, 1, len(keys)).masked_fill((keys > done) | (keys <= done - window), float("-inf"))
+            meta = AttentionMetadata(slots, 1, table[None, first:done // bs + 1], torch.tensor([done + 1]), mask, [],
+                                     decode_windowed=True)
+        elif size == 1:
             span = (done // bs + 1) * bs
             mask = torch.zeros(1, 1, 1, span).masked_fill(torch.arange(span) > done, float("-inf"))
             meta = AttentionMetadata(slots, 1, table[None, :done // bs + 1], torch.tensor([done + 1]), mask, [])

@@ -27,6 +27,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decodes] tokens attended, the new one included
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive (0 / -inf)
     prefills: list[PrefillSeq]
+    # A sliding KV group's decodes: each table row starts at the block holding the window's first
+    # key (not block 0) and decode_mask already hides keys outside the window.
+    decode_windowed: bool = False
 
 
 class AttentionBackend(abc.ABC):

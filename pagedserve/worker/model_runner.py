@@ -68,7 +68,6 @@ class ModelRunner:
         pack_model(model, device, dtype)
         self.model = model.eval()
         self.kv: KVCache | None = None
-        self._decode_shared: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's decode lens, mask
         self.sampler = Sampler()
         self.requests = RequestStates()
         self.grammars = GrammarMatchers(model_path, model_config.vocab_size, eos_token_ids)
@@ -143,7 +142,9 @@ class ModelRunner:
             positions[start:start + n] = np.arange(c, c + n)
             start += n
         groups = self.kv.groups
-        metas = [self._group_meta(decodes, prefills, positions, g) for g in range(len(groups.layers))]
+        shared: dict[int, tuple] = {}  # window -> decode layout, built once for the groups sharing it
+        metas = [self._group_meta(decodes, prefills, positions, g, groups.windows[g], shared)
+                 for g in range(len(groups.layers))]
         if groups.hybrid:
             slot_of = groups.slot_of()
             meta = [metas[slot_of[layer][0]] for layer in range(len(slot_of))]
@@ -154,7 +155,11 @@ class ModelRunner:
         return (torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
                 meta, order, counts)
 
-    def _group_meta(self, decodes, prefills, positions: np.ndarray, group: int) -> AttentionMetadata:
+    def _group_meta(self, decodes, prefills, positions: np.ndarray, group: int, window: int,
+                    shared: dict[int, tuple]) -> AttentionMetadata:
+        """One KV group's metadata. A sliding group's decode rows hold only the blocks from the
+        one with the window's first key on, and their mask hides keys outside the window
+        (decode_windowed): the gather costs the window, not the sequence."""
         bs = self.block_size
         table_of = (lambda s: s.block_ids) if group == 0 else (lambda s: s.group_block_ids[group - 1])
         slots = np.empty(len(positions), dtype=np.int64)
@@ -162,20 +167,24 @@ class ModelRunner:
         decode_tables = decode_lens = decode_mask = None
         if num_decodes:
             pos = positions[:num_decodes]
-            max_blocks = int(pos.max()) // bs + 1
-            tables = np.zeros((num_decodes, max_blocks), dtype=np.int64)
-            for row, (s, _) in enumerate(decodes):
-                used = table_of(s)[:max_blocks]
-                tables[row, :len(used)] = used
-            slots[:num_decodes] = tables[np.arange(num_decodes), pos // bs] * bs + pos % bs
-            if group == 0:
+            if window not in shared:
+                first = np.maximum(0, pos - window + 1) // bs if window else np.zeros_like(pos)
+                width = int((pos // bs - first).max()) + 1
                 seq_lens = torch.from_numpy(pos + 1)
-                span = torch.arange(max_blocks * bs)
-                mask = torch.zeros(num_decodes, 1, 1, max_blocks * bs)
-                mask.masked_fill_((span[None, :] >= seq_lens[:, None]).view(num_decodes, 1, 1, -1), float("-inf"))
-                self._decode_shared = (seq_lens.to(self.device), mask.to(self.device))
+                keys = torch.from_numpy(first)[:, None] * bs + torch.arange(width * bs)[None, :]
+                hidden = keys >= seq_lens[:, None]
+                if window:
+                    hidden |= keys <= seq_lens[:, None] - 1 - window
+                mask = torch.zeros(num_decodes, 1, 1, width * bs)
+                mask.masked_fill_(hidden.view(num_decodes, 1, 1, -1), float("-inf"))
+                shared[window] = (first, width, seq_lens.to(self.device), mask.to(self.device))
+            first, width, decode_lens, decode_mask = shared[window]
+            tables = np.zeros((num_decodes, width), dtype=np.int64)
+            for row, (s, _) in enumerate(decodes):
+                used = table_of(s)[first[row]:first[row] + width]
+                tables[row, :len(used)] = used
+            slots[:num_decodes] = tables[np.arange(num_decodes), pos // bs - first] * bs + pos % bs
             decode_tables = torch.from_numpy(tables).to(self.device)
-            decode_lens, decode_mask = self._decode_shared  # group 0 comes first and builds them
         seqs, start = [], num_decodes
         for state, n in prefills:
             c = state.num_computed_tokens
@@ -185,7 +194,7 @@ class ModelRunner:
             seqs.append(PrefillSeq(start, n, c, torch.from_numpy(blocks).to(self.device)))
             start += n
         return AttentionMetadata(torch.from_numpy(slots).to(self.device), num_decodes, decode_tables, decode_lens,
-                                 decode_mask, seqs)
+                                 decode_mask, seqs, decode_windowed=bool(window))
 
     # ---- one step ------------------------------------------------------------------------
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:

@@ -38,6 +38,8 @@ class SlidingWindowAttention(TorchAttentionBackend):
         """meta with the decode mask also hiding keys older than the window (built once a step)."""
         if self._meta is meta:
             return self._windowed
+        if meta.decode_windowed:  # the runner laid the decodes out by the window already
+            return meta
         windowed = meta
         if meta.num_decodes:
             if self._mask is None or self._mask[0] is not meta.decode_mask:
