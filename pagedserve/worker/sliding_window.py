@@ -8,8 +8,11 @@ window (prefill) or masks the rest (decode), so entries of a block table that li
 the window are never relied on — the block manager releases them (their entries point at the null
 block, or at a block since given to another sequence: read only under the mask; docs/sliding_window.md).
 
-One instance per model, shared by its local layers; the windowed decode mask is built once per
-step (per decode mask: every KV group's metadata of a step shares it) and reused by every local layer.
+Decodes come in one of two layouts: with KV groups the model runner gives a sliding group's
+decodes table rows that start at the window's first block and a mask that already hides what lies
+outside the window (`meta.decode_windowed`), used as they are; otherwise (whole-table rows from
+block 0) the windowed mask is built here once per step (per decode mask) and reused by every local
+layer. One instance per model, shared by its local layers.
 """
 
 from __future__ import annotations
