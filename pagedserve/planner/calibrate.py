@@ -60,8 +60,10 @@ class StepMaker:
     requests one token further on, as a server's decodes run, beside a fresh prefill chunk (a new
     request's first chunk, as in serving). Each point's first step drops the previous point's."""
 
-    def __init__(self, block_size: int, num_blocks: int, vocab_size: int, max_reps: int = 8) -> None:
+    def __init__(self, block_size: int, num_blocks: int, vocab_size: int, max_reps: int = 8,
+                 num_kv_groups: int = 1) -> None:
         self.block_size, self.num_blocks, self.vocab = block_size, num_blocks, vocab_size
+        self.num_kv_groups = num_kv_groups  # a table per KV group (common/model_config.KVGroups)
         self.max_reps = max_reps
         self.next_block = 0
         self.step_id = 0
@@ -79,8 +81,9 @@ class StepMaker:
     def _request(self, num_cached: int, num_new: int, spare: int = 0) -> str:
         req_id = f"cal-{self.step_id}-{len(self.new)}"
         tokens = [(7 + 31 * i) % self.vocab for i in range(num_cached + num_new)]
-        self.new.append(NewRequestData(req_id, tokens, len(tokens), self.params,
-                                       self._blocks(len(tokens) + 1 + spare), num_cached))
+        tables = [self._blocks(len(tokens) + 1 + spare) for _ in range(self.num_kv_groups)]
+        self.new.append(NewRequestData(req_id, tokens, len(tokens), self.params, tables[0], num_cached,
+                                       group_block_ids=tables[1:]))
         self.scheduled[req_id] = num_new
         return req_id
 
@@ -149,7 +152,7 @@ def calibrate(args) -> Profile:
     points = grid_points(max_len, args.quick, max(budget, max(PREFILL_TOKENS)))
     pool = min(MAX_POOL_BLOCKS, default_blocks)
     runner.allocate_kv_cache(pool)
-    maker = StepMaker(bs, pool, mc.vocab_size, max_reps=args.repeats)
+    maker = StepMaker(bs, pool, mc.vocab_size, max_reps=args.repeats, num_kv_groups=len(mc.kv_groups().layers))
     print(f"calibrating {model_path.name} on {device.type} ({str(dtype).removeprefix('torch.')}): "
           f"{len(points)} step shapes x {args.repeats} runs", flush=True)
     samples, records = [], []
