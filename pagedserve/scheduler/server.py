@@ -26,6 +26,7 @@ from pagedserve.scheduler.subscriptions import DeltaFilter, Outbox, Subscription
 from pagedserve.scheduler.worker_client import WorkerGroup
 
 log = logging.getLogger("pagedserve.scheduler")
+_COMMANDS_ENDED = object()  # an Outbox "subscription": the Stream's command reader is done
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 
@@ -59,16 +60,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         outbox = Outbox(asyncio.get_running_loop())
         live: dict[int, tuple[Subscription, DeltaFilter]] = {}
         commands = asyncio.ensure_future(self._read_commands(request_iterator, outbox, live))
+        # The commands' end reaches the loop through the same outbox (after everything they
+        # posted): one await per step, not a Task and an asyncio.wait.
+        commands.add_done_callback(lambda task: outbox.post_here([(_COMMANDS_ENDED, task)]))
         try:
             while True:
-                batch = asyncio.ensure_future(outbox.next_batch())
-                await asyncio.wait([batch, commands], return_when=asyncio.FIRST_COMPLETED)
-                if not batch.done():
-                    batch.cancel()
-                    commands.result()  # the tokenizer closed its side (or the read failed): end
-                    return
                 out = scheduler_pb2.StepDeltas()
-                for sub, item in batch.result():
+                ended = None
+                for sub, item in await outbox.next_batch():
+                    if sub is _COMMANDS_ENDED:
+                        ended = item
+                        break
                     if sub is None:  # refused at submit
                         out.errors.append(item)
                         continue
@@ -81,11 +83,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         out.errors.append(error_message(sub.tag, sub.group_id, item))
                         self._leave(live, sub.tag)
                     else:
-                        out.deltas.extend(entry[1].deltas(*item))
+                        deltas = entry[1].deltas(*item)
+                        if deltas:
+                            out.deltas.extend(deltas)
                         if entry[1].done:
                             self._leave(live, sub.tag)
                 if out.deltas or out.errors:
                     yield out
+                if ended is not None:
+                    ended.result()  # the tokenizer closed its side (or the read failed): end
+                    return
         finally:
             commands.cancel()
             for tag in list(live):
