@@ -177,23 +177,29 @@ class RequestStream:
             log.warning("request %s: delta for sample %d of %d ignored", self.request_id, delta.index,
                         len(self.samples))
             return None, False
-        s = self.samples[delta.index]
-        s.received += len(delta.token_ids)
+        # Each field read once: every attribute read on a protobuf message is a lookup by name.
+        index, token_ids, reason = delta.index, delta.token_ids, delta.finish_reason
+        s = self.samples[index]
+        s.received += len(token_ids)
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)  # known once it is scheduled
         if s.finished:
             return None, False
-        text, used, stopped = s.text.push(delta.token_ids, final=bool(delta.finish_reason))
-        response = generate_pb2.GenerateResponse(request_id=self.request_id, index=delta.index, text=text,
-                                                 token_ids=delta.token_ids[:used])
-        if len(delta.logprobs) == len(delta.token_ids):
-            for lp in delta.logprobs[:used]:
+        text, used, stopped = s.text.push(token_ids, final=bool(reason))
+        finish = "stop" if stopped else reason
+        logprobs, prompt_logprobs = delta.logprobs, delta.prompt_logprobs
+        if not finish and not text and not used and not prompt_logprobs:
+            s.forwarded += used
+            return None, False  # nothing to say (a token held back whole)
+        response = generate_pb2.GenerateResponse(request_id=self.request_id, index=index, text=text,
+                                                 token_ids=token_ids[:used])
+        if len(logprobs) == len(token_ids):
+            for lp in logprobs[:used]:
                 self._add_logprob(response.logprobs.add(), lp)
-        if delta.prompt_logprobs:
-            self._add_prompt_logprobs(response, delta.prompt_logprobs)
+        if prompt_logprobs:
+            self._add_prompt_logprobs(response, prompt_logprobs)
         s.forwarded += used
-        finish = "stop" if stopped else delta.finish_reason
         if not finish:
-            return (response if response.text or response.token_ids or response.prompt_logprobs else None), False
+            return response, False
         s.finished = True
         response.finish_reason = finish
         response.usage.prompt_tokens = self.prompt_tokens
@@ -204,7 +210,7 @@ class RequestStream:
         response.timings.MergeFrom(delta.timings)
         response.timings.detokenized = time.time()
         # The scheduler still generates this sample only if it had not finished it itself.
-        return response, stopped and not delta.finish_reason
+        return response, stopped and not reason
 
     def _add_prompt_logprobs(self, response: generate_pb2.GenerateResponse, entries) -> None:
         """One entry per prompt token: the first has its token only (nothing predicts it)."""
