@@ -20,9 +20,15 @@ from pagedserve.v1 import generate_pb2
 DONE = "data: [DONE]\n\n"
 
 
+# json.dumps with any option builds a new encoder per call; one shared encoder writes the same
+# bytes (a JSONEncoder keeps no state between calls) for a fraction of the cost per chunk.
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse_event(data: dict, event_id: str | None = None) -> str:
-    head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    if event_id is None:
+        return f"data: {_ENCODE(data)}\n\n"
+    return f"id: {event_id}\ndata: {_ENCODE(data)}\n\n"
 
 
 class CancellingStream(StreamingResponse):
