@@ -30,40 +30,62 @@ class WorkerError(RuntimeError):
 
 
 class _StepStream:
-    """A bidi Step stream fed from a queue: send() then receive(), one message each per step. A
-    reader thread drains the responses so that receive() can give up after a deadline (a stopped
-    or hung rank never answers, and a plain next() on the stream would wait forever)."""
+    """A bidi Step stream fed from a queue: send() then receive(), one message each per step.
+    receive() reads the stream on the caller's thread (the step loop): no reader thread and no
+    second queue between the answer and the step, one thread hand-off fewer per step. A stopped or
+    hung rank is the _Watchdog's business: it cancels the stream, and receive() raises."""
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub) -> None:
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.responses = stub.Step(iter(self.outbox.get, _CLOSE))
-        threading.Thread(target=self._read, name="step-reader", daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for response in self.responses:
-                self.inbox.put(response)
-            self.inbox.put(StopIteration())
-        except grpc.RpcError as exc:
-            self.inbox.put(exc)
+        self.broken: BaseException | None = None  # the stream stays broken
 
     def send(self, message: worker_pb2.StepRequest) -> None:
         self.outbox.put(message)
 
-    def receive(self, timeout_s: float | None = None) -> worker_pb2.StepResult:
+    def receive(self) -> worker_pb2.StepResult:
+        if self.broken is not None:
+            raise self.broken
         try:
-            item = self.inbox.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError from None
-        if isinstance(item, BaseException):
-            self.inbox.put(item)  # the stream stays broken
-            raise item
-        return item
+            return next(self.responses)
+        except (grpc.RpcError, StopIteration) as exc:
+            self.broken = exc
+            raise
 
     def close(self) -> None:
         self.outbox.put(_CLOSE)
         self.responses.cancel()
+
+
+class _Watchdog:
+    """Cancels the Step streams of a step that outlives its deadline. The step loop arms and
+    disarms it with two plain assignments (no wake-up on the hot path); its thread polls a few times
+    per timeout, so a hung rank is noticed within timeout * 1.25."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.deadline: float | None = None
+        self.streams: list[_StepStream] = []
+        self.fired = False
+        self.closed = threading.Event()
+        threading.Thread(target=self._run, name="step-watchdog", daemon=True).start()
+
+    def arm(self, streams: list[_StepStream]) -> None:
+        self.fired = False
+        self.streams = streams
+        self.deadline = time.monotonic() + self.timeout_s
+
+    def disarm(self) -> None:
+        self.deadline = None
+
+    def _run(self) -> None:
+        while not self.closed.wait(min(1.0, self.timeout_s / 4)):
+            deadline, streams = self.deadline, self.streams
+            if deadline is not None and time.monotonic() > deadline:
+                self.fired = True
+                self.deadline = None
+                for stream in streams:
+                    stream.responses.cancel()
 
 
 class WorkerGroup:
@@ -72,6 +94,7 @@ class WorkerGroup:
             raise ValueError("at least one worker address is needed (--worker-addrs)")
         self.addresses = addresses
         self.step_timeout_s = step_timeout_s  # a step with no answer by then counts as a dead rank
+        self.watchdog = _Watchdog(step_timeout_s) if step_timeout_s else None
         self.channels = [internal_channel(a) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.streams: list[_StepStream] = []
@@ -112,18 +135,21 @@ class WorkerGroup:
         worker's own time (serialisation, the network, gRPC)."""
         message = wire.step_to_proto(step, self.session_id)
         started = time.perf_counter()
+        if self.watchdog is not None:
+            self.watchdog.arm(self.streams)
         try:
             for stream in self.streams:
                 stream.send(message)
-            deadline = None if self.step_timeout_s is None else started + self.step_timeout_s
-            results = [stream.receive(None if deadline is None else max(0.0, deadline - time.perf_counter()))
-                       for stream in self.streams]
-        except (grpc.RpcError, StopIteration, TimeoutError) as exc:
-            if isinstance(exc, TimeoutError):
+            results = [stream.receive() for stream in self.streams]
+        except (grpc.RpcError, StopIteration) as exc:
+            if self.watchdog is not None and self.watchdog.fired:
                 detail = f"no step result within {self.step_timeout_s:g} s (--step-timeout)"
             else:
                 detail = exc.details() if isinstance(exc, grpc.RpcError) else "the stream ended"
             raise WorkerError(f"a worker rank failed during step {step.step_id}: {detail}") from exc
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.disarm()
         elapsed = time.perf_counter() - started
         first = results[0]
         return wire.result_from_proto(first, wants_logprobs), max(0.0, elapsed - first.worker_time_s)
@@ -135,5 +161,7 @@ class WorkerGroup:
 
     def close(self) -> None:
         self.close_streams()
+        if self.watchdog is not None:
+            self.watchdog.closed.set()
         for channel in self.channels:
             channel.close()

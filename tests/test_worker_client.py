@@ -1,0 +1,102 @@
+"""The scheduler's worker client over real gRPC sockets: a step's answer is read on the step
+loop's own thread; a rank that never answers is cancelled by the watchdog within the step timeout
+(and says so); a rank that goes away fails the step at once, naming no timeout."""
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from pagedserve.common.grpc_util import free_port
+from pagedserve.common.messages import SchedulerOutput
+from pagedserve.scheduler.worker_client import WorkerError, WorkerGroup, _StepStream
+from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+
+
+class StepOnly(worker_pb2_grpc.WorkerServicer):
+    """Answers each step with an empty result, or holds it until the stream is cancelled."""
+
+    def __init__(self, answer: bool) -> None:
+        self.answer = answer
+        self.cancelled = threading.Event()
+
+    def Step(self, request_iterator, context):
+        context.add_callback(self.cancelled.set)
+        for request in request_iterator:
+            if not self.answer:
+                self.cancelled.wait(30)
+                return
+            yield worker_pb2.StepResult(step_id=request.step_id, worker_time_s=0.001)
+
+
+@pytest.fixture
+def rank():
+    def start(answer: bool):
+        servicer = StepOnly(answer)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        address = f"127.0.0.1:{free_port()}"
+        server.add_insecure_port(address)
+        server.start()
+        started.append(server)
+        return address, servicer, server
+
+    started = []
+    yield start
+    for server in started:
+        server.stop(0)
+
+
+def group_on(address: str, timeout_s: float | None) -> WorkerGroup:
+    group = WorkerGroup([address], step_timeout_s=timeout_s)
+    group.session_id = "s"
+    group.streams = [_StepStream(stub) for stub in group.stubs]  # what init_session opens
+    return group
+
+
+def empty_step(step_id: int) -> SchedulerOutput:
+    return SchedulerOutput(step_id=step_id, new_requests=[], cached_requests=[], num_scheduled_tokens={})
+
+
+def test_steps_are_answered_in_order(rank):
+    address, _, _ = rank(answer=True)
+    group = group_on(address, timeout_s=5.0)
+    try:
+        for step_id in range(1, 6):
+            result, overhead = group.step(empty_step(step_id), set())
+            assert result.step_id == step_id and overhead >= 0.0
+        assert group.watchdog.deadline is None and not group.watchdog.fired
+    finally:
+        group.close()
+
+
+def test_a_rank_that_never_answers_is_cancelled_at_the_step_timeout(rank):
+    address, servicer, _ = rank(answer=False)
+    group = group_on(address, timeout_s=0.4)
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerError, match=r"during step 7: no step result within 0.4 s \(--step-timeout\)"):
+            group.step(empty_step(7), set())
+        assert 0.4 <= time.monotonic() - started < 3.0
+        assert servicer.cancelled.wait(5)  # the worker side sees the stream end
+        with pytest.raises(WorkerError):  # the stream stays broken until a new session opens one
+            group.step(empty_step(8), set())
+    finally:
+        group.close()
+
+
+def test_a_rank_that_goes_away_fails_the_step_without_waiting_for_the_timeout(rank):
+    address, _, server = rank(answer=True)
+    group = group_on(address, timeout_s=30.0)
+    try:
+        group.step(empty_step(1), set())
+        server.stop(0)
+        started = time.monotonic()
+        with pytest.raises(WorkerError) as failure:
+            group.step(empty_step(2), set())
+        assert time.monotonic() - started < 10.0
+        assert "--step-timeout" not in str(failure.value)
+    finally:
+        group.close()
