@@ -34,6 +34,10 @@ DEQUANTIZE_CHUNK = 4096  # weight rows dequantized at a time on that path
 # scheme) flipped 3.3% of the default model's teacher-forced top-1 tokens against float32.
 PRECISE = True
 KERNEL_TYPES = {GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")}
+# Formats repacked at load into 16-row tiles for the decode kernel (kernels/cpu/quant_repack.cpp:
+# ~2.5x the block-at-a-time kernel at one row); the others stay as stored.
+REPACK_TYPES = {GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0")}
+REPACK = True
 
 
 @dataclass(slots=True)
@@ -74,18 +78,45 @@ class QuantizedTensor:
 
 class QuantizedWeight:
     """A layer's weight as one or more QuantizedTensors stacked by rows (q/k/v or gate/up parts
-    may come in different formats: a Q4_K_M file stores some V rows as Q6_K)."""
+    may come in different formats: a Q4_K_M file stores some V rows as Q6_K).
 
-    __slots__ = ("parts", "ops", "_blocks", "_qtypes")
+    When every part is Q4_0, Q4_1 or Q8_0 and the CPU has AVX-512 VNNI, the parts are repacked at
+    construction into 16-row interleaved tiles (kernels/cpu/quant_repack.cpp: the same bytes, so
+    no extra memory; the original blocks are dropped) and steps of up to DEQUANTIZE_ABOVE rows run
+    the repacked kernel; row lookups and the dequantized path unpack the rows they need."""
+
+    __slots__ = ("ops", "qtypes", "cols", "row_counts", "_blocks", "_qtypes", "_packed")
 
     def __init__(self, parts: list[QuantizedTensor], ops) -> None:
-        self.parts, self.ops = parts, ops
-        self._blocks = [p.blocks for p in parts]
+        self.ops = ops
+        self.qtypes = [p.qtype for p in parts]
+        self.cols = parts[0].cols
+        self.row_counts = [p.blocks.shape[0] for p in parts]
         self._qtypes = [int(p.qtype) for p in parts]
+        self._packed: list[torch.Tensor] | None = None
+        self._blocks: list[torch.Tensor] | None = [p.blocks for p in parts]
+        if REPACK and all(p.qtype in REPACK_TYPES for p in parts) and ops.repacked_kernel_available():
+            self._packed = [ops.repack_rows(p.blocks.contiguous(), int(p.qtype)) for p in parts]
+            self._blocks = None
+
+    @property
+    def repacked(self) -> bool:
+        return self._packed is not None
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() for b in self._blocks)
+        """The weight's bytes as stored in the file (what a step reads; the tiles' padding aside)."""
+        return sum(n * self.cols // GGML_QUANT_SIZES[q][0] * GGML_QUANT_SIZES[q][1]
+                   for n, q in zip(self.row_counts, self.qtypes))
+
+    def part_blocks(self, part: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The original blocks of part `part`'s rows `ids` (default: all), uint8 [rows, bytes]."""
+        if self._packed is None:
+            blocks = self._blocks[part]
+            return blocks if ids is None else blocks[ids]
+        if ids is None:
+            ids = torch.arange(self.row_counts[part])
+        return self.ops.unpack_rows(self._packed[part], self._qtypes[part], self.cols, ids)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -97,7 +128,11 @@ class QuantizedWeight:
             if bias is not None:
                 out += bias
             return out if dtype is None else out.to(dtype)
-        out = self.ops.quant_linear(x, self._blocks, self._qtypes, PRECISE)
+        if self._packed is not None and x.shape[0] <= DEQUANTIZE_ABOVE:
+            out = self.ops.repacked_linear(x, self._packed, self._qtypes, self.row_counts, PRECISE)
+        else:
+            out = self.ops.quant_linear(x, self._blocks or [self.part_blocks(i) for i in range(len(self._qtypes))],
+                                        self._qtypes, PRECISE)
         if bias is not None:
             out += bias
         return out.to(dtype or x.dtype)
@@ -108,26 +143,29 @@ class QuantizedWeight:
         more than the matmul; chunks of a few MB are recycled by the allocator."""
         bf16 = x.dtype == torch.bfloat16
         outs = []
-        for p in self.parts:
-            for start in range(0, p.blocks.shape[0], DEQUANTIZE_CHUNK):
-                w = self.ops.dequantize_rows(p.blocks[start:start + DEQUANTIZE_CHUNK], int(p.qtype), p.cols, bf16)
+        for i, (rows, qtype) in enumerate(zip(self.row_counts, self._qtypes)):
+            for start in range(0, rows, DEQUANTIZE_CHUNK):
+                ids = torch.arange(start, min(rows, start + DEQUANTIZE_CHUNK))
+                blocks = self._blocks[i][start:start + DEQUANTIZE_CHUNK] if self._packed is None \
+                    else self.part_blocks(i, ids)
+                w = self.ops.dequantize_rows(blocks, qtype, self.cols, bf16)
                 outs.append(F.linear(x, w))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         bf16 = dtype == torch.bfloat16
-        parts = [self.ops.dequantize_rows(p.blocks, int(p.qtype), p.cols, bf16) for p in self.parts]
+        parts = [self.ops.dequantize_rows(self.part_blocks(i), q, self.cols, bf16) for i, q in enumerate(self._qtypes)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The weight rows `ids` in float (an embedding lookup; one part only)."""
-        (part,) = self.parts
-        rows = self.ops.dequantize_rows(part.blocks[ids.reshape(-1)], int(part.qtype), part.cols,
-                                        dtype == torch.bfloat16)
-        return rows.to(dtype).reshape(*ids.shape, part.cols)
+        (qtype,) = self._qtypes
+        blocks = self.part_blocks(0, ids.reshape(-1))
+        rows = self.ops.dequantize_rows(blocks, qtype, self.cols, dtype == torch.bfloat16)
+        return rows.to(dtype).reshape(*ids.shape, self.cols)
 
     def describe(self) -> Counter:
-        return Counter(p.qtype.name for p in self.parts)
+        return Counter(q.name for q in self.qtypes)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantizedTensor:

@@ -13,6 +13,11 @@ void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const a
 at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& qtypes,
                         bool precise);
 at::Tensor dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t cols, bool bfloat16);
+at::Tensor repack_rows(const at::Tensor& w, int64_t qtype);
+at::Tensor unpack_rows(const at::Tensor& packed, int64_t qtype, int64_t cols, const at::Tensor& ids);
+at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& packed, const std::vector<int64_t>& qtypes,
+                           const std::vector<int64_t>& rows, bool precise);
+bool repacked_kernel_available();
 }  // namespace pagedserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -27,5 +32,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weights"), py::arg("qtypes"), py::arg("precise") = false);
   m.def("dequantize_rows", &pagedserve::dequantize_rows, "GGUF blocks uint8 [N, bytes] -> [N, cols] float32 (or bfloat16)",
         py::arg("w"), py::arg("qtype"), py::arg("cols"), py::arg("bfloat16") = false);
+  m.def("repack_rows", &pagedserve::repack_rows,
+        "GGUF blocks uint8 [N, bytes] (Q4_0/Q4_1/Q8_0) -> 16-row interleaved tiles [ceil(N/16), 16 * bytes]");
+  m.def("unpack_rows", &pagedserve::unpack_rows, "the original blocks of rows `ids` of a repacked weight");
+  m.def("repacked_linear", &pagedserve::repacked_linear,
+        "x [M<=8, K] @ concat(weights).T in float32 on repacked weights (rows[i] rows each)",
+        py::arg("x"), py::arg("packed"), py::arg("qtypes"), py::arg("rows"), py::arg("precise") = false);
+  m.def("repacked_kernel_available", &pagedserve::repacked_kernel_available,
+        "whether repacked_linear was compiled (AVX-512 VNNI)");
   m.def("rotary_inplace", &pagedserve::rotary_inplace, "rotate-half rotary embedding of q and k in place");
 }
