@@ -1,0 +1,106 @@
+"""The repacked decode kernel (kernels/cpu/quant_repack.cpp) against dequantize-then-matmul
+(gguf.quants' dequantization, the reference of tests/test_quant_kernels.py), on random blocks and
+odd shapes: row counts that are not multiples of the 16-row tile, 1..8 activation rows, mixed
+parts. Tolerances as there: every output's error under 1% of |x_m| |w_n| with one int8 rounding
+of the activation, under 0.01% with two (precise). Repacking is lossless: unpack_rows gives the
+original blocks back, and QuantizedWeight over repacked parts agrees with the unrepacked one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from test_quant_kernels import TOLERANCE, random_blocks, reference_weight
+
+from pagedserve.kernels import cpu_ops
+from pagedserve.worker import quantized
+from pagedserve.worker.quantized import QuantizedTensor, QuantizedWeight
+
+ops = cpu_ops.load()
+pytestmark = pytest.mark.skipif(ops is None or not ops.repacked_kernel_available(),
+                                reason="no C++ compiler or no AVX-512 VNNI here")
+
+FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def qtype(fmt: str) -> int:
+    return int(GGMLQuantizationType[fmt])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 53])
+def test_unpack_gives_back_the_original_blocks(fmt, n):
+    rng = np.random.default_rng(n)
+    blocks = torch.from_numpy(random_blocks(fmt, n, 224, rng))
+    packed = ops.repack_rows(blocks, qtype(fmt))
+    assert packed.shape[0] == (n + 15) // 16 and packed.shape[1] == 16 * blocks.shape[1]  # the same bytes per row
+    assert torch.equal(ops.unpack_rows(packed, qtype(fmt), 224, torch.arange(n)), blocks)
+    ids = torch.from_numpy(rng.integers(0, n, 9))
+    assert torch.equal(ops.unpack_rows(packed, qtype(fmt), 224, ids), blocks[ids])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows, n", [(1, 1), (1, 37), (2, 16), (3, 50), (5, 9), (8, 33)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("precise", [False, True])
+def test_repacked_linear_matches_dequantized_matmul(fmt, rows, n, dtype, precise):
+    rng = np.random.default_rng(rows * 100 + n)
+    cols = 160  # 5 blocks of 32: an odd count (the kernel alternates two accumulators)
+    blocks = random_blocks(fmt, n, cols, rng)
+    weight = reference_weight(fmt, blocks, cols).double()
+    x = (torch.from_numpy(rng.standard_normal((rows, cols))).float() * 2).to(dtype)
+    packed = ops.repack_rows(torch.from_numpy(blocks), qtype(fmt))
+    got = ops.repacked_linear(x, [packed], [qtype(fmt)], [n], precise)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    ideal = x.double() @ weight.T
+    norms = x.double().norm(dim=1, keepdim=True) * weight.norm(dim=1)
+    assert ((got.double() - ideal).abs() / norms).max().item() <= TOLERANCE[precise]
+    # the block-at-a-time kernel rounds the activation the same way: the same sums to float rounding
+    old = ops.quant_linear(x, [torch.from_numpy(blocks)], [qtype(fmt)], precise)
+    assert torch.allclose(got, old, rtol=1e-4, atol=1e-4 * norms.max().item())
+
+
+def test_parts_of_mixed_formats_fill_consecutive_columns():
+    rng = np.random.default_rng(2)
+    cols = 96
+    parts = [("Q4_1", 21), ("Q8_0", 5), ("Q4_0", 16), ("Q4_1", 3)]
+    blocks = [torch.from_numpy(random_blocks(fmt, n, cols, rng)) for fmt, n in parts]
+    packed = [ops.repack_rows(b, qtype(fmt)) for b, (fmt, _) in zip(blocks, parts)]
+    x = torch.randn(4, cols)
+    got = ops.repacked_linear(x, packed, [qtype(f) for f, _ in parts], [n for _, n in parts], True)
+    each = [ops.repacked_linear(x, [p], [qtype(f)], [n], True) for p, (f, n) in zip(packed, parts)]
+    assert torch.equal(got, torch.cat(each, dim=1))
+
+
+def test_bad_shapes_are_named():
+    blocks = torch.zeros(20, 20, dtype=torch.uint8)
+    packed = ops.repack_rows(blocks, qtype("Q4_1"))
+    with pytest.raises(RuntimeError, match="does not hold"):
+        ops.repacked_linear(torch.zeros(1, 64), [packed], [qtype("Q4_1")], [20])
+    with pytest.raises(RuntimeError, match="up to 8 rows"):
+        ops.repacked_linear(torch.zeros(9, 32), [packed], [qtype("Q4_1")], [20])
+    with pytest.raises(RuntimeError, match="no repacked kernel"):
+        ops.repack_rows(blocks, qtype("Q4_K"))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 12])  # the repacked kernel, and the dequantized path above 8 rows
+def test_quantized_weight_repacked_equals_unrepacked(rows, monkeypatch):
+    rng = np.random.default_rng(rows)
+    cols = 128
+    parts = [QuantizedTensor(torch.from_numpy(random_blocks(f, n, cols, rng)), GGMLQuantizationType[f], cols)
+             for f, n in [("Q4_1", 19), ("Q8_0", 7)]]
+    packed = QuantizedWeight(parts, ops)
+    monkeypatch.setattr(quantized, "REPACK", False)
+    plain = QuantizedWeight(parts, ops)
+    assert packed.repacked and not plain.repacked and packed.nbytes == plain.nbytes
+    x = torch.randn(rows, cols)
+    ref = plain.linear(x)
+    assert torch.allclose(packed.linear(x), ref, rtol=1e-4, atol=1e-3 * ref.abs().max().item())
+    assert torch.equal(packed.dense(torch.float32), plain.dense(torch.float32))
+    head = QuantizedWeight(parts[:1], ops)  # one part: an embedding's row lookup
+    ids = torch.tensor([[3, 0], [18, 7]])
+    monkeypatch.setattr(quantized, "REPACK", True)
+    assert QuantizedWeight(parts[:1], ops).repacked
+    assert torch.equal(QuantizedWeight(parts[:1], ops).rows(ids, torch.float32), head.rows(ids, torch.float32))
