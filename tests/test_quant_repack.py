@@ -104,3 +104,17 @@ def test_quantized_weight_repacked_equals_unrepacked(rows, monkeypatch):
     monkeypatch.setattr(quantized, "REPACK", True)
     assert QuantizedWeight(parts[:1], ops).repacked
     assert torch.equal(QuantizedWeight(parts[:1], ops).rows(ids, torch.float32), head.rows(ids, torch.float32))
+
+
+def test_whole_tiles_are_repacked_in_the_blocks_own_storage():
+    rng = np.random.default_rng(3)
+    cols = 64
+    blocks = torch.from_numpy(random_blocks("Q4_1", 32, cols, rng).copy())
+    original = blocks.clone()
+    weight = QuantizedWeight([QuantizedTensor(blocks, GGMLQuantizationType.Q4_1, cols)], ops)
+    assert weight.repacked and weight._packed[0].data_ptr() == blocks.data_ptr()  # no second copy
+    assert torch.equal(weight.part_blocks(0), original)
+    view = torch.from_numpy(random_blocks("Q4_1", 48, cols, rng).copy())[16:]  # a view: left alone
+    kept = view.clone()
+    QuantizedWeight([QuantizedTensor(view, GGMLQuantizationType.Q4_1, cols)], ops)
+    assert torch.equal(view, kept)

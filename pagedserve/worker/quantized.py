@@ -96,7 +96,7 @@ class QuantizedWeight:
         self._packed: list[torch.Tensor] | None = None
         self._blocks: list[torch.Tensor] | None = [p.blocks for p in parts]
         if REPACK and all(p.qtype in REPACK_TYPES for p in parts) and ops.repacked_kernel_available():
-            self._packed = [ops.repack_rows(p.blocks.contiguous(), int(p.qtype)) for p in parts]
+            self._packed = [_repack(ops, p) for p in parts]
             self._blocks = None
 
     @property
@@ -166,6 +166,20 @@ class QuantizedWeight:
 
     def describe(self) -> Counter:
         return Counter(q.name for q in self.qtypes)
+
+
+def _repack(ops, part: QuantizedTensor) -> torch.Tensor:
+    """The part's tiles; when its rows fill whole tiles (every SmolLM2/Llama shape) they are written
+    back into the blocks' own storage, so the load ends with no more memory than it started with
+    (freed copies of a few MB each would stay in the allocator's heap, ~30 MiB of RSS). Only a
+    tensor that owns its storage is overwritten: a layer's blocks belong to that layer alone."""
+    blocks = part.blocks.contiguous()
+    packed = ops.repack_rows(blocks, int(part.qtype))
+    owns_storage = blocks.storage_offset() == 0 and blocks.untyped_storage().nbytes() == blocks.numel()
+    if not owns_storage or packed.numel() != blocks.numel():  # a view into a shared tensor, or padding
+        return packed
+    blocks.view(-1).copy_(packed.view(-1))
+    return blocks.view(packed.shape)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantizedTensor:
