@@ -118,3 +118,14 @@ def test_whole_tiles_are_repacked_in_the_blocks_own_storage():
     kept = view.clone()
     QuantizedWeight([QuantizedTensor(view, GGMLQuantizationType.Q4_1, cols)], ops)
     assert torch.equal(view, kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bfloat16_output_is_the_float_output_rounded(dtype):
+    rng = np.random.default_rng(4)
+    blocks = torch.from_numpy(random_blocks("Q4_1", 45, 96, rng))
+    packed = ops.repack_rows(blocks, qtype("Q4_1"))
+    x = torch.randn(3, 96).to(dtype)
+    full = ops.repacked_linear(x, [packed], [qtype("Q4_1")], [45], True)
+    half = ops.repacked_linear(x, [packed], [qtype("Q4_1")], [45], True, True)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, full.to(torch.bfloat16))

@@ -16,7 +16,7 @@ at::Tensor dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t cols, boo
 at::Tensor repack_rows(const at::Tensor& w, int64_t qtype);
 at::Tensor unpack_rows(const at::Tensor& packed, int64_t qtype, int64_t cols, const at::Tensor& ids);
 at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& packed, const std::vector<int64_t>& qtypes,
-                           const std::vector<int64_t>& rows, bool precise);
+                           const std::vector<int64_t>& rows, bool precise, bool bf16_out);
 bool repacked_kernel_available();
 }  // namespace pagedserve
 
@@ -36,8 +36,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "GGUF blocks uint8 [N, bytes] (Q4_0/Q4_1/Q8_0) -> 16-row interleaved tiles [ceil(N/16), 16 * bytes]");
   m.def("unpack_rows", &pagedserve::unpack_rows, "the original blocks of rows `ids` of a repacked weight");
   m.def("repacked_linear", &pagedserve::repacked_linear,
-        "x [M<=8, K] @ concat(weights).T in float32 on repacked weights (rows[i] rows each)",
-        py::arg("x"), py::arg("packed"), py::arg("qtypes"), py::arg("rows"), py::arg("precise") = false);
+        "x [M<=8, K] @ concat(weights).T in float32 (or bfloat16) on repacked weights (rows[i] rows each)",
+        py::arg("x"), py::arg("packed"), py::arg("qtypes"), py::arg("rows"), py::arg("precise") = false,
+        py::arg("bf16_out") = false);
   m.def("repacked_kernel_available", &pagedserve::repacked_kernel_available,
         "whether repacked_linear was compiled (AVX-512 VNNI)");
   m.def("rotary_inplace", &pagedserve::rotary_inplace, "rotate-half rotary embedding of q and k in place");

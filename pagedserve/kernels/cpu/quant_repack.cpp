@@ -19,6 +19,7 @@
 // merged weight in one range), each writing only its own output columns.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <cstring>
@@ -70,16 +71,23 @@ inline void unpack_block(int64_t qtype, const uint8_t* t, uint8_t* b, int r) {
 // The activation rows rounded to int8 per 32 values: q (and q2, the rounding error in steps of
 // 1/256, when precise), the float scale per block (scale / 256 when precise), the exact float
 // sum per block and the integer sum of the rounded values (256 * sum(q) + sum(q2) when precise).
+struct Out {  // the output rows: float32, or bfloat16 (the model's dtype: no conversion after)
+  void* p;
+  bool bf16;
+};
+
 struct Activation {
   std::vector<int8_t> q, q2;
   std::vector<float> scale, sum;
   std::vector<int32_t> isum;
 };
 
-void quantize_activation(const float* x, int64_t n, bool precise, Activation& a) {
+template <typename scalar_t>
+void quantize_activation(const scalar_t* x, int64_t n, bool precise, Activation& a) {
   a.q.resize(n), a.q2.resize(precise ? n : 0), a.scale.resize(n / 32), a.sum.resize(n / 32), a.isum.resize(n / 32);
   for (int64_t i = 0; i < n / 32; ++i) {
-    const float* v = x + 32 * i;
+    float v[32];
+    for (int j = 0; j < 32; ++j) v[j] = static_cast<float>(x[32 * i + j]);
     int8_t* q = a.q.data() + 32 * i;
     float amax = 0.f, sum = 0.f;
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(v[j])), sum += v[j];
@@ -146,7 +154,7 @@ inline __m512i tile_dot(const __m512i* w, const int8_t* xq, const int8_t* xq2) {
 
 // out[i, col0 + 16 g + r] for M activation rows and the `valid` rows of one group.
 template <int64_t T, int M, bool P>
-void group_rows(const uint8_t* tiles, int64_t blocks, const Activation& a, int64_t cols, float* out,
+void group_rows(const uint8_t* tiles, int64_t blocks, const Activation& a, int64_t cols, Out out,
                 int64_t out_stride, int64_t col0, int valid) {
   constexpr int64_t tile = kRows * (T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34);
   constexpr int quants = T == Q8_0 ? 8 * 64 : 4 * 64;
@@ -191,11 +199,26 @@ void group_rows(const uint8_t* tiles, int64_t blocks, const Activation& a, int64
   }
   const __mmask16 mask = valid >= kRows ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
 #pragma GCC unroll 8
-  for (int i = 0; i < M; ++i) _mm512_mask_storeu_ps(out + i * out_stride + col0, mask, _mm512_add_ps(acc[i], acc2[i]));
+  for (int i = 0; i < M; ++i) {
+    const __m512 v = _mm512_add_ps(acc[i], acc2[i]);
+    if (out.bf16) {  // rounded to nearest even, as c10's conversion
+#ifdef __AVX512BF16__
+      const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else
+      const __m512i bits = _mm512_castps_si512(v);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      const __m256i h = _mm512_cvtepi32_epi16(
+          _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+#endif
+      _mm256_mask_storeu_epi16(static_cast<c10::BFloat16*>(out.p) + i * out_stride + col0, mask, h);
+    } else {
+      _mm512_mask_storeu_ps(static_cast<float*>(out.p) + i * out_stride + col0, mask, v);
+    }
+  }
 }
 
 template <int64_t T, bool P>
-void group_dispatch(int64_t m, const uint8_t* tiles, int64_t blocks, const Activation& a, int64_t cols, float* out,
+void group_dispatch(int64_t m, const uint8_t* tiles, int64_t blocks, const Activation& a, int64_t cols, Out out,
                     int64_t out_stride, int64_t col0, int valid) {
   switch (m) {
     case 1: return group_rows<T, 1, P>(tiles, blocks, a, cols, out, out_stride, col0, valid);
@@ -211,7 +234,7 @@ void group_dispatch(int64_t m, const uint8_t* tiles, int64_t blocks, const Activ
 }
 
 void run_group(int64_t qtype, bool precise, int64_t m, const uint8_t* tiles, int64_t blocks, const Activation& a,
-               int64_t cols, float* out, int64_t out_stride, int64_t col0, int valid) {
+               int64_t cols, Out out, int64_t out_stride, int64_t col0, int valid) {
 #define PAGEDSERVE_REPACK_CASE(T)                                                                         \
   case T: return precise ? group_dispatch<T, true>(m, tiles, blocks, a, cols, out, out_stride, col0, valid) \
                          : group_dispatch<T, false>(m, tiles, blocks, a, cols, out, out_stride, col0, valid);
@@ -277,10 +300,10 @@ at::Tensor unpack_rows(const at::Tensor& packed, int64_t qtype, int64_t cols, co
   return out;
 }
 
-// x [M, K] (M <= 8; float or bfloat16) @ concat(weights).T -> float32 [M, sum rows_i]; packed[i]
-// holds rows[i] weight rows repacked from `qtypes[i]` blocks.
+// x [M, K] (M <= 8; float or bfloat16) @ concat(weights).T -> float32 (bf16_out: bfloat16)
+// [M, sum rows_i]; packed[i] holds rows[i] weight rows repacked from `qtypes[i]` blocks.
 at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& packed, const std::vector<int64_t>& qtypes,
-                           const std::vector<int64_t>& rows, bool precise) {
+                           const std::vector<int64_t>& rows, bool precise, bool bf16_out) {
   TORCH_CHECK(x.dim() == 2 && packed.size() == qtypes.size() && packed.size() == rows.size() && !packed.empty(),
               "x: [M, K]; one qtype and row count per weight");
   const int64_t m = x.size(0), cols = x.size(1);
@@ -296,13 +319,14 @@ at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& p
     starts.push_back(total), group_starts.push_back(groups);
     total += rows[i], groups += packed[i].size(0);
   }
-  auto out = at::empty({m, total}, x.options().dtype(at::kFloat));
+  auto out = at::empty({m, total}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (m == 0 || total == 0) return out;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kFloat).contiguous();
   thread_local Activation reused;  // no allocation per call once warm
   Activation& act = reused;  // the workers must read this thread's instance, not their own
-  quantize_activation(xf.data_ptr<float>(), m * cols, precise, act);
-  float* dst = out.data_ptr<float>();
+  if (xc.scalar_type() == at::kBFloat16) quantize_activation(xc.data_ptr<c10::BFloat16>(), m * cols, precise, act);
+  else quantize_activation(xc.data_ptr<float>(), m * cols, precise, act);
+  const Out dst{out.data_ptr(), bf16_out};
   // One contiguous run of groups per thread across all parts (at::parallel_for gives each thread
   // one chunk); a grain of 4 groups keeps tiny weights on one thread.
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
