@@ -25,9 +25,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "none", "int8")
-# More rows than this (prefill chunks, batches of over 8 sequences) dequantize and run oneDNN's
-# float matmul: there the arithmetic, not the weight bytes, bounds a step, and the int8 kernel's
-# per-block scaling costs ~3x oneDNN's bfloat16 at 64 rows (docs/performance.md).
+# Weights that are not repacked (Q5_0, Q4_K, Q6_K): more rows than this (prefill chunks, batches of
+# over 8 sequences) dequantize and run oneDNN's float matmul: there the arithmetic, not the weight
+# bytes, bounds a step, and the block kernel's per-block scaling costs ~3x oneDNN's bfloat16 at 64
+# rows (docs/performance.md). The repacked kernel needs no such switch.
 DEQUANTIZE_ABOVE = 8
 DEQUANTIZE_CHUNK = 4096  # weight rows dequantized at a time on that path
 # The activation rounded to int8 twice (the rounding error again): one rounding (llama.cpp's q8
@@ -82,8 +83,8 @@ class QuantizedWeight:
 
     When every part is Q4_0, Q4_1 or Q8_0 and the CPU has AVX-512 VNNI, the parts are repacked at
     construction into 16-row interleaved tiles (kernels/cpu/quant_repack.cpp: the same bytes, so
-    no extra memory; the original blocks are dropped) and steps of up to DEQUANTIZE_ABOVE rows run
-    the repacked kernel; row lookups and the dequantized path unpack the rows they need."""
+    no extra memory; the original blocks are dropped) and every matmul, decode or prefill, runs the
+    repacked kernel; row lookups (the embedding, the LM head's re-scoring) unpack the rows they need."""
 
     __slots__ = ("ops", "qtypes", "cols", "row_counts", "_blocks", "_qtypes", "_packed")
 
@@ -120,15 +121,16 @@ class QuantizedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [rows, cols] @ weight.T (+ bias), in `dtype` (default x's). Up to DEQUANTIZE_ABOVE rows the
-        kernel reads the blocks (a decode step: memory-bound); more rows (prefill, big batches:
-        compute-bound) dequantize the weight to x's dtype and run the float matmul (oneDNN)."""
-        if x.shape[0] > DEQUANTIZE_ABOVE and x.dtype in (torch.float32, torch.bfloat16):
+        """x [rows, cols] @ weight.T (+ bias), in `dtype` (default x's). Repacked weights: the repacked
+        kernel at any row count. Others: up to DEQUANTIZE_ABOVE rows the block kernel reads the blocks
+        (a decode step: memory-bound); more rows (prefill, big batches: compute-bound) dequantize the
+        weight to x's dtype and run the float matmul (oneDNN)."""
+        if self._packed is None and x.shape[0] > DEQUANTIZE_ABOVE and x.dtype in (torch.float32, torch.bfloat16):
             out = self._dequantized_linear(x)
             if bias is not None:
                 out += bias
             return out if dtype is None else out.to(dtype)
-        if self._packed is not None and x.shape[0] <= DEQUANTIZE_ABOVE:
+        if self._packed is not None:  # any row count: it beat the dequantized matmul at 8..128 rows
             # bfloat16 out of the kernel itself when that is what the caller keeps (no bias to add
             # in float first): a conversion op per call is ~5% of a decode step's matmul time
             bf16 = (dtype or x.dtype) == torch.bfloat16 and bias is None
@@ -136,8 +138,7 @@ class QuantizedWeight:
             if bf16:
                 return out
         else:
-            out = self.ops.quant_linear(x, self._blocks or [self.part_blocks(i) for i in range(len(self._qtypes))],
-                                        self._qtypes, PRECISE)
+            out = self.ops.quant_linear(x, self._blocks, self._qtypes, PRECISE)
         if bias is not None:
             out += bias
         return out.to(dtype or x.dtype)
@@ -148,12 +149,9 @@ class QuantizedWeight:
         more than the matmul; chunks of a few MB are recycled by the allocator."""
         bf16 = x.dtype == torch.bfloat16
         outs = []
-        for i, (rows, qtype) in enumerate(zip(self.row_counts, self._qtypes)):
-            for start in range(0, rows, DEQUANTIZE_CHUNK):
-                ids = torch.arange(start, min(rows, start + DEQUANTIZE_CHUNK))
-                blocks = self._blocks[i][start:start + DEQUANTIZE_CHUNK] if self._packed is None \
-                    else self.part_blocks(i, ids)
-                w = self.ops.dequantize_rows(blocks, qtype, self.cols, bf16)
+        for blocks, qtype in zip(self._blocks, self._qtypes):  # not repacked: they never come here
+            for start in range(0, blocks.shape[0], DEQUANTIZE_CHUNK):
+                w = self.ops.dequantize_rows(blocks[start:start + DEQUANTIZE_CHUNK], qtype, self.cols, bf16)
                 outs.append(F.linear(x, w))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 

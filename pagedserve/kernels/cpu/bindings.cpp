@@ -36,7 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "GGUF blocks uint8 [N, bytes] (Q4_0/Q4_1/Q8_0) -> 16-row interleaved tiles [ceil(N/16), 16 * bytes]");
   m.def("unpack_rows", &pagedserve::unpack_rows, "the original blocks of rows `ids` of a repacked weight");
   m.def("repacked_linear", &pagedserve::repacked_linear,
-        "x [M<=8, K] @ concat(weights).T in float32 (or bfloat16) on repacked weights (rows[i] rows each)",
+        "x [M, K] @ concat(weights).T in float32 (or bfloat16) on repacked weights (rows[i] rows each)",
         py::arg("x"), py::arg("packed"), py::arg("qtypes"), py::arg("rows"), py::arg("precise") = false,
         py::arg("bf16_out") = false);
   m.def("repacked_kernel_available", &pagedserve::repacked_kernel_available,
