@@ -127,3 +127,11 @@ def test_bfloat16_output_is_the_float_output_rounded(dtype):
     full = ops.repacked_linear(x, [packed], [qtype("Q4_1")], [45], True)
     half = ops.repacked_linear(x, [packed], [qtype("Q4_1")], [45], True, True)
     assert half.dtype == torch.bfloat16 and torch.equal(half, full.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_in_place_repack_equals_the_copy(fmt):
+    blocks = torch.from_numpy(random_blocks(fmt, 48, 96, np.random.default_rng(5)))
+    packed = ops.repack_rows(blocks, qtype(fmt))
+    ops.repack_rows_(blocks, qtype(fmt))
+    assert torch.equal(blocks.view(packed.shape), packed)

@@ -172,17 +172,16 @@ class QuantizedWeight:
 
 
 def _repack(ops, part: QuantizedTensor) -> torch.Tensor:
-    """The part's tiles; when its rows fill whole tiles (every SmolLM2/Llama shape) they are written
-    back into the blocks' own storage, so the load ends with no more memory than it started with
-    (freed copies of a few MB each would stay in the allocator's heap, ~30 MiB of RSS). Only a
-    tensor that owns its storage is overwritten: a layer's blocks belong to that layer alone."""
+    """The part's tiles. When its rows fill whole tiles (every SmolLM2/Llama shape) they are made in
+    the blocks' own storage, a group at a time: a fresh copy per weight (freed originals of a few MB
+    each stay in the allocator's heap) cost ~30 MiB of RSS. Only a tensor that owns its storage is
+    overwritten: a layer's blocks belong to that layer alone."""
     blocks = part.blocks.contiguous()
-    packed = ops.repack_rows(blocks, int(part.qtype))
     owns_storage = blocks.storage_offset() == 0 and blocks.untyped_storage().nbytes() == blocks.numel()
-    if not owns_storage or packed.numel() != blocks.numel():  # a view into a shared tensor, or padding
-        return packed
-    blocks.view(-1).copy_(packed.view(-1))
-    return blocks.view(packed.shape)
+    if not owns_storage or blocks.shape[0] % 16:  # a view into a shared tensor, or a padded last tile
+        return ops.repack_rows(blocks, int(part.qtype))
+    ops.repack_rows_(blocks, int(part.qtype))
+    return blocks.view(blocks.shape[0] // 16, -1)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantizedTensor:

@@ -14,6 +14,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
                         bool precise);
 at::Tensor dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t cols, bool bfloat16);
 at::Tensor repack_rows(const at::Tensor& w, int64_t qtype);
+void repack_rows_(at::Tensor& w, int64_t qtype);
 at::Tensor unpack_rows(const at::Tensor& packed, int64_t qtype, int64_t cols, const at::Tensor& ids);
 at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& packed, const std::vector<int64_t>& qtypes,
                            const std::vector<int64_t>& rows, bool precise, bool bf16_out);
@@ -34,6 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("qtype"), py::arg("cols"), py::arg("bfloat16") = false);
   m.def("repack_rows", &pagedserve::repack_rows,
         "GGUF blocks uint8 [N, bytes] (Q4_0/Q4_1/Q8_0) -> 16-row interleaved tiles [ceil(N/16), 16 * bytes]");
+  m.def("repack_rows_", &pagedserve::repack_rows_, "repack_rows in the blocks' own storage (N a multiple of 16)");
   m.def("unpack_rows", &pagedserve::unpack_rows, "the original blocks of rows `ids` of a repacked weight");
   m.def("repacked_linear", &pagedserve::repacked_linear,
         "x [M, K] @ concat(weights).T in float32 (or bfloat16) on repacked weights (rows[i] rows each)",

@@ -279,6 +279,26 @@ at::Tensor repack_rows(const at::Tensor& w, int64_t qtype) {
   return out;
 }
 
+// The same, in the blocks' own storage (N a multiple of 16: group g's tiles take the bytes its 16
+// rows took), through a 16-row buffer per group: no second copy of the weight, even for a moment.
+void repack_rows_(at::Tensor& w, int64_t qtype) {
+  const int64_t bytes = block_bytes(qtype);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) % bytes == 0 &&
+                  w.size(0) % kRows == 0, "weight blocks: contiguous uint8 [N, bytes], N a multiple of 16");
+  const int64_t row_bytes = w.size(1), blocks = row_bytes / bytes;
+  uint8_t* data = w.data_ptr<uint8_t>();
+  at::parallel_for(0, w.size(0) / kRows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> rows(kRows * row_bytes);
+    for (int64_t g = begin; g < end; ++g) {
+      uint8_t* group = data + g * kRows * row_bytes;
+      std::memcpy(rows.data(), group, rows.size());
+      for (int r = 0; r < kRows; ++r)
+        for (int64_t b = 0; b < blocks; ++b)
+          pack_block(qtype, rows.data() + r * row_bytes + b * bytes, group + b * kRows * bytes, r);
+    }
+  });
+}
+
 // The original blocks of rows `ids` (int64) of a repacked weight: uint8 [len(ids), K / 32 * bytes].
 at::Tensor unpack_rows(const at::Tensor& packed, int64_t qtype, int64_t cols, const at::Tensor& ids) {
   const int64_t bytes = block_bytes(qtype), blocks = cols / 32;
