@@ -134,7 +134,9 @@ def start_services(args, model_path):
 
     return start_stack(StackConfig(
         model=str(model_path), port=free_port(), grpc_port=free_port(), redis_url=args.redis_url,
-        device=args.device, dtype=args.dtype, quantization=args.quantization, omp_wait_policy=args.omp_wait_policy,
+        device=args.device, dtype=args.dtype, quantization=args.quantization,
+        # plan-accuracy starts its services here too, without this bench's own flag
+        omp_wait_policy=getattr(args, "omp_wait_policy", setting("worker", "omp_wait_policy").default),
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
