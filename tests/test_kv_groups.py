@@ -17,7 +17,7 @@ from pagedserve.scheduler.core.block_manager import BlockManager, cdiv
 from pagedserve.scheduler.core.kv_groups import blocks_for_sequence
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_driver import Driver, assert_drained, make_request, make_requests, reference, run, workload
-from test_scheduler_outputs import scenarios
+from test_scheduler_outputs import check_random_scenario, scenarios
 
 GEMMA3_270M = dict(architectures=["Gemma3ForCausalLM"], vocab_size=262144, hidden_size=640, intermediate_size=2048,
                    num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
@@ -205,23 +205,7 @@ def grouped_scenarios(draw):
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(grouped_scenarios())
 def test_random_workloads_with_sliding_groups(scenario):
-    work, overrides, aborts = scenario
-    d = Driver(SchedulerConfig(**overrides))
-    d.add(*make_requests(work))
-    aborted = set()
-
-    def on_step(drv, out):
-        for when, group_id in aborts:
-            if when == len(drv.steps) and drv.sched.abort(group_id):
-                aborted.add(group_id)
-
-    d.run(on_step=on_step)
-    d.flush()
-    for req_id, out in reference(work).items():
-        if req_id.split("#")[0] not in aborted:
-            assert d.outputs[req_id] == out
-    assert d.worker.kv_errors == []
-    assert_drained(d.sched)
+    check_random_scenario(scenario)
 
 
 def test_a_long_request_needs_far_fewer_blocks():
