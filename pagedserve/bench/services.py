@@ -23,6 +23,8 @@ from pagedserve.common.engine_args import add_engine_args
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.settings import setting
 
+WARMUP_SEED = 2**31 - 1  # the warm-up's prompts: none of a run's (those take --seed + run)
+
 
 def add_services_parser(bench_sub) -> None:
     p = bench_sub.add_parser("services", help="in-process engine vs the services at the same concurrency",
@@ -176,20 +178,26 @@ def run_services_bench(args) -> dict:
     tokenizer = load_tokenizer(model_path)
     engine = build_engine(args, model_path, tokenizer)
     vocab = engine.model_config.vocab_size
-    if args.workload == "w64":
-        work = make_workload(args.num_prompts, vocab, args.seed)
-    else:
-        work = random_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+
+    def workload(seed: int) -> Workload:
+        if args.workload == "w64":
+            return make_workload(args.num_prompts, vocab, seed)
+        return random_workload(args.num_prompts, args.input_len, args.output_len, vocab, seed)
+
     dtype = str(engine.dtype).removeprefix("torch.")
-    run_in_process(engine, make_workload(4, vocab, 1), args.concurrency)  # warm-up: kernels, allocator
+    run_in_process(engine, make_workload(4, vocab, WARMUP_SEED), args.concurrency)  # warm-up: kernels, allocator
     # Both stay up and the runs alternate: this machine's speed drifts by 2x within minutes, so
     # only pairs run back to back compare.
     import httpx
     pairs = []
     with start_services(args, model_path) as stack:
         model = httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        asyncio.run(run_clients(stack.http_url, model, make_workload(4, vocab, 1), args.concurrency))  # warm-up
+        warm_up = make_workload(4, vocab, WARMUP_SEED)
+        asyncio.run(run_clients(stack.http_url, model, warm_up, args.concurrency))
         for repeat in range(args.repeats):
+            # Fresh prompts in each pair: the same ones again would be prefix-cache hits on both sides
+            # (a run of cached prompts is mostly decode, and measured 1.9x a cold one in process).
+            work = workload(args.seed + repeat)
             cpu0 = time.process_time()
             in_process = run_in_process(engine, work, args.concurrency)
             in_process["cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu0) / work.num_output_tokens
@@ -206,6 +214,7 @@ def run_services_bench(args) -> dict:
     result = {"cpu": cpu_name(), "dtype": dtype, "workload": args.workload, "num_prompts": len(work.prompts),
               "omp_wait_policy": args.omp_wait_policy,
               "concurrency": args.concurrency, "output_tokens": work.num_output_tokens, "runs": pairs,
+              "prompts_per_run": "fresh (seed + run)",
               "throughput_ratio_median": statistics.median(ratios),
               "step_rtt_median_ms": 1e3 * stats.step_rtt_median_s,
               "step_time_median_ms": 1e3 * stats.step_time_median_s}

@@ -12,7 +12,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "cpu" / name for name in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp",
                                                                 "quant_linear.cpp", "quant_repack.cpp")]
-_HEADERS = [Path(__file__).parent / "cpu" / "simd.h"]
+_HEADERS = [Path(__file__).parent / "cpu" / name for name in ("simd.h", "parallel_grain.h")]
 
 
 def _cpu_flags() -> str:

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "parallel_grain.h"
+
 namespace pagedserve {
 
 // GCC vector extensions: AVX2 (or AVX-512) code under -march=native, without intrinsics.
@@ -14,6 +16,7 @@ typedef float vfloat __attribute__((vector_size(32)));
 typedef uint32_t vu32 __attribute__((vector_size(32)));
 typedef uint16_t vu16 __attribute__((vector_size(16)));
 constexpr int kLanes = 8;
+
 
 inline vfloat load_v(const float* p) {
   vfloat v;
