@@ -5,7 +5,8 @@ throughput ratio, TTFT and TPOT of both, and the scheduler -> worker round trip 
 
 Workloads: `w64` (the throughput bench's W<num-prompts>) or `random` (prompts of --input-len random
 token ids, --output-len tokens each, as vLLM's serving benchmark's random dataset). Greedy,
-ignore_eos, one closed loop of --concurrency clients in both runs.
+ignore_eos, one closed loop of --concurrency clients in both runs; each pair of runs on prompts of
+its own (the same prompts again would be prefix-cache hits on both sides).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def add_services_parser(bench_sub) -> None:
     p.add_argument("--output-len", type=int, default=64, help="random workload")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3, help="alternating in-process / services runs")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="alternating in-process / services pairs, each on fresh prompts (--seed + run)")
     p.add_argument("--redis-url", default=None, help="default: a private redis-server, as `pagedserve serve`")
     p.add_argument("--json", default=None, metavar="FILE")
     wait = setting("worker", "omp_wait_policy")
