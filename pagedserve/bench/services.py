@@ -187,15 +187,15 @@ def run_services_bench(args) -> dict:
         return random_workload(args.num_prompts, args.input_len, args.output_len, vocab, seed)
 
     dtype = str(engine.dtype).removeprefix("torch.")
-    run_in_process(engine, make_workload(4, vocab, WARMUP_SEED), args.concurrency)  # warm-up: kernels, allocator
+    warm_up = make_workload(4, vocab, WARMUP_SEED)
+    run_in_process(engine, warm_up, args.concurrency)  # warm-up: kernels, allocator
     # Both stay up and the runs alternate: this machine's speed drifts by 2x within minutes, so
     # only pairs run back to back compare.
     import httpx
     pairs = []
     with start_services(args, model_path) as stack:
         model = httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        warm_up = make_workload(4, vocab, WARMUP_SEED)
-        asyncio.run(run_clients(stack.http_url, model, warm_up, args.concurrency))
+        asyncio.run(run_clients(stack.http_url, model, warm_up, args.concurrency))  # warm-up
         for repeat in range(args.repeats):
             # Fresh prompts in each pair: the same ones again would be prefix-cache hits on both sides
             # (a run of cached prompts is mostly decode, and measured 1.9x a cold one in process).

@@ -35,7 +35,7 @@ void decode_fixed(const at::Tensor& query, const at::Tensor& k_cache, const at::
 
   // One sequence per work item, all its heads together: each cached token row (every kv head)
   // is read once, front to back. A sequence's work: 2 x len x heads x D float multiply-adds, ~4
-  // of the int8 kernels' each (simd.h's grain_for, on the batch's mean length).
+  // of the int8 kernels' each (parallel_grain.h's grain_for, on the batch's mean length).
   int64_t total_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s];
   const int64_t mean_work = 8 * num_heads * D * total_len / std::max<int64_t>(1, num_seqs);

@@ -351,7 +351,7 @@ at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& p
   else quantize_activation(xc.data_ptr<float>(), m * cols, precise, act);
   const Out dst{out.data_ptr(), bf16_out, 0};
   // One contiguous run of groups per thread across all parts (at::parallel_for gives each thread
-  // one chunk); a group is kRows x cols x m multiply-adds (simd.h's grain_for: a one-sequence
+  // one chunk); a group is kRows x cols x m multiply-adds (parallel_grain.h's grain_for: a one-sequence
   // decode wakes the other threads for the LM head only).
   at::parallel_for(0, groups, grain_for(kRows * cols * m, 4), [&](int64_t begin, int64_t end) {
     size_t part = 0;

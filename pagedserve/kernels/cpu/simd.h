@@ -17,7 +17,6 @@ typedef uint32_t vu32 __attribute__((vector_size(32)));
 typedef uint16_t vu16 __attribute__((vector_size(16)));
 constexpr int kLanes = 8;
 
-
 inline vfloat load_v(const float* p) {
   vfloat v;
   __builtin_memcpy(&v, p, sizeof(v));
