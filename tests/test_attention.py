@@ -100,3 +100,34 @@ def test_cpu_kernel_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         ops.paged_decode_attention(torch.zeros(1, 3, DIM), cache, cache, torch.zeros(1, 1, dtype=torch.long),
                                    torch.ones(1, dtype=torch.long), 1.0)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("dim, heads, kv_heads, block", [(64, 9, 3, 16), (80, 4, 4, 8), (128, 8, 2, 5),
+                                                          (32, 6, 1, 32), (256, 2, 1, 16)])
+def test_decode_kernel_head_dims_and_chunk_edges(dtype, tol, dim, heads, kv_heads, block):
+    """The decode kernel on every head dim it compiles in, against the dense reference: lengths
+    around its 16-key chunks (1, 15, 16, 17, 33, 100), block sizes that do and do not divide 16,
+    blocks scattered through the pool."""
+    ops = cpu_ops.load()
+    if ops is None:
+        pytest.skip("no C++ compiler for the CPU kernel here")
+    gen = torch.Generator().manual_seed(dim + block)
+    lens = [1, 15, 16, 17, 33, 100]
+    widths = [math.ceil(n / block) for n in lens]
+    num_blocks = sum(widths) + 7
+    k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(lens), max(widths), dtype=torch.long)
+    for row, width in enumerate(widths):
+        tables[row, :width] = torch.tensor([free.pop() for _ in range(width)])
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    scale = dim ** -0.5
+    out = ops.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), scale)
+    for row, n in enumerate(lens):
+        keys = k_cache[tables[row, :widths[row]]].flatten(0, 1)[:n]
+        values = v_cache[tables[row, :widths[row]]].flatten(0, 1)[:n]
+        ref = dense_reference(q[row:row + 1], keys, values, scale)
+        got = out[row:row + 1].float()
+        assert (got - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item()), (n, dim, block)

@@ -77,16 +77,11 @@ namespace pagedserve {
 
 // y[M, N] = x[M, K] @ w[N, K]^T in float32 for decode-sized M. MKL's sgemm runs such shapes at a
 // fraction of the memory bandwidth; here each weight row is streamed once and reused from L1
-// for four input rows at a time.
-at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "contiguous 2-D x and w");
-  TORCH_CHECK(x.size(1) == w.size(1) && x.size(1) % kLanes == 0, "K must match and be a multiple of 8");
-  const int64_t rows = x.size(0), inner = x.size(1), outs = w.size(0);
-  auto y = at::empty({rows, outs}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// for four input rows at a time. V: the float vector type (the widest that divides K).
+template <typename V>
+void small_m_rows(const float* xp, const float* wp, float* yp, int64_t rows, int64_t inner, int64_t outs) {
+  constexpr int lanes = sizeof(V) / 4;
+  auto load = [](const float* p) { V v; __builtin_memcpy(&v, p, sizeof(v)); return v; };
   // a float32 multiply-add weighs ~4 of the int8 kernels' (8 lanes against VNNI's 32 per instruction)
   at::parallel_for(0, outs, grain_for(4 * rows * inner, 16), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -94,13 +89,13 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w) {
       int64_t m = 0;
       for (; m + 4 <= rows; m += 4) {
         const float* x0 = xp + m * inner;
-        vfloat a0{}, a1{}, a2{}, a3{};
-        for (int64_t k = 0; k < inner; k += kLanes) {
-          const vfloat wv = load_v(wr + k);
-          a0 += load_v(x0 + k) * wv;
-          a1 += load_v(x0 + inner + k) * wv;
-          a2 += load_v(x0 + 2 * inner + k) * wv;
-          a3 += load_v(x0 + 3 * inner + k) * wv;
+        V a0{}, a1{}, a2{}, a3{};
+        for (int64_t k = 0; k < inner; k += lanes) {
+          const V wv = load(wr + k);
+          a0 += load(x0 + k) * wv;
+          a1 += load(x0 + inner + k) * wv;
+          a2 += load(x0 + 2 * inner + k) * wv;
+          a3 += load(x0 + 3 * inner + k) * wv;
         }
         yp[m * outs + n] = hsum(a0);
         yp[(m + 1) * outs + n] = hsum(a1);
@@ -109,12 +104,25 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w) {
       }
       for (; m < rows; ++m) {
         const float* x0 = xp + m * inner;
-        vfloat a0{};
-        for (int64_t k = 0; k < inner; k += kLanes) a0 += load_v(x0 + k) * load_v(wr + k);
+        V a0{};
+        for (int64_t k = 0; k < inner; k += lanes) a0 += load(x0 + k) * load(wr + k);
         yp[m * outs + n] = hsum(a0);
       }
     }
   });
+}
+
+at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "contiguous 2-D x and w");
+  TORCH_CHECK(x.size(1) == w.size(1) && x.size(1) % 8 == 0, "K must match and be a multiple of 8");
+  const int64_t rows = x.size(0), inner = x.size(1), outs = w.size(0);
+  auto y = at::empty({rows, outs}, x.options());
+  if (inner % kLanes == 0) {
+    small_m_rows<vfloat>(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), rows, inner, outs);
+  } else {
+    small_m_rows<vfloat8>(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), rows, inner, outs);
+  }
   return y;
 }
 

@@ -312,7 +312,7 @@ inline void dequantize_block(const uint8_t* b, scalar_t* y) {
       // rounded as ggml's reference rounds: d * (q - 8) once (one fma); d * q + m twice
       const __m256 v = T == Q4_1 || T == Q4_K ? _mm256_add_ps(_mm256_mul_ps(q, scale), offset)
                                               : _mm256_fmadd_ps(q, scale, offset);
-      vfloat f;
+      vfloat8 f;
       std::memcpy(&f, &v, sizeof(f));
       store_f(y + 32 * s + 8 * g, f);
     }

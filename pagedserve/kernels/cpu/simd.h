@@ -7,15 +7,24 @@
 #include <cmath>
 #include <cstdint>
 
+#include <immintrin.h>
+
 #include "parallel_grain.h"
 
 namespace pagedserve {
 
-// GCC vector extensions: AVX2 (or AVX-512) code under -march=native, without intrinsics.
-typedef float vfloat __attribute__((vector_size(32)));
-typedef uint32_t vu32 __attribute__((vector_size(32)));
-typedef uint16_t vu16 __attribute__((vector_size(16)));
+// GCC vector extensions, without intrinsics: as wide as the CPU's widest float vector under
+// -march=native (16 lanes with AVX-512, else 8). Every element-wise kernel here is bound by how
+// many vector instructions it issues per element, so the width is its speed (2x on AVX-512).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
 constexpr int kLanes = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vint __attribute__((vector_size(4 * kLanes)));
+// Eight lanes whatever the CPU: the float side of the AVX2 int8 kernels (quant_linear.cpp).
+typedef float vfloat8 __attribute__((vector_size(32)));
 
 inline vfloat load_v(const float* p) {
   vfloat v;
@@ -36,6 +45,8 @@ template <>
 inline vfloat load_f<float>(const float* p) { return load_v(p); }
 template <>
 inline vfloat load_f<c10::BFloat16>(const c10::BFloat16* p) {
+  typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
+  typedef uint32_t vu32 __attribute__((vector_size(4 * kLanes)));
   vu16 h;
   __builtin_memcpy(&h, p, sizeof(h));
   const vu32 w = __builtin_convertvector(h, vu32) << 16;
@@ -44,23 +55,32 @@ inline vfloat load_f<c10::BFloat16>(const c10::BFloat16* p) {
   return v;
 }
 
-// kLanes floats narrowed to scalar_t, rounding to nearest even as c10's conversions do.
-template <typename scalar_t>
-inline void store_f(scalar_t* p, vfloat v) {
-  for (int l = 0; l < kLanes; ++l) p[l] = static_cast<scalar_t>(v[l]);
+// A float vector (any width) narrowed to scalar_t, rounding to nearest even as c10's conversions do.
+template <typename scalar_t, typename V>
+inline void store_f(scalar_t* p, V v) {
+  for (int l = 0; l < static_cast<int>(sizeof(V) / 4); ++l) p[l] = static_cast<scalar_t>(v[l]);
 }
-template <>
-inline void store_f<float>(float* p, vfloat v) { store_v(p, v); }
-template <>
-inline void store_f<c10::BFloat16>(c10::BFloat16* p, vfloat v) {
-  vu32 b;
-  __builtin_memcpy(&b, &v, sizeof(b));
-  b = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-  const vu32 nan = (vu32)(v != v);  // c10 turns any NaN into 0x7FC0
-  b = (b & ~nan) | (0x7FC0u & nan);
-  const vu16 h = __builtin_convertvector(b, vu16);
-  __builtin_memcpy(p, &h, sizeof(h));
-}
+template <typename V>
+inline void store_f(float* p, V v) { __builtin_memcpy(p, &v, sizeof(v)); }
+// (One body per width: GCC's __builtin_convertvector does not take a vector type that depends on
+// a template parameter.)
+#define PAGEDSERVE_STORE_BF16(V, N)                                        \
+  inline void store_f(c10::BFloat16* p, V v) {                             \
+    typedef uint32_t U __attribute__((vector_size(4 * (N))));              \
+    typedef uint16_t H __attribute__((vector_size(2 * (N))));              \
+    U b;                                                                   \
+    __builtin_memcpy(&b, &v, sizeof(b));                                   \
+    b = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;                            \
+    const U nan = (U)(v != v); /* c10 turns any NaN into 0x7FC0 */         \
+    b = (b & ~nan) | (0x7FC0u & nan);                                      \
+    const H h = __builtin_convertvector(b, H);                             \
+    __builtin_memcpy(p, &h, sizeof(h));                                    \
+  }
+PAGEDSERVE_STORE_BF16(vfloat, kLanes)
+#if defined(__AVX512F__)
+PAGEDSERVE_STORE_BF16(vfloat8, 8)
+#endif
+#undef PAGEDSERVE_STORE_BF16
 
 // float rows are used in place; narrower types are widened into `buffer` once per row.
 template <typename scalar_t>
@@ -72,13 +92,15 @@ inline const float* as_float(const scalar_t* src, float* buffer, int64_t n) {
 }
 template <>
 inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
-inline float hsum(vfloat v) {
+template <typename V>
+inline float hsum(V v) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#endif
   float s = 0.f;
-  for (int l = 0; l < kLanes; ++l) s += v[l];
+  for (int l = 0; l < static_cast<int>(sizeof(V) / 4); ++l) s += v[l];
   return s;
 }
-
-typedef int32_t vint __attribute__((vector_size(32)));
 
 // exp for a vector of non-positive scores (Cephes' expf: range reduction by ln 2 and a degree-5
 // polynomial, within 2 ulp). A scalar std::exp per score cost more than the whole K/V read.
