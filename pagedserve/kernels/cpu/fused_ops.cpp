@@ -18,17 +18,19 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     scalar_t* dst = out.data_ptr<scalar_t>();
     // ~16 multiply-add equivalents per element (an exp): decode batches stay on one thread
     at::parallel_for(0, tokens, grain_for(16 * inter, 16), [&](int64_t begin, int64_t end) {
-      std::vector<float> gate(inter), up(inter);
       for (int64_t t = begin; t < end; ++t) {
-        const float* g = as_float(src + t * 2 * inter, gate.data(), inter);
-        const float* u = as_float(src + t * 2 * inter + inter, up.data(), inter);
+        const scalar_t* g = src + t * 2 * inter;
+        const scalar_t* u = g + inter;
         scalar_t* o = dst + t * inter;
         int64_t i = 0;
         for (; i + kLanes <= inter; i += kLanes) {
-          const vfloat gv = load_v(g + i);
-          store_f(o + i, gv / (1.0f + exp_v(vfloat{} - gv)) * load_v(u + i));
+          const vfloat gv = load_f(g + i);
+          store_f(o + i, gv / (1.0f + exp_v(vfloat{} - gv)) * load_f(u + i));
         }
-        for (; i < inter; ++i) o[i] = static_cast<scalar_t>(g[i] / (1.0f + std::exp(-g[i])) * u[i]);
+        for (; i < inter; ++i) {
+          const float gf = static_cast<float>(g[i]);
+          o[i] = static_cast<scalar_t>(gf / (1.0f + std::exp(-gf)) * static_cast<float>(u[i]));
+        }
       }
     });
   });
@@ -155,27 +157,37 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
       std::vector<float> row(hidden);
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* src = xp + t * hidden;
-        if (rp != nullptr) {  // residual += x in the dtype, then normalise the sum
-          scalar_t* res = rp + t * hidden;
-          int64_t i = 0;
-          for (; i + kLanes <= hidden; i += kLanes) store_f(res + i, load_f(res + i) + load_f(src + i));
-          for (; i < hidden; ++i) res[i] = static_cast<scalar_t>(static_cast<float>(res[i]) + static_cast<float>(src[i]));
-          src = res;
-        }
-        const float* f = as_float(src, row.data(), hidden);
+        scalar_t* res = rp != nullptr ? rp + t * hidden : nullptr;
+        float* f = row.data();
+        // Pass 1: the row (residual += x first, rounded to the dtype as `hidden + out` is) into
+        // float, and its sum of squares; values stay in registers between the steps.
         vfloat squares{};
         int64_t i = 0;
-        for (; i + kLanes <= hidden; i += kLanes) squares += load_v(f + i) * load_v(f + i);
+        for (; i + kLanes <= hidden; i += kLanes) {
+          vfloat v = load_f(src + i);
+          if (res != nullptr) {
+            v = round_to<scalar_t>(load_f(res + i) + v);
+            store_f(res + i, v);
+          }
+          store_v(f + i, v);
+          squares += v * v;
+        }
         float total = hsum(squares);
-        for (; i < hidden; ++i) total += f[i] * f[i];
+        for (; i < hidden; ++i) {
+          float v = static_cast<float>(src[i]);
+          if (res != nullptr) {
+            res[i] = static_cast<scalar_t>(static_cast<float>(res[i]) + v);
+            v = static_cast<float>(res[i]);
+          }
+          f[i] = v;
+          total += v * v;
+        }
         const float inv = 1.0f / std::sqrt(total / static_cast<float>(hidden) + feps);
         scalar_t* dst = op + t * hidden;
-        for (i = 0; i + kLanes <= hidden; i += kLanes) {
-          // Round the normalised row to the dtype before the weight multiplies it, as transformers does.
-          scalar_t normed[kLanes];
-          store_f(normed, load_v(f + i) * inv);
-          store_f(dst + i, load_f(wp + i) * load_f(static_cast<const scalar_t*>(normed)));
-        }
+        // Pass 2: the normalised row rounded to the dtype before the weight multiplies it, as
+        // transformers does.
+        for (i = 0; i + kLanes <= hidden; i += kLanes)
+          store_f(dst + i, load_f(wp + i) * round_to<scalar_t>(load_v(f + i) * inv));
         for (; i < hidden; ++i) {
           const scalar_t normed = static_cast<scalar_t>(f[i] * inv);
           dst[i] = static_cast<scalar_t>(static_cast<float>(wp[i]) * static_cast<float>(normed));

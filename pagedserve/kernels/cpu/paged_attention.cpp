@@ -122,12 +122,6 @@ inline __m512 widen16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// Blocks sit anywhere in the pool, so the hardware prefetcher restarts at every block: ask for a
-// token row (all its kv heads) 16 tokens ahead.
-inline void prefetch_row(const void* row, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T0);
-}
-
 // One query head against one cached key row: a vector whose lanes sum to the dot product.
 // bfloat16 with avx512_bf16: pairs of products straight from the stored halves (vdpbf16ps).
 template <int D, typename scalar_t>
@@ -176,7 +170,6 @@ void decode_avx512(const at::Tensor& query, const at::Tensor& k_cache, const at:
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
-  const int64_t row_bytes = num_kv_heads * head_stride * static_cast<int64_t>(sizeof(scalar_t));
 
   int64_t total_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s];
@@ -196,7 +189,6 @@ void decode_avx512(const at::Tensor& query, const at::Tensor& k_cache, const at:
       // Token rows (every kv head) front to back: one sequential stream through each block.
       for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, len - t0));
-        for (int64_t t = t0 + 16; t < std::min(t0 + 32, len); ++t) prefetch_row(kc + rows[t], row_bytes);
         for (int64_t h = 0; h < num_heads; ++h) {
           const int64_t koff = (h / group) * head_stride;
           __m512 dots[16];
@@ -208,7 +200,6 @@ void decode_avx512(const at::Tensor& query, const at::Tensor& k_cache, const at:
       for (int64_t h = 0; h < num_heads; ++h) softmax_inplace(scores.data() + h * padded, len);
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
-        if (t + 16 < len) prefetch_row(vc + rows[t + 16], row_bytes);
         for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
           const scalar_t* vrow = vc + rows[t] + kvh * head_stride;
           __m512 vv[NV];

@@ -82,6 +82,28 @@ PAGEDSERVE_STORE_BF16(vfloat8, 8)
 #endif
 #undef PAGEDSERVE_STORE_BF16
 
+// v rounded to scalar_t's precision, kept in float: what storing it and loading it back gives,
+// without the trip through memory.
+template <typename scalar_t>
+inline vfloat round_to(vfloat v) {
+  scalar_t narrow[kLanes];
+  store_f(narrow, v);
+  return load_f(static_cast<const scalar_t*>(narrow));
+}
+template <>
+inline vfloat round_to<float>(vfloat v) { return v; }
+template <>
+inline vfloat round_to<c10::BFloat16>(vfloat v) {
+  typedef uint32_t U __attribute__((vector_size(4 * kLanes)));
+  U b;
+  __builtin_memcpy(&b, &v, sizeof(b));
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  const U nan = (U)(v != v);
+  b = (b & ~nan) | (0x7FC00000u & nan);
+  __builtin_memcpy(&v, &b, sizeof(v));
+  return v;
+}
+
 // float rows are used in place; narrower types are widened into `buffer` once per row.
 template <typename scalar_t>
 inline const float* as_float(const scalar_t* src, float* buffer, int64_t n) {
