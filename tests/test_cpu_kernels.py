@@ -82,3 +82,42 @@ def test_rms_norm_rejects_bad_input():
         ops.rms_norm(torch.randn(2, 8), torch.ones(7), 1e-5)
     with pytest.raises(RuntimeError, match="residual must match"):
         ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5, torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 100, 49152])
+def test_argmax_rows_is_torch_argmax(n):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=gen)
+    x[1] = 3.0  # every element ties: the first index
+    x[2, n // 2:] = x[2].max() + 1  # ties at the maximum: the first of them
+    x[3] = float("-inf")
+    x[4, n - 1] = float("nan")  # torch's argmax answers the (first) NaN
+    x[5, :: max(1, n // 3)] = float("nan")
+    x[6] = x[6].round()  # many ties across SIMD lanes
+    assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+
+
+def test_argmax_rows_rejects_bad_input():
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.argmax_rows(torch.zeros(2, 4, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.argmax_rows(torch.zeros(4, 2).t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(8, 8), (20, 3), (100, 8), (49152, 8)])
+def test_logits_top_is_float_copy_and_topk(dtype, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    x = (torch.randn(6, n, generator=gen) * 4).to(dtype)
+    x[1] = x[1].sort().values  # rising: every vector changes the candidates
+    x[2] = 1.0  # all ties
+    out, top = ops.logits_top(x, k)
+    assert out.dtype == torch.float32 and torch.equal(out, x.float())
+    assert top.shape == (6, k) and all(len(set(row)) == k for row in top.tolist())
+    # Ties may pick other indices than torch; the values picked are the same.
+    assert torch.equal(out.gather(1, top).sort(1).values, x.float().topk(k, 1).values.sort(1).values)
+
+
+def test_logits_top_rejects_bad_k():
+    with pytest.raises(RuntimeError, match="k must be in 1..4"):
+        ops.logits_top(torch.zeros(2, 4), 5)

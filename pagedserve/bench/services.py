@@ -204,9 +204,10 @@ def run_services_bench(args) -> dict:
             in_process = run_in_process(engine, work, args.concurrency)
             in_process["cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu0) / work.num_output_tokens
             used0 = service_cpu_seconds(stack)
+            used0["client"] = time.process_time()  # this process: the HTTP clients (the engine idles)
             services = asyncio.run(run_clients(stack.http_url, model, work, args.concurrency))
-            services["cpu_ms_per_token"] = cpu_ms_per_token(used0, service_cpu_seconds(stack),
-                                                            work.num_output_tokens)
+            services["cpu_ms_per_token"] = cpu_ms_per_token(
+                used0, {**service_cpu_seconds(stack), "client": time.process_time()}, work.num_output_tokens)
             pairs.append({"in_process": in_process, "services": services,
                           "ratio": services["output_tok_s"] / in_process["output_tok_s"]})
             print(f"run {repeat + 1}: in-process {in_process['output_tok_s']:.1f} out tok/s, services "

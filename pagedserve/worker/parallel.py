@@ -276,15 +276,18 @@ class VocabParallelEmbedding(nn.Module):
                 refine_top_logits(local, hidden, rows_of=lambda ids: self.quant.rows(ids, torch.float32))
             return all_gather_last_dim(local)[:, :self.vocab_size]
         if self.packed is not None:
-            local = packed_linear(hidden, self.packed).float()
+            local = packed_linear(hidden, self.packed)
         elif hidden.device.type == "cpu":
             # [vocab, hidden] @ [hidden, rows]: MKL streams the big weight once; F.linear's layout
             # ran 1.5-2x slower for decode batches on a 49k vocabulary.
-            local = torch.mm(self.weight, hidden.t()).t().float().contiguous()
+            local = torch.mm(self.weight, hidden.t()).t().contiguous()
         else:
-            local = F.linear(hidden, self.weight).float()
-        if self.weight.dtype != torch.float32:
-            refine_top_logits(local, hidden, self.weight)
+            local = F.linear(hidden, self.weight)
+        if self.weight.dtype == torch.float32:
+            local = local.float()
+        else:
+            local, top = float_with_top(local, REFINED_TOP)
+            refine_top_logits(local, hidden, self.weight, top=top)
         return all_gather_last_dim(local)[:, :self.vocab_size]
 
 
@@ -296,15 +299,30 @@ class VocabParallelEmbedding(nn.Module):
 REFINED_TOP = 8
 
 
+def float_with_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits as float32, the indices of each row's k largest or None): on the CPU one pass of the
+    compiled kernel (torch's copy and topk took ~3 ms of a batch-64 step, docs/performance.md)."""
+    k = min(k, logits.shape[1])
+    if logits.device.type == "cpu" and k > 0 and logits.shape[0] and logits.is_contiguous() \
+            and logits.dtype in (torch.float32, torch.bfloat16):
+        from pagedserve.kernels import cpu_ops
+        ops = cpu_ops.load()
+        if ops is not None:
+            return ops.logits_top(logits, k)
+    return logits.float(), None
+
+
 def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor | None = None,
-                      rows_of=None) -> None:
+                      rows_of=None, top: torch.Tensor | None = None) -> None:
     """Overwrite the REFINED_TOP largest logits of each row with their float32 dot products.
     logits [rows, n] float32 (computed in weight's dtype); hidden [rows, h]; weight [n, h], or
-    rows_of(ids [rows, k]) -> those weight rows in float32 [rows, k, h] (a quantized weight)."""
+    rows_of(ids [rows, k]) -> those weight rows in float32 [rows, k, h] (a quantized weight);
+    top: those largest' indices when the caller has them (float_with_top)."""
     k = min(REFINED_TOP, logits.shape[1])
     if k == 0 or logits.shape[0] == 0:
         return
-    top = logits.topk(k, dim=1, sorted=False).indices
+    if top is None:
+        top = logits.topk(k, dim=1, sorted=False).indices
     rows = weight[top].float() if rows_of is None else rows_of(top)
     exact = torch.bmm(rows, hidden.float().unsqueeze(2)).squeeze(2)
     logits.scatter_(1, top, exact)

@@ -195,6 +195,17 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     return probs.div_(q).argmax(-1)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1), on the CPU through the compiled kernel (torch's took ~2 ms of a batch-64
+    step over a 49k vocabulary, the kernel ~0.4)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and x.is_contiguous():
+        from pagedserve.kernels import cpu_ops
+        ops = cpu_ops.load()
+        if ops is not None:
+            return ops.argmax_rows(x)
+    return x.argmax(-1)
+
+
 class Sampler:
     def __init__(self) -> None:
         self.mask_time_s = 0.0  # applying grammar masks, summed over steps (the bench reads it)
@@ -207,7 +218,7 @@ class Sampler:
         mutate = masks is not None or any(p.needs_penalties or p.logit_bias or _min_tokens_pending(r)
                                           for p, r in zip(params, rows))
         if not mutate and not want_lp and all(p.greedy for p in params):
-            return SamplerOutput(raw.argmax(-1).tolist(), None, None)
+            return SamplerOutput(argmax(raw).tolist(), None, None)
 
         # raw must stay untouched: logprobs are reported from the model's own distribution.
         x = raw.clone() if mutate else raw
@@ -220,7 +231,7 @@ class Sampler:
             self.mask_time_s += time.perf_counter() - started
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) < len(rows):
-            tokens = x.argmax(-1)
+            tokens = argmax(x)
         else:
             tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
         if sampled:

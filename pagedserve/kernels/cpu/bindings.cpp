@@ -19,6 +19,8 @@ at::Tensor unpack_rows(const at::Tensor& packed, int64_t qtype, int64_t cols, co
 at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& packed, const std::vector<int64_t>& qtypes,
                            const std::vector<int64_t>& rows, bool precise, bool bf16_out);
 bool repacked_kernel_available();
+at::Tensor argmax_rows(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> logits_top(const at::Tensor& x, int64_t k);
 }  // namespace pagedserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -43,5 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bf16_out") = false);
   m.def("repacked_kernel_available", &pagedserve::repacked_kernel_available,
         "whether repacked_linear was compiled (AVX-512 VNNI)");
+  m.def("argmax_rows", &pagedserve::argmax_rows, "torch.argmax(x, -1) of a contiguous float32 [rows, n]");
+  m.def("logits_top", &pagedserve::logits_top,
+        "(x.float(), indices of each row's k largest, unsorted) of a float32 or bfloat16 [rows, n], in one pass");
   m.def("rotary_inplace", &pagedserve::rotary_inplace, "rotate-half rotary embedding of q and k in place");
 }
