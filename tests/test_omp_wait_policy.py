@@ -10,13 +10,19 @@ from pagedserve.common.settings import argv_for, defaults
 from pagedserve.worker.main import apply_omp_wait_policy
 
 
-def test_passive_is_the_worker_default_and_lands_in_the_environment():
-    assert defaults("worker")["omp_wait_policy"] == "passive"
+def test_brief_is_the_worker_default():
+    assert defaults("worker")["omp_wait_policy"] == "brief"
+
+
+@pytest.mark.parametrize("policy, printed", [
+    ("brief", "GOMP_SPINCOUNT=20000 False {'GOMP_SPINCOUNT': '20000'}"),
+    ("passive", "PASSIVE False {'OMP_WAIT_POLICY': 'PASSIVE'}")])
+def test_the_policy_lands_in_the_environment(policy, printed):
     # In a fresh interpreter, as `pagedserve worker` starts: torch is not loaded yet.
     code = ("import os, sys; from pagedserve.worker.main import apply_omp_wait_policy as a; "
-            "env = {}; print(a('passive', env), 'torch' in sys.modules, env)")
+            f"env = {{}}; print(a({policy!r}, env), 'torch' in sys.modules, env)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "PASSIVE False {'OMP_WAIT_POLICY': 'PASSIVE'}"
+    assert out.strip() == printed
 
 
 @pytest.mark.parametrize("environ", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}])

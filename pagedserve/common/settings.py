@@ -201,9 +201,10 @@ def _settings() -> tuple[Setting, ...]:
           help="linear weights kept quantized on the CPU: auto = a GGUF's own blocks "
           "(Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K), float for HF folders; none = dequantize at load (what CUDA "
           "does today); int8 = weight-only int8 (Q8_0 blocks) for any checkpoint", group="engine"),
-        S("--omp-wait-policy", "serve worker", default="passive", choices=("passive", "active", "runtime"),
-          help="how the worker's idle OpenMP threads wait for the next parallel region: passive sleeps at once, "
-          "so a scheduler, tokenizer or gateway sharing the cores never waits behind a spinning thread; active "
+        S("--omp-wait-policy", "serve worker", default="brief", choices=("brief", "passive", "active", "runtime"),
+          help="how the worker's idle OpenMP threads wait for the next parallel region: brief spins across the "
+          "gaps inside a step and sleeps between steps (GOMP_SPINCOUNT=20000); passive sleeps at once, so a "
+          "scheduler, tokenizer or gateway sharing the cores never waits behind a spinning thread; active "
           "spins; runtime leaves the OpenMP runtime's default. OMP_WAIT_POLICY or GOMP_SPINCOUNT in the "
           "environment win", group="engine"),
         S("--tensor-parallel-size", "engine serve worker", int, 1,

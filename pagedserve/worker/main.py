@@ -19,20 +19,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings(parser, "worker")
 
 
-def apply_omp_wait_policy(policy: str, environ: MutableMapping[str, str] = os.environ) -> str | None:
-    """Put --omp-wait-policy into the environment as OMP_WAIT_POLICY; return what was set (None:
-    nothing, for `runtime` or when the user set OMP_WAIT_POLICY / GOMP_SPINCOUNT themselves).
+# `brief`: spin this many times (libgomp's pause loop) before sleeping: long enough to bridge the
+# gaps between one step's parallel regions, short enough that the threads sleep through the round
+# trip between steps, when the scheduler and the front end need the cores. Measured on the 2-core
+# Xeon (docs/performance.md): 2,000 and 20,000 both kept one stream within 6% of the in-process
+# engine per token; at concurrency 32, 20,000 reached 0.91x of it, passive 0.82x.
+BRIEF_SPIN_COUNT = 20000
 
-    Why passive is the worker's default: its OpenMP threads spin between parallel regions
-    (libgomp spins ~300k iterations before it sleeps), and on a machine whose cores the scheduler,
-    tokenizer and gateway share, a thread spinning on the core a descheduled team member needs
-    stalls every region behind it. On the 2-core test machine a one-stream decode took 5-20x longer
-    spinning than sleeping while other processes ran (docs/performance.md)."""
+
+def apply_omp_wait_policy(policy: str, environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """Put --omp-wait-policy into the environment (OMP_WAIT_POLICY, or GOMP_SPINCOUNT for brief);
+    return what was set (None: nothing, for `runtime` or when the user set OMP_WAIT_POLICY /
+    GOMP_SPINCOUNT themselves).
+
+    Why brief is the worker's default: libgomp's own default spins ~300k iterations between
+    parallel regions (milliseconds with Intel's pause), and on a machine whose cores the scheduler,
+    tokenizer and gateway share, a thread spinning through the round trip between steps delays
+    them; passive sleeps at once, and then every parallel region of a step pays a wake-up (~20%
+    of a batch-32 decode step). brief spins across the gaps inside a step and sleeps between
+    steps (docs/performance.md)."""
     if policy == "runtime" or "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
         return None
     if "torch" in sys.modules:  # too late: the runtime has read its environment already
         log.warning("--omp-wait-policy %s not applied: torch is already loaded", policy)
         return None
+    if policy == "brief":
+        environ["GOMP_SPINCOUNT"] = str(BRIEF_SPIN_COUNT)
+        return f"GOMP_SPINCOUNT={BRIEF_SPIN_COUNT}"
     environ["OMP_WAIT_POLICY"] = policy.upper()
     return environ["OMP_WAIT_POLICY"]
 

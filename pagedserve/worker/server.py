@@ -63,8 +63,21 @@ class WorkerService:
         self.runner = None
         self.session_id = ""
         self.lock = threading.Lock()  # one step at a time, and no InitCache in the middle of one
+        # Every torch call runs on this one thread. libgomp gives each thread that starts an OpenMP
+        # region a pool of its own, and once it manages more threads than there are cores it stops
+        # spinning between regions (its "throttled" spin count), whatever the wait policy says: with
+        # the model loaded on the main thread, profiled on one gRPC thread and stepped on another,
+        # every parallel region of a step woke a sleeping thread, and W64 at concurrency 32 ran at
+        # ~0.8x the in-process engine (docs/performance.md).
+        self.torch_thread = futures.ThreadPoolExecutor(1, thread_name_prefix="worker-torch")
+
+    def _on_torch_thread(self, fn, *args):
+        return self.torch_thread.submit(fn, *args).result()
 
     def load(self) -> None:
+        self._on_torch_thread(self._load)
+
+    def _load(self) -> None:
         from pagedserve.worker.model_runner import ModelRunner
         from pagedserve.worker.parallel import init_tensor_parallel
         started = time.monotonic()
@@ -85,6 +98,9 @@ class WorkerService:
             weight_bytes=0 if self.runner is None else self.runner.weight_bytes())
 
     def profile(self, request: worker_pb2.ProfileRequest) -> worker_pb2.ProfileResponse:
+        return self._on_torch_thread(self._profile, request)
+
+    def _profile(self, request: worker_pb2.ProfileRequest) -> worker_pb2.ProfileResponse:
         from pagedserve.worker.model_setup import kv_cache_blocks
         from pagedserve.worker.kv_cache import bytes_per_block
         block_size = request.block_size or 16
@@ -97,6 +113,9 @@ class WorkerService:
                                           kv_group_windows=self.model_config.kv_groups().windows)
 
     def init_cache(self, request: worker_pb2.InitCacheRequest) -> None:
+        self._on_torch_thread(self._init_cache, request)
+
+    def _init_cache(self, request: worker_pb2.InitCacheRequest) -> None:
         with self.lock:
             if request.block_size:
                 self.runner.block_size = request.block_size
@@ -108,7 +127,9 @@ class WorkerService:
                  request.num_gpu_blocks, self.runner.block_size, request.num_cpu_blocks)
 
     def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
-        received = time.perf_counter()
+        return self._on_torch_thread(self._step, request, time.perf_counter())
+
+    def _step(self, request: worker_pb2.StepRequest, received: float) -> worker_pb2.StepResult:
         with self.lock:
             if request.session_id != self.session_id:
                 raise SessionMismatch(f"step {request.step_id} belongs to scheduler session {request.session_id!r}, "
