@@ -16,31 +16,50 @@
 
 namespace pagedserve {
 
+// The shapes, strides and data of one decode call, as both kernels below read them.
+template <typename scalar_t>
+struct DecodeLayout {
+  int64_t num_seqs, num_heads, block_size, num_kv_heads, group, max_blocks, block_stride, token_stride, head_stride;
+  const scalar_t* q;
+  const scalar_t* kc;
+  const scalar_t* vc;
+  const int64_t* tables;
+  const int64_t* lens;
+  scalar_t* o;
+};
+
+template <typename scalar_t>
+DecodeLayout<scalar_t> decode_layout(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out) {
+  const int64_t num_heads = query.size(1), num_kv_heads = k_cache.size(2);
+  return {query.size(0), num_heads, k_cache.size(1), num_kv_heads, num_heads / num_kv_heads, block_tables.size(1),
+          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), query.data_ptr<scalar_t>(),
+          k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
+          seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>()};
+}
+
+// A sequence's work in parallel_grain.h's unit, on the batch's mean length: 2 x len x heads x D
+// float multiply-adds, ~4 of the int8 kernels' each.
+inline int64_t mean_seq_work(const int64_t* lens, int64_t num_seqs, int64_t heads_x_dim) {
+  int64_t total_len = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s];
+  return 8 * heads_x_dim * total_len / std::max<int64_t>(1, num_seqs);
+}
+
 // The head dim is a compile-time constant so the inner loops unroll into whole SIMD vectors.
 template <int D, typename scalar_t>
 void decode_fixed(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
                   double scale) {
   constexpr int NV = D / kLanes;
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const int64_t block_stride = k_cache.stride(0), token_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
+  const auto [num_seqs, num_heads, block_size, num_kv_heads, group, max_blocks, block_stride, token_stride,
+              head_stride, q, kc, vc, tables, lens, o] =
+      decode_layout<scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out);
   const float fscale = static_cast<float>(scale);
 
   // One sequence per work item, all its heads together: each cached token row (every kv head)
-  // is read once, front to back. A sequence's work: 2 x len x heads x D float multiply-adds, ~4
-  // of the int8 kernels' each (parallel_grain.h's grain_for, on the batch's mean length).
-  int64_t total_len = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s];
-  const int64_t mean_work = 8 * num_heads * D * total_len / std::max<int64_t>(1, num_seqs);
-  at::parallel_for(0, num_seqs, grain_for(mean_work), [&](int64_t begin, int64_t end) {
+  // is read once, front to back.
+  at::parallel_for(0, num_seqs, grain_for(mean_seq_work(lens, num_seqs, num_heads * D)), [&](int64_t begin, int64_t end) {
     std::vector<vfloat> qv(num_heads * NV), acc(num_heads * NV);
     std::vector<float> scores, qrow(D), row(D);
     for (int64_t seq = begin; seq < end; ++seq) {
@@ -159,22 +178,12 @@ template <int D, typename scalar_t>
 void decode_avx512(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale) {
   constexpr int NV = D / 16;
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const int64_t block_stride = k_cache.stride(0), token_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
+  const auto [num_seqs, num_heads, block_size, num_kv_heads, group, max_blocks, block_stride, token_stride,
+              head_stride, q, kc, vc, tables, lens, o] =
+      decode_layout<scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out);
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
 
-  int64_t total_len = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) total_len += lens[s];
-  const int64_t mean_work = 8 * num_heads * D * total_len / std::max<int64_t>(1, num_seqs);
-  at::parallel_for(0, num_seqs, grain_for(mean_work), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_seqs, grain_for(mean_seq_work(lens, num_seqs, num_heads * D)), [&](int64_t begin, int64_t end) {
     std::vector<QueryRow<D, scalar_t>> qrows(num_heads);
     std::vector<float> scores;
     std::vector<__m512> acc(num_heads * NV);
