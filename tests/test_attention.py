@@ -131,3 +131,61 @@ def test_decode_kernel_head_dims_and_chunk_edges(dtype, tol, dim, heads, kv_head
         ref = dense_reference(q[row:row + 1], keys, values, scale)
         got = out[row:row + 1].float()
         assert (got - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item()), (n, dim, block)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dim, heads, kv_heads, block", [(64, 9, 3, 16), (80, 4, 4, 8), (128, 8, 2, 5),
+                                                          (32, 6, 1, 32), (256, 2, 1, 16)])
+def test_prefill_kernel_head_dims_tiles_and_stale_rows(dtype, tol, dim, heads, kv_heads, block):
+    """All of a step's prefill chunks in one call of the prefill kernel, against the dense
+    reference: chunks with and without cached context, lengths around its 16-key tiles and its
+    48-row work items (a group of 1 to 6 query heads per kv head), blocks scattered through the
+    pool, every cache row that no chunk may read set to NaN (stale blocks, the tail of each last
+    block), and the rows of `out` outside the chunks left as they were."""
+    ops = cpu_ops.load()
+    if ops is None or not ops.prefill_attention_available():
+        pytest.skip("no AVX-512 prefill kernel here")
+    gen = torch.Generator().manual_seed(dim + block + heads)
+    chunks = [(0, 2), (0, 17), (15, 1), (16, 33), (31, 50), (100, 70), (0, 49)]
+    widths = [math.ceil((c + n) / block) for c, n in chunks]
+    num_blocks = sum(widths) + 5
+    k_cache = torch.full((num_blocks, block, kv_heads, dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(chunks), max(widths)), free[-1], dtype=torch.long)  # padding: a NaN block
+    rows, start = [], 3  # three rows before the first chunk, e.g. decodes
+    for i, ((ctx, n), width) in enumerate(zip(chunks, widths)):
+        tables[i, :width] = torch.tensor([free.pop(0) for _ in range(width)])
+        flat = tables[i, :width]
+        keys = torch.randn(ctx + n, kv_heads, dim, generator=gen).to(dtype)
+        values = torch.randn(ctx + n, kv_heads, dim, generator=gen).to(dtype)
+        for t in range(ctx + n):
+            k_cache[flat[t // block], t % block] = keys[t]
+            v_cache[flat[t // block], t % block] = values[t]
+        rows.append((start, n, ctx))
+        start += n
+    q = torch.randn(start + 2, heads, dim, generator=gen).to(dtype)
+    out = torch.full_like(q, 7.0)
+    scale = dim ** -0.5
+    ops.paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(rows), scale, out)
+    for i, (first, n, ctx) in enumerate(rows):
+        flat = tables[i, :widths[i]]
+        keys = k_cache[flat].flatten(0, 1)[:ctx + n]
+        values = v_cache[flat].flatten(0, 1)[:ctx + n]
+        ref = dense_reference(q[first:first + n], keys, values, scale)
+        got = out[first:first + n].float()
+        assert (got - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item()), (ctx, n, dim, block)
+    assert torch.equal(out[:3], torch.full_like(out[:3], 7.0)) and torch.equal(out[start:], torch.full_like(out[start:], 7.0))
+
+
+def test_prefill_kernel_rejects_bad_layouts():
+    ops = cpu_ops.load()
+    if ops is None or not ops.prefill_attention_available():
+        pytest.skip("no AVX-512 prefill kernel here")
+    cache = torch.zeros(4, BLOCK, KV_HEADS, DIM)
+    q = torch.zeros(5, HEADS, DIM)
+    tables = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="chunks: contiguous int64"):
+        ops.paged_prefill_attention(q, cache, cache, tables, torch.tensor([[0, 5]]), 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.paged_prefill_attention(q, cache, cache, tables, torch.tensor([[0, 5, 0]]), 1.0, torch.empty(5, HEADS, 8))

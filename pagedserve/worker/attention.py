@@ -54,14 +54,19 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.num_decodes:
             out[:meta.num_decodes] = self._decode(query[:meta.num_decodes].contiguous(), k_cache, v_cache,
                                                   meta, scale)
+        if meta.prefills:
+            self._prefills(query, key, value, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def _prefills(self, query, key, value, k_cache, v_cache, meta, scale, out) -> None:
+        """Fill out's rows of every prefill chunk (the new K/V are already in the cache)."""
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             out[rows] = self._prefill(query[rows], key[rows], value[rows], k_cache, v_cache, seq, scale)
-        return out
 
     def _decode(self, query, k_cache, v_cache, meta, scale):
         num_seqs, num_heads, head_dim = query.shape
@@ -96,19 +101,46 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
-    """Decodes through the compiled kernel of pagedserve/kernels/cpu (reads each cached row once, no gather);
-    prefills as the torch backend."""
+    """The compiled kernels of pagedserve/kernels/cpu: decodes read each cached row once, no
+    gather; all of a step's prefill chunks go through one call (AVX-512, float32 and bfloat16),
+    else one sequence at a time through SDPA as the torch backend does. The prefill kernel's
+    layout (block tables and (row start, rows, context) per chunk) is built once per step and
+    shared by every layer: the layers of a step get the same metadata object."""
+
+    HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the sizes pagedserve/kernels/cpu/*attention.cpp compile
+    PREFILL_DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, ops) -> None:
         self.ops = ops
-
-    HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the sizes pagedserve/kernels/cpu/paged_attention.cpp compiles
+        self.prefill_kernel = bool(getattr(ops, "prefill_attention_available", lambda: False)()) \
+            and not os.environ.get("PAGEDSERVE_NO_PREFILL_KERNEL")
+        self._layout: tuple[AttentionMetadata, int, torch.Tensor, torch.Tensor] | None = None
 
     def _decode(self, query, k_cache, v_cache, meta, scale):
         if query.shape[-1] not in self.HEAD_DIMS:
             return super()._decode(query, k_cache, v_cache, meta, scale)
         return self.ops.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
                                                meta.decode_seq_lens, scale)
+
+    def _prefills(self, query, key, value, k_cache, v_cache, meta, scale, out) -> None:
+        if not (self.prefill_kernel and query.shape[-1] in self.HEAD_DIMS and query.dtype in self.PREFILL_DTYPES
+                and query.stride(-1) == 1):
+            return super()._prefills(query, key, value, k_cache, v_cache, meta, scale, out)
+        tables, chunks = self._prefill_layout(meta, k_cache.shape[1])
+        self.ops.paged_prefill_attention(query, k_cache, v_cache, tables, chunks, scale, out)
+
+    def _prefill_layout(self, meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_tables int64 [P, width], chunks int64 [P, 3]) for meta's prefills, zero-padded."""
+        if self._layout is not None and self._layout[0] is meta and self._layout[1] == block_size:
+            return self._layout[2], self._layout[3]
+        widths = [-(-(p.context_len + p.query_len) // block_size) for p in meta.prefills]
+        tables = torch.zeros(len(widths), max(widths), dtype=torch.long)
+        for row, (seq, width) in enumerate(zip(meta.prefills, widths)):
+            used = seq.block_ids[:width]
+            tables[row, :used.shape[0]] = used
+        chunks = torch.tensor([(p.query_start, p.query_len, p.context_len) for p in meta.prefills], dtype=torch.long)
+        self._layout = (meta, block_size, tables, chunks)
+        return tables, chunks
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -5,6 +5,9 @@ namespace pagedserve {
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale);
+void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& block_tables, const at::Tensor& chunks, double scale, at::Tensor& out);
+bool prefill_attention_available();
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::optional<at::Tensor> residual);
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w);
@@ -26,6 +29,11 @@ std::tuple<at::Tensor, at::Tensor> logits_top(const at::Tensor& x, int64_t k);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &pagedserve::paged_decode_attention,
         "decode attention over a paged KV cache (query [B,H,D], caches [N,bs,KVH,D])");
+  m.def("paged_prefill_attention", &pagedserve::paged_prefill_attention,
+        "causal attention of prefill chunks over a paged KV cache into out's rows (chunks: int64 [P, 3] = "
+        "row start, rows, context_len; block_tables int64 [P, max_blocks])");
+  m.def("prefill_attention_available", &pagedserve::prefill_attention_available,
+        "whether paged_prefill_attention was compiled (AVX-512)");
   m.def("small_m_linear", &pagedserve::small_m_linear, "x @ w.T in float32 for small row counts");
   m.def("silu_and_mul", &pagedserve::silu_and_mul, "silu(x[:, :I]) * x[:, I:]");
   m.def("rms_norm", &pagedserve::rms_norm, "RMSNorm (float32 statistics); with residual: residual += x, then norm it",
