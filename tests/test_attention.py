@@ -175,7 +175,8 @@ def test_prefill_kernel_head_dims_tiles_and_stale_rows(dtype, tol, dim, heads, k
         ref = dense_reference(q[first:first + n], keys, values, scale)
         got = out[first:first + n].float()
         assert (got - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item()), (ctx, n, dim, block)
-    assert torch.equal(out[:3], torch.full_like(out[:3], 7.0)) and torch.equal(out[start:], torch.full_like(out[start:], 7.0))
+    untouched = torch.cat([out[:3], out[start:]])
+    assert torch.equal(untouched, torch.full_like(untouched, 7.0))
 
 
 def test_prefill_kernel_rejects_bad_layouts():
