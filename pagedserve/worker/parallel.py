@@ -154,7 +154,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_sizes = [s.size for s in shards]
         self.weight = new_param(sum(self.output_sizes), in_features)
         mark_loader(self.weight, self._load, len(shards))
-        self.packed = None  # the weight in oneDNN's layout, on the CPU (cpu_linear.pack_model)
+        self.packed = None  # cpu_linear.PackedWeight: the weight laid out for the CPU's kernels (pack_model)
         init_quantized(self)
         self.bias = None
         if bias:
