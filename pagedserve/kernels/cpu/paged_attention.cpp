@@ -196,8 +196,15 @@ void decode_avx512(const at::Tensor& query, const at::Tensor& k_cache, const at:
       scores.resize(num_heads * padded);
       for (int64_t h = 0; h < num_heads; ++h) qrows[h].set(q + (seq * num_heads + h) * D);
       // Token rows (every kv head) front to back: one sequential stream through each block.
+      // Blocks lie anywhere in the pool, so the hardware prefetchers lose the stream at every block
+      // edge and a core waits on DRAM: ask for key rows two tiles and value rows 16 tokens ahead
+      // (into L2: L1's few miss buffers filled up and the prefetches themselves stalled). On a
+      // 2-core AMD EPYC, 51 sequences x 30 layers from DRAM: 1.45x in bfloat16 and float32.
+      const int64_t row_bytes = num_kv_heads * head_stride * static_cast<int64_t>(sizeof(scalar_t));
       for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, len - t0));
+        for (int64_t t = t0 + 32; t < std::min(len, t0 + 48); ++t)  // key rows two tiles ahead
+          for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(kc + rows[t]) + b, _MM_HINT_T1);
         for (int64_t h = 0; h < num_heads; ++h) {
           const int64_t koff = (h / group) * head_stride;
           __m512 dots[16];
@@ -209,6 +216,8 @@ void decode_avx512(const at::Tensor& query, const at::Tensor& k_cache, const at:
       for (int64_t h = 0; h < num_heads; ++h) softmax_inplace(scores.data() + h * padded, len);
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
+        if (t + 16 < len)  // value rows 16 tokens ahead
+          for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(vc + rows[t + 16]) + b, _MM_HINT_T1);
         for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
           const scalar_t* vrow = vc + rows[t] + kvh * head_stride;
           __m512 vv[NV];
