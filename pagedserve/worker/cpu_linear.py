@@ -4,15 +4,14 @@ F.linear hands a plain [out, in] weight to MKL (float32) or oneDNN (bfloat16) on
 the library re-blocks it for its kernel each time; at the row counts of a decode step that
 re-blocking costs as much as the arithmetic. `pack_model` keeps, beside every linear layer's
 weight, a `PackedWeight`:
-  - float32: the weight in oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`),
-    run through `_linear_pointwise`. Measured on a 2-core AMD EPYC (avx512_bf16), one thread,
-    model shapes K=576..1536, N=576..3072: 1.05-2x faster than F.linear, most at 1-16 rows.
-  - bfloat16 on a CPU with avx512_bf16: the weight's element pairs interleaved for our
-    `bf16_linear` kernel (kernels/cpu/bf16_linear.cpp), which beat oneDNN at every row count of
-    the default model's layers on that EPYC (2.1x at 1 row, 1.3-1.5x at 16-64, 1.02x at 512;
-    docs/performance.md), so there oneDNN's copy is not kept. With AMX, oneDNN's AMX kernels
-    win once there are rows enough to compute on: both copies, ours up to AMX_PAIR_ROWS rows.
-  - bfloat16 without avx512_bf16: oneDNN's layout, as float32.
+  - on an AVX-512 CPU (avx512_bf16 for bfloat16): the weight packed 16 output columns to a
+    vector for our `lane_linear` kernel (kernels/cpu/lane_linear.cpp). On a 2-core AMD EPYC it
+    beat oneDNN at every row count of the default model's layers (bfloat16: 2.1x at 1 row,
+    1.3-1.6x at 8-64, 1.02x at 512; float32: see docs/performance.md), so there oneDNN's copy
+    is not kept. With AMX, oneDNN's bfloat16 AMX kernels win once there are rows enough to
+    compute on: both copies, ours up to AMX_LANE_ROWS rows.
+  - otherwise: the weight in oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`),
+    run through `_linear_pointwise` (1.05-2x faster than F.linear at the model's shapes).
 
 Only on the CPU, only for float32 and bfloat16, only when this torch has the oneDNN ops; CUDA and
 everything else keep F.linear. The packed copy costs the weights' size again in memory (the plain
@@ -52,11 +51,12 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
         and hasattr(ops, "_reorder_linear_weight")
 
 
-# Up to this many rows, bf16_linear on an AMX CPU: there its streaming of the weights is what a
-# small-row step waits on, and past a few rows AMX's arithmetic (~1.4 TFLOP/s a core on the Xeon
-# of docs/performance.md against ~0.2 for vdpbf16ps) wins. Not measured on AMX yet: a guess at the
-# crossover, on the safe side.
-AMX_PAIR_ROWS = 8
+# Up to this many rows, bfloat16 goes to lane_linear on an AMX CPU: there its streaming of the
+# weights is what a small-row step waits on, and past a few rows AMX's arithmetic (~1.4 TFLOP/s a
+# core on the Xeon of docs/performance.md against ~0.2 for vdpbf16ps) wins. Not measured on AMX
+# yet: a guess at the crossover, on the safe side.
+AMX_LANE_ROWS = 8
+EVERY_ROW_COUNT = 1 << 62
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,42 +64,43 @@ class PackedWeight:
     """One linear weight [out_features, in] prepared at load. At least one layout is present."""
     out_features: int
     onednn: torch.Tensor | None  # oneDNN's blocked layout, for `_linear_pointwise`
-    pairs: torch.Tensor | None  # pack_bf16_weight's layout, for bf16_linear
-    pair_rows: int  # inputs of at most this many rows go to bf16_linear (when `pairs` is set)
+    lanes: torch.Tensor | None  # pack_lane_weight's layout, for lane_linear
+    lane_rows: int  # inputs of at most this many rows go to lane_linear (when `lanes` is set)
 
 
 def pack(weight: torch.Tensor) -> PackedWeight:
     """The weight's PackedWeight for this CPU (see the module docstring)."""
     weight = weight.detach()
-    pairs, pair_rows = None, 0
-    ops = _pair_kernel() if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 else None
+    bf16 = weight.dtype == torch.bfloat16
+    lanes, lane_rows = None, 0
+    ops = _lane_kernel(bf16) if not (bf16 and weight.shape[1] % 2) else None
     if ops is not None:
-        pairs = ops.pack_bf16_weight(weight)
-        pair_rows = AMX_PAIR_ROWS if _has_amx() else 1 << 62
-    onednn = None if pair_rows > AMX_PAIR_ROWS else torch.ops.mkldnn._reorder_linear_weight(weight)
-    return PackedWeight(weight.shape[0], onednn, pairs, pair_rows)
+        lanes = ops.pack_lane_weight(weight)
+        lane_rows = AMX_LANE_ROWS if bf16 and _has_amx() else EVERY_ROW_COUNT
+    onednn = None if lane_rows == EVERY_ROW_COUNT else torch.ops.mkldnn._reorder_linear_weight(weight)
+    return PackedWeight(weight.shape[0], onednn, lanes, lane_rows)
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight.T (+ bias), weight given as `pack(weight)`."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if packed.pairs is not None and rows <= packed.pair_rows and x.dtype == torch.bfloat16:
+    if packed.lanes is not None and rows <= packed.lane_rows:
         flat = x.reshape(rows, x.shape[-1])
-        out = _pair_kernel().bf16_linear(flat if flat.stride(-1) == 1 else flat.contiguous(), packed.pairs,
-                                         packed.out_features)
+        out = _lane_kernel(x.dtype == torch.bfloat16).lane_linear(
+            flat if flat.stride(-1) == 1 else flat.contiguous(), packed.lanes, packed.out_features)
         out = out.view(*x.shape[:-1], packed.out_features)
         return out if bias is None else out + bias
     return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
 
 
 @cache
-def _pair_kernel():
-    """The compiled CPU kernels when they have bf16_linear (avx512_bf16), else None."""
-    if os.environ.get("PAGEDSERVE_NO_BF16_LINEAR"):
+def _lane_kernel(bfloat16: bool):
+    """The compiled CPU kernels when they have lane_linear for this dtype, else None."""
+    if os.environ.get("PAGEDSERVE_NO_LANE_LINEAR"):
         return None
     from pagedserve.kernels import cpu_ops
     ops = cpu_ops.load()
-    return ops if ops is not None and ops.bf16_linear_available() else None
+    return ops if ops is not None and ops.lane_linear_available(bfloat16) else None
 
 
 @cache

@@ -8,9 +8,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const at::Tensor& chunks, double scale, at::Tensor& out);
 bool prefill_attention_available();
-bool bf16_linear_available();
-at::Tensor pack_bf16_weight(const at::Tensor& weight);
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n);
+bool lane_linear_available(bool bfloat16);
+at::Tensor pack_lane_weight(const at::Tensor& weight);
+at::Tensor lane_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::optional<at::Tensor> residual);
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w);
@@ -37,10 +37,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "row start, rows, context_len; block_tables int64 [P, max_blocks])");
   m.def("prefill_attention_available", &pagedserve::prefill_attention_available,
         "whether paged_prefill_attention was compiled (AVX-512)");
-  m.def("bf16_linear_available", &pagedserve::bf16_linear_available, "whether bf16_linear was compiled (avx512_bf16)");
-  m.def("pack_bf16_weight", &pagedserve::pack_bf16_weight,
-        "bfloat16 [N, K] -> [ceil(N/16), K/2, 16, 2]: 16 rows' element pairs interleaved, for bf16_linear");
-  m.def("bf16_linear", &pagedserve::bf16_linear, "x [M, K] bfloat16 @ weight.T, weight = pack_bf16_weight(weight) of N rows");
+  m.def("lane_linear_available", &pagedserve::lane_linear_available,
+        "whether lane_linear was compiled for float32 (bfloat16=False: AVX-512) or bfloat16 (also avx512_bf16)");
+  m.def("pack_lane_weight", &pagedserve::pack_lane_weight,
+        "float32 or bfloat16 [N, K] -> int32 [ceil(N/16), K or K/2, 16]: 16 rows' floats (bfloat16 pairs) per vector");
+  m.def("lane_linear", &pagedserve::lane_linear, "x [M, K] @ weight.T in x's dtype, weight = pack_lane_weight(weight) of N rows");
   m.def("small_m_linear", &pagedserve::small_m_linear, "x @ w.T in float32 for small row counts");
   m.def("silu_and_mul", &pagedserve::silu_and_mul, "silu(x[:, :I]) * x[:, I:]");
   m.def("rms_norm", &pagedserve::rms_norm, "RMSNorm (float32 statistics); with residual: residual += x, then norm it",

@@ -1,0 +1,178 @@
+// Matmuls on weights repacked once at load so that one 64-byte vector holds 16 output columns'
+// weights for one step of K ("lanes"), for float32 and bfloat16 on AVX-512:
+//
+//   weight [N, K] -> packed [ceil(N / 16), U, 16] of 32-bit units, rows past N zero, where a unit
+//   is one float (float32: U = K) or a pair of bfloat16 (U = K / 2, the pair vdpbf16ps multiplies):
+//   group g, unit p is one vector whose lane r holds row 16g + r's unit p.
+//
+// One multiply-add instruction then adds one activation unit (broadcast) times 16 output
+// columns' weights (vfmadd231ps, or vdpbf16ps for two products a lane), so nothing is reduced
+// horizontally and nothing is converted: register tiles of 6 activation rows x 64 columns (24
+// float accumulators) per pass over K. On a 2-core AMD EPYC (avx512_bf16, no AMX) the bfloat16
+// kernel beat oneDNN's at every row count of the default model's layers (2.1x at 1 row, 1.3-1.6x
+// at 8-64, 1.02x at 512; docs/performance.md); the caller picks by row count where oneDNN has
+// AMX.
+//
+// Threads take contiguous runs of column groups, each writing only its own output columns; within
+// a run, 4 groups at a time stay in L1/L2 while every row tile passes over them.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "parallel_grain.h"
+
+namespace pagedserve {
+
+// Whether lane_linear was compiled for this dtype (float32: AVX-512; bfloat16: avx512_bf16 too).
+bool lane_linear_available(bool bfloat16) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#elif defined(__AVX512F__)
+  return !bfloat16;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512F__)
+namespace {
+
+constexpr int kCols = 16;      // output columns per group: one vector of float lanes
+constexpr int kRowTile = 6;    // activation rows per register tile
+constexpr int kGroupTile = 4;  // column groups per register tile
+
+// out[0..MR) x [16 * NG columns) = x rows . packed groups over `units` 32-bit units of K;
+// `last_valid`: the columns of the tile's last group that exist.
+template <typename T, int MR, int NG>
+inline void tile(const T* x, int64_t ldx, const uint32_t* w, int64_t group_stride, int64_t units, T* out,
+                 int64_t ldo, __mmask16 last_valid) {
+  constexpr int per_unit = 4 / sizeof(T);  // elements of x per unit
+  __m512 acc[MR][NG];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NG; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < units; ++p) {
+    __m512i b[NG];
+    for (int j = 0; j < NG; ++j) b[j] = _mm512_loadu_si512(w + j * group_stride + p * kCols);
+    for (int i = 0; i < MR; ++i) {
+      int32_t unit;
+      std::memcpy(&unit, x + i * ldx + per_unit * p, sizeof(unit));
+      const __m512i a = _mm512_set1_epi32(unit);
+      for (int j = 0; j < NG; ++j) {
+        if constexpr (std::is_same_v<T, float>) {
+          acc[i][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b[j]), acc[i][j]);
+        } else {
+#if defined(__AVX512BF16__)
+          acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a, (__m512bh)b[j]);
+#endif
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NG; ++j) {
+      const __mmask16 valid = j == NG - 1 ? last_valid : __mmask16(0xFFFF);
+      T* dst = out + i * ldo + j * kCols;
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_mask_storeu_ps(dst, valid, acc[i][j]);
+      } else {
+#if defined(__AVX512BF16__)
+        _mm256_mask_storeu_epi16(dst, valid, (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+#endif
+      }
+    }
+}
+
+template <typename T, int NG>
+inline void rows_of(int64_t m, const T* x, int64_t ldx, const uint32_t* w, int64_t group_stride, int64_t units,
+                    T* out, int64_t ldo, __mmask16 last_valid) {
+  int64_t r = 0;
+  for (; r + kRowTile <= m; r += kRowTile)
+    tile<T, kRowTile, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid);
+  switch (m - r) {
+    case 1: tile<T, 1, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
+    case 2: tile<T, 2, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
+    case 3: tile<T, 3, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
+    case 4: tile<T, 4, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
+    case 5: tile<T, 5, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tensor& out) {
+  const int64_t m = x.size(0), groups = packed.size(0), units = packed.size(1);
+  const T* xd = x.data_ptr<T>();
+  const auto* wd = static_cast<const uint32_t*>(packed.data_ptr());
+  T* od = out.data_ptr<T>();
+  const int64_t ldx = x.stride(0), group_stride = units * kCols;
+  const int tail = static_cast<int>(n - kCols * (groups - 1));
+  const __mmask16 tail_mask = static_cast<__mmask16>((1u << tail) - 1);
+  // A group's work: m rows x 16 columns x K multiply-adds; below 16 rows its time is reading the
+  // group's weights (~1 us per 18 KB on one core here), counted as 16 rows' worth, so one matrix
+  // of a one-row decode splits across threads only from ~13 groups of 576 columns on.
+  at::parallel_for(0, groups, grain_for(std::max<int64_t>(m, 16) * kCols * units * 4), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; g += kGroupTile) {
+      const int ng = static_cast<int>(std::min<int64_t>(kGroupTile, end - g));
+      const __mmask16 valid = g + ng == groups ? tail_mask : __mmask16(0xFFFF);
+      const uint32_t* w = wd + g * group_stride;
+      T* o = od + g * kCols;
+      switch (ng) {
+        case 4: rows_of<T, 4>(m, xd, ldx, w, group_stride, units, o, n, valid); break;
+        case 3: rows_of<T, 3>(m, xd, ldx, w, group_stride, units, o, n, valid); break;
+        case 2: rows_of<T, 2>(m, xd, ldx, w, group_stride, units, o, n, valid); break;
+        default: rows_of<T, 1>(m, xd, ldx, w, group_stride, units, o, n, valid);
+      }
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+// weight [N, K] float32 or bfloat16 (K even) -> [ceil(N / 16), units, 16] int32 holding the
+// layout above (the bits of floats or of bfloat16 pairs).
+at::Tensor pack_lane_weight(const at::Tensor& weight) {
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && (bf16 || weight.scalar_type() == at::kFloat), "weight: float32 or bfloat16 [N, K]");
+  TORCH_CHECK(!bf16 || weight.size(1) % 2 == 0, "weight: K must be even for bfloat16, got ", weight.size(1));
+  const int64_t n = weight.size(0), units = bf16 ? weight.size(1) / 2 : weight.size(1), groups = (n + 15) / 16;
+  const auto w = weight.contiguous();
+  auto packed = at::zeros({groups, units, 16}, weight.options().dtype(at::kInt));
+  const auto* src = static_cast<const uint32_t*>(w.data_ptr());
+  auto* dst = static_cast<uint32_t*>(packed.data_ptr());
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t r = 0; r < 16 && 16 * g + r < n; ++r)
+        for (int64_t p = 0; p < units; ++p) dst[(g * units + p) * 16 + r] = src[(16 * g + r) * units + p];
+  });
+  return packed;
+}
+
+// x [M, K] @ weight.T -> [M, N] in x's dtype (float32 accumulation), weight given as
+// pack_lane_weight(weight) of the same dtype with N rows.
+at::Tensor lane_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(lane_linear_available(bf16), "lane_linear for ", x.scalar_type(), " needs AVX-512",
+              bf16 ? " with avx512_bf16" : "");
+  TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == at::kFloat) && x.stride(1) == 1,
+              "x: float32 or bfloat16 [M, K], unit column stride");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.size(2) == 16,
+              "packed: the output of pack_lane_weight");
+  const int64_t k = packed.size(1) * (bf16 ? 2 : 1);
+  TORCH_CHECK(k == x.size(1), "x has ", x.size(1), " columns, the weight ", k);
+  TORCH_CHECK(n > 0 && (n + 15) / 16 == packed.size(0), "n = ", n, " does not match the packed groups");
+  auto out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return out;
+#if defined(__AVX512F__)
+  if (bf16) run<c10::BFloat16>(x, packed, n, out);
+  else run<float>(x, packed, n, out);
+#endif
+  return out;
+}
+
+}  // namespace pagedserve
