@@ -107,7 +107,7 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     layout (block tables and (row start, rows, context) per chunk) is built once per step and
     shared by every layer: the layers of a step get the same metadata object."""
 
-    HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the sizes pagedserve/kernels/cpu/*attention.cpp compile
+    HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the sizes pagedserve/kernels/cpu/head_dims.h compiles in
     PREFILL_DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, ops) -> None:

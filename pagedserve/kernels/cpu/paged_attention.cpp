@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "head_dims.h"
 #include "simd.h"
 
 namespace pagedserve {
@@ -267,15 +268,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes differ");
   auto out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    switch (query.size(2)) {
-      case 32: decode<32, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale); break;
-      case 64: decode<64, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale); break;
-      case 80: decode<80, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale); break;
-      case 96: decode<96, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale); break;
-      case 128: decode<128, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale); break;
-      case 256: decode<256, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale); break;
-      default: TORCH_CHECK(false, "head_dim ", query.size(2), " not compiled in (32, 64, 80, 96, 128, 256)");
-    }
+    with_head_dim(query.size(2), [&](auto d) {
+      decode<decltype(d)::value, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale);
+    });
   });
   return out;
 }

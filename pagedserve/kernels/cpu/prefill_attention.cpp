@@ -29,6 +29,7 @@
 #include <numeric>
 #include <vector>
 
+#include "head_dims.h"
 #include "simd.h"
 
 namespace pagedserve {
@@ -272,15 +273,9 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
 #if defined(__AVX512F__)
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "paged_prefill_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
-      switch (query.size(2)) {
-        case 32: prefill<32, scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out); break;
-        case 64: prefill<64, scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out); break;
-        case 80: prefill<80, scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out); break;
-        case 96: prefill<96, scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out); break;
-        case 128: prefill<128, scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out); break;
-        case 256: prefill<256, scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out); break;
-        default: TORCH_CHECK(false, "head_dim ", query.size(2), " not compiled in (32, 64, 80, 96, 128, 256)");
-      }
+      with_head_dim(query.size(2), [&](auto d) {
+        prefill<decltype(d)::value, scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out);
+      });
     } else {
       TORCH_CHECK(false, "paged_prefill_attention: float32 or bfloat16 only, got ", query.scalar_type());
     }
