@@ -16,7 +16,9 @@ _SOURCES = [Path(__file__).parent / "cpu" / name
 _HEADERS = [Path(__file__).parent / "cpu" / name for name in ("simd.h", "parallel_grain.h", "head_dims.h")]
 
 
-def _cpu_flags() -> str:
+@cache
+def cpu_flags() -> str:
+    """This CPU's flags line of /proc/cpuinfo (empty when there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -35,7 +37,7 @@ def load():
     from torch.utils.cpp_extension import load as load_extension
 
     text = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    digest = hashlib.sha256(text + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(text + cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"pagedserve_cpu_{digest}"
     build_dir = Path(os.environ.get("PAGEDSERVE_DATA_DIR", Path.home() / ".cache" / "pagedserve")) / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)

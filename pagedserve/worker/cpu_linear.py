@@ -25,7 +25,6 @@ import logging
 import os
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -103,13 +102,9 @@ def _lane_kernel(bfloat16: bool):
     return ops if ops is not None and ops.lane_linear_available(bfloat16) else None
 
 
-@cache
 def _has_amx() -> bool:
-    try:
-        return any(line.startswith("flags") and " amx_bf16" in line
-                   for line in Path("/proc/cpuinfo").read_text().splitlines())
-    except OSError:
-        return False
+    from pagedserve.kernels.cpu_ops import cpu_flags
+    return " amx_bf16" in cpu_flags()
 
 
 def pack_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:

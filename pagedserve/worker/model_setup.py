@@ -24,10 +24,8 @@ def pick_device(name: str) -> torch.device:
 
 
 def cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    from pagedserve.kernels.cpu_ops import cpu_flags
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
