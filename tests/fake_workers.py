@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 
 from pagedserve.common.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
 from pagedserve.common.store import open_store
@@ -36,16 +37,32 @@ class FakeWorkerGroup:
         self.num_blocks, self.step_delay_s = num_blocks, step_delay_s
         self.requests = RequestStates()
         self.num_steps = 0
+        self.sent: deque[ModelRunnerOutput] = deque()  # outputs of the steps sent, not yet received
 
     def connect(self, timeout_s: float) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(model="fake", device="cpu", max_model_len=512, vocab_size=VOCAB)
 
     def init_session(self, profile: worker_pb2.ProfileRequest) -> worker_pb2.ProfileResponse:
         self.requests = RequestStates()
+        self.sent.clear()
         return worker_pb2.ProfileResponse(num_gpu_blocks=self.num_blocks, bytes_per_block=1)
 
     def step(self, out: SchedulerOutput, wants_logprobs) -> tuple[ModelRunnerOutput, float]:
+        self.send(out)
+        return self.receive(out, wants_logprobs)
+
+    def send(self, out: SchedulerOutput) -> None:
+        """Runs the step at once (a worker runs its steps in the order sent); receive() hands its
+        output over after the step delay."""
+        self.sent.append(self._run(out))
+
+    def receive(self, out: SchedulerOutput, wants_logprobs) -> tuple[ModelRunnerOutput, float]:
         time.sleep(self.step_delay_s)
+        result = self.sent.popleft()
+        assert result.step_id == out.step_id, f"step {out.step_id} received, {result.step_id} was due"
+        return result, 0.0
+
+    def _run(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
         self.requests.apply(out)
         scheduled = [(self.requests.state(r), n) for r, n in out.num_scheduled_tokens.items()]
@@ -54,10 +71,10 @@ class FakeWorkerGroup:
         sampled = {s.req_id: [next_token(s.token_ids)] * (1 + len(s.child_req_ids)) for s, _ in scheduled
                    if s.num_computed_tokens == len(s.token_ids)}
         self.requests.commit(sampled)
-        return ModelRunnerOutput(out.step_id, {r: [SampledToken(t) for t in ts] for r, ts in sampled.items()}), 0.0
+        return ModelRunnerOutput(out.step_id, {r: [SampledToken(t) for t in ts] for r, ts in sampled.items()})
 
     def close_streams(self) -> None:
-        pass
+        self.sent.clear()
 
     def close(self) -> None:
         pass

@@ -65,8 +65,9 @@ class FakeWorker:
     """Keeps the worker's request state with the model runner's own bookkeeping (RequestStates),
     and a simulated KV cache slot by slot."""
 
-    def __init__(self, sched: Scheduler, check_kv: bool = True) -> None:
+    def __init__(self, sched: Scheduler, check_kv: bool = True, ahead: bool = False) -> None:
         self.sched = sched
+        self.ahead = ahead  # steps run as they are scheduled, before the last one's update (async)
         self.bs = sched.config.block_size
         self.check_kv = check_kv
         self.requests = RequestStates()
@@ -74,6 +75,7 @@ class FakeWorker:
         self.kv: dict[tuple[int, int], object] = {}  # (device block, offset) -> key
         self.host: dict[tuple[int, int], object] = {}
         self.kv_errors: list[str] = []
+        self.dropped: dict[str, object] = {}  # req_id -> its state when the worker last dropped it
         self.windows = sched.config.kv_group_windows
         self.hybrid = any(self.windows)
 
@@ -106,6 +108,7 @@ class FakeWorker:
         for req_id in out.finished_req_ids:
             assert req_id in self.requests, f"told to drop {req_id!r}, which the worker never had"
             self.keys.pop(req_id, None)
+            self.dropped[req_id] = self.requests[req_id]
         for new in out.new_requests:
             assert new.req_id not in self.requests, f"{new.req_id} sent as new twice"
             self.keys.pop(new.req_id, None)
@@ -117,7 +120,13 @@ class FakeWorker:
 
         # The worker's state equals the scheduler's: the deltas were sufficient.
         live = {r.request_id for r in sched.running} | {r.request_id for r in sched.swapped}
-        assert set(self.requests) == live, f"worker holds {sorted(self.requests)}, scheduler {sorted(live)}"
+        held = set(self.requests)
+        if self.ahead:
+            # Samples the worker forked in a step whose results the scheduler awaits (and forks of
+            # a request aborted meanwhile: dropped once those results are in; flush() checks).
+            held -= {child for r in sched.running for child in r.child_req_ids}
+            held -= {i for i in held if i not in sched.sample_ids}
+        assert held == live, f"worker holds {sorted(self.requests)}, scheduler {sorted(live)}"
         bm = sched.block_manager
         for req in sched.running:
             state = self.requests[req.request_id]
@@ -125,7 +134,15 @@ class FakeWorker:
             # Sliding groups: the worker is not told of dropped blocks (id 0 in the scheduler's table).
             for mine, theirs in zip(state.group_block_ids, bm.group_block_ids(req.request_id), strict=True):
                 assert len(mine) == len(theirs) and all(t in (0, m) for m, t in zip(mine, theirs)), req.request_id
-            assert state.token_ids == req.token_ids and state.num_computed_tokens == req.num_computed_tokens
+            # The worker has run every step before this one; ahead, the scheduler awaits the results
+            # of the last (the worker's samples there are tokens the scheduler counts as pending).
+            assert state.num_computed_tokens == req.num_scheduled_tokens - out.num_scheduled_tokens.get(
+                req.request_id, 0), req.request_id
+            if self.ahead:
+                assert state.token_ids[:req.num_tokens] == req.token_ids, req.request_id
+                assert len(state.token_ids) <= req.num_tokens + req.num_pending_samples, req.request_id
+            else:
+                assert state.token_ids == req.token_ids, req.request_id
 
         written: dict[tuple[int, int], str] = {}
         for req_id, n in out.num_scheduled_tokens.items():
@@ -195,9 +212,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert keys == sorted(keys)
     bm = sched.block_manager
     for req in sched.running:
-        assert len(bm.tables[req.request_id]) == cdiv(req.num_computed_tokens
-                                                      + out.num_scheduled_tokens.get(req.request_id, 0),
-                                                      bm.block_size)
+        assert len(bm.tables[req.request_id]) == cdiv(req.num_scheduled_tokens, bm.block_size)
     for req in sched.swapped:
         assert req.request_id in bm.cpu_tables and req.request_id not in bm.tables
     for req in sched.waiting:
@@ -226,11 +241,15 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
 
 
 class Driver:
-    """A scheduler and its fake worker, stepped together."""
+    """A scheduler and its fake worker, stepped together. ahead: as the scheduler service steps
+    with async scheduling: each step runs on the worker as soon as it is scheduled, and the next
+    one is scheduled (schedule(ahead=True)) before its results are given to update()."""
 
-    def __init__(self, cfg: SchedulerConfig, check_kv: bool = True) -> None:
+    def __init__(self, cfg: SchedulerConfig, check_kv: bool = True, ahead: bool = False) -> None:
         self.sched = Scheduler(cfg)
-        self.worker = FakeWorker(self.sched, check_kv)
+        self.worker = FakeWorker(self.sched, check_kv, ahead)
+        self.ahead = ahead
+        self.inflight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
         self.outputs: dict[str, list[int]] = {}
         self.reasons: dict[str, str] = {}
         self.steps: list[SchedulerOutput] = []
@@ -239,12 +258,21 @@ class Driver:
         for req in requests:
             self.sched.add_request(req)
 
-    def step(self) -> SchedulerOutput:
-        sched = self.sched
-        out = sched.schedule()
-        check_step(sched, out)
+    def _send(self, out: SchedulerOutput) -> None:
+        check_step(self.sched, out)
         self.steps.append(out)
-        result = self.worker.execute(out)
+        self.inflight.append((out, self.worker.execute(out)))
+
+    def step(self) -> SchedulerOutput:
+        """Schedule (and run) a step, then take in the oldest step's results; returns that step."""
+        sched = self.sched
+        if not self.inflight:
+            self._send(sched.schedule())
+        if self.ahead and len(self.inflight) == 1 and not sched.needs_sync:
+            ahead = sched.schedule(ahead=True)
+            if ahead is not None:
+                self._send(ahead)
+        out, result = self.inflight.pop(0)
         for upd in sched.update(out, result):
             if upd.finished:
                 self.outputs[upd.request.request_id] = upd.request.output_token_ids
@@ -254,7 +282,7 @@ class Driver:
 
     def run(self, max_steps: int = 3000, on_step=None) -> None:
         for _ in range(max_steps):
-            if not self.sched.has_unfinished():
+            if not (self.sched.has_unfinished() or self.inflight):
                 break
             out = self.step()
             if on_step is not None:
@@ -273,12 +301,12 @@ def check_after_update(sched: Scheduler) -> None:
         f"{len(sched.running)} running sequences, max_num_seqs is {sched.config.max_num_seqs}")
     bm = sched.block_manager
     for req in sched.running:
-        assert len(bm.tables[req.request_id]) == cdiv(req.num_computed_tokens, bm.block_size)
+        assert len(bm.tables[req.request_id]) == cdiv(req.num_scheduled_tokens, bm.block_size)
 
 
 def run(cfg: SchedulerConfig, requests: list[Request], check_kv: bool = True, max_steps: int = 3000,
-        on_step=None) -> RunResult:
-    d = Driver(cfg, check_kv)
+        on_step=None, ahead: bool = False) -> RunResult:
+    d = Driver(cfg, check_kv, ahead)
     d.add(*requests)
     d.run(max_steps, on_step)
     d.flush()

@@ -208,6 +208,12 @@ def test_random_workloads_with_sliding_groups(scenario):
     check_random_scenario(scenario)
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(grouped_scenarios())
+def test_random_workloads_with_sliding_groups_and_async_scheduling(scenario):
+    check_random_scenario(scenario, ahead=True)
+
+
 def test_a_long_request_needs_far_fewer_blocks():
     # Gemma 3's shape: one full group, five sliding ones. 220 tokens of blocks of 4 in chunks of 8.
     windows, bs = (0, 8, 8, 8, 8, 8), 4

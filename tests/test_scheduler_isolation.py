@@ -295,7 +295,7 @@ def test_a_failed_step_ends_every_request_with_its_record(service, monkeypatch):
     """What _fail_all is for: a step that failed as a whole (the forward pass raised, not a rank
     that went away). Every request in flight ends with INTERNAL and its record finished, so that a
     restarted scheduler does not run them again; the engine serves on."""
-    monkeypatch.setattr(service.workers, "step", _failing_once(service.workers.step, after_calls=3))
+    monkeypatch.setattr(service.workers, "receive", _failing_once(service.workers.receive, after_calls=3))
 
     async def main():
         client = Client(service)
@@ -318,7 +318,8 @@ def _failing_once(step, after_calls: int):
 
     def wrapped(*args, **kwargs):
         calls[0] += 1
+        result = step(*args, **kwargs)  # taken off the stream: the next step's answer is next
         if calls[0] == after_calls:
             raise RuntimeError("injected forward-pass fault")
-        return step(*args, **kwargs)
+        return result
     return wrapped

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 import grpc
@@ -41,7 +42,7 @@ from pagedserve.scheduler.health import Health
 from pagedserve.scheduler.records import Delivery, GroupState, RecordWriter
 from pagedserve.scheduler.recovery import Recovery
 from pagedserve.scheduler.stats_recorder import StatsRecorder
-from pagedserve.scheduler.step_loop import StepLoop
+from pagedserve.scheduler.step_loop import InFlightStep, StepLoop
 from pagedserve.scheduler.subscriptions import Outbox, Subscription
 from pagedserve.scheduler.core.request import sample_ids
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
@@ -71,6 +72,7 @@ class ServiceConfig:
     step_timeout_s: float = 60.0  # a step with no result by then: the rank counts as dead (recovery)
     stall_timeout_s: float = 30.0  # work pending and no step completed for this long: unhealthy
     store_check_interval_s: float = 1.0  # how often the store (Redis) is pinged
+    async_scheduling: bool = True  # schedule and send step N+1 while the worker runs step N
 
 
 class SchedulerService(StepLoop, Recovery, Adoption, Health):
@@ -86,6 +88,7 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.writer = RecordWriter(store, self.lock, self._forget_group)
         self.pending_admissions = 0
+        self.inflight: deque[InFlightStep] = deque()  # sent, results not yet taken in (step loop only)
         self.recorder = StatsRecorder()  # written by the step loop only
         # max_steps -> (when, snapshot): the engine stats of the last STATS_SNAPSHOT_S (event loop only)
         self._stats_snapshots: dict[int, tuple[float, scheduler_pb2.EngineStats]] = {}

@@ -1,6 +1,10 @@
 """The scheduler service's step loop (vLLM's EngineCore, beside the service's I/O): admit, step the
 workers, publish each step's tokens through the record writer, abort.
 
+Async scheduling (ServiceConfig.async_scheduling): step N+1 is scheduled and sent before step N's
+results are taken in, so the worker runs it while this thread publishes N's tokens; `inflight`
+holds the steps sent and not yet taken in (one or two), oldest first.
+
 Threads: every method here runs on the step-loop thread, the only one that touches the Scheduler;
 other threads hand it work through `self.commands` (callables). `self.lock` guards `groups` and
 each group's subscriber list, which the gRPC event loop also reads.
@@ -13,7 +17,7 @@ where no single request can be blamed. No command's exception ends the step-loop
 
 A mixin of SchedulerService (service.py), which owns the attributes used here: scheduler,
 workers, groups, live_ids, lock, commands, writer, recorder, info, stopping, readmitted,
-orphan_deadline, last_progress, pending_admissions.
+orphan_deadline, last_progress, pending_admissions, inflight, config.
 """
 
 from __future__ import annotations
@@ -22,13 +26,16 @@ import json
 import logging
 import queue
 import time
+from dataclasses import dataclass
 
 import grpc
 
 from pagedserve.common.grpc_util import StatusError
+from pagedserve.common.messages import SchedulerOutput
 from pagedserve.common.store import RecordWrite
 from pagedserve.scheduler.core.request import Request, RequestIdInUse, sample_ids
 from pagedserve.scheduler.records import Delivery, GroupState
+from pagedserve.scheduler.core.scheduler import StepStats
 from pagedserve.scheduler.stats_recorder import MAX_PREFILL_CHUNKS_KEPT
 from pagedserve.scheduler.subscriptions import Subscription
 from pagedserve.scheduler.worker_client import WorkerError
@@ -36,19 +43,31 @@ from pagedserve.scheduler.worker_client import WorkerError
 log = logging.getLogger("pagedserve.scheduler")
 
 
+@dataclass(slots=True)
+class InFlightStep:
+    """A step sent to the workers whose results are not in yet (at most two: async scheduling)."""
+    sched: SchedulerOutput
+    stats: StepStats  # what schedule() did (its last_step)
+    wants_logprobs: set[str]  # requests whose samples carry logprobs
+    completing: list[GroupState]  # groups whose prompt this step completes (their prefill_end)
+    scheduled_at: float  # wall clock
+    schedule_s: float  # the step loop's time on it before it was sent
+
+
 class StepLoop:
     def _loop(self) -> None:
         while not self.stopping.is_set():
-            self._run_commands(block=not self.scheduler.has_unfinished())
+            self._run_commands(block=not (self.scheduler.has_unfinished() or self.inflight))
             if self.readmitted and time.monotonic() > self.orphan_deadline:
                 self._abort_orphans()
-            if self.stopping.is_set() or not self.scheduler.has_unfinished():
+            if self.stopping.is_set() or not (self.scheduler.has_unfinished() or self.inflight):
                 self.last_progress = time.monotonic()
                 continue
             try:
                 self._step()
                 self.last_progress = time.monotonic()
             except WorkerError as exc:
+                self.inflight.clear()  # the new session knows none of them
                 self._recover_workers(str(exc))
             except Exception as exc:  # noqa: BLE001 - keep serving; the requests in flight fail loudly
                 log.exception("step failed")
@@ -135,8 +154,20 @@ class StepLoop:
         self.writer.submit([], [(group, deliveries)], only_to=sub)
 
     def _step(self) -> None:
-        step_started = time.perf_counter()
-        sched = self.scheduler.schedule()
+        """One step's results taken in. With async scheduling the step after it is scheduled and
+        sent first, so that the worker runs it while this thread takes in the results."""
+        if not self.inflight:  # (an exception in _take_results may leave the ahead step here)
+            self._send_step(self.scheduler.schedule())
+        if self.config.async_scheduling and len(self.inflight) == 1 and not self.scheduler.needs_sync:
+            ahead = self.scheduler.schedule(ahead=True)
+            if ahead is not None:
+                self._send_step(ahead)
+            elif self.scheduler.failed:
+                self._end_failed()
+        self._take_results(self.inflight.popleft())
+
+    def _send_step(self, sched: SchedulerOutput) -> None:
+        started = time.perf_counter()
         if self.scheduler.failed:
             self._end_failed()
         now = time.time()
@@ -151,7 +182,7 @@ class StepLoop:
                 group.timings.setdefault("first_scheduled", now)
                 group.num_preemptions = max(group.num_preemptions, req.num_preemptions)
         stats = self.scheduler.last_step
-        completing = []  # requests whose prompt this step completes: (request, group)
+        completing = []  # groups whose prompt this step completes
         for req_id in stats.prefill_req_ids:
             req = requests[req_id]
             group = self.groups.get(req.group_id)
@@ -161,17 +192,23 @@ class StepLoop:
             group.num_prefill_chunks += 1
             if len(group.prefill_chunks) < MAX_PREFILL_CHUNKS_KEPT:
                 group.prefill_chunks.append((now, num))
-            if req.num_computed_tokens + num >= req.num_tokens and "prefill_end" not in group.timings:
+            if req.num_scheduled_tokens >= req.num_tokens and "prefill_end" not in group.timings:
                 completing.append(group)
+        self.workers.send(sched)
+        self.inflight.append(InFlightStep(sched, stats, wants_logprobs, completing, now,
+                                          time.perf_counter() - started))
+
+    def _take_results(self, step: InFlightStep) -> None:
         started = time.perf_counter()
-        result, overhead = self.workers.step(sched, wants_logprobs)
-        step_time = time.perf_counter() - started
-        if completing:
+        sched = step.sched
+        result, overhead = self.workers.receive(sched, step.wants_logprobs)
+        if step.completing:
             returned = time.time()
-            for group in completing:
+            for group in step.completing:
                 group.timings.setdefault("prefill_end", returned)
         step_worker_time = result.forward_time_s + result.sample_time_s
-        self.recorder.worker_step(step_time, overhead, step_worker_time)
+        self.recorder.worker_step(step_worker_time + overhead, overhead, step_worker_time)
+        requests = self.scheduler.requests
         for req_id in sched.num_scheduled_tokens:
             req = requests.get(req_id)
             group = self.groups.get(req.group_id) if req is not None else None
@@ -183,7 +220,8 @@ class StepLoop:
         if self.scheduler.failed:
             self._end_failed()
         self._publish(updates)
-        self.recorder.step(sched.step_id, now, time.perf_counter() - step_started, stats, self.scheduler)
+        self.recorder.step(sched.step_id, step.scheduled_at, step.schedule_s + time.perf_counter() - started,
+                           step.stats, self.scheduler)
 
     def _publish(self, updates) -> None:
         now = time.time()

@@ -1,7 +1,8 @@
 """The scheduler's side of the worker ranks: one gRPC channel and one Step stream per rank.
 
 Every step goes to every rank (tensor-parallel ranks run the same step on their shards); rank 0's
-answer carries the samples. A rank that fails or stops answering raises WorkerError.
+answer carries the samples. A rank that fails or stops answering raises WorkerError. Steps may be
+sent ahead of the last one's results (send, then receive in the same order): the streams keep order.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -98,6 +100,8 @@ class WorkerGroup:
         self.channels = [internal_channel(a) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
         self.streams: list[_StepStream] = []
+        self._sent: deque[float] = deque()  # when each step sent and not yet received was sent
+        self._last_received = 0.0
         self.session_id = ""
         self.info: worker_pb2.WorkerInfo | None = None
 
@@ -133,13 +137,25 @@ class WorkerGroup:
     def step(self, step: SchedulerOutput, wants_logprobs: set[str]) -> tuple[ModelRunnerOutput, float]:
         """Run one step on every rank; return rank 0's output and the round trip beyond the
         worker's own time (serialisation, the network, gRPC)."""
+        self.send(step)
+        return self.receive(step, wants_logprobs)
+
+    def send(self, step: SchedulerOutput) -> None:
+        """Queue a step on every rank's stream. The ranks run their steps in the order sent; one
+        may be sent before the last one's results are received (async scheduling)."""
         message = wire.step_to_proto(step, self.session_id)
-        started = time.perf_counter()
+        for stream in self.streams:
+            stream.send(message)
+        self._sent.append(time.perf_counter())
+
+    def receive(self, step: SchedulerOutput, wants_logprobs: set[str]) -> tuple[ModelRunnerOutput, float]:
+        """The results of the oldest step sent (`step`): rank 0's output, and the time beyond the
+        worker's own from when the ranks could start it (sent, and the step before it received)
+        to its results here."""
+        sent = self._sent.popleft() if self._sent else time.perf_counter()
         if self.watchdog is not None:
             self.watchdog.arm(self.streams)
         try:
-            for stream in self.streams:
-                stream.send(message)
             results = [stream.receive() for stream in self.streams]
         except (grpc.RpcError, StopIteration) as exc:
             if self.watchdog is not None and self.watchdog.fired:
@@ -150,14 +166,19 @@ class WorkerGroup:
         finally:
             if self.watchdog is not None:
                 self.watchdog.disarm()
-        elapsed = time.perf_counter() - started
+        received = time.perf_counter()
+        elapsed = received - max(sent, self._last_received)
+        self._last_received = received
         first = results[0]
+        if first.step_id != step.step_id:
+            raise WorkerError(f"rank 0 answered step {first.step_id} where step {step.step_id} was due")
         return wire.result_from_proto(first, wants_logprobs), max(0.0, elapsed - first.worker_time_s)
 
     def close_streams(self) -> None:
         for stream in self.streams:
             stream.close()
         self.streams = []
+        self._sent.clear()
 
     def close(self) -> None:
         self.close_streams()

@@ -3,7 +3,12 @@
 A thin servicer over WorkerService, a plain class that tests drive directly. The scheduler calls
 Describe, Profile and InitCache once per session, then keeps one Step stream open and sends one
 StepRequest per engine step; the worker applies the delta to the request state it caches and
-answers with the sampled tokens (rank 0) or an empty acknowledgement (other ranks).
+answers with the sampled tokens (rank 0) or an empty acknowledgement (other ranks), in step order.
+The scheduler may send a step before the last one's answer (async scheduling): the worker appends
+its own samples, so the next step's decode tokens are in its state when that step starts.
+
+Threads: every torch call runs on one thread (torch_thread); a Step stream's reader thread queues
+its steps there as they arrive, the gRPC thread of the stream sends the answers in order.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import signal
 import threading
 import time
@@ -127,9 +133,14 @@ class WorkerService:
                  request.num_gpu_blocks, self.runner.block_size, request.num_cpu_blocks)
 
     def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
-        return self._on_torch_thread(self._step, request, time.perf_counter())
+        return self.submit_step(request).result()
 
-    def _step(self, request: worker_pb2.StepRequest, received: float) -> worker_pb2.StepResult:
+    def submit_step(self, request: worker_pb2.StepRequest) -> futures.Future:
+        """Queue a step on the torch thread: steps run in the order submitted, back to back."""
+        return self.torch_thread.submit(self._step, request)
+
+    def _step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+        received = time.perf_counter()  # the worker's own time starts when the step does
         with self.lock:
             if request.session_id != self.session_id:
                 raise SessionMismatch(f"step {request.step_id} belongs to scheduler session {request.session_id!r}, "
@@ -171,10 +182,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.InitCacheResponse()
 
     def Step(self, request_iterator, context):
+        """Each step is queued on the torch thread as soon as it arrives, by a reader thread: a
+        step the scheduler sent ahead (async scheduling) starts the moment the one before it ends,
+        not after its result has gone out and this thread has read the next message."""
         self._check_ready(context)
-        for request in request_iterator:
+        queued: queue.SimpleQueue = queue.SimpleQueue()  # futures in step order; None: the stream ended
+
+        def read() -> None:
             try:
-                yield self.service.step(request)
+                for request in request_iterator:
+                    queued.put(self.service.submit_step(request))
+            except Exception:  # noqa: BLE001 - cancelled or closed: the stream is over either way
+                pass
+            queued.put(None)
+
+        threading.Thread(target=read, name="step-reader", daemon=True).start()
+        while (future := queued.get()) is not None:
+            try:
+                yield future.result()
             except SessionMismatch as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except KeyError as exc:  # a request id the worker does not hold: fail loudly

@@ -51,7 +51,12 @@ class Request:
     sample_index: int = 0
     child_req_ids: list[str] = field(default_factory=list)  # samples still to fork from this one
     status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose step's results are in (update)
+    # Async scheduling (Scheduler.schedule(ahead=True)): tokens scheduled in steps whose results
+    # are not in yet, and how many of those steps will sample a token for it. Both 0 between a
+    # step's update and the next schedule, and always with synchronous scheduling.
+    num_inflight_tokens: int = 0
+    num_pending_samples: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits at its first admission
     num_preemptions: int = 0
     sent_to_worker: bool = False  # the worker holds its state (cleared by a recompute preemption)
@@ -67,6 +72,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed or in flight: where the next step starts."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_unscheduled_tokens(self) -> int:
+        """Tokens the next step could run: the known ones, and the ones in-flight steps will sample,
+        not yet scheduled."""
+        return self.num_tokens + self.num_pending_samples - self.num_scheduled_tokens
 
     @property
     def num_output_tokens(self) -> int:

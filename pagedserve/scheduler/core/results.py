@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedserve.common.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
-from pagedserve.scheduler.core.request import Request, RequestStatus
+from pagedserve.scheduler.core.request import Request, RequestStatus, sample_ids
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.core.scheduler import Scheduler
@@ -40,8 +40,16 @@ class Results:
         for req_id, num_tokens in sched.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+                # Aborted while the step ran (async scheduling). Had its samples forked there, the
+                # worker holds the forks, which this side never registered: it drops them too
+                # (unless a new request has claimed those ids since).
+                forked = sample_ids(req_id, len(result.sampled.get(req_id) or ()))[1:]
+                self._dropped_ids.extend(i for i in forked if i not in self.sample_ids)
+                continue
             req.num_computed_tokens += num_tokens
+            req.num_inflight_tokens -= num_tokens
+            if req.num_pending_samples and req.num_computed_tokens == req.num_tokens:
+                req.num_pending_samples -= 1  # (the worker's rule: it sampled where the known tokens end)
             samples = result.sampled.get(req_id)
             try:
                 prompt = result.prompt_logprobs.get(req_id)

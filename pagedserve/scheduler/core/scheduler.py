@@ -5,6 +5,13 @@ partial prefills, then swapped-out requests, then waiting ones — all against m
 max_num_batched_tokens. When blocks run out the lowest-priority (latest-arrived) running request
 is preempted, by recompute or by swapping its blocks to the host pool.
 
+Async scheduling (schedule(ahead=True), vLLM's): while one step runs on the worker, the next is
+scheduled as if each request that step samples already had its token (Request.num_pending_samples):
+the worker, which appends its own samples, runs the two back to back. An ahead step preempts
+nothing and swaps nothing in; a request waits for the result when its next step depends on it (its
+samples fork, or the pending token ends it by length). A request that stops on the pending token
+(eos, a stop id) has run one step for nothing: update() ignores it and the worker drops it next step.
+
 A bad request fails alone: an exception in one request's scheduling or result bookkeeping ends
 that request's whole group (aborted, its blocks freed) and is reported by take_failed(); the
 step goes on for the others. No two live requests share a sample id. (Both: isolation.py.)
@@ -102,6 +109,9 @@ class Scheduler(Isolation, Results):
         self.num_preemptions = 0
         self.last_step = StepStats()
         self._wait_reason: str | None = None
+        # An ahead step left work that only a step after the results can do (a preemption to
+        # free blocks, a swap-in): the caller should schedule the next step synchronously.
+        self.needs_sync = False
 
     # ---- admission and abort -------------------------------------------------------------
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int = 1) -> None:
@@ -173,7 +183,7 @@ class Scheduler(Isolation, Results):
         moved = self.running + self.swapped
         self.running, self.swapped = [], []
         for req in moved + self.waiting:
-            req.num_computed_tokens = 0
+            req.num_computed_tokens = req.num_inflight_tokens = req.num_pending_samples = 0
             req.sent_to_worker = False
         for req in moved:
             req.num_preemptions += 1
@@ -187,29 +197,42 @@ class Scheduler(Isolation, Results):
         return bool(self.waiting or self.running or self.swapped)
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ahead: bool = False) -> SchedulerOutput | None:
+        """The next step. ahead: the previous step is still running (its results not yet given to
+        update()); see the module docstring. None only when ahead finds nothing to run."""
         self.step_id += 1
+        self.needs_sync = False
         out = SchedulerOutput(self.step_id, [], [], {}, finished_req_ids=self._dropped_ids)
         self._dropped_ids = []
         self._budget = self.config.max_num_batched_tokens
         self._entries: dict[str, NewRequestData | CachedRequestData] = {}
         self._copies: dict[str, list[tuple[int, int]]] = {}
+        self._decode_ids: set[str] = set()
         self._wait_reason = None
         preemptions_before = self.num_preemptions
         preempted = False
 
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decodes = [r for r in self.running if r.num_unscheduled_tokens == 1]
+        prefills = [r for r in self.running if r.num_unscheduled_tokens > 1]
+        if ahead:
+            decodes = [r for r in decodes if not self._waits_for_result(r)]
         for req in decodes + prefills:
             if self._budget == 0:
                 break
             if req.status is RequestStatus.RUNNING:
                 try:
-                    preempted |= not self._schedule_running(req, out)
+                    if ahead:
+                        self._schedule_ahead(req, out)
+                    else:
+                        preempted |= not self._schedule_running(req, out)
                 except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
                     self._fail(req, exc, out)
 
-        for queue, admit in ((self.swapped, self._swap_in), (self.waiting, self._admit)):
+        queues = [(self.swapped, self._swap_in), (self.waiting, self._admit)]
+        if ahead:
+            self.needs_sync |= bool(self.swapped)
+            queues = queues[1:]
+        for queue, admit in queues:
             while queue and self._budget > 0 and not preempted:
                 req = queue[0]
                 try:
@@ -220,6 +243,11 @@ class Scheduler(Isolation, Results):
                     if queue and queue[0] is req:
                         break  # could not even be taken out: leave the queue for the next step
 
+        if ahead and not out.num_scheduled_tokens:
+            # Nothing could run ahead: no step. Its drops go with the next one.
+            self.step_id -= 1
+            self._dropped_ids = out.finished_req_ids + self._dropped_ids
+            return None
         self.last_step = self._step_stats(out, self.num_preemptions - preemptions_before, preempted)
         for entry in self._entries.values():
             (out.new_requests if isinstance(entry, NewRequestData) else out.cached_requests).append(entry)
@@ -232,7 +260,7 @@ class Scheduler(Isolation, Results):
         requests = self.requests
         for req_id, num in out.num_scheduled_tokens.items():
             req = requests[req_id]
-            if num == 1 and req.num_computed_tokens == req.num_tokens - 1 and req.num_tokens > req.num_prompt_tokens:
+            if req_id in self._decode_ids:
                 stats.decode_tokens += 1
             else:
                 stats.prefill_tokens += num
@@ -261,13 +289,33 @@ class Scheduler(Isolation, Results):
             num_remaining = min(num_remaining, cap)
         return min(num_remaining, self._budget)
 
+    def _waits_for_result(self, req: Request) -> bool:
+        """An ahead step leaves out a request whose next token depends on what the running step
+        samples for it beyond the token itself: its n samples fork there, or that token ends it by
+        length (known now; running on would be past max_tokens, or past the model's context)."""
+        if not req.num_pending_samples:
+            return False
+        num_tokens = req.num_tokens + req.num_pending_samples
+        return bool(req.child_req_ids) or num_tokens - req.num_prompt_tokens >= req.params.max_tokens \
+            or num_tokens >= self.config.max_model_len
+
+    def _schedule_ahead(self, req: Request, out: SchedulerOutput) -> None:
+        """Schedule a running request in an ahead step: no preemption. Out of blocks, it waits,
+        and needs_sync asks for the next step after the results, where preemption can free some."""
+        num_new = self._chunk(req.num_unscheduled_tokens)
+        result = self.block_manager.allocate(req.request_id, req.num_scheduled_tokens, num_new)
+        if result is None:
+            self.needs_sync = True
+            return
+        self._record(req, num_new, result, out)
+
     def _schedule_running(self, req: Request, out: SchedulerOutput) -> bool:
         """Schedule a running request, preempting others if blocks run out. False if anything
         was preempted."""
-        num_new = self._chunk(req.num_tokens - req.num_computed_tokens)
+        num_new = self._chunk(req.num_unscheduled_tokens)
         preempted = False
         while True:
-            result = self.block_manager.allocate(req.request_id, req.num_computed_tokens, num_new)
+            result = self.block_manager.allocate(req.request_id, req.num_scheduled_tokens, num_new)
             if result is not None:
                 break
             victim = self.running[-1]
@@ -292,6 +340,11 @@ class Scheduler(Isolation, Results):
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         self._entries[req.request_id] = step_entry(self.block_manager, req, alloc, whole_table)
+        if num_new == 1 and req.num_unscheduled_tokens == 1 and req.num_output_tokens + req.num_pending_samples:
+            self._decode_ids.add(req.request_id)  # the next token after a sampled one (StepStats)
+        req.num_inflight_tokens += num_new
+        if req.num_unscheduled_tokens == 0 and req.params.max_tokens:
+            req.num_pending_samples += 1  # the worker samples where the known tokens end
         if not req.sent_to_worker:
             req.sent_to_worker = True
         elif alloc.replaced:
@@ -301,6 +354,8 @@ class Scheduler(Isolation, Results):
         self.running.remove(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
+        # (Only synchronous steps preempt: nothing else of the victim's is in flight.)
+        victim.num_inflight_tokens = victim.num_pending_samples = 0
         # A victim scheduled earlier in this step gives its tokens back.
         copied_this_step = False
         if victim.request_id in out.num_scheduled_tokens:
