@@ -257,9 +257,7 @@ class Scheduler(Isolation, Results):
     def _step_stats(self, out: SchedulerOutput, preemptions: int, preempted: bool) -> StepStats:
         stats = StepStats(num_seqs=len(out.num_scheduled_tokens), preemptions=preemptions, waiting=len(self.waiting))
         prefills = []
-        requests = self.requests
         for req_id, num in out.num_scheduled_tokens.items():
-            req = requests[req_id]
             if req_id in self._decode_ids:
                 stats.decode_tokens += 1
             else:
