@@ -100,3 +100,65 @@ def test_a_rank_that_goes_away_fails_the_step_without_waiting_for_the_timeout(ra
         assert "--step-timeout" not in str(failure.value)
     finally:
         group.close()
+
+
+def test_steps_sent_ahead_run_on_the_workers_own_samples(tiny_llama):
+    """Async scheduling against the real worker service over gRPC (tiny Llama, float32): each step
+    is scheduled and sent before the last one's results are in, so its decodes read tokens only
+    the worker has yet. The outputs equal those of steps sent one at a time, n > 1 forks, a stop
+    token (the step after it ran for nothing) and a length stop included."""
+    from pagedserve.common.sampling_params import SamplingParams
+    from pagedserve.scheduler.core.request import Request
+    from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
+    from pagedserve.worker.server import WorkerService, WorkerServicer
+
+    service = WorkerService(str(tiny_llama), device="cpu", dtype="float32", quantization="none")
+    service.load()
+    ready = threading.Event()
+    ready.set()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(service, ready), server)
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    group = WorkerGroup([address], step_timeout_s=60.0)
+
+    def generate(ahead: bool, stop_ids: list[int]) -> dict[str, list[int]]:
+        sizes = group.init_session(worker_pb2.ProfileRequest(block_size=4, kv_cache_memory=str(1 << 20),
+                                                             max_num_batched_tokens=16))
+        sched = Scheduler(SchedulerConfig(num_gpu_blocks=sizes.num_gpu_blocks, block_size=4, max_num_batched_tokens=16,
+                                          max_model_len=128))
+        prompts = {"a": [5, 6, 7, 8, 9, 10, 11], "b": list(range(20, 43)), "c": [3, 4]}
+        for i, (rid, prompt) in enumerate(prompts.items()):
+            params = SamplingParams(n=2 if rid == "c" else 1, temperature=0.0, ignore_eos=True, max_tokens=12,
+                                    stop_token_ids=stop_ids if rid == "a" else [])
+            sched.add_request(Request(rid, list(prompt), len(prompt), params, arrival_time=float(i)))
+        outputs, inflight = {}, []
+        while sched.has_unfinished() or inflight:
+            if not inflight:
+                inflight.append(sched.schedule())
+                group.send(inflight[-1])
+            if ahead and len(inflight) == 1 and not sched.needs_sync:
+                step = sched.schedule(ahead=True)
+                if step is not None:
+                    inflight.append(step)
+                    group.send(step)
+            step = inflight.pop(0)
+            result, _ = group.receive(step, set())
+            for update in sched.update(step, result):
+                if update.finished:
+                    outputs[update.request.request_id] = update.request.output_token_ids
+        return outputs
+
+    try:
+        plain = generate(False, [])
+        stop = plain["a"][4]
+        want = dict(plain, a=plain["a"][:plain["a"].index(stop) + 1])
+        assert generate(False, [stop]) == want
+        assert generate(True, [stop]) == want
+        assert generate(True, []) == plain
+        assert set(plain) == {"a", "b", "c", "c#1"} and all(len(t) == 12 for t in plain.values())
+    finally:
+        group.close()
+        server.stop(0)
+        service.torch_thread.shutdown()
