@@ -86,7 +86,8 @@ def started_service(step_delay_s: float, max_num_batched_tokens: int, redis_url:
     from pagedserve.scheduler.service import SchedulerService, ServiceConfig
 
     store = open_store(redis_url, f"pstest-{uuid.uuid4().hex[:8]}:", 60, 60)
-    service = SchedulerService(ServiceConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens),
+    service = SchedulerService(ServiceConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens,
+                                             async_scheduling=True),
                                FakeWorkerGroup(step_delay_s=step_delay_s), store)
     service.start()
     return service
