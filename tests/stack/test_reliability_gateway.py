@@ -103,9 +103,13 @@ def test_resume_from_another_gateway_after_kill_9(stack, tmp_path):
         with httpx.Client(timeout=120) as http, http.stream("POST", url_a + "/v1/completions", json=LONG,
                                                             headers=AUTH) as first:
             request_id = first.headers["x-request-id"]
-            got = read_events(first.iter_lines(), limit=20)
+            # Held until after the kill: dropping the iterator would close the connection, and a
+            # client that leaves aborts its request (if gateway A saw that before it died).
+            lines = first.iter_lines()
+            got = read_events(lines, limit=20)
             gw_a.signal(signal.SIGKILL)
             gw_a.proc.wait(10)
+            del lines
         last_id = got[-1][0]
         tokens = int(last_id.split(":")[0])
         assert 0 < tokens < 160
