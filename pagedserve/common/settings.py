@@ -245,9 +245,10 @@ def _settings() -> tuple[Setting, ...]:
         S("--step-timeout", "serve scheduler", float, 60.0,
           "seconds a worker step may take before the rank counts as dead: the scheduler then waits for the "
           "workers to come back and resumes every request by recompute", group="scheduler"),
-        S("--async-scheduling", "serve scheduler", bool, False,
-          "schedule and send each step while the worker runs the one before (vLLM's async scheduling): the worker "
-          "no longer waits for the scheduler between steps", group="scheduler"),
+        S("--no-async-scheduling", "serve scheduler", bool, False,
+          "schedule each step only after the last one's results are in; by default the scheduler schedules and "
+          "sends step N+1 while the worker runs step N (vLLM's async scheduling), so the worker does not wait for "
+          "it between steps", group="scheduler"),
         S("--stall-timeout", "serve scheduler", float, 30.0,
           "health turns NOT_SERVING when work is pending and no step completed for this long", group="scheduler"),
         # ---- the tokenizer ------------------------------------------------------------------

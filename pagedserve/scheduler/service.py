@@ -72,9 +72,8 @@ class ServiceConfig:
     step_timeout_s: float = 60.0  # a step with no result by then: the rank counts as dead (recovery)
     stall_timeout_s: float = 30.0  # work pending and no step completed for this long: unhealthy
     store_check_interval_s: float = 1.0  # how often the store (Redis) is pinged
-    # Schedule and send step N+1 while the worker runs step N. Opt-in: a stream resumed through
-    # another gateway after its own was killed was aborted in ~1 run of 10 with it on (not found why).
-    async_scheduling: bool = False
+    # Schedule and send step N+1 while the worker runs step N (--no-async-scheduling turns it off).
+    async_scheduling: bool = True
 
 
 class SchedulerService(StepLoop, Recovery, Adoption, Health):
