@@ -169,3 +169,11 @@ def test_sample_text_uses_ids_up_to_the_stop(tokenizer):
     emoji = tokenizer.encode(" 🎉")
     assert st_.push(emoji[:-1]) == ("", len(emoji) - 1, False)
     assert st_.push(emoji[-1:], final=True) == (" 🎉", 1, True)
+
+
+def test_the_default_tokenizer_decodes_in_rust(tokenizer):
+    """The property tests above compare against the wrapper's decode; this one makes sure they test
+    the Rust path the tokenizer service takes, not the fallback."""
+    from pagedserve.tokenizer.detokenizer import rust_decoder
+    assert rust_decoder(tokenizer) is not None
+    assert IncrementalDetokenizer(tokenizer, [], True)._backend is rust_decoder(tokenizer)

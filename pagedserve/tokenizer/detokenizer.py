@@ -15,6 +15,17 @@ INITIAL_OFFSET = 5
 REPLACEMENT_CHAR = "\ufffd"
 
 
+def rust_decoder(tokenizer):
+    """The `tokenizers.Tokenizer` under a transformers fast tokenizer, when decoding through it
+    gives the same text as `tokenizer.decode`: it does unless the wrapper cleans up spaces after
+    decoding. Two decodes a token straight in Rust cost ~3 us against ~9 us through the wrapper's
+    Python (SmolLM2's tokenizer, 2026-12-03); None: decode through the wrapper."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend
+
+
 class IncrementalDetokenizer:
     """Text deltas for a growing list of output token ids.
 
@@ -24,11 +35,13 @@ class IncrementalDetokenizer:
     holds an incomplete UTF-8 sequence, so it waits for the bytes that complete it.
     """
 
-    __slots__ = ("tokenizer", "skip_special_tokens", "ids", "prefix_offset", "read_offset", "_prefix_text")
+    __slots__ = ("tokenizer", "skip_special_tokens", "ids", "prefix_offset", "read_offset", "_prefix_text",
+                 "_backend")
 
     def __init__(self, tokenizer, prompt_token_ids, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._backend = rust_decoder(tokenizer)
         context = list(prompt_token_ids[-INITIAL_OFFSET:])
         prefix_text = self._decode(context)
         if prefix_text.endswith(REPLACEMENT_CHAR):
@@ -43,6 +56,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def step(self, new_token_ids) -> str:
