@@ -38,6 +38,8 @@ class FakeWorkerGroup:
         self.requests = RequestStates()
         self.num_steps = 0
         self.sent: deque[ModelRunnerOutput] = deque()  # outputs of the steps sent, not yet received
+        # ("send" | "receive", step id, whether the step has prompt tokens), in order.
+        self.events: list[tuple[str, int, bool]] = []
 
     def connect(self, timeout_s: float) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(model="fake", device="cpu", max_model_len=512, vocab_size=VOCAB)
@@ -54,11 +56,13 @@ class FakeWorkerGroup:
     def send(self, out: SchedulerOutput) -> None:
         """Runs the step at once (a worker runs its steps in the order sent); receive() hands its
         output over after the step delay."""
+        self.events.append(("send", out.step_id, any(n > 1 for n in out.num_scheduled_tokens.values())))
         self.sent.append(self._run(out))
 
     def receive(self, out: SchedulerOutput, wants_logprobs) -> tuple[ModelRunnerOutput, float]:
         time.sleep(self.step_delay_s)
         result = self.sent.popleft()
+        self.events.append(("receive", out.step_id, False))
         assert result.step_id == out.step_id, f"step {out.step_id} received, {result.step_id} was due"
         return result, 0.0
 

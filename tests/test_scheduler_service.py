@@ -165,3 +165,34 @@ def test_engine_stats_pollers_share_one_snapshot(service):
         assert await service.engine_stats(64) is not first and taken == 2
 
     asyncio.run(poll())
+
+
+def test_steps_go_ahead_only_behind_decode_steps(service):
+    """Async scheduling sends step N+1 before N's results only while N is a decode step: behind a
+    step with prompt tokens (long) the loop waits, so a request arriving meanwhile joins the next
+    step rather than the one after."""
+    workers = service.workers
+
+    async def main():
+        outbox = Outbox(asyncio.get_running_loop())
+        filters, tokens = {}, {}
+        for tag in (1, 2):
+            sub, group = service.submit(schedule(f"ahead{tag}", [tag] * 40, 16), outbox, tag)
+            filters[tag] = DeltaFilter.for_request(group.group_id, group.n, [], sub.replayed, tag)
+        await drain(outbox, filters, tokens)
+        return tokens
+
+    first = len(workers.events)
+    assert asyncio.run(main()) == {tag: expected([tag] * 40, 16) for tag in (1, 2)}
+    in_flight, prefill_in_flight, ahead = [], 0, 0
+    for kind, step_id, has_prefill in workers.events[first:]:
+        if kind == "send":
+            if in_flight:
+                ahead += 1
+                prefill_in_flight += any(p for _, p in in_flight)
+            in_flight.append((step_id, has_prefill))
+        else:
+            assert in_flight and in_flight[0][0] == step_id
+            in_flight.pop(0)
+    assert prefill_in_flight == 0, "a step went ahead of one with prompt tokens"
+    assert ahead >= 10, f"only {ahead} steps went ahead of a decode step"

@@ -43,6 +43,14 @@ from pagedserve.scheduler.worker_client import WorkerError
 log = logging.getLogger("pagedserve.scheduler")
 
 
+# A step goes ahead only behind a short decode step (the last one's worker time under this): the
+# round trip it hides (~1.5 ms on a 2-core machine) is a sizeable part of a step only then. Behind
+# a long step (a prefill, a big batch) it saves a few percent at most, while a request that
+# arrives during that step misses the step sent ahead and waits a whole step more; at
+# concurrency 32 (~70 ms steps) going ahead cost throughput and TTFT (docs/performance.md).
+AHEAD_MAX_STEP_S = 0.02
+
+
 @dataclass(slots=True)
 class InFlightStep:
     """A step sent to the workers whose results are not in yet (at most two: async scheduling)."""
@@ -158,7 +166,8 @@ class StepLoop:
         sent first, so that the worker runs it while this thread takes in the results."""
         if not self.inflight:  # (an exception in _take_results may leave the ahead step here)
             self._send_step(self.scheduler.schedule())
-        if self.config.async_scheduling and len(self.inflight) == 1 and not self.scheduler.needs_sync:
+        if self.config.async_scheduling and len(self.inflight) == 1 and not self.scheduler.needs_sync \
+                and not self.inflight[0].stats.prefill_tokens and self.last_worker_step_s < AHEAD_MAX_STEP_S:
             ahead = self.scheduler.schedule(ahead=True)
             if ahead is not None:
                 self._send_step(ahead)
@@ -206,7 +215,7 @@ class StepLoop:
             returned = time.time()
             for group in step.completing:
                 group.timings.setdefault("prefill_end", returned)
-        step_worker_time = result.forward_time_s + result.sample_time_s
+        step_worker_time = self.last_worker_step_s = result.forward_time_s + result.sample_time_s
         self.recorder.worker_step(step_worker_time + overhead, overhead, step_worker_time)
         requests = self.scheduler.requests
         for req_id in sched.num_scheduled_tokens:
