@@ -247,8 +247,8 @@ def _settings() -> tuple[Setting, ...]:
           "workers to come back and resumes every request by recompute", group="scheduler"),
         S("--no-async-scheduling", "serve scheduler", bool, False,
           "schedule each step only after the last one's results are in; by default the scheduler schedules and "
-          "sends step N+1 while the worker runs step N (vLLM's async scheduling), so the worker does not wait for "
-          "it between steps", group="scheduler"),
+          "sends step N+1 while the worker runs a short decode step N (vLLM's async scheduling), so the worker "
+          "does not wait for it between steps", group="scheduler"),
         S("--stall-timeout", "serve scheduler", float, 30.0,
           "health turns NOT_SERVING when work is pending and no step completed for this long", group="scheduler"),
         # ---- the tokenizer ------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The scheduler service's step loop (vLLM's EngineCore, beside the service's I/O): admit, step the
 workers, publish each step's tokens through the record writer, abort.
 
-Async scheduling (ServiceConfig.async_scheduling, on by default): step N+1 is scheduled and sent before step N's
+Async scheduling (ServiceConfig.async_scheduling, on by default): behind a short decode step
+(AHEAD_MAX_STEP_S), step N+1 is scheduled and sent before step N's
 results are taken in, so the worker runs it while this thread publishes N's tokens; `inflight`
 holds the steps sent and not yet taken in (one or two), oldest first.
 
