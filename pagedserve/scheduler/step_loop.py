@@ -2,9 +2,9 @@
 workers, publish each step's tokens through the record writer, abort.
 
 Async scheduling (ServiceConfig.async_scheduling, on by default): behind a short decode step
-(AHEAD_MAX_STEP_S), step N+1 is scheduled and sent before step N's
-results are taken in, so the worker runs it while this thread publishes N's tokens; `inflight`
-holds the steps sent and not yet taken in (one or two), oldest first.
+(AHEAD_MAX_STEP_S), step N+1 is scheduled and sent before step N's results are taken in, so the
+worker runs it while this thread publishes N's tokens; `inflight` holds the steps sent and not yet
+taken in (one or two), oldest first.
 
 Threads: every method here runs on the step-loop thread, the only one that touches the Scheduler;
 other threads hand it work through `self.commands` (callables). `self.lock` guards `groups` and
