@@ -26,7 +26,8 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.planner.cost_model import StepShape
 from pagedserve.planner.trace import TraceRequest
 from pagedserve.scheduler.core.request import Request
-from pagedserve.scheduler.core.scheduler import WAITING_REASONS, Scheduler, SchedulerConfig
+from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.scheduler.core.step_stats import WAITING_REASONS
 
 SAMPLED_TOKEN = 0
 TIE_BREAK_S = 1e-9  # requests admitted at the same instant keep their trace order (FCFS)

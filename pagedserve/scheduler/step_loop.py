@@ -35,7 +35,7 @@ from pagedserve.common.grpc_util import StatusError
 from pagedserve.common.messages import SchedulerOutput
 from pagedserve.common.store import RecordWrite
 from pagedserve.scheduler.core.request import Request, RequestIdInUse, sample_ids
-from pagedserve.scheduler.core.scheduler import StepStats
+from pagedserve.scheduler.core.step_stats import StepStats
 from pagedserve.scheduler.records import Delivery, GroupState
 from pagedserve.scheduler.stats_recorder import MAX_PREFILL_CHUNKS_KEPT
 from pagedserve.scheduler.subscriptions import Subscription

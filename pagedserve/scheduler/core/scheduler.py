@@ -16,7 +16,7 @@ A bad request fails alone: an exception in one request's scheduling or result bo
 that request's whole group (aborted, its blocks freed) and is reported by take_failed(); the
 step goes on for the others. No two live requests share a sample id. (Both: isolation.py.)
 Taking in a step's results — sampled tokens, forks of n > 1, stop rules, prompt logprobs — is
-results.py.
+results.py; counting what a step did (StepStats, waiting reasons) is step_stats.py.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pagedserve.scheduler.core.isolation import Isolation
 from pagedserve.scheduler.core.kv_groups import blocks_for_sequence, make_block_manager, step_entry
 from pagedserve.scheduler.core.results import Results
 from pagedserve.scheduler.core.request import Request, RequestStatus, sample_ids
+from pagedserve.scheduler.core.step_stats import StepStats, count_step
 
 
 @dataclass(slots=True)
@@ -62,32 +63,6 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.preemption_mode == "swap" and self.num_cpu_blocks < 1:
             raise ValueError("preemption_mode 'swap' needs a host block pool (num_cpu_blocks >= 1)")
-
-
-WAITING_REASONS = ("no_blocks", "seq_budget", "token_budget")
-
-
-@dataclass(slots=True)
-class StepStats:
-    """What one schedule() did, counted as it went (no pass over the pool or the queues).
-
-    waiting_reason says why the admission loop stopped with requests still waiting: every request
-    left in the waiting queue stayed there for that reason (admission is first come, first served,
-    so the head's reason holds back the rest)."""
-    scheduled_tokens: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    num_seqs: int = 0
-    preemptions: int = 0
-    waiting: int = 0
-    waiting_reason: str | None = None  # one of WAITING_REASONS when waiting > 0
-    prefill_req_ids: tuple[str, ...] = ()  # requests that computed prompt (or recompute) tokens
-
-    def waiting_reasons(self) -> dict[str, int]:
-        counts = dict.fromkeys(WAITING_REASONS, 0)
-        if self.waiting and self.waiting_reason:
-            counts[self.waiting_reason] = self.waiting
-        return counts
 
 
 class Scheduler(Isolation, Results):
@@ -248,33 +223,12 @@ class Scheduler(Isolation, Results):
             self.step_id -= 1
             self._dropped_ids = out.finished_req_ids + self._dropped_ids
             return None
-        self.last_step = self._step_stats(out, self.num_preemptions - preemptions_before, preempted)
+        self.last_step = count_step(out, self._decode_ids, len(self.waiting), self.num_preemptions - preemptions_before,
+                                    preempted, self._budget, self._wait_reason)
         for entry in self._entries.values():
             (out.new_requests if isinstance(entry, NewRequestData) else out.cached_requests).append(entry)
         out.blocks_to_copy = [pair for pairs in self._copies.values() for pair in pairs]
         return out
-
-    def _step_stats(self, out: SchedulerOutput, preemptions: int, preempted: bool) -> StepStats:
-        stats = StepStats(num_seqs=len(out.num_scheduled_tokens), preemptions=preemptions, waiting=len(self.waiting))
-        prefills = []
-        for req_id, num in out.num_scheduled_tokens.items():
-            if req_id in self._decode_ids:
-                stats.decode_tokens += 1
-            else:
-                stats.prefill_tokens += num
-                prefills.append(req_id)
-        stats.scheduled_tokens = stats.prefill_tokens + stats.decode_tokens
-        stats.prefill_req_ids = tuple(prefills)
-        if stats.waiting:
-            # The loop stopped on the head's reason; an empty budget or a preemption (blocks ran
-            # out) stopped it before it tried.
-            if preempted:
-                stats.waiting_reason = "no_blocks"
-            elif self._budget <= 0:
-                stats.waiting_reason = "token_budget"
-            else:
-                stats.waiting_reason = self._wait_reason or "token_budget"
-        return stats
 
     def _num_seqs_after(self, req: Request) -> int:
         # Samples that running requests will fork on their first token count already.
