@@ -1,7 +1,9 @@
 """`pagedserve bench services`: the cost of the split. The same workload at the same concurrency
 runs through the engine core in this process, then through the services (gateway, tokenizer,
 scheduler, worker as processes, driven by streaming HTTP/SSE clients); reports the
-throughput ratio, TTFT and TPOT of both, and the scheduler -> worker round trip beyond compute.
+throughput ratio, TTFT and TPOT of both (and the TPOT ratio: the one-stream target's measure), the
+CPU each process spends per output token, the front end's share of the machine, and the
+scheduler -> worker round trip beyond compute.
 
 Workloads: `w64` (the throughput bench's W<num-prompts>) or `random` (prompts of --input-len random
 token ids, --output-len tokens each, as vLLM's serving benchmark's random dataset). Greedy,
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 
@@ -212,9 +215,11 @@ def run_services_bench(args) -> dict:
             services["cpu_ms_per_token"] = cpu_ms_per_token(
                 used0, {**service_cpu_seconds(stack), "client": time.process_time()}, work.num_output_tokens)
             pairs.append({"in_process": in_process, "services": services,
-                          "ratio": services["output_tok_s"] / in_process["output_tok_s"]})
+                          "ratio": services["output_tok_s"] / in_process["output_tok_s"],
+                          "tpot_ratio": services["tpot_median_ms"] / in_process["tpot_median_ms"]})
             print(f"run {repeat + 1}: in-process {in_process['output_tok_s']:.1f} out tok/s, services "
-                  f"{services['output_tok_s']:.1f}: {pairs[-1]['ratio']:.3f}x", flush=True)
+                  f"{services['output_tok_s']:.1f}: {pairs[-1]['ratio']:.3f}x; TPOT "
+                  f"{pairs[-1]['tpot_ratio']:.3f}x", flush=True)
         stats = scheduler_stats(stack)
     ratios = sorted(p["ratio"] for p in pairs)
     result = {"cpu": cpu_name(), "dtype": dtype, "workload": args.workload, "num_prompts": len(work.prompts),
@@ -235,8 +240,20 @@ def run_services_bench(args) -> dict:
            for name in pairs[0]["services"]["cpu_ms_per_token"]}
     result["services_cpu_ms_per_token"] = cpu
     result["in_process_cpu_ms_per_token"] = statistics.median(p["in_process"]["cpu_ms_per_token"] for p in pairs)
+    result["tpot_ratio_median"] = statistics.median(p["tpot_ratio"] for p in pairs)
+    # What the processes beside the worker (and this bench's clients) take of the machine, against
+    # the core time a token takes in process: on a machine the worker's threads already fill, the
+    # services cannot beat about in_process / (in_process + front end) (docs/performance.md).
+    front = sum(ms for name, ms in cpu.items() if not name.startswith("worker"))
+    machine_ms = (os.cpu_count() or 1) * 1e3 / result["in_process"]["output_tok_s"]
+    result["front_end_cpu_ms_per_token"] = front
+    result["front_end_share"] = front / machine_ms
     print("CPU ms per output token (median): in-process " + f"{result['in_process_cpu_ms_per_token']:.2f}; "
           + ", ".join(f"{name} {ms:.2f}" for name, ms in cpu.items()))
+    print(f"front end (all but the worker, clients included): {front:.2f} ms CPU per token = "
+          f"{100 * result['front_end_share']:.0f}% of the in-process engine's core time per token "
+          f"({os.cpu_count()} cores)")
+    print(f"services / in-process TPOT: median {result['tpot_ratio_median']:.3f}x")
     print(f"services / in-process throughput: median {result['throughput_ratio_median']:.3f}x over "
           f"{len(pairs)} alternating runs; scheduler->worker round trip beyond compute: median "
           f"{result['step_rtt_median_ms']:.2f} ms per step (median step {result['step_time_median_ms']:.1f} ms)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -28,8 +29,13 @@ def test_bench_services_tiny_model(tmp_path, tiny_model):
         for side in ("in_process", "services"):
             assert run[side]["output_tok_s"] > 0 and run[side]["ttft_median_ms"] > 0
         assert run["ratio"] == run["services"]["output_tok_s"] / run["in_process"]["output_tok_s"]
+        assert run["tpot_ratio"] == run["services"]["tpot_median_ms"] / run["in_process"]["tpot_median_ms"]
     assert result["step_rtt_median_ms"] > 0
     # Every service process's CPU per output token is counted; the worker does the model's work.
     cpu = result["services_cpu_ms_per_token"]
     assert {"gateway", "tokenizer", "scheduler"} <= set(cpu) and any(n.startswith("worker") for n in cpu)
     assert all(ms > 0 for ms in cpu.values()) and result["in_process_cpu_ms_per_token"] > 0
+    front = sum(ms for name, ms in cpu.items() if not name.startswith("worker"))
+    assert result["front_end_cpu_ms_per_token"] == pytest.approx(front) and front > cpu["gateway"]
+    cores_ms = (os.cpu_count() or 1) * 1e3 / result["in_process"]["output_tok_s"]
+    assert result["front_end_share"] == pytest.approx(front / cores_ms)
