@@ -88,3 +88,44 @@ def test_bad_shapes_are_named():
         ops.quant_linear(torch.zeros(1, 64), [blocks], [int(GGMLQuantizationType.Q4_0)])
     with pytest.raises(RuntimeError, match="unsupported quantization type"):
         ops.quant_linear(torch.zeros(1, 32), [blocks], [int(GGMLQuantizationType.Q5_1)])
+
+
+lane = pytest.mark.skipif(ops is None or not ops.lane_linear_available(False),
+                          reason="no float32 lane kernel here (AVX-512, or AVX2 with FMA)")
+
+
+@lane
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows, n", [(9, 16), (13, 50), (64, 37), (70, 100)])
+def test_dequant_lane_linear_is_the_float32_product_of_the_dequantized_weight(fmt, rows, n):
+    """No activation rounding: float32 arithmetic on exactly the dequantized values; row counts
+    around the lane kernel's 6-row tiles, column counts around its 16-column groups (short last
+    group), a strided activation."""
+    rng = np.random.default_rng(rows * 1000 + n)
+    cols = 768 if fmt.endswith("_K") else 160
+    blocks = random_blocks(fmt, n, cols, rng)
+    weight = reference_weight(fmt, blocks, cols).double()
+    wide = torch.from_numpy(rng.standard_normal((rows, cols + 32))).float() * 2
+    x = wide[:, 16:16 + cols]
+    got = ops.dequant_lane_linear(x, [torch.from_numpy(blocks)], [int(GGMLQuantizationType[fmt])])
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    ideal = x.double() @ weight.T
+    norms = x.double().norm(dim=1, keepdim=True) * weight.norm(dim=1)
+    assert ((got.double() - ideal).abs() / norms).max().item() <= 1e-6
+
+
+@lane
+def test_dequant_lane_linear_fills_parts_in_order_and_names_bad_input():
+    rng = np.random.default_rng(2)
+    cols = 256
+    parts = [("Q4_K", 9), ("Q6_K", 21), ("Q8_0", 3)]
+    blocks = [torch.from_numpy(random_blocks(fmt, n, cols, rng)) for fmt, n in parts]
+    qtypes = [int(GGMLQuantizationType[f]) for f, _ in parts]
+    x = torch.randn(11, cols)
+    got = ops.dequant_lane_linear(x, blocks, qtypes)
+    each = [ops.dequant_lane_linear(x, [b], [q]) for b, q in zip(blocks, qtypes)]
+    assert torch.equal(got, torch.cat(each, dim=1))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.dequant_lane_linear(x.bfloat16(), blocks, qtypes)
+    with pytest.raises(RuntimeError, match="do not hold"):
+        ops.dequant_lane_linear(torch.zeros(2, 64), blocks[:1], qtypes[:1])

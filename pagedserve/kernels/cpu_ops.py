@@ -12,8 +12,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "cpu" / name
             for name in ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "lane_linear.cpp",
-                         "fused_ops.cpp", "quant_linear.cpp", "quant_repack.cpp", "logits_ops.cpp")]
-_HEADERS = [Path(__file__).parent / "cpu" / name for name in ("simd.h", "parallel_grain.h", "head_dims.h")]
+                         "fused_ops.cpp", "quant_linear.cpp", "quant_repack.cpp", "logits_ops.cpp",
+                         "dequant_lane.cpp")]
+_HEADERS = [Path(__file__).parent / "cpu" / name
+            for name in ("simd.h", "parallel_grain.h", "head_dims.h", "lane_linear.h", "quant_blocks.h")]
 
 
 @cache

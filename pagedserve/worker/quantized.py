@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +26,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "none", "int8")
-# Weights that are not repacked (Q5_0, Q4_K, Q6_K): more rows than this (prefill chunks, batches of
-# over 8 sequences) dequantize and run oneDNN's float matmul: there the arithmetic, not the weight
-# bytes, bounds a step, and the block kernel's per-block scaling costs ~3x oneDNN's bfloat16 at 64
-# rows (docs/performance.md). The repacked kernel needs no such switch.
+# Weights that are not repacked (Q5_0, Q4_K, Q6_K; every format without AVX-512 VNNI): more rows
+# than this (prefill chunks, batches of over 8 sequences) run a float matmul on the dequantized
+# weight: there the arithmetic, not the weight bytes, bounds a step, and the block kernel's per-block
+# scaling costs ~3x oneDNN's bfloat16 at 64 rows (docs/performance.md). float32 activations take
+# dequant_lane_linear (16 weight rows dequantized at a time into the lane kernel's layout: the weight
+# read once as blocks, ~2x dequantize-then-oneDNN at 51 rows on an AVX2 EPYC); bfloat16 dequantizes
+# DEQUANTIZE_CHUNK rows at a time for oneDNN. The repacked kernel needs no such switch.
 DEQUANTIZE_ABOVE = 8
 DEQUANTIZE_CHUNK = 4096  # weight rows dequantized at a time on that path
 # The activation rounded to int8 twice (the rounding error again): one rounding (llama.cpp's q8
@@ -123,10 +127,14 @@ class QuantizedWeight:
                dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [rows, cols] @ weight.T (+ bias), in `dtype` (default x's). Repacked weights: the repacked
         kernel at any row count. Others: up to DEQUANTIZE_ABOVE rows the block kernel reads the blocks
-        (a decode step: memory-bound); more rows (prefill, big batches: compute-bound) dequantize the
-        weight to x's dtype and run the float matmul (oneDNN)."""
+        (a decode step: memory-bound); more rows (prefill, big batches: compute-bound) run a float
+        matmul on the dequantized weight (see DEQUANTIZE_ABOVE)."""
         if self._packed is None and x.shape[0] > DEQUANTIZE_ABOVE and x.dtype in (torch.float32, torch.bfloat16):
-            out = self._dequantized_linear(x)
+            if x.dtype == torch.float32 and _lane_kernel(self.ops):
+                out = self.ops.dequant_lane_linear(x if x.stride(-1) == 1 else x.contiguous(), self._blocks,
+                                                   self._qtypes)
+            else:
+                out = self._dequantized_linear(x)
             if bias is not None:
                 out += bias
             return out if dtype is None else out.to(dtype)
@@ -169,6 +177,12 @@ class QuantizedWeight:
 
     def describe(self) -> Counter:
         return Counter(q.name for q in self.qtypes)
+
+
+@cache
+def _lane_kernel(ops) -> bool:
+    """Whether the CPU kernels have the float32 lane kernel (AVX-512, or AVX2 with FMA)."""
+    return ops.lane_linear_available(False)
 
 
 def _repack(ops, part: QuantizedTensor) -> torch.Tensor:

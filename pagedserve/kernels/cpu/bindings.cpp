@@ -19,6 +19,8 @@ void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const a
 at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& qtypes,
                         bool precise);
 at::Tensor dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t cols, bool bfloat16);
+at::Tensor dequant_lane_linear(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                               const std::vector<int64_t>& qtypes);
 at::Tensor repack_rows(const at::Tensor& w, int64_t qtype);
 void repack_rows_(at::Tensor& w, int64_t qtype);
 at::Tensor unpack_rows(const at::Tensor& packed, int64_t qtype, int64_t cols, const at::Tensor& ids);
@@ -38,7 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_available", &pagedserve::prefill_attention_available,
         "whether paged_prefill_attention was compiled (AVX-512)");
   m.def("lane_linear_available", &pagedserve::lane_linear_available,
-        "whether lane_linear was compiled for float32 (bfloat16=False: AVX-512) or bfloat16 (also avx512_bf16)");
+        "whether lane_linear was compiled for float32 (bfloat16=False: AVX-512, or AVX2 with FMA) or bfloat16 (AVX-512 with avx512_bf16)");
   m.def("pack_lane_weight", &pagedserve::pack_lane_weight,
         "float32 or bfloat16 [N, K] -> int32 [ceil(N/16), K or K/2, 16]: 16 rows' floats (bfloat16 pairs) per vector");
   m.def("lane_linear", &pagedserve::lane_linear, "x [M, K] @ weight.T in x's dtype, weight = pack_lane_weight(weight) of N rows");
@@ -51,6 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weights"), py::arg("qtypes"), py::arg("precise") = false);
   m.def("dequantize_rows", &pagedserve::dequantize_rows, "GGUF blocks uint8 [N, bytes] -> [N, cols] float32 (or bfloat16)",
         py::arg("w"), py::arg("qtype"), py::arg("cols"), py::arg("bfloat16") = false);
+  m.def("dequant_lane_linear", &pagedserve::dequant_lane_linear,
+        "x float32 [M, K] @ concat(GGUF block weights).T -> float32, 16 weight rows dequantized at a time for the lane kernel");
   m.def("repack_rows", &pagedserve::repack_rows,
         "GGUF blocks uint8 [N, bytes] (Q4_0/Q4_1/Q8_0) -> 16-row interleaved tiles [ceil(N/16), 16 * bytes]");
   m.def("repack_rows_", &pagedserve::repack_rows_, "repack_rows in the blocks' own storage (N a multiple of 16)");

@@ -24,15 +24,17 @@
 #include <cstring>
 #include <type_traits>
 
+#include "lane_linear.h"
 #include "parallel_grain.h"
 
 namespace pagedserve {
 
-// Whether lane_linear was compiled for this dtype (float32: AVX-512; bfloat16: avx512_bf16 too).
+// Whether lane_linear was compiled for this dtype (float32: AVX-512, or AVX2 with FMA; bfloat16:
+// avx512_bf16).
 bool lane_linear_available(bool bfloat16) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   return true;
-#elif defined(__AVX512F__)
+#elif defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return !bfloat16;
 #else
   return false;
@@ -132,7 +134,116 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tensor& o
 }
 
 }  // namespace
+#elif defined(__AVX2__) && defined(__FMA__)
+// float32 on AVX2 (no AVX-512): the same packed layout, each 16-column group's unit read as two
+// 8-lane halves. 16 vector registers hold a tile of MR rows x NG groups (2 * MR * NG accumulators,
+// at most 12) and the group's two weight halves. A full tile is 6 rows of one group (12 multiply-
+// adds per 2 weight loads and 6 broadcasts); short row counts take 2 groups at once so that a
+// 1-row decode still has 4 independent accumulator chains per pass over K.
+namespace {
+
+constexpr int kCols = 16;
+constexpr int kRowTile = 6;
+constexpr int kGroupTile = 2;
+
+template <int MR, int NG>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t group_stride, int64_t units, float* out,
+                 int64_t ldo, int last_valid) {
+  __m256 acc[MR][NG][2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NG; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < units; ++p) {
+    __m256 b[NG][2];
+    for (int j = 0; j < NG; ++j) {
+      b[j][0] = _mm256_loadu_ps(w + j * group_stride + p * kCols);
+      b[j][1] = _mm256_loadu_ps(w + j * group_stride + p * kCols + 8);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(x + i * ldx + p);
+      for (int j = 0; j < NG; ++j) {
+        acc[i][j][0] = _mm256_fmadd_ps(a, b[j][0], acc[i][j][0]);
+        acc[i][j][1] = _mm256_fmadd_ps(a, b[j][1], acc[i][j][1]);
+      }
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(last_valid), lane);
+  const __m256i hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(last_valid - 8), lane);
+  // Unrolled whole, or GCC keeps `acc` indexable in memory and stores every accumulator to the
+  // stack on each pass over K (half the speed: the loop became store-bound).
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NG; ++j) {
+      float* dst = out + i * ldo + j * kCols;
+      if (j < NG - 1 || last_valid == kCols) {
+        _mm256_storeu_ps(dst, acc[i][j][0]);
+        _mm256_storeu_ps(dst + 8, acc[i][j][1]);
+      } else {
+        _mm256_maskstore_ps(dst, lo, acc[i][j][0]);
+        _mm256_maskstore_ps(dst + 8, hi, acc[i][j][1]);
+      }
+    }
+}
+
+// m rows against NG (1 or 2) adjacent groups; `last_valid`: the columns of the last group that exist.
+template <int NG>
+inline void rows_of(int64_t m, const float* x, int64_t ldx, const float* w, int64_t group_stride, int64_t units,
+                    float* out, int64_t ldo, int last_valid) {
+  int64_t r = 0;
+  for (; r + kRowTile <= m; r += kRowTile)
+    for (int j = 0; j < NG; ++j)
+      tile<kRowTile, 1>(x + r * ldx, ldx, w + j * group_stride, group_stride, units, out + r * ldo + j * kCols, ldo,
+                        j == NG - 1 ? last_valid : kCols);
+  const float* xr = x + r * ldx;
+  float* o = out + r * ldo;
+  switch (m - r) {
+    case 1: tile<1, NG>(xr, ldx, w, group_stride, units, o, ldo, last_valid); break;
+    case 2: tile<2, NG>(xr, ldx, w, group_stride, units, o, ldo, last_valid); break;
+    case 3: tile<3, NG>(xr, ldx, w, group_stride, units, o, ldo, last_valid); break;
+    case 4:
+    case 5:
+      for (int j = 0; j < NG; ++j) {
+        const int valid = j == NG - 1 ? last_valid : kCols;
+        if (m - r == 4) tile<4, 1>(xr, ldx, w + j * group_stride, group_stride, units, o + j * kCols, ldo, valid);
+        else tile<5, 1>(xr, ldx, w + j * group_stride, group_stride, units, o + j * kCols, ldo, valid);
+      }
+      break;
+    default: break;
+  }
+}
+
+void run_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tensor& out) {
+  const int64_t m = x.size(0), groups = packed.size(0), units = packed.size(1);
+  const float* xd = x.data_ptr<float>();
+  const auto* wd = static_cast<const float*>(packed.data_ptr());
+  float* od = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), group_stride = units * kCols;
+  const int tail = static_cast<int>(n - kCols * (groups - 1));
+  // The grain as on AVX-512 (see run() there).
+  at::parallel_for(0, groups, grain_for(std::max<int64_t>(m, 16) * kCols * units * 4), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; g += kGroupTile) {
+      const int ng = static_cast<int>(std::min<int64_t>(kGroupTile, end - g));
+      const int valid = g + ng == groups ? tail : kCols;
+      if (ng == 2) rows_of<2>(m, xd, ldx, wd + g * group_stride, group_stride, units, od + g * kCols, n, valid);
+      else rows_of<1>(m, xd, ldx, wd + g * group_stride, group_stride, units, od + g * kCols, n, valid);
+    }
+  });
+}
+
+}  // namespace
 #endif
+
+void lane_group_float(int64_t m, const float* x, int64_t ldx, const float* group, int64_t k, float* out, int64_t ldo,
+                      int valid) {
+  TORCH_CHECK(lane_linear_available(false), "lane_group_float needs AVX-512, or AVX2 with FMA");
+#if defined(__AVX512F__)
+  rows_of<float, 1>(m, x, ldx, reinterpret_cast<const uint32_t*>(group), k * kCols, k, out, ldo,
+                    static_cast<__mmask16>((1u << valid) - 1));
+#elif defined(__AVX2__) && defined(__FMA__)
+  rows_of<1>(m, x, ldx, group, k * kCols, k, out, ldo, valid);
+#endif
+}
 
 // weight [N, K] float32 or bfloat16 (K even) -> [ceil(N / 16), units, 16] int32 holding the
 // layout above (the bits of floats or of bfloat16 pairs).
@@ -157,8 +268,8 @@ at::Tensor pack_lane_weight(const at::Tensor& weight) {
 // pack_lane_weight(weight) of the same dtype with N rows.
 at::Tensor lane_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(lane_linear_available(bf16), "lane_linear for ", x.scalar_type(), " needs AVX-512",
-              bf16 ? " with avx512_bf16" : "");
+  TORCH_CHECK(lane_linear_available(bf16), "lane_linear for ", x.scalar_type(), " needs ",
+              bf16 ? "AVX-512 with avx512_bf16" : "AVX-512 or AVX2 with FMA");
   TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == at::kFloat) && x.stride(1) == 1,
               "x: float32 or bfloat16 [M, K], unit column stride");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.size(2) == 16,
@@ -171,6 +282,8 @@ at::Tensor lane_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n)
 #if defined(__AVX512F__)
   if (bf16) run<c10::BFloat16>(x, packed, n, out);
   else run<float>(x, packed, n, out);
+#elif defined(__AVX2__) && defined(__FMA__)
+  run_avx2(x, packed, n, out);
 #endif
   return out;
 }

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_blocks.h"
 #include "simd.h"
 
 namespace pagedserve {
@@ -380,6 +381,12 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
     }
   });
   return out;
+}
+
+void check_quant_weight(const at::Tensor& w, int64_t qtype, int64_t cols) { check_weight(w, qtype, cols); }
+
+void dequantize_rows_float(int64_t qtype, const uint8_t* src, int64_t rows, int64_t cols, float* dst) {
+  dequantize_range(qtype, src, dst, 0, rows * (cols / format_of(qtype).block));
 }
 
 // The rows of `w` (uint8 [N, bytes] of `qtype` blocks) as [N, cols] float32, or bfloat16.
