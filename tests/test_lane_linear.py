@@ -13,7 +13,8 @@ from pagedserve.worker import cpu_linear
 
 ops = cpu_ops.load()
 DTYPES = [torch.float32, torch.bfloat16]
-pytestmark = pytest.mark.skipif(ops is None or not ops.lane_linear_available(False), reason="no lane kernel here (AVX-512, or AVX2 with FMA)")
+pytestmark = pytest.mark.skipif(ops is None or not ops.lane_linear_available(False),
+                                reason="no lane kernel here (AVX-512, or AVX2 with FMA)")
 
 
 def needs(dtype: torch.dtype) -> None:
