@@ -70,16 +70,19 @@ def test_bench_structured_tiny_model(tmp_path, default_model_path):
     assert result["runs"]["schema"][0]["mask_steps"] > 0 and result["mask_ms_per_step"] > 0
 
 
-def test_bench_throughput_profile(tmp_path, capsys):
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_bench_throughput_profile(tmp_path, capsys, quantization):
     """--profile: every step is counted under one kind, its parts add up to no more than the
-    step, the floors are positive, and the hooks are gone afterwards (the engine runs unwrapped)."""
+    step, the floors are positive (quantized layers too: their float weight is an empty
+    placeholder), and the hooks are gone afterwards (the engine runs unwrapped)."""
     from pagedserve.worker import step_profile
 
     model = build_tiny_model(tmp_path / "model")
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers())
     args = parser.parse_args(["bench", "throughput", "--model", str(model), "--dtype", "float32", "--device", "cpu",
-                              "--num-prompts", "4", "--no-baseline", "--kv-cache-memory", "8MiB", "--profile"])
+                              "--num-prompts", "4", "--no-baseline", "--kv-cache-memory", "8MiB", "--profile",
+                              "--quantization", quantization])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -70,6 +70,15 @@ def measure_rates(dtype: torch.dtype, device: torch.device) -> tuple[float, floa
     return mm_rate, bandwidth
 
 
+def _weight_size(layer) -> tuple[int, int]:
+    """(elements, bytes a matmul reads) of a layer's weight: a quantized layer's float `weight` is
+    an empty placeholder, its blocks are in `quant`."""
+    quant = getattr(layer, "quant", None)
+    if quant is not None:
+        return sum(quant.row_counts) * quant.cols, quant.nbytes
+    return layer.weight.numel(), layer.weight.numel() * layer.weight.element_size()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -110,8 +119,9 @@ class StepProfiler:
         def linear(x, layer, cpu_ops):
             stats = self._current
             if stats is not None:
-                stats.flops += 2.0 * x.shape[0] * layer.weight.shape[0] * layer.weight.shape[1]
-                stats.weight_bytes += layer.weight.numel() * layer.weight.element_size()
+                elements, nbytes = _weight_size(layer)
+                stats.flops += 2.0 * x.shape[0] * elements
+                stats.weight_bytes += nbytes
             with self._timed("matmul"):
                 return original_linear(x, layer, cpu_ops)
 
@@ -123,9 +133,9 @@ class StepProfiler:
         def compute_logits(hidden, _original=model.compute_logits):
             stats = self._current
             if stats is not None:
-                weight = (model.lm_head or model.embed_tokens).weight
-                stats.flops += 2.0 * hidden.shape[0] * weight.numel()
-                stats.weight_bytes += weight.numel() * weight.element_size()
+                elements, nbytes = _weight_size(model.lm_head or model.embed_tokens)
+                stats.flops += 2.0 * hidden.shape[0] * elements
+                stats.weight_bytes += nbytes
             with self._timed("lm_head"):
                 return _original(hidden)
 
