@@ -107,13 +107,13 @@ def test_cpu_kernel_rejects_bad_shapes():
                                                           (32, 6, 1, 32), (256, 2, 1, 16)])
 def test_decode_kernel_head_dims_and_chunk_edges(dtype, tol, dim, heads, kv_heads, block):
     """The decode kernel on every head dim it compiles in, against the dense reference: lengths
-    around its 16-key chunks (1, 15, 16, 17, 33, 100), block sizes that do and do not divide 16,
-    blocks scattered through the pool."""
+    around its 16-key chunks (AVX2: 8-key; 1, 7, 8, 9, 15, 16, 17, 33, 100), block sizes that do
+    and do not divide 16, blocks scattered through the pool."""
     ops = cpu_ops.load()
     if ops is None:
         pytest.skip("no C++ compiler for the CPU kernel here")
     gen = torch.Generator().manual_seed(dim + block)
-    lens = [1, 15, 16, 17, 33, 100]
+    lens = [1, 7, 8, 9, 15, 16, 17, 33, 100]
     widths = [math.ceil(n / block) for n in lens]
     num_blocks = sum(widths) + 7
     k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype)

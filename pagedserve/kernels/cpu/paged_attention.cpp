@@ -242,13 +242,95 @@ void decode_avx512(const at::Tensor& query, const at::Tensor& k_cache, const at:
 }
 #endif
 
-// The AVX-512 kernel for float and bfloat16 where the CPU has it; decode_fixed otherwise.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// Lane i of the result is the sum of v[i]'s 8 lanes (three rounds of pairwise adds and a swap of
+// 128-bit halves) instead of 8 separate reductions.
+inline __m256 sum8(const __m256* v) {
+  const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+// decode_avx512 for float32 on AVX2 (no AVX-512): keys 8 at a time, each head's 8 scores from one
+// sum8 (decode_fixed's horizontal sum per key and head was most of its time), values read once per
+// row for every query head of their group, the same prefetches. On a 2-core AMD EPYC (Zen 3) the
+// attention of a 51-sequence decode step took ~1/2 of decode_fixed's time (docs/performance.md).
+template <int D>
+void decode_avx2(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale) {
+  constexpr int NV = D / 8;
+  const auto [num_seqs, num_heads, block_size, num_kv_heads, group, max_blocks, block_stride, token_stride,
+              head_stride, q, kc, vc, tables, lens, o] =
+      decode_layout<float>(query, k_cache, v_cache, block_tables, seq_lens, out);
+  const __m256 vscale = _mm256_set1_ps(static_cast<float>(scale));
+
+  at::parallel_for(0, num_seqs, grain_for(mean_seq_work(lens, num_seqs, num_heads * D)), [&](int64_t begin, int64_t end) {
+    std::vector<__m256> qv(num_heads * NV), acc(num_heads * NV);
+    std::vector<float> scores;
+    std::vector<int64_t> rows;  // each key's row in the pool (element offset, kv head 0)
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t len = lens[seq], padded = (len + 7) & ~int64_t{7};
+      const int64_t* table = tables + seq * max_blocks;
+      rows.resize(len);
+      for (int64_t t = 0; t < len; ++t) rows[t] = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      scores.resize(num_heads * padded);
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int i = 0; i < NV; ++i) qv[h * NV + i] = _mm256_loadu_ps(q + (seq * num_heads + h) * D + 8 * i);
+      const int64_t row_bytes = num_kv_heads * head_stride * static_cast<int64_t>(sizeof(float));
+      for (int64_t t0 = 0; t0 < len; t0 += 8) {
+        const int n = static_cast<int>(std::min<int64_t>(8, len - t0));
+        for (int64_t t = t0 + 16; t < std::min(len, t0 + 24); ++t)  // key rows two tiles ahead
+          for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(kc + rows[t]) + b, _MM_HINT_T1);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float* kh = kc + (h / group) * head_stride;
+          const __m256* qh = qv.data() + h * NV;
+          __m256 dots[8];
+          for (int j = 0; j < n; ++j) {
+            const float* k = kh + rows[t0 + j];
+            __m256 d = _mm256_mul_ps(qh[0], _mm256_loadu_ps(k));
+            for (int i = 1; i < NV; ++i) d = _mm256_fmadd_ps(qh[i], _mm256_loadu_ps(k + 8 * i), d);
+            dots[j] = d;
+          }
+          for (int j = n; j < 8; ++j) dots[j] = _mm256_setzero_ps();
+          _mm256_storeu_ps(scores.data() + h * padded + t0, _mm256_mul_ps(sum8(dots), vscale));
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) softmax_inplace(scores.data() + h * padded, len);
+      for (auto& a : acc) a = _mm256_setzero_ps();
+      for (int64_t t = 0; t < len; ++t) {
+        if (t + 16 < len)  // value rows 16 tokens ahead
+          for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(vc + rows[t + 16]) + b, _MM_HINT_T1);
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          const float* vrow = vc + rows[t] + kvh * head_stride;
+          __m256 vv[NV];
+          for (int i = 0; i < NV; ++i) vv[i] = _mm256_loadu_ps(vrow + 8 * i);
+          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+            const __m256 p = _mm256_set1_ps(scores[h * padded + t]);
+            for (int i = 0; i < NV; ++i) acc[h * NV + i] = _mm256_fmadd_ps(p, vv[i], acc[h * NV + i]);
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o + (seq * num_heads + h) * D + 8 * i, acc[h * NV + i]);
+    }
+  });
+}
+#endif
+
+// The AVX-512 kernel for float and bfloat16 where the CPU has it, the AVX2 one for float32 where
+// that is the widest; decode_fixed otherwise.
 template <int D, typename scalar_t>
 void decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     decode_avx512<D, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale);
+    return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<scalar_t, float> && D % 8 == 0) {
+    decode_avx2<D>(query, k_cache, v_cache, block_tables, seq_lens, out, scale);
     return;
   }
 #endif
