@@ -253,9 +253,10 @@ inline __m256 sum8(const __m256* v) {
 }
 
 // decode_avx512 for float32 on AVX2 (no AVX-512): keys 8 at a time, each head's 8 scores from one
-// sum8 (decode_fixed's horizontal sum per key and head was most of its time), values read once per
-// row for every query head of their group, the same prefetches. On a 2-core AMD EPYC (Zen 3) the
-// attention of a 51-sequence decode step took ~1/2 of decode_fixed's time (docs/performance.md).
+// sum8 (decode_fixed reduced every key's dot product for every head on its own), values read once
+// per row for every query head of their group, key and value rows prefetched 32 tokens ahead. On a
+// 2-core AMD EPYC (Zen 3), 51 sequences x 30 layers with the cache in DRAM: 34-38 ms against
+// decode_fixed's 50-52 (16 tokens ahead: 43-45; 64: 32-35; docs/performance.md).
 template <int D>
 void decode_avx2(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale) {
@@ -280,7 +281,7 @@ void decode_avx2(const at::Tensor& query, const at::Tensor& k_cache, const at::T
       const int64_t row_bytes = num_kv_heads * head_stride * static_cast<int64_t>(sizeof(float));
       for (int64_t t0 = 0; t0 < len; t0 += 8) {
         const int n = static_cast<int>(std::min<int64_t>(8, len - t0));
-        for (int64_t t = t0 + 16; t < std::min(len, t0 + 24); ++t)  // key rows two tiles ahead
+        for (int64_t t = t0 + 32; t < std::min(len, t0 + 40); ++t)  // key rows four tiles ahead (32 tokens, as on AVX-512)
           for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(kc + rows[t]) + b, _MM_HINT_T1);
         for (int64_t h = 0; h < num_heads; ++h) {
           const float* kh = kc + (h / group) * head_stride;
@@ -299,8 +300,8 @@ void decode_avx2(const at::Tensor& query, const at::Tensor& k_cache, const at::T
       for (int64_t h = 0; h < num_heads; ++h) softmax_inplace(scores.data() + h * padded, len);
       for (auto& a : acc) a = _mm256_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
-        if (t + 16 < len)  // value rows 16 tokens ahead
-          for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(vc + rows[t + 16]) + b, _MM_HINT_T1);
+        if (t + 32 < len)  // value rows 32 tokens ahead
+          for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(vc + rows[t + 32]) + b, _MM_HINT_T1);
         for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
           const float* vrow = vc + rows[t] + kvh * head_stride;
           __m256 vv[NV];
