@@ -91,3 +91,20 @@ def test_packed_linear_picks_a_layout_and_matches_f_linear(dtype, shape):
     assert got.shape == (*shape[:-1], 48)
     tol = 1 / 64 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(got.double(), ref, rtol=tol, atol=tol * 2)
+
+
+def test_bfloat16_without_bfloat16_arithmetic_runs_on_float32_lanes():
+    """A CPU with the float32 lane kernel but no bfloat16 one and no oneDNN bfloat16 (AVX2 only):
+    a bfloat16 weight is widened to float32 lanes at pack time; the output is bfloat16, computed
+    with float32 products and sums (rounded once, at the end)."""
+    if cpu_linear._lane_kernel(True) is not None or cpu_linear._onednn_bf16():
+        pytest.skip("this CPU computes bfloat16 itself")
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(40, 96, generator=gen).bfloat16()
+    x = torch.randn(7, 96, generator=gen).bfloat16()
+    assert cpu_linear.available(torch.device("cpu"), torch.bfloat16)
+    packed = cpu_linear.pack(w)
+    assert packed.widened and packed.onednn is None and packed.lanes is not None
+    got = cpu_linear.packed_linear(x, packed)
+    assert got.dtype == torch.bfloat16 and got.shape == (7, 40)
+    assert close(got, reference(x, w), 96)

@@ -93,11 +93,17 @@ class TorchAttentionBackend(AttentionBackend):
             positions = torch.arange(seq.context_len, total, device=query.device)
             mask = torch.arange(total, device=query.device)[None, :] <= positions[:, None]
             causal = False
+        dtype = query.dtype
+        if query.device.type == "cpu" and dtype == torch.bfloat16:
+            # float32 arithmetic, as the CPU prefill kernel does for bfloat16: where it is missing
+            # (no AVX-512), torch's bfloat16 SDPA moved the default model's greedy text
+            # (tests/test_bf16_text.py) on an AVX2-only EPYC.
+            query, keys, values = query.float(), keys.float(), values.float()
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale,
             enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1)
+        return out.squeeze(0).transpose(0, 1).to(dtype)
 
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):

@@ -46,8 +46,19 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or dtype not in PACKED_DTYPES or os.environ.get("PAGEDSERVE_NO_PACKED_LINEAR"):
         return False
     ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") \
-        and hasattr(ops, "_reorder_linear_weight")
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
+            and hasattr(ops, "_reorder_linear_weight")):
+        return False
+    # oneDNN refuses to reorder a bfloat16 weight without avx512bw/vl/dq or avx_ne_convert (an
+    # AVX2-only CPU: "bf16 path needs the cpu support ..."): there bfloat16 weights are widened to
+    # float32 for the float32 lane kernel (`pack`), or, without it, stay on F.linear.
+    return dtype != torch.bfloat16 or _onednn_bf16() or _lane_kernel(False) is not None
+
+
+@cache
+def _onednn_bf16() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else True
 
 
 # Up to this many rows, bfloat16 goes to lane_linear on an AMX CPU: there its streaming of the
@@ -65,12 +76,20 @@ class PackedWeight:
     onednn: torch.Tensor | None  # oneDNN's blocked layout, for `_linear_pointwise`
     lanes: torch.Tensor | None  # pack_lane_weight's layout, for lane_linear
     lane_rows: int  # inputs of at most this many rows go to lane_linear (when `lanes` is set)
+    widened: bool = False  # a bfloat16 weight whose lanes are float32 (see `pack`)
 
 
 def pack(weight: torch.Tensor) -> PackedWeight:
     """The weight's PackedWeight for this CPU (see the module docstring)."""
     weight = weight.detach()
     bf16 = weight.dtype == torch.bfloat16
+    if bf16 and _lane_kernel(True) is None and not _onednn_bf16():
+        # A CPU without bfloat16 arithmetic in our kernels or oneDNN (AVX2 only): torch's own
+        # bfloat16 matmul there ran 40-400x slower than float32, and its rounding moved greedy text
+        # (tests/test_bf16_text.py). A float32 copy for the float32 lane kernel: float32 speed
+        # and accumulation, bfloat16 out, 2x the bfloat16 weight's memory more.
+        return PackedWeight(weight.shape[0], None, _lane_kernel(False).pack_lane_weight(weight.float()),
+                            EVERY_ROW_COUNT, widened=True)
     lanes, lane_rows = None, 0
     ops = _lane_kernel(bf16) if not (bf16 and weight.shape[1] % 2) else None
     if ops is not None:
@@ -85,8 +104,11 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if packed.lanes is not None and rows <= packed.lane_rows:
         flat = x.reshape(rows, x.shape[-1])
-        out = _lane_kernel(x.dtype == torch.bfloat16).lane_linear(
-            flat if flat.stride(-1) == 1 else flat.contiguous(), packed.lanes, packed.out_features)
+        if packed.widened:
+            out = _lane_kernel(False).lane_linear(flat.float(), packed.lanes, packed.out_features).to(x.dtype)
+        else:
+            out = _lane_kernel(x.dtype == torch.bfloat16).lane_linear(
+                flat if flat.stride(-1) == 1 else flat.contiguous(), packed.lanes, packed.out_features)
         out = out.view(*x.shape[:-1], packed.out_features)
         return out if bias is None else out + bias
     return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
