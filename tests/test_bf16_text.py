@@ -24,13 +24,15 @@ PROMPTS = [
 ]
 NUM_TOKENS = 16
 # float32's top-1 and top-2 logits closer than this: bf16 may pick either. The issue asked for
-# 0.05; measured on these prompts, this engine's first departure is at a gap of 0.057 (the haiku,
-# token 12), and transformers' own bfloat16 forward on the same weights departs from its float32
-# one on that prompt already at token 10 (gap 0.015): bfloat16 hidden states after 30 layers
-# carry that much noise. 0.1 still fails the bug this test found: bfloat16-rounded logits (steps
-# of 0.125 near 20) tied two tokens 0.214 apart at the haiku's first token (parallel.py,
-# refine_top_logits).
-NEAR_TIE = 0.1
+# 0.05; measured, bfloat16 hidden states after 30 layers carry more noise than that: this engine's
+# first departures on these prompts came at gaps of 0.057 (AMD EPYC, vdpbf16ps) and 0.214 (an
+# AVX-512 Xeon without avx512_bf16, weights widened to float32 in the lane kernel: the haiku at
+# its first token), where transformers' own bfloat16 forward on the same weights and CPU ties the
+# two tokens (both 19.125) and departs from its float32 path by token 10. Over 40 prompts there,
+# the first departures of the lane kernel and of oneDNN's bfloat16 came at gaps up to 0.214 and
+# 0.135 (docs/performance.md). The bug this test first found (bfloat16-rounded logits tying two
+# tokens; parallel.py, refine_top_logits) has its own exact test below.
+NEAR_TIE = 0.25
 
 
 def _run(model, dtype: str, logprobs: int | None):
@@ -62,3 +64,33 @@ def test_bf16_greedy_text_matches_float32_but_for_near_ties(default_model_path):
             f"{gap:.3f} >= {NEAR_TIE}: float32 {ref.outputs[0].text!r}, bfloat16 {got.outputs[0].text!r}")
     # Near ties are rare: most prompts must agree all the way, or bf16 is wrong somewhere quieter.
     assert agree >= len(PROMPTS) - 2, f"only {agree} of {len(PROMPTS)} prompts agree for {NUM_TOKENS} tokens"
+
+
+def test_lm_head_orders_candidates_that_bfloat16_logits_tie():
+    """Two tokens whose float32 logits differ by 0.05 near 20, where bfloat16's step is 0.125:
+    rounded to bfloat16 they tie, and argmax would take the lower id. The LM head recomputes each
+    row's best candidates in float32 (refine_top_logits), packed for the CPU's kernel or not."""
+    import torch
+
+    from pagedserve.worker import cpu_linear
+    from pagedserve.worker.parallel import VocabParallelEmbedding
+
+    vocab, hidden, low, high = 64, 32, 3, 40
+    weight = torch.zeros(vocab, hidden)
+    weight[:, 2] = torch.linspace(-1, 1, vocab)  # everyone else far below
+    weight[low, 0] = weight[high, 0] = 20.0
+    weight[high, 1] = 13 / 256  # 20.05078: rounds to 20.0 in bfloat16, as 20.0 does
+    x = torch.zeros(1, hidden, dtype=torch.bfloat16)
+    x[0, 0] = x[0, 1] = 1.0
+    head = VocabParallelEmbedding(vocab, hidden)
+    head.weight.data = weight.bfloat16()
+    assert (x.float() @ head.weight.float().T).bfloat16()[0, [low, high]].tolist() == [20.0, 20.0]
+    packings = [None]
+    if cpu_linear.available(torch.device("cpu"), torch.bfloat16):
+        packings.append(cpu_linear.pack(head.weight.data))
+    for packed in packings:
+        head.packed = packed
+        logits = head.logits(x)
+        assert logits.dtype == torch.float32 and logits.shape == (1, vocab)
+        assert logits[0].argmax().item() == high, (packed, logits[0, [low, high]])
+        assert abs((logits[0, high] - logits[0, low]).item() - 13 / 256) < 1e-6

@@ -4,12 +4,14 @@ F.linear hands a plain [out, in] weight to MKL (float32) or oneDNN (bfloat16) on
 the library re-blocks it for its kernel each time; at the row counts of a decode step that
 re-blocking costs as much as the arithmetic. `pack_model` keeps, beside every linear layer's
 weight, a `PackedWeight`:
-  - on an AVX-512 CPU (avx512_bf16 for bfloat16): the weight packed 16 output columns to a
-    vector for our `lane_linear` kernel (kernels/cpu/lane_linear.cpp). On a 2-core AMD EPYC it
-    beat oneDNN at every row count of the default model's layers (bfloat16: 2.1x at 1 row,
-    1.3-1.6x at 8-64, 1.02x at 512; float32: see docs/performance.md), so there oneDNN's copy
-    is not kept. With AMX, oneDNN's bfloat16 AMX kernels win once there are rows enough to
-    compute on: both copies, ours up to AMX_LANE_ROWS rows.
+  - on an AVX-512 CPU: the weight packed 16 output columns to a vector for our `lane_linear`
+    kernel (kernels/cpu/lane_linear.cpp). On a 2-core AMD EPYC it beat oneDNN at every row
+    count of the default model's layers (bfloat16: 2.1x at 1 row, 1.3-1.6x at 8-64, 1.02x at
+    512; float32: see docs/performance.md), so there oneDNN's copy is not kept. Without
+    avx512_bf16 the kernel widens bfloat16 weights in registers and multiplies in float32:
+    1.7-4.7x oneDNN's bfloat16 there (an AVX-512 Xeon, docs/performance.md). With AMX,
+    oneDNN's bfloat16 AMX kernels win once there are rows enough to compute on: both copies,
+    ours up to AMX_LANE_ROWS rows.
   - otherwise: the weight in oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`),
     run through `_linear_pointwise` (1.05-2x faster than F.linear at the model's shapes).
 

@@ -43,11 +43,14 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {name!r}")
     if device.type == "cpu" and table[name] == torch.bfloat16 and not cpu_has_fast_bf16():
         # Without avx512_bf16 or AMX nothing computes in bfloat16: torch's bfloat16 matmuls ran at
-        # 0.3-2.4 GFLOP/s against 100-130 in float32 on a 2-core Zen 3 EPYC (AVX2 only), so the
-        # linear layers run on float32 copies of their weights (cpu_linear.pack).
+        # 0.3-2.4 GFLOP/s against 100-130 in float32 on a 2-core Zen 3 EPYC (AVX2 only), and
+        # oneDNN's at a quarter of float32's on an AVX-512 Xeon without avx512_bf16. So the linear
+        # layers multiply in float32: AVX-512 widens the bfloat16 weights in registers, AVX2 keeps
+        # float32 copies of them (cpu_linear.pack).
         log.warning("--dtype bfloat16 on a CPU without avx512_bf16 or AMX: there is no bfloat16 arithmetic here, "
-                    "the matmuls run on float32 copies of the weights, so bfloat16 is slower than float32 and "
-                    "takes more memory for weights (--dtype auto picks float32)")
+                    "the matmuls widen the weights to float32 (without AVX-512 into float32 copies of them, "
+                    "which take 2x the memory), so bfloat16 is no faster than float32 at large batches "
+                    "(--dtype auto picks float32)")
     return table[name]
 
 

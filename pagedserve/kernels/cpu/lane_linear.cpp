@@ -7,8 +7,9 @@
 //
 // One multiply-add instruction then adds one activation unit (broadcast) times 16 output
 // columns' weights (vfmadd231ps, or vdpbf16ps for two products a lane), so nothing is reduced
-// horizontally and nothing is converted: register tiles of 6 activation rows x 64 columns (24
-// float accumulators) per pass over K. On a 2-core AMD EPYC (avx512_bf16, no AMX) the bfloat16
+// horizontally and nothing is converted (on a CPU without avx512_bf16, each bfloat16 weight pair is
+// widened in registers and multiplied in float32): register tiles of 6 activation rows x 64 columns
+// (24 float accumulators) per pass over K. On a 2-core AMD EPYC (avx512_bf16, no AMX) the bfloat16
 // kernel beat oneDNN's at every row count of the default model's layers (2.1x at 1 row, 1.3-1.6x
 // at 8-64, 1.02x at 512; docs/performance.md); the caller picks by row count where oneDNN has
 // AMX.
@@ -30,11 +31,11 @@
 namespace pagedserve {
 
 // Whether lane_linear was compiled for this dtype (float32: AVX-512, or AVX2 with FMA; bfloat16:
-// avx512_bf16).
+// AVX-512, with vdpbf16ps where the CPU has avx512_bf16, else by widening each bfloat16 to float32).
 bool lane_linear_available(bool bfloat16) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   return true;
-#elif defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#elif defined(__AVX2__) && defined(__FMA__)
   return !bfloat16;
 #else
   return false;
@@ -48,16 +49,43 @@ constexpr int kCols = 16;      // output columns per group: one vector of float 
 constexpr int kRowTile = 6;    // activation rows per register tile
 constexpr int kGroupTile = 4;  // column groups per register tile
 
+// bfloat16 bits in the high half of each 32-bit lane -> float32, rounded to nearest even, NaN kept
+// a quiet NaN (as c10::BFloat16): for a CPU without vcvtneps2bf16.
+inline __m256i to_bfloat16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
 // out[0..MR) x [16 * NG columns) = x rows . packed groups over `units` 32-bit units of K;
-// `last_valid`: the columns of the tile's last group that exist.
-template <typename T, int MR, int NG>
-inline void tile(const T* x, int64_t ldx, const uint32_t* w, int64_t group_stride, int64_t units, T* out,
+// `last_valid`: the columns of the tile's last group that exist. X is the activations' type and O
+// the output's: float/float (vfmadd231ps), bfloat16/bfloat16 (vdpbf16ps: avx512_bf16), or
+// float/bfloat16 on a CPU without avx512_bf16: bfloat16 weights, activations already widened to
+// float32, each weight pair widened in registers (a shift and a mask) and multiplied in float32.
+template <typename X, typename O, int MR, int NG>
+inline void tile(const X* x, int64_t ldx, const uint32_t* w, int64_t group_stride, int64_t units, O* out,
                  int64_t ldo, __mmask16 last_valid) {
-  constexpr int per_unit = 4 / sizeof(T);  // elements of x per unit
+  constexpr bool widen = std::is_same_v<X, float> && !std::is_same_v<O, float>;
+  constexpr int per_unit = widen ? 2 : 4 / static_cast<int>(sizeof(X));  // elements of x per unit
   __m512 acc[MR][NG];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NG; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < units; ++p) {
+    if constexpr (widen) {
+      for (int j = 0; j < NG; ++j) {
+        const __m512i b = _mm512_loadu_si512(w + j * group_stride + p * kCols);
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+        for (int i = 0; i < MR; ++i) {
+          const float* a = x + i * ldx + per_unit * p;
+          acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), even, acc[i][j]);
+          acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(a[1]), odd, acc[i][j]);
+        }
+      }
+      continue;
+    }
     __m512i b[NG];
     for (int j = 0; j < NG; ++j) b[j] = _mm512_loadu_si512(w + j * group_stride + p * kCols);
     for (int i = 0; i < MR; ++i) {
@@ -65,7 +93,7 @@ inline void tile(const T* x, int64_t ldx, const uint32_t* w, int64_t group_strid
       std::memcpy(&unit, x + i * ldx + per_unit * p, sizeof(unit));
       const __m512i a = _mm512_set1_epi32(unit);
       for (int j = 0; j < NG; ++j) {
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (std::is_same_v<X, float>) {
           acc[i][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b[j]), acc[i][j]);
         } else {
 #if defined(__AVX512BF16__)
@@ -78,39 +106,41 @@ inline void tile(const T* x, int64_t ldx, const uint32_t* w, int64_t group_strid
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NG; ++j) {
       const __mmask16 valid = j == NG - 1 ? last_valid : __mmask16(0xFFFF);
-      T* dst = out + i * ldo + j * kCols;
-      if constexpr (std::is_same_v<T, float>) {
+      O* dst = out + i * ldo + j * kCols;
+      if constexpr (std::is_same_v<O, float>) {
         _mm512_mask_storeu_ps(dst, valid, acc[i][j]);
       } else {
 #if defined(__AVX512BF16__)
         _mm256_mask_storeu_epi16(dst, valid, (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+#else
+        _mm256_mask_storeu_epi16(dst, valid, to_bfloat16_bits(acc[i][j]));
 #endif
       }
     }
 }
 
-template <typename T, int NG>
-inline void rows_of(int64_t m, const T* x, int64_t ldx, const uint32_t* w, int64_t group_stride, int64_t units,
-                    T* out, int64_t ldo, __mmask16 last_valid) {
+template <typename X, typename O, int NG>
+inline void rows_of(int64_t m, const X* x, int64_t ldx, const uint32_t* w, int64_t group_stride, int64_t units,
+                    O* out, int64_t ldo, __mmask16 last_valid) {
   int64_t r = 0;
   for (; r + kRowTile <= m; r += kRowTile)
-    tile<T, kRowTile, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid);
+    tile<X, O, kRowTile, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid);
   switch (m - r) {
-    case 1: tile<T, 1, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
-    case 2: tile<T, 2, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
-    case 3: tile<T, 3, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
-    case 4: tile<T, 4, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
-    case 5: tile<T, 5, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
+    case 1: tile<X, O, 1, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
+    case 2: tile<X, O, 2, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
+    case 3: tile<X, O, 3, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
+    case 4: tile<X, O, 4, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
+    case 5: tile<X, O, 5, NG>(x + r * ldx, ldx, w, group_stride, units, out + r * ldo, ldo, last_valid); break;
     default: break;
   }
 }
 
-template <typename T>
+template <typename X, typename O>
 void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tensor& out) {
   const int64_t m = x.size(0), groups = packed.size(0), units = packed.size(1);
-  const T* xd = x.data_ptr<T>();
+  const X* xd = x.data_ptr<X>();
   const auto* wd = static_cast<const uint32_t*>(packed.data_ptr());
-  T* od = out.data_ptr<T>();
+  O* od = out.data_ptr<O>();
   const int64_t ldx = x.stride(0), group_stride = units * kCols;
   const int tail = static_cast<int>(n - kCols * (groups - 1));
   const __mmask16 tail_mask = static_cast<__mmask16>((1u << tail) - 1);
@@ -122,12 +152,12 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tensor& o
       const int ng = static_cast<int>(std::min<int64_t>(kGroupTile, end - g));
       const __mmask16 valid = g + ng == groups ? tail_mask : __mmask16(0xFFFF);
       const uint32_t* w = wd + g * group_stride;
-      T* o = od + g * kCols;
+      O* o = od + g * kCols;
       switch (ng) {
-        case 4: rows_of<T, 4>(m, xd, ldx, w, group_stride, units, o, n, valid); break;
-        case 3: rows_of<T, 3>(m, xd, ldx, w, group_stride, units, o, n, valid); break;
-        case 2: rows_of<T, 2>(m, xd, ldx, w, group_stride, units, o, n, valid); break;
-        default: rows_of<T, 1>(m, xd, ldx, w, group_stride, units, o, n, valid);
+        case 4: rows_of<X, O, 4>(m, xd, ldx, w, group_stride, units, o, n, valid); break;
+        case 3: rows_of<X, O, 3>(m, xd, ldx, w, group_stride, units, o, n, valid); break;
+        case 2: rows_of<X, O, 2>(m, xd, ldx, w, group_stride, units, o, n, valid); break;
+        default: rows_of<X, O, 1>(m, xd, ldx, w, group_stride, units, o, n, valid);
       }
     }
   });
@@ -238,7 +268,7 @@ void lane_group_float(int64_t m, const float* x, int64_t ldx, const float* group
                       int valid) {
   TORCH_CHECK(lane_linear_available(false), "lane_group_float needs AVX-512, or AVX2 with FMA");
 #if defined(__AVX512F__)
-  rows_of<float, 1>(m, x, ldx, reinterpret_cast<const uint32_t*>(group), k * kCols, k, out, ldo,
+  rows_of<float, float, 1>(m, x, ldx, reinterpret_cast<const uint32_t*>(group), k * kCols, k, out, ldo,
                     static_cast<__mmask16>((1u << valid) - 1));
 #elif defined(__AVX2__) && defined(__FMA__)
   rows_of<1>(m, x, ldx, group, k * kCols, k, out, ldo, valid);
@@ -269,7 +299,7 @@ at::Tensor pack_lane_weight(const at::Tensor& weight) {
 at::Tensor lane_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(lane_linear_available(bf16), "lane_linear for ", x.scalar_type(), " needs ",
-              bf16 ? "AVX-512 with avx512_bf16" : "AVX-512 or AVX2 with FMA");
+              bf16 ? "AVX-512" : "AVX-512 or AVX2 with FMA");
   TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == at::kFloat) && x.stride(1) == 1,
               "x: float32 or bfloat16 [M, K], unit column stride");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.size(2) == 16,
@@ -280,8 +310,13 @@ at::Tensor lane_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n)
   auto out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
 #if defined(__AVX512F__)
-  if (bf16) run<c10::BFloat16>(x, packed, n, out);
-  else run<float>(x, packed, n, out);
+#if defined(__AVX512BF16__)
+  if (bf16) run<c10::BFloat16, c10::BFloat16>(x, packed, n, out);
+#else
+  // Widened once here (M x K, small beside the weights), so that the tiles broadcast floats.
+  if (bf16) run<float, c10::BFloat16>(x.to(at::kFloat), packed, n, out);
+#endif
+  else run<float, float>(x, packed, n, out);
 #elif defined(__AVX2__) && defined(__FMA__)
   run_avx2(x, packed, n, out);
 #endif
