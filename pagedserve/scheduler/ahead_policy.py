@@ -9,11 +9,10 @@ N+1 to every request that arrives after it is sent: such a request waits for N+2
   at once: the round trip is a large part of such a step, and the step is short to wait out;
 - behind a longer decode step (a big batch) it goes late: shortly before the step is expected to
   end (LEAD_FRACTION of it: at least 3 ms, several times what scheduling and sending a step take),
-  so that requests arriving during the first 85% of the step still join it, as they would without
-  async scheduling. A closed loop of clients sends its next request right after a finished one's
-  last token, that is, just after the results of one step: sent at once, the ahead step would
-  miss all of them (measured: median TTFT 2.2-2.7 s against 1.9 s synchronous at concurrency 32,
-  docs/performance.md);
+  so that requests arriving during the first 85% of the step still join it, as they would without async scheduling. A closed loop of
+  clients sends its next request right after a finished one's last token, that is, just after the
+  results of one step: sent at once, the ahead step would miss all of them (measured: median TTFT
+  2.2-2.7 s against 1.9 s synchronous at concurrency 32, docs/performance.md);
 - behind a step with prompt tokens (its time is not predictable from the last decode steps) or
   before any decode step was timed, nothing goes ahead.
 
