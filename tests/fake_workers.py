@@ -29,9 +29,7 @@ def expected(prompt: list[int], max_tokens: int) -> list[int]:
 
 class FakeWorkerGroup:
     """The WorkerGroup interface of the scheduler over RequestStates (greedy: n samples all get
-    expected()), with an optional time per step so that tests can act between steps. Timed as a
-    worker that runs the steps sent one after another: a step starts when it is sent or when the
-    step before it ends, whichever is later, and reports step_delay_s as its forward time."""
+    expected()), with an optional pause per step so that tests can act between steps."""
 
     addresses = ["fake:0"]
 
@@ -39,10 +37,7 @@ class FakeWorkerGroup:
         self.num_blocks, self.step_delay_s = num_blocks, step_delay_s
         self.requests = RequestStates()
         self.num_steps = 0
-        self.sent: deque[tuple[ModelRunnerOutput, float]] = deque()  # (output, ready at) of steps not received
-        self.last_ready = 0.0
-        self.started_at: dict[int, float] = {}  # step id -> when it started (perf_counter), as above
-        self.sent_at: dict[int, float] = {}  # step id -> when it was sent
+        self.sent: deque[ModelRunnerOutput] = deque()  # outputs of the steps sent, not yet received
         # ("send" | "receive", step id, whether the step has prompt tokens), in order.
         self.events: list[tuple[str, int, bool]] = []
 
@@ -62,15 +57,11 @@ class FakeWorkerGroup:
         """Runs the step at once (a worker runs its steps in the order sent); receive() hands its
         output over after the step delay."""
         self.events.append(("send", out.step_id, any(n > 1 for n in out.num_scheduled_tokens.values())))
-        now = time.perf_counter()
-        self.sent_at[out.step_id] = now
-        self.started_at[out.step_id] = start = max(now, self.last_ready)
-        self.last_ready = start + self.step_delay_s
-        self.sent.append((self._run(out), self.last_ready))
+        self.sent.append(self._run(out))
 
     def receive(self, out: SchedulerOutput, wants_logprobs) -> tuple[ModelRunnerOutput, float]:
-        result, ready = self.sent.popleft()
-        time.sleep(max(0.0, ready - time.perf_counter()))
+        time.sleep(self.step_delay_s)
+        result = self.sent.popleft()
         self.events.append(("receive", out.step_id, False))
         assert result.step_id == out.step_id, f"step {out.step_id} received, {result.step_id} was due"
         return result, 0.0
@@ -84,12 +75,10 @@ class FakeWorkerGroup:
         sampled = {s.req_id: [next_token(s.token_ids)] * (1 + len(s.child_req_ids)) for s, _ in scheduled
                    if s.num_computed_tokens == len(s.token_ids)}
         self.requests.commit(sampled)
-        return ModelRunnerOutput(out.step_id, {r: [SampledToken(t) for t in ts] for r, ts in sampled.items()},
-                                 forward_time_s=self.step_delay_s)
+        return ModelRunnerOutput(out.step_id, {r: [SampledToken(t) for t in ts] for r, ts in sampled.items()})
 
     def close_streams(self) -> None:
         self.sent.clear()
-        self.last_ready = 0.0
 
     def close(self) -> None:
         pass

@@ -196,36 +196,3 @@ def test_steps_go_ahead_only_behind_decode_steps(service):
             in_flight.pop(0)
     assert prefill_in_flight == 0, "a step went ahead of one with prompt tokens"
     assert ahead >= 10, f"only {ahead} steps went ahead of a decode step"
-
-
-def test_steps_go_ahead_late_behind_long_decode_steps():
-    """Behind decode steps longer than SHORT_STEP_S the next step is sent shortly before the running
-    one is expected to end (so that requests arriving meanwhile still join it), yet early enough
-    that the worker starts it the moment the running one ends."""
-    from pagedserve.scheduler.ahead_policy import LEAD_FRACTION
-
-    delay = 0.05
-    service = started_service(delay, 256)
-    workers = service.workers
-
-    async def main():
-        outbox = Outbox(asyncio.get_running_loop())
-        filters, tokens = {}, {}
-        for tag in (1, 2):
-            sub, group = service.submit(schedule(f"late{tag}", [tag] * 40, 12), outbox, tag)
-            filters[tag] = DeltaFilter.for_request(group.group_id, group.n, [], sub.replayed, tag)
-        await drain(outbox, filters, tokens)
-        return tokens
-
-    try:
-        assert asyncio.run(main()) == {tag: expected([tag] * 40, 12) for tag in (1, 2)}
-    finally:
-        service.stop()
-    steps = sorted(workers.sent_at)
-    ahead = [s for s in steps[1:] if workers.sent_at[s] < workers.started_at[s]]  # the worker was busy
-    assert len(ahead) >= 5, f"only {len(ahead)} of {len(steps)} steps went ahead"
-    for s in ahead:
-        previous = workers.started_at[s - 1]
-        into = (workers.sent_at[s] - previous) / delay  # how far into the running step it was sent
-        assert 0.5 < into < 1 - LEAD_FRACTION / 2, f"step {s} sent {into:.2f} of the way into step {s - 1}"
-        assert workers.started_at[s] == pytest.approx(previous + delay), f"the worker waited for step {s}"

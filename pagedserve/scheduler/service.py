@@ -38,7 +38,6 @@ from pagedserve.common.settings import step_budgets
 from pagedserve.common.store import RequestStore, StoredRequest
 from pagedserve.v1 import scheduler_pb2, worker_pb2
 from pagedserve.scheduler.adoption import Adoption
-from pagedserve.scheduler.ahead_policy import AheadPolicy
 from pagedserve.scheduler.health import Health
 from pagedserve.scheduler.records import Delivery, GroupState, RecordWriter
 from pagedserve.scheduler.recovery import Recovery
@@ -91,7 +90,7 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
         self.writer = RecordWriter(store, self.lock, self._forget_group)
         self.pending_admissions = 0
         self.inflight: deque[InFlightStep] = deque()  # sent, results not yet taken in (step loop only)
-        self.ahead = AheadPolicy()  # when a step goes ahead of the last one's results (step loop only)
+        self.last_worker_step_s = 0.0  # the worker time of the last step taken in (step loop only)
         self.recorder = StatsRecorder()  # written by the step loop only
         # max_steps -> (when, snapshot): the engine stats of the last STATS_SNAPSHOT_S (event loop only)
         self._stats_snapshots: dict[int, tuple[float, scheduler_pb2.EngineStats]] = {}

@@ -1,11 +1,10 @@
 """The scheduler service's step loop (vLLM's EngineCore, beside the service's I/O): admit, step the
 workers, publish each step's tokens through the record writer, abort.
 
-Async scheduling (ServiceConfig.async_scheduling, on by default): behind a decode step, step N+1 is
-scheduled and sent before step N's results are taken in, so the worker runs it while this thread
-publishes N's tokens; behind a short step at once, behind a longer one shortly before it is
-expected to end, running admissions and aborts until then (ahead_policy.py). `inflight` holds the
-steps sent and not yet taken in (one or two), oldest first.
+Async scheduling (ServiceConfig.async_scheduling, on by default): behind a short decode step
+(AHEAD_MAX_STEP_S), step N+1 is scheduled and sent before step N's results are taken in, so the
+worker runs it while this thread publishes N's tokens; `inflight` holds the steps sent and not yet
+taken in (one or two), oldest first.
 
 Threads: every method here runs on the step-loop thread, the only one that touches the Scheduler;
 other threads hand it work through `self.commands` (callables). `self.lock` guards `groups` and
@@ -19,7 +18,7 @@ where no single request can be blamed. No command's exception ends the step-loop
 
 A mixin of SchedulerService (service.py), which owns the attributes used here: scheduler,
 workers, groups, live_ids, lock, commands, writer, recorder, info, stopping, readmitted,
-orphan_deadline, last_progress, pending_admissions, inflight, ahead, config.
+orphan_deadline, last_progress, pending_admissions, inflight, config.
 """
 
 from __future__ import annotations
@@ -45,6 +44,14 @@ from pagedserve.scheduler.worker_client import WorkerError
 log = logging.getLogger("pagedserve.scheduler")
 
 
+# A step goes ahead only behind a short decode step (the last one's worker time under this): the
+# round trip it hides (~1.5 ms on a 2-core machine) is a sizeable part of a step only then. Behind
+# a long step (a prefill, a big batch) it saves a few percent at most, while a request that
+# arrives during that step misses the step sent ahead and waits a whole step more; at
+# concurrency 32 (~70 ms steps) going ahead cost throughput and TTFT (docs/performance.md).
+AHEAD_MAX_STEP_S = 0.02
+
+
 @dataclass(slots=True)
 class InFlightStep:
     """A step sent to the workers whose results are not in yet (at most two: async scheduling)."""
@@ -54,7 +61,6 @@ class InFlightStep:
     completing: list[GroupState]  # groups whose prompt this step completes (their prefill_end)
     scheduled_at: float  # wall clock
     schedule_s: float  # the step loop's time on it before it was sent
-    sent_at: float  # perf_counter
 
 
 class StepLoop:
@@ -161,28 +167,14 @@ class StepLoop:
         sent first, so that the worker runs it while this thread takes in the results."""
         if not self.inflight:  # (an exception in _take_results may leave the ahead step here)
             self._send_step(self.scheduler.schedule())
-        if self.config.async_scheduling and len(self.inflight) == 1 and not self.scheduler.needs_sync:
-            running = self.inflight[0]
-            send_at = self.ahead.send_at(running.stats, running.sent_at)
-            if send_at is not None:
-                self._run_commands_until(send_at)
-            if send_at is not None and not self.scheduler.needs_sync and not self.stopping.is_set():
-                ahead = self.scheduler.schedule(ahead=True)
-                if ahead is not None:
-                    self._send_step(ahead)
-                elif self.scheduler.failed:
-                    self._end_failed()
+        if self.config.async_scheduling and len(self.inflight) == 1 and not self.scheduler.needs_sync \
+                and not self.inflight[0].stats.prefill_tokens and self.last_worker_step_s < AHEAD_MAX_STEP_S:
+            ahead = self.scheduler.schedule(ahead=True)
+            if ahead is not None:
+                self._send_step(ahead)
+            elif self.scheduler.failed:
+                self._end_failed()
         self._take_results(self.inflight.popleft())
-
-    def _run_commands_until(self, deadline: float) -> None:
-        """Admissions, aborts and the like until perf_counter() reaches deadline (a step is running
-        meanwhile: this is not idle time)."""
-        while (left := deadline - time.perf_counter()) > 0 and not self.stopping.is_set():
-            try:
-                command = self.commands.get(timeout=left)
-            except queue.Empty:
-                return
-            self._run_command(command)
 
     def _send_step(self, sched: SchedulerOutput) -> None:
         started = time.perf_counter()
@@ -213,8 +205,8 @@ class StepLoop:
             if req.num_scheduled_tokens >= req.num_tokens and "prefill_end" not in group.timings:
                 completing.append(group)
         self.workers.send(sched)
-        sent_at = time.perf_counter()
-        self.inflight.append(InFlightStep(sched, stats, wants_logprobs, completing, now, sent_at - started, sent_at))
+        self.inflight.append(InFlightStep(sched, stats, wants_logprobs, completing, now,
+                                          time.perf_counter() - started))
 
     def _take_results(self, step: InFlightStep) -> None:
         started = time.perf_counter()
@@ -224,8 +216,7 @@ class StepLoop:
             returned = time.time()
             for group in step.completing:
                 group.timings.setdefault("prefill_end", returned)
-        step_worker_time = result.forward_time_s + result.sample_time_s
-        self.ahead.took_results(step.stats, step_worker_time, time.perf_counter())
+        step_worker_time = self.last_worker_step_s = result.forward_time_s + result.sample_time_s
         self.recorder.worker_step(step_worker_time + overhead, overhead, step_worker_time)
         requests = self.scheduler.requests
         for req_id in sched.num_scheduled_tokens:
