@@ -27,6 +27,7 @@
 
 #include "lane_linear.h"
 #include "parallel_grain.h"
+#include "simd.h"
 
 namespace pagedserve {
 
@@ -48,16 +49,6 @@ namespace {
 constexpr int kCols = 16;      // output columns per group: one vector of float lanes
 constexpr int kRowTile = 6;    // activation rows per register tile
 constexpr int kGroupTile = 4;  // column groups per register tile
-
-// bfloat16 bits in the high half of each 32-bit lane -> float32, rounded to nearest even, NaN kept
-// a quiet NaN (as c10::BFloat16): for a CPU without vcvtneps2bf16.
-inline __m256i to_bfloat16_bits(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(rounded);
-}
 
 // out[0..MR) x [16 * NG columns) = x rows . packed groups over `units` 32-bit units of K;
 // `last_valid`: the columns of the tile's last group that exist. X is the activations' type and O
@@ -113,7 +104,10 @@ inline void tile(const X* x, int64_t ldx, const uint32_t* w, int64_t group_strid
 #if defined(__AVX512BF16__)
         _mm256_mask_storeu_epi16(dst, valid, (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
 #else
-        _mm256_mask_storeu_epi16(dst, valid, to_bfloat16_bits(acc[i][j]));
+        // No vcvtneps2bf16 on this CPU: rounded as in our other kernels (simd.h), then masked.
+        alignas(32) c10::BFloat16 narrow[kCols];
+        store_f(narrow, (vfloat)acc[i][j]);
+        _mm256_mask_storeu_epi16(dst, valid, _mm256_load_si256(reinterpret_cast<const __m256i*>(narrow)));
 #endif
       }
     }
