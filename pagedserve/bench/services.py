@@ -46,6 +46,9 @@ def add_services_parser(bench_sub) -> None:
     wait = setting("worker", "omp_wait_policy")
     p.add_argument("--omp-wait-policy", choices=wait.choices, default=wait.default,
                    help=f"the services' worker's (the in-process engine keeps the runtime's); default {wait.default}")
+    pool = setting("worker", "cpu_kernel_threads")
+    p.add_argument("--cpu-kernel-threads", choices=pool.choices, default=pool.default,
+                   help=f"the services' worker's (the in-process engine keeps openmp); default {pool.default}")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="the services' scheduler: " + setting("scheduler", "no_async_scheduling").help)
     add_engine_args(p)
@@ -146,6 +149,7 @@ def start_services(args, model_path):
         device=args.device, dtype=args.dtype, quantization=args.quantization,
         # plan-accuracy starts its services here too, without this bench's own flag
         omp_wait_policy=getattr(args, "omp_wait_policy", setting("worker", "omp_wait_policy").default),
+        cpu_kernel_threads=getattr(args, "cpu_kernel_threads", setting("worker", "cpu_kernel_threads").default),
         no_async_scheduling=getattr(args, "no_async_scheduling", False),
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -223,7 +227,8 @@ def run_services_bench(args) -> dict:
         stats = scheduler_stats(stack)
     ratios = sorted(p["ratio"] for p in pairs)
     result = {"cpu": cpu_name(), "dtype": dtype, "workload": args.workload, "num_prompts": len(work.prompts),
-              "omp_wait_policy": args.omp_wait_policy, "async_scheduling": not args.no_async_scheduling,
+              "omp_wait_policy": args.omp_wait_policy, "cpu_kernel_threads": args.cpu_kernel_threads,
+              "async_scheduling": not args.no_async_scheduling,
               "concurrency": args.concurrency, "output_tokens": work.num_output_tokens, "runs": pairs,
               "prompts_per_run": "fresh (seed + run)",
               "throughput_ratio_median": statistics.median(ratios),

@@ -207,6 +207,11 @@ def _settings() -> tuple[Setting, ...]:
           "scheduler, tokenizer or gateway sharing the cores never waits behind a spinning thread; active "
           "spins; runtime leaves the OpenMP runtime's default. OMP_WAIT_POLICY or GOMP_SPINCOUNT in the "
           "environment win", group="engine"),
+        S("--cpu-kernel-threads", "serve worker", default="pool", choices=("pool", "openmp"),
+          help="how the worker's CPU kernels share a step's work: pool hands it out in small pieces, so a "
+          "core the scheduler, tokenizer or gateway holds for a moment costs its share, not the whole "
+          "kernel's wait (kernels/cpu/work_pool.h); openmp splits it up front as torch does. The in-process "
+          "engine uses openmp unless PAGEDSERVE_WORK_POOL=1", group="engine"),
         S("--tensor-parallel-size", "engine serve worker", int, 1,
           "ranks the model is split across (one worker process each; in process, ranks 1..N-1 are spawned)",
           group="engine"),

@@ -50,7 +50,19 @@ def apply_omp_wait_policy(policy: str, environ: MutableMapping[str, str] = os.en
     return environ["OMP_WAIT_POLICY"]
 
 
+def apply_cpu_kernel_threads(choice: str, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Put --cpu-kernel-threads into the environment the CPU kernels read when they load
+    (PAGEDSERVE_WORK_POOL). Why the pool is the worker's default and not the in-process engine's:
+    on two cores shared with the front end, OpenMP's split-up-front regions waited for whichever
+    core the front end held (in-process W64 beside a process taking 21% of a core: 1.17x faster on
+    the pool); with the cores to itself, the pool's threads and torch's own spinning OpenMP threads
+    contend, and in process W64 ran 0.92x on the pool with OpenMP's default spin
+    (docs/performance.md)."""
+    environ["PAGEDSERVE_WORK_POOL"] = "1" if choice == "pool" else "0"
+
+
 def main(args: argparse.Namespace) -> int:
     apply_omp_wait_policy(args.omp_wait_policy)
+    apply_cpu_kernel_threads(args.cpu_kernel_threads)
     from pagedserve.worker.server import serve
     return serve(args)

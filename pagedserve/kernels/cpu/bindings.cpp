@@ -28,6 +28,9 @@ at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& p
                            const std::vector<int64_t>& rows, bool precise, bool bf16_out);
 bool repacked_kernel_available();
 at::Tensor argmax_rows(const at::Tensor& x);
+bool set_work_pool(bool on);
+std::tuple<at::Tensor, at::Tensor> work_pool_probe(int64_t n, int64_t chunk, int64_t threads, int64_t sleep_us,
+                                                   int64_t throw_at, bool nested);
 std::tuple<at::Tensor, at::Tensor> logits_top(const at::Tensor& x, int64_t k);
 }  // namespace pagedserve
 
@@ -69,4 +72,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logits_top", &pagedserve::logits_top,
         "(x.float(), indices of each row's k largest, unsorted) of a float32 or bfloat16 [rows, n], in one pass");
   m.def("rotary_inplace", &pagedserve::rotary_inplace, "rotate-half rotary embedding of q and k in place");
+  m.def("set_work_pool", &pagedserve::set_work_pool,
+        "the kernels' thread pool on or off (OpenMP; the default unless PAGEDSERVE_WORK_POOL=1); returns the old state");
+  m.def("work_pool_probe", &pagedserve::work_pool_probe,
+        "tests: (ran on a pool thread, times run) per item of a pool region (work_pool.cpp)", py::arg("n"),
+        py::arg("chunk"), py::arg("threads"), py::arg("sleep_us") = 0, py::arg("throw_at") = -1,
+        py::arg("nested") = false, py::call_guard<py::gil_scoped_release>());
 }

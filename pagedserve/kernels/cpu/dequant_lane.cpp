@@ -20,6 +20,7 @@
 #include "lane_linear.h"
 #include "parallel_grain.h"
 #include "quant_blocks.h"
+#include "work_pool.h"
 
 namespace pagedserve {
 
@@ -81,7 +82,7 @@ at::Tensor dequant_lane_linear(const at::Tensor& x, const std::vector<at::Tensor
   const float* xd = x.data_ptr<float>();
   float* od = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), grain_for(kGroup * rows * cols),
+  pool_for(static_cast<int64_t>(chunks.size()), grain_for(kGroup * rows * cols),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> plain(kGroup * cols), group(kGroup * cols, 0.f);
     for (int64_t c = begin; c < end; ++c) {

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include "simd.h"
+#include "work_pool.h"
 
 namespace pagedserve {
 
@@ -17,7 +18,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const scalar_t* src = x.data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
     // ~16 multiply-add equivalents per element (an exp): decode batches stay on one thread
-    at::parallel_for(0, tokens, grain_for(16 * inter, 16), [&](int64_t begin, int64_t end) {
+    pool_for(tokens, grain_for(16 * inter, 16), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* g = src + t * 2 * inter;
         const scalar_t* u = g + inter;
@@ -64,7 +65,7 @@ void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const a
     scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* kp = k.data_ptr<scalar_t>();
     const int64_t per_token = 8 * (q.size(1) + k.size(1)) * dim;  // ~8 per element
-    at::parallel_for(0, tokens, grain_for(per_token, 16), [&](int64_t begin, int64_t end) {
+    pool_for(tokens, grain_for(per_token, 16), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         rotate(qp, t, q.size(1), q.stride(0), q.stride(1));
         rotate(kp, t, k.size(1), k.stride(0), k.stride(1));
@@ -85,7 +86,7 @@ void small_m_rows(const float* xp, const float* wp, float* yp, int64_t rows, int
   constexpr int lanes = sizeof(V) / 4;
   auto load = [](const float* p) { V v; __builtin_memcpy(&v, p, sizeof(v)); return v; };
   // a float32 multiply-add weighs ~4 of the int8 kernels' (8 lanes against VNNI's 32 per instruction)
-  at::parallel_for(0, outs, grain_for(4 * rows * inner, 16), [&](int64_t begin, int64_t end) {
+  pool_for(outs, grain_for(4 * rows * inner, 16), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const float* wr = wp + n * inner;
       int64_t m = 0;
@@ -153,7 +154,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
     scalar_t* rp = residual ? residual->data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     const float feps = static_cast<float>(eps);
-    at::parallel_for(0, tokens, grain_for(8 * hidden, 16), [&](int64_t begin, int64_t end) {  // ~8 per element
+    pool_for(tokens, grain_for(8 * hidden, 16), [&](int64_t begin, int64_t end) {  // ~8 per element
       std::vector<float> row(hidden);
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* src = xp + t * hidden;

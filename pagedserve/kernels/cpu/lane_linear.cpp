@@ -14,8 +14,9 @@
 // at 8-64, 1.02x at 512; docs/performance.md); the caller picks by row count where oneDNN has
 // AMX.
 //
-// Threads take contiguous runs of column groups, each writing only its own output columns; within
-// a run, 4 groups at a time stay in L1/L2 while every row tile passes over them.
+// Threads take runs of column groups (multiples of 4, from the kernels' pool: work_pool.h), each
+// writing only its own output columns; within a run, 4 groups at a time stay in L1/L2 while every
+// row tile passes over them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -27,6 +28,7 @@
 
 #include "lane_linear.h"
 #include "parallel_grain.h"
+#include "work_pool.h"
 #include "simd.h"
 
 namespace pagedserve {
@@ -141,7 +143,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tensor& o
   // A group's work: m rows x 16 columns x K multiply-adds; below 16 rows its time is reading the
   // group's weights (~1 us per 18 KB on one core here), counted as 16 rows' worth, so one matrix
   // of a one-row decode splits across threads only from ~13 groups of 576 columns on.
-  at::parallel_for(0, groups, grain_for(std::max<int64_t>(m, 16) * kCols * units * 4), [&](int64_t begin, int64_t end) {
+  pool_for(groups, grain_for(std::max<int64_t>(m, 16) * kCols * units * 4), [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; g += kGroupTile) {
       const int ng = static_cast<int>(std::min<int64_t>(kGroupTile, end - g));
       const __mmask16 valid = g + ng == groups ? tail_mask : __mmask16(0xFFFF);
@@ -154,7 +156,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tensor& o
         default: rows_of<X, O, 1>(m, xd, ldx, w, group_stride, units, o, n, valid);
       }
     }
-  });
+  }, kGroupTile);
 }
 
 }  // namespace
@@ -245,14 +247,14 @@ void run_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tens
   const int64_t ldx = x.stride(0), group_stride = units * kCols;
   const int tail = static_cast<int>(n - kCols * (groups - 1));
   // The grain as on AVX-512 (see run() there).
-  at::parallel_for(0, groups, grain_for(std::max<int64_t>(m, 16) * kCols * units * 4), [&](int64_t begin, int64_t end) {
+  pool_for(groups, grain_for(std::max<int64_t>(m, 16) * kCols * units * 4), [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; g += kGroupTile) {
       const int ng = static_cast<int>(std::min<int64_t>(kGroupTile, end - g));
       const int valid = g + ng == groups ? tail : kCols;
       if (ng == 2) rows_of<2>(m, xd, ldx, wd + g * group_stride, group_stride, units, od + g * kCols, n, valid);
       else rows_of<1>(m, xd, ldx, wd + g * group_stride, group_stride, units, od + g * kCols, n, valid);
     }
-  });
+  }, kGroupTile);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "simd.h"
+#include "work_pool.h"
 
 namespace pagedserve {
 
@@ -113,7 +114,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   auto out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
+  pool_for(rows, grain_for(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
   });
   return out;
@@ -134,7 +135,7 @@ std::tuple<at::Tensor, at::Tensor> logits_top(const at::Tensor& x, int64_t k) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     float* op = out.data_ptr<float>();
     int64_t* tp = top.data_ptr<int64_t>();
-    at::parallel_for(0, rows, grain_for(2 * n), [&](int64_t begin, int64_t end) {
+    pool_for(rows, grain_for(2 * n), [&](int64_t begin, int64_t end) {
       TopK best;
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* src = xp + r * n;

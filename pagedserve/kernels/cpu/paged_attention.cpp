@@ -14,6 +14,7 @@
 
 #include "head_dims.h"
 #include "simd.h"
+#include "work_pool.h"
 
 namespace pagedserve {
 
@@ -60,7 +61,7 @@ void decode_fixed(const at::Tensor& query, const at::Tensor& k_cache, const at::
 
   // One sequence per work item, all its heads together: each cached token row (every kv head)
   // is read once, front to back.
-  at::parallel_for(0, num_seqs, grain_for(mean_seq_work(lens, num_seqs, num_heads * D)), [&](int64_t begin, int64_t end) {
+  pool_for(num_seqs, grain_for(mean_seq_work(lens, num_seqs, num_heads * D)), [&](int64_t begin, int64_t end) {
     std::vector<vfloat> qv(num_heads * NV), acc(num_heads * NV);
     std::vector<float> scores, qrow(D), row(D);
     for (int64_t seq = begin; seq < end; ++seq) {
@@ -184,7 +185,7 @@ void decode_avx512(const at::Tensor& query, const at::Tensor& k_cache, const at:
       decode_layout<scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out);
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
 
-  at::parallel_for(0, num_seqs, grain_for(mean_seq_work(lens, num_seqs, num_heads * D)), [&](int64_t begin, int64_t end) {
+  pool_for(num_seqs, grain_for(mean_seq_work(lens, num_seqs, num_heads * D)), [&](int64_t begin, int64_t end) {
     std::vector<QueryRow<D, scalar_t>> qrows(num_heads);
     std::vector<float> scores;
     std::vector<__m512> acc(num_heads * NV);
@@ -266,7 +267,7 @@ void decode_avx2(const at::Tensor& query, const at::Tensor& k_cache, const at::T
       decode_layout<float>(query, k_cache, v_cache, block_tables, seq_lens, out);
   const __m256 vscale = _mm256_set1_ps(static_cast<float>(scale));
 
-  at::parallel_for(0, num_seqs, grain_for(mean_seq_work(lens, num_seqs, num_heads * D)), [&](int64_t begin, int64_t end) {
+  pool_for(num_seqs, grain_for(mean_seq_work(lens, num_seqs, num_heads * D)), [&](int64_t begin, int64_t end) {
     std::vector<__m256> qv(num_heads * NV), acc(num_heads * NV);
     std::vector<float> scores;
     std::vector<int64_t> rows;  // each key's row in the pool (element offset, kv head 0)

@@ -14,7 +14,8 @@ namespace pagedserve {
 // docs/performance.md). A region of at most this much work runs on the calling thread alone.
 constexpr int64_t kMinWorkPerThread = 4'000'000;
 
-// at::parallel_for's grain for items of `work_per_item` each: at least `floor` items per thread.
+// The grain (pool_for's or at::parallel_for's) for items of `work_per_item` each: at least `floor`
+// items per thread.
 inline int64_t grain_for(int64_t work_per_item, int64_t floor = 1) {
   return std::max<int64_t>(floor, kMinWorkPerThread / std::max<int64_t>(1, work_per_item));
 }

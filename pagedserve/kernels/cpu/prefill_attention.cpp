@@ -17,13 +17,12 @@
 // position are never read (they may hold anything, NaN included).
 //
 // float32 arithmetic for float32 and bfloat16 caches alike (bfloat16 is widened on load).
-// Threads: one parallel region (at::parallel_for) whose threads take items, largest first, from a
-// shared counter (the items of one long chunk differ in size by its length).
+// Threads: one region of the kernels' pool (work_pool.h) whose threads take items, largest first,
+// one at a time (the items of one long chunk differ in size by its length).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -31,6 +30,7 @@
 
 #include "head_dims.h"
 #include "simd.h"
+#include "work_pool.h"
 
 namespace pagedserve {
 
@@ -239,11 +239,11 @@ void prefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tenso
     for (size_t n = 0; n < items.size(); ++n) work(buffers, n);
     return;
   }
-  // One range index per thread; the items are taken from a shared counter, largest first.
-  std::atomic<size_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> buffers(buffer_floats);
-    for (size_t n = next++; n < items.size(); n = next++) work(buffers, n);
+  // One item per chunk, claimed largest first (the pool hands out chunks in order).
+  pool_run(static_cast<int64_t>(items.size()), 1, threads, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buffers;
+    buffers.resize(buffer_floats);
+    for (int64_t n = begin; n < end; ++n) work(buffers, static_cast<size_t>(n));
   });
 }
 

@@ -6,7 +6,7 @@
 // unsigned-by-signed int8 dot product (AVX-512 VNNI's dpbusd; AVX2's maddubs where there is no
 // VNNI), scaled in float. A weight row's blocks are decoded into registers once per tile of
 // activation rows and reused across the tile, so a decode batch reads the weights from memory once.
-// Threads split the output columns (at::parallel_for); each writes its own columns only.
+// Threads split the output columns (pool_for, work_pool.h); each writes its own columns only.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -17,6 +17,7 @@
 
 #include "quant_blocks.h"
 #include "simd.h"
+#include "work_pool.h"
 
 namespace pagedserve {
 namespace {
@@ -372,7 +373,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
   for (size_t i = 0; i < weights.size(); ++i)
     for (int64_t n = 0; n < weights[i].size(0); n += kChunk) chunks.emplace_back(i, n);
   const int64_t grain = grain_for(kChunk * rows * cols);  // a chunk: kChunk x rows x cols multiply-adds
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), grain, [&](int64_t begin, int64_t end) {
+  pool_for(static_cast<int64_t>(chunks.size()), grain, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const auto [i, n0] = chunks[c];
       const at::Tensor& w = weights[i];
@@ -396,7 +397,7 @@ at::Tensor dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t cols, boo
   auto out = at::empty({w.size(0), cols}, w.options().dtype(bfloat16 ? at::kBFloat16 : at::kFloat));
   const uint8_t* src = w.data_ptr<uint8_t>();
   const int64_t blocks = w.size(0) * (cols / f.block);
-  at::parallel_for(0, blocks, grain_for(2 * f.block, 256), [&](int64_t begin, int64_t end) {  // ~2 per element
+  pool_for(blocks, grain_for(2 * f.block, 256), [&](int64_t begin, int64_t end) {  // ~2 per element
     if (bfloat16) dequantize_range(qtype, src, out.data_ptr<c10::BFloat16>(), begin, end);
     else dequantize_range(qtype, src, out.data_ptr<float>(), begin, end);
   });

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "parallel_grain.h"
+#include "work_pool.h"
 
 namespace pagedserve {
 namespace {
@@ -350,10 +351,10 @@ at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& p
   if (xc.scalar_type() == at::kBFloat16) quantize_activation(xc.data_ptr<c10::BFloat16>(), m * cols, precise, act);
   else quantize_activation(xc.data_ptr<float>(), m * cols, precise, act);
   const Out dst{out.data_ptr(), bf16_out, 0};
-  // One contiguous run of groups per thread across all parts (at::parallel_for gives each thread
-  // one chunk); a group is kRows x cols x m multiply-adds (parallel_grain.h's grain_for: a one-sequence
-  // decode wakes the other threads for the LM head only).
-  at::parallel_for(0, groups, grain_for(kRows * cols * m, 4), [&](int64_t begin, int64_t end) {
+  // Runs of groups across all parts, claimed from the kernels' pool (work_pool.h); a group is
+  // kRows x cols x m multiply-adds (parallel_grain.h's grain_for: a one-sequence decode wakes the
+  // other threads for the LM head only).
+  pool_for(groups, grain_for(kRows * cols * m, 4), [&](int64_t begin, int64_t end) {
     size_t part = 0;
     for (int64_t g = begin; g < end; ++g) {
       while (g >= group_starts[part] + packed[part].size(0)) ++part;
