@@ -87,7 +87,9 @@ class Pool {
     done_.store(0, std::memory_order_relaxed);
     const uint32_t gen = generation_.load(std::memory_order_relaxed) + 1;
     tickets_.store((uint64_t{gen} << 32) | static_cast<uint64_t>(chunks), std::memory_order_release);
-    generation_.store(gen, std::memory_order_release);
+    // seq_cst on both sides (here: store, then load sleepers_; a worker: add to sleepers_, then load
+    // the generation): either the worker sees the new generation or this sees the sleeper.
+    generation_.store(gen, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(&generation_);
     work(gen);
     const auto all = static_cast<uint32_t>(chunks);
