@@ -63,8 +63,8 @@ def build_step(dtype, context_lens, query_lens, seed=0):
     return q, k, v, k_cache, v_cache, meta, seqs
 
 
-def check_backend(backend, dtype, tol):
-    q, k, v, k_cache, v_cache, meta, seqs = build_step(dtype, [0, 5, 13, 3, 0, 9, 30], [1, 1, 1, 7, 5, 1, 4])
+def check_backend(backend, dtype, tol, context_lens=(0, 5, 13, 3, 0, 9, 30), query_lens=(1, 1, 1, 7, 5, 1, 4)):
+    q, k, v, k_cache, v_cache, meta, seqs = build_step(dtype, context_lens, query_lens)
     scale = DIM ** -0.5
     out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
     start = 0
@@ -90,6 +90,42 @@ def test_cpu_kernel_backend(dtype, tol):
     if ops is None:
         pytest.skip("no C++ compiler for the CPU kernel here")
     check_backend(CpuKernelAttentionBackend(ops), dtype, tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_pure_decode_steps(dtype, tol):
+    """A step without prefills returns the decode output itself (no assembled buffer)."""
+    check_backend(TorchAttentionBackend(), dtype, tol, (0, 5, 13, 40), (1, 1, 1, 1))
+    ops = cpu_ops.load()
+    if ops is not None:
+        check_backend(CpuKernelAttentionBackend(ops), dtype, tol, (0, 5, 13, 40), (1, 1, 1, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_cache_is_index_copy_from_qkv_views(dtype):
+    ops = cpu_ops.load()
+    if ops is None:
+        pytest.skip("no C++ compiler for the CPU kernel here")
+    tokens, heads = 6, 5
+    qkv = torch.randn(tokens, (heads + 2 * KV_HEADS) * DIM).to(dtype)  # the split's rows are strided
+    _, k, v = (t.view(tokens, -1, DIM) for t in qkv.split([heads * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1))
+    slots = torch.tensor([37, 3, 0, 63, 16, 15])
+    blocks = 64 // BLOCK
+    k_cache = torch.randn(blocks, BLOCK, KV_HEADS, DIM).to(dtype)
+    v_cache = torch.randn(blocks, BLOCK, KV_HEADS, DIM).to(dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref_k.view(-1, KV_HEADS, DIM).index_copy_(0, slots, k)
+    ref_v.view(-1, KV_HEADS, DIM).index_copy_(0, slots, v)
+    ops.write_kv_cache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    with pytest.raises(RuntimeError, match="slot 64 is outside the cache's 64 slots"):
+        ops.write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 4, 64]))
+    with pytest.raises(RuntimeError, match="one slot per token"):
+        ops.write_kv_cache(k, v, k_cache, v_cache, slots[:5])
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        ops.write_kv_cache(k.float() if dtype != torch.float32 else k.double(), v, k_cache, v_cache, slots)
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        ops.write_kv_cache(k.transpose(0, 1).contiguous().transpose(0, 1), v, k_cache, v_cache, slots)
 
 
 def test_cpu_kernel_rejects_bad_shapes():

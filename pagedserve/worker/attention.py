@@ -51,9 +51,9 @@ class TorchAttentionBackend(AttentionBackend):
     sequence at a time through SDPA."""
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
+        self._write_kv(key, value, k_cache, v_cache, meta)
+        if not meta.prefills:  # a pure decode step: no output buffer to assemble
+            return self._decode(query.contiguous(), k_cache, v_cache, meta, scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.num_decodes:
             out[:meta.num_decodes] = self._decode(query[:meta.num_decodes].contiguous(), k_cache, v_cache,
@@ -61,6 +61,12 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.prefills:
             self._prefills(query, key, value, k_cache, v_cache, meta, scale, out)
         return out
+
+    def _write_kv(self, key, value, k_cache, v_cache, meta) -> None:
+        """The step's new K/V rows into the cache at meta.slot_mapping."""
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
 
     def _prefills(self, query, key, value, k_cache, v_cache, meta, scale, out) -> None:
         """Fill out's rows of every prefill chunk (the new K/V are already in the cache)."""
@@ -121,6 +127,13 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         self.prefill_kernel = bool(getattr(ops, "prefill_attention_available", lambda: False)()) \
             and not os.environ.get("PAGEDSERVE_NO_PREFILL_KERNEL")
         self._layout: tuple[AttentionMetadata, int, torch.Tensor, torch.Tensor] | None = None
+
+    def _write_kv(self, key, value, k_cache, v_cache, meta) -> None:
+        if key.stride(-1) == 1 and key.stride(-2) == key.shape[-1] and value.stride(-1) == 1 \
+                and value.stride(-2) == value.shape[-1] and k_cache.is_contiguous():
+            self.ops.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        else:
+            super()._write_kv(key, value, k_cache, v_cache, meta)
 
     def _decode(self, query, k_cache, v_cache, meta, scale):
         if query.shape[-1] not in self.HEAD_DIMS:

@@ -36,19 +36,22 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self._layer_views: list[tuple[torch.Tensor, ...]] | None = None
         self.host_cache = None
         if num_host_blocks:
             host_shape = shape[:2] + (num_host_blocks,) + shape[3:]
             pin = device.type == "cuda"
             self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
 
-    def model_caches(self) -> torch.Tensor | list[torch.Tensor]:
-        """What the model indexes by layer: the tensor itself, or with KV groups a view per layer
-        of its slot."""
-        if not self.groups.hybrid:
-            return self.device_cache
-        slots = self.groups.slot_of()
-        return [self.device_cache[slots[layer][1]] for layer in range(len(slots))]
+    def model_caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """What the model indexes by layer, then by plane: per layer its slot's planes (K and V, or
+        MLA's one latent) as views of the one tensor. Made once: indexing the tensor anew per layer
+        and step cost three ops a layer of a one-token step."""
+        if self._layer_views is None:
+            slots = self.groups.slot_of() if self.groups.hybrid else None
+            self._layer_views = [tuple(self.device_cache[slots[layer][1] if slots else layer].unbind(0))
+                                 for layer in range(len(slots) if slots else self.device_cache.shape[0])]
+        return self._layer_views
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:

@@ -8,6 +8,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const at::Tensor& chunks, double scale, at::Tensor& out);
 bool prefill_attention_available();
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping);
 bool lane_linear_available(bool bfloat16);
 at::Tensor pack_lane_weight(const at::Tensor& weight);
 at::Tensor lane_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n);
@@ -37,6 +39,8 @@ std::tuple<at::Tensor, at::Tensor> logits_top(const at::Tensor& x, int64_t k);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &pagedserve::paged_decode_attention,
         "decode attention over a paged KV cache (query [B,H,D], caches [N,bs,KVH,D])");
+  m.def("write_kv_cache", &pagedserve::write_kv_cache,
+        "the step's new key and value rows [T,KVH,D] into k_cache / v_cache [N,bs,KVH,D] at flat slots [T]");
   m.def("paged_prefill_attention", &pagedserve::paged_prefill_attention,
         "causal attention of prefill chunks over a paged KV cache into out's rows (chunks: int64 [P, 3] = "
         "row start, rows, context_len; block_tables int64 [P, max_blocks])");

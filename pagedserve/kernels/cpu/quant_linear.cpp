@@ -372,7 +372,9 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
   std::vector<std::pair<size_t, int64_t>> chunks;
   for (size_t i = 0; i < weights.size(); ++i)
     for (int64_t n = 0; n < weights[i].size(0); n += kChunk) chunks.emplace_back(i, n);
-  const int64_t grain = grain_for(kChunk * rows * cols);  // a chunk: kChunk x rows x cols multiply-adds
+  // A chunk: kChunk x rows x cols multiply-adds, counted as 16 rows below that (its blocks' unpacking
+  // and reading, not the rows, take its time there; quant_repack.cpp's grain does the same).
+  const int64_t grain = grain_for(kChunk * std::max<int64_t>(rows, 16) * cols);
   pool_for(static_cast<int64_t>(chunks.size()), grain, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const auto [i, n0] = chunks[c];

@@ -351,10 +351,12 @@ at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& p
   if (xc.scalar_type() == at::kBFloat16) quantize_activation(xc.data_ptr<c10::BFloat16>(), m * cols, precise, act);
   else quantize_activation(xc.data_ptr<float>(), m * cols, precise, act);
   const Out dst{out.data_ptr(), bf16_out, 0};
-  // Runs of groups across all parts, claimed from the kernels' pool (work_pool.h); a group is
-  // kRows x cols x m multiply-adds (parallel_grain.h's grain_for: a one-sequence decode wakes the
-  // other threads for the LM head only).
-  pool_for(groups, grain_for(kRows * cols * m, 4), [&](int64_t begin, int64_t end) {
+  // Runs of groups across all parts, claimed from the kernels' pool (work_pool.h). A group is kRows x
+  // cols x m multiply-adds; below 16 rows its time is unpacking and reading its tiles, so it counts
+  // as 16 rows' worth (as lane_linear does): a one-row decode then splits every matrix of the
+  // default model across two threads (its four shapes x 30 layers: 4.6-6.0 -> 3.7-4.4 ms a token,
+  // docs/performance.md), where the one-row count kept all but the LM head on one thread.
+  pool_for(groups, grain_for(kRows * cols * std::max<int64_t>(m, 16), 4), [&](int64_t begin, int64_t end) {
     size_t part = 0;
     for (int64_t g = begin; g < end; ++g) {
       while (g >= group_starts[part] + packed[part].size(0)) ++part;

@@ -201,12 +201,12 @@ int64_t pool_threads() { return at::get_num_threads(); }
 
 void run_chunks(int64_t n, int64_t chunk, int64_t threads, ChunkFn fn, void* ctx) {
   if (n <= 0) return;
-  if (threads > 1 && !disabled() && !at::in_parallel_region() && pool().run(n, chunk, threads, fn, ctx)) return;
-  if (threads > 1 && disabled() && !at::in_parallel_region()) {
+  if (threads <= 1 || at::in_parallel_region()) return fn(ctx, 0, n);  // one thread, or nested in OpenMP
+  if (disabled()) {
     at::parallel_for(0, n, (n + threads - 1) / threads, [&](int64_t begin, int64_t end) { fn(ctx, begin, end); });
     return;
   }
-  fn(ctx, 0, n);
+  if (!pool().run(n, chunk, threads, fn, ctx)) fn(ctx, 0, n);  // a region is running (nested, or another caller)
 }
 
 // For the tests: items [0, n) in chunks on the pool; each item records 1 if a pool thread ran it (0:
