@@ -52,7 +52,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         self._write_kv(key, value, k_cache, v_cache, meta)
-        if not meta.prefills:  # a pure decode step: no output buffer to assemble
+        if not meta.prefills and meta.num_decodes:  # a pure decode step: no output buffer to assemble
             return self._decode(query.contiguous(), k_cache, v_cache, meta, scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.num_decodes:
