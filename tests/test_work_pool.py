@@ -146,7 +146,8 @@ def test_lane_linear_split_across_the_pool_gives_one_threads_bits(two_threads):
     assert torch.allclose(two, x @ weight.T, rtol=1e-4, atol=1e-3)
 
 
-def test_repacked_linear_split_across_the_pool_gives_one_threads_bits(two_threads):
+@pytest.mark.parametrize("rows", [1, 32])  # one row: a decode step of one stream splits too
+def test_repacked_linear_split_across_the_pool_gives_one_threads_bits(two_threads, rows):
     if not ops.repacked_kernel_available():
         pytest.skip("no AVX-512 VNNI here")
     from gguf import GGMLQuantizationType
@@ -155,8 +156,19 @@ def test_repacked_linear_split_across_the_pool_gives_one_threads_bits(two_thread
     qtype = int(GGMLQuantizationType["Q4_1"])
     blocks = torch.from_numpy(random_blocks("Q4_1", 3072, 576, np.random.default_rng(3)))
     packed = ops.repack_rows(blocks, qtype)
-    x = torch.randn(32, 576).to(torch.bfloat16)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
     one, two = _one_then_two(lambda: ops.repacked_linear(x, [packed], [qtype], [3072], False))
+    assert torch.equal(one, two)
+
+
+def test_block_kernel_one_row_split_across_the_pool_gives_one_threads_bits(two_threads):
+    from gguf import GGMLQuantizationType
+    from test_quant_kernels import random_blocks
+
+    qtype = int(GGMLQuantizationType["Q4_1"])
+    blocks = torch.from_numpy(random_blocks("Q4_1", 3072, 576, np.random.default_rng(4)))
+    x = torch.randn(1, 576)
+    one, two = _one_then_two(lambda: ops.quant_linear(x, [blocks], [qtype], False))
     assert torch.equal(one, two)
 
 
