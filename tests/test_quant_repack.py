@@ -104,6 +104,31 @@ def test_quantized_weight_repacked_equals_unrepacked(rows, monkeypatch):
     assert torch.equal(QuantizedWeight(parts[:1], ops).rows(ids, torch.float32), head.rows(ids, torch.float32))
 
 
+def test_bfloat16_prefill_rows_of_repacked_weights_take_the_dequantized_matmul(monkeypatch):
+    """From DEQUANTIZE_PACKED_FROM bfloat16 rows the tiles are dequantized (chunk by chunk) for a float
+    matmul: the same product as the plain weight's dequantized path, with float32 rows and fewer rows
+    still on the repacked kernel."""
+    rng = np.random.default_rng(5)
+    cols = 128
+    parts = [QuantizedTensor(torch.from_numpy(random_blocks(f, n, cols, rng)), GGMLQuantizationType[f], cols)
+             for f, n in [("Q4_1", 40), ("Q8_0", 24)]]
+    packed = QuantizedWeight(parts, ops)
+    monkeypatch.setattr(quantized, "REPACK", False)
+    plain = QuantizedWeight(parts, ops)
+    monkeypatch.setattr(quantized, "DEQUANTIZE_CHUNK", 16)  # several chunks per part, a short last one
+    assert packed.repacked
+    x = torch.randn(quantized.DEQUANTIZE_PACKED_FROM, cols).to(torch.bfloat16)
+    dense = torch.cat([p.dequantize(ops, torch.float32) for p in parts])
+    got = packed.linear(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], 64)
+    assert torch.equal(got, plain.linear(x))  # plain bfloat16 rows above 8 dequantize the same way
+    ref = x.float() @ dense.T
+    assert torch.allclose(got.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    kernel = packed.linear(x[:-1])  # one row fewer: the repacked kernel (the activation in int8)
+    assert not torch.equal(kernel, got[:-1])
+    assert torch.allclose(kernel.float(), ref[:-1], rtol=5e-2, atol=5e-2 * ref.abs().max().item())
+
+
 def test_whole_tiles_are_repacked_in_the_blocks_own_storage():
     rng = np.random.default_rng(3)
     cols = 64

@@ -43,6 +43,13 @@ KERNEL_TYPES = {GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", 
 # ~2.5x the block-at-a-time kernel at one row); the others stay as stored.
 REPACK_TYPES = {GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0")}
 REPACK = True
+# From this many bfloat16 rows on (prefill chunks), repacked weights too are dequantized
+# DEQUANTIZE_CHUNK rows at a time for oneDNN's bfloat16 matmul: the int8 kernel's work grows with the
+# rows (it rounds the activation twice: PRECISE), the dequantization does not. The default model's
+# 30 layers at 512 rows: 473-604 ms in the repacked kernel, 379-405 ms dequantized; at 256 rows they
+# break even (docs/performance.md). float32 rows stay on the kernel (MKL's float32 matmul is no
+# faster than it there).
+DEQUANTIZE_PACKED_FROM = 384
 
 
 @dataclass(slots=True)
@@ -87,8 +94,9 @@ class QuantizedWeight:
 
     When every part is Q4_0, Q4_1 or Q8_0 and the CPU has AVX-512 VNNI, the parts are repacked at
     construction into 16-row interleaved tiles (kernels/cpu/quant_repack.cpp: the same bytes, so
-    no extra memory; the original blocks are dropped) and every matmul, decode or prefill, runs the
-    repacked kernel; row lookups (the embedding, the LM head's re-scoring) unpack the rows they need."""
+    no extra memory; the original blocks are dropped) and every matmul runs the repacked kernel, but
+    bfloat16 prefill chunks of DEQUANTIZE_PACKED_FROM rows or more, which dequantize the tiles for
+    oneDNN; row lookups (the embedding, the LM head's re-scoring) unpack the rows they need."""
 
     __slots__ = ("ops", "qtypes", "cols", "row_counts", "_blocks", "_qtypes", "_packed")
 
@@ -126,9 +134,9 @@ class QuantizedWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [rows, cols] @ weight.T (+ bias), in `dtype` (default x's). Repacked weights: the repacked
-        kernel at any row count. Others: up to DEQUANTIZE_ABOVE rows the block kernel reads the blocks
-        (a decode step: memory-bound); more rows (prefill, big batches: compute-bound) run a float
-        matmul on the dequantized weight (see DEQUANTIZE_ABOVE)."""
+        kernel, below DEQUANTIZE_PACKED_FROM bfloat16 rows (see there). Others: up to DEQUANTIZE_ABOVE
+        rows the block kernel reads the blocks (a decode step: memory-bound); more rows (prefill, big
+        batches: compute-bound) run a float matmul on the dequantized weight (see DEQUANTIZE_ABOVE)."""
         if self._packed is None and x.shape[0] > DEQUANTIZE_ABOVE and x.dtype in (torch.float32, torch.bfloat16):
             if x.dtype == torch.float32 and _lane_kernel(self.ops):
                 out = self.ops.dequant_lane_linear(x if x.stride(-1) == 1 else x.contiguous(), self._blocks,
@@ -138,7 +146,12 @@ class QuantizedWeight:
             if bias is not None:
                 out += bias
             return out if dtype is None else out.to(dtype)
-        if self._packed is not None:  # any row count: it beat the dequantized matmul at 8..128 rows
+        if self._packed is not None and x.shape[0] >= DEQUANTIZE_PACKED_FROM and x.dtype == torch.bfloat16:
+            out = self._dequantized_linear(x)
+            if bias is not None:
+                out += bias
+            return out if dtype is None else out.to(dtype)
+        if self._packed is not None:  # it beat the dequantized matmul at 8..128 rows
             # bfloat16 out of the kernel itself when that is what the caller keeps (no bias to add
             # in float first): a conversion op per call is ~5% of a decode step's matmul time
             bf16 = (dtype or x.dtype) == torch.bfloat16 and bias is None
@@ -157,9 +170,13 @@ class QuantizedWeight:
         more than the matmul; chunks of a few MB are recycled by the allocator."""
         bf16 = x.dtype == torch.bfloat16
         outs = []
-        for blocks, qtype in zip(self._blocks, self._qtypes):  # not repacked: they never come here
-            for start in range(0, blocks.shape[0], DEQUANTIZE_CHUNK):
-                w = self.ops.dequantize_rows(blocks[start:start + DEQUANTIZE_CHUNK], qtype, self.cols, bf16)
+        for part, (rows, qtype) in enumerate(zip(self.row_counts, self._qtypes)):
+            for start in range(0, rows, DEQUANTIZE_CHUNK):
+                if self._packed is None:
+                    blocks = self._blocks[part][start:start + DEQUANTIZE_CHUNK]
+                else:  # the tiles' rows back as blocks first
+                    blocks = self.part_blocks(part, torch.arange(start, min(rows, start + DEQUANTIZE_CHUNK)))
+                w = self.ops.dequantize_rows(blocks, qtype, self.cols, bf16)
                 outs.append(F.linear(x, w))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
