@@ -83,15 +83,20 @@ def test_bad_shapes_are_named():
         ops.repack_rows(blocks, qtype("Q4_K"))
 
 
-@pytest.mark.parametrize("rows", [1, 8, 12])  # repacked at every row count; plain: dequantized above 8
-def test_quantized_weight_repacked_equals_unrepacked(rows, monkeypatch):
-    rng = np.random.default_rng(rows)
-    cols = 128
+def packed_and_plain(formats: list[tuple[str, int]], cols: int, rng, monkeypatch):
+    """Parts of random blocks (format, rows), as a repacked QuantizedWeight and as a plain one
+    (REPACK is off from here on)."""
     parts = [QuantizedTensor(torch.from_numpy(random_blocks(f, n, cols, rng)), GGMLQuantizationType[f], cols)
-             for f, n in [("Q4_1", 19), ("Q8_0", 7)]]
+             for f, n in formats]
     packed = QuantizedWeight(parts, ops)
     monkeypatch.setattr(quantized, "REPACK", False)
-    plain = QuantizedWeight(parts, ops)
+    return parts, packed, QuantizedWeight(parts, ops)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 12])  # repacked at every row count; plain: dequantized above 8
+def test_quantized_weight_repacked_equals_unrepacked(rows, monkeypatch):
+    cols = 128
+    parts, packed, plain = packed_and_plain([("Q4_1", 19), ("Q8_0", 7)], cols, np.random.default_rng(rows), monkeypatch)
     assert packed.repacked and not plain.repacked and packed.nbytes == plain.nbytes
     x = torch.randn(rows, cols)
     ref = plain.linear(x)
@@ -108,13 +113,8 @@ def test_bfloat16_prefill_rows_of_repacked_weights_take_the_dequantized_matmul(m
     """From DEQUANTIZE_PACKED_FROM bfloat16 rows the tiles are dequantized (chunk by chunk) for a float
     matmul: the same product as the plain weight's dequantized path, with float32 rows and fewer rows
     still on the repacked kernel."""
-    rng = np.random.default_rng(5)
     cols = 128
-    parts = [QuantizedTensor(torch.from_numpy(random_blocks(f, n, cols, rng)), GGMLQuantizationType[f], cols)
-             for f, n in [("Q4_1", 40), ("Q8_0", 24)]]
-    packed = QuantizedWeight(parts, ops)
-    monkeypatch.setattr(quantized, "REPACK", False)
-    plain = QuantizedWeight(parts, ops)
+    parts, packed, plain = packed_and_plain([("Q4_1", 40), ("Q8_0", 24)], cols, np.random.default_rng(5), monkeypatch)
     monkeypatch.setattr(quantized, "DEQUANTIZE_CHUNK", 16)  # several chunks per part, a short last one
     assert packed.repacked
     x = torch.randn(quantized.DEQUANTIZE_PACKED_FROM, cols).to(torch.bfloat16)
@@ -127,6 +127,8 @@ def test_bfloat16_prefill_rows_of_repacked_weights_take_the_dequantized_matmul(m
     kernel = packed.linear(x[:-1])  # one row fewer: the repacked kernel (the activation in int8)
     assert not torch.equal(kernel, got[:-1])
     assert torch.allclose(kernel.float(), ref[:-1], rtol=5e-2, atol=5e-2 * ref.abs().max().item())
+    rows32 = x.float()  # float32 rows: the kernel too, not the plain weight's float32 path
+    assert not torch.equal(packed.linear(rows32), plain.linear(rows32))
 
 
 def test_whole_tiles_are_repacked_in_the_blocks_own_storage():
