@@ -116,6 +116,7 @@ def test_bfloat16_prefill_rows_of_repacked_weights_take_the_dequantized_matmul(m
     cols = 128
     parts, packed, plain = packed_and_plain([("Q4_1", 40), ("Q8_0", 24)], cols, np.random.default_rng(5), monkeypatch)
     monkeypatch.setattr(quantized, "DEQUANTIZE_CHUNK", 16)  # several chunks per part, a short last one
+    monkeypatch.setattr(quantized, "_native_bfloat16", lambda: True)  # what this test's CPU has aside
     assert packed.repacked
     x = torch.randn(quantized.DEQUANTIZE_PACKED_FROM, cols).to(torch.bfloat16)
     dense = torch.cat([p.dequantize(ops, torch.float32) for p in parts])
@@ -129,6 +130,8 @@ def test_bfloat16_prefill_rows_of_repacked_weights_take_the_dequantized_matmul(m
     assert torch.allclose(kernel.float(), ref[:-1], rtol=5e-2, atol=5e-2 * ref.abs().max().item())
     rows32 = x.float()  # float32 rows: the kernel too, not the plain weight's float32 path
     assert not torch.equal(packed.linear(rows32), plain.linear(rows32))
+    monkeypatch.setattr(quantized, "_native_bfloat16", lambda: False)  # bfloat16 emulated: the kernel
+    assert not torch.equal(packed.linear(x), got)
 
 
 def test_whole_tiles_are_repacked_in_the_blocks_own_storage():

@@ -48,7 +48,8 @@ REPACK = True
 # rows (it rounds the activation twice: PRECISE), the dequantization does not. The default model's
 # 30 layers at 512 rows: 473-604 ms in the repacked kernel, 379-405 ms dequantized; at 256 rows they
 # break even (docs/performance.md). float32 rows stay on the kernel (MKL's float32 matmul is no
-# faster than it there).
+# faster than it there), and so does every row on a CPU without avx512_bf16 or AMX, where oneDNN's
+# bfloat16 matmul is emulated (~61 GFLOP/s on an AVX-512 Xeon without them).
 DEQUANTIZE_PACKED_FROM = 384
 
 
@@ -146,7 +147,8 @@ class QuantizedWeight:
             if bias is not None:
                 out += bias
             return out if dtype is None else out.to(dtype)
-        if self._packed is not None and x.shape[0] >= DEQUANTIZE_PACKED_FROM and x.dtype == torch.bfloat16:
+        if self._packed is not None and x.shape[0] >= DEQUANTIZE_PACKED_FROM and x.dtype == torch.bfloat16 \
+                and _native_bfloat16():
             out = self._dequantized_linear(x)
             if bias is not None:
                 out += bias
@@ -194,6 +196,15 @@ class QuantizedWeight:
 
     def describe(self) -> Counter:
         return Counter(q.name for q in self.qtypes)
+
+
+@cache
+def _native_bfloat16() -> bool:
+    """Whether the CPU multiplies bfloat16 itself (avx512_bf16 or AMX): oneDNN's bfloat16 matmul is
+    fast only then."""
+    from pagedserve.kernels.cpu_ops import cpu_flags
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @cache
