@@ -201,10 +201,9 @@ class QuantizedWeight:
 @cache
 def _native_bfloat16() -> bool:
     """Whether the CPU multiplies bfloat16 itself (avx512_bf16 or AMX): oneDNN's bfloat16 matmul is
-    fast only then."""
-    from pagedserve.kernels.cpu_ops import cpu_flags
-    flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    fast only then. The same test as the dtype choice's (model_setup)."""
+    from pagedserve.worker.model_setup import cpu_has_fast_bf16
+    return cpu_has_fast_bf16()
 
 
 @cache
