@@ -105,17 +105,20 @@ def test_a_rank_that_goes_away_fails_the_step_without_waiting_for_the_timeout(ra
 
 
 def test_steps_sent_ahead_run_on_the_workers_own_samples(tiny_llama):
-    """Async scheduling against the real worker service over gRPC (tiny Llama, float32): each step
-    is scheduled and sent before the last one's results are in, so its decodes read tokens only
-    the worker has yet. The outputs equal those of steps sent one at a time, n > 1 forks, a stop
-    token (the step after it ran for nothing) and a length stop included."""
+    """Async scheduling against the real worker service (tiny Llama, float32), over the gRPC Step
+    stream and over the local step link: each step is scheduled and sent before the last one's
+    results are in, so its decodes read tokens only the worker has yet. The outputs equal those of
+    steps sent one at a time over gRPC, n > 1 forks, a stop token (the step after it ran for
+    nothing) and a length stop included."""
     from pagedserve.common.sampling_params import SamplingParams
     from pagedserve.scheduler.core.request import Request
     from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
-    from pagedserve.worker.server import WorkerService, WorkerServicer
+    from pagedserve.scheduler.worker_client import _LocalStepStream
+    from pagedserve.worker.server import WorkerService, WorkerServicer, open_step_socket
 
     service = WorkerService(str(tiny_llama), device="cpu", dtype="float32", quantization="none")
     service.load()
+    step_socket = open_step_socket(service)
     ready = threading.Event()
     ready.set()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
@@ -123,11 +126,16 @@ def test_steps_sent_ahead_run_on_the_workers_own_samples(tiny_llama):
     address = f"127.0.0.1:{free_port()}"
     server.add_insecure_port(address)
     server.start()
-    group = WorkerGroup([address], step_timeout_s=60.0)
+    groups = {transport: WorkerGroup([address], step_timeout_s=60.0, transport=transport)
+              for transport in ("grpc", "auto")}
 
-    def generate(ahead: bool, stop_ids: list[int]) -> dict[str, list[int]]:
+    def generate(transport: str, ahead: bool, stop_ids: list[int]) -> dict[str, list[int]]:
+        group = groups[transport]
+        group.infos = [worker_pb2_grpc.WorkerStub(group.channels[0]).Describe(worker_pb2.DescribeRequest())]
         sizes = group.init_session(worker_pb2.ProfileRequest(block_size=4, kv_cache_memory=str(1 << 20),
                                                              max_num_batched_tokens=16))
+        local = transport == "auto"
+        assert [isinstance(s, _LocalStepStream) for s in group.streams] == [local]
         sched = Scheduler(SchedulerConfig(num_gpu_blocks=sizes.num_gpu_blocks, block_size=4, max_num_batched_tokens=16,
                                           max_model_len=128))
         prompts = {"a": [5, 6, 7, 8, 9, 10, 11], "b": list(range(20, 43)), "c": [3, 4]}
@@ -153,14 +161,18 @@ def test_steps_sent_ahead_run_on_the_workers_own_samples(tiny_llama):
         return outputs
 
     try:
-        plain = generate(False, [])
+        assert step_socket is not None and service.describe().step_socket == step_socket.path
+        plain = generate("grpc", False, [])
         stop = plain["a"][4]
         want = dict(plain, a=plain["a"][:plain["a"].index(stop) + 1])
-        assert generate(False, [stop]) == want
-        assert generate(True, [stop]) == want
-        assert generate(True, []) == plain
+        for transport in ("grpc", "auto"):
+            assert generate(transport, False, [stop]) == want
+            assert generate(transport, True, [stop]) == want
+            assert generate(transport, True, []) == plain
         assert set(plain) == {"a", "b", "c", "c#1"} and all(len(t) == 12 for t in plain.values())
     finally:
-        group.close()
+        for group in groups.values():
+            group.close()
+        step_socket.close()
         server.stop(0)
         service.torch_thread.shutdown()

@@ -30,9 +30,9 @@ class ThreadRecordingService(WorkerService):
         self.threads["init_cache"] = threading.get_ident()
         return super()._init_cache(request)
 
-    def _step(self, request):
+    def run_step(self, request):
         self.threads["step"] = threading.get_ident()
-        return super()._step(request)
+        return super().run_step(request)
 
 
 def call_from_a_thread_of_its_own(fn, *args):

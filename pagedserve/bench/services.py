@@ -51,6 +51,9 @@ def add_services_parser(bench_sub) -> None:
                    help=f"the services' worker's (the in-process engine keeps openmp); default {pool.default}")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="the services' scheduler: " + setting("scheduler", "no_async_scheduling").help)
+    transport = setting("scheduler", "worker_transport")
+    p.add_argument("--worker-transport", choices=transport.choices, default=transport.default,
+                   help="the services' scheduler: " + transport.help)
     add_engine_args(p)
     p.set_defaults(func=run_services_bench)
 
@@ -151,6 +154,7 @@ def start_services(args, model_path):
         omp_wait_policy=getattr(args, "omp_wait_policy", setting("worker", "omp_wait_policy").default),
         cpu_kernel_threads=getattr(args, "cpu_kernel_threads", setting("worker", "cpu_kernel_threads").default),
         no_async_scheduling=getattr(args, "no_async_scheduling", False),
+        worker_transport=getattr(args, "worker_transport", setting("scheduler", "worker_transport").default),
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
@@ -228,7 +232,7 @@ def run_services_bench(args) -> dict:
     ratios = sorted(p["ratio"] for p in pairs)
     result = {"cpu": cpu_name(), "dtype": dtype, "workload": args.workload, "num_prompts": len(work.prompts),
               "omp_wait_policy": args.omp_wait_policy, "cpu_kernel_threads": args.cpu_kernel_threads,
-              "async_scheduling": not args.no_async_scheduling,
+              "async_scheduling": not args.no_async_scheduling, "worker_transport": args.worker_transport,
               "concurrency": args.concurrency, "output_tokens": work.num_output_tokens, "runs": pairs,
               "prompts_per_run": "fresh (seed + run)",
               "throughput_ratio_median": statistics.median(ratios),

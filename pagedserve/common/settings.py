@@ -254,6 +254,10 @@ def _settings() -> tuple[Setting, ...]:
           "schedule each step only after the last one's results are in; by default the scheduler schedules and "
           "sends step N+1 while the worker runs a short decode step N (vLLM's async scheduling), so the worker "
           "does not wait for it between steps", group="scheduler"),
+        S("--worker-transport", "serve scheduler", default="auto", choices=("auto", "grpc"),
+          help="how steps reach the worker ranks: auto uses a rank's local step link (a Unix socket it names, "
+          "same messages, no gRPC threads on either side) when the rank is on this host, else the gRPC Step "
+          "stream; grpc always uses the Step stream", group="scheduler"),
         S("--stall-timeout", "serve scheduler", float, 30.0,
           "health turns NOT_SERVING when work is pending and no step completed for this long", group="scheduler"),
         # ---- the tokenizer ------------------------------------------------------------------

@@ -184,7 +184,7 @@ async def _serve(args: argparse.Namespace) -> int:
     replica_id = getattr(args, "replica_id", "") or ""
     store = open_store(args.redis_url, args.redis_prefix, args.redis_ttl, args.request_retention, replica_id)
     workers = WorkerGroup([a.strip() for a in args.worker_addrs.split(",") if a.strip()],
-                          step_timeout_s=args.step_timeout)
+                          step_timeout_s=args.step_timeout, transport=args.worker_transport)
     service = SchedulerService(config_from_args(args), workers, store)
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[MalformedRequestInterceptor()])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), server)

@@ -1,4 +1,6 @@
-"""The scheduler's side of the worker ranks: one gRPC channel and one Step stream per rank.
+"""The scheduler's side of the worker ranks: one gRPC channel per rank, and one step stream: the
+gRPC Step stream, or the rank's local step link (its Unix socket, common/step_frames.py) when the
+rank is on this host and --worker-transport is auto.
 
 Every step goes to every rank (tensor-parallel ranks run the same step on their shards); rank 0's
 answer carries the samples. A rank that fails or stops answering raises WorkerError. Steps may be
@@ -8,7 +10,10 @@ sent ahead of the last one's results (send, then receive in the same order): the
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import select
+import socket
 import threading
 import time
 import uuid
@@ -20,6 +25,7 @@ import grpc
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import internal_channel, wait_for_health
 from pagedserve.common.messages import ModelRunnerOutput, SchedulerOutput
+from pagedserve.common.step_frames import FrameReader, StepLinkError, frame, reply_payload
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -54,9 +60,87 @@ class _StepStream:
             self.broken = exc
             raise
 
+    def cancel(self) -> None:
+        self.responses.cancel()
+
     def close(self) -> None:
         self.outbox.put(_CLOSE)
         self.responses.cancel()
+
+
+class _LocalStepStream:
+    """The same protocol as _StepStream over the rank's Unix socket, on the step loop's thread
+    alone: send() writes what the socket takes now and keeps the rest; receive() waits for the
+    reply while writing that rest, so a large step sent ahead can never block on a worker that is
+    itself blocked writing a large reply. cancel() (the _Watchdog's) shuts the socket down."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.connect(path)
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.setblocking(False)
+        self.poller = select.poll()
+        self.reader = FrameReader()
+        self.unsent = bytearray()
+        self.cancelled = False
+        self.broken: BaseException | None = None
+
+    def send(self, message: worker_pb2.StepRequest) -> None:
+        if self.broken is not None:
+            return  # receive() raises it
+        self.unsent += frame(message.SerializeToString())
+        self._write()
+
+    def _write(self) -> None:
+        try:
+            del self.unsent[:self.sock.send(self.unsent)]
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            self.broken = StepLinkError("UNAVAILABLE", f"the local step link failed: {exc}")
+
+    def receive(self) -> worker_pb2.StepResult:
+        while self.broken is None:
+            body = self.reader.next()
+            if body is not None:
+                try:
+                    return worker_pb2.StepResult.FromString(reply_payload(body))
+                except StepLinkError as exc:
+                    self.broken = exc
+                    break
+            self.poller.register(self.sock, select.POLLIN | (select.POLLOUT if self.unsent else 0))
+            events = self.poller.poll()
+            if any(mask & select.POLLOUT for _, mask in events):
+                self._write()
+            if any(mask & (select.POLLIN | select.POLLHUP | select.POLLERR) for _, mask in events):
+                try:
+                    data = self.sock.recv(1 << 20)
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    data, why = b"", str(exc)
+                else:
+                    why = "the worker closed its step link"
+                if not data:
+                    code = "CANCELLED" if self.cancelled else "UNAVAILABLE"
+                    self.broken = StepLinkError(code, "cancelled" if self.cancelled else why)
+                    break
+                self.reader.feed(data)
+        raise self.broken
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.cancel()
+        self.sock.close()
 
 
 class _Watchdog:
@@ -87,15 +171,18 @@ class _Watchdog:
                 self.fired = True
                 self.deadline = None
                 for stream in streams:
-                    stream.responses.cancel()
+                    stream.cancel()
 
 
 class WorkerGroup:
-    def __init__(self, addresses: list[str], step_timeout_s: float | None = None) -> None:
+    def __init__(self, addresses: list[str], step_timeout_s: float | None = None, transport: str = "auto") -> None:
         if not addresses:
             raise ValueError("at least one worker address is needed (--worker-addrs)")
         self.addresses = addresses
         self.step_timeout_s = step_timeout_s  # a step with no answer by then counts as a dead rank
+        if transport not in ("auto", "grpc"):
+            raise ValueError(f"--worker-transport must be auto or grpc, not {transport!r}")
+        self.transport = transport  # auto: each rank's local step link when it can be opened
         self.watchdog = _Watchdog(step_timeout_s) if step_timeout_s else None
         self.channels = [internal_channel(a) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
@@ -104,6 +191,7 @@ class WorkerGroup:
         self._last_received = 0.0
         self.session_id = ""
         self.info: worker_pb2.WorkerInfo | None = None
+        self.infos: list[worker_pb2.WorkerInfo] = []  # every rank's, as connect() last read them
 
     def connect(self, timeout_s: float) -> worker_pb2.WorkerInfo:
         """Wait until every rank has loaded its model; return rank 0's description."""
@@ -114,6 +202,7 @@ class WorkerGroup:
             if info.rank != rank:
                 raise WorkerError(f"the worker at {self.addresses[rank]} is rank {info.rank}, "
                                   f"but it is listed as rank {rank} in --worker-addrs")
+        self.infos = infos
         self.info = infos[0]
         return self.info
 
@@ -131,8 +220,21 @@ class WorkerGroup:
                                               block_size=profile.block_size, session_id=self.session_id)
         for stub in self.stubs:
             stub.InitCache(request, timeout=600)
-        self.streams = [_StepStream(stub) for stub in self.stubs]
+        self.streams = [self._open_stream(rank) for rank in range(len(self.stubs))]
         return smallest
+
+    def _open_stream(self, rank: int) -> _StepStream | _LocalStepStream:
+        """The rank's local step link where it has one this process can open, else its Step stream."""
+        path = self.infos[rank].step_socket if rank < len(self.infos) else ""
+        if self.transport == "auto" and path and os.path.exists(path):
+            try:
+                stream = _LocalStepStream(path)
+            except OSError as exc:
+                log.warning("rank %d's local step link %s cannot be opened (%s): steps go over gRPC", rank, path, exc)
+            else:
+                log.info("steps go to rank %d over its local step link %s", rank, path)
+                return stream
+        return _StepStream(self.stubs[rank])
 
     def step(self, step: SchedulerOutput, wants_logprobs: set[str]) -> tuple[ModelRunnerOutput, float]:
         """Run one step on every rank; return rank 0's output and the round trip beyond the
@@ -157,11 +259,11 @@ class WorkerGroup:
             self.watchdog.arm(self.streams)
         try:
             results = [stream.receive() for stream in self.streams]
-        except (grpc.RpcError, StopIteration) as exc:
+        except (grpc.RpcError, StepLinkError, StopIteration) as exc:
             if self.watchdog is not None and self.watchdog.fired:
                 detail = f"no step result within {self.step_timeout_s:g} s (--step-timeout)"
             else:
-                detail = exc.details() if isinstance(exc, grpc.RpcError) else "the stream ended"
+                detail = "the stream ended" if isinstance(exc, StopIteration) else exc.details()
             raise WorkerError(f"a worker rank failed during step {step.step_id}: {detail}") from exc
         finally:
             if self.watchdog is not None:

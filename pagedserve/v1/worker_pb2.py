@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/worker.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xb4\x01\n\nWorkerInfo\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x14\n\x0cweight_bytes\x18\t \x01(\x04\"\x91\x01\n\x0eProfileRequest\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x17\n\x0fkv_cache_memory\x18\x02 \x01(\t\x12\x12\n\nswap_space\x18\x03 \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\x04 \x01(\r\x12\x1e\n\x16gpu_memory_utilization\x18\x05 \x01(\x01\"t\n\x0fProfileResponse\x12\x16\n\x0enum_gpu_blocks\x18\x01 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x02 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x04\x12\x18\n\x10kv_group_windows\x18\x04 \x03(\r\"j\n\x10InitCacheRequest\x12\x16\n\x0enum_gpu_blocks\x18\x01 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nsession_id\x18\x04 \x01(\t\"\x13\n\x11InitCacheResponse\"\x88\x02\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x14\n\x0csample_index\x18\x07 \x01(\r\x12\x15\n\rchild_req_ids\x18\x08 \x03(\t\x12\x30\n\x0fgroup_block_ids\x18\t \x03(\x0b\x32\x17.pagedserve.v1.BlockIds\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"D\n\x12GroupReplacedBlock\x12\r\n\x05group\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x03 \x01(\r\"\xce\x02\n\rCachedRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x0ereplaced_index\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11replaced_block_id\x18\x04 \x01(\r\x12\x15\n\rhas_block_ids\x18\x05 \x01(\x08\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x34\n\x13group_new_block_ids\x18\x07 \x03(\x0b\x32\x17.pagedserve.v1.BlockIds\x12\x39\n\x0egroup_replaced\x18\x08 \x03(\x0b\x32!.pagedserve.v1.GroupReplacedBlock\x12\x30\n\x0fgroup_block_ids\x18\t \x03(\x0b\x32\x17.pagedserve.v1.BlockIdsB\x11\n\x0f_replaced_index\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\x8a\x03\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12/\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12\x35\n\x0f\x63\x61\x63hed_requests\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.CachedRequest\x12\x19\n\x11scheduled_req_ids\x18\x05 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x03(\r\x12\x18\n\x10\x66inished_req_ids\x18\x07 \x03(\t\x12\x30\n\x0e\x62locks_to_copy\x18\x08 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12\x34\n\x12\x62locks_to_swap_out\x18\t \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12\x33\n\x11\x62locks_to_swap_in\x18\n \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\"L\n\rSampledTokens\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12+\n\x06tokens\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\\\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12+\n\x06tokens\x18\x03 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\xca\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x07sampled\x18\x02 \x03(\x0b\x32\x1c.pagedserve.v1.SampledTokens\x12\x16\n\x0e\x66orward_time_s\x18\x03 \x01(\x01\x12\x15\n\rsample_time_s\x18\x04 \x01(\x01\x12\x15\n\rworker_time_s\x18\x05 \x01(\x01\x12\x36\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs2\xac\x02\n\x06Worker\x12\x45\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x19.pagedserve.v1.WorkerInfo\x12H\n\x07Profile\x12\x1d.pagedserve.v1.ProfileRequest\x1a\x1e.pagedserve.v1.ProfileResponse\x12N\n\tInitCache\x12\x1f.pagedserve.v1.InitCacheRequest\x1a .pagedserve.v1.InitCacheResponse\x12\x41\n\x04Step\x12\x1a.pagedserve.v1.StepRequest\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/worker.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xc9\x01\n\nWorkerInfo\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x14\n\x0cweight_bytes\x18\t \x01(\x04\x12\x13\n\x0bstep_socket\x18\n \x01(\t\"\x91\x01\n\x0eProfileRequest\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x17\n\x0fkv_cache_memory\x18\x02 \x01(\t\x12\x12\n\nswap_space\x18\x03 \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\x04 \x01(\r\x12\x1e\n\x16gpu_memory_utilization\x18\x05 \x01(\x01\"t\n\x0fProfileResponse\x12\x16\n\x0enum_gpu_blocks\x18\x01 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x02 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x04\x12\x18\n\x10kv_group_windows\x18\x04 \x03(\r\"j\n\x10InitCacheRequest\x12\x16\n\x0enum_gpu_blocks\x18\x01 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nsession_id\x18\x04 \x01(\t\"\x13\n\x11InitCacheResponse\"\x88\x02\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x14\n\x0csample_index\x18\x07 \x01(\r\x12\x15\n\rchild_req_ids\x18\x08 \x03(\t\x12\x30\n\x0fgroup_block_ids\x18\t \x03(\x0b\x32\x17.pagedserve.v1.BlockIds\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"D\n\x12GroupReplacedBlock\x12\r\n\x05group\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x03 \x01(\r\"\xce\x02\n\rCachedRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x0ereplaced_index\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11replaced_block_id\x18\x04 \x01(\r\x12\x15\n\rhas_block_ids\x18\x05 \x01(\x08\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x34\n\x13group_new_block_ids\x18\x07 \x03(\x0b\x32\x17.pagedserve.v1.BlockIds\x12\x39\n\x0egroup_replaced\x18\x08 \x03(\x0b\x32!.pagedserve.v1.GroupReplacedBlock\x12\x30\n\x0fgroup_block_ids\x18\t \x03(\x0b\x32\x17.pagedserve.v1.BlockIdsB\x11\n\x0f_replaced_index\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\x8a\x03\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12/\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12\x35\n\x0f\x63\x61\x63hed_requests\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.CachedRequest\x12\x19\n\x11scheduled_req_ids\x18\x05 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x03(\r\x12\x18\n\x10\x66inished_req_ids\x18\x07 \x03(\t\x12\x30\n\x0e\x62locks_to_copy\x18\x08 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12\x34\n\x12\x62locks_to_swap_out\x18\t \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12\x33\n\x11\x62locks_to_swap_in\x18\n \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\"L\n\rSampledTokens\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12+\n\x06tokens\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\\\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12+\n\x06tokens\x18\x03 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\xca\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x07sampled\x18\x02 \x03(\x0b\x32\x1c.pagedserve.v1.SampledTokens\x12\x16\n\x0e\x66orward_time_s\x18\x03 \x01(\x01\x12\x15\n\rsample_time_s\x18\x04 \x01(\x01\x12\x15\n\rworker_time_s\x18\x05 \x01(\x01\x12\x36\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs2\xac\x02\n\x06Worker\x12\x45\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x19.pagedserve.v1.WorkerInfo\x12H\n\x07Profile\x12\x1d.pagedserve.v1.ProfileRequest\x1a\x1e.pagedserve.v1.ProfileResponse\x12N\n\tInitCache\x12\x1f.pagedserve.v1.InitCacheRequest\x1a .pagedserve.v1.InitCacheResponse\x12\x41\n\x04Step\x12\x1a.pagedserve.v1.StepRequest\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,33 +35,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=73
   _globals['_DESCRIBEREQUEST']._serialized_end=90
   _globals['_WORKERINFO']._serialized_start=93
-  _globals['_WORKERINFO']._serialized_end=273
-  _globals['_PROFILEREQUEST']._serialized_start=276
-  _globals['_PROFILEREQUEST']._serialized_end=421
-  _globals['_PROFILERESPONSE']._serialized_start=423
-  _globals['_PROFILERESPONSE']._serialized_end=539
-  _globals['_INITCACHEREQUEST']._serialized_start=541
-  _globals['_INITCACHEREQUEST']._serialized_end=647
-  _globals['_INITCACHERESPONSE']._serialized_start=649
-  _globals['_INITCACHERESPONSE']._serialized_end=668
-  _globals['_NEWREQUEST']._serialized_start=671
-  _globals['_NEWREQUEST']._serialized_end=935
-  _globals['_BLOCKIDS']._serialized_start=937
-  _globals['_BLOCKIDS']._serialized_end=960
-  _globals['_GROUPREPLACEDBLOCK']._serialized_start=962
-  _globals['_GROUPREPLACEDBLOCK']._serialized_end=1030
-  _globals['_CACHEDREQUEST']._serialized_start=1033
-  _globals['_CACHEDREQUEST']._serialized_end=1367
-  _globals['_BLOCKPAIR']._serialized_start=1369
-  _globals['_BLOCKPAIR']._serialized_end=1406
-  _globals['_STEPREQUEST']._serialized_start=1409
-  _globals['_STEPREQUEST']._serialized_end=1803
-  _globals['_SAMPLEDTOKENS']._serialized_start=1805
-  _globals['_SAMPLEDTOKENS']._serialized_end=1881
-  _globals['_PROMPTLOGPROBS']._serialized_start=1883
-  _globals['_PROMPTLOGPROBS']._serialized_end=1975
-  _globals['_STEPRESULT']._serialized_start=1978
-  _globals['_STEPRESULT']._serialized_end=2180
-  _globals['_WORKER']._serialized_start=2183
-  _globals['_WORKER']._serialized_end=2483
+  _globals['_WORKERINFO']._serialized_end=294
+  _globals['_PROFILEREQUEST']._serialized_start=297
+  _globals['_PROFILEREQUEST']._serialized_end=442
+  _globals['_PROFILERESPONSE']._serialized_start=444
+  _globals['_PROFILERESPONSE']._serialized_end=560
+  _globals['_INITCACHEREQUEST']._serialized_start=562
+  _globals['_INITCACHEREQUEST']._serialized_end=668
+  _globals['_INITCACHERESPONSE']._serialized_start=670
+  _globals['_INITCACHERESPONSE']._serialized_end=689
+  _globals['_NEWREQUEST']._serialized_start=692
+  _globals['_NEWREQUEST']._serialized_end=956
+  _globals['_BLOCKIDS']._serialized_start=958
+  _globals['_BLOCKIDS']._serialized_end=981
+  _globals['_GROUPREPLACEDBLOCK']._serialized_start=983
+  _globals['_GROUPREPLACEDBLOCK']._serialized_end=1051
+  _globals['_CACHEDREQUEST']._serialized_start=1054
+  _globals['_CACHEDREQUEST']._serialized_end=1388
+  _globals['_BLOCKPAIR']._serialized_start=1390
+  _globals['_BLOCKPAIR']._serialized_end=1427
+  _globals['_STEPREQUEST']._serialized_start=1430
+  _globals['_STEPREQUEST']._serialized_end=1824
+  _globals['_SAMPLEDTOKENS']._serialized_start=1826
+  _globals['_SAMPLEDTOKENS']._serialized_end=1902
+  _globals['_PROMPTLOGPROBS']._serialized_start=1904
+  _globals['_PROMPTLOGPROBS']._serialized_end=1996
+  _globals['_STEPRESULT']._serialized_start=1999
+  _globals['_STEPRESULT']._serialized_end=2201
+  _globals['_WORKER']._serialized_start=2204
+  _globals['_WORKER']._serialized_end=2504
 # @@protoc_insertion_point(module_scope)

@@ -7,8 +7,13 @@ answers with the sampled tokens (rank 0) or an empty acknowledgement (other rank
 The scheduler may send a step before the last one's answer (async scheduling): the worker appends
 its own samples, so the next step's decode tokens are in its state when that step starts.
 
+The same steps can come over the local step link instead (step_socket.py: a Unix socket named in
+Describe's step_socket), which a scheduler on this host uses: no gRPC thread between it and the
+torch thread.
+
 Threads: every torch call runs on one thread (torch_thread); a Step stream's reader thread queues
-its steps there as they arrive, the gRPC thread of the stream sends the answers in order.
+its steps there as they arrive, the gRPC thread of the stream sends the answers in order; a local
+step link's connection is read and answered on the torch thread itself.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import grpc
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, add_internal_port, set_serving
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from pagedserve.worker.step_socket import StepSocket
 
 log = logging.getLogger("pagedserve.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -76,6 +82,7 @@ class WorkerService:
         # every parallel region of a step woke a sleeping thread, and W64 at concurrency 32 ran at
         # ~0.8x the in-process engine (docs/performance.md).
         self.torch_thread = futures.ThreadPoolExecutor(1, thread_name_prefix="worker-torch")
+        self.step_socket = ""  # the local step link's path (step_socket.py), once serve() opens it
 
     def _on_torch_thread(self, fn, *args):
         return self.torch_thread.submit(fn, *args).result()
@@ -101,7 +108,7 @@ class WorkerService:
             rank=self.rank, world_size=self.world_size, model=str(self.model_path),
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device), max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=list(self.eos_token_ids),
-            weight_bytes=0 if self.runner is None else self.runner.weight_bytes())
+            weight_bytes=0 if self.runner is None else self.runner.weight_bytes(), step_socket=self.step_socket)
 
     def profile(self, request: worker_pb2.ProfileRequest) -> worker_pb2.ProfileResponse:
         return self._on_torch_thread(self._profile, request)
@@ -137,9 +144,10 @@ class WorkerService:
 
     def submit_step(self, request: worker_pb2.StepRequest) -> futures.Future:
         """Queue a step on the torch thread: steps run in the order submitted, back to back."""
-        return self.torch_thread.submit(self._step, request)
+        return self.torch_thread.submit(self.run_step, request)
 
-    def _step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+    def run_step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+        """On the torch thread: apply one step's delta, run it, and answer."""
         received = time.perf_counter()  # the worker's own time starts when the step does
         with self.lock:
             if request.session_id != self.session_id:
@@ -228,6 +236,7 @@ def serve(args: argparse.Namespace) -> int:
     server.start()
     log.info("worker rank %d listening on %s, loading the model", args.rank, address)
     service.load()
+    step_socket = open_step_socket(service)
     ready.set()
     set_serving(health, [SERVICE_NAME])
     stop = threading.Event()
@@ -235,5 +244,19 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     set_serving(health, [SERVICE_NAME], False)
+    if step_socket is not None:
+        step_socket.close()
     server.stop(grace=2.0).wait()
     return 0
+
+
+def open_step_socket(service: WorkerService) -> StepSocket | None:
+    """The local step link, advertised in Describe; None (steps come over gRPC) where no Unix
+    socket can be made."""
+    try:
+        step_socket = StepSocket(service)
+    except OSError as exc:
+        log.warning("no local step link (%s): steps come over the gRPC Step stream only", exc)
+        return None
+    service.step_socket = step_socket.path
+    return step_socket
