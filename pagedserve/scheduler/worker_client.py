@@ -31,6 +31,7 @@ from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger("pagedserve.scheduler")
 
 _CLOSE = object()
+RECV_BYTES = 1 << 20  # the local step link's read size
 
 
 class WorkerError(RuntimeError):
@@ -84,6 +85,7 @@ class _LocalStepStream:
         self.sock.setblocking(False)
         self.poller = select.poll()
         self.reader = FrameReader()
+        self.received = memoryview(bytearray(RECV_BYTES))  # recv_into: no allocation per step
         self.unsent = bytearray()
         self.cancelled = False
         self.broken: BaseException | None = None
@@ -117,18 +119,18 @@ class _LocalStepStream:
                 self._write()
             if any(mask & (select.POLLIN | select.POLLHUP | select.POLLERR) for _, mask in events):
                 try:
-                    data = self.sock.recv(1 << 20)
+                    size = self.sock.recv_into(self.received)
                 except BlockingIOError:
                     continue
                 except OSError as exc:
-                    data, why = b"", str(exc)
+                    size, why = 0, str(exc)
                 else:
                     why = "the worker closed its step link"
-                if not data:
+                if not size:
                     code = "CANCELLED" if self.cancelled else "UNAVAILABLE"
                     self.broken = StepLinkError(code, "cancelled" if self.cancelled else why)
                     break
-                self.reader.feed(data)
+                self.reader.feed(self.received[:size])
         raise self.broken
 
     def cancel(self) -> None:

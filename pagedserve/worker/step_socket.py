@@ -61,9 +61,10 @@ class StepSocket:
                 return  # closed
             poller = select.poll()
             poller.register(conn, select.POLLIN)
-            self.service.torch_thread.submit(self._serve, conn, poller, FrameReader())
+            self.service.torch_thread.submit(self._serve, conn, poller, FrameReader(),
+                                             memoryview(bytearray(RECV_BYTES)))
 
-    def _serve(self, conn: socket.socket, poller: select.poll, reader: FrameReader) -> None:
+    def _serve(self, conn: socket.socket, poller: select.poll, reader: FrameReader, received: memoryview) -> None:
         """On the torch thread: answer the connection's steps until it is idle, closed or failed."""
         while True:
             if self.closed:  # the worker is stopping: the scheduler sees the link end, as a stream's
@@ -72,16 +73,16 @@ class StepSocket:
             body = reader.next()
             if body is None:
                 if not poller.poll(IDLE_S * 1000):  # idle: let other torch-thread work run, then come back
-                    self.service.torch_thread.submit(self._serve, conn, poller, reader)
+                    self.service.torch_thread.submit(self._serve, conn, poller, reader, received)
                     return
                 try:
-                    data = conn.recv(RECV_BYTES)
+                    size = conn.recv_into(received)  # into one buffer: no allocation per step
                 except OSError:
-                    data = b""
-                if not data:  # the scheduler closed it (a new session, or it went away)
+                    size = 0
+                if not size:  # the scheduler closed it (a new session, or it went away)
                     conn.close()
                     return
-                reader.feed(data)
+                reader.feed(received[:size])
                 continue
             reply, failed = self._answer(body)
             try:
