@@ -62,7 +62,7 @@ def group_on(path: str, timeout_s: float | None = 10.0) -> WorkerGroup:
     group = WorkerGroup(["127.0.0.1:1"], step_timeout_s=timeout_s)  # the gRPC channel is never used
     group.session_id = "s"
     group.infos = [worker_pb2.WorkerInfo(step_socket=path)]
-    group.streams = [group._open_stream(0)]  # what init_session opens
+    group.streams = group._open_streams()  # what init_session opens
     assert isinstance(group.streams[0], _LocalStepStream)
     return group
 
@@ -232,12 +232,59 @@ def test_each_rank_gets_the_local_link_only_where_it_can_be_opened(rank, tmp_pat
         group = WorkerGroup(["127.0.0.1:1"], transport=transport)
         group.infos = [worker_pb2.WorkerInfo(step_socket=path)]
         with caplog.at_level(logging.WARNING, logger="pagedserve.scheduler"):
-            stream = group._open_stream(0)
+            [stream] = group._open_streams()
         try:
             assert isinstance(stream, kind), (transport, path)
         finally:
             stream.close()
             group.close()
     assert "cannot be opened" in caplog.text and str(not_a_socket) in caplog.text
+    # Two ranks, one without a link: both take the Step stream, never a mix.
+    group = WorkerGroup(["127.0.0.1:1", "127.0.0.1:2"])
+    group.infos = [worker_pb2.WorkerInfo(step_socket=sock.path), worker_pb2.WorkerInfo(rank=1)]
+    streams = group._open_streams()
+    try:
+        assert [type(s) for s in streams] == [_StepStream, _StepStream]
+    finally:
+        for stream in streams:
+            stream.close()
+        group.close()
     with pytest.raises(ValueError, match="--worker-transport must be auto or grpc"):
         WorkerGroup(["127.0.0.1:1"], transport="zmq")
+
+
+def test_ranks_whose_steps_wait_on_each_other_get_their_large_steps_in_full(rank):
+    """Tensor-parallel ranks: rank 0 cannot answer a step before rank 1 has it all (their
+    collectives). With steps larger than a socket's buffer, sent ahead, the step loop writes rank
+    1's rest while it waits for rank 0's reply."""
+    arrived = {step_id: threading.Event() for step_id in (1, 2, 3)}
+
+    def rank0(request):
+        assert arrived[request.step_id].wait(20), f"rank 1 never got step {request.step_id}"
+        return echo(request)
+
+    def rank1(request):
+        arrived[request.step_id].set()
+        return echo(request)
+
+    _, sock0 = rank(rank0)
+    _, sock1 = rank(rank1)
+    group = WorkerGroup(["127.0.0.1:1", "127.0.0.1:2"], step_timeout_s=60.0)
+    group.session_id = "s" * (8 << 20)  # every step message carries it: 8 MiB each
+    group.infos = [worker_pb2.WorkerInfo(step_socket=sock0.path), worker_pb2.WorkerInfo(step_socket=sock1.path)]
+    group.streams = group._open_streams()
+    got = []
+
+    def run():
+        for step_id in (1, 2, 3):
+            group.send(empty_step(step_id))
+        got.extend(group.receive(empty_step(step_id), set())[0].step_id for step_id in (1, 2, 3))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    try:
+        assert not thread.is_alive(), "the ranks deadlocked"
+        assert got == [1, 2, 3]
+    finally:
+        group.close()

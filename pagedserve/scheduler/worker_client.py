@@ -104,7 +104,11 @@ class _LocalStepStream:
         except OSError as exc:
             self.broken = StepLinkError("UNAVAILABLE", f"the local step link failed: {exc}")
 
-    def receive(self) -> worker_pb2.StepResult:
+    def receive(self, peers: list[_LocalStepStream] = ()) -> worker_pb2.StepResult:
+        """This rank's next reply. Meanwhile the rest of the steps sent to `peers` (the other
+        ranks) is written too: a rank whose step is not all sent would hold up this rank's
+        collectives, and with them this reply."""
+        own = self.sock.fileno()
         while self.broken is None:
             body = self.reader.next()
             if body is not None:
@@ -113,11 +117,20 @@ class _LocalStepStream:
                 except StepLinkError as exc:
                     self.broken = exc
                     break
-            self.poller.register(self.sock, select.POLLIN | (select.POLLOUT if self.unsent else 0))
+            self.poller.register(own, select.POLLIN | (select.POLLOUT if self.unsent else 0))
+            writing = {peer.sock.fileno(): peer for peer in peers
+                       if peer is not self and peer.unsent and peer.broken is None}
+            for fd in writing:
+                self.poller.register(fd, select.POLLOUT)
             events = self.poller.poll()
-            if any(mask & select.POLLOUT for _, mask in events):
+            for fd in writing:
+                self.poller.unregister(fd)
+            for fd, _ in events:
+                if fd in writing:
+                    writing[fd]._write()  # a failure there is that rank's receive()'s to raise
+            if any(fd == own and mask & select.POLLOUT for fd, mask in events):
                 self._write()
-            if any(mask & (select.POLLIN | select.POLLHUP | select.POLLERR) for _, mask in events):
+            if any(fd == own and mask & (select.POLLIN | select.POLLHUP | select.POLLERR) for fd, mask in events):
                 try:
                     size = self.sock.recv_into(self.received)
                 except BlockingIOError:
@@ -222,21 +235,29 @@ class WorkerGroup:
                                               block_size=profile.block_size, session_id=self.session_id)
         for stub in self.stubs:
             stub.InitCache(request, timeout=600)
-        self.streams = [self._open_stream(rank) for rank in range(len(self.stubs))]
+        self.streams = self._open_streams()
         return smallest
 
-    def _open_stream(self, rank: int) -> _StepStream | _LocalStepStream:
-        """The rank's local step link where it has one this process can open, else its Step stream."""
-        path = self.infos[rank].step_socket if rank < len(self.infos) else ""
-        if self.transport == "auto" and path and os.path.exists(path):
+    def _open_streams(self) -> list[_StepStream] | list[_LocalStepStream]:
+        """Every rank's local step link where each has one this process can open, else every
+        rank's Step stream: never a mix (a rank's step half-written on a link while the step loop
+        waits on a gRPC stream would hold up the others' collectives)."""
+        links = []
+        for rank in range(len(self.stubs)):
+            path = self.infos[rank].step_socket if rank < len(self.infos) else ""
+            if self.transport != "auto" or not path or not os.path.exists(path):
+                break
             try:
-                stream = _LocalStepStream(path)
+                links.append(_LocalStepStream(path))
             except OSError as exc:
                 log.warning("rank %d's local step link %s cannot be opened (%s): steps go over gRPC", rank, path, exc)
-            else:
-                log.info("steps go to rank %d over its local step link %s", rank, path)
-                return stream
-        return _StepStream(self.stubs[rank])
+                break
+        if len(links) == len(self.stubs):
+            log.info("steps go to %d rank(s) over their local step links", len(links))
+            return links
+        for link in links:
+            link.close()
+        return [_StepStream(stub) for stub in self.stubs]
 
     def step(self, step: SchedulerOutput, wants_logprobs: set[str]) -> tuple[ModelRunnerOutput, float]:
         """Run one step on every rank; return rank 0's output and the round trip beyond the
@@ -260,7 +281,10 @@ class WorkerGroup:
         if self.watchdog is not None:
             self.watchdog.arm(self.streams)
         try:
-            results = [stream.receive() for stream in self.streams]
+            if isinstance(self.streams[0], _LocalStepStream):
+                results = [stream.receive(self.streams) for stream in self.streams]
+            else:
+                results = [stream.receive() for stream in self.streams]
         except (grpc.RpcError, StepLinkError, StopIteration) as exc:
             if self.watchdog is not None and self.watchdog.fired:
                 detail = f"no step result within {self.step_timeout_s:g} s (--step-timeout)"
