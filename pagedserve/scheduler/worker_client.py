@@ -52,7 +52,8 @@ class _StepStream:
     def send(self, message: worker_pb2.StepRequest) -> None:
         self.outbox.put(message)
 
-    def receive(self) -> worker_pb2.StepResult:
+    def receive(self, peers=()) -> worker_pb2.StepResult:
+        """The next answer (`peers` is the local link's business: gRPC sends on its own thread)."""
         if self.broken is not None:
             raise self.broken
         try:
@@ -281,10 +282,7 @@ class WorkerGroup:
         if self.watchdog is not None:
             self.watchdog.arm(self.streams)
         try:
-            if isinstance(self.streams[0], _LocalStepStream):
-                results = [stream.receive(self.streams) for stream in self.streams]
-            else:
-                results = [stream.receive() for stream in self.streams]
+            results = [stream.receive(self.streams) for stream in self.streams]
         except (grpc.RpcError, StepLinkError, StopIteration) as exc:
             if self.watchdog is not None and self.watchdog.fired:
                 detail = f"no step result within {self.step_timeout_s:g} s (--step-timeout)"

@@ -33,7 +33,6 @@ import grpc
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, add_internal_port, set_serving
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
-from pagedserve.worker.step_socket import StepSocket
 
 log = logging.getLogger("pagedserve.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -250,9 +249,10 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def open_step_socket(service: WorkerService) -> StepSocket | None:
-    """The local step link, advertised in Describe; None (steps come over gRPC) where no Unix
-    socket can be made."""
+def open_step_socket(service: WorkerService):
+    """The local step link (a StepSocket), advertised in Describe; None (steps come over gRPC)
+    where no Unix socket can be made."""
+    from pagedserve.worker.step_socket import StepSocket  # it imports this module
     try:
         step_socket = StepSocket(service)
     except OSError as exc:

@@ -24,6 +24,7 @@ import threading
 
 from pagedserve.common.step_frames import FrameReader, error_reply, result_reply
 from pagedserve.v1 import worker_pb2
+from pagedserve.worker.server import SessionMismatch
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -95,7 +96,6 @@ class StepSocket:
 
     def _answer(self, body: bytes) -> tuple[bytes, bool]:
         """The reply frame to one request, and whether it ends the connection."""
-        from pagedserve.worker.server import SessionMismatch
         try:
             request = worker_pb2.StepRequest.FromString(body)
             result = self.service.run_step(request)
