@@ -1,6 +1,7 @@
 """The scheduler's Stream RPC (a tokenizer's one stream for all its requests), through the real
-servicer over a gRPC socket, with the fake worker group and the real Redis store: one message per
-step carries every request's deltas; a refused subscription fails alone; leaving aborts."""
+servicer over a gRPC socket and over its local socket (common/local_calls.py), with the fake worker
+group and the real Redis store: one message per step carries every request's deltas; a refused
+subscription fails alone; leaving aborts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from fake_workers import expected, started_service
 
 from pagedserve.common.grpc_util import free_port
+from pagedserve.common.local_calls import LocalCallServer, LocalOrGrpcCall, LocalSocketPath, Method
 from pagedserve.scheduler.server import SchedulerServicer
 from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -29,21 +31,54 @@ def scheduler():
     service.stop()
 
 
-async def serve(service):
+@pytest.fixture(params=["grpc", "local"])
+def transport(request):
+    return request.param
+
+
+class Served:
+    """The servicer on a gRPC port and its local socket; stop() stops both."""
+
+    def __init__(self, server, local: LocalCallServer) -> None:
+        self.server, self.local = server, local
+
+    async def stop(self, grace) -> None:
+        await self.local.stop()
+        await self.server.stop(grace)
+
+
+class StreamStub:
+    """Stream over the local socket (transport "local", as the tokenizer's link does) or gRPC."""
+
+    def __init__(self, stub, transport: str) -> None:
+        self.stub, self.transport = stub, transport
+
+    def Stream(self, commands):  # noqa: N802 - the stub's name
+        if self.transport == "grpc":
+            return self.stub.Stream(commands)
+        where = LocalSocketPath(lambda: self.stub.GetLocalSocket(common_pb2.LocalSocketRequest()))
+        return LocalOrGrpcCall(where, "Stream", scheduler_pb2.StepDeltas,
+                               lambda: pytest.fail("the local socket was not used"), requests=commands)
+
+
+async def serve(service, transport: str = "grpc"):
     server = grpc.aio.server()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), server)
+    servicer = SchedulerServicer(service)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
+    local = LocalCallServer({"Stream": Method(servicer.Stream, scheduler_pb2.StreamCommand, True)}, "scheduler")
+    servicer.local_socket = await local.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    return server, channel, scheduler_pb2_grpc.SchedulerStub(channel)
+    return Served(server, local), channel, StreamStub(scheduler_pb2_grpc.SchedulerStub(channel), transport)
 
 
-def test_one_message_per_step_carries_every_request(scheduler):
+def test_one_message_per_step_carries_every_request(scheduler, transport):
     prompts = {tag: [tag] * (3 + tag) for tag in range(1, 25)}
 
     async def main():
-        server, channel, stub = await serve(scheduler)
+        server, channel, stub = await serve(scheduler, transport)
         commands: asyncio.Queue = asyncio.Queue()
         for tag, prompt in prompts.items():
             commands.put_nowait(schedule(f"s{tag}", prompt, 16, tag))
@@ -82,11 +117,11 @@ def test_one_message_per_step_carries_every_request(scheduler):
     assert messages <= steps + 1, (messages, steps)
 
 
-def test_refused_subscription_fails_alone_and_leave_aborts(scheduler):
+def test_refused_subscription_fails_alone_and_leave_aborts(scheduler, transport):
     scheduler.workers.step_delay_s = 0.02
 
     async def main():
-        server, channel, stub = await serve(scheduler)
+        server, channel, stub = await serve(scheduler, transport)
         commands: asyncio.Queue = asyncio.Queue()
 
         async def command_iter():
@@ -127,13 +162,13 @@ def test_refused_subscription_fails_alone_and_leave_aborts(scheduler):
     assert scheduler.store.load("long").finish_reasons == ["abort"]
 
 
-def test_colliding_ids_on_a_stream_are_refused_and_the_others_finish(scheduler):
+def test_colliding_ids_on_a_stream_are_refused_and_the_others_finish(scheduler, transport):
     """Issue 13: on the gRPC Stream, the sample-id collision (`X#1`, then `X` with n=2) and two
     schedules of one new id with different prompts sent together: each refusal is an
     ALREADY_EXISTS error for that subscription alone; everything accepted finishes exactly."""
 
     async def main():
-        server, channel, stub = await serve(scheduler)
+        server, channel, stub = await serve(scheduler, transport)
         commands = [schedule("bystander", [3, 1, 4], 24, tag=1), schedule("X#1", [2, 7], 12, tag=2),
                     schedule("X", [8, 8], 12, tag=3), schedule("dup", [5, 5], 12, tag=4),
                     schedule("dup", [6, 6], 12, tag=5)]

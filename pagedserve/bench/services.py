@@ -54,6 +54,9 @@ def add_services_parser(bench_sub) -> None:
     transport = setting("scheduler", "worker_transport")
     p.add_argument("--worker-transport", choices=transport.choices, default=transport.default,
                    help="the services' scheduler: " + transport.help)
+    transport = setting("gateway", "service_transport")
+    p.add_argument("--service-transport", choices=transport.choices, default=transport.default,
+                   help="the services' gateway and tokenizer: " + transport.help)
     add_engine_args(p)
     p.set_defaults(func=run_services_bench)
 
@@ -155,6 +158,7 @@ def start_services(args, model_path):
         cpu_kernel_threads=getattr(args, "cpu_kernel_threads", setting("worker", "cpu_kernel_threads").default),
         no_async_scheduling=getattr(args, "no_async_scheduling", False),
         worker_transport=getattr(args, "worker_transport", setting("scheduler", "worker_transport").default),
+        service_transport=getattr(args, "service_transport", setting("gateway", "service_transport").default),
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
@@ -233,6 +237,7 @@ def run_services_bench(args) -> dict:
     result = {"cpu": cpu_name(), "dtype": dtype, "workload": args.workload, "num_prompts": len(work.prompts),
               "omp_wait_policy": args.omp_wait_policy, "cpu_kernel_threads": args.cpu_kernel_threads,
               "async_scheduling": not args.no_async_scheduling, "worker_transport": args.worker_transport,
+              "service_transport": args.service_transport,
               "concurrency": args.concurrency, "output_tokens": work.num_output_tokens, "runs": pairs,
               "prompts_per_run": "fresh (seed + run)",
               "throughput_ratio_median": statistics.median(ratios),

@@ -268,6 +268,10 @@ def _settings() -> tuple[Setting, ...]:
           group="tokenizer"),
         S("--chat-template", "engine serve tokenizer", help="a Jinja chat template file (or the template itself) "
           "used instead of the model's", default_text="the model's", group="tokenizer"),
+        S("--service-transport", "serve tokenizer gateway", default="auto", choices=("auto", "grpc"),
+          help="how the gateway calls the tokenizer's Generate and the tokenizer the scheduler's Stream: auto uses "
+          "the callee's local socket (same messages over a Unix socket, no gRPC threads) when it runs on this "
+          "host as this user, else gRPC; grpc always uses gRPC", group="tokenizer"),
         S("--scheduler-retry-timeout", "tokenizer", float, 120.0,
           "seconds a stream waits for a restarted scheduler before it fails", group="tokenizer"),
         # ---- a worker rank ------------------------------------------------------------------

@@ -18,8 +18,9 @@ import time
 import grpc
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import internal_channel
+from pagedserve.common.local_calls import LocalOrGrpcCall, LocalSocketPath
 from pagedserve.common.store import MemoryStore, RequestStore
-from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.gateway.admission import Admission
 from pagedserve.gateway.limits import Limits
 from pagedserve.gateway.metrics import Metrics
@@ -80,14 +81,37 @@ def not_ready_error(cause: str) -> RequestError:
     return RequestError(503, cause, None, "service_unavailable", "model_not_ready", headers={"Retry-After": "5"})
 
 
+class TokenizerCalls:
+    """The tokenizer's stub, whose Generate goes over the tokenizer's local socket when it has one
+    this process can reach (common/local_calls.py; --service-transport auto), else over gRPC; the
+    other calls are the stub's."""
+
+    def __init__(self, stub: generate_pb2_grpc.TokenizerStub, local: bool) -> None:
+        self.stub = stub
+        self.where = LocalSocketPath(self._ask_local_socket if local else None)
+
+    def _ask_local_socket(self):
+        return self.stub.GetLocalSocket(common_pb2.LocalSocketRequest(), timeout=RPC_TIMEOUT_S)
+
+    def Generate(self, request: generate_pb2.GenerateRequest, timeout: float | None = None,  # noqa: N802 - the stub's name
+                 metadata=None) -> LocalOrGrpcCall:
+        return LocalOrGrpcCall(self.where, "Generate", generate_pb2.GenerateResponse,
+                               lambda: self.stub.Generate(request, timeout=timeout, metadata=metadata),
+                               request=request, metadata=metadata, timeout=timeout)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stub, name)
+
+
 class Backend:
     """Holds the grpc.aio stubs (created on first use, inside the serving event loop)."""
 
     def __init__(self, tokenizer_addr: str, scheduler_addr: str, api_key: str | list[str] | None = None,
                  store: RequestStore | None = None, metrics: Metrics | None = None,
                  limits: Limits | None = None, admin_keys: list[str] | None = None,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, local_links: bool = True) -> None:
         self.tokenizer_addr, self.scheduler_addr = tokenizer_addr, scheduler_addr
+        self.local_links = local_links  # --service-transport auto: Generate over the tokenizer's local socket
         self.tool_call_parser = tool_call_parser  # --tool-call-parser: reads tool_choice "auto" outputs
         self.admission = Admission(api_key, limits, admin_keys)
         self.limits = self.admission.limits
@@ -98,7 +122,7 @@ class Backend:
         self.resume_records = ResumeRecords(self.idempotency)
         self.metrics = metrics or Metrics()
         self._channels: list[grpc.aio.Channel] = []
-        self._tokenizer: generate_pb2_grpc.TokenizerStub | None = None
+        self._tokenizer: TokenizerCalls | None = None
         self._scheduler: scheduler_pb2_grpc.SchedulerStub | None = None
         self._info: generate_pb2.ModelInfo | None = None
         # replica id ("": the one scheduler) -> (when, snapshot), and the fetch in flight shared by its waiters
@@ -132,9 +156,10 @@ class Backend:
         return channel
 
     @property
-    def tokenizer(self) -> generate_pb2_grpc.TokenizerStub:
+    def tokenizer(self) -> TokenizerCalls:
         if self._tokenizer is None:
-            self._tokenizer = generate_pb2_grpc.TokenizerStub(self._channel(self.tokenizer_addr))
+            stub = generate_pb2_grpc.TokenizerStub(self._channel(self.tokenizer_addr))
+            self._tokenizer = TokenizerCalls(stub, self.local_links)
         return self._tokenizer
 
     @property

@@ -19,8 +19,9 @@ from pagedserve.common.grpc_util import (
     add_health_and_reflection,
     set_serving,
 )
+from pagedserve.common.local_calls import LocalCallServer, Method
 from pagedserve.common.store import open_store
-from pagedserve.v1 import generate_pb2, scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.v1 import common_pb2, generate_pb2, scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.scheduler.service import SchedulerService, ServiceConfig
 from pagedserve.scheduler.subscriptions import DeltaFilter, Outbox, Subscription, accepted_message, error_message
 from pagedserve.scheduler.worker_client import WorkerGroup
@@ -35,6 +36,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def __init__(self, service: SchedulerService) -> None:
         self.service = service
+        self.local_socket = ""  # where Stream is also served without gRPC (common/local_calls.py)
 
     async def Generate(self, request, context):
         outbox = Outbox(asyncio.get_running_loop())
@@ -160,6 +162,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except StatusError as exc:
             await context.abort(exc.code, exc.details)
 
+    async def GetLocalSocket(self, request, context):
+        return common_pb2.LocalSocket(path=self.local_socket)
+
     async def GetModelInfo(self, request, context):
         service = self.service
         info = service.info
@@ -187,12 +192,16 @@ async def _serve(args: argparse.Namespace) -> int:
                           step_timeout_s=args.step_timeout, transport=args.worker_transport)
     service = SchedulerService(config_from_args(args), workers, store)
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[MalformedRequestInterceptor()])
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), server)
+    servicer = SchedulerServicer(service)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     address = f"{args.host}:{args.port}"
     if add_internal_port(server, address) == 0:
         raise ValueError(f"cannot bind the scheduler to {address}")
     await server.start()
+    # The tokenizer's Stream also without gRPC, for a tokenizer on this host (common/local_calls.py).
+    local = LocalCallServer({"Stream": Method(servicer.Stream, scheduler_pb2.StreamCommand, True)}, "scheduler")
+    servicer.local_socket = await local.start()
     log.info("scheduler listening on %s; waiting for %d worker rank(s)", address, len(workers.addresses))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -212,7 +221,7 @@ async def _serve(args: argparse.Namespace) -> int:
         if heartbeat is not None:
             await asyncio.to_thread(heartbeat.stop)  # out of routing before the streams close
     set_serving(health, [SERVICE_NAME], False)
-    await server.stop(grace=2.0)
+    await asyncio.gather(server.stop(grace=2.0), local.stop(grace=2.0))
     await asyncio.to_thread(service.stop)
     return 0
 

@@ -80,13 +80,14 @@ class Charge:
 
 
 class ReplicaRouter:
-    def __init__(self, redis_url: str, prefix: str, policy: str = "prefix") -> None:
+    def __init__(self, redis_url: str, prefix: str, policy: str = "prefix", local_links: bool = True) -> None:
         import redis.asyncio
         if policy not in POLICIES:
             raise ValueError(f"--routing-policy {policy!r}: one of {', '.join(POLICIES)}")
         self.client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5.0,
                                                    socket_connect_timeout=2.0)
         self.prefix, self.policy = prefix, policy
+        self.local_links = local_links  # a replica on this host: its Stream over its local socket
         self.replicas: dict[str, ReplicaInfo] = {}
         self.targets: dict[str, Target] = {}
         self.recent: OrderedDict[int, str] = OrderedDict()
@@ -131,7 +132,8 @@ class ReplicaRouter:
             addr = self.replicas[replica_id].addr
             channel = internal_channel(addr, aio=True)
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            target = self.targets[replica_id] = Target(replica_id, addr, SchedulerLink(stub), stub, channel)
+            target = self.targets[replica_id] = Target(replica_id, addr, SchedulerLink(stub, self.local_links),
+                                                            stub, channel)
         return target
 
     # -- the choice -----------------------------------------------------------------------------

@@ -5,7 +5,9 @@ carrying every subscription's deltas, and the link hands each delta to its subsc
 A subscription leaves with `leave()` (the scheduler aborts a request whose last subscriber left).
 
 When the stream breaks (the scheduler restarted or went away), every subscription on it gets
-BROKEN and the link forgets it; the next subscribe opens a new stream. Requests re-attach by
+BROKEN and the link forgets it; the next subscribe opens a new stream. A scheduler on this host
+carries the stream on its local socket (common/local_calls.py: the same messages, no gRPC
+threads); the link asks where it is at each new stream, since a restarted scheduler has a new one. Requests re-attach by
 subscribing again with attach=True and skip_tokens (tokenizer/generation.py does this).
 
 Threads: one asyncio event loop (the tokenizer's); the link's reader is a task on it.
@@ -20,11 +22,13 @@ import logging
 import grpc
 
 from pagedserve.common.grpc_util import StatusError
-from pagedserve.v1 import scheduler_pb2
+from pagedserve.common.local_calls import LocalOrGrpcCall, LocalSocketPath
+from pagedserve.v1 import common_pb2, scheduler_pb2
 
 log = logging.getLogger("pagedserve.tokenizer")
 
 _CLOSE = object()
+LOCAL_SOCKET_TIMEOUT_S = 2.0
 
 
 class Broken:
@@ -74,16 +78,26 @@ class _Stream:
 
 
 class SchedulerLink:
-    def __init__(self, stub) -> None:
+    """local: use the scheduler's local socket when it has one this process can reach
+    (--service-transport auto), else gRPC."""
+
+    def __init__(self, stub, local: bool = True) -> None:
         self.stub = stub
         self.stream: _Stream | None = None
         self.tags = itertools.count(1)
         self.reader: asyncio.Task | None = None
+        self.where = LocalSocketPath(self._ask_local_socket if local else None)
+
+    def _ask_local_socket(self):
+        return self.stub.GetLocalSocket(common_pb2.LocalSocketRequest(), timeout=LOCAL_SOCKET_TIMEOUT_S)
 
     def _open(self) -> _Stream:
         if self.stream is None or self.stream.broken is not None:
             holder = _Stream(None)
-            holder.call = self.stub.Stream(holder.command_iterator())
+            self.where.forget()  # a new stream may be to a restarted scheduler: ask again
+            holder.call = LocalOrGrpcCall(self.where, "Stream", scheduler_pb2.StepDeltas,
+                                          lambda: self.stub.Stream(holder.command_iterator()),
+                                          requests=holder.command_iterator())
             self.stream = holder
             self.reader = asyncio.get_running_loop().create_task(self._read(holder))
         return self.stream

@@ -11,8 +11,9 @@ import grpc
 
 from pagedserve.common.grpc_util import (SERVER_OPTIONS, MalformedRequestInterceptor, StatusError,
                                          add_health_and_reflection, add_internal_port, set_serving)
+from pagedserve.common.local_calls import LocalCallServer, Method
 from pagedserve.tokenizer.service import TokenizerService, load_tokenizer
-from pagedserve.v1 import generate_pb2, generate_pb2_grpc
+from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger("pagedserve.tokenizer")
 
@@ -40,6 +41,7 @@ class TokenizerServicer(generate_pb2_grpc.TokenizerServicer):
 
     def __init__(self, service: TokenizerService | None = None) -> None:
         self.service = service
+        self.local_socket = ""  # where Generate is also served without gRPC (common/local_calls.py)
 
     async def _service(self, context) -> TokenizerService:
         if self.service is None:
@@ -71,6 +73,9 @@ class TokenizerServicer(generate_pb2_grpc.TokenizerServicer):
     async def GetModelInfo(self, request, context):
         return await (await self._service(context)).model_info()
 
+    async def GetLocalSocket(self, request, context):
+        return common_pb2.LocalSocket(path=self.local_socket)
+
 
 async def _serve(args) -> int:
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[MalformedRequestInterceptor()])
@@ -84,6 +89,9 @@ async def _serve(args) -> int:
         log.error("cannot listen on %s: %s", address, exc)
         return 1
     await server.start()
+    # Generate also without gRPC, for a gateway on this host (common/local_calls.py).
+    local = LocalCallServer({"Generate": Method(servicer.Generate, generate_pb2.GenerateRequest)}, "tokenizer")
+    servicer.local_socket = await local.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -94,26 +102,27 @@ async def _serve(args) -> int:
     await asyncio.wait([loader, stopper], return_when=asyncio.FIRST_COMPLETED)
     if not loader.done():
         loader.cancel()
-        await server.stop(grace=None)
+        await asyncio.gather(server.stop(grace=None), local.stop())
         return 0
     try:
         tokenizer, default_name, vocab_size = loader.result()
     except Exception as exc:
         log.error("could not load the tokenizer: %s", exc)
-        await server.stop(grace=None)
+        await asyncio.gather(server.stop(grace=None), local.stop())
         return 1
     # Built here, not in the loader's thread: the scheduler channel belongs to this event loop.
     router = None
+    local_links = args.service_transport == "auto"
     if args.redis_url and args.redis_url not in ("memory", "memory://"):
         from pagedserve.tokenizer.replica_router import ReplicaRouter
-        router = ReplicaRouter(args.redis_url, args.redis_prefix, args.routing_policy)
+        router = ReplicaRouter(args.redis_url, args.redis_prefix, args.routing_policy, local_links)
     try:
         service = TokenizerService(tokenizer, args.served_model_name or default_name, args.scheduler_addr,
                                    args.scheduler_retry_timeout, vocab_size, chat_template=args.chat_template,
-                                   router=router)
+                                   router=router, local_links=local_links)
     except ValueError as exc:  # --chat-template names no file
         log.error("%s", exc)
-        await server.stop(grace=None)
+        await asyncio.gather(server.stop(grace=None), local.stop())
         return 1
     servicer.service = service
     set_serving(health, [SERVICE_NAME])
@@ -123,7 +132,7 @@ async def _serve(args) -> int:
     await stopper
     log.info("tokenizer shutting down")
     set_serving(health, [SERVICE_NAME], serving=False)
-    await server.stop(grace=5.0)
+    await asyncio.gather(server.stop(grace=5.0), local.stop(grace=5.0))
     await service.close()
     return 0
 

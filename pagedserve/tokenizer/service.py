@@ -62,7 +62,8 @@ class TokenizerService:
 
     def __init__(self, tokenizer, served_model_name: str, scheduler_addr: str,
                  scheduler_retry_timeout: float = 120.0, vocab_size: int | None = None,
-                 chat_template: str | None = None, router: ReplicaRouter | None = None) -> None:
+                 chat_template: str | None = None, router: ReplicaRouter | None = None,
+                 local_links: bool = True) -> None:
         self.tokenizer = tokenizer
         self.chat_template = load_chat_template(chat_template)  # None: the model's own
         self.served_model_name = served_model_name
@@ -77,7 +78,9 @@ class TokenizerService:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._token_text: dict[int, str] = {}
         self._background: set[asyncio.Task] = set()
-        self.link = SchedulerLink(self.scheduler)  # one stream for all requests (opened on first use)
+        # One stream for all requests (opened on first use); local_links: over the scheduler's local
+        # socket when it is on this host (--service-transport auto).
+        self.link = SchedulerLink(self.scheduler, local_links)
         # Engine replicas (docs/scale-out.md): a router over the registered schedulers, one link
         # each; without one (or while none is registered) every request goes to scheduler_addr.
         self.router = router

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 from pagedserve.v1 import generate_pb2 as pagedserve_dot_v1_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -262,6 +263,11 @@ class TokenizerStub:
                 request_serializer=pagedserve_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetLocalSocket = channel.unary_unary(
+                '/pagedserve.v1.Tokenizer/GetLocalSocket',
+                request_serializer=pagedserve_dot_v1_dot_common__pb2.LocalSocketRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_common__pb2.LocalSocket.FromString,
+                _registered_method=True)
 
 
 class TokenizerServicer:
@@ -293,6 +299,13 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLocalSocket(self, request, context):
+        """Generate without gRPC, same host
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -315,6 +328,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pagedserve_dot_v1_dot_generate__pb2.ModelInfoRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetLocalSocket': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLocalSocket,
+                    request_deserializer=pagedserve_dot_v1_dot_common__pb2.LocalSocketRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_common__pb2.LocalSocket.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -427,6 +445,33 @@ class Tokenizer:
             '/pagedserve.v1.Tokenizer/GetModelInfo',
             pagedserve_dot_v1_dot_generate__pb2.ModelInfoRequest.SerializeToString,
             pagedserve_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLocalSocket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Tokenizer/GetLocalSocket',
+            pagedserve_dot_v1_dot_common__pb2.LocalSocketRequest.SerializeToString,
+            pagedserve_dot_v1_dot_common__pb2.LocalSocket.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 from pagedserve.v1 import generate_pb2 as pagedserve_dot_v1_dot_generate__pb2
 from pagedserve.v1 import scheduler_pb2 as pagedserve_dot_v1_dot_scheduler__pb2
 
@@ -70,6 +71,11 @@ class SchedulerStub:
                 request_serializer=pagedserve_dot_v1_dot_scheduler__pb2.EngineStatsRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_scheduler__pb2.EngineStats.FromString,
                 _registered_method=True)
+        self.GetLocalSocket = channel.unary_unary(
+                '/pagedserve.v1.Scheduler/GetLocalSocket',
+                request_serializer=pagedserve_dot_v1_dot_common__pb2.LocalSocketRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_common__pb2.LocalSocket.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -119,6 +125,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLocalSocket(self, request, context):
+        """Stream without gRPC, same host
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +169,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetEngineStats,
                     request_deserializer=pagedserve_dot_v1_dot_scheduler__pb2.EngineStatsRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_scheduler__pb2.EngineStats.SerializeToString,
+            ),
+            'GetLocalSocket': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLocalSocket,
+                    request_deserializer=pagedserve_dot_v1_dot_common__pb2.LocalSocketRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_common__pb2.LocalSocket.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -347,6 +365,33 @@ class Scheduler:
             '/pagedserve.v1.Scheduler/GetEngineStats',
             pagedserve_dot_v1_dot_scheduler__pb2.EngineStatsRequest.SerializeToString,
             pagedserve_dot_v1_dot_scheduler__pb2.EngineStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLocalSocket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Scheduler/GetLocalSocket',
+            pagedserve_dot_v1_dot_common__pb2.LocalSocketRequest.SerializeToString,
+            pagedserve_dot_v1_dot_common__pb2.LocalSocket.FromString,
             options,
             channel_credentials,
             insecure,
