@@ -9,6 +9,7 @@ import signal
 import threading
 
 import grpc
+import uvloop
 
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import (
@@ -260,6 +261,6 @@ async def _watch_health(service: SchedulerService, health, interval_s: float = 0
 
 def serve(args: argparse.Namespace) -> int:
     threading.current_thread().name = "scheduler-main"
-    return asyncio.run(_serve(args))
+    return uvloop.run(_serve(args))  # asyncio on libuv: less CPU per message than asyncio's own loop
 
 

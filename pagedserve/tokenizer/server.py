@@ -8,6 +8,7 @@ import logging
 import signal
 
 import grpc
+import uvloop
 
 from pagedserve.common.grpc_util import (SERVER_OPTIONS, MalformedRequestInterceptor, StatusError,
                                          add_health_and_reflection, add_internal_port, set_serving)
@@ -140,4 +141,4 @@ async def _serve(args) -> int:
 def serve(args) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(args))
+    return uvloop.run(_serve(args))  # asyncio on libuv: less CPU per message than asyncio's own loop
