@@ -5,10 +5,12 @@ carrying every subscription's deltas, and the link hands each delta to its subsc
 A subscription leaves with `leave()` (the scheduler aborts a request whose last subscriber left).
 
 When the stream breaks (the scheduler restarted or went away), every subscription on it gets
-BROKEN and the link forgets it; the next subscribe opens a new stream. A scheduler on this host
-carries the stream on its local socket (common/local_calls.py: the same messages, no gRPC
-threads); the link asks where it is at each new stream, since a restarted scheduler has a new one. Requests re-attach by
+BROKEN and the link forgets it; the next subscribe opens a new stream. Requests re-attach by
 subscribing again with attach=True and skip_tokens (tokenizer/generation.py does this).
+
+A scheduler on this host carries the stream on its local socket (common/local_calls.py: the same
+messages, no gRPC threads); the link asks where it is at each new stream, since a restarted
+scheduler has a new one.
 
 Threads: one asyncio event loop (the tokenizer's); the link's reader is a task on it.
 """
