@@ -121,6 +121,50 @@ def test_attach_with_skip_tokens_sends_no_token_twice(service):
     assert seen + rest == expected([9, 9], 40)
 
 
+class HeldStore:
+    """The real store behind a gate: the record writer's writes wait until `gate` is set."""
+
+    def __init__(self, store, gate: threading.Event) -> None:
+        self.store, self.gate = store, gate
+
+    def write(self, writes) -> None:
+        assert self.gate.wait(30), "the gate was never opened"
+        self.store.write(writes)
+
+
+@pytest.mark.parametrize("ended_by", ["length", "abort"])
+def test_attach_after_the_end_but_before_the_group_is_forgotten_replays_every_token(service, ended_by):
+    """A re-attach (a tokenizer after its scheduler restarted, say) can reach a request that the
+    Scheduler has already let go while its last records are still being written: the group is
+    live, its samples' Requests are gone from the Scheduler. The replay still has their tokens."""
+    gate = threading.Event()
+    service.writer.store = HeldStore(service.store, gate)  # nothing durable, nothing forgotten yet
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        first = Outbox(loop)
+        sub, group = service.submit(schedule("ended", [4, 2], 400 if ended_by == "abort" else 12), first, 1)
+        while group.output_tokens < 12:  # the step loop goes on while the writer waits
+            await asyncio.sleep(0.005)
+        if ended_by == "abort":
+            service.abort("ended")
+        while not group.done:
+            await asyncio.sleep(0.005)
+        assert "ended" not in service.scheduler.groups and service.groups.get("ended") is group
+        second = Outbox(loop)
+        sub2, group2 = service.submit(schedule("ended", [4, 2], 0, attach=True, skip_tokens=[2]), second, 2)
+        assert group2 is group
+        gate.set()
+        rest = {2: DeltaFilter.for_request(group.group_id, 1, [2], sub2.replayed, 2)}
+        tokens: dict[int, list[int]] = {}
+        await drain(second, rest, tokens)
+        return group.output_tokens, tokens[2], rest[2]
+
+    made, rest, delta_filter = asyncio.run(main())
+    assert made >= 12 and rest == expected([4, 2], made)[2:]
+    assert delta_filter.done
+
+
 def test_last_subscriber_leaving_aborts_and_frees_blocks(service):
     service.workers.step_delay_s = 0.02
     done = threading.Event()

@@ -148,7 +148,8 @@ class StepLoop:
             sub.push(StatusError(grpc.StatusCode.INTERNAL, f"replaying request {group.group_id!r} failed"))
 
     def _replay_to(self, group: GroupState, sub: Subscription) -> None:
-        members = {r.sample_index: r for r in self.scheduler.groups.get(group.group_id, [])}
+        members = {**group.ended_samples,
+                   **{r.sample_index: r for r in self.scheduler.groups.get(group.group_id, [])}}
         deliveries = []
         for index in range(group.n):
             req = members.get(index)
@@ -261,6 +262,7 @@ class StepLoop:
                                     num_cached_tokens=group.num_cached_tokens,
                                     prompt_logprobs=update.prompt_logprobs)
                 if update.finished:
+                    group.ended_samples[req.sample_index] = req
                     group.finish_reasons[req.sample_index] = delivery.finish_reason = req.finish_reason or "stop"
                     if all(group.finish_reasons):
                         group.timings["finished"] = now
@@ -301,6 +303,9 @@ class StepLoop:
 
     def _abort_group(self, group: GroupState, index: int | None) -> None:
         request_id = group.group_id
+        for req in self.scheduler.groups.get(request_id, ()):
+            if index is None or req.sample_index == index:
+                group.ended_samples.setdefault(req.sample_index, req)
         if not self.scheduler.abort(request_id, index) and index is not None:
             return
         now = time.time()

@@ -234,13 +234,18 @@ def test_killed_scheduler_resumes_in_flight_requests_from_redis(stack, client, m
         texts = [""] * len(PROMPTS)
 
         def run(i: int) -> None:
-            stream = client.completions.create(model=model_name, prompt=PROMPTS[i], max_tokens=48, temperature=0,
-                                               stream=True, extra_body={"ignore_eos": True})
-            for chunk in stream:
-                if chunk.choices:
-                    texts[i] += chunk.choices[0].text
-                    if progress is not None:
-                        progress[i] += 1
+            try:
+                stream = client.completions.create(model=model_name, prompt=PROMPTS[i], max_tokens=48,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True})
+                for chunk in stream:
+                    if chunk.choices:
+                        texts[i] += chunk.choices[0].text
+                        if progress is not None:
+                            progress[i] += 1
+                        if chunk.choices[0].finish_reason:
+                            endings[i] = chunk.choices[0].finish_reason
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                endings[i] = f"{type(exc).__name__}: {exc}"
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
         for t in threads:
@@ -255,7 +260,11 @@ def test_killed_scheduler_resumes_in_flight_requests_from_redis(stack, client, m
             t.join(timeout=300)
         return texts
 
+    # How each stream ended: its finish_reason, or the exception its thread caught (a thread's
+    # exception would otherwise only be printed, leaving a short text to explain it).
+    endings: list[str] = [""] * len(PROMPTS)
     interrupted = run_all([0] * len(PROMPTS))
+    assert endings == ["length"] * len(PROMPTS), endings
     uninterrupted = run_all(None)
     assert interrupted == uninterrupted
     assert all(interrupted)
