@@ -180,24 +180,13 @@ constexpr int kValueHeads = std::max(1, std::min(4, 16 / NV));
 
 // acc[g] += sum over tokens t in [t0, t1) of p[g * padded + t] * value row t, for G query heads of
 // one kv head (vbase: the pool at that head), the accumulators held in registers over the tile.
-// Value rows to ask for (into L2) 16 tokens ahead of the ones being read: the pool (null: none),
-// the sequence's length and a token row's bytes, every kv head.
-struct ValuePrefetch {
-  const char* pool;
-  int64_t len, row_bytes;
-};
-
 template <int G, int NV, typename scalar_t>
 inline void value_tile(const scalar_t* vbase, const int64_t* rows, int64_t t0, int64_t t1, const float* p,
-                       int64_t padded, __m512* acc, ValuePrefetch ahead) {
+                       int64_t padded, __m512* acc) {
   __m512 a[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) a[g][i] = acc[g * NV + i];
   for (int64_t t = t0; t < t1; ++t) {
-    if (ahead.pool != nullptr && t + 16 < ahead.len) {
-      const char* next = ahead.pool + rows[t + 16] * static_cast<int64_t>(sizeof(scalar_t));
-      for (int64_t b = 0; b < ahead.row_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
-    }
     const scalar_t* vrow = vbase + rows[t];
     __m512 vv[NV];
     for (int i = 0; i < NV; ++i) vv[i] = widen16(vrow + 16 * i);
@@ -257,43 +246,43 @@ void decode_avx512(const at::Tensor& query, const at::Tensor& k_cache, const at:
       // bfloat16 values a tile of 16 tokens at a time: the tile's rows stay in L1 while each group
       // of up to kValueHeads query heads runs over them with its accumulators in registers (token
       // by token, they were loaded and stored again for every head: 36 vector stores a token for
-      // the default model). 30 layers of distinct caches on a 2-core Zen 4: 1.35x at 1 sequence,
+      // the default model). 30 layers of distinct caches on a 2-core Zen 4: 1.3x at 1 sequence,
       // 1.1x at 16, even at 51 (DRAM-bound there). float32's rows, twice as long, keep the token by
-      // token loop: tiled they ran 0.9-0.95x from DRAM at 16-51 sequences.
+      // token loop: tiled they ran 0.9-0.95x from DRAM at 16-51 sequences (docs/performance.md).
       if constexpr (sizeof(scalar_t) == 2) {
-      for (int64_t t0 = 0; t0 < len; t0 += 16) {
-        const int64_t t1 = std::min(len, t0 + 16);
-        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-          const scalar_t* vbase = vc + kvh * head_stride;
-          for (int64_t h = kvh * group; h < (kvh + 1) * group; h += kValueHeads<NV>) {
-            const int64_t heads = std::min<int64_t>(kValueHeads<NV>, (kvh + 1) * group - h);
-            const float* p = scores.data() + h * padded;
-            __m512* a = acc.data() + h * NV;
-            // The first pass over the tile asks for the value rows 16 tokens ahead, a row a token.
-            const ValuePrefetch ahead{h == 0 ? reinterpret_cast<const char*>(vc) : nullptr, len, row_bytes};
-            switch (heads) {
-              case 1: value_tile<1, NV>(vbase, rows.data(), t0, t1, p, padded, a, ahead); break;
-              case 2: if constexpr (kValueHeads<NV> >= 2) value_tile<2, NV>(vbase, rows.data(), t0, t1, p, padded, a, ahead); break;
-              case 3: if constexpr (kValueHeads<NV> >= 3) value_tile<3, NV>(vbase, rows.data(), t0, t1, p, padded, a, ahead); break;
-              default: if constexpr (kValueHeads<NV> >= 4) value_tile<4, NV>(vbase, rows.data(), t0, t1, p, padded, a, ahead); break;
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+          const int64_t t1 = std::min(len, t0 + 16);
+          for (int64_t t = t0 + 16; t < std::min(len, t0 + 32); ++t)  // the next tile's value rows
+            for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(vc + rows[t]) + b, _MM_HINT_T1);
+          for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+            const scalar_t* vbase = vc + kvh * head_stride;
+            for (int64_t h = kvh * group; h < (kvh + 1) * group; h += kValueHeads<NV>) {
+              const int64_t heads = std::min<int64_t>(kValueHeads<NV>, (kvh + 1) * group - h);
+              const float* p = scores.data() + h * padded;
+              __m512* a = acc.data() + h * NV;
+              switch (heads) {
+                case 1: value_tile<1, NV>(vbase, rows.data(), t0, t1, p, padded, a); break;
+                case 2: if constexpr (kValueHeads<NV> >= 2) value_tile<2, NV>(vbase, rows.data(), t0, t1, p, padded, a); break;
+                case 3: if constexpr (kValueHeads<NV> >= 3) value_tile<3, NV>(vbase, rows.data(), t0, t1, p, padded, a); break;
+                default: if constexpr (kValueHeads<NV> >= 4) value_tile<4, NV>(vbase, rows.data(), t0, t1, p, padded, a); break;
+              }
             }
           }
         }
-      }
       } else {
-      for (int64_t t = 0; t < len; ++t) {
-        if (t + 16 < len)  // value rows 16 tokens ahead
-          for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(vc + rows[t + 16]) + b, _MM_HINT_T1);
-        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-          const scalar_t* vrow = vc + rows[t] + kvh * head_stride;
-          __m512 vv[NV];
-          for (int i = 0; i < NV; ++i) vv[i] = widen16(vrow + 16 * i);
-          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-            const __m512 p = _mm512_set1_ps(scores[h * padded + t]);
-            for (int i = 0; i < NV; ++i) acc[h * NV + i] = _mm512_fmadd_ps(p, vv[i], acc[h * NV + i]);
+        for (int64_t t = 0; t < len; ++t) {
+          if (t + 16 < len)  // value rows 16 tokens ahead
+            for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(vc + rows[t + 16]) + b, _MM_HINT_T1);
+          for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+            const scalar_t* vrow = vc + rows[t] + kvh * head_stride;
+            __m512 vv[NV];
+            for (int i = 0; i < NV; ++i) vv[i] = widen16(vrow + 16 * i);
+            for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+              const __m512 p = _mm512_set1_ps(scores[h * padded + t]);
+              for (int i = 0; i < NV; ++i) acc[h * NV + i] = _mm512_fmadd_ps(p, vv[i], acc[h * NV + i]);
+            }
           }
         }
-      }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         scalar_t* orow = o + (seq * num_heads + h) * D;
