@@ -180,3 +180,36 @@ def test_garbage_never_raises_and_text_without_calls_is_kept(make):
 def test_deep_nesting_is_text_not_an_error():
     text = '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 100000 + "]" * 100000 + "}}</tool_call>"
     assert HermesParser.parse(text).content == text
+
+
+SPACES = " " * 16  # one token of forced whitespace (tokenizers have runs of up to 16 spaces)
+RUN = 128_000  # deltas: 2 MiB of whitespace in one sample
+
+
+@pytest.mark.parametrize("make, before, after, want", [
+    (HermesParser, "a", "b", ("a" + SPACES * RUN + "b", [])),
+    (HermesParser, '<tool_call>{"name": "f", "arguments": {"x": ', '1}}</tool_call>',
+     ("", [("f", '{"x": ' + SPACES * RUN + "1}")])),
+    (Llama3JsonParser, "", '{"name": "f", "parameters": {}}', ("", [("f", "{}")])),
+    (Llama3JsonParser, "<|python_tag|>", "hi", ("<|python_tag|>" + SPACES * RUN + "hi", [])),
+    (lambda **kw: NamedCallParser("f", **kw), '{"x": 1', "}", ("", [("f", '{"x": 1' + SPACES * RUN + "}")])),
+], ids=["hermes-text", "hermes-in-call", "llama3-start", "llama3-after-tag", "named"])
+def test_a_run_of_whitespace_costs_its_length_not_its_square(make, before, after, want):
+    """Issue 42 row 8: each delta of a long whitespace run once rescanned (and copied) the whole
+    run held back, O(L^2) per sample on the gateway's event loop (n=16 samples of 8,000 forced
+    space tokens took seconds of the loop). 2 MiB in 128,000 deltas: a linear parser takes a
+    fraction of a second; the bound is an order of magnitude above; the quadratic parsers passed
+    it after 37,000 to 102,000 deltas (checked as it goes, so that they fail fast)."""
+    import time
+
+    parser = make(stream=True)
+    events = parser.feed(before)
+    started = time.monotonic()
+    for i in range(RUN):
+        events += parser.feed(SPACES)
+        if i % 4096 == 0:
+            assert time.monotonic() - started < 4.0, f"{i} deltas took {time.monotonic() - started:.1f} s"
+    events += parser.feed(after) + parser.finish()
+    assert time.monotonic() - started < 4.0
+    parsed = assemble(events)
+    assert (parsed.content, calls_of(parsed)) == want

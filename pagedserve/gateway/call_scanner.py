@@ -5,12 +5,15 @@ It finds where the object ends, its top-level keys, the `name` string as soon as
 and the span of the arguments' value (`"arguments"`, or Llama's `"parameters"`: whichever comes
 first) as it grows. The top level is checked strictly, so a malformed one fails at the character
 that breaks it; nested values only for balance (strings, escapes, brackets), and json.loads judges
-the whole object at its end. Plain Python, one object per call; each character is looked at once.
+the whole object at its end. Plain Python, one object per call; each character is looked at once,
+and the text is kept as the pieces it came in (_Text), so a call's cost is linear in its length
+however many pieces it streams in (a long run of forced whitespace included).
 """
 
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 
 _ARGUMENT_KEYS = ("arguments", "parameters")
 
@@ -24,16 +27,55 @@ def _string(text: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+class _Text:
+    """Text kept as the pieces it came in: appending costs the piece, a slice joins only the
+    pieces it spans, and the whole is joined once when asked for."""
+
+    __slots__ = ("pieces", "starts", "length")
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.starts: list[int] = []
+        self.length = 0
+
+    def append(self, piece: str) -> None:
+        if piece:
+            self.pieces.append(piece)
+            self.starts.append(self.length)
+            self.length += len(piece)
+
+    def slice(self, start: int, end: int) -> str:
+        end = min(end, self.length)
+        if start >= end:
+            return ""
+        i = bisect_right(self.starts, start) - 1
+        out = []
+        while i < len(self.pieces) and self.starts[i] < end:
+            base = self.starts[i]
+            out.append(self.pieces[i][max(start - base, 0):end - base])
+            i += 1
+        return "".join(out)
+
+    def truncate(self, length: int) -> None:
+        whole = self.slice(0, length)
+        self.pieces, self.starts, self.length = ([whole], [0], len(whole)) if whole else ([], [], 0)
+
+    def whole(self) -> str:
+        if len(self.pieces) > 1:
+            self.truncate(self.length)
+        return self.pieces[0] if self.pieces else ""
+
+
 class CallScanner:
     """One JSON object, character by character: where it ends, its top-level keys, the `name`
     string and the span of the arguments' value. The top level is checked strictly (a malformed
     one fails at once); nested values only for balance: json.loads judges the whole at the end."""
 
-    __slots__ = ("text", "depth", "in_str", "esc", "expect", "key", "key_start", "value_start",
+    __slots__ = ("_text", "depth", "in_str", "esc", "expect", "key", "key_start", "value_start",
                  "value_kind", "last", "name", "args_key", "args_start", "args_end", "failed", "done")
 
     def __init__(self) -> None:
-        self.text = ""
+        self._text = _Text()
         self.depth = 0
         self.in_str = self.esc = False
         self.expect = "open"  # open, keystr, colon, value, valstr, nested, scalar, comma
@@ -47,22 +89,30 @@ class CallScanner:
 
     def feed(self, piece: str) -> str:
         """Scan piece; returns what follows the object (or the failing character on)."""
-        base = len(self.text)
-        self.text += piece
+        base = self._text.length
+        self._text.append(piece)
         for i, ch in enumerate(piece):
             pos = base + i
             if not self._step(ch, pos):
                 self.failed = True
-                self.text = self.text[:pos]
+                self._text.truncate(pos)
                 return piece[i:]
             if self.done:
-                self.text = self.text[:pos + 1]
+                self._text.truncate(pos + 1)
                 return piece[i + 1:]
         return ""
 
+    @property
+    def text(self) -> str:
+        """The object's text read so far (joined when asked for: not per piece)."""
+        return self._text.whole()
+
+    def slice(self, start: int, end: int) -> str:
+        return self._text.slice(start, end)
+
     def _value_end(self, end: int) -> bool:
         if self.key == "name" and self.value_kind == "str":
-            self.name = _string(self.text[self.value_start:end])
+            self.name = _string(self._text.slice(self.value_start, end))
             if self.name is None:
                 return False
         elif self.key == self.args_key:
@@ -80,7 +130,7 @@ class CallScanner:
                 self.in_str = False
                 self.last = pos
                 if self.expect == "keystr":
-                    self.key, self.expect = _string(self.text[self.key_start:pos + 1]), "colon"
+                    self.key, self.expect = _string(self._text.slice(self.key_start, pos + 1)), "colon"
                     return self.key is not None
                 if self.expect == "valstr":
                     return self._value_end(pos + 1)
@@ -144,7 +194,7 @@ class CallScanner:
     def streamable_end(self) -> int:
         """Where the arguments' text that can go out now ends (an object's, up to its last
         non-space); -1 while there is none."""
-        if self.args_start < 0 or self.text[self.args_start] != "{":
+        if self.args_start < 0 or self._text.slice(self.args_start, self.args_start + 1) != "{":
             return -1
         return self.args_end if self.args_end >= 0 else self.last + 1
 

@@ -96,7 +96,9 @@ class ToolParser(ABC):
         self.events: list[Event] = []
         self.calls = 0  # calls begun (announced in a stream, valid when whole): the next index
         self._buf = ""
-        self._pending_ws = ""  # whitespace after content: content if more follows, else dropped
+        # whitespace after content: content if more follows, else dropped. Pieces, joined once
+        # content follows: a run of whitespace costs its length, never its length per delta.
+        self._pending_ws: list[str] = []
         self._after_call = False
         self._call: CallScanner | None = None
         self._call_prefix = ""  # the text that opened the call (its tag), content again if it fails
@@ -127,19 +129,21 @@ class ToolParser(ABC):
             if not text:
                 return
             self._after_call = False
-        text = self._pending_ws + text
+        if text.isspace():
+            self._pending_ws.append(text)
+            return
         body = text.rstrip()
-        self._pending_ws = text[len(body):]
         if body:
-            self.events.append(Event(content=body))
+            self.events.append(Event(content="".join(self._pending_ws) + body))
+            self._pending_ws = [text[len(body):]] if len(body) < len(text) else []
 
     def _end_content(self) -> None:
         if self._buf:
             self._content(self._buf)
             self._buf = ""
         if self.calls == 0 and self._pending_ws:
-            self.events.append(Event(content=self._pending_ws))
-        self._pending_ws = ""
+            self.events.append(Event(content="".join(self._pending_ws)))
+        self._pending_ws = []
 
     # -- calls ------------------------------------------------------------------------------
     def _start_call(self, prefix: str) -> None:
@@ -151,14 +155,17 @@ class ToolParser(ABC):
             return
         self._index = self.calls
         self.calls += 1
-        self._pending_ws = ""
+        self._pending_ws = []
         self.events.append(Event(index=self._index, id=new_call_id(), name=name))
 
-    def _send_arguments(self, text: str, start: int = 0, end: int | None = None) -> None:
-        """Send what is new of the arguments text[start:end] (only the new part is sliced)."""
+    def _send_arguments(self, text: str | CallScanner, start: int = 0, end: int | None = None) -> None:
+        """Send what is new of the arguments text[start:end] (only the new part is sliced; a
+        call's text is sliced in place, never joined whole)."""
         end = len(text) if end is None else end
         if self._index is not None and self._index >= 0 and end - start > self._args_sent:
-            self.events.append(Event(index=self._index, arguments=text[start + self._args_sent:end]))
+            new = start + self._args_sent
+            piece = text.slice(new, end) if isinstance(text, CallScanner) else text[new:end]
+            self.events.append(Event(index=self._index, arguments=piece))
             self._args_sent = end - start
 
     def _feed_call(self, text: str) -> tuple[str, str]:
@@ -171,7 +178,7 @@ class ToolParser(ABC):
                 self._announce(call.name)
             end = call.streamable_end()
             if end >= 0:
-                self._send_arguments(call.text, call.args_start, end)
+                self._send_arguments(call, call.args_start, end)
         if not call.done and not call.failed:
             return "more", ""
         found = call.result() if call.done else None
@@ -252,25 +259,14 @@ class _JsonCallsParser(ToolParser):
 
     OPEN, SEP, CLOSE = "", ";", ""
     OPEN_REQUIRED = False
-    _WAIT = ("", "")
 
     def __init__(self, stream: bool = True, max_calls: int | None = None) -> None:
         super().__init__(stream, max_calls)
         self._state = "start"  # start, between (after a call), text
-
-    def _open(self, s: str) -> tuple[str, str] | None:
-        """(prefix, the first call's text) when s opens the calls, None when it cannot, _WAIT
-        while it is too short to tell."""
-        rest = s
-        if self.OPEN and s.startswith(self.OPEN):
-            rest = s[len(self.OPEN):].lstrip()
-        elif self.OPEN.startswith(s):
-            return self._WAIT
-        elif self.OPEN_REQUIRED:
-            return None
-        if not rest:
-            return self._WAIT
-        return (s[:len(s) - len(rest)], rest) if rest[0] == "{" else None
+        # At the start: the whitespace and opening read so far (pieces, so that a run of
+        # whitespace costs its length once), and whether the opening was among them.
+        self._lead: list[str] = []
+        self._opened = False
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -281,17 +277,8 @@ class _JsonCallsParser(ToolParser):
                     break
                 self._state = "between" if status == "done" else "text"
             elif self._state == "start":
-                s = self._buf.lstrip()
-                if not s:
+                if not self._read_start():
                     break
-                opened = self._open(s)
-                if opened == self._WAIT:
-                    break
-                if opened is None:
-                    self._state = "text"
-                    continue
-                self._start_call(self._buf[:len(self._buf) - len(opened[1])])
-                self._buf = opened[1]
             elif self._state == "between":
                 s = self._buf.lstrip()
                 if s and s.startswith(self.SEP):
@@ -309,11 +296,39 @@ class _JsonCallsParser(ToolParser):
                 self._buf = ""
         return self._take()
 
+    def _read_start(self) -> bool:
+        """Read the start of the output in the buffer: its whitespace and opening go to _lead;
+        then a call opens, or everything read is text. False while it is too short to tell."""
+        s = self._buf.lstrip()
+        if len(s) < len(self._buf):
+            self._lead.append(self._buf[:len(self._buf) - len(s)])
+            self._buf = s
+        if not s:
+            return False
+        if not self._opened and self.OPEN:
+            if s.startswith(self.OPEN):
+                self._lead.append(self.OPEN)
+                self._buf, self._opened = s[len(self.OPEN):], True
+                return True
+            if self.OPEN.startswith(s):
+                return False
+            if self.OPEN_REQUIRED:
+                return self._start_is_text()
+        if s[0] != "{":
+            return self._start_is_text()
+        self._start_call("".join(self._lead))
+        self._lead = []
+        return True
+
+    def _start_is_text(self) -> bool:
+        self._buf, self._lead, self._state = "".join(self._lead) + self._buf, [], "text"
+        return True
+
     def finish(self) -> list[Event]:
         if self._call is not None:
             self._fail_call()
-        if self._state == "start" and self._buf:
-            self._state = "text"
+        if self._state == "start" and (self._buf or self._lead):
+            self._start_is_text()
         self._end_content()
         return self._take()
 
@@ -339,25 +354,29 @@ class NamedCallParser(ToolParser):
     def __init__(self, function: str, stream: bool = True, max_calls: int | None = None) -> None:
         super().__init__(stream, max_calls)
         self.function = function
+        self._parts: list[str] = []
 
     def feed(self, text: str) -> list[Event]:
-        if self._index is None and not self._buf:  # leading whitespace is no part of the arguments
+        if self._index is None and not self._parts:  # leading whitespace is no part of the arguments
             text = text.lstrip()
-        self._buf += text  # streamed: only trailing whitespace waits here; whole: everything
-        if self.stream:
-            body = self._buf.rstrip()
-            if body:
-                if self._index is None:
-                    self._announce(self.function)
-                self.events.append(Event(index=self._index, arguments=body))
-                self._args_sent += len(body)
-                self._buf = self._buf[len(body):]
+        if not text:
+            return self._take()
+        # Streamed, only trailing whitespace waits in _parts; whole, everything (joined once).
+        if not self.stream or text.isspace():
+            self._parts.append(text)
+            return self._take()
+        body = text.rstrip()
+        if self._index is None:
+            self._announce(self.function)
+        self.events.append(Event(index=self._index, arguments="".join(self._parts) + body))
+        self._args_sent += 1
+        self._parts = [text[len(body):]] if len(body) < len(text) else []
         return self._take()
 
     def finish(self) -> list[Event]:
         if self._index is None:
             self._announce(self.function)
-        body = self._buf.rstrip() if not self.stream else ""
+        body = "".join(self._parts).rstrip() if not self.stream else ""
         if body or not self._args_sent:
             self.events.append(Event(index=self._index, arguments=body or "{}"))
         return self._take()
