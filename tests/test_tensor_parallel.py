@@ -5,9 +5,15 @@ tests/stack/test_tensor_parallel_stack.py)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedserve.common.sampling_params import SamplingParams
 from tiny_models import build_tiny_model, hf_greedy, make_engine
+
+# The engines here take device auto: on a machine with one GPU, rank 1 has no GPU of its own (the
+# rank -> device rule itself is tested without one: tests/test_device_memory.py).
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                                reason="tensor parallelism on CUDA needs two GPUs")
 
 PROMPTS = [[1, 5, 9, 33], [3] * 27, list(range(3, 50)), [7, 8] * 11 + [9]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

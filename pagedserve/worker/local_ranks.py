@@ -1,6 +1,9 @@
 """Tensor parallelism inside one engine (`pagedserve generate`, the benchmarks): rank 0 runs in
 the engine's process, ranks 1..N-1 are spawned processes that receive every call by a
-torch.distributed broadcast from rank 0. (The services send each rank its step over gRPC.)"""
+torch.distributed broadcast from rank 0. (The services send each rank its step over gRPC.)
+
+Every rank is on this host: rank r takes cuda:<r> on CUDA (parallel.rank_torch_device, whatever
+LOCAL_RANK this process was given) and the ranks talk over NCCL; on the CPU over gloo."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from pagedserve.worker.parallel import close_tensor_parallel, init_tensor_parallel
+from pagedserve.worker.parallel import close_tensor_parallel, init_tensor_parallel, rank_torch_device
 
 log = logging.getLogger(__name__)
 
@@ -21,20 +24,24 @@ class LocalRanks:
     method on every follower; rank 0 then runs it itself, so collectives inside line up."""
 
     def __init__(self, world_size: int, device: torch.device, runner_kwargs: dict, timeout_s: float = 600.0) -> None:
+        """device: the device kind (rank r takes rank_torch_device(device, r)); runner_kwargs: the
+        ModelRunner's, its device replaced by each rank's own."""
         from pagedserve.common.grpc_util import free_port
 
+        # Every rank's device first: one that has no GPU fails here, not as a follower rank 0 waits for.
+        devices = [rank_torch_device(device, rank) for rank in range(world_size)]
         init_method = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context("spawn")  # fork would copy torch's thread pools and locks
         threads = max(1, (os.cpu_count() or 1) // world_size)
         self.processes = [context.Process(target=_follower_main, daemon=True, name=f"pagedserve-rank{rank}",
-                                          args=(rank, world_size, init_method, device, runner_kwargs,
+                                          args=(rank, world_size, init_method, devices[rank], runner_kwargs,
                                                 threads, timeout_s))
                           for rank in range(1, world_size)]
         for process in self.processes:
             process.start()
         self.previous_threads = torch.get_num_threads()
         torch.set_num_threads(threads)  # the ranks share this machine's cores
-        init_tensor_parallel(0, world_size, init_method, device, timeout_s)
+        init_tensor_parallel(0, world_size, init_method, devices[0], timeout_s)
         self.closed = False
 
     def call(self, method: str, *args) -> None:
@@ -62,7 +69,7 @@ def _follower_main(rank: int, world_size: int, init_method: str, device: torch.d
 
     torch.set_num_threads(threads)
     init_tensor_parallel(rank, world_size, init_method, device, timeout_s)
-    runner = ModelRunner(**runner_kwargs)
+    runner = ModelRunner(**{**runner_kwargs, "device": device})
     try:
         while True:
             message = [None]

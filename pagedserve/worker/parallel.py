@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.worker.cpu_linear import packed_linear
+from pagedserve.worker.device_memory import rank_device, visible_devices
 from pagedserve.worker.quantized import DEQUANTIZE_ABOVE, QuantizedTensor
 
 
@@ -52,10 +55,34 @@ def using_group(group: TPGroup):
         _tp = previous
 
 
+def dist_backend(device: torch.device) -> str:
+    """The collectives' backend between ranks: NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_torch_device(device: torch.device, local: int, device_count: int | None = None,
+                      env: Mapping[str, str] | None = None) -> torch.device:
+    """The device a rank with this local rank (its index among the ranks on this host) takes:
+    `cuda:<local>` for a CUDA device (device_memory.rank_device: the index counts the devices
+    CUDA_VISIBLE_DEVICES shows), the CPU as it is. device_count and env default to torch's count
+    and this process's environment."""
+    if device.type != "cuda":
+        return device
+    env = os.environ if env is None else env
+    count = torch.cuda.device_count() if device_count is None else device_count
+    return torch.device(rank_device("cuda", local, count, visible_devices(env)))
+
+
 def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, device: torch.device,
                          timeout_s: float = 600.0) -> TPGroup:
-    """Join the ranks' process group (gloo on CPU, NCCL on CUDA). A no-op for one rank."""
+    """Join the ranks' process group (gloo on CPU, NCCL on CUDA). A no-op for one rank. A CUDA
+    device must name its index (rank_torch_device): it becomes this process's current device,
+    which NCCL's communicator is bound to."""
     global _tp
+    if device.type == "cuda":
+        if device.index is None:
+            raise ValueError(f"rank {rank}: a CUDA device without an index ({device}); take rank_torch_device's")
+        torch.cuda.set_device(device)
     if world_size == 1:
         _tp = TPGroup()
         return _tp
@@ -64,10 +91,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, de
     if init_method is None:
         raise ValueError("tensor parallelism needs a rendezvous address (--dist-init-addr host:port)")
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+        dist.init_process_group(dist_backend(device), init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     _tp = TPGroup(rank, world_size, dist.group.WORLD)
     return _tp
