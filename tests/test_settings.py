@@ -158,7 +158,8 @@ def test_a_bad_variable_ends_the_command_with_exit_code_2(monkeypatch, capsys):
 def test_argv_for_hands_on_what_differs_from_the_default():
     values = {"model": "/m", "device": "auto", "block_size": 8, "no_prefix_caching": True,
               "no_chunked_prefill": False, "max_num_batched_tokens": None, "api_key": ["sk"], "max_n": 4}
-    assert argv_for("worker", values) == ["--model", "/m"]
+    # the worker sizes its KV pool at startup by the scheduler's settings (fails there when it holds no block)
+    assert argv_for("worker", values) == ["--model", "/m", "--block-size", "8"]
     assert argv_for("scheduler", values) == ["--block-size", "8", "--no-prefix-caching"]
     assert argv_for("gateway", values) == ["--max-n", "4"]  # the key goes by environment
     assert argv_for("gateway", {"port": 9}, skip={"port"}) == []

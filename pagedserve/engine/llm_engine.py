@@ -11,12 +11,11 @@ from tqdm import tqdm
 
 from pagedserve.common import settings, structured_output
 from pagedserve.common.messages import SampledToken
-from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler.core.request import Request
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
-from pagedserve.worker.kv_cache import bytes_per_block
-from pagedserve.worker.model_setup import eos_ids, kv_cache_blocks, pick_device, pick_dtype, resolve_max_model_len
+from pagedserve.worker.model_setup import (KVSettings, KVSize, load_runner, measure_cuda_memory, place_model,
+                                           runner_kwargs, size_kv_cache)
 
 log = logging.getLogger("pagedserve")
 
@@ -84,43 +83,34 @@ def engine_config_from_args(args: argparse.Namespace, progress: bool = True) -> 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
-        from pagedserve.model_files.default_model import resolve_model
-        from pagedserve.worker.model_runner import ModelRunner
-
         self.config = config
-        self.model_path = resolve_model(config.model)
-        self.model_config = ModelConfig.from_folder(self.model_path)
-        self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device)
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_path)
-        self.tokenizer = tokenizer
-        self.eos_token_ids = eos_ids(self.model_path, self.model_config, tokenizer)
+        # The one model setup (worker/model_setup.py), as the worker service runs it.
+        place = place_model(config.model, config.device, config.dtype, config.max_model_len, local_rank=0,
+                            tokenizer=tokenizer, tokenizer_name=config.tokenizer)
+        self.model_path, self.model_config, self.tokenizer = place.model_path, place.model_config, place.tokenizer
+        self.device, self.dtype, self.eos_token_ids = place.device, place.dtype, place.eos_token_ids
         mc = self.model_config
-        self.max_model_len = max_len = resolve_max_model_len(mc, config.max_model_len)
+        self.max_model_len = max_len = place.max_model_len
         config.max_num_batched_tokens, long_prefill_token_threshold = settings.step_budgets(
             config.max_num_batched_tokens, config.long_prefill_token_threshold, self.device.type)
-        runner_kwargs = dict(model_config=mc, model_path=self.model_path, dtype=self.dtype, device=self.device,
-                             block_size=config.block_size, max_model_len=max_len, eos_token_ids=self.eos_token_ids,
-                             quantization=config.quantization)
         self.ranks = None
         if config.tensor_parallel_size > 1:
             from pagedserve.worker.local_ranks import LocalRanks
-            self.ranks = LocalRanks(config.tensor_parallel_size, self.device, {**runner_kwargs, "progress": False})
+            self.ranks = LocalRanks(config.tensor_parallel_size, self.device,
+                                    {**runner_kwargs(place, config.block_size, config.quantization), "progress": False})
         try:
-            self.runner = ModelRunner(**runner_kwargs, progress=config.progress)
+            self.runner = load_runner(place, config.block_size, config.quantization, progress=config.progress)
+            log.info("loaded %s (%s on %s; linear weights %s)", Path(self.model_path).name,
+                     str(self.dtype).removeprefix("torch."), self.device, self.runner.weights_description)
+            size = self._size_kv_cache()
         except BaseException:
             self.close()
             raise
-        log.info("loaded %s (%s on %s; linear weights %s)", Path(self.model_path).name,
-                 str(self.dtype).removeprefix("torch."), self.device, self.runner.weights_description)
-        num_blocks, num_host_blocks = self._size_kv_cache()
+        num_blocks, num_host_blocks = size.num_blocks, size.num_host_blocks
         max_concurrency = num_blocks * config.block_size / max_len
         log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB); maximum concurrency at %d tokens "
                  "per request: %.2fx", num_blocks, config.block_size, self.dtype,
-                 num_blocks * bytes_per_block(mc, config.block_size, self.dtype, config.tensor_parallel_size) / 2**20,
-                 max_len, max_concurrency)
+                 num_blocks * size.block_bytes / 2**20, max_len, max_concurrency)
         self._on_all_ranks("allocate_kv_cache", num_blocks, num_host_blocks)
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
@@ -147,13 +137,16 @@ class LLMEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _size_kv_cache(self) -> tuple[int, int]:
+    def _size_kv_cache(self) -> KVSize:
         cfg = self.config
-        if self.ranks is not None and self.device.type == "cuda" and not cfg.kv_cache_memory:
-            # kv_cache_blocks profiles a forward pass on rank 0; its collectives need every rank.
-            self.ranks.call("profile_peak_activation_bytes", cfg.max_num_batched_tokens)
-        return kv_cache_blocks(self.runner, cfg.block_size, cfg.kv_cache_memory, cfg.gpu_memory_utilization,
-                               cfg.max_num_batched_tokens, cfg.swap_space if cfg.preemption_mode == "swap" else 0)
+        kv = KVSettings(cfg.block_size, cfg.kv_cache_memory, cfg.gpu_memory_utilization, cfg.max_num_batched_tokens,
+                        cfg.swap_space if cfg.preemption_mode == "swap" else 0)
+
+        def measure(runner, num_tokens: int):
+            if self.ranks is not None:  # the profile run's collectives need every rank
+                self.ranks.call("profile_peak_activation_bytes", num_tokens)
+            return measure_cuda_memory(runner, num_tokens)
+        return size_kv_cache(self.runner, kv, measure=measure)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

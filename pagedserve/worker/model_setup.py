@@ -1,16 +1,29 @@
-"""A model's place and budget, decided once at load: device, dtype, context length, eos ids and how
-many KV blocks fit. Shared by the worker service and the in-process engine (pagedserve.engine)."""
+"""One model setup, used by the worker service and the in-process engine (pagedserve.engine)
+alike: place the model (resolve it, its device for this rank, dtype, context length, eos ids),
+load it into a ModelRunner, measure the device's memory, and size the KV pool.
+
+    place = place_model(model, device, dtype, max_model_len, local_rank=...)
+    runner = load_runner(place, block_size, quantization)      # after joining the TP group
+    size = size_kv_cache(runner, KVSettings(...))              # raises KVBudgetError
+    runner.allocate_kv_cache(size.num_blocks, size.num_host_blocks)
+
+The budget's arithmetic is device_memory's (pure); measure_cuda_memory is the one place that
+reads a GPU's memory for it. Threads: the caller's (the worker's torch thread, the engine's).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.sizes import parse_size
+from pagedserve.worker.device_memory import MemoryReading, describe, kv_budget, num_blocks
 from pagedserve.worker.kv_cache import bytes_per_block
 
 log = logging.getLogger("pagedserve")
@@ -76,22 +89,108 @@ def resolve_max_model_len(mc: ModelConfig, requested: int | None) -> int:
     return max_len
 
 
+CPU_KV_CACHE_MEMORY = "2GiB"  # the CPU's pool when --kv-cache-memory is not given
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPlace:
+    """Where and how a model runs, decided before its weights load."""
+    model_path: Path
+    model_config: ModelConfig
+    device: torch.device  # this rank's own (cuda:<local rank>, or the CPU)
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer: object | None  # the HF tokenizer, when one was given or could be loaded
+
+
+def place_model(model: str | None, device: str, dtype: str, max_model_len: int | None, local_rank: int = 0,
+                tokenizer=None, tokenizer_name: str | None = None, need_tokenizer: bool = True) -> ModelPlace:
+    """Resolve the model and decide its place. tokenizer: one the caller has, else loaded from
+    tokenizer_name or the model's folder (need_tokenizer False: a model without one still runs,
+    with the eos ids of its config files)."""
+    from pagedserve.model_files.default_model import resolve_model
+    from pagedserve.worker.parallel import rank_torch_device
+
+    model_path = Path(resolve_model(model))
+    config = ModelConfig.from_folder(model_path)
+    where = rank_torch_device(pick_device(device), local_rank)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or model_path)
+        except (OSError, ValueError):
+            if need_tokenizer:
+                raise
+    return ModelPlace(model_path, config, where, pick_dtype(dtype, where), resolve_max_model_len(config, max_model_len),
+                      eos_ids(model_path, config, tokenizer), tokenizer)
+
+
+def runner_kwargs(place: ModelPlace, block_size: int, quantization: str) -> dict:
+    """ModelRunner's arguments for this place (the TP followers of an engine get them too)."""
+    return dict(model_config=place.model_config, model_path=place.model_path, dtype=place.dtype, device=place.device,
+                block_size=block_size, max_model_len=place.max_model_len, eos_token_ids=place.eos_token_ids,
+                quantization=quantization)
+
+
+def load_runner(place: ModelPlace, block_size: int, quantization: str, progress: bool = True):
+    """Load this rank's shard into a ModelRunner (the TP group joined already)."""
+    from pagedserve.worker.model_runner import ModelRunner
+    return ModelRunner(**runner_kwargs(place, block_size, quantization), progress=progress)
+
+
+@dataclass(frozen=True, slots=True)
+class KVSettings:
+    """How the KV pool is sized: the engine's settings, the worker's own, or what its scheduler
+    asks for in Profile."""
+    block_size: int
+    kv_cache_memory: str | int | None  # None: CPU_KV_CACHE_MEMORY on the CPU, the measured budget on CUDA
+    gpu_memory_utilization: float
+    max_num_batched_tokens: int | None  # the largest step: the profile run's size (None: not known yet)
+    swap_space: str | int = 0  # the host pool for swapping (0: none)
+
+
+@dataclass(frozen=True, slots=True)
+class KVSize:
+    num_blocks: int
+    num_host_blocks: int
+    block_bytes: int
+    reading: MemoryReading | None  # what the budget was computed from (CUDA, measured)
+
+
+def measure_cuda_memory(runner, max_num_batched_tokens: int) -> MemoryReading:
+    """The CUDA platform's memory reading for the KV budget: run the largest step (ModelRunner's
+    profile run, which releases its memory after), then read what the device has free and what
+    this process holds. A tensor-parallel rank's peers must run the same profile at once."""
+    peak = runner.profile_peak_activation_bytes(max_num_batched_tokens)
+    torch.cuda.synchronize(runner.device)
+    free, total = torch.cuda.mem_get_info(runner.device)
+    return MemoryReading(total=int(total), free=int(free), weights=int(runner.weight_bytes()), peak=int(peak),
+                         own=int(torch.cuda.memory_reserved(runner.device)))
+
+
+def size_kv_cache(runner, kv: KVSettings, reading: MemoryReading | None = None,
+                  measure: Callable[[object, int], MemoryReading] = measure_cuda_memory) -> KVSize:
+    """How many device blocks this worker's budget holds (and host blocks for swapping). An
+    explicit kv_cache_memory is the budget as given; else on CUDA the measured one (reading, or
+    measure(runner, max_num_batched_tokens) now), on the CPU CPU_KV_CACHE_MEMORY. Raises
+    KVBudgetError (a ValueError) naming the numbers when it holds no block."""
+    per_block = bytes_per_block(runner.config, kv.block_size, runner.dtype, runner.tensor_parallel_size)
+    if kv.kv_cache_memory:
+        budget = parse_size(kv.kv_cache_memory)
+    elif runner.device.type == "cuda":
+        reading = reading or measure(runner, kv.max_num_batched_tokens)
+        budget = kv_budget(reading, kv.gpu_memory_utilization, per_block)
+        log.info("KV budget %d bytes: %s", budget, describe(reading, kv.gpu_memory_utilization, per_block))
+    else:
+        budget = parse_size(CPU_KV_CACHE_MEMORY)
+    host = parse_size(kv.swap_space) // per_block if kv.swap_space else 0
+    return KVSize(int(num_blocks(budget, per_block)), int(host), per_block, reading)
+
+
 def kv_cache_blocks(runner, block_size: int, kv_cache_memory: str | int | None, gpu_memory_utilization: float,
                     max_num_batched_tokens: int, swap_space: str | int) -> tuple[int, int]:
-    """How many device blocks the budget holds (and host blocks for swapping; swap_space 0: none)."""
-    per_block = bytes_per_block(runner.config, block_size, runner.dtype, runner.tensor_parallel_size)
-    if kv_cache_memory:
-        budget = parse_size(kv_cache_memory)
-    elif runner.device.type == "cuda":
-        # Weights are loaded: what is in use now plus the peak of the largest step is taken.
-        peak = runner.profile_peak_activation_bytes(max_num_batched_tokens)
-        free, total = torch.cuda.mem_get_info(runner.device)
-        budget = int(total * gpu_memory_utilization) - (total - free) - peak
-    else:
-        budget = parse_size("2GiB")
-    num_blocks = budget // per_block
-    if num_blocks < 1:
-        raise ValueError(f"the KV cache budget of {budget} bytes holds no block "
-                         f"({per_block} bytes each); raise --kv-cache-memory")
-    host = parse_size(swap_space) // per_block if swap_space else 0
-    return int(num_blocks), int(host)
+    """size_kv_cache's (device blocks, host blocks), for callers with the settings apart (the planner)."""
+    size = size_kv_cache(runner, KVSettings(block_size, kv_cache_memory, gpu_memory_utilization,
+                                            max_num_batched_tokens, swap_space))
+    return size.num_blocks, size.num_host_blocks

@@ -27,12 +27,16 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, add_internal_port, set_serving
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:  # model_setup imports torch: not before main has set the OpenMP environment
+    from pagedserve.worker.model_setup import KVSettings, KVSize
 
 log = logging.getLogger("pagedserve.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -43,34 +47,44 @@ class SessionMismatch(Exception):
 
 
 class WorkerService:
-    """Loads the model; owns the KV pool and the per-request state between steps."""
+    """Loads the model; owns the KV pool and the per-request state between steps.
+
+    At load it also sizes the KV pool its own settings (kv) ask for, so that a budget that holds
+    no block fails the worker's startup, naming its numbers, before a scheduler waits on it; the
+    memory reading taken then serves the scheduler's Profile, unless that asks for another step
+    size."""
 
     def __init__(self, model: str | None, device: str = "auto", dtype: str = "auto",
                  max_model_len: int | None = None, rank: int = 0, world_size: int = 1,
                  dist_init_method: str | None = None, tokenizer: str | None = None,
-                 quantization: str = "auto") -> None:
+                 quantization: str = "auto", kv: KVSettings | None = None) -> None:
+        import dataclasses
+
         import torch  # noqa: F401 - the worker is the one service that needs it
 
-        from pagedserve.model_files.default_model import resolve_model
-        from pagedserve.worker.model_setup import eos_ids, pick_device, pick_dtype, resolve_max_model_len
-        from pagedserve.common.model_config import ModelConfig
+        from pagedserve.common.settings import defaults, step_budgets
+        from pagedserve.worker.device_memory import local_rank
+        from pagedserve.worker.model_setup import KVSettings, place_model
 
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"--rank {rank} is outside a tensor-parallel group of size {world_size}")
         self.rank, self.world_size = rank, world_size
         self.dist_init_method = dist_init_method
         self.quantization = quantization
-        self.model_path = resolve_model(model)
-        self.model_config = ModelConfig.from_folder(self.model_path)
-        self.device = pick_device(device)
-        self.dtype = pick_dtype(dtype, self.device)
-        self.max_model_len = resolve_max_model_len(self.model_config, max_model_len)
-        try:
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer or self.model_path)
-        except (OSError, ValueError):
-            tokenizer = None  # the eos ids of config.json and generation_config.json still apply
-        self.eos_token_ids = eos_ids(self.model_path, self.model_config, tokenizer)
+        # the eos ids of config.json and generation_config.json apply without a tokenizer too
+        self.place = place_model(model, device, dtype, max_model_len, local_rank(rank, os.environ),
+                                 tokenizer_name=tokenizer, need_tokenizer=False)
+        self.model_path, self.model_config = self.place.model_path, self.place.model_config
+        self.device, self.dtype = self.place.device, self.place.dtype
+        self.max_model_len, self.eos_token_ids = self.place.max_model_len, self.place.eos_token_ids
+        if kv is None:
+            engine = defaults("engine")
+            kv = KVSettings(engine["block_size"], engine["kv_cache_memory"], engine["gpu_memory_utilization"],
+                            engine["max_num_batched_tokens"])
+        # the largest step by the device's default (settings.step_budgets) when none is set
+        self.kv = dataclasses.replace(kv, max_num_batched_tokens=step_budgets(kv.max_num_batched_tokens, None,
+                                                                              self.device.type)[0])
+        self.kv_size: KVSize | None = None  # sized at load
         self.runner = None
         self.session_id = ""
         self.lock = threading.Lock()  # one step at a time, and no InitCache in the middle of one
@@ -87,20 +101,24 @@ class WorkerService:
         return self.torch_thread.submit(fn, *args).result()
 
     def load(self) -> None:
+        """Join the group, load the model and size the KV pool this worker's settings ask for
+        (KVBudgetError, a ValueError naming the numbers, when it holds no block)."""
         self._on_torch_thread(self._load)
 
     def _load(self) -> None:
-        from pagedserve.worker.model_runner import ModelRunner
+        from pagedserve.worker.model_setup import load_runner, size_kv_cache
         from pagedserve.worker.parallel import init_tensor_parallel
         started = time.monotonic()
         # Every rank blocks here until all have joined the group, then loads only its shard.
         init_tensor_parallel(self.rank, self.world_size, self.dist_init_method, self.device)
-        self.runner = ModelRunner(self.model_config, self.model_path, self.dtype, self.device, block_size=16,
-                                  max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-                                  progress=False, quantization=self.quantization)
+        self.runner = load_runner(self.place, self.kv.block_size, self.quantization, progress=False)
         log.info("rank %d loaded %s (%s on %s; linear weights %s) in %.1f s", self.rank, Path(self.model_path).name,
                  str(self.dtype).removeprefix("torch."), self.device, self.runner.weights_description,
                  time.monotonic() - started)
+        # On CUDA every rank profiles its largest step here at once (the step's collectives need all).
+        self.kv_size = size_kv_cache(self.runner, self.kv)
+        log.info("rank %d: a KV pool of %d blocks of %d tokens fits (%d bytes each)", self.rank,
+                 self.kv_size.num_blocks, self.kv.block_size, self.kv_size.block_bytes)
 
     def describe(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(
@@ -113,15 +131,17 @@ class WorkerService:
         return self._on_torch_thread(self._profile, request)
 
     def _profile(self, request: worker_pb2.ProfileRequest) -> worker_pb2.ProfileResponse:
-        from pagedserve.worker.model_setup import kv_cache_blocks
-        from pagedserve.worker.kv_cache import bytes_per_block
-        block_size = request.block_size or 16
-        num_blocks, num_host = kv_cache_blocks(
-            self.runner, block_size, request.kv_cache_memory or None, request.gpu_memory_utilization or 0.9,
-            request.max_num_batched_tokens or 512, request.swap_space or 0)
-        return worker_pb2.ProfileResponse(num_gpu_blocks=num_blocks, num_cpu_blocks=num_host,
-                                          bytes_per_block=bytes_per_block(self.model_config, block_size, self.dtype,
-                                                                          self.world_size),
+        from pagedserve.worker.model_setup import size_kv_cache
+        kv = profile_settings(request, self.kv)
+        reading = self.kv_size.reading if self.kv_size is not None else None
+        if reading is not None and kv.max_num_batched_tokens != self.kv.max_num_batched_tokens:
+            reading = None  # another step size: measure again, without the pool of an earlier session
+            with self.lock:
+                self.runner.kv = None
+                self.runner.requests.clear()
+        size = size_kv_cache(self.runner, kv, reading)
+        return worker_pb2.ProfileResponse(num_gpu_blocks=size.num_blocks, num_cpu_blocks=size.num_host_blocks,
+                                          bytes_per_block=size.block_bytes,
                                           kv_group_windows=self.model_config.kv_groups().windows)
 
     def init_cache(self, request: worker_pb2.InitCacheRequest) -> None:
@@ -213,6 +233,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else str(exc))
 
 
+def profile_settings(request: worker_pb2.ProfileRequest, own: KVSettings) -> KVSettings:
+    """The KV settings a scheduler's Profile asks for; a field it leaves unset keeps the worker's."""
+    from pagedserve.worker.model_setup import KVSettings
+    return KVSettings(request.block_size or own.block_size, request.kv_cache_memory or own.kv_cache_memory,
+                      request.gpu_memory_utilization or own.gpu_memory_utilization,
+                      request.max_num_batched_tokens or own.max_num_batched_tokens, request.swap_space or 0)
+
+
+def kv_settings(args: argparse.Namespace) -> KVSettings:
+    """The worker's own KV settings: the flags its scheduler takes too (the launcher hands both the
+    same values); an unset step budget is the device's default (WorkerService)."""
+    from pagedserve.worker.model_setup import KVSettings
+    return KVSettings(args.block_size, args.kv_cache_memory, args.gpu_memory_utilization, args.max_num_batched_tokens)
+
+
 def dist_init_method(address: str | None) -> str | None:
     """host:port of rank 0's rendezvous, else MASTER_ADDR/MASTER_PORT from the environment."""
     if address:
@@ -223,7 +258,7 @@ def dist_init_method(address: str | None) -> str | None:
 def serve(args: argparse.Namespace) -> int:
     service = WorkerService(args.model, args.device, args.dtype, args.max_model_len, args.rank,
                             args.tensor_parallel_size, dist_init_method(args.dist_init_addr), args.tokenizer,
-                            args.quantization)
+                            args.quantization, kv_settings(args))
     ready = threading.Event()
     # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
