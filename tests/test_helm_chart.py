@@ -217,7 +217,8 @@ def test_gpu_variant_gives_each_replica_its_gpus_and_nccl(rendered):
     assert spec["runtimeClassName"] == "nvidia"
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     # Every rank on its own GPU; the scheduler dials all eight.
-    assert "CUDA_VISIBLE_DEVICES=$rank" in worker["args"][0]
+    # (LOCAL_RANK=0: a rank takes cuda:<local rank>, its index among the GPUs it sees)
+    assert "CUDA_VISIBLE_DEVICES=$rank LOCAL_RANK=0" in worker["args"][0]
     addrs = env_of(containers(engine)["scheduler"])["PAGEDSERVE_WORKER_ADDRS"]
     assert addrs == ",".join(f"127.0.0.1:{50061 + r}" for r in range(8))
 
