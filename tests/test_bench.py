@@ -106,3 +106,60 @@ def test_bench_throughput_profile(tmp_path, capsys, quantization):
     assert "<locals>" not in llama.linear.__qualname__  # the profiler's wrapper was taken out again
     assert step_profile.step_kind({"a": 1, "b": 1}) == "decode 2-8"
     assert step_profile.step_kind({"a": 1, "b": 7}) == "mixed" and step_profile.step_kind({"a": 9}) == "prefill"
+
+
+# ---- bench services: one side at a time on a GPU ---------------------------------------------------
+class StackStandIn:
+    """Stands in for the services' Stack (tests/stack/test_bench_stack.py starts the real one):
+    this test is about the order the bench makes and releases its two sides."""
+
+    def __init__(self, events: list, engines_alive=lambda: 0) -> None:
+        self.events = events
+        events.append(f"stack started beside {engines_alive()} engine(s)")
+
+    def stop(self) -> None:
+        self.events.append("stack stopped")
+
+
+@pytest.mark.parametrize("exclusive", [True, False])
+def test_bench_services_keeps_one_side_resident_on_a_gpu(tiny_llama, exclusive):
+    import weakref
+
+    from pagedserve.bench.services import Sides, pair_order
+    from tiny_models import make_engine
+    events, built = [], []
+
+    def build():
+        engine = make_engine(tiny_llama)
+        built.append(weakref.ref(engine))
+        events.append("engine built")
+        return engine
+
+    sides = Sides(build, lambda: StackStandIn(events, lambda: sum(ref() is not None for ref in built)),
+                  exclusive=exclusive)
+    for repeat in range(3):
+        for side in pair_order(repeat, exclusive):
+            if side == "in_process":
+                sides.engine()
+            else:
+                sides.stack()
+    sides.close()
+    if exclusive:  # ABBA: each switch serves two runs; the engine is gone before the services start
+        assert events == ["engine built", "stack started beside 0 engine(s)", "stack stopped", "engine built",
+                          "stack started beside 0 engine(s)", "stack stopped"]
+    else:
+        assert events == ["engine built", "stack started beside 1 engine(s)", "stack stopped"]
+    assert built[-1]() is None  # closed: nothing but Sides held it
+
+
+def test_released_engine_frees_its_tensors(tiny_llama):
+    import weakref
+
+    from pagedserve.bench.services import Sides, free_device_memory
+    from tiny_models import make_engine
+    sides = Sides(lambda: make_engine(tiny_llama), lambda: StackStandIn([]), exclusive=True)
+    weight = weakref.ref(next(sides.engine().runner.model.parameters()))
+    assert weight() is not None
+    sides.stack()  # releases the engine first, collecting it
+    assert weight() is None
+    assert free_device_memory() == (torch.cuda.memory_reserved() if torch.cuda.is_available() else None)

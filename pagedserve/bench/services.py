@@ -9,6 +9,14 @@ Workloads: `w64` (the throughput bench's W<num-prompts>) or `random` (prompts of
 token ids, --output-len tokens each, as vLLM's serving benchmark's random dataset). Greedy,
 ignore_eos, one closed loop of --concurrency clients in both runs; each pair of runs on prompts of
 its own (the same prompts again would be prefix-cache hits on both sides).
+
+On a GPU the two sides are never resident together (Sides): each would take
+--gpu-memory-utilization of it, and the services' worker would find the GPU held by this process.
+The in-process engine is released (closed, collected, torch's cache emptied) before the services
+start, and the services stopped before the engine is built again; the pairs then run in ABBA
+order, so each switch serves two runs. On the CPU both stay up, as before.
+
+Threads: the caller's, and asyncio's loop for the HTTP clients.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import statistics
 import time
@@ -26,6 +35,8 @@ from pagedserve.bench.throughput import Workload, build_engine, cpu_name, load_t
 from pagedserve.common.engine_args import add_engine_args
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.settings import setting
+
+log = logging.getLogger(__name__)
 
 WARMUP_SEED = 2**31 - 1  # the warm-up's prompts: none of a run's (those take --seed + run)
 
@@ -146,6 +157,16 @@ async def run_clients(base_url: str, model: str, work: Workload, concurrency: in
     return summarize(elapsed, ttfts, tpots, sum(produced))
 
 
+def on_gpu(device: str) -> bool:
+    """Whether the bench's device is a GPU (auto: CUDA when torch sees one)."""
+    if device == "cuda":
+        return True
+    if device != "auto":
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
 def start_services(args, model_path):
     from pagedserve.common.grpc_util import free_port
     from pagedserve.launcher.processes import StackConfig, start_stack
@@ -160,10 +181,83 @@ def start_services(args, model_path):
         worker_transport=getattr(args, "worker_transport", setting("scheduler", "worker_transport").default),
         service_transport=getattr(args, "service_transport", setting("gateway", "service_transport").default),
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization",
+                                       setting("engine", "gpu_memory_utilization").default),
+        swap_space=getattr(args, "swap_space", setting("engine", "swap_space").default),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
         preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
         no_prefix_caching=args.no_prefix_caching, no_chunked_prefill=args.no_chunked_prefill, log_dir=None))
+
+
+# ---- one side at a time on a GPU --------------------------------------------------------------------
+def free_device_memory() -> int | None:
+    """After the last reference to an engine is dropped: collect it (its tensors may sit in
+    reference cycles) and on CUDA return torch's cached blocks to the driver, so that a worker
+    process measuring the GPU next finds them free. Returns the bytes torch still reserves on the
+    GPU (None without CUDA)."""
+    import gc
+    import sys
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+class Sides:
+    """The two sides of the bench, each built when first asked for. exclusive (a GPU: the engine
+    and the services' worker would each take --gpu-memory-utilization of it) keeps at most one
+    resident: the engine is released before the services start, the services stopped before the
+    engine is built again. Otherwise both stay up and the runs alternate as they are.
+    build_engine() and start_stack() make a side ready (warm-ups included). Sides holds the only
+    reference to the engine it built: a caller keeps none past its run."""
+
+    def __init__(self, build_engine, start_stack, exclusive: bool) -> None:
+        self.build_engine, self.start_stack, self.exclusive = build_engine, start_stack, exclusive
+        self._engine = None
+        self._stack = None
+
+    def engine(self):
+        if self._engine is None:
+            if self.exclusive:
+                self.stop_stack()
+            self._engine = self.build_engine()
+        return self._engine
+
+    def stack(self):
+        if self._stack is None:
+            if self.exclusive:
+                self.release_engine()
+            self._stack = self.start_stack()
+        return self._stack
+
+    def release_engine(self) -> None:
+        if self._engine is None:
+            return
+        self._engine.close()  # its tensor-parallel ranks, if any
+        self._engine = None  # the last reference (no local keeps it through the collection)
+        still = free_device_memory()
+        if still is not None:
+            log.info("released the in-process engine: torch still reserves %d bytes on the GPU", still)
+
+    def stop_stack(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.stop()  # returns once its processes have exited: their GPU memory is the driver's again
+
+    def close(self) -> None:
+        self.stop_stack()
+        self.release_engine()
+
+
+def pair_order(repeat: int, exclusive: bool) -> tuple[str, str]:
+    """Which side runs first in a pair: in process first, but where only one side may be resident,
+    every other pair the other way round (ABBA), so each switch serves two runs."""
+    if exclusive and repeat % 2:
+        return ("services", "in_process")
+    return ("in_process", "services")
 
 
 def service_cpu_seconds(stack) -> dict[str, float]:
@@ -196,43 +290,77 @@ def run_services_bench(args) -> dict:
 
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
-    engine = build_engine(args, model_path, tokenizer)
-    vocab = engine.model_config.vocab_size
+    warm_up_prompts: list[Workload] = []
+    served_model: list[str] = []  # the model's name on /v1/models
+
+    def build() -> object:
+        engine = build_engine(args, model_path, tokenizer)
+        if not warm_up_prompts:
+            warm_up_prompts.append(make_workload(4, engine.model_config.vocab_size, WARMUP_SEED))
+        run_in_process(engine, warm_up_prompts[0], args.concurrency)  # warm-up: kernels, allocator
+        return engine
+
+    def start():
+        import httpx
+        stack = start_services(args, model_path)
+        try:
+            served_model[:] = [httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"][0]["id"]]
+            asyncio.run(run_clients(stack.http_url, served_model[0], warm_up_prompts[0], args.concurrency))  # warm-up
+        except BaseException:
+            stack.stop()
+            raise
+        return stack
+
+    # On a GPU one side at a time (Sides); on the CPU both stay up and the runs alternate: this
+    # machine's speed drifts by 2x within minutes, so only pairs run back to back compare.
+    sides = Sides(build, start, exclusive=on_gpu(args.device))
+    engine = sides.engine()
+    vocab, dtype = engine.model_config.vocab_size, str(engine.dtype).removeprefix("torch.")
+    del engine  # Sides holds the only reference: it must be able to release it
+    if not sides.exclusive:
+        sides.stack()  # both up before the first pair
 
     def workload(seed: int) -> Workload:
         if args.workload == "w64":
             return make_workload(args.num_prompts, vocab, seed)
         return random_workload(args.num_prompts, args.input_len, args.output_len, vocab, seed)
 
-    dtype = str(engine.dtype).removeprefix("torch.")
-    warm_up = make_workload(4, vocab, WARMUP_SEED)
-    run_in_process(engine, warm_up, args.concurrency)  # warm-up: kernels, allocator
-    # Both stay up and the runs alternate: this machine's speed drifts by 2x within minutes, so
-    # only pairs run back to back compare.
-    import httpx
+    def in_process_run(work: Workload) -> dict:
+        engine = sides.engine()
+        cpu0 = time.process_time()
+        result = run_in_process(engine, work, args.concurrency)
+        result["cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu0) / work.num_output_tokens
+        return result
+
+    def services_run(work: Workload) -> dict:
+        stack = sides.stack()
+        used0 = service_cpu_seconds(stack)
+        used0["client"] = time.process_time()  # this process: the HTTP clients (the engine idles)
+        result = asyncio.run(run_clients(stack.http_url, served_model[0], work, args.concurrency))
+        result["cpu_ms_per_token"] = cpu_ms_per_token(
+            used0, {**service_cpu_seconds(stack), "client": time.process_time()}, work.num_output_tokens)
+        all_stats.append(scheduler_stats(stack))
+        return result
+
     pairs = []
-    with start_services(args, model_path) as stack:
-        model = httpx.get(stack.http_url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        asyncio.run(run_clients(stack.http_url, model, warm_up, args.concurrency))  # warm-up
+    all_stats = []  # the scheduler's, after each services run (a stack may not outlive its run)
+    runs = {"in_process": in_process_run, "services": services_run}
+    try:
         for repeat in range(args.repeats):
             # Fresh prompts in each pair: the same ones again would be prefix-cache hits on both sides
             # (a run of cached prompts is mostly decode, and measured 1.9x a cold one in process).
             work = workload(args.seed + repeat)
-            cpu0 = time.process_time()
-            in_process = run_in_process(engine, work, args.concurrency)
-            in_process["cpu_ms_per_token"] = 1e3 * (time.process_time() - cpu0) / work.num_output_tokens
-            used0 = service_cpu_seconds(stack)
-            used0["client"] = time.process_time()  # this process: the HTTP clients (the engine idles)
-            services = asyncio.run(run_clients(stack.http_url, model, work, args.concurrency))
-            services["cpu_ms_per_token"] = cpu_ms_per_token(
-                used0, {**service_cpu_seconds(stack), "client": time.process_time()}, work.num_output_tokens)
+            pair = {side: runs[side](work) for side in pair_order(repeat, sides.exclusive)}
+            in_process, services = pair["in_process"], pair["services"]
             pairs.append({"in_process": in_process, "services": services,
                           "ratio": services["output_tok_s"] / in_process["output_tok_s"],
                           "tpot_ratio": services["tpot_median_ms"] / in_process["tpot_median_ms"]})
             print(f"run {repeat + 1}: in-process {in_process['output_tok_s']:.1f} out tok/s, services "
                   f"{services['output_tok_s']:.1f}: {pairs[-1]['ratio']:.3f}x; TPOT "
                   f"{pairs[-1]['tpot_ratio']:.3f}x", flush=True)
-        stats = scheduler_stats(stack)
+    finally:
+        sides.close()
+    stats = all_stats[-1]
     ratios = sorted(p["ratio"] for p in pairs)
     result = {"cpu": cpu_name(), "dtype": dtype, "workload": args.workload, "num_prompts": len(work.prompts),
               "omp_wait_policy": args.omp_wait_policy, "cpu_kernel_threads": args.cpu_kernel_threads,
