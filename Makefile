@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve chat test test-heavy test-fast download bench lint clean protos
+.PHONY: serve chat test test-heavy test-fast download bench lint clean protos gpu-prepare
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,12 @@ bench: $(STAMP)
 # The generated code is committed; tests/test_protos.py fails when it is stale.
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/pagedserve/v1/*.proto
+
+# The GPU check kit (gpu/README.md): run here, where the package registry is; it fills the git-ignored
+# .gpu/ with the wheels the GPU machine's image lacks, the default tokenizer and the scripts. Then, on
+# the GPU machine, from the project's root: bash .gpu/check.sh [tests] [e2e] [speed] [services]
+gpu-prepare: $(STAMP)
+	PYTHON=$(BIN)/python bash gpu/prepare.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the project's root: bash .gpu/check.sh [tests] [e2e] [speed] [services]   (default: all)
+# Writes summary.txt (a line per stage) and at most 7 logs to $OUT (default: .gpu/out).
+G="$(cd "$(dirname "$0")" && pwd)"; P="$(cd "$G/.." && pwd)"; M=/tmp/m1b
+OUT="${OUT:-$G/out}"; mkdir -p "$OUT"; S=$OUT/summary.txt
+want() { [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]]; }
+STAGES="$*"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$G"/whl/*.whl \
+  > /tmp/pip.log 2>&1 || echo "pip: $(tail -3 /tmp/pip.log)" >> "$S"
+export PYTHONPATH=/tmp/site:$P
+mkdir -p /tmp/bin; printf '#!/bin/sh\nexec python3 -m pagedserve.cli "$@"\n' > /tmp/bin/pagedserve; chmod +x /tmp/bin/pagedserve
+export PATH=/tmp/bin:$PATH
+cd "$P"
+echo "env: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader) | $(python3 -c 'import torch,triton;print(torch.__version__,triton.__version__)') | $(git log --oneline -1 2>/dev/null)" >> "$S"
+line() { echo "$1 rc=$2 $3s :: $(tail -3 "$4" | tr '\n' ' ' | cut -c1-300)" >> "$S"; }
+if want tests; then  # each GPU test in its own process: one CUDA fault poisons only its own context
+  t0=$(date +%s)
+  python3 -m pytest -q --collect-only -p no:cacheprovider tests/test_triton_kernels.py tests/test_deepseek.py 2>/dev/null | grep "::" > /tmp/ids
+  xargs -a /tmp/ids -P 12 -I{} sh -c 'timeout 120 python3 -m pytest -q -x -p no:cacheprovider "{}" > /tmp/one.$$.log 2>&1; rc=$?; if [ $rc = 0 ]; then echo "PASS {}"; else echo "FAIL(rc=$rc) {}"; grep -E "^E |Error" /tmp/one.$$.log | head -4 | cut -c1-240; fi' > "$OUT/tests.log" 2>&1
+  echo "tests $(( $(date +%s) - t0 ))s: $(grep -c ^PASS "$OUT/tests.log") pass, $(grep -c ^FAIL "$OUT/tests.log") fail (rc=124: timed out at 120 s)" >> "$S"
+fi
+if want e2e; then  # the engine on CUDA against transformers on the CPU, tiny models
+  t0=$(date +%s)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow and not heavy" tests/test_engine_equivalence.py \
+    tests/test_moe_models.py tests/test_qwen3_phi3.py tests/test_gemma3.py tests/test_tensor_parallel.py \
+    tests/test_cuda_setup.py tests/test_device_memory.py -rs > "$OUT/e2e.log" 2>&1
+  line e2e $? $(( $(date +%s) - t0 )) "$OUT/e2e.log"
+fi
+if want speed || want services; then timeout 60 python3 "$G/make_model.py" $M "$G/tok" > /tmp/model.log 2>&1 || echo "model: $(tail -2 /tmp/model.log)" >> "$S"; fi
+if want speed; then
+  t0=$(date +%s); { timeout 150 pagedserve bench throughput --model $M --device cuda --num-prompts 1024 --max-num-seqs 256 \
+    --baseline-batch-sizes 256; timeout 60 pagedserve bench latency --model $M --device cuda --input-len 128 --output-len 256; } \
+    > "$OUT/speed.log" 2>&1
+  line speed $? $(( $(date +%s) - t0 )) "$OUT/speed.log"
+  t0=$(date +%s); timeout 120 python3 "$G/profile_step.py" $M > "$OUT/profile.log" 2>&1; line profile $? $(( $(date +%s) - t0 )) "$OUT/profile.log"
+  t0=$(date +%s); timeout 60 python3 -m pagedserve.kernels.bench > "$OUT/kbench.log" 2>&1; line kbench $? $(( $(date +%s) - t0 )) "$OUT/kbench.log"
+fi
+if want services; then
+  t0=$(date +%s); timeout 180 pagedserve bench services --model $M --device cuda --workload w64 --num-prompts 256 \
+    --concurrency 64 --repeats 1 > "$OUT/services.log" 2>&1
+  line services $? $(( $(date +%s) - t0 )) "$OUT/services.log"
+fi
+cat "$S"
