@@ -23,7 +23,7 @@ def test_the_memory_reading_of_a_loaded_model(tiny_llama):
     reading = measure_cuda_memory(runner, 256)
     free, total = torch.cuda.mem_get_info(place.device)
     assert reading.total == total and 0 < reading.free <= total
-    assert reading.weights == runner.weight_bytes() > 0
+    assert reading.weights >= runner.weight_bytes() > 0  # with the buffers beside them
     assert reading.peak > 0  # the profile run allocated activations above the weights
     assert reading.own >= reading.weights  # torch's reservation holds the weights
     # a share that fits beside whatever else this GPU holds

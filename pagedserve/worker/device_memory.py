@@ -86,7 +86,7 @@ class MemoryReading:
     largest step (the step's memory released again). Bytes."""
     total: int  # the device's memory
     free: int  # free on the device now (every process's use taken out)
-    weights: int  # this worker's weights
+    weights: int  # this worker's weights (and the tensors that stay beside them)
     peak: int  # the largest step's activation peak above the weights
     own: int  # what this process's allocator holds now (its weights, its cached blocks)
 

@@ -165,7 +165,9 @@ def measure_cuda_memory(runner, max_num_batched_tokens: int) -> MemoryReading:
     peak = runner.profile_peak_activation_bytes(max_num_batched_tokens)
     torch.cuda.synchronize(runner.device)
     free, total = torch.cuda.mem_get_info(runner.device)
-    return MemoryReading(total=int(total), free=int(free), weights=int(runner.weight_bytes()), peak=int(peak),
+    # the weights, and what else stays allocated beside them (rotary tables, packed copies)
+    weights = max(runner.weight_bytes(), torch.cuda.memory_allocated(runner.device))
+    return MemoryReading(total=int(total), free=int(free), weights=int(weights), peak=int(peak),
                          own=int(torch.cuda.memory_reserved(runner.device)))
 
 
