@@ -51,6 +51,29 @@ def test_block_hashes_are_the_block_managers():
     assert len(block_hashes(tokens, 16, max_blocks=3)) == 3 and block_hashes(tokens[:15], 16) == []
 
 
+def test_salted_hashes_are_the_block_managers_and_another_salt_names_other_blocks():
+    """Issue 42 row 5: the salt (the owner, gateway/owners.cache_salt) names the first block, so
+    the whole chain; the router and the block manager agree under any salt."""
+    tokens = list(range(100, 164))
+    bm = BlockManager(num_blocks=16, block_size=16)
+    mine = block_hashes(tokens, 16, salt="o1234")
+    assert mine == bm._extend_hashes("s", tokens, 64, "o1234")
+    assert not set(mine) & set(block_hashes(tokens, 16, salt="o5678"))
+    assert not set(mine) & set(block_hashes(tokens, 16))
+    assert block_hashes(tokens, 16, salt="o1234") == mine  # deterministic, no PYTHONHASHSEED
+
+
+def test_block_names_are_not_pythons_tuple_hash():
+    """CVE-2025-25183 (vLLM): hash() of a tuple of ints can be collided on purpose (and hash(-1) ==
+    hash(-2)), and a collision serves one prompt another's KV. The names are 128 bits of sha256:
+    wider than hash() and unrelated to it."""
+    block = list(range(16))
+    assert hash_block(None, block) != hash((None, tuple(block)))
+    assert hash_block(None, block).bit_length() > 64 or hash_block(5, block).bit_length() > 64
+    assert hash_block(None, block) != hash_block(None, block[:-1] + [block[-1] + 1])
+    assert hash_block(1, block) != hash_block(2, block)
+
+
 def test_publisher_sends_changes_bounded_and_expires(prefix):
     client = sync_client()
     pub = ReplicaPublisher(client, prefix, "r0", ttl_s=1.0, max_blocks=3)
@@ -78,9 +101,10 @@ async def _read(prefix):
         await client.aclose()
 
 
-def _schedule(prompt, max_tokens=8, request_id=""):
+def _schedule(prompt, max_tokens=8, request_id="", salt=""):
     msg = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt)
     msg.params.max_tokens = max_tokens
+    msg.params.cache_salt = salt
     return msg
 
 
@@ -159,6 +183,21 @@ def test_prefix_routing_follows_the_published_cache_and_its_own_recent_routes(pr
         assert max(rids.count("r0"), rids.count("r1")) >= 14, (p, rids)  # mostly on one replica
     main = [max(set(r), key=r.count) for r in homes.values()]
     assert main.count("r0") == main.count("r1") == 4  # new prefixes spread evenly
+
+
+def test_prefix_routing_works_per_owner(prefix):
+    """An owner's requests follow its own cached prefix (the salt in the chain); another owner's
+    request with the same tokens finds no replica holding them and is routed on load."""
+    rng = random.Random(2)
+    shared = [rng.randrange(1, 40000) for _ in range(128)]
+    _register(prefix, blocks={"r1": block_hashes(shared, 16, salt="oaaaa")[:6]})
+    prompt = shared + [7] * 20
+    chosen, loads = _route(prefix, "prefix", [_schedule(prompt, salt="oaaaa")])
+    # In-flight tokens: the prompt less the 6 blocks expected from r1's cache, plus max_tokens.
+    assert chosen == ["r1"] and loads[-1]["r1"] == len(prompt) - 96 + 8
+    for salt in ("obbbb", ""):
+        _, loads = _route(prefix, "prefix", [_schedule(prompt, salt=salt)])
+        assert sum(loads[-1].values()) == len(prompt) + 8, (salt, loads)  # nothing expected cached
 
 
 def test_a_request_with_an_owner_goes_to_it_while_it_lives(prefix):

@@ -1,18 +1,44 @@
-"""The prefix cache's block hashes, torch-free, for whoever must name a prompt's blocks outside
-the scheduler (the tokenizer's router).
+"""The prefix cache's block hashes, torch-free: one definition for the scheduler's block manager
+(scheduler/core/block_manager.py) and for whoever must name a prompt's blocks outside the
+scheduler (the tokenizer's router).
 
-The chain is the one of scheduler/core/block_manager.py (hash_block): a full block of block_size
-tokens is named by hash((parent's hash, tuple(its token ids))). Python hashes tuples of ints
-without the PYTHONHASHSEED salt, so every process computes the same names.
-tests/test_prefix_hashes.py keeps the two equal.
+A full block of block_size tokens is named by sha256 over its parent's name and its token ids
+(little-endian uint32), the first block's parent being the request's cache salt; the name is the
+digest's first 128 bits, as an int. So a block's name names its whole prefix and the salt, and
+finding two prefixes with one name takes ~2^64 sha256 work (vLLM moved from Python's hash() to
+sha256 after CVE-2025-25183: hash() of a tuple of ints can be collided on purpose, and a collision
+serves one prompt another's KV). Every process computes the same names (no PYTHONHASHSEED).
+
+The salt (SamplingParams.cache_salt) scopes the cache: the gateway sets it to the request's owner
+(`--prefix-cache-scope owner`, the default) and the client's `cache_salt`, so requests share cached
+blocks only with requests of the same owner and salt. About 0.7 us a block (16 tokens), against
+0.1 us for hash(): once per full block of a sequence. tests/test_replica_routing.py keeps the
+router's and the block manager's names equal.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Sequence
 
+_FIRST, _NEXT = b"\x00", b"\x01"
 
-def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: str = "") -> int:
+    """The name of the block token_ids whose parent block is named parent_hash (None: the first
+    block, under salt)."""
+    if parent_hash is None:
+        salted = salt.encode()
+        head = _FIRST + len(salted).to_bytes(4, "little") + salted
+    else:
+        head = _NEXT + parent_hash.to_bytes(16, "little")
+    digest = hashlib.sha256(head + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+    return int.from_bytes(digest[:16], "little")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None,
+                 salt: str = "") -> list[int]:
     """The chained hashes of the full blocks of token_ids (at most max_blocks of them)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -22,6 +48,6 @@ def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | No
     out: list[int] = []
     parent = None
     for i in range(count):
-        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], salt)
         out.append(parent)
     return out

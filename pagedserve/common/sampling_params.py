@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, asdict
 MAX_LOGPROBS = 20
 MAX_N = 16
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for each bias: [-100, 100]
+MAX_CACHE_SALT = 256  # characters of vLLM's cache_salt
 
 
 @dataclass(slots=True)
@@ -57,6 +58,9 @@ class SamplingParams:
     # None: off; k >= 0: each prompt token's logprob and rank plus the top k at its position
     # (vLLM's prompt_logprobs). Such a request takes no prefix-cache hits: a cached prefix has no logits.
     prompt_logprobs: int | None = None
+    # Names the prefix cache's scope (common/prefix_hashes.py): requests share cached blocks only
+    # with requests of the same salt. The gateway sets it (the owner and the client's cache_salt).
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -121,6 +125,8 @@ class SamplingParams:
                     raise ValueError(f"logit_bias token id {token} must be non-negative")
                 if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                     raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias!r}")
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
+            bad("cache_salt", f"a string of at most {MAX_CACHE_SALT} characters")
         if self.structured_output is not None and len(self.structured_output.kinds()) != 1:
             kinds = self.structured_output.kinds()
             raise ValueError("structured_output must set exactly one of json_schema, json_object, regex, choice, "

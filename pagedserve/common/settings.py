@@ -308,6 +308,10 @@ def _settings() -> tuple[Setting, ...]:
           help="how tool calls are read from the output of a chat request with tools and tool_choice "
           "\"auto\": hermes (Hermes, Qwen: <tool_call>{...}</tool_call>), llama3_json (Llama 3: "
           "{\"name\": ..., \"parameters\": ...}); unset: such requests get 400", group="gateway"),
+        S("--prefix-cache-scope", "serve gateway", str, "owner", choices=("owner", "global"),
+          help="owner: a request shares prefix-cache blocks only with requests of the same API key "
+          "(and cache_salt), so cached_tokens tells no key what another sent; global: every key's "
+          "requests share them (without keys both are the same)", group="gateway"),
         S("--resume-grace", "serve gateway", float, 60.0,
           "seconds a stream's request keeps running after its gateway died, for a resume "
           "(GET /v1/requests/{id}/stream); 0: it is aborted at once", group="gateway"),

@@ -29,7 +29,8 @@ def params_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int = 
         structured_output=structured_output_from_proto(msg.structured_output)
         if msg.HasField("structured_output") else None,
         logit_bias=dict(msg.logit_bias) or None,
-        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        cache_salt=msg.cache_salt)
 
 
 def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
@@ -66,6 +67,7 @@ def params_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | Non
         msg.logit_bias.update(params.logit_bias)
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    msg.cache_salt = params.cache_salt
     return msg
 
 

@@ -109,10 +109,12 @@ class Backend:
     def __init__(self, tokenizer_addr: str, scheduler_addr: str, api_key: str | list[str] | None = None,
                  store: RequestStore | None = None, metrics: Metrics | None = None,
                  limits: Limits | None = None, admin_keys: list[str] | None = None,
-                 tool_call_parser: str | None = None, local_links: bool = True) -> None:
+                 tool_call_parser: str | None = None, local_links: bool = True,
+                 prefix_cache_scope: str = "owner") -> None:
         self.tokenizer_addr, self.scheduler_addr = tokenizer_addr, scheduler_addr
         self.local_links = local_links  # --service-transport auto: Generate over the tokenizer's local socket
         self.tool_call_parser = tool_call_parser  # --tool-call-parser: reads tool_choice "auto" outputs
+        self.prefix_cache_scope = prefix_cache_scope  # --prefix-cache-scope: owners.cache_salt
         self.admission = Admission(api_key, limits, admin_keys)
         self.limits = self.admission.limits
         self.inflight: set = set()  # the REST calls this gateway is serving (completion_call.CompletionCall)

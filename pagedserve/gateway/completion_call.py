@@ -36,7 +36,7 @@ from pagedserve.v1 import generate_pb2
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import Backend, as_request_error, rpc_error
 from pagedserve.gateway.metrics import RequestTracker
-from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
+from pagedserve.gateway.owners import SINGLE_TENANT, Caller, cache_salt, valid_client_id
 from pagedserve.gateway import structured
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
                                          completion_to_generate, error_body, include_event_ids,
@@ -137,6 +137,7 @@ class CompletionCall:
         body, backend = self.body, self.backend
         request_id = self.caller.internal_id(client_id)
         gen.request_id = request_id
+        gen.params.cache_salt = cache_salt(self.caller.owner, gen.params.cache_salt, backend.prefix_cache_scope)
         self.tracker.request_id = request_id
         gen.ClearField("timings")  # stamps are ours: a client's would corrupt the metrics
         gen.timings.gateway_received = self.received

@@ -28,7 +28,7 @@ from pagedserve.common import structured_output
 from pagedserve.common.wire import params_from_proto
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend
-from pagedserve.gateway.owners import Caller, client_id_problem, valid_client_id
+from pagedserve.gateway.owners import Caller, cache_salt, client_id_problem, valid_client_id
 from pagedserve.gateway.protocol import prompt_too_long
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -108,6 +108,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         forward.CopyFrom(request)
         client_id = request.request_id or "cmpl-" + uuid.uuid4().hex
         forward.request_id = caller.internal_id(client_id)
+        forward.params.cache_salt = cache_salt(caller.owner, request.params.cache_salt, self.backend.prefix_cache_scope)
         forward.ClearField("timings")  # stamps are ours: a client's would corrupt the metrics
         forward.timings.gateway_received = received
         max_tokens = request.params.max_tokens if request.params.HasField("max_tokens") else None

@@ -36,6 +36,19 @@ def owner_of_key(key: str | None) -> str:
     return "o" + hashlib.sha256(b"pagedserve-owner\0" + key.encode()).hexdigest()[:16]
 
 
+def cache_salt(owner: str, client_salt: str, scope: str = "owner") -> str:
+    """The prefix cache's salt for a request (SamplingParams.cache_salt, common/prefix_hashes.py):
+    under scope "owner" the owner and a digest of the client's cache_salt, so a request shares
+    cached blocks only with its own owner's requests of the same salt and cached_tokens tells no
+    key what another sent; under "global" the client's cache_salt alone (vLLM's behaviour). A
+    client never sets the salt as it is under "owner"."""
+    if scope == "global":
+        return client_salt
+    if not client_salt:
+        return owner
+    return owner + ":" + hashlib.sha256(client_salt.encode()).hexdigest()[:32]
+
+
 def valid_client_id(client_id: str) -> bool:
     return _CLIENT_ID.fullmatch(client_id) is not None
 

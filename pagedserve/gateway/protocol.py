@@ -152,6 +152,9 @@ class _SamplingFields(BaseModel):
     priority: int = 0
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    # vLLM's: the request shares prefix-cache blocks only with requests of the same salt (within
+    # its owner's: gateway/owners.cache_salt).
+    cache_salt: str | None = None
     # pagedserve's own: the response carries a "timings" object (the final chunk when streaming).
     timings: bool = False
     # pagedserve's own: a deadline in seconds; when it passes the request is aborted (its KV blocks
@@ -250,7 +253,7 @@ def _fill_params(req: _SamplingFields, gen: generate_pb2.GenerateRequest, max_to
         raise bad_request("best_of is not supported (it must equal n when sent)", "best_of")
     check = {"n": req.n, "max_tokens": _UNBOUNDED if max_tokens is None else max_tokens,
              "min_tokens": req.min_tokens, "stop_token_ids": list(req.stop_token_ids or []),
-             "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+             "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "cache_salt": req.cache_salt or ""}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed"):
         if getattr(req, name) is not None:
@@ -288,6 +291,7 @@ def _fill_params(req: _SamplingFields, gen: generate_pb2.GenerateRequest, max_to
         p.logprobs = logprobs
     if prompt_logprobs is not None:
         p.prompt_logprobs = prompt_logprobs
+    p.cache_salt = req.cache_salt or ""  # the client's: the gateway salts it with the owner
     structured.fill(req, p)
     gen.stop[:] = _stop_strings(req.stop)
     gen.include_stop_str_in_output = req.include_stop_str_in_output

@@ -158,7 +158,8 @@ async def _serve(args) -> int:
         MemoryStore(args.redis_ttl, retention)  # idempotency keys and resume records, in this process
     backend = Backend(args.tokenizer_addr, args.scheduler_addr, api_key=keys, store=store, limits=limits,
                       admin_keys=admins, tool_call_parser=getattr(args, "tool_call_parser", None),
-                      local_links=getattr(args, "service_transport", "auto") == "auto")
+                      local_links=getattr(args, "service_transport", "auto") == "auto",
+                      prefix_cache_scope=getattr(args, "prefix_cache_scope", "owner"))
     if store.durable and getattr(store, "url", None):  # engine replicas register in this Redis
         from pagedserve.gateway.replicas import ReplicaDirectory
         backend.replicas = ReplicaDirectory(store.url, args.redis_prefix)

@@ -2,7 +2,9 @@
 KV group (common/model_config.KVGroups).
 
 Prefix caching: a full block is named by a hash chained over its parent's hash and its token ids,
-so equal prefixes map to equal hashes and a new sequence can reuse the blocks of an old one.
+the first block's over the request's cache salt (common/prefix_hashes.py: sha256, the owner in the
+salt), so equal prefixes of one owner map to equal hashes and a new sequence can reuse the blocks
+of an old one; another owner's equal prefix is another name.
 
 KV groups (after vLLM v1's KVCacheCoordinator): a model with sliding-window layers has several
 groups over ONE pool (one id space, one free queue, one prefix cache whose keys carry the group).
@@ -20,13 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedserve.common.prefix_hashes import hash_block
 from pagedserve.scheduler.core.block_pool import BlockPool, KVBlock
 
-
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    # Tuples of ints hash deterministically (no PYTHONHASHSEED salt), so hashes are stable
-    # across processes; the parent link makes a block's hash name its whole prefix.
-    return hash((parent_hash, tuple(token_ids)))
+__all__ = ["Allocation", "BlockManager", "hash_block"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -98,17 +97,18 @@ class BlockManager:
 
     # ---- prefix cache --------------------------------------------------------------------
     def _key(self, group: int, block_hash: int) -> int:
-        # The same tokens in another group are other layers' KV: another cache entry.
-        return block_hash if group == 0 else hash(("kv-group", group, block_hash))
+        # The same tokens in another group are other layers' KV: another cache entry (hashes are
+        # 128-bit: the group above them keeps the names distinct).
+        return block_hash if group == 0 else (group << 128) | block_hash
 
-    def _extend_hashes(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> list[int]:
+    def _extend_hashes(self, seq_id: str, token_ids: Sequence[int], num_tokens: int, salt: str = "") -> list[int]:
         hashes = self.block_hashes.setdefault(seq_id, [])
         bs = self.block_size
         for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], salt))
         return hashes
 
-    def find_cached_prefix(self, seq_id: str, token_ids: Sequence[int]) -> list[KVBlock]:
+    def find_cached_prefix(self, seq_id: str, token_ids: Sequence[int], salt: str = "") -> list[KVBlock]:
         """Longest run of cached full blocks at the start of token_ids, leaving at least one
         token to compute (its logits are needed), that every group can serve (a sliding group
         needs only the blocks inside the window of the first token to compute). Returns group 0's
@@ -116,7 +116,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hashes = self._extend_hashes(seq_id, token_ids, max_blocks * self.block_size)
+        hashes = self._extend_hashes(seq_id, token_ids, max_blocks * self.block_size, salt)
         hits: list[KVBlock] = []
         for block_hash in hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
@@ -168,11 +168,13 @@ class BlockManager:
         self.prefix_queries += num_queried_tokens
         self.prefix_hits += num_hit_tokens
 
-    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Enter the sequence's blocks whose KV is now fully written into the prefix cache."""
+    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          salt: str = "") -> None:
+        """Enter the sequence's blocks whose KV is now fully written into the prefix cache (salt:
+        the request's cache salt, as given to find_cached_prefix)."""
         if not self.enable_prefix_caching or seq_id not in self.tables:
             return
-        hashes = self._extend_hashes(seq_id, token_ids, num_computed_tokens)
+        hashes = self._extend_hashes(seq_id, token_ids, num_computed_tokens, salt)
         start = self.num_cached_blocks.get(seq_id, 0)
         # Hashes may run ahead (a prefix lookup names the whole prompt): only blocks whose KV
         # is fully written may be found by others.

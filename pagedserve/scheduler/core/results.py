@@ -66,7 +66,8 @@ class Results:
                         updates.append(self._append(child, None))
                     updates.append(self._append(req, samples[0]))
                 if not req.status.finished:
-                    self.block_manager.cache_full_blocks(req_id, req.token_ids, req.num_computed_tokens)
+                    self.block_manager.cache_full_blocks(req_id, req.token_ids, req.num_computed_tokens,
+                                                         req.params.cache_salt)
             except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
                 # The worker forked the samples itself when it sampled: it must drop those too.
                 self._fail(req, exc, worker_forked=req.child_req_ids if samples else ())

@@ -359,7 +359,8 @@ class Scheduler(Isolation, Results):
             return False
         # A cached prefix computes no logits: a request that wants its prompt's logprobs takes no
         # hits (as vLLM does); it still fills the cache for others.
-        hits = bm.find_cached_prefix(req.request_id, req.token_ids) if req.params.prompt_logprobs is None else []
+        hits = (bm.find_cached_prefix(req.request_id, req.token_ids, req.params.cache_salt)
+                if req.params.prompt_logprobs is None else [])
         num_computed = len(hits) * cfg.block_size
         num_new = req.num_tokens - num_computed
         # Unchunked prefill waits for a step with room, unless no step could ever hold it
