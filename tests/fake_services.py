@@ -28,8 +28,10 @@ class FakeTokenizer(generate_pb2_grpc.TokenizerServicer):
         self.requests: list[generate_pb2.GenerateRequest] = []
         self.cancelled = threading.Event()
         self.ready = True
+        self.model_info_calls = 0
 
     def GetModelInfo(self, request, context):
+        self.model_info_calls += 1
         return generate_pb2.ModelInfo(model=MODEL, max_model_len=128, vocab_size=100, ready=self.ready)
 
     def Generate(self, request, context):
@@ -75,7 +77,10 @@ class FakeTokenizer(generate_pb2_grpc.TokenizerServicer):
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    stats_calls = 0
+
     def GetStats(self, request, context):
+        self.stats_calls += 1
         return scheduler_pb2.SchedulerStats(num_running=2, num_waiting=1, num_gpu_blocks=100, num_free_gpu_blocks=75,
                                             prefix_cache_queries=10, prefix_cache_hits=4, ready=True)
 

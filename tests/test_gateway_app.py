@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import grpc
 import httpx
@@ -203,12 +204,32 @@ def test_models_health_metrics_and_request_status(stack, client):
     stack.tokenizer.ready = False
     stack.backend._info = None
     try:
-        r = httpx.get(stack.url + "/health")
+        deadline = time.monotonic() + 5  # /health's answer is shared for ~0.5 s
+        while (r := httpx.get(stack.url + "/health")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert r.status_code == 503 and r.json()["status"] == "loading"
         with pytest.raises(openai.InternalServerError):
             client.completions.create(model=MODEL, prompt="hi")
     finally:
         stack.tokenizer.ready = True
+
+
+def test_health_and_metrics_pollers_share_one_fetch(stack):
+    """Issue 42 row 6: /health and /metrics take no key and asked the tokenizer and the scheduler
+    for every poll. 64 pollers of each at once: the answers are shared (~0.5 s), so the services
+    are asked a few times, not 128."""
+    async def poll_all() -> list[int]:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+            replies = await asyncio.gather(*(client.get(path) for _ in range(64) for path in ("/health", "/metrics")))
+        return [r.status_code for r in replies]
+
+    time.sleep(0.6)  # whatever an earlier test left cached has aged
+    stats, infos = stack.scheduler.stats_calls, stack.tokenizer.model_info_calls
+    started = time.monotonic()
+    assert set(asyncio.run(poll_all())) == {200}
+    rounds = 1 + int((time.monotonic() - started) / 0.5)  # answers that may have aged meanwhile
+    assert stack.scheduler.stats_calls - stats <= 2 * rounds, stack.scheduler.stats_calls - stats
+    assert stack.tokenizer.model_info_calls - infos <= rounds
 
 
 def test_public_grpc_api(stack):

@@ -20,9 +20,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.gateway.backend import Backend
 from pagedserve.gateway import batched_completion, completion_call, tokenization
-from pagedserve.gateway.health import readiness
+from pagedserve.gateway.health import readiness, readiness_now
 from pagedserve.gateway.http_gate import HttpGate
 from pagedserve.gateway.metrics import Metrics
+from pagedserve.gateway.shared_answer import SharedAnswer
 from pagedserve.gateway.owners import SINGLE_TENANT, Caller
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, error_body,
                                          internal_error)
@@ -71,6 +72,15 @@ async def _json_body(request: Request):
         return await request.json()
     except ValueError:
         raise RequestError(400, "the body is not valid JSON") from None
+
+
+async def _metrics_text(backend: Backend) -> bytes:
+    try:
+        per_replica = await backend.replica_stats()
+    except grpc.RpcError:
+        per_replica = []
+    stats = per_replica[0][1] if len(per_replica) == 1 and not per_replica[0][0] else None
+    return backend.metrics.render(stats, per_replica if stats is None else None)
 
 
 def build_app(backend: Backend) -> FastAPI:
@@ -132,16 +142,20 @@ def build_app(backend: Backend) -> FastAPI:
         replicas: `replica` picks whose snapshot (default the first); `replicas` lists them all."""
         return await backend.engine_stats(steps, caller_of(request), replica)
 
+    # Open routes (no key): one answer per ~0.5 s, shared by every poller (shared_answer.py).
+    health_answer = SharedAnswer(lambda: readiness_now(backend))
+    metrics_answer = SharedAnswer(lambda: _metrics_text(backend))
+
     @app.get("/health")
     async def health() -> JSONResponse:
         """Readiness: 503 with the cause while the model loads, a service or worker rank is gone, the
-        engine is stalled with work pending, or Redis is unreachable."""
-        return await readiness(backend)
+        engine is stalled with work pending, or Redis is unreachable (answers shared ~0.5 s)."""
+        return await readiness(health_answer)
 
     @app.get("/health/ready")
     async def health_ready() -> JSONResponse:
         """Kubernetes readiness probe: the same conditions as /health."""
-        return await readiness(backend)
+        return await readiness(health_answer)
 
     @app.get("/health/live")
     async def health_live() -> JSONResponse:
@@ -150,13 +164,8 @@ def build_app(backend: Backend) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        try:
-            per_replica = await backend.replica_stats()
-        except grpc.RpcError:
-            per_replica = []
-        stats = per_replica[0][1] if len(per_replica) == 1 and not per_replica[0][0] else None
-        return Response(backend.metrics.render(stats, per_replica if stats is None else None),
-                        media_type=CONTENT_TYPE_LATEST)
+        """Prometheus text (answers shared ~0.5 s)."""
+        return Response(await metrics_answer.get(), media_type=CONTENT_TYPE_LATEST)
 
     try:  # the live dashboard (its own module; the API works without it)
         from pagedserve.gateway import dashboard

@@ -7,6 +7,10 @@ report, not asserted)."""
 
 from __future__ import annotations
 
+import asyncio
+import multiprocessing
+import time
+
 import httpx
 import pytest
 
@@ -55,3 +59,87 @@ def test_the_prefix_cache_is_the_owners(http):
     too_long = http.post("/v1/completions", headers=auth(K1),
                          json={"prompt": "hi", "max_tokens": 1, "cache_salt": "s" * 257})
     assert too_long.status_code == 400 and "cache_salt" in too_long.text
+
+
+class Attack:
+    """Loops of one request (`send(client)`, a coroutine) from `concurrency` tasks in each of
+    `processes` forked processes (an attacker's load, not held back by this process's GIL), until
+    stopped: the attacker while B's latency is timed."""
+
+    def __init__(self, base_url: str, send, concurrency: int, processes: int = 2) -> None:
+        self.base_url, self.send, self.concurrency = base_url, send, concurrency
+        ctx = multiprocessing.get_context("fork")
+        self._sent = ctx.Value("i", 0)
+        self._stop = ctx.Event()
+        self._procs = [ctx.Process(target=self._main, daemon=True) for _ in range(processes)]
+
+    @property
+    def sent(self) -> int:
+        return self._sent.value
+
+    def _main(self) -> None:
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=120,
+                                     limits=httpx.Limits(max_connections=self.concurrency)) as client:
+            async def loop() -> None:
+                while not self._stop.is_set():
+                    try:
+                        await self.send(client)
+                    except httpx.HTTPError:
+                        await asyncio.sleep(0.01)
+                    with self._sent.get_lock():
+                        self._sent.value += 1
+            await asyncio.gather(*(loop() for _ in range(self.concurrency)))
+
+    def __enter__(self) -> Attack:
+        for proc in self._procs:
+            proc.start()
+        time.sleep(1.5)  # under way
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for proc in self._procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+
+
+VICTIM = {"prompt": "The quick brown fox", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+
+
+def victim_seconds(http, body: dict | None = None) -> float:
+    """B's latency for a streamed 64-token completion (each token crosses every service)."""
+    body = {**(body or VICTIM), "stream": True}
+    started = time.monotonic()
+    with http.stream("POST", "/v1/completions", headers=auth(K2), json=body) as r:
+        assert r.status_code == 200, r.read()
+        chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) >= body["max_tokens"] // 2, len(chunks)
+    return time.monotonic() - started
+
+
+def latency_ratio(http, attack: Attack, bound_s: float, label: str) -> None:
+    """B alone, then under the attack: B must finish within bound_s (an idle stack's latency is far
+    below it); the ratio is printed for the report."""
+    alone = min(victim_seconds(http) for _ in range(2))
+    with attack:
+        attacked = victim_seconds(http)
+        sent = attack.sent
+    print(f"\n{label}: B alone {alone:.2f} s, under attack {attacked:.2f} s, ratio {attacked / alone:.2f} "
+          f"({sent} attacking requests meanwhile)")
+    assert alone < bound_s / 4, f"the idle stack itself is slow ({alone:.2f} s): the bound means nothing"
+    assert attacked < bound_s, f"{label}: B took {attacked:.2f} s under attack (alone {alone:.2f} s)"
+
+
+def test_health_and_metrics_pollers_do_not_slow_a_completion(stack, http):
+    """Row 6: /health and /metrics take no key and asked the tokenizer and every scheduler each
+    time. 64 loops of each, while B completes 64 tokens; now each answer is cached ~0.5 s at the
+    gateway (concurrent callers share one fetch)."""
+    async def poll(client: httpx.AsyncClient) -> None:
+        await client.get("/health")
+        await client.get("/metrics")
+
+    latency_ratio(http, Attack(stack.http_url, poll, 64), 8.0, "row 6, /health + /metrics pollers")
