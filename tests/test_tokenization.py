@@ -167,3 +167,12 @@ def test_chat_completions_carry_the_template_options():
         with pytest.raises(RequestError) as err:
             chat_to_generate(ChatCompletionRequest(messages=partial, **extra))
         assert (err.value.status, err.value.param) == (400, param)
+
+
+def test_detokenize_is_bounded_by_the_context():
+    """Issue 42 row 7: more ids than the context are refused before any decoding."""
+    _, req = detokenize_request({"tokens": [28] * 1024}, max_ids=1024)
+    assert len(req.token_ids) == 1024
+    with pytest.raises(RequestError) as refused:
+        detokenize_request({"tokens": [28] * 1025}, max_ids=1024)
+    assert refused.value.status == 400 and refused.value.param == "tokens" and "1024" in refused.value.message

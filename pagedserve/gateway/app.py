@@ -114,7 +114,7 @@ def build_app(backend: Backend) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        return await tokenization.detokenize(backend, await _json_body(request))
+        return await tokenization.detokenize(backend, await request.body())  # bounded before it is parsed
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -9,18 +9,25 @@ so a chat tokenizes exactly as it would be prompted. The tokenizer service does 
                  -> {"count": N, "max_model_len": M, "tokens": [...], "token_strs": [...] | null}
     /detokenize  {"tokens": [...]} -> {"prompt": str}
 
+Bounds, before the tokenizer sees anything: a /tokenize prompt or chat longer than the context's
+character bound (protocol.prompt_too_long: max_model_len x 64 characters, as every prompt) and a
+/detokenize of more than max_model_len ids are 400 (the tokenizer's thread, which tokenizes every
+request, is not to be held by one client).
+
 Threads: the serving event loop.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend, rpc_error
-from pagedserve.gateway.protocol import ChatCompletionRequest, Message, RequestError, bad_request, chat_to_generate
+from pagedserve.gateway.protocol import (ChatCompletionRequest, Message, RequestError, bad_request, chat_to_generate,
+                                         prompt_too_long)
 from pagedserve.v1 import generate_pb2
 
 UINT32_MAX = 2**32 - 1
@@ -80,8 +87,13 @@ def tokenize_request(body: Any) -> tuple[str | None, generate_pb2.TokenizeReques
                                                    return_token_strs=bool(req.return_token_strs))
 
 
-def detokenize_request(body: Any) -> tuple[str | None, generate_pb2.DetokenizeRequest]:
+def detokenize_request(body: Any, max_ids: int | None = None) -> tuple[str | None, generate_pb2.DetokenizeRequest]:
+    """(model, DetokenizeRequest) of a /detokenize body; 400 for a bad one, or for more than
+    max_ids ids (the context: no sequence of the model is longer)."""
     req = _parse(DetokenizeRequest, body)
+    if max_ids is not None and len(req.tokens) > max_ids:
+        raise bad_request(f"tokens has {len(req.tokens)} ids: more than the model's context of {max_ids} tokens",
+                          "tokens")
     for i, token in enumerate(req.tokens):
         if not 0 <= token <= UINT32_MAX:
             raise bad_request(f"tokens[{i}] = {token} is not a token id (a non-negative 32-bit integer)", "tokens")
@@ -92,6 +104,10 @@ def detokenize_request(body: Any) -> tuple[str | None, generate_pb2.DetokenizeRe
 async def tokenize(backend: Backend, body: Any) -> dict:
     model, request = tokenize_request(body)
     info = await backend.served_model(model)
+    too_long = prompt_too_long(request, info.max_model_len)
+    if too_long:
+        raise RequestError(400, too_long, "messages" if request.WhichOneof("input") == "chat" else "prompt",
+                           code="context_length_exceeded")
     try:
         reply = await backend.tokenizer.Tokenize(request, timeout=RPC_TIMEOUT_S)
     except grpc.RpcError as exc:
@@ -101,8 +117,23 @@ async def tokenize(backend: Backend, body: Any) -> dict:
             "token_strs": list(reply.token_strs) if request.return_token_strs else None}
 
 
-async def detokenize(backend: Backend, body: Any) -> dict:
-    model, request = detokenize_request(body)
+def max_detokenize_bytes(max_model_len: int) -> int:
+    """The largest /detokenize body that can hold max_model_len ids: 16 bytes an id (ten digits, a
+    comma, spacing) and 4 KiB for the rest. A larger body is refused before it is parsed."""
+    return 16 * max_model_len + 4096
+
+
+async def detokenize(backend: Backend, raw: bytes) -> dict:
+    info = await backend.served_model(None)  # the bound is its context
+    bound = max_detokenize_bytes(info.max_model_len)
+    if len(raw) > bound:
+        raise bad_request(f"the body has {len(raw)} bytes: more than {info.max_model_len} token ids (the model's "
+                          f"context) can take ({bound} bytes); tokens has too many ids", "tokens")
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise RequestError(400, "the body is not valid JSON") from None
+    model, request = detokenize_request(body, info.max_model_len)
     await backend.served_model(model)
     try:
         reply = await backend.tokenizer.Detokenize(request, timeout=RPC_TIMEOUT_S)

@@ -67,7 +67,7 @@ class TokenizerServicer(generate_pb2_grpc.TokenizerServicer):
 
     async def Detokenize(self, request, context):
         try:
-            return (await self._service(context)).detokenize(request)
+            return await (await self._service(context)).detokenize(request)
         except StatusError as exc:
             await context.abort(exc.code, exc.details)
 

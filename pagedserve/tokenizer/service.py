@@ -157,9 +157,11 @@ class TokenizerService:
         return await self._in_thread(tokenization.tokenize, self.tokenizer, request,
                                      lambda chat: self._chat(chat, tokenize=False))
 
-    def detokenize(self, request: generate_pb2.DetokenizeRequest) -> generate_pb2.DetokenizeResponse:
+    async def detokenize(self, request: generate_pb2.DetokenizeRequest) -> generate_pb2.DetokenizeResponse:
+        """/detokenize: on the tokenizer's own thread, never on the loop that detokenizes the
+        streams (the gateway bounds the ids by the context)."""
         self._check_model(request.model)
-        return tokenization.detokenize(self.tokenizer, request, self.vocab_limit)
+        return await self._in_thread(tokenization.detokenize, self.tokenizer, request, self.vocab_limit)
 
     def _check_model(self, model: str) -> None:
         if model and model != self.served_model_name:

@@ -143,3 +143,22 @@ def test_health_and_metrics_pollers_do_not_slow_a_completion(stack, http):
         await client.get("/metrics")
 
     latency_ratio(http, Attack(stack.http_url, poll, 64), 8.0, "row 6, /health + /metrics pollers")
+
+
+def test_tokenization_endpoints_are_bounded_and_off_the_streams_loop(stack, http):
+    """Row 7: /detokenize decoded any number of ids on the tokenizer's event loop (the one that
+    detokenizes every stream) and /tokenize took any prompt under the body limit. Now past
+    max_model_len ids, or the prompt's character bound, is 400 before any decoding; a decode runs
+    on the tokenizer's own thread. B streams meanwhile within its bound."""
+    flood = {"tokens": [28] * 300_000}  # ~0.9 MB: under --max-body-bytes
+
+    async def detokenize(client: httpx.AsyncClient) -> None:
+        await client.post("/detokenize", headers=auth(K1), json=flood)
+
+    latency_ratio(http, Attack(stack.http_url, detokenize, 8), 8.0, "row 7, /detokenize of 300,000 ids")
+    refused = http.post("/detokenize", headers=auth(K1), json=flood)
+    assert refused.status_code == 400 and "tokens" in refused.text and "1024" in refused.text, refused.text[:300]
+    long_prompt = http.post("/tokenize", headers=auth(K1), json={"prompt": "a" * (1024 * 64 + 1)})
+    assert long_prompt.status_code == 400 and "prompt" in long_prompt.text, long_prompt.text[:300]
+    fits = http.post("/detokenize", headers=auth(K1), json={"tokens": [28] * 1024})
+    assert fits.status_code == 200 and fits.json()["prompt"] == "," * 1024
