@@ -200,6 +200,39 @@ def test_decode_attention(dtype, heads, kv_heads, dim, dim_v, page):
     assert rel_err(tpa.paged_prefill_attention(*args), want) < TOL[dtype]  # the mixed kernel on a decode step
 
 
+# The H200 (2026-12-04) found float16 wrong at 8/2/40/24/16 (prefill 0.36 and 0.49, decode 0.23) and the mixed
+# kernel faulting on a decode step, both at the GPU's tiles (64 for 16-bit inputs, 32 for float32), which the
+# tests above do not use under the interpreter (16). These run the GPU's tiles here. The interpreter computes
+# them right before and after the fix (it runs numpy on the tile, not the compiled layouts), so on the CPU they
+# pin the arithmetic at those tile sizes; on a GPU the same tests are the check of the fix.
+@pytest.mark.parametrize("dtype, tile", [(torch.float32, 32), (torch.float16, 64)])
+@pytest.mark.parametrize("ctx_lens, q_lens", [MIXED_LONG, DECODE])
+def test_attention_at_gpu_tiles(dtype, tile, ctx_lens, q_lens):
+    args = attention_step(ctx_lens, q_lens, 8, 2, 40, 24, 16, dtype, seed=3)
+    want = reference.paged_attention(*args)
+    got = tpa.paged_prefill_attention(*args, block_m=tile, block_n=tile)
+    assert rel_err(got, want) < TOL[dtype]
+    if q_lens == DECODE[1]:
+        assert rel_err(tpa.paged_decode_attention(*args, block_n=tile), want) < TOL[dtype]
+
+
+def test_mixed_kernel_addresses_stay_inside_on_a_decode_step():
+    """The kernel on a decode step with a 64-row tile: 63 rows of each tile are past the sequence's one query.
+    Every row's output is read back: the rows past the step (none here) are never written, and the cache's
+    unused blocks (poisoned with NaN) are never read, or NaN would reach the output."""
+    query, k_cache, v_cache, tables, seq_lens, qsl, scale = attention_step(*DECODE, 8, 2, 40, 24, 16, torch.float32)
+    used = {int(b) for s, n in enumerate(seq_lens.tolist()) for b in tables[s, :math.ceil(n / 16)]}
+    for b in range(k_cache.shape[0]):
+        if b not in used and b != 0:  # block 0 is where masked lanes point
+            k_cache[b], v_cache[b] = float("nan"), float("nan")
+    out = torch.full((query.shape[0] + 64, 8, 24), float("nan"), device=DEVICE)
+    tpa.paged_prefill_attention(query, k_cache, v_cache, tables, seq_lens, qsl, scale, out=out[:query.shape[0]],
+                                block_m=64, block_n=64)
+    want = reference.paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, scale)
+    assert rel_err(out[:query.shape[0]], want) < 1e-3
+    assert out[query.shape[0]:].isnan().all()
+
+
 def test_attention_writes_out_and_reads_strided_query():
     query, *rest = attention_step(*MIXED, 8, 2, 24, 24, 8, torch.float32)
     qkv = torch.randn(query.shape[0], 8 * 24 * 2, device=DEVICE)  # query as a view into a fused projection

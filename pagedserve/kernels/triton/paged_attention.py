@@ -3,7 +3,12 @@
 same contract is pagedserve.kernels.reference.paged_attention.
 
 Both kernels walk a sequence's keys in tiles of BLOCK_N positions; each position is looked up through
-the block table on its own, so BLOCK_N and the cache's block size are independent. Softmax is online
+the block table on its own, so BLOCK_N and the cache's block size are independent. Keys load as
+[BLOCK_N, BLOCK_D] rows (contiguous along the head dim) and enter tl.dot through tl.trans, as the MLA
+kernel and FlashAttention's Triton kernels do: the earlier load of K transposed through its pointers
+gave wrong float16 results on an H200 at head dim 40 with GQA, where the MLA kernel, loading as here,
+was right. Every address a kernel forms stays inside its tensor even in masked-off lanes (rows past a
+sequence's queries, key positions past its length), so a mask the compiler mishandles cannot fault. Softmax is online
 (running max and sum, rescaling the accumulator), in the log2 domain, in float32."""
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ NEG_BIG = tl.constexpr(-1.0e30)
 @triton.jit
 def paged_offsets(table_row_ptr, pos, mask, PAGE: tl.constexpr, stride_block, stride_slot):
     """Element offsets (int64) of cache positions `pos` of one sequence, through its block table row."""
+    pos = tl.where(mask, pos, 0)  # masked positions read slot 0 of block 0: in range whatever the mask
     block = tl.load(table_row_ptr + pos // PAGE, mask=mask, other=0).to(tl.int64)
     return block * stride_block + (pos % PAGE).to(tl.int64) * stride_slot
 
@@ -65,8 +71,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr
         pos = start + tl.arange(0, BLOCK_N)
         n_mask = pos < seq_len
         k_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_kb, stride_ks) + kv_head * stride_kh
-        k = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :] & (d[:, None] < D), other=0.0)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=n_mask[:, None] & (d[None, :] < D), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         v_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_vb, stride_vs) + kv_head * stride_vh
@@ -98,7 +104,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_pt
     context = seq_len - q_len
     rows = m0 + tl.arange(0, BLOCK_M)
     r_mask = rows < q_len
-    q_rows = (q_start + rows).to(tl.int64)
+    # rows past the sequence's queries point at its first row: every address stays inside the
+    # tensors even where a mask is off (a decode step gives a 64-row tile one real row)
+    q_rows = (q_start + tl.where(r_mask, rows, 0)).to(tl.int64)
     q_pos = context + rows
     kv_head = head // GROUP
     d = tl.arange(0, BLOCK_D)
@@ -115,8 +123,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_pt
         pos = start + tl.arange(0, BLOCK_N)
         n_mask = pos < end
         k_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_kb, stride_ks) + kv_head * stride_kh
-        k = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=n_mask[None, :] & (d[:, None] < D), other=0.0)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=n_mask[:, None] & (d[None, :] < D), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         v_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_vb, stride_vs) + kv_head * stride_vh
