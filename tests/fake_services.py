@@ -84,6 +84,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.SchedulerStats(num_running=2, num_waiting=1, num_gpu_blocks=100, num_free_gpu_blocks=75,
                                             prefix_cache_queries=10, prefix_cache_hits=4, ready=True)
 
+    def GetEngineStats(self, request, context):
+        return scheduler_pb2.EngineStats(ready=True, num_blocks=100, block_states="u" * 25 + "." * 75)
+
     def GetRequest(self, request, context):
         if not request.request_id.endswith(".known"):  # the gateway asks by internal id: owner.client id
             context.abort(grpc.StatusCode.NOT_FOUND, "unknown request")

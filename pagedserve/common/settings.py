@@ -289,7 +289,9 @@ def _settings() -> tuple[Setting, ...]:
           "bind address); a non-loopback one needs an API key"),
         S("--allow-unauthenticated", "serve gateway", bool, False, group="gateway",
           help="serve a non-loopback address without any API key (anyone who reaches it may use it)"),
-        S("--api-key-file", "serve gateway", help="a file of accepted API keys, one a line (# comments)",
+        S("--api-key-file", "serve gateway", help="a file of accepted API keys, one a line (# comments); "
+          "`KEY min_priority=N` lets that key's requests set priority down to N (lower runs earlier; "
+          "an ordinary key's floor is 0, an operator key has none)",
           group="gateway"),
         S("--cors-origins", "serve gateway", default="",
           help="comma-separated origins allowed by CORS ('*' for any); empty: CORS off", group="gateway"),

@@ -92,6 +92,13 @@ def too_many_samples(n: int, max_n: int) -> Refusal:
                    None, param="n")
 
 
+def priority_too_high(priority: int, floor: int) -> Refusal:
+    return Refusal(400, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"priority={priority} is more precedence than this API key may take: at least {floor} (lower "
+                   "runs earlier; an operator sets a key's min_priority in --api-key-file)", "invalid_request_error",
+                   None, param="priority")
+
+
 def too_many_tokens(needed: int, taken: int, bound: int) -> Refusal:
     return Refusal(429, grpc.StatusCode.RESOURCE_EXHAUSTED,
                    f"too many tokens in flight at this gateway: this request needs {needed} (prompt + n * "
@@ -104,13 +111,16 @@ class Admission:
     each check raises a Refusal or lets the request on."""
 
     def __init__(self, api_keys: str | list[str] | None = None, limits: Limits | None = None,
-                 admin_keys: list[str] | None = None) -> None:
+                 admin_keys: list[str] | None = None, min_priorities: dict[str, int] | None = None) -> None:
         keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or [])
         admins = [k.strip() for k in admin_keys or [] if k and k.strip()]
         # Several keys may be valid; each is compared in constant time (and never logged). An
-        # operator key is a key too; (key, owner, admin) per key.
+        # operator key is a key too; (key, caller) per key. An ordinary key's requests may not set a
+        # priority below its min_priority (default 0: no precedence over others); an operator's any.
+        floors = min_priorities or {}
         self.keys: list[tuple[bytes, Caller]] = [
-            (k.encode(), Caller(owner_of_key(k), admin=k in admins))
+            (k.encode(), Caller(owner_of_key(k), admin=k in admins,
+                                min_priority=None if k in admins else floors.get(k, 0)))
             for k in dict.fromkeys([k.strip() for k in keys if k and k.strip()] + admins)]
         self.api_keys: list[bytes] = [k for k, _ in self.keys]
         self.has_admin = bool(admins)
@@ -162,6 +172,11 @@ class Admission:
     def check_n(self, n: int) -> None:
         if n > self.limits.max_n:
             raise too_many_samples(n, self.limits.max_n)
+
+    @staticmethod
+    def check_priority(caller: Caller, priority: int) -> None:
+        if caller.min_priority is not None and priority < caller.min_priority:
+            raise priority_too_high(priority, caller.min_priority)
 
     def reserve(self, prompt_tokens: int, n: int, max_tokens: int | None, max_model_len: int) -> int:
         """Count the request's prompt + n * max_tokens in flight (max_tokens None: up to the

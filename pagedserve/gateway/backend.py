@@ -109,13 +109,14 @@ class Backend:
     def __init__(self, tokenizer_addr: str, scheduler_addr: str, api_key: str | list[str] | None = None,
                  store: RequestStore | None = None, metrics: Metrics | None = None,
                  limits: Limits | None = None, admin_keys: list[str] | None = None,
-                 tool_call_parser: str | None = None, local_links: bool = True,
+                 min_priorities: dict[str, int] | None = None, tool_call_parser: str | None = None,
+                 local_links: bool = True,
                  prefix_cache_scope: str = "owner") -> None:
         self.tokenizer_addr, self.scheduler_addr = tokenizer_addr, scheduler_addr
         self.local_links = local_links  # --service-transport auto: Generate over the tokenizer's local socket
         self.tool_call_parser = tool_call_parser  # --tool-call-parser: reads tool_choice "auto" outputs
         self.prefix_cache_scope = prefix_cache_scope  # --prefix-cache-scope: owners.cache_salt
-        self.admission = Admission(api_key, limits, admin_keys)
+        self.admission = Admission(api_key, limits, admin_keys, min_priorities)
         self.limits = self.admission.limits
         self.inflight: set = set()  # the REST calls this gateway is serving (completion_call.CompletionCall)
         # With no Redis the request records are the scheduler's; idempotency keys live here.
@@ -313,7 +314,9 @@ class Backend:
         infos = {r.id: r for r in self.replicas.replicas}
         listed, chosen = [], None
         for (rid, _), msg in zip(stubs, answers):
-            entry = {"id": rid, "addr": infos[rid].addr if rid in infos else "", "ready": False}
+            entry = {"id": rid, "ready": False}
+            if caller.admin:  # where the internal services listen: the operator's to know
+                entry["addr"] = infos[rid].addr if rid in infos else ""
             if isinstance(msg, scheduler_pb2.EngineStats):
                 view = engine_stats_dict(msg, 0, None, caller)
                 used = sum(1 for c in msg.block_states if c == "u")
@@ -326,7 +329,8 @@ class Backend:
                 if chosen is None or rid == replica:
                     chosen = (rid, msg)
             else:
-                entry["error"] = rpc_error(msg).message if isinstance(msg, grpc.RpcError) else str(msg)
+                entry["error"] = ((rpc_error(msg).message if isinstance(msg, grpc.RpcError) else str(msg))
+                                  if caller.admin else "unavailable")  # raw errors name internal addresses
             listed.append(entry)
         if chosen is None:
             raise RequestError(503, "no engine replica answered", None, "service_unavailable")

@@ -101,6 +101,7 @@ class CompletionCall:
     async def start(self) -> Response:
         body, backend = self.body, self.backend
         backend.admission.check_n(body.n)
+        backend.admission.check_priority(self.caller, body.priority)
         timeout = self._timeout()
         info = await backend.served_model(body.model)
         gen = chat_to_generate(body) if self.chat else completion_to_generate(body)

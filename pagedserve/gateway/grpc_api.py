@@ -99,6 +99,10 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         received = time.time()
         n = request.params.n or 1
         caller = await self._admit(context, n)
+        try:
+            self.backend.admission.check_priority(caller, request.priority)
+        except Refusal as refusal:
+            await context.abort(refusal.grpc_code, refusal.message)
         info = await self._model_info(context)
         problem = request_problem(request, info)
         if problem is not None:

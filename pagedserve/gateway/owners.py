@@ -49,6 +49,21 @@ def cache_salt(owner: str, client_salt: str, scope: str = "owner") -> str:
     return owner + ":" + hashlib.sha256(client_salt.encode()).hexdigest()[:32]
 
 
+def parse_key_line(line: str) -> tuple[str, int | None] | None:
+    """A line of --api-key-file: `KEY` or `KEY min_priority=N` (None for a blank or # line);
+    ValueError for anything else."""
+    parts = line.split()
+    if not parts or parts[0].startswith("#"):
+        return None
+    min_priority = None
+    for option in parts[1:]:
+        name, _, value = option.partition("=")
+        if name != "min_priority" or not re.fullmatch(r"-?\d+", value):
+            raise ValueError(f"an --api-key-file line is `KEY` or `KEY min_priority=N`; got an option {option!r}")
+        min_priority = int(value)
+    return parts[0], min_priority
+
+
 def valid_client_id(client_id: str) -> bool:
     return _CLIENT_ID.fullmatch(client_id) is not None
 
@@ -70,6 +85,10 @@ class Caller:
 
     owner: str    # owner_of_key(the key it presented)
     admin: bool   # an operator key (or no keys configured at all): sees every request in the stats
+    # The lowest `priority` its requests may set (lower runs earlier under --scheduling-policy
+    # priority, as vLLM's): 0 for an ordinary key unless its line in --api-key-file says
+    # `min_priority=N`; None (any) for an operator and without keys.
+    min_priority: int | None = None
 
     def internal_id(self, client_id: str) -> str:
         return f"{self.owner}.{client_id}"

@@ -24,6 +24,7 @@ from pagedserve.gateway.app import build_app
 from pagedserve.gateway.backend import Backend
 from pagedserve.gateway.grpc_api import SERVICE_NAME, GenerationService
 from pagedserve.gateway.limits import Limits, parse_rate_limit
+from pagedserve.gateway.owners import parse_key_line
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -83,12 +84,19 @@ def api_keys(args) -> list[str]:
     given = getattr(args, "api_key", None)
     for item in ([given] if isinstance(given, str) else given or []):
         keys += [k.strip() for k in item.split(",")]
-    path = getattr(args, "api_key_file", None)
-    if path:
-        with open(path, encoding="utf-8") as f:
-            keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    keys += list(key_file_priorities(args))
     keys += [k.strip() for k in os.environ.get("PAGEDSERVE_API_KEY", "").split(",")]
     return list(dict.fromkeys(k for k in keys if k))
+
+
+def key_file_priorities(args) -> dict[str, int | None]:
+    """--api-key-file's keys, each with the min_priority its line gives (None: the default, 0)."""
+    path = getattr(args, "api_key_file", None)
+    if not path:
+        return {}
+    with open(path, encoding="utf-8") as f:
+        entries = [parse_key_line(line) for line in f]
+    return {key: floor for key, floor in (e for e in entries if e is not None)}
 
 
 def limits_from_args(args) -> Limits:
@@ -144,6 +152,7 @@ def unauthenticated_public(args, keys: list[str]) -> str | None:
 async def _serve(args) -> int:
     try:
         keys, admins = api_keys(args), admin_keys(args)
+        floors = {k: v for k, v in key_file_priorities(args).items() if v is not None}
         limits = limits_from_args(args)
     except (OSError, ValueError) as exc:
         log.error("bad gateway settings: %s", exc)
@@ -157,7 +166,8 @@ async def _serve(args) -> int:
     store = open_store(redis_url, args.redis_prefix, args.redis_ttl, retention) if redis_url else \
         MemoryStore(args.redis_ttl, retention)  # idempotency keys and resume records, in this process
     backend = Backend(args.tokenizer_addr, args.scheduler_addr, api_key=keys, store=store, limits=limits,
-                      admin_keys=admins, tool_call_parser=getattr(args, "tool_call_parser", None),
+                      admin_keys=admins, min_priorities=floors,
+                      tool_call_parser=getattr(args, "tool_call_parser", None),
                       local_links=getattr(args, "service_transport", "auto") == "auto",
                       prefix_cache_scope=getattr(args, "prefix_cache_scope", "owner"))
     if store.durable and getattr(store, "url", None):  # engine replicas register in this Redis

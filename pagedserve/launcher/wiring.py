@@ -201,7 +201,7 @@ def first_api_key(api_key: str | list[str] | None, api_key_file: str | None = No
     if not keys and api_key_file:
         try:
             with open(api_key_file, encoding="utf-8") as f:
-                keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+                keys = [line.split()[0] for line in f if line.strip() and not line.lstrip().startswith("#")]
         except OSError:
             pass  # the gateway says so when it starts
     return keys[0] if keys else None
