@@ -1,7 +1,14 @@
 """Triton GPU kernels; each has a plain torch reference with the same signature in pagedserve/kernels/reference.py.
 
 The modules import triton at top level: the worker imports them only on CUDA, and the tests run them
-on the CPU under TRITON_INTERPRET=1. Block sizes shrink to 16 on CPU tensors (the interpreter is slow)."""
+on the CPU under TRITON_INTERPRET=1. Block sizes shrink to 16 on CPU tensors (the interpreter is slow).
+
+Integer arguments that change from step to step (a block table's row stride, the number of token/expert
+pairs) are marked do_not_specialize: Triton otherwise compiles a kernel anew whenever such a value
+becomes 1 or a multiple of 16, and an engine run compiles one variant after another. (On the H200 the
+DeepSeek engine tests ended without an assertion, as tests killed at the GPU check's 120 s limit do,
+12 processes compiling at once; the same tests pass here with the Triton MLA and MoE backends under
+the interpreter, so compile time is the suspect the next GPU run confirms or clears.)"""
 
 from __future__ import annotations
 

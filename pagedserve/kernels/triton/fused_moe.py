@@ -53,7 +53,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     return sorted_ids[:capacity], expert_ids, total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
                          N, K, num_pairs, stride_am, stride_be, stride_bn, stride_cm,
                          A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -88,7 +88,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, exper
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _silu_and_mul_kernel(x_ptr, o_ptr, rows_ptr, num_rows, inter, stride_x, stride_o, BLOCK: tl.constexpr):
     """o[row, i] = silu(x[row, i]) * x[row, inter + i] in float32, for row = rows[program_id(0)]; rows
     >= num_rows (sentinels) are skipped, so rows no GEMM wrote are never read."""

@@ -15,7 +15,7 @@ from pagedserve.kernels.triton import dot_precision, is_interpreted, pow2_tile, 
 from pagedserve.kernels.triton.paged_attention import LOG2E, NEG_BIG, online_softmax_step, paged_offsets
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])
 def _mla_kernel(ql_ptr, qr_ptr, cache_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr,
                 qk_scale, num_heads, stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_cb, stride_cs,
                 stride_ot, stride_oh, stride_table,

@@ -43,7 +43,7 @@ def online_softmax_step(s, m_i, l_i):
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, qk_scale,
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    stride_ot, stride_oh, stride_table,
@@ -83,7 +83,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr
              acc.to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & (dv[None, :] < DV))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr,
                     qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, stride_table,
