@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from pagedserve.common.grpc_util import TLS_ENV
+
 yaml = pytest.importorskip("yaml", reason="pyyaml is in the test extras: pip install -e '.[test]'")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,13 +133,18 @@ def test_the_objects_of_each_values_file(rendered):
               ("Service", "pagedserve-gateway"), ("Service", "pagedserve-tokenizer"),
               ("StatefulSet", "pagedserve-engine")]
     hpas = [("HorizontalPodAutoscaler", "pagedserve-gateway"), ("HorizontalPodAutoscaler", "pagedserve-tokenizer")]
-    own_redis = [("Secret", "pagedserve-redis-url"), ("Service", "redis"), ("StatefulSet", "redis")]
-    assert kinds("default") == sorted(common + hpas + own_redis + [("Secret", "pagedserve-api-keys")])
-    assert kinds("gpu") == sorted(common + hpas + own_redis + [("Secret", "pagedserve-api-keys"),
-                                                                ("Ingress", "pagedserve-gateway"),
-                                                                ("ServiceMonitor", "pagedserve-gateway")])
-    # Redis' URL and the API keys are in Secrets of the operator's: none made, no Redis, no HPA.
-    assert kinds("external-redis") == sorted(common)
+    own_redis = [("Secret", "pagedserve-redis-url"), ("Service", "redis"), ("StatefulSet", "redis"),
+                 ("Secret", "redis-auth"), ("NetworkPolicy", "pagedserve-redis")]
+    # On by default (issue 42): the internal ports closed to all but the chart's pods, mutual TLS.
+    closed = [("NetworkPolicy", "pagedserve-tokenizer"), ("NetworkPolicy", "pagedserve-engine")]
+    tls = [("Secret", "pagedserve-internal-tls")]
+    assert kinds("default") == sorted(common + hpas + own_redis + closed + tls + [("Secret", "pagedserve-api-keys")])
+    assert kinds("gpu") == sorted(common + hpas + own_redis + closed + tls + [("Secret", "pagedserve-api-keys"),
+                                                                              ("Ingress", "pagedserve-gateway"),
+                                                                              ("ServiceMonitor", "pagedserve-gateway")])
+    # Redis' URL, the API keys and the certificate are in Secrets of the operator's: none made, no
+    # Redis, no HPA.
+    assert kinds("external-redis") == sorted(common + closed)
 
 
 def test_without_any_redis_the_chart_refuses_to_render():
@@ -164,11 +171,14 @@ def test_gateway_probes_are_the_health_endpoints(rendered, values):
 def test_grpc_services_have_probes_on_their_own_ports(rendered, values):
     docs = rendered[values]
     tokenizer = containers(obj(docs, "Deployment", "tokenizer"))["tokenizer"]
-    assert tokenizer["readinessProbe"]["grpc"] == {"port": 50052}
+    # Under mutual TLS (the default) the kubelet's gRPC probe cannot connect: the health check runs
+    # in the container with the service's certificate (internalTls.enabled=false: the native probe).
+    assert tokenizer["readinessProbe"]["exec"]["command"] == ["python", "-m", "pagedserve.healthcheck", "-q",
+                                                              "127.0.0.1:50052"]
     assert tokenizer["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
     engine = containers(obj(docs, "StatefulSet", "engine"))
     scheduler, worker = engine["scheduler"], engine["worker"]
-    assert scheduler["readinessProbe"]["grpc"] == {"port": 50060}
+    assert scheduler["readinessProbe"]["exec"]["command"][-1] == "127.0.0.1:50060"
     assert scheduler["livenessProbe"]["tcpSocket"] == {"port": "scheduler"}
     # The ranks listen on the pod's loopback: the probes run the health check inside the container.
     check = ["python", "-m", "pagedserve.healthcheck", "-q", "127.0.0.1:50061"]
@@ -280,6 +290,7 @@ def test_every_pagedserve_variable_names_a_flag_of_its_service(rendered, values,
             service = container["name"]
             parser = service_parser(service)
             known = {f"PAGEDSERVE_{a.dest.upper()}" for a in parser._actions if a.option_strings}
+            known |= set(TLS_ENV.values())  # read by every service itself (common/grpc_util.py)
             env = env_of(container)
             unknown = sorted(k for k in env if k.startswith("PAGEDSERVE_") and k not in known)
             assert unknown == [], f"{values}: {service} gets variables that name no flag"
@@ -308,9 +319,11 @@ def test_services_dial_each_other(rendered, values):
     assert gateway["PAGEDSERVE_SCHEDULER_ADDR"] == tokenizer["PAGEDSERVE_SCHEDULER_ADDR"] == first
     assert gateway["PAGEDSERVE_TOKENIZER_ADDR"] == f"{RELEASE}-pagedserve-tokenizer:50052"
     assert obj(docs, "Service", "tokenizer")["spec"]["ports"][0]["port"] == 50052
-    # Each replica registers as its pod, reachable at its pod IP.
+    # Each replica registers as its pod, reachable at its pod's DNS name (the name its certificate
+    # holds; it resolves before the pod is ready).
     assert scheduler["PAGEDSERVE_REPLICA_ID"] == "$(POD_NAME)"
-    assert scheduler["PAGEDSERVE_ADVERTISE_ADDR"] == "$(POD_IP):50060"
+    assert scheduler["PAGEDSERVE_ADVERTISE_ADDR"] == f"$(POD_NAME).{RELEASE}-pagedserve-engine.llm.svc:50060"
+    assert engine_service["spec"]["publishNotReadyAddresses"] is True
     assert (scheduler["PAGEDSERVE_HOST"], scheduler["PAGEDSERVE_PORT"]) == ("0.0.0.0", "50060")
     # One Redis for all, by Secret (a URL may carry a password); one key prefix.
     redis_refs = {str(env["PAGEDSERVE_REDIS_URL"]) for env in (gateway, tokenizer, scheduler)}
@@ -326,7 +339,9 @@ def test_services_dial_each_other(rendered, values):
         import base64
         url = base64.b64decode(secret["data"]["redis-url"]).decode()
         redis_service = by_kind(docs, "Service")[f"{RELEASE}-redis"]
-        assert url == f"redis://{RELEASE}-redis:6379/0"
+        password = base64.b64decode(by_kind(docs, "Secret")[f"{RELEASE}-redis-auth"]["data"]["password"])
+        assert len(password) == 32 and password.decode().isalnum()
+        assert url == f"redis://:{password.decode()}@{RELEASE}-redis:6379/0"
         assert redis_service["spec"]["ports"][0]["port"] == 6379
         assert prefixes == {"pagedserve:"}
 
@@ -362,14 +377,16 @@ def test_external_redis_by_url_and_no_api_keys():
     validate(docs, KUBERNETES_VERSIONS[-1], "external URL, no keys")
     import base64
     secrets = by_kind(docs, "Secret")
-    assert sorted(secrets) == [f"{RELEASE}-pagedserve-redis-url"]  # the URL carries a password: a Secret
+    # The URL carries a password: a Secret; the services' certificate.
+    assert sorted(secrets) == [f"{RELEASE}-pagedserve-internal-tls", f"{RELEASE}-pagedserve-redis-url"]
     assert base64.b64decode(secrets[f"{RELEASE}-pagedserve-redis-url"]["data"]["redis-url"]) == \
         b"redis://:pw@redis.infra:6380/2"
     assert f"{RELEASE}-redis" not in by_kind(docs, "StatefulSet")
     gateway = obj(docs, "Deployment", "gateway")
     env = env_of(containers(gateway)["gateway"])
     assert env["PAGEDSERVE_ALLOW_UNAUTHENTICATED"] == "1"
-    assert "PAGEDSERVE_API_KEY_FILE" not in env and "volumes" not in gateway["spec"]["template"]["spec"]
+    assert "PAGEDSERVE_API_KEY_FILE" not in env
+    assert [v["name"] for v in gateway["spec"]["template"]["spec"]["volumes"]] == ["internal-tls"]
 
 
 def test_hpas_scale_the_gateways_and_tokenizers(rendered):
@@ -514,3 +531,127 @@ def test_readme_documents_every_value():
     assert missing == [], "values the README's table does not document"
     stale = sorted(p for p in documented if not p.endswith(".*") and p not in values)
     assert stale == [], "the README documents values that values.yaml does not have"
+
+
+# ---- closed by default (issue 42 row 4) ----------------------------------------------------------
+def labels_of(workload: dict) -> dict:
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def test_redis_requires_a_password_that_only_the_chart_holds(rendered):
+    """Before: any pod could `redis-cli --scan --pattern '*req:*'` and read every prompt."""
+    docs = rendered["default"]
+    redis_pod = containers(by_kind(docs, "StatefulSet")[f"{RELEASE}-redis"])["redis"]
+    args = redis_pod["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    env = env_of(redis_pod)
+    for name in ("REDIS_PASSWORD", "REDISCLI_AUTH"):  # the readiness probe's redis-cli authenticates
+        assert env[name] == {"secretKeyRef": {"name": f"{RELEASE}-redis-auth", "key": "password"}}
+    assert redis_pod["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+
+
+def test_network_policies_let_only_the_charts_pods_reach_redis_and_the_internal_ports(rendered):
+    docs = rendered["default"]
+    pods = {name: labels_of(w) for kind in ("Deployment", "StatefulSet") for name, w in by_kind(docs, kind).items()}
+    tokenizer, engine = pods[f"{RELEASE}-pagedserve-tokenizer"], pods[f"{RELEASE}-pagedserve-engine"]
+    redis_labels = pods[f"{RELEASE}-redis"]
+    policies = {name.removeprefix(f"{RELEASE}-pagedserve-"): p["spec"]
+                for name, p in by_kind(docs, "NetworkPolicy").items()}
+    assert set(policies) == {"redis", "tokenizer", "engine"}
+
+    def allowed(policy: dict, labels: dict, port: int) -> bool:
+        return any(any(selects(src["podSelector"], labels) for src in rule["from"])
+                   and any(p["port"] == port for p in rule["ports"]) for rule in policy["ingress"])
+
+    expected = {"redis": (redis_labels, 6379, {"gateway", "tokenizer", "engine"}),
+                "tokenizer": (tokenizer, 50052, {"gateway"}),
+                "engine": (engine, 50060, {"gateway", "tokenizer"})}
+    stranger = {"app": "anything-else", "app.kubernetes.io/instance": RELEASE}
+    for name, (target, port, sources) in expected.items():
+        policy = policies[name]
+        assert policy["policyTypes"] == ["Ingress"] and selects(policy["podSelector"], target), name
+        others = {n: pods[f"{RELEASE}-pagedserve-{n}"] for n in ("gateway", "tokenizer", "engine")}
+        assert {n for n, labels in others.items() if allowed(policy, labels, port)} == sources, name
+        assert not allowed(policy, stranger, port) and not allowed(policy, redis_labels, port), name
+    assert "gateway" not in policies  # the API stays reachable
+
+
+def test_every_service_speaks_mutual_tls_with_the_charts_certificate(rendered):
+    docs = rendered["default"]
+    secret = by_kind(docs, "Secret")[f"{RELEASE}-pagedserve-internal-tls"]
+    assert secret["type"] == "kubernetes.io/tls" and set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+    for kind, name in (("Deployment", "gateway"), ("Deployment", "tokenizer"), ("StatefulSet", "engine")):
+        workload = obj(docs, kind, name)
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["internal-tls"]["secret"]["secretName"] == secret["metadata"]["name"]
+        for container in containers(workload).values():
+            env = env_of(container)
+            assert {env[v] for v in TLS_ENV.values()} == {f"/etc/pagedserve/tls/{f}" for f in secret["data"]}
+            assert {"name": "internal-tls", "mountPath": "/etc/pagedserve/tls", "readOnly": True} in \
+                container["volumeMounts"], (name, container["name"])
+
+
+def test_the_charts_certificate_serves_every_address_the_services_dial(rendered, tmp_path, monkeypatch):
+    """The rendered certificate, for real: a gRPC server on it (mutual TLS) answers a client that
+    presents it, under every name the services dial (the tokenizer Service, an engine pod's DNS
+    name, the loopback), and refuses a client without one."""
+    import base64
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from pagedserve.common.grpc_util import add_internal_port, internal_channel
+
+    data = by_kind(rendered["default"], "Secret")[f"{RELEASE}-pagedserve-internal-tls"]["data"]
+    for name, var in (("tls.crt", "cert"), ("tls.key", "key"), ("ca.crt", "ca")):
+        (tmp_path / name).write_bytes(base64.b64decode(data[name]))
+        monkeypatch.setenv(TLS_ENV[var], str(tmp_path / name))
+    server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = add_internal_port(server, "127.0.0.1:0")
+    server.start()
+    try:
+        engine_pod = f"{RELEASE}-pagedserve-engine-3.{RELEASE}-pagedserve-engine.llm.svc"
+        for name in (None, f"{RELEASE}-pagedserve-tokenizer", engine_pod, "localhost"):
+            options = [("grpc.ssl_target_name_override", name)] if name else []
+            with internal_channel(f"127.0.0.1:{port}", options=options) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+        with internal_channel(f"127.0.0.1:{port}", options=[("grpc.ssl_target_name_override", "evil.example")]) as ch:
+            with pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        no_cert = grpc.ssl_channel_credentials(root_certificates=base64.b64decode(data["ca.crt"]))
+        with grpc.secure_channel(f"127.0.0.1:{port}", no_cert) as ch:
+            with pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    finally:
+        server.stop(0)
+
+
+def test_each_protection_turns_off_as_the_readme_says():
+    docs = render("--set", "redis.auth.enabled=false", "--set", "networkPolicy.enabled=false",
+                  "--set", "internalTls.enabled=false")
+    validate(docs, KUBERNETES_VERSIONS[-1], "protections off")
+    import base64
+    assert "NetworkPolicy" not in {d["kind"] for d in docs}
+    secrets = by_kind(docs, "Secret")
+    assert f"{RELEASE}-redis-auth" not in secrets and f"{RELEASE}-pagedserve-internal-tls" not in secrets
+    assert base64.b64decode(secrets[f"{RELEASE}-pagedserve-redis-url"]["data"]["redis-url"]) == \
+        f"redis://{RELEASE}-redis:6379/0".encode()
+    assert "--requirepass" not in containers(by_kind(docs, "StatefulSet")[f"{RELEASE}-redis"])["redis"]["args"]
+    tokenizer = containers(obj(docs, "Deployment", "tokenizer"))["tokenizer"]
+    scheduler = containers(obj(docs, "StatefulSet", "engine"))["scheduler"]
+    assert tokenizer["readinessProbe"]["grpc"] == {"port": 50052}
+    assert scheduler["readinessProbe"]["grpc"] == {"port": 50060}
+    assert env_of(scheduler)["PAGEDSERVE_ADVERTISE_ADDR"] == "$(POD_IP):50060"
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            for container in containers(doc).values():
+                assert not set(TLS_ENV.values()) & set(env_of(container)), container["name"]
+    readme = (CHART / "README.md").read_text()
+    for flag in ("redis.auth.enabled=false", "networkPolicy.enabled=false", "internalTls.enabled=false"):
+        assert flag in readme, flag

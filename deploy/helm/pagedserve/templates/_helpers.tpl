@@ -58,13 +58,58 @@ redis-url
 {{- end }}
 {{- end }}
 
+{{/* The Redis URL; .password: this chart's Redis' password (redis.auth.enabled). */}}
 {{- define "pagedserve.redisUrl" -}}
+{{- $root := .root }}
+{{- with $root }}
 {{- if .Values.redis.enabled }}
-{{- printf "redis://%s:6379/0" (printf "%s-redis" .Release.Name | trunc 63 | trimSuffix "-") }}
+{{- printf "redis://%s%s:6379/0" (ternary (printf ":%s@" $.password) "" (and .Values.redis.auth.enabled (ne $.password ""))) (printf "%s-redis" .Release.Name | trunc 63 | trimSuffix "-") }}
 {{- else if .Values.externalRedis.url }}
 {{- .Values.externalRedis.url }}
 {{- else if not .Values.externalRedis.existingSecret }}
 {{- fail "Redis: set redis.enabled=true (this chart's Redis), externalRedis.url or externalRedis.existingSecret" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pagedserve.redisAuthSecretName" -}}
+{{- printf "%s-redis-auth" .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Mutual TLS between the services (internalTls.enabled): the Secret, its mount and PAGEDSERVE_TLS_*. */}}
+{{- define "pagedserve.tlsSecretName" -}}
+{{- default (include "pagedserve.component" (dict "root" . "component" "internal-tls")) .Values.internalTls.existingSecret }}
+{{- end }}
+
+{{- define "pagedserve.tlsEnv" -}}
+{{- if .Values.internalTls.enabled }}
+- {name: PAGEDSERVE_TLS_CERT, value: /etc/pagedserve/tls/tls.crt}
+- {name: PAGEDSERVE_TLS_KEY, value: /etc/pagedserve/tls/tls.key}
+- {name: PAGEDSERVE_TLS_CA, value: /etc/pagedserve/tls/ca.crt}
+{{- end }}
+{{- end }}
+
+{{- define "pagedserve.tlsMount" -}}
+{{- if .Values.internalTls.enabled }}
+- {name: internal-tls, mountPath: /etc/pagedserve/tls, readOnly: true}
+{{- end }}
+{{- end }}
+
+{{- define "pagedserve.tlsVolume" -}}
+{{- if .Values.internalTls.enabled }}
+- name: internal-tls
+  secret: {secretName: {{ include "pagedserve.tlsSecretName" . }}}
+{{- end }}
+{{- end }}
+
+{{/* A gRPC service's readiness probe: the kubelet's native gRPC probe speaks no TLS, so with
+internalTls.enabled the health check runs in the container (python -m pagedserve.healthcheck, with the
+service's own certificate). */}}
+{{- define "pagedserve.grpcReadiness" -}}
+{{- if .root.Values.internalTls.enabled }}
+exec: {command: ["python", "-m", "pagedserve.healthcheck", "-q", "127.0.0.1:{{ .port }}"]}
+{{- else }}
+grpc: {port: {{ .port }}}
 {{- end }}
 {{- end }}
 
