@@ -106,3 +106,42 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, out=None):
         acc.index_add_(0, tokens, y)
     out = _out_buffer(out, hidden.shape, hidden)
     return out.copy_(acc)
+
+
+# ---- the fused elementwise ops (pagedserve/kernels/triton/fused_ops.py) -----------------------------
+def rms_norm(x, weight, eps, residual=None, *, gemma=False):
+    """As the models compute it: with residual, residual += x (in place, its dtype) and the sum is
+    normalized; x / rms(x) in float32, cast, times the weight (gemma: times (1 + w) in float32, then cast)."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def rotary_inplace(q, k, cos_table, sin_table, positions, rotary_dim=None):
+    """NeoX rotary on the first rotary_dim values of each head of q [T, Hq, D] and k [T, Hk, D], in place,
+    from float32 tables [max_positions, rotary_dim] indexed by positions [T]."""
+    rot = rotary_dim or q.shape[-1]
+    half = rot // 2
+    cos, sin = cos_table[positions, :half].unsqueeze(1), sin_table[positions, :half].unsqueeze(1)
+    for x in (q, k):
+        x1, x2 = x[..., :half].float(), x[..., half:rot].float()
+        x[..., :half], x[..., half:rot] = (x1 * cos - x2 * sin).to(x.dtype), (x2 * cos + x1 * sin).to(x.dtype)
+
+
+def act_and_mul(x, activation="silu"):
+    """x [T, 2I] -> act(x[:, :I]) * x[:, I:] in float32, cast to x's dtype; act silu or gelu (tanh)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return (act * up).to(x.dtype)
+
+
+def write_kv_cache(key, value, k_cache, v_cache, slot_mapping):
+    """key [T, KVH, D] / value [T, KVH, Dv] into the paged caches at flat slots; slots < 0 write nothing."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *key.shape[1:]).index_copy_(0, slots, key[keep].to(k_cache.dtype))
+    v_cache.view(-1, *value.shape[1:]).index_copy_(0, slots, value[keep].to(v_cache.dtype))
