@@ -151,3 +151,30 @@ def test_drain_waits_then_aborts():
         assert backend.draining and stuck.aborted and not quick.aborted
         assert 0.4 < time.monotonic() - started < 3
     asyncio.run(main())
+
+
+def test_a_batch_counts_as_its_prompts_against_the_keys_limits():
+    """Issue 42 row 2: a list of prompts was admitted as one request and became up to 256 requests
+    (x n sequences), each checked alone. Now, before any prompt is sent: at most 256 sequences
+    (prompts x n) in one request, one request per prompt off the key's rate bucket (all or none),
+    and the batch's output budget within --max-tokens-in-flight."""
+    async def main():
+        backend = Backend("127.0.0.1:1", "127.0.0.1:1", api_key=[KEY, "other"],
+                          limits=Limits(rate_limit=(0.01, 10.0), max_tokens_in_flight=100))
+        auth = {"Authorization": f"Bearer {KEY}"}
+        async with _client(backend) as http:
+            r = await http.post("/v1/completions", json={"prompt": ["hi"] * 256, "n": 16}, headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "4096" in r.text, r.text
+            r = await http.post("/v1/completions", json={"prompt": ["hi"] * 10}, headers=auth)
+            assert r.status_code == 429 and "counts as 10" in r.json()["error"]["message"], r.text
+            # Refused whole: the bucket holds 8 (the gate takes one for every request it lets in).
+            r = await http.post("/v1/completions", json={"prompt": ["hi"] * 5, "max_tokens": 4}, headers=auth)
+            assert r.status_code != 429, r.text  # past admission (no tokenizer here: an error downstream)
+            r = await http.post("/v1/completions", json={"prompt": ["hi"] * 4}, headers=auth)
+            assert r.status_code == 429, r.text  # 2 left after 1 + 5, then 1 at the gate
+            backend.admission.tokens_in_flight = 50
+            r = await http.post("/v1/completions", json={"prompt": ["hi"] * 4, "n": 2, "max_tokens": 10},
+                                headers={"Authorization": "Bearer other"})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_tokens_in_flight", r.text
+
+    asyncio.run(main())

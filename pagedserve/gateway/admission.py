@@ -66,10 +66,11 @@ def bad_api_key() -> Refusal:
                    "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def rate_limited(rate: tuple[float, float], wait_s: float) -> Refusal:
+def rate_limited(rate: tuple[float, float], wait_s: float, requests: int = 1) -> Refusal:
     rps, burst = rate
+    counted = f" (this request counts as {requests}: one per prompt)" if requests > 1 else ""
     return Refusal(429, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                   f"rate limit exceeded: at most {rps:g} requests/s (burst {burst:g}) per API key",
+                   f"rate limit exceeded: at most {rps:g} requests/s (burst {burst:g}) per API key{counted}",
                    "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": retry_after(wait_s)})
 
 
@@ -163,6 +164,23 @@ class Admission:
             if wait > 0:
                 raise rate_limited(self.limits.rate_limit, wait)
         return caller
+
+    def admit_more(self, authorization: str | None, client: str | None, count: int) -> None:
+        """A request that is `count` more requests (a batch's other prompts, each its own request
+        downstream): as many off the caller's rate bucket, all or none, or 429."""
+        if self.rate_limiter is None or count <= 0:
+            return
+        key = (authorization or "").partition(" ")[2].strip() if self.api_keys else None
+        wait = self.rate_limiter.check(RateLimiter.identity(key, client), count=count)
+        if wait > 0:
+            raise rate_limited(self.limits.rate_limit, wait, count + 1)
+
+    def check_tokens_fit(self, tokens: int) -> None:
+        """429 when `tokens` more in flight would pass --max-tokens-in-flight now (nothing reserved:
+        a batch's output budget, checked before any of its prompts is sent)."""
+        bound = self.limits.max_tokens_in_flight
+        if bound > 0 and self.tokens_in_flight > 0 and self.tokens_in_flight + tokens > bound:
+            raise too_many_tokens(tokens, self.tokens_in_flight, bound)
 
     def check_body_size(self, size: int) -> None:
         limit = self.limits.max_body_bytes

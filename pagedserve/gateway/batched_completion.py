@@ -9,6 +9,11 @@ any is sent, so a bad parameter is one 400 and nothing runs; a prompt refused do
 long for the context, say) cancels the others before the headers. The response's id is the
 first prompt's request id; `x-request-id` lists every prompt's, in order.
 
+A batch is as many requests as it has prompts, against the key's limits, before any prompt is
+sent: its prompts x n sequences at most MAX_SEQUENCES (400), one request per prompt off the key's
+rate bucket (429), and its output budget (prompts x n x max_tokens) within --max-tokens-in-flight
+(429); each prompt's call then reserves its own tokens in flight as any request does.
+
 Threads: the serving event loop. Invariants: the merged stream ends (by its end, an error, or
 the client leaving) only after every prompt's call has been closed, so no request is left
 running; the merged stream sends one [DONE], after every prompt's end.
@@ -30,6 +35,8 @@ from pagedserve.gateway.sse import DONE, CancellingStream, sse_event
 
 # More prompts than this in one request is refused: each is a request of its own downstream.
 MAX_PROMPTS = 256
+# More sequences (prompts x n) than this in one request is refused: each is a sequence downstream.
+MAX_SEQUENCES = 256
 
 
 def is_batched(body: CompletionRequest) -> bool:
@@ -42,6 +49,9 @@ def split(body: CompletionRequest) -> list[CompletionRequest]:
     prompts = body.prompt
     if len(prompts) > MAX_PROMPTS:
         raise bad_request(f"prompt has {len(prompts)} prompts; at most {MAX_PROMPTS} in one request", "prompt")
+    if len(prompts) * body.n > MAX_SEQUENCES:
+        raise bad_request(f"{len(prompts)} prompts x n={body.n} is {len(prompts) * body.n} sequences; at most "
+                          f"{MAX_SEQUENCES} in one request", "n")
     parts = [body.model_copy(update={"prompt": p}) for p in prompts]
     for i, part in enumerate(parts):
         try:
@@ -66,7 +76,15 @@ async def run_batched(backend: Backend, request: Request, body: CompletionReques
 async def _run(backend: Backend, request: Request, body: CompletionRequest) -> Response:
     if request.headers.get("idempotency-key"):
         raise bad_request("Idempotency-Key is not supported with a list of prompts", "prompt")
-    calls = [CompletionCall(backend, request, False, part) for part in split(body)]
+    parts = split(body)
+    admission = backend.admission
+    admission.check_n(body.n)
+    # The gate took one request off the key's rate bucket; the other prompts are requests too.
+    admission.admit_more(request.headers.get("authorization"), request.client.host if request.client else None,
+                         len(parts) - 1)
+    if body.max_tokens:
+        admission.check_tokens_fit(len(parts) * body.n * body.max_tokens)
+    calls = [CompletionCall(backend, request, False, part) for part in parts]
     for call in calls:
         call.raw = True
     answers = await _start_all(calls)

@@ -45,15 +45,16 @@ class TokenBucket:
         self.tokens = burst
         self.stamp = time.monotonic() if now is None else now
 
-    def take(self, now: float | None = None) -> float:
-        """0.0 when a request may pass (one token taken), else the seconds until one may."""
+    def take(self, now: float | None = None, count: float = 1.0) -> float:
+        """0.0 when `count` requests may pass (as many tokens taken, all or none), else the seconds
+        until they may (more than the burst: never, as long as the burst allows)."""
         now = time.monotonic() if now is None else now
         self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
+        if self.tokens >= count:
+            self.tokens -= count
             return 0.0
-        return (1.0 - self.tokens) / self.rate
+        return (count - self.tokens) / self.rate
 
     def wait(self, now: float | None = None) -> float:
         """take() without taking: 0.0 when a token is there."""
@@ -75,7 +76,7 @@ class RateLimiter:
             return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
         return "addr:" + (client or "?")
 
-    def check(self, identity: str, now: float | None = None) -> float:
+    def check(self, identity: str, now: float | None = None, count: float = 1.0) -> float:
         bucket = self.buckets.get(identity)
         if bucket is None:
             bucket = self.buckets[identity] = TokenBucket(self.rate, self.burst, now)
@@ -83,7 +84,7 @@ class RateLimiter:
                 self.buckets.popitem(last=False)
         else:
             self.buckets.move_to_end(identity)
-        return bucket.take(now)
+        return bucket.take(now, count)
 
     def wait(self, identity: str, now: float | None = None) -> float:
         """How long identity must wait before check() would pass, without taking a token."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -162,3 +163,27 @@ def test_tokenization_endpoints_are_bounded_and_off_the_streams_loop(stack, http
     assert long_prompt.status_code == 400 and "prompt" in long_prompt.text, long_prompt.text[:300]
     fits = http.post("/detokenize", headers=auth(K1), json={"tokens": [28] * 1024})
     assert fits.status_code == 200 and fits.json()["prompt"] == "," * 1024
+
+
+def test_a_batch_of_prompts_is_as_many_requests(stack, http):
+    """Row 2: 5 x {"prompt": ["hi"] * 256, "n": 16} from A was admitted as 5 requests and became
+    20,480 sequences; B waited behind them. Now such a batch is 400 before anything runs (at most
+    256 sequences in one request), a batch within it runs, and B is served within its bound."""
+    def batch(prompts: int, n: int) -> httpx.Response:
+        return http.post("/v1/completions", headers=auth(K1), json={"prompt": ["hi"] * prompts, "n": n,
+                                                                    "max_tokens": 16, "ignore_eos": True})
+
+    alone = min(victim_seconds(http) for _ in range(2))
+    with ThreadPoolExecutor(6) as pool:
+        floods = [pool.submit(batch, 256, 16) for _ in range(5)]
+        allowed = pool.submit(batch, 8, 2)
+        time.sleep(0.3)
+        attacked = victim_seconds(http)
+        answers = [f.result() for f in floods]
+        within = allowed.result()
+    print(f"\nrow 2, 5 batches of 256 prompts x n=16: B alone {alone:.2f} s, under attack {attacked:.2f} s, "
+          f"ratio {attacked / alone:.2f}")
+    for answer in answers:
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "n", answer.text[:300]
+    assert within.status_code == 200 and len(within.json()["choices"]) == 16
+    assert alone < 2.0 and attacked < 8.0, f"B took {attacked:.2f} s behind A's batches (alone {alone:.2f} s)"
