@@ -367,3 +367,27 @@ def test_worker_triton_backend_equals_the_torch_backend():
     got = TritonAttentionBackend().forward(query, key, value, *caches[1], meta, 0.25)
     assert rel_err(got, want) < TOL[torch.float32]
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_worker_triton_backend_on_a_pure_decode_step():
+    """A decode-only step converts its metadata on the device alone (what a captured graph replays)."""
+    from pagedserve.worker.attention import AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend, \
+        kernel_metadata
+
+    gen = torch.Generator().manual_seed(6)
+    page, heads, kv_heads, dim, num_blocks, lens = 4, 4, 2, 16, 12, [5, 9, 1]
+    tables = torch.randperm(num_blocks, generator=gen)[:9].view(3, 3).to(DEVICE)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    slots = torch.stack([tables[s, (n - 1) // page] * page + (n - 1) % page for s, n in enumerate(lens)])
+    span = torch.arange(3 * page, device=DEVICE)
+    mask = torch.zeros(3, 1, 1, 3 * page, device=DEVICE).masked_fill_(
+        (span[None, :] >= seq_lens[:, None]).view(3, 1, 1, -1), float("-inf"))
+    meta = AttentionMetadata(slots, 3, tables, seq_lens, mask, [])
+    converted = kernel_metadata(meta, page, torch.device(DEVICE))
+    assert [t.dtype for t in converted] == [torch.int32] * 3 and converted[2].tolist() == [0, 1, 2, 3]
+    query, key, value = (randn(gen, 3, h, dim) for h in (heads, kv_heads, kv_heads))
+    k_cache, v_cache = randn(gen, num_blocks, page, kv_heads, dim), randn(gen, num_blocks, page, kv_heads, dim)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    want = TorchAttentionBackend().forward(query, key, value, *caches[0], meta, 0.25)
+    got = TritonAttentionBackend().forward(query, key, value, *caches[1], meta, 0.25)
+    assert rel_err(got, want) < TOL[torch.float32]

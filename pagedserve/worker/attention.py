@@ -187,8 +187,13 @@ def kernel_metadata(meta: AttentionMetadata, block_size: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(block_tables int32 [S, max_blocks], seq_lens int32 [S], query_start_loc int32 [S + 1]) for
     the decodes then the prefills of `meta`. Rows are zero-padded to cover every sequence's length,
-    so a table shorter than its sequence (the runner's profiling step) still reads valid blocks."""
+    so a table shorter than its sequence (the runner's profiling step) still reads valid blocks.
+    A pure decode step converts on the device alone (no host data): it can be captured in a graph."""
     decodes = meta.num_decodes
+    if not meta.prefills:
+        return (meta.decode_block_tables.to(device=device, dtype=torch.int32),
+                meta.decode_seq_lens.to(device=device, dtype=torch.int32),
+                torch.arange(decodes + 1, dtype=torch.int32, device=device))
     seq_lens = [] if not decodes else [meta.decode_seq_lens.to(device=device, dtype=torch.int32)]
     seq_lens.append(torch.tensor([p.context_len + p.query_len for p in meta.prefills], dtype=torch.int32,
                                  device=device))

@@ -15,6 +15,7 @@ from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.attention import AttentionMetadata, PrefillSeq, cpu_kernels, make_backend
 from pagedserve.worker.cpu_linear import pack_model
+from pagedserve.worker.graph_runner import DecodeGraphRunner
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.models import model_class
 from pagedserve.worker import prompt_logprobs
@@ -46,6 +47,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.tp = tp_group()  # the group this model was sharded for; made current while it runs
         self.tensor_parallel_size = self.tp.world_size
@@ -68,6 +70,7 @@ class ModelRunner:
         pack_model(model, device, dtype)
         self.model = model.eval()
         self.kv: KVCache | None = None
+        self.decode_graphs: DecodeGraphRunner | None = None  # enable_decode_graphs
         self.sampler = Sampler()
         self.requests = RequestStates()
         self.grammars = GrammarMatchers(model_path, model_config.vocab_size, eos_token_ids)
@@ -79,6 +82,20 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.kv = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device, num_host_blocks,
                           self.tensor_parallel_size)
+        if self.decode_graphs is not None:  # the graphs captured the old cache's addresses
+            self.decode_graphs.invalidate()
+
+    def enable_decode_graphs(self, max_num_seqs: int, graph_factory) -> None:
+        """Pure-decode steps replay graphs (graph_runner.py): graph_factory() makes a CudaGraph on a GPU or a
+        StandInGraph on the CPU (tests). A model whose KV groups differ per layer keeps running eagerly."""
+        from pagedserve.worker.attention import TritonAttentionBackend
+        if self.config.kv_groups().hybrid:
+            return
+        backends = {type(m.backend) for m in self.model.modules() if hasattr(m, "backend")}
+        self.decode_graphs = DecodeGraphRunner(
+            lambda ids, positions, meta: self.model(ids, positions, self.kv.model_caches(), meta), max_num_seqs,
+            -(-self.max_model_len // self.block_size), self.block_size, self.device, graph_factory,
+            needs_mask=not all(issubclass(b, TritonAttentionBackend) for b in backends))
 
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
         """CUDA: run the largest step the budget allows (one prompt of num_tokens, no cache yet)
@@ -208,7 +225,11 @@ class ModelRunner:
             return ModelRunnerOutput(step.step_id, {})
         t0 = time.perf_counter()
         input_ids, positions, meta, order, counts = self._prepare(step)
-        hidden = self.model(input_ids, positions, self.kv.model_caches(), meta)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(meta, input_ids.shape[0]):
+            hidden = graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv.model_caches(), meta)
         ends = np.cumsum(counts) - 1
         # max_tokens 0 (the prompt only): the prefill runs, nothing is sampled.
         samplers = [i for i, (s, n) in enumerate(zip(order, counts))

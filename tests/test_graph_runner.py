@@ -1,0 +1,88 @@
+"""The decode graph runner (pagedserve/worker/graph_runner.py) on the CPU: the same buckets, padding, static
+buffers and re-capture as on a GPU, with the stand-in graph that replays by running the captured function
+on the same static buffers. Greedy tokens with graphs equal those without and transformers' (float32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.worker.graph_runner import StandInGraph, bucket_for, capture_sizes
+from tiny_models import build_tiny_model, hf_greedy, make_engine
+
+
+def test_capture_sizes_follow_vllm():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        capture_sizes(0)
+
+
+def test_bucket_is_the_smallest_that_holds_the_batch():
+    sizes = capture_sizes(32)
+    assert [bucket_for(b, sizes) for b in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 24, 32]
+    assert bucket_for(33, sizes) is None
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2_moe"])  # a dense model and a MoE one
+def model(request, tmp_path_factory):
+    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (3, 17, 40, 8, 25)]
+    # different lengths: as requests finish, decode batches of 5, 4, 3, 2, 1 (buckets 8, 4, 4, 2, 1)
+    lengths = [6, 9, 12, 15, 18]
+    expected = [hf_greedy(folder, [p], n)[0] for p, n in zip(prompts, lengths)]
+    return folder, prompts, lengths, expected
+
+
+def generate(engine, prompts, lengths):
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    return [samples[0].token_ids for samples in engine.generate(prompts, params)]
+
+
+def graph_engine(folder, **overrides):
+    engine = make_engine(folder, max_num_seqs=8, **overrides)
+    engine.runner.enable_decode_graphs(8, StandInGraph)
+    return engine
+
+
+def test_greedy_tokens_with_graphs_equal_transformers(model):
+    folder, prompts, lengths, expected = model
+    engine = graph_engine(folder)
+    assert generate(engine, prompts, lengths) == expected
+    graphs = engine.runner.decode_graphs
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]  # every bucket the shrinking batch needed, captured once
+    assert sum(g.replays for g in graphs.graphs.values()) > 0
+
+
+def test_padding_rows_write_only_row_zeros_slot(model):
+    """With graphs the KV cache ends as it does eagerly: a padding row writing into any other slot would
+    leave a value there that the eager engine's cache does not have."""
+    folder, prompts, lengths, _ = model
+    eager, graphed = make_engine(folder, max_num_seqs=8), graph_engine(folder)
+    assert generate(eager, prompts[:3], lengths[:3]) == generate(graphed, prompts[:3], lengths[:3])
+    assert torch.allclose(eager.runner.kv.device_cache, graphed.runner.kv.device_cache, atol=1e-5)
+
+
+def test_reallocated_cache_recaptures(model):
+    folder, prompts, lengths, expected = model
+    engine = graph_engine(folder, enable_prefix_caching=False)  # a new, zeroed cache holds no cached prefix
+    assert generate(engine, prompts[:2], lengths[:2]) == expected[:2]
+    graphs = engine.runner.decode_graphs
+    assert graphs.graphs
+    engine.runner.allocate_kv_cache(engine.runner.kv.num_blocks)
+    assert not graphs.graphs  # dropped with the cache they captured
+    assert generate(engine, prompts, lengths) == expected
+    assert graphs.graphs
+
+
+def test_steps_a_bucket_cannot_hold_run_eagerly(model):
+    folder, prompts, lengths, expected = model
+    engine = make_engine(folder, max_num_seqs=8)
+    engine.runner.enable_decode_graphs(2, StandInGraph)  # buckets 1 and 2 only
+    assert generate(engine, prompts, lengths) == expected
+    assert sorted(engine.runner.decode_graphs.graphs) == [1, 2]
