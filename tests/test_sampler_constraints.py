@@ -125,3 +125,20 @@ def test_the_gpu_way_of_applying_masks_equals_the_cpu_way():
     assert torch.equal(a, b)
     assert torch.isfinite(a[3]).sum() == 1 and a[3, 2] == raw[3, 2]
     assert torch.equal(a[[1, 2]], x[[1, 2]])
+
+
+def test_logit_bias_of_many_rows_adds_exactly_the_entries_inside_the_vocabulary():
+    """apply_logit_bias builds each row's entries as tensors whole (issue 42 row 1): the same sums
+    as adding them one by one, ids past the vocabulary (a model's padded vocab) skipped."""
+    from pagedserve.worker.sampler import apply_logit_bias
+    torch.manual_seed(3)
+    logits = torch.randn(4, VOCAB)
+    biases = [{1: 5.0, VOCAB + 3: 50.0, 7: -2.5}, None, {0: 1.0}, {i: float(i) for i in range(VOCAB)}]
+    rows = [row(logit_bias=b) for b in biases]
+    expected = logits.clone()
+    for i, bias in enumerate(biases):
+        for token, value in (bias or {}).items():
+            if token < VOCAB:
+                expected[i, token] += value
+    apply_logit_bias(logits, rows)
+    assert torch.equal(logits, expected)

@@ -14,6 +14,19 @@ MAX_LOGPROBS = 20
 MAX_N = 16
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for each bias: [-100, 100]
 MAX_CACHE_SALT = 256  # characters of vLLM's cache_salt
+# Entries a request may send: each is work on every step of every sample (OpenAI: 300 logit_bias).
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 300
+
+
+def size_problem(logit_bias_entries: int, stop_token_ids: int) -> str | None:
+    """Why a request's logit_bias or stop_token_ids are too many (message starting with the
+    field's name), or None. SamplingParams.validate and the gateway (before it builds them)."""
+    if logit_bias_entries > MAX_LOGIT_BIAS:
+        return f"logit_bias has {logit_bias_entries} entries: at most {MAX_LOGIT_BIAS}"
+    if stop_token_ids > MAX_STOP_TOKEN_IDS:
+        return f"stop_token_ids has {stop_token_ids} ids: at most {MAX_STOP_TOKEN_IDS}"
+    return None
 
 
 @dataclass(slots=True)
@@ -117,6 +130,9 @@ class SamplingParams:
             bad("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "an integer")
+        too_many = size_problem(len(self.logit_bias or ()), len(self.stop_token_ids))
+        if too_many:
+            raise ValueError(too_many)
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "a list of non-negative integers")
         if self.logit_bias is not None:

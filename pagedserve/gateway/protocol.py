@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams, size_problem
 from pagedserve.gateway import structured
 from pagedserve.gateway.tools import history_fields
 from pagedserve.v1 import generate_pb2
@@ -251,6 +251,9 @@ def _fill_params(req: _SamplingFields, gen: generate_pb2.GenerateRequest, max_to
                           "max_tokens")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (it must equal n when sent)", "best_of")
+    too_many = size_problem(len(req.logit_bias or ()), len(req.stop_token_ids or ()))
+    if too_many:
+        raise bad_request(too_many, too_many.split(" ", 1)[0])
     check = {"n": req.n, "max_tokens": _UNBOUNDED if max_tokens is None else max_tokens,
              "min_tokens": req.min_tokens, "stop_token_ids": list(req.stop_token_ids or []),
              "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "cache_salt": req.cache_salt or ""}

@@ -12,8 +12,11 @@ import multiprocessing
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import pytest
+
+from pagedserve.v1 import generate_pb2, generate_pb2_grpc
 
 pytestmark = pytest.mark.slow  # the tiny model borrows the default model's tokenizer
 
@@ -187,3 +190,32 @@ def test_a_batch_of_prompts_is_as_many_requests(stack, http):
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "n", answer.text[:300]
     assert within.status_code == 200 and len(within.json()["choices"]) == 16
     assert alone < 2.0 and attacked < 8.0, f"B took {attacked:.2f} s behind A's batches (alone {alone:.2f} s)"
+
+
+def test_logit_bias_and_stop_token_ids_are_capped(stack, http):
+    """Row 1: key A sent n=16 with 49,152 logit_bias entries (every token) and 4,000 tokens: each
+    entry was walked in Python per row per step. Now past 300 entries (OpenAI's cap), or 300
+    stop_token_ids, is 400 naming the field (INVALID_ARGUMENT on gRPC) before anything runs; within
+    the cap each row's entries go to the logits as tensors. B streams within its bound meanwhile."""
+    flood = {"prompt": "hi", "n": 16, "max_tokens": 4000, "logit_bias": {str(t): 1 for t in range(49152)}}
+    refused = http.post("/v1/completions", headers=auth(K1), json=flood)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias", refused.text[:300]
+    assert "300" in refused.json()["error"]["message"]
+    stops = http.post("/v1/completions", headers=auth(K1), json={"prompt": "hi", "stop_token_ids": list(range(301))})
+    assert stops.status_code == 400 and stops.json()["error"]["param"] == "stop_token_ids", stops.text[:300]
+    request = generate_pb2.GenerateRequest(prompt="hi")
+    request.params.logit_bias.update({t: 1.0 for t in range(301)})
+    with grpc.insecure_channel(stack.grpc_address) as channel, pytest.raises(grpc.RpcError) as grpc_refused:
+        list(generate_pb2_grpc.GenerationStub(channel).Generate(
+            request, metadata=(("authorization", f"Bearer {K1}"),), timeout=30))
+    assert grpc_refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "logit_bias" in grpc_refused.value.details()
+
+    within = {"prompt": "hi", "n": 16, "max_tokens": 32, "ignore_eos": True,
+              "logit_bias": {str(t): 1 for t in range(1000, 1300)}, "stop_token_ids": list(range(3000, 3300))}
+
+    async def biased(client: httpx.AsyncClient) -> None:
+        await client.post("/v1/completions", headers=auth(K1), json=within)
+
+    latency_ratio(http, Attack(stack.http_url, biased, 1, processes=1), 8.0,
+                  "row 1, n=16 with 300 logit_bias entries and 300 stop ids")
