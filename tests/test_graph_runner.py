@@ -86,3 +86,26 @@ def test_steps_a_bucket_cannot_hold_run_eagerly(model):
     engine.runner.enable_decode_graphs(2, StandInGraph)  # buckets 1 and 2 only
     assert generate(engine, prompts, lengths) == expected
     assert sorted(engine.runner.decode_graphs.graphs) == [1, 2]
+
+
+class FailingGraph(StandInGraph):
+    def capture(self, fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_falls_back_to_eager(model, caplog):
+    folder, prompts, lengths, expected = model
+    engine = make_engine(folder, max_num_seqs=8)
+    engine.runner.enable_decode_graphs(8, FailingGraph)
+    assert generate(engine, prompts, lengths) == expected
+    assert engine.runner.decode_graphs is None
+    assert "run eagerly from now on" in caplog.text
+
+
+def test_the_cpu_runs_eagerly_unless_asked():
+    """use_decode_graphs (what the engine and the worker call after allocating the cache) is CUDA's only."""
+    from pagedserve.worker.model_runner import ModelRunner
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device, runner.decode_graphs = torch.device("cpu"), None
+    runner.use_decode_graphs(8, enforce_eager=False)
+    assert runner.decode_graphs is None

@@ -224,7 +224,10 @@ def _settings() -> tuple[Setting, ...]:
           "share of the GPU's memory the worker may use (weights, activations, KV pool)", group="engine"),
         S("--swap-space", "engine serve scheduler", default="1GiB", help="host pool for --preemption-mode swap",
           group="engine"),
-        S("--max-num-seqs", "engine serve scheduler", int, 128, "most sequences in one step", group="engine"),
+        S("--max-num-seqs", "engine serve scheduler worker", int, 128, "most sequences in one step",
+          group="engine"),  # the worker: the largest decode batch it captures a CUDA graph for
+        S("--enforce-eager", "engine serve worker", bool, False, "run every step eagerly: no CUDA graphs for "
+          "decode steps (CUDA only; the CPU always runs eagerly)", group="engine"),
         S("--max-num-batched-tokens", "engine serve scheduler worker", int, None,
           "token budget of one step, prefill chunks and decodes together",
           default_text=f"{CPU_MAX_NUM_BATCHED_TOKENS} on CPU, {CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA", group="engine"),

@@ -37,6 +37,7 @@ class EngineConfig:
     gpu_memory_utilization: float = _DEFAULTS["gpu_memory_utilization"]
     swap_space: str | int = _DEFAULTS["swap_space"]  # host pool for preemption_mode="swap"
     max_num_seqs: int = _DEFAULTS["max_num_seqs"]
+    enforce_eager: bool = _DEFAULTS["enforce_eager"]  # CUDA: no decode graphs
     # None: settings.step_budgets picks them (512 on CPU, 2048 on CUDA; a quarter of that)
     max_num_batched_tokens: int | None = _DEFAULTS["max_num_batched_tokens"]
     long_prefill_token_threshold: int | None = _DEFAULTS["long_prefill_token_threshold"]
@@ -112,6 +113,7 @@ class LLMEngine:
                  "per request: %.2fx", num_blocks, config.block_size, self.dtype,
                  num_blocks * size.block_bytes / 2**20, max_len, max_concurrency)
         self._on_all_ranks("allocate_kv_cache", num_blocks, num_host_blocks)
+        self._on_all_ranks("use_decode_graphs", config.max_num_seqs, config.enforce_eager)
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,

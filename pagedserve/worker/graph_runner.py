@@ -18,11 +18,18 @@ Threads: used only from the worker's torch thread (the model runner's), like the
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 
 from pagedserve.worker.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+class GraphCaptureError(RuntimeError):
+    """A bucket's graph could not be captured (the caller runs that step, and the ones after, eagerly)."""
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -138,7 +145,10 @@ class DecodeGraphRunner:
         self._stage(input_ids, positions, meta, batch, size)
         if size not in self.graphs:
             graph = self.graph_factory()
-            self.outputs[size] = graph.capture(lambda: self._forward_bucket(size))
+            try:
+                self.outputs[size] = graph.capture(lambda: self._forward_bucket(size))
+            except Exception as exc:
+                raise GraphCaptureError(f"capturing the decode graph of batch size {size} failed: {exc}") from exc
             self.graphs[size] = graph
         else:
             self.graphs[size].replay()

@@ -15,7 +15,7 @@ from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.attention import AttentionMetadata, PrefillSeq, cpu_kernels, make_backend
 from pagedserve.worker.cpu_linear import pack_model
-from pagedserve.worker.graph_runner import DecodeGraphRunner
+from pagedserve.worker.graph_runner import CudaGraph, DecodeGraphRunner, GraphCaptureError
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.models import model_class
 from pagedserve.worker import prompt_logprobs
@@ -84,6 +84,14 @@ class ModelRunner:
                           self.tensor_parallel_size)
         if self.decode_graphs is not None:  # the graphs captured the old cache's addresses
             self.decode_graphs.invalidate()
+
+    def use_decode_graphs(self, max_num_seqs: int, enforce_eager: bool) -> None:
+        """On CUDA, unless enforce_eager: decode steps of up to max_num_seqs sequences replay CUDA graphs
+        (one memory pool for all of them). The CPU runs every step eagerly."""
+        if self.device.type != "cuda" or enforce_eager or self.decode_graphs is not None:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        self.enable_decode_graphs(max_num_seqs, lambda: CudaGraph(pool))
 
     def enable_decode_graphs(self, max_num_seqs: int, graph_factory) -> None:
         """Pure-decode steps replay graphs (graph_runner.py): graph_factory() makes a CudaGraph on a GPU or a
@@ -226,9 +234,14 @@ class ModelRunner:
         t0 = time.perf_counter()
         input_ids, positions, meta, order, counts = self._prepare(step)
         graphs = self.decode_graphs
+        hidden = None
         if graphs is not None and graphs.can_run(meta, input_ids.shape[0]):
-            hidden = graphs.run(input_ids, positions, meta)
-        else:
+            try:
+                hidden = graphs.run(input_ids, positions, meta)
+            except GraphCaptureError as exc:  # never seen on a GPU yet: run eagerly rather than stop serving
+                log.warning("%s; decode steps run eagerly from now on (--enforce-eager says so up front)", exc)
+                self.decode_graphs = None
+        if hidden is None:
             hidden = self.model(input_ids, positions, self.kv.model_caches(), meta)
         ends = np.cumsum(counts) - 1
         # max_tokens 0 (the prompt only): the prefill runs, nothing is sampled.

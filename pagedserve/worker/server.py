@@ -57,7 +57,8 @@ class WorkerService:
     def __init__(self, model: str | None, device: str = "auto", dtype: str = "auto",
                  max_model_len: int | None = None, rank: int = 0, world_size: int = 1,
                  dist_init_method: str | None = None, tokenizer: str | None = None,
-                 quantization: str = "auto", kv: KVSettings | None = None) -> None:
+                 quantization: str = "auto", kv: KVSettings | None = None, max_num_seqs: int | None = None,
+                 enforce_eager: bool = False) -> None:
         import dataclasses
 
         import torch  # noqa: F401 - the worker is the one service that needs it
@@ -85,6 +86,9 @@ class WorkerService:
         self.kv = dataclasses.replace(kv, max_num_batched_tokens=step_budgets(kv.max_num_batched_tokens, None,
                                                                               self.device.type)[0])
         self.kv_size: KVSize | None = None  # sized at load
+        # decode steps of up to this many sequences replay CUDA graphs, unless enforce_eager (CPU: never)
+        self.max_num_seqs = max_num_seqs or defaults("engine")["max_num_seqs"]
+        self.enforce_eager = enforce_eager
         self.runner = None
         self.session_id = ""
         self.lock = threading.Lock()  # one step at a time, and no InitCache in the middle of one
@@ -154,6 +158,7 @@ class WorkerService:
             self.runner.kv = None  # free the old pool before the new one is allocated
             self.runner.requests.clear()
             self.runner.allocate_kv_cache(request.num_gpu_blocks, request.num_cpu_blocks)
+            self.runner.use_decode_graphs(self.max_num_seqs, self.enforce_eager)
             self.session_id = request.session_id
         log.info("session %s: KV pool of %d blocks of %d tokens (%d host blocks)", request.session_id or "-",
                  request.num_gpu_blocks, self.runner.block_size, request.num_cpu_blocks)
@@ -258,7 +263,7 @@ def dist_init_method(address: str | None) -> str | None:
 def serve(args: argparse.Namespace) -> int:
     service = WorkerService(args.model, args.device, args.dtype, args.max_model_len, args.rank,
                             args.tensor_parallel_size, dist_init_method(args.dist_init_addr), args.tokenizer,
-                            args.quantization, kv_settings(args))
+                            args.quantization, kv_settings(args), args.max_num_seqs, args.enforce_eager)
     ready = threading.Event()
     # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
