@@ -313,6 +313,11 @@ def _settings() -> tuple[Setting, ...]:
           help="how tool calls are read from the output of a chat request with tools and tool_choice "
           "\"auto\": hermes (Hermes, Qwen: <tool_call>{...}</tool_call>), llama3_json (Llama 3: "
           "{\"name\": ..., \"parameters\": ...}); unset: such requests get 400", group="gateway"),
+        S("--reasoning-parser", "serve gateway", choices=("deepseek_r1", "qwen3"),
+          help="how a chat's reasoning is read from its output (vLLM's names): deepseek_r1 (up to </think>), "
+          "qwen3 (a <think>...</think> block at the start); it goes in message.reasoning_content and "
+          "delta.reasoning_content, the rest is the content; unset: the output is all content",
+          group="gateway"),
         S("--prefix-cache-scope", "serve gateway", str, "owner", choices=("owner", "global"),
           help="owner: a request shares prefix-cache blocks only with requests of the same API key "
           "(and cache_salt), so cached_tokens tells no key what another sent; global: every key's "

@@ -110,11 +110,12 @@ class Backend:
                  store: RequestStore | None = None, metrics: Metrics | None = None,
                  limits: Limits | None = None, admin_keys: list[str] | None = None,
                  min_priorities: dict[str, int] | None = None, tool_call_parser: str | None = None,
-                 local_links: bool = True,
+                 local_links: bool = True, reasoning_parser: str | None = None,
                  prefix_cache_scope: str = "owner") -> None:
         self.tokenizer_addr, self.scheduler_addr = tokenizer_addr, scheduler_addr
         self.local_links = local_links  # --service-transport auto: Generate over the tokenizer's local socket
         self.tool_call_parser = tool_call_parser  # --tool-call-parser: reads tool_choice "auto" outputs
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser: a chat's reasoning_content
         self.prefix_cache_scope = prefix_cache_scope  # --prefix-cache-scope: owners.cache_salt
         self.admission = Admission(api_key, limits, admin_keys, min_priorities)
         self.limits = self.admission.limits

@@ -41,7 +41,8 @@ from pagedserve.gateway import structured
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
                                          completion_to_generate, error_body, include_event_ids,
                                          include_usage, prompt_too_long)
-from pagedserve.gateway.responses import ChunkBuilder, Collector, vllm_prompt_logprobs
+from pagedserve.gateway.reasoning import request_parser
+from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning, vllm_prompt_logprobs
 from pagedserve.gateway.tools import ToolOutput, chat_tools
 from pagedserve.gateway.background import spawn, watch_disconnect
 from pagedserve.gateway.sse import DONE, CancellingStream, Cursor, ResumeSkip, sse_event
@@ -79,6 +80,7 @@ class CompletionCall:
         self.n = 1  # a resume learns its n from the record; until then (or when there is none) one sample
         self.raw = False  # one prompt of a batch (batched_completion.py): answer chunks / a body, no Response
         self.tools: ToolOutput | None = None  # how a chat's samples are read for tool calls
+        self.reasoning: Reasoning | None = None  # and for their reasoning (--reasoning-parser)
         if body is not None:
             self.n, self.stream = body.n, body.stream
             self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
@@ -107,6 +109,8 @@ class CompletionCall:
         gen = chat_to_generate(body) if self.chat else completion_to_generate(body)
         if self.chat:
             self.tools = chat_tools(body, gen, backend.tool_call_parser)
+            if backend.reasoning_parser:
+                self.reasoning = Reasoning(request_parser(backend.reasoning_parser, body.chat_template_kwargs))
         if gen.params.HasField("max_tokens") and gen.params.max_tokens > info.max_model_len:
             name = "max_completion_tokens" if self.chat and body.max_completion_tokens is not None else "max_tokens"
             raise RequestError(400, f"{name}={gen.params.max_tokens} exceeds the model's maximum context length "
@@ -162,7 +166,8 @@ class CompletionCall:
                 "logprobs": self.logprobs, "usage": self.usage, "timings": self.timings,
                 "stop": list(gen.stop), "include_stop_str_in_output": gen.include_stop_str_in_output,
                 "skip_special_tokens": gen.skip_special_tokens,
-                "tools": self.tools.state() if self.tools else None})
+                "tools": self.tools.state() if self.tools else None,
+                "reasoning": [self.reasoning.parser] if self.reasoning else None})
         return await self._respond(first)
 
     async def resume(self, request_id: str, last_event_id: str | None, after: str | None) -> Response:
@@ -192,6 +197,7 @@ class CompletionCall:
         self.usage, self.timings = bool(meta.get("usage")), False
         self.event_ids = True  # a client that resumes reads the cursor; only our own endpoint sends it
         self.tools = ToolOutput.from_state(meta.get("tools"))
+        self.reasoning = Reasoning(meta["reasoning"][0]) if meta.get("reasoning") else None
         info = await backend.model_info()
         self.model, self.created = meta.get("model") or info.model, int(meta.get("created") or self.received)
         self.request_id = self.tracker.request_id = request_id
@@ -275,7 +281,8 @@ class CompletionCall:
     async def _stream(self, first: generate_pb2.GenerateResponse, skip: ResumeSkip | None = None) -> AsyncIterator[str]:
         builder = ChunkBuilder(self.chat, self.client_id, self.model, self.created, self.n, self.logprobs,
                                echo=self.echo and skip is None, tools=self.tools,
-                               prompt_logprobs=getattr(self.body, "prompt_logprobs", None) is not None)
+                               prompt_logprobs=getattr(self.body, "prompt_logprobs", None) is not None,
+                               reasoning=self.reasoning)
         cursor = Cursor(self.n)
         usage, tracker = self.usage, self.tracker
 
@@ -356,7 +363,8 @@ class CompletionCall:
         self.end()
         body = self.body
         if self.chat:
-            out = collector.chat(self.client_id, self.model, self.created, bool(body.logprobs), self.tools)
+            out = collector.chat(self.client_id, self.model, self.created, bool(body.logprobs), self.tools,
+                                 self.reasoning)
             if body.prompt_logprobs is not None:  # vLLM's: one list for the request, beside the choices
                 out["prompt_logprobs"] = vllm_prompt_logprobs(collector.samples[0].prompt_logprobs)
         else:

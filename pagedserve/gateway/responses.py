@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedserve.gateway.reasoning import ReasoningSplitter, split
 from pagedserve.gateway.tools import ToolOutput, finish_reason, message_fields, stream_deltas
 from pagedserve.v1 import common_pb2, generate_pb2
 
@@ -113,6 +114,15 @@ def vllm_prompt_logprobs(entries: Iterable[common_pb2.TokenLogprob]) -> list[dic
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    """A chat request's reasoning reading (gateway/reasoning.py), given when the server has a
+    --reasoning-parser: messages carry "reasoning_content"; parser None (the request turned
+    thinking off): it is null and the text is all content."""
+
+    parser: str | None
+
+
 # ---- whole responses ------------------------------------------------------------------------
 @dataclass
 class SampleOutput:
@@ -166,14 +176,21 @@ class Collector:
                 "choices": choices, "usage": self.usage.as_dict(), "system_fingerprint": None}
 
     def chat(self, request_id: str, model: str, created: int, logprobs: bool,
-             tools: ToolOutput | None = None) -> dict:
+             tools: ToolOutput | None = None, reasoning: Reasoning | None = None) -> dict:
         choices = []
         for i, s in enumerate(self.samples):
             message, reason = {"role": "assistant", "content": "".join(s.text)}, s.finish_reason
-            if tools is not None:  # the text read for tool calls
-                parsed = tools.parse(message["content"])
+            if reasoning is not None:  # the reasoning first; what follows it is the content
+                thought, message["content"] = split(reasoning.parser, message["content"]) if reasoning.parser \
+                    else (None, message["content"])
+            if tools is not None:  # the content read for tool calls
+                parsed = tools.parse(message["content"] or "")
                 message.update(message_fields(parsed))
                 reason = finish_reason(reason, bool(parsed.calls))
+            if reasoning is not None:
+                if reasoning.parser and not message["content"]:
+                    message["content"] = None  # vLLM's: no text after the reasoning is null content
+                message["reasoning_content"] = thought
             choices.append({"index": i, "message": message, "logprobs": chat_logprobs(s.logprobs) if logprobs else None,
                             "finish_reason": reason, "stop_reason": None})
         return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
@@ -188,10 +205,13 @@ class ChunkBuilder:
 
     def __init__(self, chat: bool, request_id: str, model: str, created: int, n: int,
                  logprobs: bool, echo: bool = False, tools: ToolOutput | None = None,
-                 prompt_logprobs: bool = False) -> None:
+                 prompt_logprobs: bool = False, reasoning: Reasoning | None = None) -> None:
         self.chat, self.request_id, self.model, self.created = chat, request_id, model, created
         self.n, self.logprobs, self.echo, self.prompt_logprobs = n, logprobs, echo, prompt_logprobs
         self.tools, self.parsers, self.called = tools, {}, set()  # tool calls: a parser per sample
+        # The reasoning: a splitter per sample, when the request is read with a reasoning parser.
+        self.reasoning = reasoning.parser if chat and reasoning is not None else None
+        self.splitters: dict[int, ReasoningSplitter] = {}
         # echo with logprobs: each sample's prompt text waits for its first message, which brings
         # the prompt's logprobs, and goes out in one chunk with them.
         self.held_prompt: dict[int, str] = {}
@@ -213,6 +233,33 @@ class ChunkBuilder:
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
     def add(self, msg: generate_pb2.GenerateResponse) -> list[dict]:
+        if self.reasoning is None or msg.accepted:
+            return self._add(msg)
+        thought, content = self._split(msg.index, msg.text, bool(msg.finish_reason))
+        view = generate_pb2.GenerateResponse()
+        view.CopyFrom(msg)
+        view.text = content
+        chunks = self._add(view)
+        if not thought:
+            return chunks
+        if not chunks:
+            return [self._chunk([{"index": msg.index, "delta": {"reasoning_content": thought}, "logprobs": None,
+                                  "finish_reason": None}])]
+        delta = chunks[0]["choices"][0]["delta"]
+        rest = {k: v for k, v in delta.items() if not (k == "content" and v == "")}
+        delta.clear()
+        delta.update({"reasoning_content": thought, **rest})
+        return chunks
+
+    def _split(self, index: int, text: str, final: bool) -> tuple[str, str]:
+        splitter = self.splitters.setdefault(index, ReasoningSplitter(self.reasoning))
+        thought, content = splitter.feed(text) if text else ("", "")
+        if final:
+            more = splitter.finish()
+            thought, content = thought + more[0], content + more[1]
+        return thought, content
+
+    def _add(self, msg: generate_pb2.GenerateResponse) -> list[dict]:
         self.usage.add(msg)
         if msg.accepted:
             if self.chat:
@@ -251,7 +298,9 @@ class ChunkBuilder:
         return self.parsers[index]
 
     def skip_text(self, index: int, text: str) -> None:
-        """A resumed stream: text the client already had, read by the parser to catch up."""
+        """A resumed stream: text the client already had, read by the parsers to catch up."""
+        if self.reasoning is not None and text:
+            text = self._split(index, text, False)[1]
         if self.chat and self.tools is not None and text:
             if any(e.name is not None for e in self._parser(index).feed(text)):
                 self.called.add(index)

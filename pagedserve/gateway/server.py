@@ -168,6 +168,7 @@ async def _serve(args) -> int:
     backend = Backend(args.tokenizer_addr, args.scheduler_addr, api_key=keys, store=store, limits=limits,
                       admin_keys=admins, min_priorities=floors,
                       tool_call_parser=getattr(args, "tool_call_parser", None),
+                      reasoning_parser=getattr(args, "reasoning_parser", None),
                       local_links=getattr(args, "service_transport", "auto") == "auto",
                       prefix_cache_scope=getattr(args, "prefix_cache_scope", "owner"))
     if store.durable and getattr(store, "url", None):  # engine replicas register in this Redis

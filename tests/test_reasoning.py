@@ -1,0 +1,116 @@
+"""Reasoning parsers (pagedserve/gateway/reasoning.py) and the chat shapes they give: the split of
+a text whole and in every streamed split, message.reasoning_content and delta.reasoning_content,
+tool calls read from the content after the reasoning only, and thinking turned off per request."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.common.settings import setting
+from pagedserve.gateway.reasoning import PARSERS, ReasoningSplitter, request_parser, split
+from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning
+from pagedserve.gateway.tools import ToolOutput
+from pagedserve.v1 import generate_pb2
+from test_tool_parsers import splits
+
+CASES = [
+    # (parser, text, reasoning, content)
+    ("deepseek_r1", "<think>plan it</think>The answer.", "plan it", "The answer."),
+    ("deepseek_r1", "plan it</think>\n\nThe answer.", "plan it", "\n\nThe answer."),  # <think> in the prompt
+    ("deepseek_r1", "still thinking <", "still thinking <", None),  # never ended: reasoning only
+    ("deepseek_r1", "<thi", "<thi", None),
+    ("deepseek_r1", "</think>x", None, "x"),
+    ("deepseek_r1", "a</thin", "a</thin", None),
+    ("qwen3", "<think>plan</think>The answer.", "plan", "The answer."),
+    ("qwen3", "The answer, no thinking.", None, "The answer, no thinking."),  # enable_thinking false
+    ("qwen3", "<think>unfinished", "unfinished", None),
+    ("qwen3", "<thi", None, "<thi"),
+    ("qwen3", "a</think>b", None, "a</think>b"),  # no opening tag: all content
+]
+
+
+@pytest.mark.parametrize(("parser", "text", "reasoning", "content"), CASES)
+def test_split_whole_and_in_every_split(parser, text, reasoning, content):
+    assert split(parser, text) == (reasoning, content)
+    for pieces in splits(text):
+        splitter = ReasoningSplitter(parser)
+        got = [splitter.feed(p) for p in pieces] + [splitter.finish()]
+        assert ("".join(r for r, _ in got) or None, "".join(c for _, c in got) or None) == (reasoning, content), \
+            pieces
+
+
+def test_thinking_off_per_request_and_the_flag():
+    assert request_parser("qwen3", None) == "qwen3"
+    assert request_parser("qwen3", {"enable_thinking": False}) is None
+    assert request_parser("deepseek_r1", {"thinking": False}) is None
+    assert request_parser(None, {"enable_thinking": True}) is None
+    for service in ("gateway", "serve"):
+        assert set(setting(service, "reasoning_parser").choices) == set(PARSERS)
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        ReasoningSplitter("nope")
+
+
+def responses(texts: list[str], finish: str = "stop") -> list[generate_pb2.GenerateResponse]:
+    out = [generate_pb2.GenerateResponse(accepted=True)]
+    out += [generate_pb2.GenerateResponse(text=t, token_ids=[1]) for t in texts]
+    out[-1].finish_reason = finish
+    return out
+
+
+THOUGHT = ["<thi", "nk>Weather? Maybe <tool_call>{\"name\": \"x\"}</tool_call> no.</th", "ink>Sure.",
+           ' <tool_call>{"name": "get_weather", ', '"arguments": {"city": "Paris"}}</tool_call>']
+THOUGHT_TEXT = 'Weather? Maybe <tool_call>{"name": "x"}</tool_call> no.'
+
+
+def test_message_reasoning_and_tool_calls_after_it():
+    collector = Collector(1)
+    for msg in responses(THOUGHT):
+        collector.add(msg)
+    choice = collector.chat("id", "m", 0, False, ToolOutput(parser="hermes"), Reasoning("deepseek_r1"))["choices"][0]
+    message = choice["message"]
+    [call] = message.pop("tool_calls")  # the call in the reasoning is not one
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert message == {"role": "assistant", "content": "Sure.", "reasoning_content": THOUGHT_TEXT}
+    assert choice["finish_reason"] == "tool_calls"
+    # Thinking off for the request: the key is there, null, and the text is all content.
+    plain = Collector(1)
+    for msg in responses(["<think>a</think>b"]):
+        plain.add(msg)
+    assert plain.chat("id", "m", 0, False, None, Reasoning(None))["choices"][0]["message"] == \
+        {"role": "assistant", "content": "<think>a</think>b", "reasoning_content": None}
+    # Reasoning only (cut off by length): content null.
+    assert plain.chat("id", "m", 0, False, None, Reasoning("deepseek_r1"))["choices"][0]["message"] == \
+        {"role": "assistant", "content": "b", "reasoning_content": "a"}
+    cut = Collector(1)
+    for msg in responses(["<think>still"], "length"):
+        cut.add(msg)
+    assert cut.chat("id", "m", 0, False, None, Reasoning("deepseek_r1"))["choices"][0]["message"] == \
+        {"role": "assistant", "content": None, "reasoning_content": "still"}
+
+
+def test_streamed_deltas_split_the_same_way():
+    builder = ChunkBuilder(True, "id", "m", 0, 1, False, tools=ToolOutput(parser="hermes"),
+                           reasoning=Reasoning("deepseek_r1"))
+    chunks = [c for msg in responses(THOUGHT) for c in builder.add(msg)]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == THOUGHT_TEXT
+    assert "".join(d.get("content") or "" for d in deltas[1:]) == "Sure."
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
+    assert all(set(d) <= {"reasoning_content", "content", "tool_calls"} for d in deltas[1:])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # No parser: the deltas are as before (no reasoning_content key anywhere).
+    plain = ChunkBuilder(True, "id", "m", 0, 1, False)
+    assert all("reasoning_content" not in c["choices"][0]["delta"] for msg in responses(THOUGHT)
+               for c in plain.add(msg))
+
+
+def test_a_resumed_stream_catches_up_through_the_reasoning():
+    msgs = responses(THOUGHT[:3])
+    builder = ChunkBuilder(True, "id", "m", 0, 1, False, reasoning=Reasoning("deepseek_r1"))
+    builder.add(msgs[0])
+    builder.skip_text(0, THOUGHT[0] + THOUGHT[1])
+    deltas = [c["choices"][0]["delta"] for msg in msgs[3:] for c in builder.add(msg)]
+    assert deltas == [{"content": "Sure."}]
