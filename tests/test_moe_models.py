@@ -41,12 +41,13 @@ def moe_case(request, tmp_path_factory):
 
 
 def test_batch_matches_transformers(moe_case):
-    from pagedserve.worker.moe import FusedMoE, GroupedTorchMoE
+    from pagedserve.worker.moe import FusedMoE
     folder, expected = moe_case
     engine = make_engine(folder)
     assert run(engine) == expected
     experts = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
-    assert len(experts) == 2 and all(isinstance(m.backend, GroupedTorchMoE) for m in experts)
+    chosen = type(engine.runner.platform.moe_backend())  # what the engine's device's platform picks
+    assert len(experts) == 2 and all(type(m.backend) is chosen for m in experts)
 
 
 def test_chunked_prefill_matches(moe_case):
@@ -128,10 +129,10 @@ def test_grouped_backend_equals_naive(dtype):
 
 
 def new_model(folder):
-    from pagedserve.worker.attention import make_backend
     from pagedserve.worker.models import model_class
+    from pagedserve.worker.platform import platform_for
     cfg = ModelConfig.from_folder(folder)
-    return model_class(cfg.architecture)(cfg, make_backend(torch.device("cpu")), 64)
+    return model_class(cfg.architecture)(cfg, platform_for("cpu").attention_backend(), 64)
 
 
 def checkpoint(folder, drop=(), add=()):
@@ -165,11 +166,9 @@ def test_loader_names_missing_expert(moe_case):
 @pytest.mark.parametrize("num_tokens", [3, 20])
 def test_moe_block_costs_one_all_reduce(moe_case, monkeypatch, num_tokens):
     """Routed experts and the shared expert leave partial sums; the block reduces once."""
-    import pagedserve.worker.models.llama as llama_mod
     import pagedserve.worker.models.qwen2_moe as qwen_mod
     import pagedserve.worker.moe as moe_mod
     import pagedserve.worker.parallel as parallel_mod
-    from pagedserve.worker.attention import cpu_kernels
     folder, _ = moe_case
     cfg = ModelConfig.from_folder(folder)
     calls = []
@@ -177,12 +176,11 @@ def test_moe_block_costs_one_all_reduce(moe_case, monkeypatch, num_tokens):
     def counting(x):
         calls.append(tuple(x.shape))
         return x
-    for mod in (llama_mod, qwen_mod, moe_mod, parallel_mod):
+    for mod in (qwen_mod, moe_mod, parallel_mod):
         monkeypatch.setattr(mod, "all_reduce", counting)
-    from pagedserve.worker.attention import make_backend
     from pagedserve.worker.models import model_class
-    model = model_class(cfg.architecture)(cfg, make_backend(torch.device("cpu")), 64,
-                                          cpu_kernels(torch.device("cpu")))
+    from pagedserve.worker.platform import platform_for
+    model = model_class(cfg.architecture)(cfg, platform_for("cpu").attention_backend(), 64)
     model.load_weights(checkpoint(folder))
     block = model.layers[0].mlp
     out = block(torch.randn(num_tokens, cfg.hidden_size))

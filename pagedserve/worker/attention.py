@@ -213,20 +213,3 @@ def kernel_metadata(meta: AttentionMetadata, block_size: int,
             raise ValueError("prefill tokens must follow the decodes contiguously, in order")
         starts.append(seq.query_start + seq.query_len)
     return tables, seq_lens, torch.tensor(starts, dtype=torch.int32, device=device)
-
-
-
-def cpu_kernels(device: torch.device):
-    """The compiled CPU kernels module, or None (not on CPU, or no compiler here)."""
-    if device.type != "cpu":
-        return None
-    from pagedserve.kernels import cpu_ops
-    return cpu_ops.load()
-
-
-def make_backend(device: torch.device) -> AttentionBackend:
-    if device.type == "cuda":  # PAGEDSERVE_ATTENTION=torch: the reference path, to compare against
-        use_torch = os.environ.get("PAGEDSERVE_ATTENTION") == "torch"
-        return TorchAttentionBackend() if use_torch else TritonAttentionBackend()
-    ops = cpu_kernels(device)
-    return TorchAttentionBackend() if ops is None else CpuKernelAttentionBackend(ops)

@@ -105,7 +105,3 @@ class TritonMLABackend(MLAAttentionBackend):
         block_tables, seq_lens, query_start_loc = self._converted
         return paged_mla_attention(q_latent, q_rope.contiguous(), latent_cache, block_tables, seq_lens,
                                    query_start_loc, scale, latent_new.shape[-1])
-
-
-def make_mla_backend(device: torch.device | str) -> MLAAttentionBackend:
-    return TritonMLABackend() if torch.device(device).type == "cuda" else TorchMLABackend()

@@ -13,13 +13,14 @@ import torch
 from pagedserve.common.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.worker.attention import AttentionMetadata, PrefillSeq, cpu_kernels, make_backend
+from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
 from pagedserve.worker.cpu_linear import pack_model
 from pagedserve.worker.graph_runner import CudaGraph, DecodeGraphRunner, GraphCaptureError
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.models import model_class
 from pagedserve.worker import prompt_logprobs
 from pagedserve.worker.parallel import broadcast_from_rank0, tp_group, using_group
+from pagedserve.worker.platform import platform_for
 from pagedserve.worker.request_states import RequestState, RequestStates
 from pagedserve.worker.sampler import RowSampling, Sampler
 from pagedserve.worker.structured_output import GrammarMatchers, TokenMasks
@@ -49,15 +50,16 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.platform = platform_for(device)
         self.tp = tp_group()  # the group this model was sharded for; made current while it runs
         self.tensor_parallel_size = self.tp.world_size
         # Parameters are made in the serving dtype (no float32 copy first); tables stay float32.
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            with torch.device(device):
-                model = model_class(model_config.architecture)(model_config, make_backend(device), max_model_len,
-                                                               cpu_kernels(device))
+            with torch.device(device):  # the models take their ops and backends from this device's platform
+                model = model_class(model_config.architecture)(model_config, self.platform.attention_backend(),
+                                                               max_model_len)
         finally:
             torch.set_default_dtype(previous_dtype)
         is_gguf = weight_files(Path(model_path))[0].suffix == ".gguf"

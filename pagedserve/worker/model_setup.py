@@ -7,8 +7,9 @@ load it into a ModelRunner, measure the device's memory, and size the KV pool.
     size = size_kv_cache(runner, KVSettings(...))              # raises KVBudgetError
     runner.allocate_kv_cache(size.num_blocks, size.num_host_blocks)
 
-The budget's arithmetic is device_memory's (pure); measure_cuda_memory is the one place that
-reads a GPU's memory for it. Threads: the caller's (the worker's torch thread, the engine's).
+The device decisions (device, dtype, rank device, memory reading, KV budget) are the platform's
+(pagedserve.worker.platform); the budget's arithmetic is device_memory's (pure).
+Threads: the caller's (the worker's torch thread, the engine's).
 """
 
 from __future__ import annotations
@@ -23,48 +24,17 @@ import torch
 
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.sizes import parse_size
-from pagedserve.worker.device_memory import MemoryReading, describe, kv_budget, num_blocks
+from pagedserve.worker.device_memory import MemoryReading, describe, num_blocks
 from pagedserve.worker.kv_cache import bytes_per_block
+from pagedserve.worker.platform import (  # noqa: F401 (pick_device, pick_dtype, cpu_has_fast_bf16: re-exported)
+    cpu_has_fast_bf16,
+    measure_cuda_memory,
+    pick_device,
+    pick_dtype,
+    platform_for,
+)
 
 log = logging.getLogger("pagedserve")
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be auto, cpu or cuda, got {name!r}")
-    return torch.device(name)
-
-
-def cpu_has_fast_bf16() -> bool:
-    from pagedserve.kernels.cpu_ops import cpu_flags
-    flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-             "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    if name not in table:
-        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {name!r}")
-    if device.type == "cpu" and table[name] == torch.bfloat16 and not cpu_has_fast_bf16():
-        # Without avx512_bf16 or AMX nothing computes in bfloat16: torch's bfloat16 matmuls ran at
-        # 0.3-2.4 GFLOP/s against 100-130 in float32 on a 2-core Zen 3 EPYC (AVX2 only), and
-        # oneDNN's at a quarter of float32's on an AVX-512 Xeon without avx512_bf16. So the linear
-        # layers multiply in float32: AVX-512 widens the bfloat16 weights in registers, AVX2 keeps
-        # float32 copies of them (cpu_linear.pack).
-        log.warning("--dtype bfloat16 on a CPU without avx512_bf16 or AMX: there is no bfloat16 arithmetic here, "
-                    "the matmuls widen the weights to float32 (without AVX-512 into float32 copies of them, "
-                    "which take 2x the memory), so bfloat16 is no faster than float32 at large batches "
-                    "(--dtype auto picks float32)")
-    return table[name]
 
 
 def eos_ids(folder: Path, cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
@@ -110,11 +80,9 @@ def place_model(model: str | None, device: str, dtype: str, max_model_len: int |
     tokenizer_name or the model's folder (need_tokenizer False: a model without one still runs,
     with the eos ids of its config files)."""
     from pagedserve.model_files.default_model import resolve_model
-    from pagedserve.worker.parallel import rank_torch_device
-
     model_path = Path(resolve_model(model))
     config = ModelConfig.from_folder(model_path)
-    where = rank_torch_device(pick_device(device), local_rank)
+    where = platform_for(pick_device(device)).rank_device(local_rank)
     if tokenizer is None:
         from transformers import AutoTokenizer
         try:
@@ -158,31 +126,19 @@ class KVSize:
     reading: MemoryReading | None  # what the budget was computed from (CUDA, measured)
 
 
-def measure_cuda_memory(runner, max_num_batched_tokens: int) -> MemoryReading:
-    """The CUDA platform's memory reading for the KV budget: run the largest step (ModelRunner's
-    profile run, which releases its memory after), then read what the device has free and what
-    this process holds. A tensor-parallel rank's peers must run the same profile at once."""
-    peak = runner.profile_peak_activation_bytes(max_num_batched_tokens)
-    torch.cuda.synchronize(runner.device)
-    free, total = torch.cuda.mem_get_info(runner.device)
-    # the weights, and what else stays allocated beside them (rotary tables, packed copies)
-    weights = max(runner.weight_bytes(), torch.cuda.memory_allocated(runner.device))
-    return MemoryReading(total=int(total), free=int(free), weights=int(weights), peak=int(peak),
-                         own=int(torch.cuda.memory_reserved(runner.device)))
-
-
 def size_kv_cache(runner, kv: KVSettings, reading: MemoryReading | None = None,
-                  measure: Callable[[object, int], MemoryReading] = measure_cuda_memory) -> KVSize:
+                  measure: Callable[[object, int], MemoryReading] | None = None) -> KVSize:
     """How many device blocks this worker's budget holds (and host blocks for swapping). An
-    explicit kv_cache_memory is the budget as given; else on CUDA the measured one (reading, or
-    measure(runner, max_num_batched_tokens) now), on the CPU CPU_KV_CACHE_MEMORY. Raises
+    explicit kv_cache_memory is the budget as given; else, where the platform measures memory (CUDA),
+    the measured one (reading, or measure(runner, max_num_batched_tokens) now, measure defaulting
+    to the platform's), on the CPU CPU_KV_CACHE_MEMORY. Raises
     KVBudgetError (a ValueError) naming the numbers when it holds no block."""
     per_block = bytes_per_block(runner.config, kv.block_size, runner.dtype, runner.tensor_parallel_size)
     if kv.kv_cache_memory:
         budget = parse_size(kv.kv_cache_memory)
-    elif runner.device.type == "cuda":
-        reading = reading or measure(runner, kv.max_num_batched_tokens)
-        budget = kv_budget(reading, kv.gpu_memory_utilization, per_block)
+    elif (platform := platform_for(runner.device)).measures_memory:
+        reading = reading or (measure or platform.measure_memory)(runner, kv.max_num_batched_tokens)
+        budget = platform.kv_budget(reading, kv.gpu_memory_utilization, per_block)
         log.info("KV budget %d bytes: %s", budget, describe(reading, kv.gpu_memory_utilization, per_block))
     else:
         budget = parse_size(CPU_KV_CACHE_MEMORY)

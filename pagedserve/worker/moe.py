@@ -121,11 +121,6 @@ class TritonMoE(MoEBackend):
         return fused_moe(hidden, w13, w2, topk_weights, topk_ids)
 
 
-def make_moe_backend(device: torch.device) -> MoEBackend:
-    return TritonMoE() if device.type == "cuda" else GroupedTorchMoE()
-
-
-# ---- the layer ------------------------------------------------------------------------------
 class FusedMoE(nn.Module):
     """One layer's routed experts, all in two stacked tensors: w13 [E, 2*I/tp, Hd] and
     w2 [E, Hd, I/tp]. Routing is the caller's (it differs per model). Checkpoint names map to

@@ -1,6 +1,6 @@
 """Where an engine step's time goes, per step kind: `pagedserve bench throughput --profile`.
 
-A StepProfiler wraps a few hook points of one ModelRunner (and the models package's `linear`) with
+A StepProfiler wraps a few hook points of one ModelRunner (and its model's ops bundle's `linear`) with
 timers while it is installed, and puts them back on `remove()`; the serving path never pays for it.
 Parts: weight matmuls (every `linear` call, the LM head apart), attention (the backend's forward,
 KV write included), sampler, metadata (the runner's `_prepare`: the step's layout from the delta),
@@ -14,7 +14,6 @@ Threads: the engine's own (single) thread; not thread-safe, not for the services
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -111,24 +110,20 @@ class StepProfiler:
                 self._current.seconds[part] += time.perf_counter() - t
 
     def install(self) -> StepProfiler:
-        from pagedserve.worker.models import llama
-
         runner, model = self.runner, self.runner.model
-        original_linear = llama.linear
+        ops = model.ops  # the model's ops bundle (shared by its layers, and by other models on this device)
+        original_linear = ops.linear
 
-        def linear(x, layer, cpu_ops):
+        def linear(x, layer):
             stats = self._current
             if stats is not None:
                 elements, nbytes = _weight_size(layer)
                 stats.flops += 2.0 * x.shape[0] * elements
                 stats.weight_bytes += nbytes
             with self._timed("matmul"):
-                return original_linear(x, layer, cpu_ops)
+                return original_linear(x, layer)
 
-        for module in list(sys.modules.values()):  # every model module that imported `linear`
-            if module is not None and module.__name__.startswith("pagedserve.worker.models") \
-                    and getattr(module, "linear", None) is original_linear:
-                self._patch(module, "linear", linear)
+        self._patch(ops, "linear", linear)
 
         def compute_logits(hidden, _original=model.compute_logits):
             stats = self._current

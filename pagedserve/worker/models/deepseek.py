@@ -27,9 +27,10 @@ from torch import nn
 
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
-from pagedserve.worker.mla_attention import MLAAttentionBackend, make_mla_backend
-from pagedserve.worker.models.llama import LlamaForCausalLM, LlamaMLP, RMSNorm, linear
-from pagedserve.worker.moe import FusedMoE, expert_part, grouped_topk, make_moe_backend, softmax_topk
+from pagedserve.worker.mla_attention import MLAAttentionBackend
+from pagedserve.worker.models.llama import LlamaForCausalLM, LlamaMLP, RMSNorm
+from pagedserve.worker.moe import FusedMoE, expert_part, grouped_topk, softmax_topk
+from pagedserve.worker.ops import gathered_rope
 from pagedserve.worker.parallel import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -40,6 +41,7 @@ from pagedserve.worker.parallel import (
     mark_loader,
     tp_group,
 )
+from pagedserve.worker.platform import current_platform
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
 
@@ -137,8 +139,7 @@ def head_shard(num_heads: int, head_dim: int) -> Shard:
 class MLAttention(nn.Module):
     """This rank's heads of one layer's multi-head latent attention."""
 
-    def __init__(self, cfg: ModelConfig, backend: MLAAttentionBackend, interleave: bool, scale: float,
-                 cpu_ops=None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: MLAAttentionBackend, interleave: bool, scale: float) -> None:
         super().__init__()
         hf = cfg.hf
         hidden, heads, bias = cfg.hidden_size, cfg.num_attention_heads, cfg.attention_bias
@@ -158,7 +159,8 @@ class MLAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, [head_shard(heads, self.nope_dim + self.v_dim)])
         self.kv_b_proj.quant_parts = None  # read as float per-head views (absorbed_weights): never quantized
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias)
-        self.backend, self.interleave, self.scale, self.cpu_ops = backend, interleave, scale, cpu_ops
+        self.backend, self.interleave, self.scale = backend, interleave, scale
+        self.ops = current_platform().ops
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, L], W_UV [H, v, L]): views of kv_b_proj's rows, per head."""
@@ -166,13 +168,13 @@ class MLAttention(nn.Module):
         return per_head[:, :self.nope_dim], per_head[:, self.nope_dim:]
 
     def forward(self, hidden, rope, kv_cache, meta: AttentionMetadata):
-        num_tokens, ops = hidden.shape[0], self.cpu_ops
+        num_tokens, ops = hidden.shape[0], self.ops
         if self.q_lora_rank is None:
-            q = linear(hidden, self.q_proj, ops)
+            q = ops.linear(hidden, self.q_proj)
         else:
-            q = linear(self.q_a_layernorm(linear(hidden, self.q_a_proj, ops)), self.q_b_proj, ops)
+            q = ops.linear(self.q_a_layernorm(ops.linear(hidden, self.q_a_proj)), self.q_b_proj)
         q_nope, q_pe = q.view(num_tokens, self.num_heads, -1).split((self.nope_dim, self.rope_dim), dim=-1)
-        latent, k_pe = linear(hidden, self.kv_a_proj_with_mqa, ops).split((self.kv_lora_rank, self.rope_dim), dim=-1)
+        latent, k_pe = ops.linear(hidden, self.kv_a_proj_with_mqa).split((self.kv_lora_rank, self.rope_dim), dim=-1)
         latent = self.kv_a_layernorm(latent)
         cos, sin = rope
         q_pe = rotate(q_pe, cos, sin, self.interleave)
@@ -181,7 +183,7 @@ class MLAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
         out = self.backend.forward(q_latent, q_pe, latent, k_pe, kv_cache[0], meta, self.scale)
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
-        return linear(out.reshape(num_tokens, -1), self.o_proj, ops)
+        return ops.linear(out.reshape(num_tokens, -1), self.o_proj)
 
 
 # ---- mixture of experts ---------------------------------------------------------------------
@@ -211,7 +213,7 @@ class DeepseekRouter(ReplicatedLinear):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe_backend, cpu_ops=None) -> None:
+    def __init__(self, cfg: ModelConfig, moe_backend) -> None:
         super().__init__()
         hf = cfg.hf
         self.v3 = cfg.architecture == "DeepseekV3ForCausalLM"
@@ -228,7 +230,7 @@ class DeepseekMoE(nn.Module):
         self.gate = DeepseekRouter(cfg.hidden_size, num_experts, correction_bias=self.v3)
         self.experts = FusedMoE(num_experts, cfg.hidden_size, inter, moe_backend, reduce=False)
         shared = hf.get("n_shared_experts") or 0
-        self.shared_experts = LlamaMLP(cfg.hidden_size, inter * shared, cpu_ops, reduce=False) if shared else None
+        self.shared_experts = LlamaMLP(cfg.hidden_size, inter * shared, reduce=False) if shared else None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.gate(hidden)
@@ -251,24 +253,24 @@ class DeepseekMoE(nn.Module):
 class DeepseekForCausalLM(LlamaForCausalLM):
     """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM. Layers below first_k_dense_replace (and those
     off moe_layer_freq) have a dense MLP, the others DeepSeek-MoE. The standard attention backend
-    handed in is not used: MLA picks its own for the device the model is built on."""
+    handed in is not used: MLA takes its own from the platform of the device the model is built on."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None, max_positions: int, cpu_ops=None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None, max_positions: int) -> None:
         hf = cfg.hf
         if hf.get("kv_lora_rank") is None:
             raise ValueError(f"{cfg.architecture} without kv_lora_rank (no latent attention) is not supported")
         if hf.get("mlp_bias"):
             raise ValueError(f"{cfg.architecture} with mlp_bias is not supported")
         # Plain attributes, set before nn.Module.__init__ (which builds the layers through make_*).
-        device = torch.get_default_device()
-        self._mla_backend = make_mla_backend(device)
-        self._moe_backend = make_moe_backend(device)
+        platform = current_platform()
+        self._mla_backend = platform.mla_backend()
+        self._moe_backend = platform.moe_backend()
         self._interleave = cfg.architecture == "DeepseekV2ForCausalLM" or bool(hf.get("rope_interleave", True))
         self._scale = softmax_scale(cfg)
-        super().__init__(cfg, backend, max_positions, cpu_ops)
+        super().__init__(cfg, backend, max_positions)
 
     def make_attention(self, layer_index: int, backend: AttentionBackend) -> nn.Module:
-        return MLAttention(self.cfg, self._mla_backend, self._interleave, self._scale, self.cpu_ops)
+        return MLAttention(self.cfg, self._mla_backend, self._interleave, self._scale)
 
     def is_moe_layer(self, layer_index: int) -> bool:
         hf = self.cfg.hf
@@ -277,8 +279,8 @@ class DeepseekForCausalLM(LlamaForCausalLM):
 
     def make_mlp(self, layer_index: int) -> nn.Module:
         if self.is_moe_layer(layer_index):
-            return DeepseekMoE(self.cfg, self._moe_backend, self.cpu_ops)
-        return LlamaMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.cpu_ops)
+            return DeepseekMoE(self.cfg, self._moe_backend)
+        return LlamaMLP(self.cfg.hidden_size, self.cfg.intermediate_size)
 
     def init_rope(self, max_positions: int) -> None:
         inv_freq, attention_factor = deepseek_rope(self.cfg)
@@ -288,7 +290,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         self.register_buffer("sin_table", freqs.sin() * attention_factor, persistent=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        return (self.cos_table[positions].to(dtype).unsqueeze(1), self.sin_table[positions].to(dtype).unsqueeze(1))
+        return gathered_rope(self.cos_table, self.sin_table, positions, dtype)  # interleaved pairs: native
 
     def map_name(self, name: str) -> tuple[str, object] | None:
         if not name.startswith("model.layers.") or "rotary_emb" in name:

@@ -15,13 +15,13 @@ Numerics follow transformers' Gemma3ForCausalLM so greedy tokens match it in flo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.common.model_config import ModelConfig, layer_types  # noqa: F401 (re-exported)
 from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
-from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, apply_rotary, linear
+from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from pagedserve.worker.parallel import VocabParallelEmbedding
+from pagedserve.worker.platform import current_platform
 from pagedserve.worker.sliding_window import SlidingWindowAttention
 
 
@@ -64,32 +64,28 @@ class GemmaRMSNorm(nn.Module):
 
 
 class Gemma3Attention(LlamaAttention):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, is_local: bool, cpu_ops=None) -> None:
-        super().__init__(cfg, backend, cpu_ops)
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, is_local: bool) -> None:
+        super().__init__(cfg, backend)
         self.is_local = is_local
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.hf.get("query_pre_attn_scalar", cfg.head_dim) ** -0.5
 
     def forward(self, hidden, ropes, kv_cache, meta: AttentionMetadata):
-        num_tokens, ops = hidden.shape[0], self.cpu_ops
-        q, k, v = linear(hidden, self.qkv_proj, ops).split(self.split, dim=-1)
+        num_tokens, ops = hidden.shape[0], self.ops
+        q, k, v = ops.linear(hidden, self.qkv_proj).split(self.split, dim=-1)
         q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        rope = ropes[self.is_local]
-        if ops is not None:
-            ops.rotary_inplace(q, k, *rope)
-        else:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = ops.rotary(q, k, ropes[self.is_local])
         attn = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return linear(attn.reshape(num_tokens, -1), self.o_proj, ops)
+        return ops.linear(attn.reshape(num_tokens, -1), self.o_proj)
 
 
 class GeGLUMLP(LlamaMLP):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(hidden, self.gate_up_proj, self.cpu_ops).chunk(2, dim=-1)
-        return linear(F.gelu(gate, approximate="tanh") * up, self.down_proj, self.cpu_ops)
+        ops = self.ops
+        return ops.linear(ops.gelu_and_mul(ops.linear(hidden, self.gate_up_proj)), self.down_proj)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -110,10 +106,10 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, cpu_ops=None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         nn.Module.__init__(self)
         self.cfg = cfg
-        self.cpu_ops = cpu_ops
+        self.ops = current_platform().ops
         hf = cfg.hf
         self.layer_types = layer_types({**hf, "num_hidden_layers": cfg.num_hidden_layers})
         window = hf.get("sliding_window")
@@ -121,8 +117,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         local_backend = SlidingWindowAttention(window) if window else backend
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, Gemma3Attention(cfg, local_backend if local else backend, local, cpu_ops),
-                               GeGLUMLP(cfg.hidden_size, cfg.intermediate_size, cpu_ops))
+            Gemma3DecoderLayer(cfg, Gemma3Attention(cfg, local_backend if local else backend, local),
+                               GeGLUMLP(cfg.hidden_size, cfg.intermediate_size))
             for local in (t == "sliding_attention" for t in self.layer_types))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
@@ -147,13 +143,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def ropes(self, positions: torch.Tensor, dtype: torch.dtype):
         """(global, local) rope arguments, indexed by Gemma3Attention.is_local."""
-        out = []
-        for cos, sin in ((self.global_cos, self.global_sin), (self.local_cos, self.local_sin)):
-            if self.cpu_ops is not None:
-                out.append((cos, sin, positions))
-            else:
-                out.append((cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)))
-        return out
+        return [self.ops.rope(cos, sin, positions, dtype)
+                for cos, sin in ((self.global_cos, self.global_sin), (self.local_cos, self.local_sin))]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

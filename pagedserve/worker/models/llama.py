@@ -9,21 +9,21 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
+from pagedserve.worker.ops import apply_rotary, rms_norm_native  # noqa: F401 (apply_rotary: re-exported)
 from pagedserve.worker.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    all_reduce,
     even_shard,
     head_shards,
     load_model_weights,
     tp_group,
 )
+from pagedserve.worker.platform import current_platform
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -54,42 +54,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-SMALL_M = 8  # up to this many rows the CPU kernel's streaming matmul beats MKL (2-3x at 1-8 rows)
-
-
-def use_small_m(x: torch.Tensor, layer: nn.Module, cpu_ops) -> bool:
-    """float32, few rows, a plain weight: small_m_linear, unless the layer's weight is packed for
-    lane_linear (cpu_linear.py), which beat it 1.3-1.75x at 1-8 rows."""
-    packed = getattr(layer, "packed", None)
-    return (cpu_ops is not None and x.shape[0] <= SMALL_M and x.dtype == torch.float32 and x.shape[1] % 8 == 0
-            and layer.quant is None and (packed is None or packed.lanes is None))
-
-
-def linear(x: torch.Tensor, layer: nn.Module, cpu_ops) -> torch.Tensor:
-    if use_small_m(x, layer, cpu_ops):
-        out = cpu_ops.small_m_linear(x.contiguous(), layer.weight)
-        if isinstance(layer, RowParallelLinear) and layer.reduce:
-            all_reduce(out)
-        return out if layer.bias is None else out + layer.bias
-    return layer(x)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        return rms_norm_native(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
     """This rank's query heads and the KV heads they use: QKV column-parallel, O row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, cpu_ops=None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         tp = tp_group()
         q_shard, kv_shard = head_shards(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, tp)
@@ -99,40 +70,33 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_shard, kv_shard, kv_shard], bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
         self.backend = backend
-        self.cpu_ops = cpu_ops  # fused rotary from pagedserve/kernels/cpu, when compiled
+        self.ops = current_platform().ops
         self.scale = self.head_dim ** -0.5
 
     def forward(self, hidden, rope, kv_cache, meta: AttentionMetadata):
-        num_tokens, ops = hidden.shape[0], self.cpu_ops
-        q, k, v = linear(hidden, self.qkv_proj, ops).split(self.split, dim=-1)
+        num_tokens, ops = hidden.shape[0], self.ops
+        q, k, v = ops.linear(hidden, self.qkv_proj).split(self.split, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if ops is not None:
-            ops.rotary_inplace(q, k, *rope)
-        else:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = ops.rotary(q, k, rope)
         attn = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return linear(attn.reshape(num_tokens, -1), self.o_proj, ops)
+        return ops.linear(attn.reshape(num_tokens, -1), self.o_proj)
 
 
 class LlamaMLP(nn.Module):
     """SiLU-gated MLP: gate/up column-parallel (one matmul), down row-parallel."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, cpu_ops=None, reduce: bool = True) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, reduce: bool = True) -> None:
         super().__init__()
         shard = even_shard(intermediate_size)
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [shard, shard])
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce=reduce)
-        self.cpu_ops = cpu_ops
+        self.ops = current_platform().ops
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        ops = self.cpu_ops
-        gate_up = linear(hidden, self.gate_up_proj, ops)
-        if ops is not None:
-            return linear(ops.silu_and_mul(gate_up), self.down_proj, ops)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj, ops)
+        ops = self.ops
+        return ops.linear(ops.silu_and_mul(ops.linear(hidden, self.gate_up_proj)), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -147,7 +111,7 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def forward_fused(self, out, residual, rope, kv_cache, meta: AttentionMetadata, ops):
-        """The same layer with each residual add fused into the norm after it (the CPU kernel):
+        """The same layer with each residual add fused into the norm after it (ops.rms_norm):
         takes the previous layer's MLP output and the running residual (None at the first layer,
         where `out` is the embedding), returns this layer's MLP output and the residual, which
         it updates in place."""
@@ -168,10 +132,10 @@ MERGED_PROJECTIONS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_p
 class LlamaForCausalLM(nn.Module):
     """Also the skeleton of the MoE models: they override make_attention / make_mlp / map_name."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, cpu_ops=None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.cpu_ops = cpu_ops
+        self.ops = current_platform().ops
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, self.make_attention(i, backend), self.make_mlp(i)) for i in range(cfg.num_hidden_layers))
@@ -182,10 +146,10 @@ class LlamaForCausalLM(nn.Module):
         self._fused_norms: bool | None = None
 
     def make_attention(self, layer_index: int, backend: AttentionBackend) -> nn.Module:
-        return LlamaAttention(self.cfg, backend, self.cpu_ops)
+        return LlamaAttention(self.cfg, backend)
 
     def make_mlp(self, layer_index: int) -> nn.Module:
-        return LlamaMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.cpu_ops)
+        return LlamaMLP(self.cfg.hidden_size, self.cfg.intermediate_size)
 
     def init_rope(self, max_positions: int) -> None:
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(self.cfg))
@@ -194,16 +158,14 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("sin_table", emb.sin(), persistent=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        if self.cpu_ops is not None:
-            return self.cos_table, self.sin_table, positions
-        return (self.cos_table[positions].to(dtype).unsqueeze(1), self.sin_table[positions].to(dtype).unsqueeze(1))
+        return self.ops.rope(self.cos_table, self.sin_table, positions, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rope(positions, hidden.dtype)
         if self.fused_norms:
-            out, residual, ops = hidden, None, self.cpu_ops
+            out, residual, ops = hidden, None, self.ops
             for i, layer in enumerate(self.layers):
                 out, residual = layer.forward_fused(out, residual, rope, kv_caches[i], meta, ops)
             return ops.rms_norm(out, self.norm.weight, self.norm.eps, residual)
@@ -213,19 +175,17 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def fused_norms(self) -> bool:
-        """Whether the CPU kernels can run every norm with the residual add before it."""
+        """Whether the ops bundle fuses each norm with the residual add before it, and every norm
+        and layer is the plain kind it can fuse."""
         if self._fused_norms is None:
             norms = [self.norm] + [n for layer in self.layers for n in (layer.input_layernorm,
                                                                        layer.post_attention_layernorm)]
-            self._fused_norms = (hasattr(self.cpu_ops, "rms_norm") and all(type(n) is RMSNorm for n in norms)
+            self._fused_norms = (self.ops.fused_residual_norm and all(type(n) is RMSNorm for n in norms)
                                  and all(type(layer) is DecoderLayer for layer in self.layers))
         return self._fused_norms
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if use_small_m(hidden, head, self.cpu_ops) and tp_group().world_size == 1:
-            return self.cpu_ops.small_m_linear(hidden.contiguous(), head.weight)
-        return head.logits(hidden)
+        return self.ops.logits(hidden, self.embed_tokens if self.lm_head is None else self.lm_head)
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, weights) -> None:

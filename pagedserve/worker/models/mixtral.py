@@ -13,38 +13,39 @@ from torch import nn
 
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.worker.attention import AttentionBackend
-from pagedserve.worker.models.llama import LlamaForCausalLM, linear
-from pagedserve.worker.moe import FusedMoE, MoEBackend, expert_part, make_moe_backend, softmax_topk
+from pagedserve.worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.moe import FusedMoE, MoEBackend, expert_part, softmax_topk
 from pagedserve.worker.parallel import ReplicatedLinear, load_model_weights
+from pagedserve.worker.platform import current_platform
 
 
 class MixtralSparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: MoEBackend, cpu_ops=None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: MoEBackend) -> None:
         super().__init__()
         num_experts = cfg.hf["num_local_experts"]
         self.top_k = cfg.hf["num_experts_per_tok"]
         self.gate = ReplicatedLinear(cfg.hidden_size, num_experts)
         self.experts = FusedMoE(num_experts, cfg.hidden_size, cfg.intermediate_size, backend)
-        self.cpu_ops = cpu_ops
+        self.ops = current_platform().ops
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, ids = softmax_topk(linear(hidden, self.gate, self.cpu_ops), self.top_k, renormalize=True)
+        weights, ids = softmax_topk(self.ops.linear(hidden, self.gate), self.top_k, renormalize=True)
         return self.experts(hidden, weights, ids)  # the block's one all_reduce
 
 
 class MoEForCausalLM(LlamaForCausalLM):
-    """The MoE decoders' common part: the experts' compute backend (Triton on CUDA, the grouped
-    torch loop elsewhere, or `moe_backend`), HF expert names mapped to FusedMoE parts, and a
+    """The MoE decoders' common part: the experts' compute backend (the platform's: Triton on CUDA,
+    the grouped torch loop on the CPU; or `moe_backend`), HF expert names mapped to FusedMoE parts, and a
     loader that names the expert tensors a checkpoint lacks."""
 
     moe_module = ""  # the MoE block's name in a checkpoint layer: "block_sparse_moe" / "mlp"
     expert_projections = ("gate_proj", "up_proj", "down_proj")  # per-expert gate, up, down names
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, cpu_ops=None,
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
                  moe_backend: MoEBackend | None = None) -> None:
         # Set before nn.Module.__init__ runs make_mlp (a plain attribute, not a submodule).
-        self.moe_backend = moe_backend or make_moe_backend(torch.get_default_device())
-        super().__init__(cfg, backend, max_positions, cpu_ops)
+        self.moe_backend = moe_backend or current_platform().moe_backend()
+        super().__init__(cfg, backend, max_positions)
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return True
@@ -105,7 +106,7 @@ class MixtralForCausalLM(MoEForCausalLM):
         return self.cfg.hf["num_local_experts"]
 
     def make_mlp(self, layer_index: int) -> nn.Module:
-        return MixtralSparseMoE(self.cfg, self.moe_backend, self.cpu_ops)
+        return MixtralSparseMoE(self.cfg, self.moe_backend)
 
     def map_name(self, name: str) -> tuple[str, object] | None:
         if f".{self.moe_module}." in name and name.startswith("model."):

@@ -34,7 +34,8 @@ from torch import nn
 
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
-from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, apply_rotary, linear
+from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from pagedserve.worker.ops import apply_rotary, gathered_rope
 from pagedserve.worker.parallel import ColumnParallelLinear, Shard, copy_checked, even_shard, mark_loader
 
 log = logging.getLogger(__name__)
@@ -94,8 +95,8 @@ def longrope_tables(cfg: ModelConfig, rotary_dim: int, max_positions: int) -> tu
 
 
 class Phi3Attention(LlamaAttention):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, cpu_ops, rotary_dim: int) -> None:
-        super().__init__(cfg, backend, cpu_ops)
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary_dim: int) -> None:
+        super().__init__(cfg, backend)
         q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         self.qkv_proj = PackedColumnParallelLinear(cfg.hidden_size, self.qkv_proj.shards, [q_size, kv_size, kv_size])
         self.rotary_dim = rotary_dim
@@ -104,26 +105,26 @@ class Phi3Attention(LlamaAttention):
         if self.rotary_dim == self.head_dim:
             return super().forward(hidden, rope, kv_cache, meta)
         # Partial rotary (Phi-4-mini): only the first rotary_dim dims of each head turn.
-        num_tokens, ops, r = hidden.shape[0], self.cpu_ops, self.rotary_dim
-        q, k, v = linear(hidden, self.qkv_proj, ops).split(self.split, dim=-1)
+        num_tokens, ops, r = hidden.shape[0], self.ops, self.rotary_dim
+        q, k, v = ops.linear(hidden, self.qkv_proj).split(self.split, dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q = torch.cat((apply_rotary(q[..., :r], *rope), q[..., r:]), dim=-1)
         k = torch.cat((apply_rotary(k[..., :r], *rope), k[..., r:]), dim=-1)
         attn = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return linear(attn.reshape(num_tokens, -1), self.o_proj, ops)
+        return ops.linear(attn.reshape(num_tokens, -1), self.o_proj)
 
 
 class Phi3MLP(LlamaMLP):
-    def __init__(self, hidden_size: int, intermediate_size: int, cpu_ops=None) -> None:
-        super().__init__(hidden_size, intermediate_size, cpu_ops)
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__(hidden_size, intermediate_size)
         shard = even_shard(intermediate_size)
         self.gate_up_proj = PackedColumnParallelLinear(hidden_size, [shard, shard], [intermediate_size] * 2)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, cpu_ops=None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         params = rope_settings(cfg)
         self.rotary_dim = int(cfg.head_dim * params.get("partial_rotary_factor", 1.0))
         self.longrope = (cfg.rope_scaling or {}).get("rope_type") == "longrope"
@@ -134,13 +135,13 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                         "stays as computed (transformers recomputes it), and prefix-cache hits may mix the two "
                         "sets: --no-prefix-caching, or --max-model-len %d, for exact results",
                         self.original_max_positions, self.original_max_positions)
-        super().__init__(cfg, backend, max_positions, cpu_ops)
+        super().__init__(cfg, backend, max_positions)
 
     def make_attention(self, layer_index: int, backend: AttentionBackend) -> nn.Module:
-        return Phi3Attention(self.cfg, backend, self.cpu_ops, self.rotary_dim)
+        return Phi3Attention(self.cfg, backend, self.rotary_dim)
 
     def make_mlp(self, layer_index: int) -> nn.Module:
-        return Phi3MLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.cpu_ops)
+        return Phi3MLP(self.cfg.hidden_size, self.cfg.intermediate_size)
 
     def init_rope(self, max_positions: int) -> None:
         if self.longrope:
@@ -154,8 +155,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         self.register_buffer("sin_table", sin, persistent=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        if self.rotary_dim != self.cfg.head_dim:  # the CPU kernel turns whole heads only
-            return (self.cos_table[positions].to(dtype).unsqueeze(1), self.sin_table[positions].to(dtype).unsqueeze(1))
+        if self.rotary_dim != self.cfg.head_dim:  # ops.rotary turns whole heads only: the native rows
+            return gathered_rope(self.cos_table, self.sin_table, positions, dtype)
         return super().rope(positions, dtype)
 
     def table_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -18,14 +18,15 @@ from torch import nn
 
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.worker.attention import AttentionBackend
-from pagedserve.worker.models.llama import MERGED_PROJECTIONS, LlamaAttention, LlamaMLP, linear
+from pagedserve.worker.models.llama import MERGED_PROJECTIONS, LlamaAttention, LlamaMLP
 from pagedserve.worker.models.mixtral import MoEForCausalLM
 from pagedserve.worker.moe import FusedMoE, MoEBackend, softmax_topk
 from pagedserve.worker.parallel import ReplicatedLinear, all_reduce
+from pagedserve.worker.platform import current_platform
 
 
 class Qwen2MoeSparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: MoEBackend, cpu_ops=None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: MoEBackend) -> None:
         super().__init__()
         hf, hidden = cfg.hf, cfg.hidden_size
         num_experts = hf["num_experts"]
@@ -33,17 +34,17 @@ class Qwen2MoeSparseMoE(nn.Module):
         self.renormalize = bool(hf.get("norm_topk_prob", False))
         self.gate = ReplicatedLinear(hidden, num_experts)
         self.experts = FusedMoE(num_experts, hidden, hf["moe_intermediate_size"], backend, reduce=False)
-        self.shared_expert = LlamaMLP(hidden, hf["shared_expert_intermediate_size"], cpu_ops, reduce=False)
+        self.shared_expert = LlamaMLP(hidden, hf["shared_expert_intermediate_size"], reduce=False)
         self.shared_expert_gate = ReplicatedLinear(hidden, 1)
-        self.cpu_ops = cpu_ops
+        self.ops = current_platform().ops
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        ops = self.cpu_ops
-        weights, ids = softmax_topk(linear(hidden, self.gate, ops), self.top_k, self.renormalize)
+        ops = self.ops
+        weights, ids = softmax_topk(ops.linear(hidden, self.gate), self.top_k, self.renormalize)
         weights = weights.to(hidden.dtype).float()  # transformers scales by weights in the model dtype
         out = self.experts(hidden, weights, ids)  # this rank's partial sum
         shared = self.shared_expert(hidden)  # partial too (down projection unreduced)
-        out = out + torch.sigmoid(linear(hidden, self.shared_expert_gate, ops)) * shared
+        out = out + torch.sigmoid(ops.linear(hidden, self.shared_expert_gate)) * shared
         return all_reduce(out)
 
 
@@ -61,12 +62,12 @@ class Qwen2MoeForCausalLM(MoEForCausalLM):
     def make_attention(self, layer_index: int, backend: AttentionBackend) -> nn.Module:
         # transformers 5 reads qkv_bias (default on); older configs lack it and always had biases.
         cfg = dataclasses.replace(self.cfg, attention_bias=bool(self.cfg.hf.get("qkv_bias", True)))
-        return LlamaAttention(cfg, backend, self.cpu_ops)
+        return LlamaAttention(cfg, backend)
 
     def make_mlp(self, layer_index: int) -> nn.Module:
         if self.is_moe_layer(layer_index):
-            return Qwen2MoeSparseMoE(self.cfg, self.moe_backend, self.cpu_ops)
-        return LlamaMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.cpu_ops)
+            return Qwen2MoeSparseMoE(self.cfg, self.moe_backend)
+        return LlamaMLP(self.cfg.hidden_size, self.cfg.intermediate_size)
 
     def map_name(self, name: str) -> tuple[str, object] | None:
         if ".mlp." in name and name.startswith("model."):

@@ -16,37 +16,35 @@ from torch import nn
 
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
-from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, apply_rotary, linear
+from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm
 from pagedserve.worker.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedserve.worker.moe import FusedMoE, MoEBackend, softmax_topk
 from pagedserve.worker.parallel import ReplicatedLinear, RowParallelLinear
+from pagedserve.worker.platform import current_platform
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, cpu_ops=None) -> None:
-        super().__init__(cfg, backend, cpu_ops)
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__(cfg, backend)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         if cfg.attention_bias:  # transformers gives o_proj a bias too when attention_bias is set
             self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=True)
 
     def forward(self, hidden, rope, kv_cache, meta: AttentionMetadata):
-        num_tokens, ops = hidden.shape[0], self.cpu_ops
-        q, k, v = linear(hidden, self.qkv_proj, ops).split(self.split, dim=-1)
+        num_tokens, ops = hidden.shape[0], self.ops
+        q, k, v = ops.linear(hidden, self.qkv_proj).split(self.split, dim=-1)
         q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if ops is not None:
-            ops.rotary_inplace(q, k, *rope)
-        else:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = ops.rotary(q, k, rope)
         attn = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return linear(attn.reshape(num_tokens, -1), self.o_proj, ops)
+        return ops.linear(attn.reshape(num_tokens, -1), self.o_proj)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     def make_attention(self, layer_index: int, backend: AttentionBackend) -> nn.Module:
-        return Qwen3Attention(self.cfg, backend, self.cpu_ops)
+        return Qwen3Attention(self.cfg, backend)
 
 
 def qwen3_num_experts(hf: dict) -> int:
@@ -55,7 +53,7 @@ def qwen3_num_experts(hf: dict) -> int:
 
 
 class Qwen3MoeSparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: MoEBackend, cpu_ops=None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: MoEBackend) -> None:
         super().__init__()
         hf = cfg.hf
         num_experts = qwen3_num_experts(hf)
@@ -63,10 +61,10 @@ class Qwen3MoeSparseMoE(nn.Module):
         self.renormalize = bool(hf.get("norm_topk_prob", True))
         self.gate = ReplicatedLinear(cfg.hidden_size, num_experts)
         self.experts = FusedMoE(num_experts, cfg.hidden_size, hf["moe_intermediate_size"], backend)
-        self.cpu_ops = cpu_ops
+        self.ops = current_platform().ops
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, ids = softmax_topk(linear(hidden, self.gate, self.cpu_ops), self.top_k, self.renormalize)
+        weights, ids = softmax_topk(self.ops.linear(hidden, self.gate), self.top_k, self.renormalize)
         weights = weights.to(hidden.dtype).float()  # transformers scales by weights in the model dtype
         return self.experts(hidden, weights, ids)  # the block's one all_reduce
 
@@ -76,9 +74,9 @@ class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
         return qwen3_num_experts(self.cfg.hf)
 
     def make_attention(self, layer_index: int, backend: AttentionBackend) -> nn.Module:
-        return Qwen3Attention(self.cfg, backend, self.cpu_ops)
+        return Qwen3Attention(self.cfg, backend)
 
     def make_mlp(self, layer_index: int) -> nn.Module:
         if self.is_moe_layer(layer_index):
-            return Qwen3MoeSparseMoE(self.cfg, self.moe_backend, self.cpu_ops)
-        return LlamaMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.cpu_ops)
+            return Qwen3MoeSparseMoE(self.cfg, self.moe_backend)
+        return LlamaMLP(self.cfg.hidden_size, self.cfg.intermediate_size)
