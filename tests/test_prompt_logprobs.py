@@ -127,3 +127,34 @@ def test_positions_are_kept_once():
 def test_bounds(bad):
     with pytest.raises(ValueError, match=next(iter(bad)) if "n" not in bad else "n=1"):
         SamplingParams(**bad)
+
+
+def test_prompt_logprobs_are_capped_by_their_entries():
+    """Issue 42 row 3: n x prompt x (k + 1) entries at most 2^20 (the tokenizer refuses past it,
+    INVALID_ARGUMENT, before the scheduler stores anything)."""
+    from pagedserve.common.sampling_params import MAX_PROMPT_LOGPROB_ENTRIES, prompt_logprobs_problem
+    assert prompt_logprobs_problem(16, 8000, None) is None
+    assert prompt_logprobs_problem(1, 32768, 20) is None  # a whole 32k context at k = 20
+    problem = prompt_logprobs_problem(16, 8000, 20)
+    assert problem.startswith("prompt_logprobs=20") and "2688000" in problem
+    assert str(MAX_PROMPT_LOGPROB_ENTRIES) in problem
+
+
+def test_a_steps_deltas_are_split_into_messages_by_size():
+    """Issue 42 row 3: one step's deltas for a tokenizer went in one message, however large (a
+    request's prompt logprobs, megabytes), up to gRPC's 64 MiB cap, holding back every other
+    request's tokens. Now messages of about 1 MiB, in order, the errors in the first."""
+    from pagedserve.scheduler.server import split_step_message
+    from pagedserve.v1 import common_pb2, scheduler_pb2
+    out = scheduler_pb2.StepDeltas(errors=[scheduler_pb2.SubscriptionError(tag=9, message="x")])
+    for i in range(6):
+        delta = out.deltas.add(request_id=f"r{i}", token_ids=[i])
+        if i in (1, 4):  # ~0.6 MB of prompt logprobs each
+            delta.prompt_logprobs.extend([common_pb2.TokenLogprob(token_id=t, logprob=-1.5, rank=3)
+                                          for t in range(60_000)])
+    parts = split_step_message(out, limit=1 << 20)
+    assert len(parts) >= 2 and all(p.ByteSize() <= (1 << 20) or len(p.deltas) == 1 for p in parts)
+    assert [d.request_id for p in parts for d in p.deltas] == [f"r{i}" for i in range(6)]
+    assert list(parts[0].errors) == list(out.errors) and not any(p.errors for p in parts[1:])
+    small = scheduler_pb2.StepDeltas(deltas=[scheduler_pb2.TokenDelta(request_id="a", token_ids=[1])])
+    assert split_step_message(small) == [small]

@@ -19,6 +19,22 @@ MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 300
 
 
+# prompt_logprobs: entries (n x prompt tokens x (k + 1)) one request may ask for; each is a
+# TokenLogprob on the wire and in the answer (a full 32k context at k = 20 fits, n = 1).
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20
+
+
+def prompt_logprobs_problem(n: int, prompt_tokens: int, k: int | None) -> str | None:
+    """Why a request's prompt logprobs are too many (once its prompt is tokenized), or None."""
+    if k is None:
+        return None
+    entries = n * prompt_tokens * (k + 1)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        return (f"prompt_logprobs={k} with n={n} and {prompt_tokens} prompt tokens asks for {entries} entries "
+                f"(n x prompt x (k + 1)): at most {MAX_PROMPT_LOGPROB_ENTRIES}")
+    return None
+
+
 def size_problem(logit_bias_entries: int, stop_token_ids: int) -> str | None:
     """Why a request's logit_bias or stop_token_ids are too many (message starting with the
     field's name), or None. SamplingParams.validate and the gateway (before it builds them)."""

@@ -32,6 +32,29 @@ _COMMANDS_ENDED = object()  # an Outbox "subscription": the Stream's command rea
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 
+
+# A step's deltas for one tokenizer go in one message up to this size, then in as many as they
+# fill (a request's prompt logprobs can be megabytes: they must not hold back everyone's tokens
+# behind one huge message, nor pass gRPC's message limit).
+STEP_MESSAGE_BYTES = 1 << 20
+
+
+def split_step_message(out: scheduler_pb2.StepDeltas, limit: int = STEP_MESSAGE_BYTES) -> list:
+    """out as messages of about `limit` bytes or less (a larger delta alone), in order; the
+    errors ride in the first."""
+    if out.ByteSize() <= limit:
+        return [out]
+    parts, current, size = [], scheduler_pb2.StepDeltas(errors=out.errors), 0
+    for delta in out.deltas:
+        delta_size = delta.ByteSize()
+        if current.deltas and size + delta_size > limit:
+            parts.append(current)
+            current, size = scheduler_pb2.StepDeltas(), 0
+        current.deltas.append(delta)
+        size += delta_size
+    parts.append(current)
+    return parts
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """Translates protobuf to SchedulerService calls; the delivery bookkeeping is in subscriptions.py."""
 
@@ -92,7 +115,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         if entry[1].done:
                             self._leave(live, sub.tag)
                 if out.deltas or out.errors:
-                    yield out
+                    for part in split_step_message(out):
+                        yield part
                 if ended is not None:
                     ended.result()  # the tokenizer closed its side (or the read failed): end
                     return

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 
 from pagedserve.common.grpc_util import StatusError, internal_channel
+from pagedserve.common.sampling_params import prompt_logprobs_problem
 from pagedserve.model_files.chat_templates import ChatTemplateError, load_chat_template, render_chat
 from pagedserve.tokenizer import tokenization
 from pagedserve.tokenizer.chat_render import template_messages, template_tools
@@ -209,6 +210,11 @@ class TokenizerService:
         timings.tokenizer_received = time.time()
         self._validate(request)
         prompt_ids = await self._in_thread(self._prompt_ids, request)
+        params = request.params
+        too_many = prompt_logprobs_problem(params.n or 1, len(prompt_ids),
+                                           params.prompt_logprobs if params.HasField("prompt_logprobs") else None)
+        if too_many:  # before the scheduler stores anything
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, too_many)
         timings.tokenized = time.time()
         request_id = request.request_id or f"tok-{uuid.uuid4().hex}"
         schedule = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_ids,

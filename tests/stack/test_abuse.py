@@ -219,3 +219,19 @@ def test_logit_bias_and_stop_token_ids_are_capped(stack, http):
 
     latency_ratio(http, Attack(stack.http_url, biased, 1, processes=1), 8.0,
                   "row 1, n=16 with 300 logit_bias entries and 300 stop ids")
+
+
+def test_prompt_logprobs_are_bounded_and_do_not_hold_back_other_streams(stack, http):
+    """Row 3: A asked for an 8,000-token prompt's logprobs at k = 20 with n = 16: copied into every
+    sample and sent in one stream message (up to gRPC's 64 MiB cap) ahead of everyone's tokens.
+    Now n x prompt x (k + 1) is capped at 2^20 entries (the tiny model's 1,024-token context stays
+    under it: tests/test_prompt_logprobs.py holds the cap) and a step's messages are split by
+    size; B streams within its bound while A asks for the most this context allows."""
+    prompt = " ".join(["word"] * 900)
+
+    async def logprobs(client: httpx.AsyncClient) -> None:
+        await client.post("/v1/completions", headers=auth(K1),
+                          json={"prompt": prompt, "n": 16, "max_tokens": 1, "prompt_logprobs": 20})
+
+    latency_ratio(http, Attack(stack.http_url, logprobs, 1, processes=1), 8.0,
+                  "row 3, n=16 x 900 prompt tokens x prompt_logprobs 20")
