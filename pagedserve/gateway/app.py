@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.gateway.backend import Backend
-from pagedserve.gateway import batched_completion, completion_call, tokenization
+from pagedserve.gateway import anthropic_api, batched_completion, completion_call, tokenization
 from pagedserve.gateway.health import readiness, readiness_now
 from pagedserve.gateway.http_gate import HttpGate
 from pagedserve.gateway.metrics import Metrics
@@ -107,6 +107,23 @@ def build_app(backend: Backend) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await completion_call.run_completion(backend, request, True, body)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API (anthropic_api.py); errors in Anthropic's shape."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return anthropic_api.error_response(RequestError(400, "the body is not valid JSON"))
+        return await anthropic_api.run_messages(backend, request, body)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return anthropic_api.error_response(RequestError(400, "the body is not valid JSON"))
+        return await anthropic_api.count_tokens(backend, body)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

@@ -69,6 +69,7 @@ class CompletionCall:
         self.finished = False
         self.shutdown = False  # aborted by the gateway's drain
         self.reserved = 0      # tokens counted in the admission's tokens_in_flight
+        self.prompt_tokens = 0  # the prompt's tokens, once the tokenizer accepted the request
         # The owner (set by the HTTP gate) and the two names of the request: the client's id (in the
         # chunks and x-request-id) and the internal one the services know (owners.py).
         self.caller: Caller = getattr(request.state, "caller", SINGLE_TENANT)
@@ -151,6 +152,7 @@ class CompletionCall:
 
         self.call = backend.tokenizer.Generate(gen, timeout=timeout, metadata=self._metadata())
         first = await self._first()
+        self.prompt_tokens = first.usage.prompt_tokens
         max_tokens = gen.params.max_tokens if gen.params.HasField("max_tokens") else None
         try:
             self.reserved = backend.admission.reserve(first.usage.prompt_tokens, body.n, max_tokens,

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 import grpc
 
 from pagedserve.gateway.admission import Refusal
+from pagedserve.gateway.anthropic_api import error_body as anthropic_error
 from pagedserve.gateway.backend import Backend
 
 # Paths that answer without the API key: probes and scrapers do not carry one.
@@ -25,9 +26,11 @@ OPEN_PATHS = ("/health", "/metrics")
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 # vLLM's paths outside /v1 that still need the key (vLLM leaves them open; they read the model).
 GATED_PATHS = ("/tokenize", "/detokenize")
-KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/engine/stats", "/health",
+KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                   "/v1/models", "/v1/engine/stats", "/health",
                    "/metrics", "/dashboard", *GATED_PATHS)
 BODY_METHODS = ("POST", "PUT", "PATCH")
+ANTHROPIC_PATHS = ("/v1/messages",)  # refused in Anthropic's error shape
 
 
 def operators_only() -> Refusal:
@@ -66,8 +69,7 @@ class HttpGate:
             headers = dict(scope.get("headers") or [])
             client = scope.get("client")
             try:
-                caller = admission.admit(headers.get(b"authorization", b"").decode("latin-1"),
-                                         client[0] if client else None)
+                caller = admission.admit(authorization(headers), client[0] if client else None)
                 if path in DOCS_PATHS and admission.has_admin and not caller.admin:
                     raise operators_only()
                 scope.setdefault("state", {})["caller"] = caller
@@ -84,10 +86,20 @@ class HttpGate:
                             size = 0  # a malformed length is not refused here
                     admission.check_body_size(size)
             except Refusal as refusal:
-                response = JSONResponse(refusal.body(), status_code=refusal.status, headers=refusal.headers)
+                body = anthropic_error(refusal.status, refusal.message) if path.startswith(ANTHROPIC_PATHS) \
+                    else refusal.body()
+                response = JSONResponse(body, status_code=refusal.status, headers=refusal.headers)
                 await response(scope, receive, counting_send)
                 return
         await self.app(scope, receive, counting_send)
+
+
+def authorization(headers: dict[bytes, bytes]) -> str:
+    """The Authorization header, or Anthropic's x-api-key as a bearer token when there is none."""
+    given = headers.get(b"authorization", b"").decode("latin-1")
+    if not given and headers.get(b"x-api-key"):
+        return "Bearer " + headers[b"x-api-key"].decode("latin-1")
+    return given
 
 
 async def buffer_body(receive, limit: int):

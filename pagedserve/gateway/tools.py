@@ -162,6 +162,18 @@ def apply_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: 
     return out
 
 
+def render_tools(tools: list[Any], gen: generate_pb2.GenerateRequest) -> None:
+    """Check the tools and put them on gen for the chat template only (no parsing, no constraint):
+    what a prompt with these tools is, for counting its tokens."""
+    names: set[str] = set()
+    for i, entry in enumerate(tools):
+        tool, _ = _tool(entry, i)
+        if tool.name in names:
+            raise _bad(f"tools[{i}]: the function name {tool.name!r} is given twice", "tools")
+        names.add(tool.name)
+        gen.chat.tools.append(tool)
+
+
 def history_fields(message: Any, proto: generate_pb2.ChatMessage, where: str) -> None:
     """An assistant message's tool_calls and a tool message's tool_call_id onto the proto."""
     for j, call in enumerate(message.tool_calls or []):
