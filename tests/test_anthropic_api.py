@@ -32,6 +32,9 @@ def test_body_onto_the_chat_request():
     assert (chat.max_tokens, chat.stop, chat.include_stop_str_in_output) == (7, ["END"], True)
     assert (chat.tool_choice, chat.parallel_tool_calls) == ("required", False)
     assert chat.tools[0]["function"]["parameters"] == {"type": "object"}
+    thinking = to_chat({"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "x"}],
+                        "thinking": {"type": "disabled"}, "metadata": {"user_id": "u"}})
+    assert thinking.chat_template_kwargs == {"enable_thinking": False}
 
 
 @pytest.mark.parametrize(("body", "field"), [
@@ -42,6 +45,10 @@ def test_body_onto_the_chat_request():
      "stop_sequences"),
     ({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "x"}},
      "tool_choice"),
+    ({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "mcp_servers": []},
+     "mcp_servers"),
+    ({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
 ])
 def test_bad_bodies_name_the_field(body, field):
     with pytest.raises(RequestError) as err:

@@ -39,6 +39,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                503: "overloaded_error", 529: "overloaded_error"}
 # vLLM's sampling extensions a Messages body may carry too (opt-in: Anthropic's clients send none).
 EXTENSIONS = ("seed", "structured_outputs", "min_tokens", "repetition_penalty", "priority")
+# Anthropic's fields this API takes; any other is refused (400 naming it), never dropped. metadata
+# (user_id) has no effect on the answer; cache_control on blocks is accepted (the prefix cache is
+# automatic); thinking {"type": "enabled" | "disabled"} is the template's enable_thinking.
+FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
+          "top_k", "tools", "tool_choice", "metadata", "thinking"}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -131,6 +136,9 @@ def _tools(given: Any) -> list[dict] | None:
         raise bad_request("tools must be a list", "tools")
     out = []
     for i, tool in enumerate(given):
+        if isinstance(tool, dict) and tool.get("type") not in (None, "custom"):
+            raise bad_request(f"tools[{i}]: {tool['type']!r} tools (Anthropic's server tools) are not supported; "
+                              "only client tools with an input_schema", "tools")
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise bad_request(f'tools[{i}] must be {{"name": ..., "input_schema": {{...}}}}', "tools")
         function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
@@ -144,6 +152,9 @@ def to_chat(body: Any, count_only: bool = False) -> ChatCompletionRequest:
     """A Messages body -> the chat request it runs as; 400 naming the field for a bad one."""
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
+    unknown = sorted(set(body) - FIELDS - set(EXTENSIONS))
+    if unknown:
+        raise bad_request(f"{unknown[0]} is not supported by this server's Messages API", unknown[0])
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise bad_request("messages: a non-empty list of messages is required", "messages")
     max_tokens = body.get("max_tokens")
@@ -164,6 +175,11 @@ def to_chat(body: Any, count_only: bool = False) -> ChatCompletionRequest:
     for name in ("temperature", "top_p", "top_k", *EXTENSIONS):
         if body.get(name) is not None:
             fields[name] = body[name]
+    thinking = body.get("thinking")
+    if thinking is not None:
+        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
+            raise bad_request('thinking must be {"type": "enabled", ...} or {"type": "disabled"}', "thinking")
+        fields["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
     if stops:  # asked for in the output, so the one that matched can be told (and stripped here)
         fields.update(stop=stops, include_stop_str_in_output=True)
     if fields["stream"]:
