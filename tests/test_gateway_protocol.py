@@ -291,10 +291,3 @@ def test_an_internal_error_says_nothing_of_the_exception(caplog):
     correlation = error.message.rsplit(" ", 1)[-1].rstrip(")")
     assert any(correlation in r.getMessage() and "secret detail" in r.getMessage() for r in caplog.records)
 
-
-def test_prompts_are_bounded_in_characters_before_tokenization():
-    from pagedserve.gateway.protocol import MAX_CHARS_PER_TOKEN, prompt_too_long
-    fits = completion_to_generate(CompletionRequest(prompt="a" * (100 * MAX_CHARS_PER_TOKEN)))
-    assert prompt_too_long(fits, 100) is None
-    over = completion_to_generate(CompletionRequest(prompt="a" * (100 * MAX_CHARS_PER_TOKEN + 1)))
-    assert "6401 characters" in prompt_too_long(over, 100)

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from pagedserve.common import settings, structured_output
 from pagedserve.common.messages import SampledToken
+from pagedserve.common.request_checks import logit_bias_problem
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler.core.request import Request
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
@@ -157,9 +158,9 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        bad = sorted(t for t in params.logit_bias or () if t >= vocab)
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        problem = logit_bias_problem(params.logit_bias, vocab)
+        if problem:
+            raise ValueError(problem)
         if params.structured_output is not None:
             structured_output.check(params.structured_output)
         self.scheduler.add_request(Request(request_id, list(prompt_token_ids), len(prompt_token_ids),

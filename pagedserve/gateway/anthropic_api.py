@@ -28,8 +28,8 @@ from pydantic import ValidationError
 
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend, as_request_error
 from pagedserve.gateway.completion_call import SSE_HEADERS, CompletionCall
-from pagedserve.gateway.protocol import (ChatCompletionRequest, RequestError, bad_request, chat_to_generate,
-                                         prompt_too_long)
+from pagedserve.common.request_checks import prompt_chars_problem
+from pagedserve.gateway.protocol import ChatCompletionRequest, RequestError, bad_request, chat_to_generate
 from pagedserve.gateway.sse import DONE, CancellingStream
 from pagedserve.gateway import tools
 from pagedserve.v1 import generate_pb2
@@ -374,7 +374,7 @@ async def count_tokens(backend: Backend, body: Any) -> Response:
             tools.render_tools(chat.tools, gen)
         info = await backend.served_model(chat.model)
         request = generate_pb2.TokenizeRequest(chat=gen.chat, add_special_tokens=False)
-        too_long = prompt_too_long(request, info.max_model_len)
+        too_long = prompt_chars_problem(request, info.max_model_len)
         if too_long:
             raise RequestError(400, too_long, "messages", code="context_length_exceeded")
         reply = await backend.tokenizer.Tokenize(request, timeout=RPC_TIMEOUT_S)

@@ -32,15 +32,15 @@ import grpc
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedserve.common import request_checks as checks
 from pagedserve.v1 import generate_pb2
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import Backend, as_request_error, rpc_error
 from pagedserve.gateway.metrics import RequestTracker
 from pagedserve.gateway.owners import SINGLE_TENANT, Caller, cache_salt, valid_client_id
-from pagedserve.gateway import structured
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
                                          completion_to_generate, error_body, include_event_ids,
-                                         include_usage, prompt_too_long)
+                                         include_usage)
 from pagedserve.gateway.reasoning import request_parser
 from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning, vllm_prompt_logprobs
 from pagedserve.gateway.tools import ToolOutput, chat_tools
@@ -112,14 +112,17 @@ class CompletionCall:
             self.tools = chat_tools(body, gen, backend.tool_call_parser)
             if backend.reasoning_parser:
                 self.reasoning = Reasoning(request_parser(backend.reasoning_parser, body.chat_template_kwargs))
-        if gen.params.HasField("max_tokens") and gen.params.max_tokens > info.max_model_len:
-            name = "max_completion_tokens" if self.chat and body.max_completion_tokens is not None else "max_tokens"
-            raise RequestError(400, f"{name}={gen.params.max_tokens} exceeds the model's maximum context length "
-                               f"of {info.max_model_len} tokens", name)
-        too_long = prompt_too_long(gen, info.max_model_len)
-        if too_long:
-            raise RequestError(400, too_long, "messages" if self.chat else "prompt", code="context_length_exceeded")
-        structured.check_logit_bias_vocab(gen.params, info.vocab_size)
+        name = "max_completion_tokens" if self.chat and body.max_completion_tokens is not None else "max_tokens"
+        problem = checks.max_tokens_problem(gen.params.max_tokens if gen.params.HasField("max_tokens") else None,
+                                            info.max_model_len, name)
+        if problem:
+            raise RequestError(400, problem, name)
+        problem = checks.prompt_chars_problem(gen, info.max_model_len)
+        if problem:
+            raise RequestError(400, problem, "messages" if self.chat else "prompt", code="context_length_exceeded")
+        problem = checks.logit_bias_problem(gen.params.logit_bias, info.vocab_size)
+        if problem:
+            raise RequestError(400, problem, "logit_bias")
         client_id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         key = self.request.headers.get("idempotency-key")
         if key:

@@ -24,12 +24,12 @@ from urllib.parse import unquote
 import grpc
 
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc
+from pagedserve.common import request_checks as checks
 from pagedserve.common import structured_output
 from pagedserve.common.wire import params_from_proto
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend
 from pagedserve.gateway.owners import Caller, cache_salt, client_id_problem, valid_client_id
-from pagedserve.gateway.protocol import prompt_too_long
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 _UNBOUNDED = 2**31 - 1
@@ -57,19 +57,17 @@ def request_problem(request: generate_pb2.GenerateRequest,
         return grpc.StatusCode.INVALID_ARGUMENT, "one of prompt, prompt_token_ids or chat is required"
     if request.request_id and not valid_client_id(request.request_id):
         return grpc.StatusCode.INVALID_ARGUMENT, client_id_problem(request.request_id)
-    too_long = prompt_too_long(request, info.max_model_len)
-    if too_long:
-        return grpc.StatusCode.INVALID_ARGUMENT, too_long
+    problem = checks.prompt_chars_problem(request, info.max_model_len)
+    if problem:
+        return grpc.StatusCode.INVALID_ARGUMENT, problem
     try:
         params = params_from_proto(request.params, default_max_tokens=_UNBOUNDED)
         if params.structured_output is not None:
             structured_output.check(params.structured_output)
-        bad = sorted(t for t in params.logit_bias or () if t >= info.vocab_size)
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})")
     except ValueError as exc:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    return None
+    problem = checks.logit_bias_problem(params.logit_bias, info.vocab_size)
+    return None if problem is None else (grpc.StatusCode.INVALID_ARGUMENT, problem)
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):

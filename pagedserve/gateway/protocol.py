@@ -68,28 +68,6 @@ class StreamOptions(BaseModel):
     include_event_ids: bool = False
 
 
-# No tokenizer makes a token of more characters than this on real text; a prompt of more than
-# max_model_len times it cannot fit the context, and is refused before anyone tokenizes it.
-MAX_CHARS_PER_TOKEN = 64
-
-
-def prompt_too_long(gen: generate_pb2.GenerateRequest, max_model_len: int) -> str | None:
-    """Why the GenerateRequest's text cannot fit the context, counted in characters before any
-    tokenization (a multi-megabyte prompt must not hold the tokenizer), or None."""
-    kind = gen.WhichOneof("input")
-    if kind == "prompt":
-        chars = len(gen.prompt)
-    elif kind == "chat":
-        chars = sum(len(m.content) + len(m.role) for m in gen.chat.messages)
-    else:
-        return None
-    bound = max_model_len * MAX_CHARS_PER_TOKEN
-    if chars > bound:
-        return (f"the prompt has {chars} characters: more than the context of {max_model_len} tokens can hold "
-                f"(at most {bound} characters are tokenized)")
-    return None
-
-
 def unencodable_path(value: Any, path: str = "") -> str | None:
     """The path of the first string in value (JSON data) that is not valid Unicode (a lone UTF-16
     surrogate, which JSON's \\uD800 escapes can carry): protobuf, Redis and the tokenizer all

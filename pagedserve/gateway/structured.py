@@ -160,8 +160,3 @@ def fill(req: Any, params: common_pb2.SamplingParams) -> None:
         # OpenAI's range; larger values are clipped to it as vLLM does.
         params.logit_bias[token] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(bias)))
 
-
-def check_logit_bias_vocab(params: common_pb2.SamplingParams, vocab_size: int) -> None:
-    bad = sorted(t for t in params.logit_bias if t >= vocab_size)
-    if bad:
-        raise _bad(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "logit_bias")

@@ -10,7 +10,7 @@ so a chat tokenizes exactly as it would be prompted. The tokenizer service does 
     /detokenize  {"tokens": [...]} -> {"prompt": str}
 
 Bounds, before the tokenizer sees anything: a /tokenize prompt or chat longer than the context's
-character bound (protocol.prompt_too_long: max_model_len x 64 characters, as every prompt) and a
+character bound (common/request_checks.prompt_chars_problem: max_model_len x 64 characters, as every prompt) and a
 /detokenize of more than max_model_len ids are 400 (the tokenizer's thread, which tokenizes every
 request, is not to be held by one client).
 
@@ -25,9 +25,9 @@ from typing import Any
 import grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pagedserve.common.request_checks import prompt_chars_problem
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend, rpc_error
-from pagedserve.gateway.protocol import (ChatCompletionRequest, Message, RequestError, bad_request, chat_to_generate,
-                                         prompt_too_long)
+from pagedserve.gateway.protocol import ChatCompletionRequest, Message, RequestError, bad_request, chat_to_generate
 from pagedserve.v1 import generate_pb2
 
 UINT32_MAX = 2**32 - 1
@@ -104,7 +104,7 @@ def detokenize_request(body: Any, max_ids: int | None = None) -> tuple[str | Non
 async def tokenize(backend: Backend, body: Any) -> dict:
     model, request = tokenize_request(body)
     info = await backend.served_model(model)
-    too_long = prompt_too_long(request, info.max_model_len)
+    too_long = prompt_chars_problem(request, info.max_model_len)
     if too_long:
         raise RequestError(400, too_long, "messages" if request.WhichOneof("input") == "chat" else "prompt",
                            code="context_length_exceeded")

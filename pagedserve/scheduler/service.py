@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pagedserve.common import request_checks as checks
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import StatusError
 from pagedserve.common import structured_output
@@ -181,31 +182,21 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
 
     def _validate(self, request_id: str, msg: scheduler_pb2.ScheduleRequest) -> GroupState:
         prompt = list(msg.prompt_token_ids)
-        if not prompt:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: at least one token is needed")
         vocab = self.info.vocab_size
-        bad = next((t for t in prompt if t >= vocab), None)
-        if bad is not None:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        room = self.max_model_len - len(prompt)
-        if room < 1:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"the prompt has {len(prompt)} tokens, but the model's context (max_model_len) "
-                               f"is {self.max_model_len} tokens including the output")
-        if msg.params.HasField("max_tokens") and msg.params.max_tokens > room:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                               f"asks for {len(prompt) + msg.params.max_tokens} ({len(prompt)} in the prompt, "
-                               f"{msg.params.max_tokens} in max_tokens)")
+        max_tokens = msg.params.max_tokens if msg.params.HasField("max_tokens") else None
+        problem = (checks.prompt_ids_problem(prompt, vocab)
+                   or checks.prompt_tokens_problem(len(prompt), self.max_model_len)
+                   or checks.output_room_problem(len(prompt), max_tokens, self.max_model_len))
+        if problem:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
-            params = wire.params_from_proto(msg.params, default_max_tokens=room)
+            params = wire.params_from_proto(msg.params, default_max_tokens=self.max_model_len - len(prompt))
             self.scheduler.check_prompt(len(prompt))
             if params.n > self.config.max_num_seqs:
                 raise ValueError(f"n={params.n} is more than max_num_seqs ({self.config.max_num_seqs})")
-            bad = sorted(t for t in params.logit_bias or () if t >= vocab)
-            if bad:
-                raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            problem = checks.logit_bias_problem(params.logit_bias, vocab)
+            if problem:
+                raise ValueError(problem)
             if params.structured_output is not None:
                 structured_output.check(params.structured_output)  # cached per spec
         except ValueError as exc:

@@ -25,6 +25,7 @@ import bisect
 import time
 from dataclasses import dataclass
 
+from pagedserve.common.request_checks import prompt_tokens_problem
 from pagedserve.common.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.scheduler.core.block_manager import Allocation, cdiv
 from pagedserve.scheduler.core.isolation import Isolation
@@ -91,11 +92,9 @@ class Scheduler(Isolation, Results):
     # ---- admission and abort -------------------------------------------------------------
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int = 1) -> None:
         cfg = self.config
-        if num_prompt_tokens < 1:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        if num_prompt_tokens >= cfg.max_model_len:
-            raise ValueError(f"the prompt has {num_prompt_tokens} tokens, but the model's context "
-                             f"(max_model_len) is {cfg.max_model_len} tokens including the output")
+        problem = prompt_tokens_problem(num_prompt_tokens, cfg.max_model_len)
+        if problem:
+            raise ValueError(problem)
         chunk = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else num_prompt_tokens + 1
         need = blocks_for_sequence(cfg.kv_group_windows, cfg.block_size, num_prompt_tokens + 1, chunk)
         if need > self.block_manager.num_total_blocks:

@@ -1,0 +1,73 @@
+"""The request checks against the served model, written once: a prompt's length and max_tokens
+against the context, and token ids (prompt, logit_bias) against the vocabulary.
+
+Every function is pure and answers the problem as a message (None when there is none); the
+caller wraps it in its own error (the gateway's HTTP 400 naming the field, gRPC's
+INVALID_ARGUMENT, the scheduler's StatusError, the engine's ValueError). Callers: the gateway's
+REST path (gateway/completion_call.py, gateway/tokenization.py), its gRPC path
+(gateway/grpc_api.request_problem), the scheduler service (scheduler/service._validate, for
+what reaches it without the gateway) and the scheduler core (Scheduler.check_prompt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+# No tokenizer makes a token of more characters than this on real text; a prompt of more than
+# max_model_len times it cannot fit the context, and is refused before anyone tokenizes it.
+MAX_CHARS_PER_TOKEN = 64
+
+
+def prompt_chars_problem(gen: Any, max_model_len: int) -> str | None:
+    """Why a GenerateRequest's text cannot fit the context, counted in characters before any
+    tokenization (a multi-megabyte prompt must not hold the tokenizer), or None."""
+    kind = gen.WhichOneof("input")
+    if kind == "prompt":
+        chars = len(gen.prompt)
+    elif kind == "chat":
+        chars = sum(len(m.content) + len(m.role) for m in gen.chat.messages)
+    else:
+        return None
+    bound = max_model_len * MAX_CHARS_PER_TOKEN
+    if chars > bound:
+        return (f"the prompt has {chars} characters: more than the context of {max_model_len} tokens can hold "
+                f"(at most {bound} characters are tokenized)")
+    return None
+
+
+def max_tokens_problem(max_tokens: int | None, max_model_len: int, name: str = "max_tokens") -> str | None:
+    """Why max_tokens alone cannot fit the context (before the prompt is tokenized), or None."""
+    if max_tokens is not None and max_tokens > max_model_len:
+        return f"{name}={max_tokens} exceeds the model's maximum context length of {max_model_len} tokens"
+    return None
+
+
+def prompt_tokens_problem(num_prompt_tokens: int, max_model_len: int) -> str | None:
+    """Why a tokenized prompt leaves no room in the context (empty, or no token left for output)."""
+    if num_prompt_tokens < 1:
+        return "the prompt is empty: at least one token is needed"
+    if num_prompt_tokens >= max_model_len:
+        return (f"the prompt has {num_prompt_tokens} tokens, but the model's context (max_model_len) "
+                f"is {max_model_len} tokens including the output")
+    return None
+
+
+def output_room_problem(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> str | None:
+    """Why prompt + max_tokens overflow the context, or None (max_tokens None: up to the context)."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        return (f"this model's maximum context length is {max_model_len} tokens; the request asks for "
+                f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, {max_tokens} in max_tokens)")
+    return None
+
+
+def prompt_ids_problem(prompt_token_ids: Iterable[int], vocab_size: int) -> str | None:
+    """The first prompt token id outside the vocabulary, as a message, or None."""
+    bad = next((t for t in prompt_token_ids if t >= vocab_size), None)
+    return None if bad is None else f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})"
+
+
+def logit_bias_problem(logit_bias: Iterable[int] | None, vocab_size: int) -> str | None:
+    """The lowest logit_bias token id outside the vocabulary, as a message, or None."""
+    bad = min((t for t in logit_bias or () if t >= vocab_size), default=None)
+    return None if bad is None else f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})"
