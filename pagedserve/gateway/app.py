@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.gateway.backend import Backend
-from pagedserve.gateway import anthropic_api, batched_completion, completion_call, tokenization
+from pagedserve.gateway import anthropic_api, batched_completion, completion_call, responses_api, tokenization
 from pagedserve.gateway.health import readiness, readiness_now
 from pagedserve.gateway.http_gate import HttpGate
 from pagedserve.gateway.metrics import Metrics
@@ -107,6 +107,16 @@ def build_app(backend: Backend) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await completion_call.run_completion(backend, request, True, body)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        """OpenAI's Responses API (responses_api.py)."""
+        return await responses_api.create(backend, request, await _json_body(request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict:
+        """The caller's stored response (another owner's: 404)."""
+        return await responses_api.retrieve(backend, request, response_id)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:

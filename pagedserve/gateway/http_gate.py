@@ -27,6 +27,7 @@ DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 # vLLM's paths outside /v1 that still need the key (vLLM leaves them open; they read the model).
 GATED_PATHS = ("/tokenize", "/detokenize")
 KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                   "/v1/responses",
                    "/v1/models", "/v1/engine/stats", "/health",
                    "/metrics", "/dashboard", *GATED_PATHS)
 BODY_METHODS = ("POST", "PUT", "PATCH")
@@ -42,6 +43,8 @@ def endpoint_label(path: str) -> str:
     """The endpoint label of the HTTP counter: a bounded set, whatever paths clients send."""
     if path in KNOWN_ENDPOINTS:
         return path
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return "/v1/requests/{id}" if path.startswith("/v1/requests/") else "other"
 
 

@@ -1,0 +1,466 @@
+"""OpenAI's Responses API: POST /v1/responses and GET /v1/responses/{id}, over the chat path.
+
+A request's `input` (a string, or message / function_call / function_call_output items),
+`instructions`, function `tools`, `tool_choice` and `text.format` are mapped onto a
+ChatCompletionRequest, which runs as any chat request does, as one CompletionCall in `raw` mode
+(completion_call.py: admission, tools, structured outputs, the reasoning parser, metrics, abort on
+disconnect). Its answer becomes a response object whose `output` holds a reasoning item (with
+--reasoning-parser), a message with output_text, and function_call items; streamed, the typed
+events (response.created, response.in_progress, response.output_item.added, content_part.added,
+output_text.delta / reasoning_text.delta / function_call_arguments.delta, their .done, and
+response.completed or response.incomplete), each with its sequence_number.
+
+Stored responses (`store`, true by default): the response object and the conversation that led to
+it (the chat messages, then this output) are kept for --request-retention seconds under the
+caller's owner (ResponseRecords: Redis under P gwresponse:<id>, or this process's memory without
+Redis or for a record over the store's size bound). `previous_response_id` continues that
+conversation, and GET /v1/responses/{id} returns the object; another owner's id, an expired one or
+one never stored answers 404 as if it did not exist. Fields this API does not take are refused
+(400 naming the field). Threads: the gateway's event loop; the store's calls in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from pagedserve.common.store import RequestStore
+from pagedserve.gateway.backend import Backend, as_request_error
+from pagedserve.gateway.completion_call import SSE_HEADERS, CompletionCall
+from pagedserve.gateway.owners import SINGLE_TENANT
+from pagedserve.gateway.protocol import ChatCompletionRequest, RequestError, bad_request
+from pagedserve.gateway.sse import DONE, CancellingStream
+
+log = logging.getLogger("pagedserve.gateway")
+
+# The fields this API takes (others: 400). metadata and user are kept on the object, unused.
+FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
+          "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id", "metadata",
+          "user", "truncation", "reasoning"}
+# vLLM's sampling extensions a body may carry too (opt-in).
+EXTENSIONS = ("seed", "top_k", "min_tokens", "repetition_penalty", "priority", "structured_outputs")
+MAX_LOCAL_RECORDS = 10_000
+
+
+def _event(data: dict) -> str:
+    return f"event: {data['type']}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ---- the request --------------------------------------------------------------------------------
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of content parts", "input")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}[{j}]: only input_text / output_text parts are supported, got type {kind!r}",
+                              "input")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def input_messages(given: Any) -> list[dict]:
+    """`input` -> chat messages (consecutive function_call items become one assistant turn)."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        raise bad_request("input must be a string or a non-empty list of items", "input")
+    out: list[dict] = []
+    for i, item in enumerate(given):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") in ("user", "system", "developer", "assistant"):
+            out.append({"role": item["role"], "content": _content_text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call" and isinstance(item.get("name"), str) and isinstance(item.get("call_id"), str):
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": str(item.get("arguments") or "{}")}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output" and isinstance(item.get("call_id"), str):
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": output if isinstance(output, str) else _content_text(output, f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # earlier reasoning is not shown to the model again
+        else:
+            raise bad_request(f"{where}: {kind!r} items are not supported (message, function_call, "
+                              "function_call_output, reasoning)", "input")
+    return out
+
+
+def _tools(given: Any) -> list[dict] | None:
+    if given is None:
+        return None
+    if not isinstance(given, list):
+        raise bad_request("tools must be a list", "tools")
+    out = []
+    for i, tool in enumerate(given):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise bad_request(f"tools[{i}]: {kind!r} tools are not supported; only function tools", "tools")
+        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice  # "auto" | "required" | "none" (checked by the chat path)
+
+
+def _text_format(text: Any) -> dict | None:
+    """text.format -> response_format."""
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    raise bad_request(f"text.format.type must be text, json_schema or json_object, got {kind!r}", "text")
+
+
+def to_chat(body: Any, history: list[dict]) -> tuple[ChatCompletionRequest, list[dict]]:
+    """(the chat request, the conversation's messages without instructions) for a Responses body
+    that follows `history` (a previous response's conversation, or [])."""
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    unknown = sorted(set(body) - FIELDS - set(EXTENSIONS))
+    if unknown:
+        raise bad_request(f"{unknown[0]} is not supported by this server's Responses API", unknown[0])
+    reasoning = body.get("reasoning")
+    if reasoning is not None and (not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())):
+        raise bad_request("reasoning (effort, summary) is not supported: the model thinks as its template and "
+                          "chat_template_kwargs say, and --reasoning-parser reads it", "reasoning")
+    if body.get("truncation") not in (None, "disabled"):
+        raise bad_request('truncation must be "disabled" (the prompt is never truncated)', "truncation")
+    conversation = history + input_messages(body.get("input"))
+    messages = list(conversation)
+    if body.get("instructions") is not None:
+        if not isinstance(body["instructions"], str):
+            raise bad_request("instructions must be a string", "instructions")
+        messages.insert(0, {"role": "system", "content": body["instructions"]})
+    fields = {"model": body.get("model"), "messages": messages, "stream": bool(body.get("stream")),
+              "max_tokens": body.get("max_output_tokens"), "tools": _tools(body.get("tools")),
+              "tool_choice": _tool_choice(body.get("tool_choice")),
+              "parallel_tool_calls": body.get("parallel_tool_calls"), "response_format": _text_format(body.get("text"))}
+    for name in ("temperature", "top_p", *EXTENSIONS):
+        if body.get(name) is not None:
+            fields[name] = body[name]
+    if fields["stream"]:
+        fields["stream_options"] = {"include_usage": True}
+    try:
+        return ChatCompletionRequest.model_validate(fields), conversation
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        raise bad_request(f"{where}: {first.get('msg')}", where.split(".")[0] or None) from None
+
+
+# ---- the answer ---------------------------------------------------------------------------------
+def _usage(usage: dict | None) -> dict:
+    usage = usage or {}
+    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+def _reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": _new_id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+
+def _message_item(text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": _new_id("msg"), "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": _new_id("fc"), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+class Shell:
+    """The response object's fields that do not depend on the output."""
+
+    def __init__(self, body: dict, response_id: str, model: str) -> None:
+        self.id, self.model, self.created = response_id, model, int(time.time())
+        self.body = body
+
+    def object(self, status: str, output: list[dict], usage: dict | None, reason: str | None = None) -> dict:
+        body = self.body
+        text = body.get("text") or {"format": {"type": "text"}}
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "error": None, "incomplete_details": incomplete,
+                "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+                "model": self.model, "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+                "previous_response_id": body.get("previous_response_id"), "reasoning": body.get("reasoning"),
+                "store": body.get("store", True), "temperature": body.get("temperature"), "text": text,
+                "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+                "top_p": body.get("top_p"), "truncation": "disabled", "usage": usage,
+                "user": body.get("user"), "metadata": body.get("metadata") or {}}
+
+
+def response_output(chat: dict) -> tuple[list[dict], str]:
+    """A chat.completion's first choice -> (output items, status)."""
+    choice = chat["choices"][0]
+    message = choice["message"]
+    output = []
+    if message.get("reasoning_content"):
+        output.append(_reasoning_item(message["reasoning_content"]))
+    if message.get("content"):
+        output.append(_message_item(message["content"]))
+    for call in message.get("tool_calls") or []:
+        output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+    return output, "incomplete" if choice["finish_reason"] == "length" else "completed"
+
+
+def output_messages(output: list[dict]) -> list[dict]:
+    """The output items as the conversation's next chat messages (reasoning left out)."""
+    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    message: dict = {"role": "assistant", "content": text or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+class EventBuilder:
+    """A chat stream's chunks -> the Responses API's typed events. An item opens when its kind of
+    delta arrives (reasoning, the message's text, each call) and is done when another opens or the
+    response ends."""
+
+    def __init__(self, shell: Shell) -> None:
+        self.shell, self.sequence = shell, 0
+        self.output: list[dict] = []
+        self.open: dict | None = None
+        self.calls: dict[int, dict] = {}  # a chunk's tool-call index -> its item
+        self.reason: str | None = None
+
+    def _emit(self, data: dict) -> str:
+        data["sequence_number"] = self.sequence
+        self.sequence += 1
+        return _event(data)
+
+    def start(self) -> list[str]:
+        created = self.shell.object("in_progress", [], None)
+        return [self._emit({"type": "response.created", "response": created}),
+                self._emit({"type": "response.in_progress", "response": created})]
+
+    def _add(self, item: dict) -> list[str]:
+        out = self._done()
+        self.open = item
+        self.output.append(item)
+        at = len(self.output) - 1
+        shown = {**item, "status": "in_progress"}
+        if item["type"] == "message":
+            shown["content"] = []
+        if item["type"] == "reasoning":
+            shown["content"] = []
+        out.append(self._emit({"type": "response.output_item.added", "output_index": at, "item": shown}))
+        if item["type"] == "message":
+            out.append(self._emit({"type": "response.content_part.added", "item_id": item["id"], "output_index": at,
+                                   "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}))
+        return out
+
+    def _done(self) -> list[str]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        at, out = self.output.index(item), []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out.append(self._emit({"type": "response.output_text.done", "item_id": item["id"], "output_index": at,
+                                   "content_index": 0, "text": part["text"], "logprobs": []}))
+            out.append(self._emit({"type": "response.content_part.done", "item_id": item["id"], "output_index": at,
+                                   "content_index": 0, "part": part}))
+        elif item["type"] == "reasoning":
+            out.append(self._emit({"type": "response.reasoning_text.done", "item_id": item["id"],
+                                   "output_index": at, "content_index": 0, "text": item["content"][0]["text"]}))
+        else:
+            out.append(self._emit({"type": "response.function_call_arguments.done", "item_id": item["id"],
+                                   "output_index": at, "name": item["name"], "arguments": item["arguments"]}))
+        out.append(self._emit({"type": "response.output_item.done", "output_index": at, "item": item}))
+        return out
+
+    def chunk(self, chunk: dict) -> list[str]:
+        out: list[str] = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if self.open is None or self.open["type"] != "reasoning":
+                    out += self._add(_reasoning_item(""))
+                self.open["content"][0]["text"] += delta["reasoning_content"]
+                out.append(self._emit({"type": "response.reasoning_text.delta", "item_id": self.open["id"],
+                                       "output_index": len(self.output) - 1, "content_index": 0,
+                                       "delta": delta["reasoning_content"]}))
+            if delta.get("content"):
+                if self.open is None or self.open["type"] != "message":
+                    out += self._add(_message_item(""))
+                self.open["content"][0]["text"] += delta["content"]
+                out.append(self._emit({"type": "response.output_text.delta", "item_id": self.open["id"],
+                                       "output_index": len(self.output) - 1, "content_index": 0,
+                                       "delta": delta["content"], "logprobs": []}))
+            for call in delta.get("tool_calls") or []:
+                if call.get("id"):
+                    self.calls[call["index"]] = _call_item(call["id"], call["function"]["name"], "")
+                    out += self._add(self.calls[call["index"]])
+                item = self.calls.get(call["index"])
+                arguments = (call.get("function") or {}).get("arguments")
+                if item is not None and arguments:
+                    item["arguments"] += arguments
+                    out.append(self._emit({"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                                           "output_index": self.output.index(item), "delta": arguments}))
+            if choice.get("finish_reason"):
+                self.reason = choice["finish_reason"]
+        return out
+
+    def finish(self, usage: dict | None) -> tuple[list[str], dict]:
+        out = self._done()
+        status = "incomplete" if self.reason == "length" else "completed"
+        final = self.shell.object(status, self.output, _usage(usage))
+        out.append(self._emit({"type": f"response.{status}", "response": final}))
+        return out, final
+
+
+# ---- stored responses ---------------------------------------------------------------------------
+def _name(response_id: str) -> str:
+    return f"gwresponse:{response_id}"
+
+
+class ResponseRecords:
+    """Stored responses: {"owner", "response", "conversation"} per id, for the store's retention."""
+
+    def __init__(self, store: RequestStore) -> None:
+        self.store = store
+        self.retention_s = float(getattr(store, "retention_s", 600))
+        self.local: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id -> (expires, text)
+
+    async def save(self, response_id: str, record: dict) -> None:
+        text = json.dumps(record, separators=(",", ":"))
+        try:
+            if await asyncio.to_thread(self.store.put_text, _name(response_id), text):
+                return
+        except Exception as exc:  # noqa: BLE001 - Redis trouble or a large record: kept here instead
+            log.info("response %s kept in this gateway only: %s", response_id, exc)
+        self.local[response_id] = (time.monotonic() + self.retention_s, text)
+        while len(self.local) > MAX_LOCAL_RECORDS:
+            self.local.popitem(last=False)
+
+    async def load(self, response_id: str, owner: str) -> dict:
+        """The owner's record; 404 for anything else (unknown, expired, another owner's)."""
+        text = None
+        kept = self.local.get(response_id)
+        if kept is not None and kept[0] > time.monotonic():
+            text = kept[1]
+        elif response_id.startswith("resp_") and len(response_id) < 80:
+            try:
+                text = await asyncio.to_thread(self.store.get_text, _name(response_id))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not load response %s: %s", response_id, type(exc).__name__)
+        record = json.loads(text) if text else None
+        if record is None or record.get("owner") != owner:
+            raise RequestError(404, f"no response with id {response_id!r}", "previous_response_id",
+                               code="response_not_found")
+        return record
+
+
+def records(backend: Backend) -> ResponseRecords:
+    if backend.response_records is None:
+        backend.response_records = ResponseRecords(backend.idempotency)
+    return backend.response_records
+
+
+# ---- the routes ---------------------------------------------------------------------------------
+async def create(backend: Backend, request: Request, body: Any) -> Response:
+    """POST /v1/responses; any failure before the headers is an HTTP error (OpenAI's shape)."""
+    owner = getattr(request.state, "caller", SINGLE_TENANT).owner
+    try:
+        history = []
+        if isinstance(body, dict) and body.get("previous_response_id") is not None:
+            previous = await records(backend).load(str(body["previous_response_id"]), owner)
+            history = previous["conversation"]
+        chat, conversation = to_chat(body, history)
+        call = CompletionCall(backend, request, True, chat)
+        call.raw = True
+        answer = await call.start()
+    except RequestError:
+        raise
+    except Exception as exc:
+        raise as_request_error(exc) from exc
+    shell = Shell(body, "resp_" + call.client_id.split("-", 1)[-1], call.model)
+    store = body.get("store", True) is not False
+    headers = {"x-request-id": call.client_id}
+
+    async def keep(final: dict) -> None:
+        if store:
+            await records(backend).save(shell.id, {"owner": owner, "response": final,
+                                                   "conversation": conversation + output_messages(final["output"])})
+
+    if not chat.stream:
+        output, status = response_output(answer)
+        final = shell.object(status, output, _usage(answer.get("usage")))
+        await keep(final)
+        return JSONResponse(final, headers=headers)
+    return CancellingStream(_events(EventBuilder(shell), answer, keep), call._closed, {**headers, **SSE_HEADERS})
+
+
+async def _events(builder: EventBuilder, chunks: AsyncIterator, keep) -> AsyncIterator[str]:
+    for event in builder.start():
+        yield event
+    usage = None
+    async for item in chunks:
+        if item is DONE or isinstance(item, str):
+            continue
+        if "error" in item:  # in-band: the response failed
+            failed = builder.shell.object("failed", builder.output, None)
+            failed["error"] = {"code": "server_error", "message": item["error"].get("message", "error")}
+            yield builder._emit({"type": "response.failed", "response": failed})
+            return
+        if item.get("usage") and not item.get("choices"):
+            usage = item["usage"]
+            continue
+        for event in builder.chunk(item):
+            yield event
+    events, final = builder.finish(usage)
+    await keep(final)
+    for event in events:
+        yield event
+
+
+async def retrieve(backend: Backend, request: Request, response_id: str) -> dict:
+    """GET /v1/responses/{id}: the caller's stored response object."""
+    owner = getattr(request.state, "caller", SINGLE_TENANT).owner
+    try:
+        return (await records(backend).load(response_id, owner))["response"]
+    except RequestError as exc:
+        exc.param = None
+        raise
