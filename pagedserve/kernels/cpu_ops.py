@@ -44,9 +44,27 @@ def load():
     build_dir = Path(os.environ.get("PAGEDSERVE_DATA_DIR", Path.home() / ".cache" / "pagedserve")) / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return load_extension(name, [str(p) for p in _SOURCES], build_directory=str(build_dir),
+        sources = _stable_sources(build_dir)
+        return load_extension(name, [str(p) for p in sources], build_directory=str(build_dir),
                               extra_cflags=["-O3", "-march=native", "-fopenmp"],
                               extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # a missing compiler must not stop serving: fall back to torch ops
         log.warning("CPU attention kernel unavailable (%s); using the slower torch path", exc)
         return None
+
+
+def _stable_sources(build_dir: Path) -> list[Path]:
+    """The sources copied into the build folder (once: the folder's name is their digest), so every
+    checkout of the same sources compiles the same paths: torch's build file names each source by its
+    path, and two checkouts (git worktrees, or an installed copy beside a checkout) loading one build
+    folder each saw the other's paths as a change and recompiled everything, holding the folder's
+    lock for a minute each time."""
+    src = build_dir / "src"
+    src.mkdir(exist_ok=True)
+    for path in _SOURCES + _HEADERS:
+        target = src / path.name
+        if not target.exists() or target.read_bytes() != path.read_bytes():
+            tmp = target.with_suffix(target.suffix + f".{os.getpid()}")
+            tmp.write_bytes(path.read_bytes())
+            os.replace(tmp, target)
+    return [src / p.name for p in _SOURCES]
