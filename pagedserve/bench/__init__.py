@@ -21,7 +21,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
     bench = subparsers.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command",
-                                     metavar="{throughput,latency,services,tp,moe,serve,structured,vllm-cpu,llama-cpp}")
+                                     metavar="{throughput,latency,services,tp,moe,serve,structured,vllm-cpu,llama-cpp,quality}")
     bench_sub.required = True
     p = bench_sub.add_parser("throughput", help="offline throughput vs transformers' static batching",
                              description=throughput_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,4 +51,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_vllm_cpu_parser(bench_sub)
     from pagedserve.bench.llama_cpp import add_llama_cpp_parser
     add_llama_cpp_parser(bench_sub)
+    from pagedserve.bench.quality import add_quality_parser
+    add_quality_parser(bench_sub)
     return p
