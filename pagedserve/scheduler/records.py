@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.common.messages import SampledToken
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.stop_rules import finish_reason
 from pagedserve.common.store import RecordWrite, RequestStore, StoredRequest
 from pagedserve.scheduler.core.request import Request
 
@@ -124,12 +125,7 @@ class RecordWriter:
 def sample_finish_reason(outputs: list[int], params: SamplingParams, num_prompt_tokens: int,
                          eos_token_ids: tuple[int, ...], max_model_len: int) -> str:
     """Whether a stored sample had already finished (its last write may have been lost)."""
-    if outputs and len(outputs) >= params.min_tokens and (
-            outputs[-1] in params.stop_token_ids or (not params.ignore_eos and outputs[-1] in eos_token_ids)):
-        return "stop"
-    if len(outputs) >= params.max_tokens or num_prompt_tokens + len(outputs) >= max_model_len:
-        return "length"
-    return ""
+    return finish_reason(outputs, num_prompt_tokens, params, eos_token_ids, max_model_len)
 
 
 def resumed_requests(record: StoredRequest, params: SamplingParams, eos_token_ids: tuple[int, ...],

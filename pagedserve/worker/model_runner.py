@@ -13,6 +13,7 @@ import torch
 from pagedserve.common.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.stop_rules import samples_any
 from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
 from pagedserve.worker.cpu_linear import pack_model
 from pagedserve.worker.graph_runner import CudaGraph, DecodeGraphRunner, GraphCaptureError
@@ -246,9 +247,8 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv.model_caches(), meta)
         ends = np.cumsum(counts) - 1
-        # max_tokens 0 (the prompt only): the prefill runs, nothing is sampled.
         samplers = [i for i, (s, n) in enumerate(zip(order, counts))
-                    if s.num_computed_tokens + n == len(s.token_ids) and s.params.max_tokens]
+                    if s.num_computed_tokens + n == len(s.token_ids) and samples_any(s.params)]
         result = ModelRunnerOutput(step.step_id, {})
         if samplers:
             logits = self.model.compute_logits(hidden[torch.as_tensor(ends[samplers], device=self.device)])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedserve.common.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
+from pagedserve.common.stop_rules import at_length, samples_any, stops_on
 from pagedserve.scheduler.core.request import Request, RequestStatus, sample_ids
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class Results:
                 prompt = result.prompt_logprobs.get(req_id)
                 if prompt is not None:
                     req.add_prompt_logprobs(prompt.start, prompt.tokens)
-                if req.params.max_tokens == 0:  # the prompt only: done once it is computed, nothing sampled
+                if not samples_any(req.params):  # the prompt only: done once it is computed, nothing sampled
                     if req.num_computed_tokens >= req.num_tokens:
                         self._finish(req, RequestStatus.FINISHED_LENGTH)
                         updates.append(RequestUpdate(req, [], True, self._first_prompt_logprobs(req)))
@@ -111,10 +112,9 @@ class Results:
         new = [sample]
         params = req.params
         stop = None
-        if req.num_output_tokens >= params.min_tokens and (
-                token in params.stop_token_ids or (not params.ignore_eos and token in req.eos_token_ids)):
+        if stops_on(token, req.num_output_tokens, params, req.eos_token_ids):
             stop = RequestStatus.FINISHED_STOPPED
-        elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+        elif at_length(req.num_output_tokens, req.num_prompt_tokens, params, self.config.max_model_len):
             stop = RequestStatus.FINISHED_LENGTH
         if stop is not None:
             self._finish(req, stop)

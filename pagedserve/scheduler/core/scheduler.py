@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.common.request_checks import prompt_tokens_problem
+from pagedserve.common.stop_rules import at_length, samples_any
 from pagedserve.common.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.scheduler.core.block_manager import Allocation, cdiv
 from pagedserve.scheduler.core.isolation import Isolation
@@ -246,9 +247,9 @@ class Scheduler(Isolation, Results):
         length (known now; running on would be past max_tokens, or past the model's context)."""
         if not req.num_pending_samples:
             return False
-        num_tokens = req.num_tokens + req.num_pending_samples
-        return bool(req.child_req_ids) or num_tokens - req.num_prompt_tokens >= req.params.max_tokens \
-            or num_tokens >= self.config.max_model_len
+        num_output = req.num_output_tokens + req.num_pending_samples
+        return bool(req.child_req_ids) or at_length(num_output, req.num_prompt_tokens, req.params,
+                                                    self.config.max_model_len)
 
     def _schedule_ahead(self, req: Request, out: SchedulerOutput) -> None:
         """Schedule a running request in an ahead step: no preemption. Out of blocks, it waits,
@@ -294,7 +295,7 @@ class Scheduler(Isolation, Results):
         if num_new == 1 and req.num_unscheduled_tokens == 1 and req.num_output_tokens + req.num_pending_samples:
             self._decode_ids.add(req.request_id)  # the next token after a sampled one (StepStats)
         req.num_inflight_tokens += num_new
-        if req.num_unscheduled_tokens == 0 and req.params.max_tokens:
+        if req.num_unscheduled_tokens == 0 and samples_any(req.params):
             req.num_pending_samples += 1  # the worker samples where the known tokens end
         if not req.sent_to_worker:
             req.sent_to_worker = True
