@@ -120,3 +120,26 @@ def test_write_kv_cache_skips_padding_slots(dtype):
     reference.write_kv_cache(key, value, want_k, want_v, slots)
     fused_ops.write_kv_cache(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_ops_bundle_equals_the_native_one(dtype):
+    """The CUDA platform's ops (these kernels) against the native bundle the models are checked with."""
+    from pagedserve.worker.ops import CudaOps, NativeOps
+
+    gen = torch.Generator().manual_seed(7)
+    cuda, native = CudaOps(), NativeOps()
+    x, w, res = rand(gen, 4, 32, dtype=dtype), rand(gen, 32, dtype=dtype), rand(gen, 4, 32, dtype=dtype)
+    res_native = res.clone()
+    assert close(cuda.rms_norm(x, w, 1e-6, res), native.rms_norm(x, w, 1e-6, res_native), dtype)
+    assert close(res, res_native, dtype)
+    gate_up = rand(gen, 2, 3, 48, dtype=dtype)
+    assert close(cuda.silu_and_mul(gate_up), native.silu_and_mul(gate_up), dtype)
+    assert close(cuda.gelu_and_mul(gate_up), native.gelu_and_mul(gate_up), dtype)
+    angles = torch.outer(torch.arange(32, dtype=torch.float32), torch.rand(8, generator=gen))
+    cos, sin = torch.cat((angles, angles), -1).cos().to(DEVICE), torch.cat((angles, angles), -1).sin().to(DEVICE)
+    positions = torch.tensor([1, 31, 4], device=DEVICE)
+    q, k = rand(gen, 3, 4, 16, dtype=dtype), rand(gen, 3, 2, 16, dtype=dtype)
+    want = native.rotary(q.clone(), k.clone(), native.rope(cos, sin, positions, dtype))
+    got = cuda.rotary(q, k, cuda.rope(cos, sin, positions, dtype))
+    assert close(got[0], want[0], dtype) and close(got[1], want[1], dtype)

@@ -131,8 +131,38 @@ class CpuKernelOps(NativeOps):
 
 
 class CudaOps(NativeOps):
-    """forward_cuda: native torch for now. A Triton kernel (pagedserve/kernels/triton/) plugs in as
-    one line here, e.g. `rms_norm = staticmethod(fused_add_rms_norm)` with its signature
-    (x, weight, eps, residual=None) and, for the residual fusion, `fused_residual_norm = True`."""
+    """forward_cuda: the fused Triton kernels of pagedserve/kernels/triton/fused_ops.py, one launch each
+    for the residual add and norm, the rotary of q and k together (in place, each token's table row
+    read by the kernel), and the activation-and-mul; the matmuls stay torch's. Triton is imported on
+    first use: importing this module must not load triton (the CPU's tests set TRITON_INTERPRET
+    before they first import it)."""
 
     name = "cuda"
+    fused_residual_norm = True
+
+    @staticmethod
+    def _kernels():
+        from pagedserve.kernels.triton import fused_ops
+        return fused_ops
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if x.dim() != 2 or x.stride(-1) != 1:
+            return super().rms_norm(x, weight, eps, residual)
+        return self._kernels().rms_norm(x, weight, eps, residual)
+
+    def rope(self, cos_table, sin_table, positions, dtype):
+        return cos_table, sin_table, positions  # the kernel reads each token's row itself
+
+    def rotary(self, q, k, rope):
+        self._kernels().rotary_inplace(q, k, *rope)
+        return q, k
+
+    def silu_and_mul(self, x):
+        return self._act_and_mul(x, "silu")
+
+    def gelu_and_mul(self, x):
+        return self._act_and_mul(x, "gelu_tanh")
+
+    def _act_and_mul(self, x, activation):
+        rows = x.reshape(-1, x.shape[-1]) if x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()
+        return self._kernels().act_and_mul(rows, activation).view(*x.shape[:-1], x.shape[-1] // 2)
