@@ -109,3 +109,19 @@ def test_the_cpu_runs_eagerly_unless_asked():
     runner.device, runner.decode_graphs = torch.device("cpu"), None
     runner.use_decode_graphs(8, enforce_eager=False)
     assert runner.decode_graphs is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA graphs captured and replayed")
+def test_cuda_graphs_give_transformers_tokens(model):
+    """On a GPU: the engine's default (graphs on), real torch.cuda.CUDAGraph capture and replay."""
+    from pagedserve.worker.graph_runner import CudaGraph
+
+    folder, prompts, lengths, expected = model
+    engine = make_engine(folder, device="cuda", max_num_seqs=8)
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.graph_factory().__class__ is CudaGraph
+    assert generate(engine, prompts, lengths) == expected
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    eager = make_engine(folder, device="cuda", max_num_seqs=8, enforce_eager=True)
+    assert eager.runner.decode_graphs is None
+    assert generate(eager, prompts, lengths) == expected
