@@ -155,8 +155,9 @@ def test_forced_parsers():
 
 
 def test_the_setting_offers_exactly_the_registered_parsers():
-    assert set(setting("gateway", "tool_call_parser").choices) == set(PARSERS)
-    assert set(setting("serve", "tool_call_parser").choices) == set(PARSERS)
+    from pagedserve.gateway.tools import ALL_PARSERS
+    assert set(setting("gateway", "tool_call_parser").choices) == set(ALL_PARSERS) > set(PARSERS)
+    assert set(setting("serve", "tool_call_parser").choices) == set(ALL_PARSERS)
 
 
 @pytest.mark.parametrize("make", [HermesParser, Llama3JsonParser, RequiredCallsParser,

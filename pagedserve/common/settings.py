@@ -309,10 +309,12 @@ def _settings() -> tuple[Setting, ...]:
         S("--shutdown-timeout", "serve gateway", float, 30.0,
           "on SIGTERM, seconds in-flight requests may take to finish (503 to new ones) before they are aborted",
           group="gateway"),
-        S("--tool-call-parser", "serve gateway", choices=("hermes", "llama3_json"),
+        S("--tool-call-parser", "serve gateway",
+          choices=("hermes", "llama3_json", "mistral", "deepseek_v3", "qwen3_coder", "pythonic"),
           help="how tool calls are read from the output of a chat request with tools and tool_choice "
-          "\"auto\": hermes (Hermes, Qwen: <tool_call>{...}</tool_call>), llama3_json (Llama 3: "
-          "{\"name\": ..., \"parameters\": ...}); unset: such requests get 400", group="gateway"),
+          "\"auto\" (vLLM's names): hermes (Hermes, Qwen: <tool_call>{...}</tool_call>), llama3_json (Llama 3: "
+          "{\"name\": ..., \"parameters\": ...}), mistral ([TOOL_CALLS]), deepseek_v3, qwen3_coder (XML), "
+          "pythonic ([f(a=1)]); unset: such requests get 400", group="gateway"),
         S("--reasoning-parser", "serve gateway", choices=("deepseek_r1", "qwen3"),
           help="how a chat's reasoning is read from its output (vLLM's names): deepseek_r1 (up to </think>), "
           "qwen3 (a <think>...</think> block at the start); it goes in message.reasoning_content and "

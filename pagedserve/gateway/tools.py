@@ -23,9 +23,14 @@ from typing import Any
 
 from pagedserve.common import structured_output
 from pagedserve.common.sampling_params import StructuredOutput
+from pagedserve.gateway.block_tool_parsers import BLOCK_PARSERS
 from pagedserve.gateway.tool_parsers import PARSERS, NamedCallParser, Parsed, RequiredCallsParser, ToolParser, assemble
 from pagedserve.v1 import generate_pb2
 
+# --tool-call-parser's choices: the streaming JSON parsers and the block parsers.
+ALL_PARSERS: dict[str, type[ToolParser]] = {**PARSERS, **BLOCK_PARSERS}
+# Parsers whose tags are special tokens: the output keeps them (vLLM's adjust_request does the same).
+KEEP_SPECIAL_TOKENS = ("mistral",)
 # OpenAI's rule for function names.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -50,12 +55,16 @@ class ToolOutput:
     function: str | None = None  # the named function
     required: bool = False
     max_calls: int | None = None
+    schemas: dict[str, dict] | None = None  # the tools' parameters (block parsers type values by them)
 
     def new(self, stream: bool = True) -> ToolParser:
         if self.function is not None:
             return NamedCallParser(self.function, stream=stream)
-        cls = RequiredCallsParser if self.required else PARSERS[self.parser]
-        return cls(stream=stream, max_calls=self.max_calls)
+        if self.required:
+            return RequiredCallsParser(stream=stream, max_calls=self.max_calls)
+        if self.parser in BLOCK_PARSERS:
+            return BLOCK_PARSERS[self.parser](stream=stream, max_calls=self.max_calls, schemas=self.schemas)
+        return PARSERS[self.parser](stream=stream, max_calls=self.max_calls)
 
     def parse(self, text: str) -> Parsed:
         parser = self.new(stream=False)
@@ -63,7 +72,7 @@ class ToolOutput:
 
     def state(self) -> dict:
         return {"parser": self.parser, "function": self.function, "required": self.required,
-                "max_calls": self.max_calls}
+                "max_calls": self.max_calls, "schemas": self.schemas}
 
     @classmethod
     def from_state(cls, state: dict | None) -> ToolOutput | None:
@@ -136,9 +145,12 @@ def apply_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: 
     if tool_choice == "auto":
         if tool_call_parser is None:
             raise _bad('tool_choice "auto" (the default with tools) needs the server started with '
-                       "--tool-call-parser (hermes or llama3_json)", "tool_choice")
-        out = ToolOutput(parser=tool_call_parser, max_calls=max_calls)
+                       f"--tool-call-parser ({', '.join(ALL_PARSERS)})", "tool_choice")
+        out = ToolOutput(parser=tool_call_parser, max_calls=max_calls,
+                         schemas=schemas if tool_call_parser in BLOCK_PARSERS else None)
         schema = None
+        if tool_call_parser in KEEP_SPECIAL_TOKENS:
+            gen.skip_special_tokens = False
     elif tool_choice == "required":
         out, schema = ToolOutput(required=True, max_calls=max_calls), required_schema(schemas, max_calls is None)
     else:

@@ -1,0 +1,250 @@
+"""Tool-call parsers whose calls are read a block at a time (--tool-call-parser, vLLM's names):
+
+  mistral       `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the newer tokenizers'
+                `[TOOL_CALLS]name[ARGS]{...}` (repeated); text before [TOOL_CALLS] is content; the
+                calls run to the end of the output.
+  deepseek_v3   `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
+                <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`; text before it is content.
+  qwen3_coder   `<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>...</function>\\n</tool_call>`
+                (XML; values typed by the tool's parameters schema: integer, number, boolean,
+                object, array; a string otherwise), several, text before them content.
+  pythonic      the output is a Python list of calls, `[f(a=1, b="x"), g()]` (Llama 3.2), literal
+                arguments only; output that does not start with `[` is content.
+
+The ToolParser contract (tool_parsers.py) holds: any split of a text gives the events of the whole
+text. A block (a region of calls) is read when its end is seen (or at the end of the output): its
+calls go out then, each as its name and then its whole arguments; a block that does not parse is
+content, whole and streamed alike (nothing of it went out before). Text before a block streams as
+content as it comes, holding back only what may begin the block's tag. Plain Python, no I/O.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from typing import ClassVar
+
+from pagedserve.gateway.tool_parsers import Event, ToolParser, _held
+
+
+class BlockParser(ToolParser):
+    """Content, then blocks of calls between START and END (END None: the block runs to the end
+    of the output). Subclasses give read_block(text) -> [(name, arguments JSON)] or None."""
+
+    START: ClassVar[str] = ""
+    END: ClassVar[str | None] = None
+    AT_START_ONLY: ClassVar[bool] = False  # the block may only open the output (after whitespace)
+
+    def __init__(self, stream: bool = True, max_calls: int | None = None,
+                 schemas: dict[str, dict] | None = None) -> None:
+        super().__init__(stream, max_calls)
+        self.schemas = schemas or {}
+        self._block: list[str] | None = None  # the open block's text, in pieces
+        self._seen_text = False
+
+    def read_block(self, text: str) -> list[tuple[str, str]] | None:
+        raise NotImplementedError
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        while self._buf:
+            if self._block is not None:
+                if self.END is None:
+                    self._block.append(self._buf)
+                    self._buf = ""
+                    break
+                joined = "".join(self._block) + self._buf  # the block is short: joined once per piece
+                at = joined.find(self.END)
+                if at < 0:
+                    self._block, self._buf = [joined], ""
+                    break
+                self._block = None
+                self._close(joined[:at], joined[:at + len(self.END)])
+                self._buf = joined[at + len(self.END):]
+                continue
+            if self.AT_START_ONLY and self._seen_text:
+                self._content(self._buf)
+                self._buf = ""
+                break
+            at = self._buf.find(self.START) if not self.AT_START_ONLY else \
+                (len(self._buf) - len(self._buf.lstrip()) if self._buf.lstrip().startswith(self.START) else -1)
+            if at >= 0:
+                self._content(self._buf[:at])
+                self._buf, self._block = self._buf[at + len(self.START):], []
+                continue
+            if self.AT_START_ONLY:
+                s = self._buf.lstrip()
+                if not s or self.START.startswith(s):
+                    break  # too short to tell
+                self._seen_text = True
+                continue
+            keep = len(self._buf) - _held(self._buf, self.START)
+            self._content(self._buf[:keep])
+            self._buf = self._buf[keep:]
+            break
+        return self._take()
+
+    def _close(self, body: str, whole: str) -> None:
+        """A block's text is complete: its calls, or (when it does not parse) the text as content."""
+        calls = self.read_block(body)
+        if calls is None:
+            self._content(self.START + whole)
+            return
+        for name, arguments in calls:
+            self._args_sent = 0
+            self._announce(name)
+            self._send_arguments(arguments)
+        self._after_call = True
+
+    def finish(self) -> list[Event]:
+        if self._block is not None:
+            body, self._block = "".join(self._block), None
+            if self.END is None:
+                self._close(body, body)
+            else:  # cut off before its end: text
+                self._content(self.START + body)
+        elif self.AT_START_ONLY and not self._seen_text and self._buf.strip():
+            self._content(self._buf)
+            self._buf = ""
+        self._end_content()
+        return self._take()
+
+
+def _object_text(value) -> str | None:
+    """Arguments as JSON text: an object given as one, or as JSON text of one."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+
+
+class MistralParser(BlockParser):
+    name = "mistral"
+    START, END = "[TOOL_CALLS]", None
+    _ARGS = "[ARGS]"
+
+    def read_block(self, text: str) -> list[tuple[str, str]] | None:
+        s = text.strip()
+        if s.startswith("["):
+            try:
+                calls = json.loads(s)
+            except ValueError:
+                return None
+            if not isinstance(calls, list) or not calls:
+                return None
+            out = []
+            for call in calls:
+                if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                    return None
+                arguments = _object_text(call.get("arguments", call.get("parameters", {})))
+                if arguments is None:
+                    return None
+                out.append((call["name"], arguments))
+            return out
+        out = []
+        for part in s.split(self.START):  # name[ARGS]{...}, repeated with [TOOL_CALLS] between
+            name, sep, arguments = part.partition(self._ARGS)
+            text_args = _object_text(arguments.strip()) if sep else None
+            if not name.strip() or text_args is None:
+                return None
+            out.append((name.strip(), text_args))
+        return out
+
+
+class DeepSeekV3Parser(BlockParser):
+    name = "deepseek_v3"
+    START, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    _CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(?P<name>.*?)\n```json\n(?P<args>.*?)\n```"
+                       r"\s*<｜tool▁call▁end｜>", re.DOTALL)
+
+    def read_block(self, text: str) -> list[tuple[str, str]] | None:
+        out, at = [], 0
+        for match in self._CALL.finditer(text):
+            if text[at:match.start()].strip():
+                return None
+            arguments = _object_text(match["args"])
+            if arguments is None or not match["name"].strip():
+                return None
+            out.append((match["name"].strip(), arguments))
+            at = match.end()
+        return out if out and not text[at:].strip() else None
+
+
+class Qwen3CoderParser(BlockParser):
+    name = "qwen3_coder"
+    START, END = "<tool_call>", "</tool_call>"
+    _FUNCTION = re.compile(r"\s*<function=(?P<name>[^>\n]+)>(?P<body>.*?)</function>\s*", re.DOTALL)
+    _PARAMETER = re.compile(r"<parameter=(?P<key>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>", re.DOTALL)
+
+    def read_block(self, text: str) -> list[tuple[str, str]] | None:
+        match = self._FUNCTION.fullmatch(text)
+        if match is None:
+            return None
+        name = match["name"].strip()
+        properties = (self.schemas.get(name) or {}).get("properties") or {}
+        arguments, at = {}, 0
+        for p in self._PARAMETER.finditer(match["body"]):
+            if match["body"][at:p.start()].strip():
+                return None
+            key = p["key"].strip()
+            arguments[key] = _typed(p["value"], (properties.get(key) or {}).get("type"))
+            at = p.end()
+        if match["body"][at:].strip():
+            return None
+        return [(name, json.dumps(arguments, ensure_ascii=False))]
+
+
+def _typed(value: str, kind) -> object:
+    """A qwen3_coder parameter's text as its schema's type says (the text itself when it does not fit)."""
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "null" in kinds and value.strip() == "null":
+        return None
+    for k in kinds:
+        try:
+            if k == "integer":
+                return int(value.strip())
+            if k == "number":
+                number = float(value.strip())
+                return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() \
+                    else number
+            if k == "boolean" and value.strip().lower() in ("true", "false"):
+                return value.strip().lower() == "true"
+            if k in ("object", "array"):
+                return json.loads(value)
+        except ValueError:
+            continue
+    return value
+
+
+class PythonicParser(BlockParser):
+    name = "pythonic"
+    START, END = "[", None
+    AT_START_ONLY = True
+
+    def read_block(self, text: str) -> list[tuple[str, str]] | None:
+        source = "[" + text.rstrip()
+        try:
+            tree = ast.parse(source, mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        out = []
+        for call in tree.elts:
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
+                return None
+            try:
+                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords if kw.arg is not None}
+            except ValueError:
+                return None
+            if len(arguments) != len(call.keywords):
+                return None
+            out.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
+        return out
+
+
+BLOCK_PARSERS: dict[str, type[BlockParser]] = {p.name: p for p in (MistralParser, DeepSeekV3Parser,
+                                                                    Qwen3CoderParser, PythonicParser)}

@@ -1,0 +1,85 @@
+"""The block tool-call parsers (pagedserve/gateway/block_tool_parsers.py: mistral, deepseek_v3,
+qwen3_coder, pythonic), in the formats their models write: whole text, and every split of it
+streamed (test_tool_parsers.check_stream_matches), which must give the same content and calls;
+malformed blocks are content; parallel_tool_calls=false keeps the first call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.gateway.block_tool_parsers import (DeepSeekV3Parser, MistralParser, PythonicParser,
+                                                   Qwen3CoderParser)
+from pagedserve.gateway.tool_parsers import assemble
+from pagedserve.gateway.tools import ToolOutput, stream_deltas
+from test_tool_parsers import calls_of, check_stream_matches
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                            "metric": {"type": "boolean"}, "tags": {"type": "array"}}}
+A = '{"city": "Paris", "days": 2}'
+DS_CALL = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>"
+
+CASES = [
+    # (parser, text, content, [(name, arguments JSON)])
+    (MistralParser, f'Sure. [TOOL_CALLS][{{"name": "get_weather", "arguments": {A}}}]', "Sure.",
+     [("get_weather", A)]),
+    (MistralParser, f'[TOOL_CALLS]get_weather[ARGS]{A}[TOOL_CALLS]get_time[ARGS]{{}}', "",
+     [("get_weather", A), ("get_time", "{}")]),
+    (MistralParser, "[TOOL_CALLS][{broken", "[TOOL_CALLS][{broken", []),
+    (MistralParser, "No calls [TOOL here.", "No calls [TOOL here.", []),
+    (DeepSeekV3Parser, "Let me look.<｜tool▁calls▁begin｜>" + DS_CALL.format(name="get_weather", args=A)
+     + DS_CALL.format(name="get_time", args='{"zone": 1}') + "<｜tool▁calls▁end｜>", "Let me look.",
+     [("get_weather", A), ("get_time", '{"zone": 1}')]),
+    (DeepSeekV3Parser, "<｜tool▁calls▁begin｜>junk<｜tool▁calls▁end｜> ok",
+     "<｜tool▁calls▁begin｜>junk<｜tool▁calls▁end｜> ok", []),
+    (DeepSeekV3Parser, "<｜tool▁calls▁begin｜>" + DS_CALL.format(name="f", args="{}"), "<｜tool▁calls▁begin｜>"
+     + DS_CALL.format(name="f", args="{}"), []),  # cut off before its end: text
+    (Qwen3CoderParser, "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+     "<parameter=city>\n42\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=tags>\n[\"a\"]\n"
+     "</parameter>\n</function>\n</tool_call>", "Checking.",
+     [("get_weather", A), ("get_weather", '{"city": "42", "metric": true, "tags": ["a"]}')]),
+    (Qwen3CoderParser, "<tool_call>\n<function=f>\nnot a parameter\n</function>\n</tool_call>",
+     "<tool_call>\n<function=f>\nnot a parameter\n</function>\n</tool_call>", []),
+    (PythonicParser, '[get_weather(city="Paris", days=2), get_time()]', "",
+     [("get_weather", A), ("get_time", "{}")]),
+    (PythonicParser, "  [get_weather(city='Paris', days=2)]\n", "", [("get_weather", A)]),
+    (PythonicParser, "The list [a(b=1)] is here.", "The list [a(b=1)] is here.", []),
+    (PythonicParser, "[1, 2, 3]", "[1, 2, 3]", []),
+    (PythonicParser, "[f(x=open('y'))]", "[f(x=open('y'))]", []),  # literal arguments only
+]
+
+
+@pytest.mark.parametrize(("cls", "text", "content", "calls"), CASES)
+def test_whole_and_every_split_agree(cls, text, content, calls):
+    def make(stream=True):
+        return cls(stream=stream, schemas={"get_weather": WEATHER})
+    whole = make(False)
+    parsed = assemble(whole.feed(text) + whole.finish())
+    assert (parsed.content, [(n, json.loads(a)) for n, a in calls_of(parsed)]) == \
+        (content, [(n, json.loads(a)) for n, a in calls])
+    check_stream_matches(make, parsed, text)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_and_deltas_are_openais():
+    output = ToolOutput(parser="pythonic", max_calls=1)
+    assert calls_of(output.parse("[f(a=1), g(b=2)]")) == [("f", '{"a": 1}')]
+    parser = ToolOutput(parser="qwen3_coder", schemas={"f": {"properties": {"n": {"type": "number"}}}}).new()
+    events = []
+    for piece in ["<tool_", "call>\n<function=f>\n<parameter=n>\n2.5\n</param", "eter>\n</function>\n</tool_call>"]:
+        events += parser.feed(piece)
+    events += parser.finish()
+    deltas = stream_deltas(events)
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
+    assert deltas[0]["tool_calls"][0]["id"].startswith("call_")
+    assert deltas[1] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"n": 2.5}'}}]}
+
+
+def test_mistral_keeps_special_tokens_in_the_output():
+    from pagedserve.gateway.tools import apply_tools
+    from pagedserve.v1 import generate_pb2
+    gen = generate_pb2.GenerateRequest(skip_special_tokens=True)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert apply_tools(tools, "auto", None, gen, "mistral").parser == "mistral"
+    assert gen.skip_special_tokens is False
