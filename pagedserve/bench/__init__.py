@@ -32,7 +32,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
     p.add_argument("--profile", action="store_true",
                    help="time each part of every engine step (matmuls, attention, sampler, metadata, ...) "
-                        "and print them per step kind against their floors (costs a little speed)")
+                        "and print them per step kind against their floors (costs a little speed); on CUDA, "
+                        "after the run: kernel launches, GPU busy time and the top GPU operators per step, "
+                        "prefill and pure-decode steps apart (torch.profiler)")
     add_engine_args(p)
     p.set_defaults(func=run_throughput)
     from pagedserve.bench.latency import add_latency_parser

@@ -190,7 +190,8 @@ def run_throughput(args) -> dict:
     # Warm-up: one tiny request, outside the timed region.
     engine.generate([[100 + i for i in range(8)]], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4))
     profiler = None
-    if getattr(args, "profile", False):
+    cuda_profile = getattr(args, "profile", False) and engine.device.type == "cuda"
+    if getattr(args, "profile", False) and not cuda_profile:
         if engine.ranks is not None:
             raise ValueError("--profile times one process's steps: use it with --tensor-parallel-size 1")
         from pagedserve.worker.step_profile import StepProfiler
@@ -202,6 +203,10 @@ def run_throughput(args) -> dict:
     rss = rss_mib()
     if profiler is not None:
         profiler.remove()
+    phases = None
+    if cuda_profile:
+        from pagedserve.bench.cuda_profile import profile_phases
+        phases = profile_phases(engine)
     dtype, device = engine.dtype, engine.device
     quantization, weights = engine.runner.quantization, engine.runner.weights_description
     block_size = engine.scheduler.block_manager.block_size
@@ -247,9 +252,14 @@ def run_throughput(args) -> dict:
     if profiler is not None:
         result["profile"] = {"matmul_flops_per_s": profiler.mm_rate, "memory_bytes_per_s": profiler.bandwidth,
                              "kinds": profiler.rows()}
+    if phases is not None:
+        result["cuda_profile"] = [dict(vars(p), busy_share=p.busy_share) for p in phases]
     print_table(result, block_size)
     if profiler is not None:
         profiler.print_table()
+    if phases is not None:
+        from pagedserve.bench.cuda_profile import print_phases
+        print_phases(phases)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result
