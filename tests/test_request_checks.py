@@ -42,3 +42,9 @@ def test_token_ids_against_the_vocabulary():
     assert checks.logit_bias_problem({3: 1.0, 9: -1.0}, 10) is None
     assert checks.logit_bias_problem({12: 1.0, 10: 2.0, 1: 0.0}, 10) == (
         "logit_bias token id 10 is outside the vocabulary [0, 10)")  # the lowest, as before
+
+
+def test_a_request_names_the_served_model_or_none():
+    assert not checks.other_model("", "gemma") and not checks.other_model(None, "gemma")
+    assert not checks.other_model("gemma", "gemma")
+    assert checks.other_model("llama", "gemma") and checks.other_model("Gemma", "gemma")

@@ -71,3 +71,9 @@ def logit_bias_problem(logit_bias: Iterable[int] | None, vocab_size: int) -> str
     """The lowest logit_bias token id outside the vocabulary, as a message, or None."""
     bad = min((t for t in logit_bias or () if t >= vocab_size), default=None)
     return None if bad is None else f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})"
+
+
+def other_model(requested: str | None, served: str) -> bool:
+    """The request names a model and not the served one (no name: the served one). Each surface
+    words the refusal as its clients expect: REST 404 model_not_found, gRPC NOT_FOUND."""
+    return bool(requested) and requested != served

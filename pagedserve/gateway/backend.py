@@ -19,6 +19,7 @@ import grpc
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import internal_channel
 from pagedserve.common.local_calls import LocalOrGrpcCall, LocalSocketPath
+from pagedserve.common.request_checks import other_model
 from pagedserve.common.store import MemoryStore, RequestStore
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.gateway.admission import Admission
@@ -238,7 +239,7 @@ class Backend:
     async def served_model(self, requested: str | None) -> generate_pb2.ModelInfo:
         """Check the request's model name; raise 404 for another model, 503 while loading."""
         info = await self.model_info()
-        if requested and requested != info.model:
+        if other_model(requested, info.model):
             raise RequestError(404, f"The model `{requested}` does not exist.", "model", "invalid_request_error",
                                "model_not_found")
         if not info.ready:

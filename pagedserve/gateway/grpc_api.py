@@ -46,11 +46,15 @@ def peer_host(peer: str | None) -> str | None:
     return peer
 
 
+def _no_such_model(model: str) -> str:
+    return f"the model {model!r} does not exist"
+
+
 def request_problem(request: generate_pb2.GenerateRequest,
                     info: generate_pb2.ModelInfo) -> tuple[grpc.StatusCode, str] | None:
     """What is wrong with a GenerateRequest for the served model (status and message), or None."""
-    if request.model and request.model != info.model:
-        return grpc.StatusCode.NOT_FOUND, f"the model {request.model!r} does not exist"
+    if checks.other_model(request.model, info.model):
+        return grpc.StatusCode.NOT_FOUND, _no_such_model(request.model)
     if not info.ready:
         return grpc.StatusCode.UNAVAILABLE, "the model is loading"
     if request.WhichOneof("input") is None:
@@ -163,8 +167,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def _checked_model(self, model: str, context: grpc.aio.ServicerContext) -> generate_pb2.ModelInfo:
         await self._admit(context)
         info = await self._model_info(context)
-        if model and model != info.model:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"the model {model!r} does not exist")
+        if checks.other_model(model, info.model):
+            await context.abort(grpc.StatusCode.NOT_FOUND, _no_such_model(model))
         return info
 
     async def _forward(self, rpc, request, context: grpc.aio.ServicerContext):

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 
 from pagedserve.common.grpc_util import StatusError, internal_channel
+from pagedserve.common.request_checks import other_model
 from pagedserve.common.sampling_params import prompt_logprobs_problem
 from pagedserve.model_files.chat_templates import ChatTemplateError, load_chat_template, render_chat
 from pagedserve.tokenizer import tokenization
@@ -165,7 +166,7 @@ class TokenizerService:
         return await self._in_thread(tokenization.detokenize, self.tokenizer, request, self.vocab_limit)
 
     def _check_model(self, model: str) -> None:
-        if model and model != self.served_model_name:
+        if other_model(model, self.served_model_name):
             raise StatusError(grpc.StatusCode.NOT_FOUND,
                                f"the model {model!r} is not served here (this is {self.served_model_name!r})")
 
@@ -190,9 +191,7 @@ class TokenizerService:
     # -- generation ---------------------------------------------------------------------------
 
     def _validate(self, request: generate_pb2.GenerateRequest) -> None:
-        if request.model and request.model != self.served_model_name:
-            raise StatusError(grpc.StatusCode.NOT_FOUND,
-                               f"the model {request.model!r} is not served here (this is {self.served_model_name!r})")
+        self._check_model(request.model)
         if len(request.stop) > MAX_STOP_STRINGS:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"too many stop strings: {len(request.stop)} (at most {MAX_STOP_STRINGS})")
