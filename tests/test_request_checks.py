@@ -48,3 +48,12 @@ def test_a_request_names_the_served_model_or_none():
     assert not checks.other_model("", "gemma") and not checks.other_model(None, "gemma")
     assert not checks.other_model("gemma", "gemma")
     assert checks.other_model("llama", "gemma") and checks.other_model("Gemma", "gemma")
+
+
+def test_tokens_in_flight_estimate():
+    from pagedserve.common.inflight import tokens_in_flight
+    assert tokens_in_flight(10, 2, 5, unset_output=256) == 20
+    assert tokens_in_flight(10, 2, None, unset_output=256) == 10 + 512  # the router's estimate
+    assert tokens_in_flight(10, 1, None, unset_output=90, max_output=100) == 100  # admission: up to the context
+    assert tokens_in_flight(10, 1, 500, unset_output=90, max_output=100) == 110
+    assert tokens_in_flight(10, 0, 5, unset_output=0, cached_tokens=10) == 1 + 5  # at least 1 and n >= 1

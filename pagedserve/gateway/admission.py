@@ -34,6 +34,7 @@ import hmac
 
 import grpc
 
+from pagedserve.common.inflight import tokens_in_flight
 from pagedserve.gateway.limits import Limits, RateLimiter, retry_after
 from pagedserve.gateway.owners import SINGLE_TENANT, Caller, owner_of_key
 from pagedserve.gateway.protocol import RequestError
@@ -178,9 +179,8 @@ class Admission:
     def check_tokens_fit(self, tokens: int) -> None:
         """429 when `tokens` more in flight would pass --max-tokens-in-flight now (nothing reserved:
         a batch's output budget, checked before any of its prompts is sent)."""
-        bound = self.limits.max_tokens_in_flight
-        if bound > 0 and self.tokens_in_flight > 0 and self.tokens_in_flight + tokens > bound:
-            raise too_many_tokens(tokens, self.tokens_in_flight, bound)
+        if not self._fits(tokens):
+            raise too_many_tokens(tokens, self.tokens_in_flight, self.limits.max_tokens_in_flight)
 
     def check_body_size(self, size: int) -> None:
         limit = self.limits.max_body_bytes
@@ -199,16 +199,20 @@ class Admission:
     def reserve(self, prompt_tokens: int, n: int, max_tokens: int | None, max_model_len: int) -> int:
         """Count the request's prompt + n * max_tokens in flight (max_tokens None: up to the
         context); returns the count to release() later."""
-        if max_tokens is None:
-            max_tokens = max(0, max_model_len - prompt_tokens)
-        needed = prompt_tokens + n * min(max_tokens, max_model_len)
+        needed = tokens_in_flight(prompt_tokens, n, max_tokens, unset_output=max(0, max_model_len - prompt_tokens),
+                                  max_output=max_model_len)
         if not self.reserve_tokens(needed):
             raise too_many_tokens(needed, self.tokens_in_flight, self.limits.max_tokens_in_flight)
         return needed
 
-    def reserve_tokens(self, tokens: int) -> bool:
+    def _fits(self, tokens: int) -> bool:
+        """tokens more fit --max-tokens-in-flight (always when nothing is in flight: one request
+        larger than the bound still runs alone)."""
         bound = self.limits.max_tokens_in_flight
-        if bound > 0 and self.tokens_in_flight > 0 and self.tokens_in_flight + tokens > bound:
+        return bound <= 0 or self.tokens_in_flight <= 0 or self.tokens_in_flight + tokens <= bound
+
+    def reserve_tokens(self, tokens: int) -> bool:
+        if not self._fits(tokens):
             return False
         self.tokens_in_flight += tokens
         return True

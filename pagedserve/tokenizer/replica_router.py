@@ -37,6 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pagedserve.common.grpc_util import internal_channel
+from pagedserve.common.inflight import tokens_in_flight
 from pagedserve.common.prefix_hashes import block_hashes
 from pagedserve.common.replicas import ReplicaInfo, cached_prefix_blocks, read_replicas
 from pagedserve.tokenizer.scheduler_link import SchedulerLink
@@ -199,8 +200,9 @@ class ReplicaRouter:
         """Count the request's work on target until it ends: its prompt tokens not expected from the
         prefix cache, and its output budget."""
         params = schedule.params
-        out = params.max_tokens if params.HasField("max_tokens") else DEFAULT_OUTPUT_ESTIMATE
-        tokens = max(1, len(schedule.prompt_token_ids) - cached_tokens) + max(1, params.n) * out
+        tokens = tokens_in_flight(len(schedule.prompt_token_ids), params.n,
+                                  params.max_tokens if params.HasField("max_tokens") else None,
+                                  unset_output=DEFAULT_OUTPUT_ESTIMATE, cached_tokens=cached_tokens)
         target.inflight_tokens += tokens
         target.inflight_requests += 1
         return Charge(target, tokens)
