@@ -196,3 +196,13 @@ def test_prompt_logprobs_as_vllm_returns_them(llm, model):
         assert all(len(e.top_logprobs) == k for e in o.prompt_logprobs[1:])
     assert len(out.outputs[0].token_ids) == 2
     assert only.outputs[0].token_ids == [] and only.outputs[0].finish_reason == "length" and only.finished
+
+
+def test_a_one_token_request_leaves_its_prompt_in_the_prefix_cache(llm):
+    """A request that ends in its prefill step (max_tokens 1, lm-eval's loglikelihood requests)
+    still leaves its full blocks in the prefix cache: the same 79-token prompt again hits 64."""
+    prompt = {"prompt_token_ids": list(range(300, 379))}
+    first = llm.generate([prompt], greedy(1))[0]
+    again = llm.generate([prompt], greedy(1))[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 64
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids

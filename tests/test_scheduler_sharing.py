@@ -37,6 +37,26 @@ def test_same_prompt_twice_hits_the_prefix_cache(caching):
     assert_drained(d.sched)
 
 
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_a_request_that_ends_in_its_prefill_step_leaves_its_blocks_cached(max_tokens):
+    """max_tokens 1 (lm-eval's loglikelihood requests) finishes in the prefill step, a prompt-only
+    request (max_tokens 0) as soon as its prompt is computed: the full blocks that step wrote must
+    still enter the prefix cache (they were freed uncached, so the same prompt hit 0 tokens)."""
+    prompt = list(range(100, 179))  # 79 tokens: 19 full blocks of 4 and a partial one
+    d = Driver(SchedulerConfig(num_gpu_blocks=64, block_size=4))
+    d.add(make_request("first", prompt, max_tokens=max_tokens, arrival=0))
+    d.run()
+    assert d.sched.block_manager.prefix_hits == 0
+    d.add(make_request("second", prompt, max_tokens=1, arrival=1))
+    second = d.sched.requests["second"]
+    d.step()
+    assert second.num_cached_tokens == 76 and d.sched.block_manager.prefix_hits == 76
+    d.run()
+    d.flush()
+    assert d.outputs["second"] == expected_outputs(prompt, 1)[0] and d.worker.kv_errors == []
+    assert_drained(d.sched)
+
+
 def test_prefix_shared_by_running_requests():
     prompt = list(range(16))
     d = Driver(SchedulerConfig(num_gpu_blocks=32, block_size=4))

@@ -1,7 +1,8 @@
 """Taking in one step's results (a mixin of Scheduler, scheduler.py): each request's computed
 tokens, its sampled token(s) — the first sample of a request of n > 1 forks the others, which
 share its blocks copy-on-write —, its prompt logprobs, the stop rules (stop ids, eos, max_tokens,
-max_model_len), and the prefix cache's newly full blocks.
+max_model_len), and the prefix cache's newly full blocks (entered first: a request that ends in
+its step still leaves the blocks that step computed in the cache).
 
 Threads: the Scheduler's (one thread: the step loop, or the in-process engine's caller).
 Invariants: a request finished or failed here is in no queue and holds no blocks when update
@@ -53,6 +54,11 @@ class Results:
                 req.num_pending_samples -= 1  # (the worker's rule: it sampled where the known tokens end)
             samples = result.sampled.get(req_id)
             try:
+                # The KV this step wrote is the prefix cache's whatever becomes of the request: its
+                # full blocks go in before its token may finish it (max_tokens 1, a prompt-only
+                # request), which frees them. Before a fork, so the samples share what is cached.
+                self.block_manager.cache_full_blocks(req_id, req.token_ids, req.num_computed_tokens,
+                                                     req.params.cache_salt)
                 prompt = result.prompt_logprobs.get(req_id)
                 if prompt is not None:
                     req.add_prompt_logprobs(prompt.start, prompt.tokens)
@@ -66,9 +72,6 @@ class Results:
                     for child in self._fork(req, samples[1:]):
                         updates.append(self._append(child, None))
                     updates.append(self._append(req, samples[0]))
-                if not req.status.finished:
-                    self.block_manager.cache_full_blocks(req_id, req.token_ids, req.num_computed_tokens,
-                                                         req.params.cache_salt)
             except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
                 # The worker forked the samples itself when it sampled: it must drop those too.
                 self._fail(req, exc, worker_forked=req.child_req_ids if samples else ())
