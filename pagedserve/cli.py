@@ -36,7 +36,9 @@ def parse_prompt_line(line: str, where: str, tokenizer,
     if kinds[0] == "prompt":
         if not isinstance(item["prompt"], str):
             raise ValueError(f"{where}: 'prompt' must be a string")
-        ids = tokenizer.encode(item["prompt"], add_special_tokens=False)
+        from pagedserve.model_files.chat_templates import text_token_ids
+
+        ids = text_token_ids(tokenizer, item["prompt"])
     elif kinds[0] == "messages":
         ids = chat_token_ids(tokenizer, item["messages"], where, chat_template)
     else:

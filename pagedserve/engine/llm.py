@@ -83,7 +83,7 @@ def encode_prompt(tokenizer, prompt: Any, where: str) -> tuple[str | None, list[
     if not isinstance(prompt, str):
         raise ValueError(f"{where}: a prompt is a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}; "
                          f"got {type(prompt).__name__}")
-    return prompt, list(tokenizer.encode(prompt))
+    return prompt, chat_templates.text_token_ids(tokenizer, prompt)
 
 
 def per_prompt(params, count: int) -> list[EngineSamplingParams]:

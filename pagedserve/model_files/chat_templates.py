@@ -4,7 +4,8 @@ per-request chat_template_kwargs. Plain functions over an HF tokenizer (no torch
 service and the in-process engine's offline API both render through render_chat, so the same chat
 gives the same tokens on every path.
 
-As vLLM does, the chat is rendered to text first and that text is then encoded without special
+A raw text prompt is encoded with the tokenizer's special tokens (text_token_ids). As vLLM does,
+the chat is rendered to text first and that text is then encoded without special
 tokens (the template writes the BOS itself where the model wants one).
 """
 
@@ -78,6 +79,13 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
     if not isinstance(text, str):
         raise ChatTemplateError(f"the chat template rendered {type(text).__name__}, not text")
     return text
+
+
+def text_token_ids(tokenizer, text: str) -> list[int]:
+    """The token ids of a raw text prompt: encoded with the tokenizer's special tokens (Gemma's
+    <bos>), as vLLM and transformers do. The tokenizer service, the offline engine and the cli's
+    prompt lines all encode a text prompt here."""
+    return list(tokenizer.encode(text, add_special_tokens=True))
 
 
 def chat_token_ids(tokenizer, messages: list[dict], **options) -> tuple[list[int], str]:

@@ -22,7 +22,8 @@ import grpc
 from pagedserve.common.grpc_util import StatusError, internal_channel
 from pagedserve.common.request_checks import other_model
 from pagedserve.common.sampling_params import prompt_logprobs_problem
-from pagedserve.model_files.chat_templates import ChatTemplateError, load_chat_template, render_chat
+from pagedserve.model_files.chat_templates import ChatTemplateError, load_chat_template, render_chat, \
+    text_token_ids
 from pagedserve.tokenizer import tokenization
 from pagedserve.tokenizer.chat_render import template_messages, template_tools
 from pagedserve.tokenizer.replica_router import Charge, ReplicaRouter, Target
@@ -134,7 +135,7 @@ class TokenizerService:
     def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("input")
         if which == "prompt":
-            ids = self.tokenizer.encode(request.prompt) if request.prompt else []
+            ids = text_token_ids(self.tokenizer, request.prompt) if request.prompt else []
         elif which == "prompt_token_ids":
             ids = list(request.prompt_token_ids.ids)
             for i, tid in enumerate(ids):
