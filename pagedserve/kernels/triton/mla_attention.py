@@ -38,7 +38,10 @@ def _mla_kernel(ql_ptr, qr_ptr, cache_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_
     tok = m0 + r // HEADS
     head = head_block * HEADS + r % HEADS
     r_mask = (tok < q_len) & (head < num_heads)
-    q_rows = (q_start + tok).to(tl.int64)
+    # masked rows (past the sequence's queries, or past the last head) address its first row and head 0:
+    # every address stays inside the tensors even where a mask is off, as in the paged attention kernels
+    head = tl.where(r_mask, head, 0)
+    q_rows = (q_start + tl.where(r_mask, tok, 0)).to(tl.int64)
     q_pos = context + tok
     lat = tl.arange(0, BLOCK_L)
     rope = tl.arange(0, BLOCK_R)
