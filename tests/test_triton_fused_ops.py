@@ -123,6 +123,25 @@ def test_write_kv_cache_skips_padding_slots(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_latent_cache_equals_the_torch_write(dtype):
+    """MLA's cache rows (latent then rope key) through the KV write kernel, against the torch backend's write;
+    a padding slot (-1) writes nothing."""
+    from pagedserve.worker.mla_attention import write_latent_cache
+
+    gen = torch.Generator().manual_seed(8)
+    rank, rope_dim = 40, 8
+    cache = rand(gen, 6, 4, 1, rank + rope_dim, dtype=dtype)
+    projected = rand(gen, 5, rank + rope_dim, dtype=dtype)  # the latent as a view of the projection's rows
+    latent, rope = projected[:, :rank], rand(gen, 5, rope_dim, dtype=dtype)
+    slots = torch.tensor([3, 17, -1, 0, 23], device=DEVICE)
+    want = cache.clone()
+    keep = slots >= 0
+    write_latent_cache(latent[keep], rope[keep], want, slots[keep])
+    fused_ops.write_latent_cache(latent, rope, cache, slots)
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_ops_bundle_equals_the_native_one(dtype):
     """The CUDA platform's ops (these kernels) against the native bundle the models are checked with."""
     from pagedserve.worker.ops import CudaOps, NativeOps

@@ -164,19 +164,25 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
 class TritonAttentionBackend(AttentionBackend):
     """pagedserve/kernels/triton's paged attention (CUDA; the CPU only under TRITON_INTERPRET=1): the decode
-    kernel when every sequence has one query, else the prefill/mixed kernel. The step's metadata
-    is converted once per step (all layers share it)."""
+    kernel when every sequence has one query, else the prefill/mixed kernel; the new K/V enter the cache
+    through the fused write kernel (fused_ops.write_kv_cache) where each token's heads are contiguous.
+    The step's metadata is converted once per step (all layers share it)."""
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
         self._converted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        from pagedserve.kernels.triton.fused_ops import write_kv_cache
         from pagedserve.kernels.triton.paged_attention import paged_attention
 
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
-        v_cache.view(-1, num_kv_heads, v_cache.shape[3]).index_copy_(0, meta.slot_mapping, value)
+        if key.stride(2) == 1 and key.stride(1) == key.shape[2] and value.stride(2) == 1 \
+                and value.stride(1) == value.shape[2] and k_cache.is_contiguous() and v_cache.is_contiguous():
+            write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)  # one launch for K and V
+        else:
+            num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
+            v_cache.view(-1, num_kv_heads, v_cache.shape[3]).index_copy_(0, meta.slot_mapping, value)
         if self._meta is not meta:
             self._converted = kernel_metadata(meta, k_cache.shape[1], k_cache.device)
             self._meta = meta

@@ -88,7 +88,8 @@ class TorchMLABackend(MLAAttentionBackend):
 
 
 class TritonMLABackend(MLAAttentionBackend):
-    """pagedserve/kernels/triton's paged MLA kernel (CUDA; the CPU under TRITON_INTERPRET=1). The step's
+    """pagedserve/kernels/triton's paged MLA kernel (CUDA; the CPU under TRITON_INTERPRET=1); the new rows
+    enter the cache through the fused KV write kernel (fused_ops.write_latent_cache). The step's
     metadata is converted once (all layers share it) into one row per sequence, decodes first."""
 
     def __init__(self) -> None:
@@ -96,9 +97,13 @@ class TritonMLABackend(MLAAttentionBackend):
         self._converted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, q_latent, q_rope, latent_new, rope_new, latent_cache, meta, scale):
+        from pagedserve.kernels.triton import fused_ops
         from pagedserve.kernels.triton.mla_attention import paged_mla_attention
 
-        write_latent_cache(latent_new, rope_new, latent_cache, meta.slot_mapping)
+        if latent_new.stride(-1) == rope_new.stride(-1) == 1 and latent_cache.is_contiguous():
+            fused_ops.write_latent_cache(latent_new, rope_new, latent_cache, meta.slot_mapping)  # one launch
+        else:
+            write_latent_cache(latent_new, rope_new, latent_cache, meta.slot_mapping)
         if self._meta is not meta:
             self._converted = kernel_metadata(meta, latent_cache.shape[1], latent_cache.device)
             self._meta = meta

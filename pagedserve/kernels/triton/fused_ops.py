@@ -1,7 +1,7 @@
 """Fused elementwise kernels for the CUDA ops bundle, in Triton: RMSNorm with the residual add before it,
-rotary embedding in place on q and k, SiLU/GELU-and-mul, and the paged KV-cache write. The torch
-references with the same contracts are in pagedserve.kernels.reference (rms_norm, rotary, act_and_mul,
-write_kv_cache).
+rotary embedding in place on q and k, SiLU/GELU-and-mul, and the paged KV-cache write (also MLA's
+latent + rope-key rows). The torch references with the same contracts are in pagedserve.kernels.reference
+(rms_norm, rotary, act_and_mul, write_kv_cache) and pagedserve.worker.mla_attention (write_latent_cache).
 
 Each replaces a chain of small torch kernels (RMSNorm alone is pow / mean / add / rsqrt / mul / cast /
 mul) with one launch per call, and none reads or writes a tensor more than once. One program handles
@@ -159,3 +159,19 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         _kv_write_kernel[(tokens,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
                                     k_width, v_width, K_WIDTH=k_width, V_WIDTH=v_width,
                                     BLOCK_K=triton.next_power_of_2(k_width), BLOCK_V=triton.next_power_of_2(v_width))
+
+
+def write_latent_cache(latent: torch.Tensor, rope: torch.Tensor, latent_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """MLA's cache write: latent [T, L] and rope [T, R] (rows contiguous) into latent_cache
+    [blocks, page, 1, L + R] at flat slot slot_mapping[t], the latent first; a slot < 0 writes nothing.
+    The KV write kernel with the rope half as its "value" cache, one launch for both halves."""
+    tokens, rank = latent.shape
+    width = latent_cache.shape[-1]
+    assert rank + rope.shape[1] == width and latent_cache.shape[2] == 1 and latent_cache.is_contiguous()
+    assert latent.stride(1) == 1 and rope.stride(1) == 1
+    if tokens:
+        _kv_write_kernel[(tokens,)](latent, rope, latent_cache, latent_cache[..., rank:], slot_mapping,
+                                    latent.stride(0), rope.stride(0), width, width, K_WIDTH=rank,
+                                    V_WIDTH=rope.shape[1], BLOCK_K=triton.next_power_of_2(rank),
+                                    BLOCK_V=triton.next_power_of_2(rope.shape[1]))
