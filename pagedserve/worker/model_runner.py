@@ -23,7 +23,7 @@ from pagedserve.worker import prompt_logprobs
 from pagedserve.worker.parallel import broadcast_from_rank0, tp_group, using_group
 from pagedserve.worker.platform import platform_for
 from pagedserve.worker.request_states import RequestState, RequestStates
-from pagedserve.worker.sampler import RowSampling, Sampler
+from pagedserve.worker.sampler import RowSampling, Sampler, to_device
 from pagedserve.worker.structured_output import GrammarMatchers, TokenMasks
 from pagedserve.worker import quantized
 from pagedserve.worker.weights import iter_lazy_weights, weight_files
@@ -251,7 +251,7 @@ class ModelRunner:
                     if s.num_computed_tokens + n == len(s.token_ids) and samples_any(s.params)]
         result = ModelRunnerOutput(step.step_id, {})
         if samplers:
-            logits = self.model.compute_logits(hidden[torch.as_tensor(ends[samplers], device=self.device)])
+            logits = self.model.compute_logits(hidden[to_device(ends[samplers], torch.long, self.device)])
             t1 = time.perf_counter()
             result.forward_time_s = t1 - t0
             states = [order[i] for i in samplers]
@@ -284,7 +284,7 @@ class ModelRunner:
                                         prompt, outputs, self.eos_token_ids))
             repeats.append(len(indices))
         if any(r > 1 for r in repeats):
-            logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
+            logits = logits.repeat_interleave(to_device(repeats, torch.long, logits.device), dim=0)
         constrained = [i for i, state in enumerate(states) if state.params.structured_output is not None]
         masks = self._grammar_masks(states, repeats, constrained) if constrained else None
         out = self.sampler(logits, rows, masks)

@@ -5,6 +5,13 @@ index lists and draw from per-request seeded generators. Order: penalties, logit
 index_put over the rows that have it), min_tokens, the grammar masks (last, so that a bias
 cannot revive a token the grammar forbids), then temperature and truncation. A batch without
 any of these pays nothing for them.
+
+On a GPU the step never waits for the device in the middle: the rows' parameters go up through
+pinned memory without blocking (`to_device`), nothing reads a device value to decide what to do
+next, and the sampled ids (with the logprobs and top logprobs when a row asks) come back in one
+device->host copy at the end (`SamplerOutput` is unpacked from it).
+
+Threads: the worker's torch thread only.
 """
 
 from __future__ import annotations
@@ -20,6 +27,16 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.structured_output import TokenMasks, forbidden_tokens, forbidden_tokens_torch
 
 _NEG_INF = float("-inf")
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of host values on `device`: built on the host, on CUDA copied up from pinned memory
+    without blocking the host (torch's caching host allocator keeps the pinned block until the copy
+    has run), on the CPU as it is."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(slots=True)
@@ -42,8 +59,8 @@ def _counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.T
     """[len(lists), vocab] occurrence counts."""
     width = max(map(len, lists), default=0)
     # Padding points at an extra column that is dropped, so ragged lists need no mask.
-    ids = torch.tensor([ids + [vocab] * (width - len(ids)) for ids in lists],
-                       dtype=torch.long, device=device).reshape(len(lists), width)
+    ids = to_device([ids + [vocab] * (width - len(ids)) for ids in lists],
+                    torch.long, device).reshape(len(lists), width)
     counts = torch.zeros(len(lists), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
     return counts[:, :vocab]
@@ -59,11 +76,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowSampling]) -> None:
     x = logits[idx]
     out = _counts([rows[i].output_token_ids for i in idx], vocab, dev)
     if any(p.repetition_penalty != 1.0 for p in sel):
-        rep = torch.tensor([p.repetition_penalty for p in sel], device=dev)[:, None]
+        rep = to_device([p.repetition_penalty for p in sel], torch.float32, dev)[:, None]
         seen = _counts([rows[i].prompt_token_ids for i in idx], vocab, dev).add_(out) > 0
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    pres = torch.tensor([p.presence_penalty for p in sel], device=dev)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in sel], device=dev)[:, None]
+    pres = to_device([p.presence_penalty for p in sel], torch.float32, dev)[:, None]
+    freq = to_device([p.frequency_penalty for p in sel], torch.float32, dev)[:, None]
     logits[idx] = x - pres * (out > 0) - freq * out
 
 
@@ -86,7 +103,7 @@ def block_min_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> None:
             tok_idx += ids
     if row_idx:
         dev = logits.device
-        logits[torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)] = _NEG_INF
+        logits[to_device(row_idx, torch.long, dev), to_device(tok_idx, torch.long, dev)] = _NEG_INF
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[RowSampling]) -> None:
@@ -100,12 +117,14 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[RowSampling]) -> None:
     tokens = torch.tensor(list(chain.from_iterable(bias for _, bias in biased)), dtype=torch.long)
     values = torch.tensor(list(chain.from_iterable(bias.values() for _, bias in biased)), dtype=logits.dtype)
     row_idx = torch.tensor(list(chain.from_iterable(repeat(i, len(bias)) for i, bias in biased)), dtype=torch.long)
-    inside = tokens < logits.shape[1]
-    if not bool(inside.all()):
+    if max(map(max, (bias for _, bias in biased))) >= logits.shape[1]:  # C-level, no tensor read
+        inside = tokens < logits.shape[1]
         values = torch.where(inside, values, torch.zeros((), dtype=values.dtype))
         tokens = torch.where(inside, tokens, torch.zeros((), dtype=tokens.dtype))
     dev = logits.device
-    logits.index_put_((row_idx.to(dev), tokens.to(dev)), values.to(dev), accumulate=True)
+    if dev.type == "cuda":
+        row_idx, tokens, values = (t.pin_memory().to(dev, non_blocking=True) for t in (row_idx, tokens, values))
+    logits.index_put_((row_idx, tokens), values, accumulate=True)
 
 
 def apply_token_masks(x: torch.Tensor, raw: torch.Tensor, masks: TokenMasks) -> None:
@@ -138,10 +157,9 @@ def _apply_token_masks_torch(x: torch.Tensor, raw: torch.Tensor, masks: TokenMas
     rows = masks.rows.to(x.device)
     forbidden = forbidden_tokens_torch(masks.bitmask.to(x.device), x.shape[1])
     sub = x.index_select(0, rows).masked_fill_(forbidden, _NEG_INF)
-    dead = sub.amax(-1) == _NEG_INF
-    if bool(dead.any()):
-        sub[dead] = raw.index_select(0, rows[dead]).masked_fill_(forbidden[dead], _NEG_INF)
-    x.index_copy_(0, rows, sub)
+    dead = sub.amax(-1) == _NEG_INF  # no host read: a dead row takes its raw row, the others keep theirs
+    revived = raw.index_select(0, rows).masked_fill_(forbidden, _NEG_INF)
+    x.index_copy_(0, rows, torch.where(dead[:, None], revived, sub))
 
 
 def truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -156,11 +174,11 @@ def truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         sub = x[sort_rows]
         ps = [params[i] for i in sort_rows]
         sorted_x, order = sub.sort(dim=-1, descending=True)
-        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in ps], device=dev)
+        k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in ps], torch.long, dev)
         drop = torch.arange(vocab, device=dev) >= k[:, None]
         sorted_x.masked_fill_(drop, _NEG_INF)
         # A threshold above 1 can never be reached, so rounding in cumsum cannot trim rows with top_p off.
-        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in ps], device=dev)
+        top_p = to_device([p.top_p if p.top_p < 1.0 else 2.0 for p in ps], torch.float32, dev)
         probs = sorted_x.softmax(-1)
         # Drop a token once the mass strictly before it already reaches top_p: this keeps the
         # smallest prefix reaching top_p, and always the top token (mass before it is 0 < top_p).
@@ -170,7 +188,7 @@ def truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     if mp_rows:
         sub = x[mp_rows]
         probs = sub.softmax(-1)
-        min_p = torch.tensor([params[i].min_p for i in mp_rows], device=dev)[:, None]
+        min_p = to_device([params[i].min_p for i in mp_rows], torch.float32, dev)[:, None]
         x[mp_rows] = sub.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), _NEG_INF)
     return x
 
@@ -236,23 +254,37 @@ class Sampler:
         else:
             tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
         if sampled:
-            temp = torch.tensor([params[i].temperature for i in sampled], device=x.device)
+            temp = to_device([params[i].temperature for i in sampled], torch.float32, x.device)
             y = truncate(x[sampled] / temp[:, None], [params[i] for i in sampled])
             tokens[sampled] = _draw(y.softmax(-1), [rows[i].generator for i in sampled])
 
-        token_ids = tokens.tolist()
         if not want_lp:
-            return SamplerOutput(token_ids, None, None)
-        # log_softmax(raw) = raw - logsumexp(raw), without materialising a second [B, V] tensor.
-        lse = raw.logsumexp(-1)
-        logprobs = (raw.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()
-        top: list[list[tuple[int, float]] | None] = [[] if p.logprobs is not None else None for p in params]
-        want_top = [i for i, p in enumerate(params) if p.logprobs]
-        if want_top:
-            k = min(max(params[i].logprobs for i in want_top), raw.shape[1])
-            vals, ids = raw[want_top].topk(k, dim=-1)
-            vals, ids = (vals - lse[want_top][:, None]).tolist(), ids.tolist()
-            for j, i in enumerate(want_top):
-                n = params[i].logprobs
-                top[i] = list(zip(ids[j][:n], vals[j][:n]))
-        return SamplerOutput(token_ids, logprobs, top)
+            return SamplerOutput(tokens.tolist(), None, None)
+        return _with_logprobs(raw, tokens, params)
+
+
+def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
+    """The sampled ids, their logprobs and the asked-for top logprobs, read back in one copy: ids,
+    logprobs, then the top values and ids of the rows that want them, as one float64 row (token ids
+    are exact in float64, float32 logprobs too)."""
+    # log_softmax(raw) = raw - logsumexp(raw), without materialising a second [B, V] tensor.
+    lse = raw.logsumexp(-1)
+    logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - lse
+    parts = [tokens.double(), logprobs.double()]
+    want_top = [i for i, p in enumerate(params) if p.logprobs]
+    k = min(max((params[i].logprobs for i in want_top), default=0), raw.shape[1])
+    if want_top:
+        vals, ids = raw[want_top].topk(k, dim=-1)
+        parts += [(vals - lse[want_top][:, None]).double().flatten(), ids.double().flatten()]
+    values = torch.cat(parts).tolist()  # the step's one device->host copy
+    rows = len(params)
+    token_ids = [int(t) for t in values[:rows]]
+    top: list[list[tuple[int, float]] | None] = [[] if p.logprobs is not None else None for p in params]
+    start = 2 * rows
+    span = len(want_top) * k
+    for j, i in enumerate(want_top):
+        n = params[i].logprobs
+        row_vals = values[start + j * k:start + j * k + n]
+        row_ids = values[start + span + j * k:start + span + j * k + n]
+        top[i] = [(int(t), v) for t, v in zip(row_ids, row_vals)]
+    return SamplerOutput(token_ids, values[rows:2 * rows], top)

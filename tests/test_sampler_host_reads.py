@@ -1,0 +1,93 @@
+"""The sampler reads device values back once per step (issue 37 item 5): every row kind at once (greedy,
+temperature with top-k / top-p / min-p, seeded, penalties, logit_bias past the vocabulary, min_tokens,
+logprobs with top logprobs) costs one host read, counted with a torch function mode that sees every
+tolist / item / bool / numpy / cpu call; the values read back equal log_softmax computed apart."""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.worker.sampler import RowSampling, Sampler, _apply_token_masks_torch
+from pagedserve.worker.structured_output import TokenMasks
+
+READS = {"tolist", "item", "__bool__", "numpy", "cpu", "__int__", "__float__", "__index__"}
+
+
+class HostReads(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _rows(vocab: int) -> list[RowSampling]:
+    def row(seed=None, output=(), **kw):
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        return RowSampling(SamplingParams(**kw), gen, [1, 2, 3], list(output), (0,))
+    return [
+        row(temperature=0.0),
+        row(temperature=0.0, logprobs=3),
+        row(temperature=0.8, top_k=5, seed=1, logprobs=0),
+        row(temperature=1.0, top_p=0.9, min_p=0.05, logprobs=2),
+        row(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
+            output=[4, 4, 5], logprobs=1),
+        row(temperature=0.0, logit_bias={7: 5.0, vocab + 3: 1.0}),
+        row(temperature=0.7, min_tokens=4, output=[6]),
+    ]
+
+
+def test_one_host_read_per_step_with_every_row_kind():
+    torch.manual_seed(0)
+    vocab = 50
+    logits = torch.randn(7, vocab)
+    rows = _rows(vocab)
+    with HostReads() as mode:
+        out = Sampler()(logits, rows)
+    assert mode.reads == ["tolist"]
+    expected = torch.log_softmax(logits.float(), -1)
+    for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert isinstance(token, int) and 0 <= token < vocab
+        assert abs(lp - expected[i, token].item()) < 1e-5
+    assert out.token_ids[0] == int(logits[0].argmax())
+    assert out.top_logprobs[0] is None and out.top_logprobs[2] == [] and out.top_logprobs[5] is None
+    for i, n in ((1, 3), (3, 2), (4, 1)):
+        vals, ids = expected[i].topk(n)
+        assert [t for t, _ in out.top_logprobs[i]] == ids.tolist()
+        assert max(abs(v - w) for (_, v), w in zip(out.top_logprobs[i], vals.tolist())) < 1e-5
+        assert all(isinstance(t, int) for t, _ in out.top_logprobs[i])
+
+
+def test_greedy_and_plain_sampling_read_once():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 40)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=3, top_p=0.8)):
+        rows = [RowSampling(params, None, [], [], (0,)) for _ in range(3)]
+        with HostReads() as mode:
+            Sampler()(logits, rows)
+        assert mode.reads == ["tolist"]
+
+
+def test_device_grammar_masks_read_nothing_and_revive_dead_rows():
+    """The torch (GPU) mask path decides per row on the device: a row the grammar leaves empty (only eos,
+    which min_tokens blocked) takes the grammar's choice over the raw logits, the others keep theirs."""
+    vocab = 64
+    raw = torch.randn(3, vocab)
+    x = raw.clone()
+    x[1, 9] = float("-inf")  # row 1's only allowed token was blocked: the row is dead after the mask
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask[0, 0] = 0b1010  # row 0 allows tokens 1 and 3
+    bitmask[1, 0] = 1 << 9  # row 1 allows token 9 only
+    masks = TokenMasks(torch.tensor([0, 1]), bitmask)
+    with HostReads() as mode:
+        _apply_token_masks_torch(x, raw, masks)
+    assert mode.reads == []
+    assert torch.isinf(x[0]).sum() == vocab - 2 and x[0, 1] == raw[0, 1] and x[0, 3] == raw[0, 3]
+    assert torch.isinf(x[1]).sum() == vocab - 1 and x[1, 9] == raw[1, 9]
+    assert torch.equal(x[2], raw[2])
