@@ -36,6 +36,7 @@ from pagedserve.kernels.triton import tile_map  # noqa: E402
 from pagedserve.kernels.triton import fused_moe as tmoe  # noqa: E402
 from pagedserve.kernels.triton import mla_attention as tmla  # noqa: E402
 from pagedserve.kernels.triton import paged_attention as tpa  # noqa: E402
+from pagedserve.kernels.triton import split_decode as tsd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -219,6 +220,31 @@ def test_attention_at_gpu_tiles(dtype, tile, ctx_lens, q_lens):
         assert rel_err(tpa.paged_decode_attention(*args, block_n=tile), want) < TOL[dtype]
 
 
+LONG_DECODE = ([0, 100, 37, 63], [1, 1, 1, 1])  # seq_lens 1, 101, 38, 64: some splits past a sequence's end
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_split_decode_attention(dtype, num_splits):
+    """Flash-decoding: the KV length split over programs (runs of 16, 48 or 112 positions here), then
+    combined; equal to the reference at the 8/2/40/24/16 shape, output rows written in place."""
+    args = attention_step(*LONG_DECODE, 8, 2, 40, 24, 16, dtype, seed=4)
+    want = reference.paged_attention(*args)
+    out = torch.full((6, 8, 24), float("nan"), dtype=dtype, device=DEVICE)
+    got = tsd.paged_split_decode_attention(*args, out=out[:4], num_splits=num_splits, block_n=16)
+    assert got.data_ptr() == out.data_ptr() and rel_err(got, want) < TOL[dtype]
+    assert out[4:].isnan().all()
+
+
+def test_split_plan_covers_the_table():
+    assert tsd.split_plan(112, 16, 3) == (3, 48)
+    assert tsd.split_plan(48, 16, 5) == (3, 16)  # no run shorter than a tile
+    assert tsd.split_plan(4096, 64) == (8, 512)
+    assert tsd.split_plan(10**6, 64) == (32, 31296)
+    splits, chunk = tsd.split_plan(1000, 32, 7)
+    assert chunk % 32 == 0 and splits * chunk >= 1000 > (splits - 1) * chunk
+
+
 def test_mixed_kernel_addresses_stay_inside_on_a_decode_step():
     """The kernel on a decode step with a 64-row tile: 63 rows of each tile are past the sequence's one query.
     Every row's output is read back: the rows past the step (none here) are never written, and the cache's
@@ -334,7 +360,8 @@ def test_bench_interpreted_end_to_end(tmp_path):
     result = run_bench("--interpret", "--iters", "1", "--json", str(tmp_path / "rows.json"))
     assert result.returncode == 0, result.stderr
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert {r["kernel"] for r in rows} == {"decode attention", "prefill attention", "mla decode", "fused moe"}
+    assert {r["kernel"] for r in rows} == {"decode attention", "split decode attention", "prefill attention",
+                                           "mla decode", "fused moe"}
     assert all(r["max_rel_err"] < 1e-3 for r in rows), rows
 
 
@@ -348,7 +375,7 @@ def test_bench_compiles_every_kernel_for_hopper(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {r["kernel"] for r in rows} == {"_decode_kernel", "_prefill_kernel", "_mla_kernel", "_grouped_gemm_kernel",
-                                           "_silu_and_mul_kernel"}
+                                           "_silu_and_mul_kernel", "_split_kernel", "_combine_kernel"}
     assert {r["config"].split()[0] for r in rows} == {"bf16", "fp32"}
 
 

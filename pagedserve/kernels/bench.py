@@ -89,7 +89,8 @@ def attention_case(name, ctx_lens, q_lens, heads, kv_heads, dim, page, dtype, de
     size = dtype.itemsize
     cached = sum(c + q for c, q in zip(ctx_lens, q_lens))
     traffic = cached * kv_heads * 2 * dim * size + 2 * query.numel() * size + tables.numel() * 4
-    fn = tk.paged_decode_attention if name.startswith("decode") else tk.paged_prefill_attention
+    fn = {"decode": tk.paged_decode_attention, "split": tk.paged_split_decode_attention}.get(
+        name.split()[0], tk.paged_prefill_attention)
     shape = (f"S={len(q_lens)} q={max(q_lens)} ctx={max(ctx_lens)} H={heads} KVH={kv_heads} D={dim} "
              f"page={page} {str(dtype).removeprefix('torch.')}")
     return Case(name, shape, (query, k_cache, v_cache, tables, seq_lens, qsl, dim ** -0.5), fn,
@@ -130,8 +131,9 @@ class TritonKernels:
     """The Triton entry points, imported late: TRITON_INTERPRET must be settled before triton loads them."""
 
     def __init__(self):
-        from pagedserve.kernels.triton import fused_moe, mla_attention, paged_attention
+        from pagedserve.kernels.triton import fused_moe, mla_attention, paged_attention, split_decode
         self.paged_decode_attention = paged_attention.paged_decode_attention
+        self.paged_split_decode_attention = split_decode.paged_split_decode_attention
         self.paged_prefill_attention = paged_attention.paged_prefill_attention
         self.paged_mla_attention = mla_attention.paged_mla_attention
         self.fused_moe = fused_moe.fused_moe
@@ -140,6 +142,9 @@ class TritonKernels:
 def gpu_cases(device, tk, moe_tokens=(16, 256, 2048), batch=64, context=2048, experts=64):
     dt = torch.bfloat16
     yield attention_case("decode attention", [context] * batch, [1] * batch, 32, 8, 128, 16, dt, device, tk)
+    # one long sequence: what the split over the KV length is for (flash-decoding), beside the plain kernel
+    yield attention_case("decode attention", [16 * context], [1], 32, 8, 128, 16, dt, device, tk)
+    yield attention_case("split decode attention", [16 * context], [1], 32, 8, 128, 16, dt, device, tk)
     yield attention_case("prefill attention", [1024] * 4, [512] * 4, 32, 8, 128, 16, dt, device, tk)
     yield mla_case(batch, context, 128, 512, 64, 16, dt, device, tk)
     for tokens in moe_tokens:
@@ -149,6 +154,7 @@ def gpu_cases(device, tk, moe_tokens=(16, 256, 2048), batch=64, context=2048, ex
 def tiny_cases(device, tk):
     dt = torch.float32
     yield attention_case("decode attention", [40, 7, 0], [1, 1, 1], 8, 2, 32, 16, dt, device, tk)
+    yield attention_case("split decode attention", [40, 7, 0], [1, 1, 1], 8, 2, 32, 16, dt, device, tk)
     yield attention_case("prefill attention", [16, 0], [20, 5], 4, 2, 32, 16, dt, device, tk)
     yield mla_case(2, 40, 4, 32, 16, 16, dt, device, tk)
     yield moe_case(5, 4, 2, 32, 24, dt, device, tk)
