@@ -10,7 +10,7 @@ from pagedserve.common.messages import ModelRunnerOutput, PromptLogprobs, Sample
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler.core.request import Request
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
-from pagedserve.scheduler.records import Delivery
+from pagedserve.scheduler.subscriptions import Delivery
 from pagedserve.scheduler.subscriptions import DeltaFilter
 
 PROMPT = list(range(100, 118))  # 18 tokens: 4 full blocks of 4

@@ -26,17 +26,10 @@ from pagedserve.common.engine_args import add_engine_args
 from pagedserve.common.sampling_params import SamplingParams
 
 
-def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def run_latency(args: argparse.Namespace) -> int:
     import torch
 
-    from pagedserve.bench.throughput import build_engine, load_tokenizer
+    from pagedserve.bench.throughput import build_engine, load_tokenizer, rss_mib
     from pagedserve.model_files.default_model import resolve_model
 
     model_path = resolve_model(args.model)

@@ -40,6 +40,13 @@ class Workload:
         return sum(self.output_lens)
 
 
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def make_workload(num_prompts: int, vocab_size: int, seed: int = 0) -> Workload:
     rng = np.random.default_rng(seed)
     plens = rng.integers(16, 257, num_prompts)
@@ -199,7 +206,6 @@ def run_throughput(args) -> dict:
     cpu_start = time.process_time()
     ours = run_engine(engine, work)
     cpu_s = time.process_time() - cpu_start  # on a shared machine, with 1 thread, the comparable number
-    from pagedserve.bench.latency import rss_mib
     rss = rss_mib()
     if profiler is not None:
         profiler.remove()

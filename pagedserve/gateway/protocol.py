@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams, size_problem
 from pagedserve.gateway import structured
+from pagedserve.gateway.errors import RequestError, bad_request, error_body, internal_error  # noqa: F401 (their home)
 from pagedserve.gateway.tools import history_fields
 from pagedserve.v1 import generate_pb2
 
@@ -26,38 +26,6 @@ _UNBOUNDED = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 # vLLM's completions endpoint, like OpenAI's, generates 16 tokens when max_tokens is not sent.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-class RequestError(Exception):
-    """An error with its HTTP status, rendered in OpenAI's {"error": {...}} shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def internal_error(exc: BaseException) -> RequestError:
-    """A 500 for an unexpected exception: a generic message and a correlation id, never the
-    exception's text (it may hold another request's data or internals); the log has both."""
-    correlation = uuid.uuid4().hex[:16]
-    log.error("internal error %s: %s: %s", correlation, type(exc).__name__, exc, exc_info=exc)
-    return RequestError(500, f"internal server error (correlation id {correlation})", type="server_error",
-                        code="internal_error")
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None) -> RequestError:
-    return RequestError(400, message, param)
 
 
 class StreamOptions(BaseModel):

@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedserve.common import structured_output
 from pagedserve.common.sampling_params import LOGIT_BIAS_LIMIT, StructuredOutput
+from pagedserve.gateway.errors import bad_request
 from pagedserve.v1 import common_pb2
 
 # vLLM's (and OpenAI's legacy) request fields that pagedserve does not implement, with the values
@@ -40,7 +41,6 @@ _SO_OPTIONS_OFF = {"disable_fallback": _OFF, "disable_any_whitespace": _OFF, "di
 
 
 def _bad(message: str, param: str):
-    from pagedserve.gateway.protocol import bad_request
     return bad_request(message, param)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from pagedserve.common import structured_output
 from pagedserve.common.sampling_params import StructuredOutput
 from pagedserve.gateway.block_tool_parsers import BLOCK_PARSERS
+from pagedserve.gateway.errors import bad_request
 from pagedserve.gateway.tool_parsers import PARSERS, NamedCallParser, Parsed, RequiredCallsParser, ToolParser, assemble
 from pagedserve.v1 import generate_pb2
 
@@ -37,7 +38,6 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
 def _bad(message: str, param: str):
-    from pagedserve.gateway.protocol import bad_request  # imported late: protocol imports this module
     return bad_request(message, param)
 
 

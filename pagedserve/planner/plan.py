@@ -1,7 +1,7 @@
-"""`pagedserve plan`: replay a workload through the real scheduler on a calibrated profile and
-report what `bench serve` would (its --json keys, its printed report); with --sweep, every
-combination of the budgets given, ranked (sweep.py); with --memory, the KV-cache arithmetic
-(memory.py).
+"""What `pagedserve plan` runs (the command: plan_command.py): replay a workload through the real
+scheduler on a calibrated profile and report what `bench serve` would (its --json keys, its
+printed report); with --sweep, every combination of the budgets given, ranked (sweep.py); with
+--memory, the KV-cache arithmetic (memory.py).
 
 The scheduler is configured the way the server configures it: the step budgets from
 settings.step_budgets on the profile's device, the KV pool from --kv-cache-memory (else the pool the
@@ -10,9 +10,7 @@ server sized when the profile was made) divided by the model's bytes per block. 
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 from pagedserve.common import settings
 from pagedserve.planner.cost_model import Profile
@@ -110,35 +108,6 @@ def print_planner_lines(result: dict) -> None:
 
 def engine_values(args) -> dict:
     return {k: getattr(args, k, None) for k in ENGINE_KEYS}
-
-
-def run_plan(args) -> dict | int:
-    from pagedserve.bench.serve import print_report
-
-    if args.memory:
-        from pagedserve.planner.memory import run_memory
-        return run_memory(args)
-    if not args.profile:
-        raise ValueError("pagedserve plan needs --profile FILE (from `pagedserve calibrate --out FILE`)")
-    profile = Profile.load(args.profile)
-    args.profile_model, args.profile_model_path = Path(profile.model).name, profile.model
-    trace = load_workload(args)
-    config = workload_config(args, trace)
-    if args.sweep:
-        from pagedserve.planner.sweep import run_sweep
-        return run_sweep(args, profile, trace, config)
-    result = simulate(profile, engine_values(args), trace, args.max_concurrency, args.request_rate,
-                      args.slo_ttft_ms, args.slo_tpot_ms, config)
-    print_report(result)
-    print_planner_lines(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    if args.compare:
-        from pagedserve.planner.html_report import write_html
-        real = json.loads(Path(args.compare).read_text())
-        page = write_html(Path(args.out_dir) / "plan_vs_real.html", [(config["dataset"], result, real)])
-        print(f"wrote {page}")
-    return result
 
 
 def rate_label(rate: float) -> str:

@@ -15,31 +15,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from pagedserve.common.messages import SampledToken
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.stop_rules import finish_reason
 from pagedserve.common.store import RecordWrite, RequestStore, StoredRequest
 from pagedserve.scheduler.core.request import Request
-
-if TYPE_CHECKING:
-    from pagedserve.scheduler.subscriptions import Subscription
+from pagedserve.scheduler.subscriptions import Delivery, Subscription
 
 log = logging.getLogger("pagedserve.scheduler")
-
-
-@dataclass(slots=True)
-class Delivery:
-    """New tokens of one sample: token_ids start at output position `start`."""
-    index: int
-    start: int
-    token_ids: list[int]
-    logprobs: list[SampledToken] | None = None
-    finish_reason: str = ""
-    timings: dict | None = None  # on a sample's last delivery
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[SampledToken] | None = None  # with its first token (start 0), when asked
 
 
 @dataclass(slots=True)

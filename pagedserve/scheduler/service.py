@@ -40,11 +40,11 @@ from pagedserve.common.store import RequestStore, StoredRequest
 from pagedserve.v1 import scheduler_pb2, worker_pb2
 from pagedserve.scheduler.adoption import Adoption
 from pagedserve.scheduler.health import Health
-from pagedserve.scheduler.records import Delivery, GroupState, RecordWriter
+from pagedserve.scheduler.records import GroupState, RecordWriter
 from pagedserve.scheduler.recovery import Recovery
 from pagedserve.scheduler.stats_recorder import StatsRecorder
 from pagedserve.scheduler.step_loop import InFlightStep, StepLoop
-from pagedserve.scheduler.subscriptions import Outbox, Subscription
+from pagedserve.scheduler.subscriptions import Delivery, Outbox, Subscription
 from pagedserve.scheduler.core.request import sample_ids
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.scheduler.worker_client import WorkerGroup

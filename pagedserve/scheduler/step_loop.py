@@ -36,9 +36,9 @@ from pagedserve.common.messages import SchedulerOutput
 from pagedserve.common.store import RecordWrite
 from pagedserve.scheduler.core.request import Request, RequestIdInUse, sample_ids
 from pagedserve.scheduler.core.step_stats import StepStats
-from pagedserve.scheduler.records import Delivery, GroupState
+from pagedserve.scheduler.records import GroupState
 from pagedserve.scheduler.stats_recorder import MAX_PREFILL_CHUNKS_KEPT
-from pagedserve.scheduler.subscriptions import Subscription
+from pagedserve.scheduler.subscriptions import Delivery, Subscription
 from pagedserve.scheduler.worker_client import WorkerError
 
 log = logging.getLogger("pagedserve.scheduler")

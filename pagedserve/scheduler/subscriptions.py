@@ -18,8 +18,21 @@ from dataclasses import dataclass, field
 
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import StatusError
-from pagedserve.scheduler.records import Delivery
+from pagedserve.common.messages import SampledToken
 from pagedserve.v1 import scheduler_pb2
+
+
+@dataclass(slots=True)
+class Delivery:
+    """New tokens of one sample: token_ids start at output position `start`."""
+    index: int
+    start: int
+    token_ids: list[int]
+    logprobs: list[SampledToken] | None = None
+    finish_reason: str = ""
+    timings: dict | None = None  # on a sample's last delivery
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[SampledToken] | None = None  # with its first token (start 0), when asked
 
 
 class Outbox:
