@@ -99,14 +99,14 @@ class ModelRunner:
     def enable_decode_graphs(self, max_num_seqs: int, graph_factory) -> None:
         """Pure-decode steps replay graphs (graph_runner.py): graph_factory() makes a CudaGraph on a GPU or a
         StandInGraph on the CPU (tests). A model whose KV groups differ per layer keeps running eagerly."""
-        from pagedserve.worker.attention import TritonAttentionBackend
+        from pagedserve.worker.attention import TorchAttentionBackend
         if self.config.kv_groups().hybrid:
             return
         backends = {type(m.backend) for m in self.model.modules() if hasattr(m, "backend")}
         self.decode_graphs = DecodeGraphRunner(
             lambda ids, positions, meta: self.model(ids, positions, self.kv.model_caches(), meta), max_num_seqs,
             -(-self.max_model_len // self.block_size), self.block_size, self.device, graph_factory,
-            needs_mask=not all(issubclass(b, TritonAttentionBackend) for b in backends))
+            needs_mask=any(issubclass(b, TorchAttentionBackend) for b in backends))  # MLA reads lengths
 
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
         """CUDA: run the largest step the budget allows (one prompt of num_tokens, no cache yet)
