@@ -36,8 +36,9 @@ from pagedserve.common import request_checks as checks
 from pagedserve.v1 import generate_pb2
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import Backend, as_request_error, rpc_error
+from pagedserve.gateway.generation import admit_first, forward_as, output_budget
 from pagedserve.gateway.metrics import RequestTracker
-from pagedserve.gateway.owners import SINGLE_TENANT, Caller, cache_salt, valid_client_id
+from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
                                          completion_to_generate, error_body, include_event_ids,
                                          include_usage)
@@ -113,8 +114,7 @@ class CompletionCall:
             if backend.reasoning_parser:
                 self.reasoning = Reasoning(request_parser(backend.reasoning_parser, body.chat_template_kwargs))
         name = "max_completion_tokens" if self.chat and body.max_completion_tokens is not None else "max_tokens"
-        problem = checks.max_tokens_problem(gen.params.max_tokens if gen.params.HasField("max_tokens") else None,
-                                            info.max_model_len, name)
+        problem = checks.max_tokens_problem(output_budget(gen), info.max_model_len, name)
         if problem:
             raise RequestError(400, problem, name)
         problem = checks.prompt_chars_problem(gen, info.max_model_len)
@@ -144,26 +144,19 @@ class CompletionCall:
                         timeout: float | None) -> Response:
         """Send the request on under the caller's internal id; answer once the tokenizer accepts it."""
         body, backend = self.body, self.backend
-        request_id = self.caller.internal_id(client_id)
-        gen.request_id = request_id
-        gen.params.cache_salt = cache_salt(self.caller.owner, gen.params.cache_salt, backend.prefix_cache_scope)
+        request_id = forward_as(gen, self.caller, client_id, self.received, backend.prefix_cache_scope)
         self.tracker.request_id = request_id
-        gen.ClearField("timings")  # stamps are ours: a client's would corrupt the metrics
-        gen.timings.gateway_received = self.received
         self.model, self.client_id, self.request_id, self.created = info.model, client_id, request_id, \
             int(self.received)
 
         self.call = backend.tokenizer.Generate(gen, timeout=timeout, metadata=self._metadata())
         first = await self._first()
         self.prompt_tokens = first.usage.prompt_tokens
-        max_tokens = gen.params.max_tokens if gen.params.HasField("max_tokens") else None
         try:
-            self.reserved = backend.admission.reserve(first.usage.prompt_tokens, body.n, max_tokens,
-                                                      info.max_model_len)
+            self.reserved = await admit_first(backend, self.call, request_id, first, body.n, output_budget(gen),
+                                              info.max_model_len)
         except Refusal:
             self.end()
-            self.call.cancel()
-            await backend.abort(request_id)
             raise
         if self.stream:  # only once accepted: a refused request leaves nothing in the store
             await backend.resume_records.save(request_id, {

@@ -29,7 +29,8 @@ from pagedserve.common import structured_output
 from pagedserve.common.wire import params_from_proto
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend
-from pagedserve.gateway.owners import Caller, cache_salt, client_id_problem, valid_client_id
+from pagedserve.gateway.generation import admit_first, forward_as, output_budget
+from pagedserve.gateway.owners import Caller, client_id_problem, valid_client_id
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 _UNBOUNDED = 2**31 - 1
@@ -113,13 +114,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         forward = generate_pb2.GenerateRequest()
         forward.CopyFrom(request)
         client_id = request.request_id or "cmpl-" + uuid.uuid4().hex
-        forward.request_id = caller.internal_id(client_id)
-        forward.params.cache_salt = cache_salt(caller.owner, request.params.cache_salt, self.backend.prefix_cache_scope)
-        forward.ClearField("timings")  # stamps are ours: a client's would corrupt the metrics
-        forward.timings.gateway_received = received
-        max_tokens = request.params.max_tokens if request.params.HasField("max_tokens") else None
+        request_id = forward_as(forward, caller, client_id, received, self.backend.prefix_cache_scope)
         admission, tracker = self.backend.admission, self.backend.metrics.track(received)
-        tracker.request_id = forward.request_id
+        tracker.request_id = request_id
         # The client's deadline goes downstream; its cancellation cancels this handler, whose
         # finally cancels the downstream call (the scheduler then aborts and frees the KV blocks).
         # context.write rather than yield: a generator suspended at a yield when the cancellation
@@ -130,15 +127,14 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             while (msg := await call.read()) is not grpc.aio.EOF:
                 tracker.on_message(msg)
                 if not accepted:  # the first message: the prompt is counted, so are the tokens in flight
-                    reserved = admission.reserve(msg.usage.prompt_tokens, n, max_tokens, info.max_model_len)
+                    reserved = await admit_first(self.backend, call, request_id, msg, n, output_budget(forward),
+                                                 info.max_model_len)
                     accepted = True
                 msg.request_id = client_id
                 await context.write(msg)
             finished = True
-        except Refusal as refusal:
+        except Refusal as refusal:  # admit_first cancelled the call and aborted the request
             finished = True
-            call.cancel()
-            await self.backend.abort(forward.request_id)
             await context.abort(refusal.grpc_code, refusal.message)
         except grpc.RpcError as exc:
             finished = True
