@@ -142,8 +142,11 @@ def parse_llama_perplexity(text: str) -> float:
 
 def run_llama_perplexity(binary: Path, gguf: Path, text_file: Path, ctx: int, threads: int) -> float:
     libs = ":".join(p for p in (str(binary.parent), os.environ.get("LD_LIBRARY_PATH")) if p)
+    # LLAMA_ARG_REPACK=0 (unless set): llama.cpp's AMX repacking crashed on the default Q4_1 file on a
+    # Sapphire Rapids-class CPU (ggml_backend_amx_mul_mat); repacking changes speed, not the numbers
+    env = {"LLAMA_ARG_REPACK": "0", **os.environ, "LD_LIBRARY_PATH": libs}
     proc = subprocess.run([str(binary), "-m", str(gguf), "-f", str(text_file), "-c", str(ctx), "-t", str(threads)],
-                          capture_output=True, text=True, env={**os.environ, "LD_LIBRARY_PATH": libs}, timeout=3600)
+                          capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode:
         raise RuntimeError(f"llama-perplexity exited {proc.returncode}: {proc.stderr[-2000:]}")
     return parse_llama_perplexity(proc.stdout + proc.stderr)
