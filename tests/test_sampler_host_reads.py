@@ -1,7 +1,8 @@
 """The sampler reads device values back once per step (issue 37 item 5): every row kind at once (greedy,
 temperature with top-k / top-p / min-p, seeded, penalties, logit_bias past the vocabulary, min_tokens,
 logprobs with top logprobs) costs one host read, counted with a torch function mode that sees every
-tolist / item / bool / numpy / cpu call; the values read back equal log_softmax computed apart."""
+tolist / item / bool / numpy / cpu call, and no tensor is indexed by a Python list (on a GPU that copies
+the list up and waits); the values read back equal log_softmax computed apart."""
 
 from __future__ import annotations
 
@@ -24,7 +25,13 @@ class HostReads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in READS:
             self.reads.append(name)
+        if name in ("__getitem__", "__setitem__") and _has_list(args[1:2]):
+            self.reads.append(name + " by a list")
         return func(*args, **(kwargs or {}))
+
+
+def _has_list(values) -> bool:
+    return any(isinstance(v, list) or (isinstance(v, tuple) and _has_list(v)) for v in values)
 
 
 def _rows(vocab: int) -> list[RowSampling]:

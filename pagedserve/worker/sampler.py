@@ -7,8 +7,9 @@ cannot revive a token the grammar forbids), then temperature and truncation. A b
 any of these pays nothing for them.
 
 On a GPU the step never waits for the device in the middle: the rows' parameters go up through
-pinned memory without blocking (`to_device`), nothing reads a device value to decide what to do
-next, and the sampled ids (with the logprobs and top logprobs when a row asks) come back in one
+pinned memory without blocking (`to_device`), rows are picked by index tensors made the same way
+(never by a Python list, which would copy up and wait), nothing reads a device value to decide
+what to do next, and the sampled ids (with the logprobs and top logprobs when a row asks) come back in one
 device->host copy at the end (`SamplerOutput` is unpacked from it).
 
 Threads: the worker's torch thread only.
@@ -37,6 +38,25 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def row_index(rows: list[int], total: int, device: torch.device) -> torch.Tensor | None:
+    """rows as an index tensor on `device` (indexing a device tensor with a Python list would copy the
+    list up and wait for the device), or None when rows are every row in order (no gather needed)."""
+    if len(rows) == total:  # rows are increasing and distinct: all of them
+        return None
+    return to_device(rows, torch.long, device)
+
+
+def take_rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return x if index is None else x.index_select(0, index)
+
+
+def put_rows(x: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) -> None:
+    if index is None:
+        x.copy_(values)
+    else:
+        x.index_copy_(0, index, values)
 
 
 @dataclass(slots=True)
@@ -73,7 +93,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowSampling]) -> None:
         return
     dev, vocab = logits.device, logits.shape[1]
     sel = [rows[i].params for i in idx]
-    x = logits[idx]
+    index = row_index(idx, logits.shape[0], dev)
+    x = take_rows(logits, index)
     out = _counts([rows[i].output_token_ids for i in idx], vocab, dev)
     if any(p.repetition_penalty != 1.0 for p in sel):
         rep = to_device([p.repetition_penalty for p in sel], torch.float32, dev)[:, None]
@@ -81,7 +102,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowSampling]) -> None:
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     pres = to_device([p.presence_penalty for p in sel], torch.float32, dev)[:, None]
     freq = to_device([p.frequency_penalty for p in sel], torch.float32, dev)[:, None]
-    logits[idx] = x - pres * (out > 0) - freq * out
+    put_rows(logits, index, x - pres * (out > 0) - freq * out)
 
 
 def _min_tokens_pending(r: RowSampling) -> bool:
@@ -171,7 +192,8 @@ def truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     dev, vocab = x.device, x.shape[1]
     sort_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
     if sort_rows:
-        sub = x[sort_rows]
+        index = row_index(sort_rows, x.shape[0], dev)
+        sub = take_rows(x, index)
         ps = [params[i] for i in sort_rows]
         sorted_x, order = sub.sort(dim=-1, descending=True)
         k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in ps], torch.long, dev)
@@ -183,13 +205,14 @@ def truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         # Drop a token once the mass strictly before it already reaches top_p: this keeps the
         # smallest prefix reaching top_p, and always the top token (mass before it is 0 < top_p).
         drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
-        x[sort_rows] = sub.masked_fill(drop.scatter(1, order, drop), _NEG_INF)
+        put_rows(x, index, sub.masked_fill(drop.scatter(1, order, drop), _NEG_INF))
     mp_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
     if mp_rows:
-        sub = x[mp_rows]
+        index = row_index(mp_rows, x.shape[0], dev)
+        sub = take_rows(x, index)
         probs = sub.softmax(-1)
         min_p = to_device([params[i].min_p for i in mp_rows], torch.float32, dev)[:, None]
-        x[mp_rows] = sub.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), _NEG_INF)
+        put_rows(x, index, sub.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), _NEG_INF))
     return x
 
 
@@ -205,7 +228,8 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
         q.exponential_()
     else:
         if shared:
-            q[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_()
+            put_rows(q, to_device(shared, torch.long, probs.device),
+                     torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_())
         for j, g in enumerate(generators):
             if g is not None:
                 q[j].exponential_(generator=g)
@@ -255,8 +279,9 @@ class Sampler:
             tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
         if sampled:
             temp = to_device([params[i].temperature for i in sampled], torch.float32, x.device)
-            y = truncate(x[sampled] / temp[:, None], [params[i] for i in sampled])
-            tokens[sampled] = _draw(y.softmax(-1), [rows[i].generator for i in sampled])
+            index = row_index(sampled, x.shape[0], x.device)
+            y = truncate(take_rows(x, index) / temp[:, None], [params[i] for i in sampled])
+            put_rows(tokens, index, _draw(y.softmax(-1), [rows[i].generator for i in sampled]))
 
         if not want_lp:
             return SamplerOutput(tokens.tolist(), None, None)
@@ -274,8 +299,9 @@ def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[Samplin
     want_top = [i for i, p in enumerate(params) if p.logprobs]
     k = min(max((params[i].logprobs for i in want_top), default=0), raw.shape[1])
     if want_top:
-        vals, ids = raw[want_top].topk(k, dim=-1)
-        parts += [(vals - lse[want_top][:, None]).double().flatten(), ids.double().flatten()]
+        index = row_index(want_top, raw.shape[0], raw.device)
+        vals, ids = take_rows(raw, index).topk(k, dim=-1)
+        parts += [(vals - take_rows(lse, index)[:, None]).double().flatten(), ids.double().flatten()]
     values = torch.cat(parts).tolist()  # the step's one device->host copy
     rows = len(params)
     token_ids = [int(t) for t in values[:rows]]
