@@ -39,6 +39,7 @@ import asyncio
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,8 @@ import numpy as np
 from pagedserve.bench.serve_client import (aggregate, prefix_hit_rates, read_prefix_cache_counters, request_body,
                                            resolve_model, run_requests)
 from pagedserve.bench.serve_datasets import BenchRequest, build_dataset, load_tokenizer
+
+METRICS_SHARED_S = 0.6  # a little over how long pagedserve's gateway shares one /metrics answer
 
 
 # ---- CLI ----------------------------------------------------------------------------------------
@@ -179,6 +182,9 @@ def run_once(args, model: str, requests: list[BenchRequest], tokenizer, request_
         results, duration = asyncio.run(run_requests(
             args.base_url, args.endpoint, bodies, headers, request_rate, max_concurrency, args.seed,
             args.burstiness, args.timeout, progress))
+        # our gateway answers /metrics from a copy shared for ~0.5 s: a run shorter than that would read
+        # `before` again; wait it out (outside the timed run)
+        time.sleep(METRICS_SHARED_S)
         after = read_prefix_cache_counters(http_sync, args.base_url, headers)
     result = aggregate(results, requests, duration, args.slo_ttft_ms, args.slo_tpot_ms)
     # Overall and per engine replica (a `replica` label on the counters; docs/scale-out.md).
