@@ -136,11 +136,11 @@ def wait_idle(service, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         stats = service.stats()
-        if not service.groups and stats.num_running == stats.num_waiting == 0 and \
+        if not service.live.groups and stats.num_running == stats.num_waiting == 0 and \
                 stats.num_free_gpu_blocks == stats.num_gpu_blocks:
             return
         time.sleep(0.02)
-    pytest.fail(f"not idle: groups {sorted(service.groups)}, {service.stats()}")
+    pytest.fail(f"not idle: groups {sorted(service.live.groups)}, {service.stats()}")
 
 
 def test_the_sample_id_collision_attack_is_refused_and_the_others_finish(service):
@@ -271,7 +271,7 @@ def test_a_fault_in_one_requests_admission_step_or_publish_fails_it_alone(servic
         record = store.load(rid)
         assert record.status == "finished" and record.finish_reasons == ["abort"], record
         assert rid not in store.active_ids()  # a restarted scheduler does not run it again
-    assert service.thread.is_alive()  # and the engine goes on serving
+    assert service.step_loop.is_alive()  # and the engine goes on serving
     assert asyncio.run(_submit_and_read(service, schedule("after", [7, 7], 12))) == expected([7, 7], 12)
 
 

@@ -150,7 +150,7 @@ def test_attach_after_the_end_but_before_the_group_is_forgotten_replays_every_to
             service.abort("ended")
         while not group.done:
             await asyncio.sleep(0.005)
-        assert "ended" not in service.scheduler.groups and service.groups.get("ended") is group
+        assert "ended" not in service.scheduler.groups and service.live.get("ended") is group
         second = Outbox(loop)
         sub2, group2 = service.submit(schedule("ended", [4, 2], 0, attach=True, skip_tokens=[2]), second, 2)
         assert group2 is group

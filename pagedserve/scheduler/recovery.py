@@ -2,19 +2,27 @@
 restart, and re-initialising the workers after a rank died or hung. Every request survives both
 and resumes by recompute; tokens already delivered are never sent again.
 
-Threads: `readmit_from_store` runs in start() before the step loop exists; `_recover_workers` on
-the step-loop thread (it blocks the loop until the workers are back). A mixin of SchedulerService.
+Its interface: `readmit_from_store(live)` (at start), `resume_plan(record)` and
+`add_resumed(record, requests)` (also for adoption.py), `recover_workers(cause)` (the step loop,
+on a WorkerError) and `num_worker_recoveries`.
+
+Threads: `readmit_from_store` runs in start() before the step loop exists; `add_resumed` and
+`recover_workers` on the step-loop thread (the latter blocks the loop until the workers are back);
+`resume_plan` touches no scheduler state (any thread).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.common.store import RecordWrite
-from pagedserve.scheduler.core.request import sample_ids
+from pagedserve.common.store import RecordWrite, RequestStore
+from pagedserve.scheduler.core.scheduler import Scheduler
+from pagedserve.scheduler.health import Health
+from pagedserve.scheduler.live_groups import LiveGroups
 from pagedserve.scheduler.records import GroupState, resumed_requests
 from pagedserve.v1 import worker_pb2
 
@@ -22,36 +30,44 @@ log = logging.getLogger("pagedserve.scheduler")
 
 
 class Recovery:
-    def _readmit_from_store(self) -> None:
-        readmitted = 0
+    def __init__(self, store: RequestStore, workers, scheduler: Scheduler, health: Health,
+                 stopping: threading.Event, profile: worker_pb2.ProfileRequest,
+                 eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        """profile: what opened the workers' session at start; a new session asks for the same."""
+        self.store, self.workers, self.scheduler, self.health = store, workers, scheduler, health
+        self.stopping, self.profile = stopping, profile
+        self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
+        self.num_worker_recoveries = 0
+
+    def readmit_from_store(self, live: LiveGroups) -> list[str]:
+        """The ids of the unfinished requests of the store, now live and handed to the scheduler."""
+        readmitted = []
         for request_id in self.store.active_ids():
             record = self.store.load(request_id)
             if record is None:
                 continue
-            group, requests = self._resume_plan(record)
+            group, requests = self.resume_plan(record)
             if not requests:
                 continue
-            self._add_resumed(record, requests)
-            self.groups[request_id] = group
-            self.live_ids.update(sample_ids(request_id, group.n))
-            self.readmitted.append(request_id)
-            readmitted += 1
-        self.orphan_deadline = time.monotonic() + self.config.orphan_timeout_s
+            self.add_resumed(record, requests)
+            live.readmit(group)
+            readmitted.append(request_id)
         if readmitted:
-            log.info("re-admitted %d unfinished request(s) from the store; they resume by recompute", readmitted)
+            log.info("re-admitted %d unfinished request(s) from the store; they resume by recompute",
+                     len(readmitted))
+        return readmitted
 
-    def _resume_plan(self, record) -> tuple[GroupState | None, list]:
+    def resume_plan(self, record) -> tuple[GroupState | None, list]:
         """The group and the Requests that resume a stored unfinished request by recompute; a
         record that cannot resume, or whose samples had all finished, is marked finished (no
         requests then). Touches no scheduler state: any thread."""
-        eos = tuple(self.info.eos_token_ids)
         request_id = record.request_id
         try:
             params = SamplingParams(**record.params)
             group = GroupState(request_id, record.n, record.prompt_token_ids, params, record.priority,
                                dict(record.timings), [""] * record.n)
             group.timings.pop("worker_time_s", None)
-            requests, reasons = resumed_requests(record, params, eos, self.max_model_len,
+            requests, reasons = resumed_requests(record, params, self.eos_token_ids, self.max_model_len,
                                                  record.timings.get("scheduler_received", time.time()))
             group.finish_reasons = reasons
         except (TypeError, ValueError) as exc:
@@ -64,21 +80,21 @@ class Recovery:
             self.store.write([RecordWrite(request_id, fields, finished=True)])
         return group, requests
 
-    def _add_resumed(self, record, requests: list) -> None:
+    def add_resumed(self, record, requests: list) -> None:
         """On the step-loop thread (or before it runs): hand the resumed Requests to the scheduler."""
         if requests and not any(record.outputs):
             self.scheduler.add_request(requests[0])  # n samples fork from the prompt as usual
         elif requests:
             self.scheduler.add_resumed_group(requests)
 
-    def _recover_workers(self, cause: str) -> None:
+    def recover_workers(self, cause: str) -> None:
         """A rank died or hung. Every request is kept (the scheduler holds its tokens so far, the
         store its record): mark the engine unhealthy, wait until every rank answers again (the
         launcher or the container runtime restarts dead ones), open a new session on them (they
         forget every request) and put every request back to waiting to resume by recompute.
         Clients see a pause; tokens already delivered are not sent again."""
         failed_at = time.monotonic()
-        self.worker_cause = f"a worker rank is gone ({cause}); waiting for it to come back"
+        self.health.worker_gone(cause)
         log.error("%s; keeping %d request(s) in flight until the workers are back", cause,
                   len(self.scheduler.requests))
         self.workers.close_streams()
@@ -86,7 +102,7 @@ class Recovery:
         while not self.stopping.is_set():
             try:
                 self.workers.connect(min(5.0 + attempt, 30.0))
-                sizes = self.start_session_again()
+                sizes = self.workers.init_session(self.profile)  # a fresh KV pool: a new session
             except Exception as exc:  # noqa: BLE001 - keep trying until stopped
                 attempt += 1
                 if attempt == 1 or attempt % 10 == 0:
@@ -95,17 +111,7 @@ class Recovery:
                 continue
             moved = self.scheduler.preempt_all_for_new_session(sizes.num_gpu_blocks, sizes.num_cpu_blocks)
             self.num_worker_recoveries += 1
-            self.worker_cause = ""
-            self.last_progress = time.monotonic()
+            self.health.worker_back()
             log.info("the workers answer again after %.1f s: %d request(s) resume by recompute (%d were running)",
                      time.monotonic() - failed_at, len(self.scheduler.waiting), moved)
             return
-
-    def start_session_again(self) -> worker_pb2.ProfileResponse:
-        """A fresh KV pool on the workers (a new session: they forget every request)."""
-        old = self.scheduler.config
-        return self.workers.init_session(worker_pb2.ProfileRequest(
-            block_size=old.block_size, kv_cache_memory=self.config.kv_cache_memory or "",
-            swap_space=self.config.swap_space if old.preemption_mode == "swap" else "",
-            max_num_batched_tokens=old.max_num_batched_tokens,
-            gpu_memory_utilization=self.config.gpu_memory_utilization))

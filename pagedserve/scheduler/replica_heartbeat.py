@@ -67,7 +67,7 @@ class Heartbeat:
     def _snapshot(self) -> tuple[ReplicaInfo, list[int]] | None:
         """(info, prefix cache hashes, most recently cached last), taken on the step loop."""
         service = self.service
-        if not service.ready or service.scheduler is None:
+        if not service.ready or service.step_loop is None:
             return None
         done = threading.Event()
         out: list = []
@@ -80,7 +80,7 @@ class Heartbeat:
                 id=self.publisher.id, addr=self.addr, model=service.model_name(),
                 num_gpu_blocks=bm.num_total_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
-                num_waiting=len(sched.waiting) + service.pending_admissions, num_running=len(sched.running),
+                num_waiting=len(sched.waiting) + service.step_loop.pending_admissions, num_running=len(sched.running),
                 waiting_tokens=sum(r.num_tokens for r in sched.waiting),
                 running_tokens=sum(r.num_tokens for r in sched.running), kv_usage=round(bm.usage(), 4),
                 pending_tokens=sum(max(0, r.num_tokens - r.num_computed_tokens) for q in (sched.waiting, sched.running)
@@ -89,5 +89,5 @@ class Heartbeat:
             out.append((info, list(bm.pool.cached)))  # dict order: most recently cached last
             done.set()
 
-        service.commands.put(take)
+        service.step_loop.post(take)
         return out[0] if done.wait(self.interval_s) and out else None

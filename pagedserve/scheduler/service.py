@@ -1,6 +1,9 @@
 """The scheduler service as a plain class (the gRPC servicer in server.py only translates): start
-and stop, admission (submit, validate, attach), leaving and aborting, stats. The step loop is in
-step_loop.py, recovery in recovery.py, health in health.py, what is recorded in stats_recorder.py.
+and stop, admission (submit, validate, attach), leaving and aborting, stats. It owns, and hands
+each what it needs through its constructor: the live requests (live_groups.py), the record writer
+(records.py), the stats recorder (stats_recorder.py), health (health.py), and, made at start once
+the workers are known, the Scheduler, recovery (recovery.py), the step loop (step_loop.py) and
+adoption (adoption.py). Nothing else is shared between them.
 
 Threads: the caller's event loop (gRPC handlers) calls submit/unsubscribe/abort/stats; one
 step-loop thread owns the Scheduler (nothing else touches it: other threads hand it commands);
@@ -11,9 +14,7 @@ Request ids: a schedule for the id of a live or stored request attaches to it (a
 retry, a resume) when it carries the same prompt and n (or attach=true), and is refused with
 ALREADY_EXISTS otherwise; a new request whose id or any of whose sample ids (`<id>#<i>`, see
 core/request.py) a live request holds is refused with ALREADY_EXISTS at submit, before it
-reaches the step loop. `live_ids` (all
-sample ids of `groups`) is read and written under `lock` only, together with `groups`, so two
-concurrent submits of one id cannot both be admitted.
+reaches the step loop (LiveGroups.claim, under its lock).
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass
 
 import grpc
@@ -40,12 +39,12 @@ from pagedserve.common.store import RequestStore, StoredRequest
 from pagedserve.v1 import scheduler_pb2, worker_pb2
 from pagedserve.scheduler.adoption import Adoption
 from pagedserve.scheduler.health import Health
+from pagedserve.scheduler.live_groups import LiveGroups
 from pagedserve.scheduler.records import GroupState, RecordWriter
 from pagedserve.scheduler.recovery import Recovery
 from pagedserve.scheduler.stats_recorder import StatsRecorder
-from pagedserve.scheduler.step_loop import InFlightStep, StepLoop
+from pagedserve.scheduler.step_loop import StepLoop
 from pagedserve.scheduler.subscriptions import Delivery, Outbox, Subscription
-from pagedserve.scheduler.core.request import sample_ids
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.scheduler.worker_client import WorkerGroup
 
@@ -77,34 +76,30 @@ class ServiceConfig:
     async_scheduling: bool = True
 
 
-class SchedulerService(StepLoop, Recovery, Adoption, Health):
+class SchedulerService:
     def __init__(self, config: ServiceConfig, workers: WorkerGroup, store: RequestStore) -> None:
         self.config, self.workers, self.store = config, workers, store
-        self.scheduler: Scheduler | None = None
-        self.ready = False
         self.info: worker_pb2.WorkerInfo | None = None
         self.max_model_len = 0
-        self.groups: dict[str, GroupState] = {}  # live requests, until their last tokens are published
-        self.live_ids: set[str] = set()  # every sample id of groups (guarded by lock, as groups is)
-        self.lock = threading.Lock()
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.writer = RecordWriter(store, self.lock, self._forget_group)
-        self.pending_admissions = 0
-        self.inflight: deque[InFlightStep] = deque()  # sent, results not yet taken in (step loop only)
-        self.last_worker_step_s = 0.0  # the worker time of the last step taken in (step loop only)
+        self.stopping = threading.Event()
+        self.live = LiveGroups()  # live requests, until their last tokens are published
+        self.writer = RecordWriter(store, self.live.lock, self.live.forget)
         self.recorder = StatsRecorder()  # written by the step loop only
+        self.health = Health(store, self.stopping, config.stall_timeout_s, config.store_check_interval_s)
+        # Made by start(), once the workers have said what they hold:
+        self.scheduler: Scheduler | None = None
+        self.recovery: Recovery | None = None
+        self.step_loop: StepLoop | None = None
+        self.adoption: Adoption | None = None
         # max_steps -> (when, snapshot): the engine stats of the last STATS_SNAPSHOT_S (event loop only)
         self._stats_snapshots: dict[int, tuple[float, scheduler_pb2.EngineStats]] = {}
-        self.stopping = threading.Event()
-        self.thread: threading.Thread | None = None
-        self.readmitted: list[str] = []
-        self.orphan_deadline = 0.0
-        # Health: why the engine cannot serve now ("" when it can), as seen by the step loop and
-        # the store checker; the stall is computed when asked (the step loop may be stuck).
-        self.worker_cause = ""
-        self.store_cause = ""
-        self.last_progress = time.monotonic()  # the step loop's heartbeat: a step done, or idle
-        self.num_worker_recoveries = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.health.ready
+
+    def unhealthy_cause(self) -> str:
+        return self.health.unhealthy_cause()
 
     # ---- start and stop -------------------------------------------------------------------
     def start(self) -> None:
@@ -115,10 +110,11 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
         self.max_model_len = min(self.info.max_model_len, cfg.max_model_len or self.info.max_model_len)
         budget, long_prefill = step_budgets(cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold,
                                             self.info.device)
-        sizes = self.workers.init_session(worker_pb2.ProfileRequest(
+        profile = worker_pb2.ProfileRequest(
             block_size=cfg.block_size, kv_cache_memory=cfg.kv_cache_memory or "",
             swap_space=cfg.swap_space if cfg.preemption_mode == "swap" else "",
-            max_num_batched_tokens=budget, gpu_memory_utilization=cfg.gpu_memory_utilization))
+            max_num_batched_tokens=budget, gpu_memory_utilization=cfg.gpu_memory_utilization)
+        sizes = self.workers.init_session(profile)
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=sizes.num_gpu_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=budget, max_model_len=self.max_model_len, num_cpu_blocks=sizes.num_cpu_blocks,
@@ -128,19 +124,23 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %d rank(s); step budget %d tokens, %d seqs",
                  sizes.num_gpu_blocks, cfg.block_size, sizes.num_gpu_blocks * sizes.bytes_per_block / 2**20,
                  len(self.workers.addresses), budget, cfg.max_num_seqs)
-        self._readmit_from_store()
-        self.last_progress = time.monotonic()
-        self.thread = threading.Thread(target=self._loop, name="step-loop", daemon=True)
-        self.thread.start()
-        threading.Thread(target=self._check_store, name="store-check", daemon=True).start()
-        self.ready = True
+        eos = tuple(self.info.eos_token_ids)
+        self.recovery = Recovery(self.store, self.workers, self.scheduler, self.health, self.stopping, profile,
+                                 eos, self.max_model_len)
+        readmitted = self.recovery.readmit_from_store(self.live)
+        self.step_loop = StepLoop(self.scheduler, self.workers, self.live, self.writer, self.recorder,
+                                  self.recovery, self.health, self.stopping, eos, cfg.async_scheduling,
+                                  readmitted, cfg.orphan_timeout_s)
+        self.adoption = Adoption(self.store, self.live, self.recovery, self.step_loop)
+        self.step_loop.start()
+        self.health.start_store_checks()
+        self.health.ready = True
 
     def stop(self) -> None:
-        self.ready = False
+        self.health.ready = False
         self.stopping.set()
-        self.commands.put(lambda: None)
-        if self.thread is not None:
-            self.thread.join(timeout=10)
+        if self.step_loop is not None:
+            self.step_loop.stop()
         self.writer.stop()
         self.workers.close()
 
@@ -152,8 +152,8 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
         if not self.ready:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, "the scheduler is starting: the model is still loading")
         request_id = msg.request_id or f"req-{uuid.uuid4().hex}"
-        with self.lock:
-            group = self.groups.get(request_id)
+        with self.live.lock:
+            group = self.live.get(request_id)
             if group is not None:
                 if not msg.attach:
                     self._check_same_request(request_id, group.n, group.prompt_token_ids, msg)
@@ -162,22 +162,22 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
         if record is not None:
             if not msg.attach:
                 self._check_same_request(record.request_id, record.n, record.prompt_token_ids, msg)
-            adopted = self._adopt(record, outbox, tag)  # a dead replica's request resumes here
-            return adopted or self._attach_stored(record, outbox, tag)
+            adopted = self.adoption.adopt(record)  # a dead replica's request resumes here
+            if adopted is not None:
+                return self._attach_live(adopted, outbox, tag), adopted
+            return self._attach_stored(record, outbox, tag)
         if msg.attach:
             raise StatusError(grpc.StatusCode.NOT_FOUND, f"no request {request_id!r} to attach to")
         group = self._validate(request_id, msg)
-        if len(self.scheduler.waiting) + self.pending_admissions >= self.config.max_waiting_requests:
+        if len(self.scheduler.waiting) + self.step_loop.pending_admissions >= self.config.max_waiting_requests:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"the waiting queue is full ({self.config.max_waiting_requests} requests, "
                                "--max-waiting-requests); retry later")
         sub = Subscription(request_id, outbox, replayed=True, tag=tag)
         group.subscribers.append(sub)
-        with self.lock:
-            self._claim_ids(group)
-            self.groups[request_id] = group
-        self.pending_admissions += 1
-        self.commands.put(lambda: self._admit(group))
+        with self.live.lock:
+            self.live.claim(group)
+        self.step_loop.admit(group)
         return sub, group
 
     def _validate(self, request_id: str, msg: scheduler_pb2.ScheduleRequest) -> GroupState:
@@ -205,16 +205,6 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
         timings["scheduler_received"] = time.time()
         return GroupState(request_id, params.n, prompt, params, msg.priority, timings, [""] * params.n)
 
-    def _claim_ids(self, group: GroupState) -> None:
-        """Under lock: take the ids of the group's samples, or refuse if a live request holds one."""
-        ids = sample_ids(group.group_id, group.n)
-        taken = next((i for i in ids if i in self.live_ids), None)
-        if taken is not None:
-            which = "is" if taken == group.group_id else f"(n={group.n}) cannot be used: its sample id {taken!r} is"
-            raise StatusError(grpc.StatusCode.ALREADY_EXISTS,
-                              f"request id {group.group_id!r} {which} already in use by a live request")
-        self.live_ids.update(ids)
-
     @staticmethod
     def _check_same_request(request_id: str, n: int, prompt: list[int], msg: scheduler_pb2.ScheduleRequest) -> None:
         """A new schedule on a known id attaches only if it asks for the same thing (a retry)."""
@@ -227,7 +217,7 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
         """A second stream on a running request: replay its tokens so far, then follow it."""
         sub = Subscription(group.group_id, outbox, replayed=False, tag=tag)
         group.subscribers.append(sub)
-        self.commands.put(lambda: self._replay(group, sub))
+        self.step_loop.replay(group, sub)
         return sub
 
     def _attach_stored(self, record: StoredRequest, outbox: Outbox, tag: int) -> tuple[Subscription, GroupState]:
@@ -245,38 +235,39 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
 
     def unsubscribe(self, sub: Subscription) -> None:
         """A stream ended. The last one to leave an unfinished request aborts it."""
-        with self.lock:
-            group = self.groups.get(sub.group_id)
+        with self.live.lock:
+            group = self.live.get(sub.group_id)
             if group is None or sub not in group.subscribers:
                 return
             group.subscribers.remove(sub)
             orphaned = not group.subscribers and not group.done
         if orphaned:
-            self.commands.put(lambda: self._abort(group.group_id, None))
+            self.step_loop.abort(group.group_id, None)
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
         """Stop a live request, or one of its samples; False if there is no such request or sample."""
-        with self.lock:
-            group = self.groups.get(request_id)
+        with self.live.lock:
+            group = self.live.get(request_id)
             found = group is not None and (index is None or 0 <= index < group.n)
         if found:
-            self.commands.put(lambda: self._abort(request_id, index))
+            self.step_loop.abort(request_id, index)
         return found
 
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> scheduler_pb2.SchedulerStats:
         sched = self.scheduler
-        if sched is None:
+        if sched is None or self.step_loop is None:
             return scheduler_pb2.SchedulerStats(ready=False, max_waiting_requests=self.config.max_waiting_requests,
                                                 unhealthy_cause=self.unhealthy_cause())
         bm = sched.block_manager
         msg = scheduler_pb2.SchedulerStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting) + self.pending_admissions,
+            num_running=len(sched.running), num_waiting=len(sched.waiting) + self.step_loop.pending_admissions,
             num_swapped=len(sched.swapped), num_gpu_blocks=bm.num_total_blocks,
             num_free_gpu_blocks=bm.num_free_blocks, num_cached_blocks=bm.pool.num_cached_free,
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
             num_preemptions=sched.num_preemptions, ready=self.ready,
-            max_waiting_requests=self.config.max_waiting_requests, num_worker_recoveries=self.num_worker_recoveries)
+            max_waiting_requests=self.config.max_waiting_requests,
+            num_worker_recoveries=self.recovery.num_worker_recoveries)
         self.recorder.fill_stats(msg, sched)
         msg.unhealthy_cause = self.unhealthy_cause()
         msg.healthy = not msg.unhealthy_cause
@@ -287,7 +278,7 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
         walk the scheduler's queues and the block pool). One snapshot serves every caller asking
         for as many steps within STATS_SNAPSHOT_S: however many gateways and dashboards poll, the
         step loop spends at most a few snapshots a second on them."""
-        if self.scheduler is None or self.thread is None or not self.thread.is_alive():
+        if self.scheduler is None or self.step_loop is None or not self.step_loop.is_alive():
             return scheduler_pb2.EngineStats(time=time.time(), ready=False)
         cached = self._stats_snapshots.get(max_steps)
         if cached is not None and time.monotonic() - cached[0] < STATS_SNAPSHOT_S:
@@ -310,7 +301,7 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
 
         def take() -> None:
             try:
-                value, error = self.recorder.engine_stats(self.scheduler, self.ready, self.pending_admissions,
+                value, error = self.recorder.engine_stats(self.scheduler, self.ready, self.step_loop.pending_admissions,
                                                           max_steps), None
             except Exception as exc:  # noqa: BLE001 - reported to the caller
                 value, error = None, exc
@@ -319,7 +310,7 @@ class SchedulerService(StepLoop, Recovery, Adoption, Health):
             except RuntimeError:
                 pass  # the caller's loop is gone
 
-        self.commands.put(take)
+        self.step_loop.post(take)
         try:
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:

@@ -7,8 +7,8 @@ worker runs it while this thread publishes N's tokens; `inflight` holds the step
 taken in (one or two), oldest first.
 
 Threads: every method here runs on the step-loop thread, the only one that touches the Scheduler;
-other threads hand it work through `self.commands` (callables). `self.lock` guards `groups` and
-each group's subscriber list, which the gRPC event loop also reads.
+other threads hand it work through `post` (callables run between two steps). The live groups'
+lock guards each group's subscriber list, which the gRPC event loop also reads.
 
 A bad request fails alone: an exception in one request's admission, its scheduling or results
 (the Scheduler reports those through take_failed), its publishing, replay or abort ends that
@@ -16,9 +16,11 @@ request (_fail_group: its subscribers get INTERNAL, its blocks are freed, its re
 and nothing else. _fail_all is only for a step that failed as a whole (e.g. the forward pass),
 where no single request can be blamed. No command's exception ends the step-loop thread.
 
-A mixin of SchedulerService (service.py), which owns the attributes used here: scheduler,
-workers, groups, live_ids, lock, commands, writer, recorder, info, stopping, readmitted,
-orphan_deadline, last_progress, pending_admissions, inflight, config.
+Its interface, for the service that owns it (service.py): `start()`, `stop()`, `post(command)`,
+`admit(group)`, `replay(group, subscriber)`, `abort(request_id, index)`, `is_alive()` and
+`pending_admissions` (admitted, not yet handed to the Scheduler). Everything else it uses comes
+through its constructor: the Scheduler, the workers, the live groups (live_groups.py), the record
+writer, the stats recorder, recovery and health.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import grpc
@@ -34,10 +38,14 @@ import grpc
 from pagedserve.common.grpc_util import StatusError
 from pagedserve.common.messages import SchedulerOutput
 from pagedserve.common.store import RecordWrite
-from pagedserve.scheduler.core.request import Request, RequestIdInUse, sample_ids
+from pagedserve.scheduler.core.request import Request, RequestIdInUse
+from pagedserve.scheduler.core.scheduler import Scheduler
 from pagedserve.scheduler.core.step_stats import StepStats
-from pagedserve.scheduler.records import GroupState
-from pagedserve.scheduler.stats_recorder import MAX_PREFILL_CHUNKS_KEPT
+from pagedserve.scheduler.health import Health
+from pagedserve.scheduler.live_groups import LiveGroups
+from pagedserve.scheduler.records import GroupState, RecordWriter
+from pagedserve.scheduler.recovery import Recovery
+from pagedserve.scheduler.stats_recorder import MAX_PREFILL_CHUNKS_KEPT, StatsRecorder
 from pagedserve.scheduler.subscriptions import Delivery, Subscription
 from pagedserve.scheduler.worker_client import WorkerError
 
@@ -64,20 +72,65 @@ class InFlightStep:
 
 
 class StepLoop:
+    def __init__(self, scheduler: Scheduler, workers, live: LiveGroups, writer: RecordWriter, recorder: StatsRecorder,
+                 recovery: Recovery, health: Health, stopping: threading.Event, eos_token_ids: tuple[int, ...],
+                 async_scheduling: bool, readmitted: list[str], orphan_timeout_s: float) -> None:
+        """readmitted: the requests re-admitted from the store at start; those no client attaches
+        to within orphan_timeout_s are aborted."""
+        self.scheduler, self.workers, self.live, self.writer = scheduler, workers, live, writer
+        self.recorder, self.recovery, self.health, self.stopping = recorder, recovery, health, stopping
+        self.eos_token_ids, self.async_scheduling = eos_token_ids, async_scheduling
+        self.readmitted, self.orphan_deadline = readmitted, time.monotonic() + orphan_timeout_s
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()  # callables run on the step-loop thread
+        self.pending_admissions = 0  # admitted (event loop), not yet handed to the Scheduler
+        self.inflight: deque[InFlightStep] = deque()  # sent, results not yet taken in
+        self.last_worker_step_s = 0.0  # the worker time of the last step taken in
+        self.thread = threading.Thread(target=self._loop, name="step-loop", daemon=True)
+
+    # ---- called from other threads ------------------------------------------------------------
+    def start(self) -> None:
+        self.health.progress()
+        self.thread.start()
+
+    def stop(self) -> None:
+        """After `stopping` is set: wake the loop and wait for it to end."""
+        self.commands.put(lambda: None)
+        self.thread.join(timeout=10)
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def post(self, command) -> None:
+        """Run `command` on the step-loop thread, between two steps."""
+        self.commands.put(command)
+
+    def admit(self, group: GroupState) -> None:
+        """A new request (live already) goes to the Scheduler."""
+        self.pending_admissions += 1
+        self.commands.put(lambda: self._admit(group))
+
+    def replay(self, group: GroupState, sub: Subscription) -> None:
+        """A new subscriber of a live request gets its tokens so far, then follows it."""
+        self.commands.put(lambda: self._replay(group, sub))
+
+    def abort(self, request_id: str, index: int | None) -> None:
+        self.commands.put(lambda: self._abort(request_id, index))
+
+    # ---- on the step-loop thread --------------------------------------------------------------
     def _loop(self) -> None:
         while not self.stopping.is_set():
             self._run_commands(block=not (self.scheduler.has_unfinished() or self.inflight))
             if self.readmitted and time.monotonic() > self.orphan_deadline:
                 self._abort_orphans()
             if self.stopping.is_set() or not (self.scheduler.has_unfinished() or self.inflight):
-                self.last_progress = time.monotonic()
+                self.health.progress()
                 continue
             try:
                 self._step()
-                self.last_progress = time.monotonic()
+                self.health.progress()
             except WorkerError as exc:
                 self.inflight.clear()  # the new session knows none of them
-                self._recover_workers(str(exc))
+                self.recovery.recover_workers(str(exc))
             except Exception as exc:  # noqa: BLE001 - keep serving; the requests in flight fail loudly
                 log.exception("step failed")
                 self._fail_all(StatusError(grpc.StatusCode.INTERNAL, f"the engine step failed: {exc}"))
@@ -85,7 +138,7 @@ class StepLoop:
     def _abort_orphans(self) -> None:
         """Requests re-admitted after a restart whose clients went down with the old scheduler:
         nobody re-attached within the grace period, so they stop rather than run for no one."""
-        orphans = [rid for rid in self.readmitted if (g := self.groups.get(rid)) is not None
+        orphans = [rid for rid in self.readmitted if (g := self.live.get(rid)) is not None
                    and not g.subscribers and not g.done]
         self.readmitted = []
         for request_id in orphans:
@@ -122,7 +175,7 @@ class StepLoop:
         if group.done:
             return
         req = Request(group.group_id, list(group.prompt_token_ids), len(group.prompt_token_ids), group.params,
-                      tuple(self.info.eos_token_ids), group.priority)
+                      self.eos_token_ids, group.priority)
         try:
             self.scheduler.add_request(req)
         except RequestIdInUse as exc:
@@ -168,7 +221,7 @@ class StepLoop:
         sent first, so that the worker runs it while this thread takes in the results."""
         if not self.inflight:  # (an exception in _take_results may leave the ahead step here)
             self._send_step(self.scheduler.schedule())
-        if self.config.async_scheduling and len(self.inflight) == 1 and not self.scheduler.needs_sync \
+        if self.async_scheduling and len(self.inflight) == 1 and not self.scheduler.needs_sync \
                 and not self.inflight[0].stats.prefill_tokens and self.last_worker_step_s < AHEAD_MAX_STEP_S:
             ahead = self.scheduler.schedule(ahead=True)
             if ahead is not None:
@@ -188,7 +241,7 @@ class StepLoop:
             req = requests[req_id]
             if req.params.logprobs is not None:
                 wants_logprobs.add(req_id)
-            group = self.groups.get(req.group_id)
+            group = self.live.get(req.group_id)
             if group is not None:
                 group.timings.setdefault("first_scheduled", now)
                 group.num_preemptions = max(group.num_preemptions, req.num_preemptions)
@@ -196,7 +249,7 @@ class StepLoop:
         completing = []  # groups whose prompt this step completes
         for req_id in stats.prefill_req_ids:
             req = requests[req_id]
-            group = self.groups.get(req.group_id)
+            group = self.live.get(req.group_id)
             if group is None or req.sample_index != 0:
                 continue
             num = sched.num_scheduled_tokens[req_id]
@@ -222,7 +275,7 @@ class StepLoop:
         requests = self.scheduler.requests
         for req_id in sched.num_scheduled_tokens:
             req = requests.get(req_id)
-            group = self.groups.get(req.group_id) if req is not None else None
+            group = self.live.get(req.group_id) if req is not None else None
             if group is not None and group.last_step_id != sched.step_id:
                 group.last_step_id = sched.step_id
                 group.worker_time_s += step_worker_time
@@ -240,7 +293,7 @@ class StepLoop:
         done, failed = [], []
         for update in updates:
             req = update.request
-            group = self.groups.get(req.group_id)
+            group = self.live.get(req.group_id)
             if group is None or group.done:
                 continue
             try:  # free unless it raises (3.11): one try per sample, not per token
@@ -293,7 +346,7 @@ class StepLoop:
         self.writer.submit([w for _, w, _ in changed.values()], [(g, d) for g, _, d in changed.values()], done)
 
     def _abort(self, request_id: str, index: int | None) -> None:
-        group = self.groups.get(request_id)
+        group = self.live.get(request_id)
         if group is None or group.done:
             return
         try:
@@ -328,15 +381,13 @@ class StepLoop:
 
     def _end_group(self, group: GroupState, error: StatusError) -> None:
         group.done = True
-        with self.lock:
-            for sub in group.subscribers:
-                sub.push(error)
+        self.live.push_error(group, error)
         self.writer.submit([], [], [group])
 
     def _end_failed(self) -> None:
         """The requests whose own bookkeeping raised in the Scheduler (aborted there already)."""
         for group_id, exc in self.scheduler.take_failed():
-            group = self.groups.get(group_id)
+            group = self.live.get(group_id)
             if group is not None and not group.done:
                 self._fail_group(group, exc)
 
@@ -362,20 +413,12 @@ class StepLoop:
         group.done = True
         error = error or StatusError(grpc.StatusCode.INTERNAL, f"request {group.group_id!r} failed in the "
                                      "scheduler (the scheduler's log says why); other requests are not affected")
-        with self.lock:
-            for sub in group.subscribers:
-                sub.push(error)
+        self.live.push_error(group, error)
         self.writer.submit(writes, [], [group])
 
     def _fail_all(self, error: StatusError) -> None:
         """The step failed as a whole: every request ends with error, its record finished (those
         admitted have one) so that a restarted scheduler does not run them again for nobody."""
-        for group in list(self.groups.values()):
+        for group in list(self.live.groups.values()):
             if not group.done:  # (_fail_group frees it; an exception there cannot end this loop)
                 self._fail_group(group, error, group.group_id in self.scheduler.groups, error)
-
-    def _forget_group(self, group: GroupState) -> None:
-        with self.lock:
-            if self.groups.get(group.group_id) is group:
-                del self.groups[group.group_id]
-                self.live_ids.difference_update(sample_ids(group.group_id, group.n))
