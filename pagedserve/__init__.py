@@ -19,6 +19,7 @@ _LAZY = {
     "SamplingParams": "pagedserve.common.offline_types",
     "RequestOutput": "pagedserve.common.offline_types",
     "CompletionOutput": "pagedserve.common.offline_types",
+    "PoolingParams": "pagedserve.common.offline_types",
 }
 
 __all__ = sorted(_LAZY)

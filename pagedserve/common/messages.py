@@ -82,3 +82,5 @@ class ModelRunnerOutput:
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Pooling requests whose prompt this step completed: the pooled vector, float32 little-endian.
+    pooled: dict[str, bytes] = field(default_factory=dict)

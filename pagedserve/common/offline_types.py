@@ -64,3 +64,27 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None first (nothing predicts
     # it), then each token's logprob, rank and the top k (vLLM's RequestOutput.prompt_logprobs).
     prompt_logprobs: list[SampledToken | None] | None = None
+
+
+@dataclass(slots=True)
+class PoolingParams:
+    """vLLM's PoolingParams for LLM.embed: normalize (L2, default on); dimensions (matryoshka
+    truncation) is refused: no served model supports it."""
+    normalize: bool = True
+    dimensions: int | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """vLLM's EmbeddingOutput: the vector."""
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """One prompt's embedding: vLLM's EmbeddingRequestOutput (request_id, prompt_token_ids,
+    outputs.embedding, finished)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

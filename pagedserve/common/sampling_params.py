@@ -66,6 +66,24 @@ class StructuredOutput:
         return f"{kind}:{json.dumps(value) if kind == 'choice' else value}"
 
 
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass(slots=True)
+class Pooling:
+    """An embedding request (vLLM's pooling runner, the proto's Pooling): its prompt's hidden states
+    after the model's final norm become one vector (worker/pooling.py): the last token's, the mean
+    over the prompt, or the first token's (cls); L2-normalised unless normalize is False."""
+    type: str = "last"
+    normalize: bool = True
+
+    @property
+    def takes_prefix_hits(self) -> bool:
+        """Only the last token's state survives a prefix-cache hit (the scheduler always computes
+        a prompt's last token); mean and cls read every / the first position's."""
+        return self.type == "last"
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -90,10 +108,15 @@ class SamplingParams:
     # Names the prefix cache's scope (common/prefix_hashes.py): requests share cached blocks only
     # with requests of the same salt. The gateway sets it (the owner and the client's cache_salt).
     cache_salt: str = ""
+    # Set: an embedding request, run as a prefill only (max_tokens 0, n 1) that returns the pooled
+    # hidden states instead of sampling.
+    pooling: Pooling | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
             self.structured_output = StructuredOutput(**self.structured_output)
+        if isinstance(self.pooling, dict):
+            self.pooling = Pooling(**self.pooling)
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
@@ -104,6 +127,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def takes_prefix_hits(self) -> bool:
+        """A cached prefix computes no logits and no hidden states: a request that reads them
+        (prompt logprobs, mean or cls pooling) takes no hits, as vLLM's; it still fills the cache."""
+        return self.prompt_logprobs is None and (self.pooling is None or self.pooling.takes_prefix_hits)
 
     @property
     def needs_penalties(self) -> bool:
@@ -163,6 +192,13 @@ class SamplingParams:
             kinds = self.structured_output.kinds()
             raise ValueError("structured_output must set exactly one of json_schema, json_object, regex, choice, "
                              f"grammar; got {', '.join(kinds) if kinds else 'none'}")
+
+        if self.pooling is not None:
+            if self.pooling.type not in POOLING_TYPES:
+                raise ValueError(f"pooling type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling.type!r}")
+            if self.max_tokens != 0 or self.n != 1:
+                raise ValueError("an embedding (pooling) request runs its prompt only: it needs max_tokens=0 "
+                                 f"and n=1, got max_tokens={self.max_tokens}, n={self.n}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -238,6 +238,12 @@ def _settings() -> tuple[Setting, ...]:
           help="what happens to a preempted request's KV blocks", group="engine"),
         S("--scheduling-policy", "engine serve scheduler", default="fcfs", choices=("fcfs", "priority"),
           help="the order waiting requests are admitted in: arrival, or each request's priority", group="engine"),
+        S("--runner", "engine serve gateway", default="auto", choices=("auto", "generate", "pooling"),
+          help="vLLM's: generate (auto) serves completions, chat, responses and messages; pooling serves "
+          "/v1/embeddings (and the offline LLM.embed) and refuses the others", group="engine"),
+        S("--pooler", "engine serve gateway", default="last", choices=("last", "mean", "cls"),
+          help="with --runner pooling: how a prompt's hidden states (after the final norm) become its "
+          "embedding: the last token's, the mean over the prompt, or the first token's", group="engine"),
         S("--no-prefix-caching", "engine serve scheduler", bool, False, "do not share KV blocks of equal prefixes",
           group="engine"),
         S("--no-chunked-prefill", "engine serve scheduler", bool, False, "prefill each prompt in one step",

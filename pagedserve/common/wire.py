@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pagedserve.common.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, PromptLogprobs, \
     SampledToken, SchedulerOutput
-from pagedserve.common.sampling_params import SamplingParams, StructuredOutput
+from pagedserve.common.sampling_params import Pooling, SamplingParams, StructuredOutput
 from pagedserve.v1 import common_pb2, worker_pb2
 
 
@@ -30,7 +30,8 @@ def params_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int = 
         if msg.HasField("structured_output") else None,
         logit_bias=dict(msg.logit_bias) or None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-        cache_salt=msg.cache_salt)
+        cache_salt=msg.cache_salt,
+        pooling=Pooling(msg.pooling.type, msg.pooling.normalize) if msg.HasField("pooling") else None)
 
 
 def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
@@ -68,6 +69,9 @@ def params_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | Non
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
     msg.cache_salt = params.cache_salt
+    if params.pooling is not None:
+        msg.pooling.type = params.pooling.type
+        msg.pooling.normalize = params.pooling.normalize
     return msg
 
 
@@ -158,6 +162,8 @@ def result_to_proto(result: ModelRunnerOutput, worker_time_s: float = 0.0) -> wo
         entry = msg.prompt_logprobs.add(req_id=req_id, start=prompt.start)
         for token in prompt.tokens:
             token_to_proto(token, entry.tokens.add())
+    for req_id, data in result.pooled.items():
+        msg.pooled.add(req_id=req_id, data=data)
     return msg
 
 
@@ -169,7 +175,8 @@ def result_from_proto(msg: worker_pb2.StepResult, wants_logprobs: set[str] | Non
         sampled[entry.req_id] = [token_from_proto(t, with_logprobs) for t in entry.tokens]
     prompt = {entry.req_id: PromptLogprobs(entry.start, [token_from_proto(t, True) for t in entry.tokens])
               for entry in msg.prompt_logprobs}
-    return ModelRunnerOutput(msg.step_id, sampled, msg.forward_time_s, msg.sample_time_s, prompt)
+    return ModelRunnerOutput(msg.step_id, sampled, msg.forward_time_s, msg.sample_time_s, prompt,
+                             {entry.req_id: entry.data for entry in msg.pooled})
 
 
 # ---- timings --------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """vLLM's offline API over the in-process engine: `LLM(model=..., **engine_args)` with
 `generate(prompts, sampling_params)` and `chat(messages, sampling_params)`, returning one
-RequestOutput per prompt (pagedserve.common.offline_types). AsyncLLM (async_llm.py) is the
+RequestOutput per prompt (pagedserve.common.offline_types), and `embed(prompts)` with
+runner="pooling" (engine/embeddings.py). AsyncLLM (async_llm.py) is the
 streaming front over the same engine.
 
 Engine arguments are the engine's settings, declared once in pagedserve.common.settings (the
@@ -26,6 +27,7 @@ from tqdm import tqdm
 from pagedserve.common import settings
 from pagedserve.common.offline_types import RequestOutput, SamplingParams
 from pagedserve.common.sampling_params import SamplingParams as EngineSamplingParams
+from pagedserve.engine import embeddings
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine, engine_config_from_args
 from pagedserve.engine.text_requests import TextRequest
 from pagedserve.model_files import chat_templates
@@ -139,10 +141,23 @@ class LLM:
             encoded.append((text, ids))
         return self._run(encoded, per_prompt(sampling_params, len(encoded)), use_tqdm)
 
-    def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[EngineSamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def embed(self, prompts, pooling_params=None, use_tqdm: bool = False) -> list:
+        """vLLM's LLM.embed (runner="pooling"): one EmbeddingRequestOutput per prompt, in order
+        (`.outputs.embedding`: the vector, pooled as the engine's pooler says, L2-normalised unless
+        PoolingParams(normalize=False)). prompts as generate takes them."""
+        config = self.engine.config
+        params = embeddings.pooling_request_params(config.runner, config.pooler, pooling_params)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        encoded = [encode_prompt(self.tokenizer, p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        self._check(encoded)
+        ids = [str(next(self._ids)) for _ in encoded]
+        return embeddings.embed_all(self.engine, ids, encoded, params, use_tqdm)
+
+    def _check(self, encoded: list[tuple[str | None, list[int]]]) -> None:
+        """Every prompt checked before one is added."""
         engine = self.engine
-        for i, (_, ids) in enumerate(encoded):  # every prompt checked before one is added
+        for i, (_, ids) in enumerate(encoded):
             if not ids:
                 raise ValueError(f"prompts[{i}] is empty")
             try:
@@ -152,6 +167,11 @@ class LLM:
             vocab = engine.model_config.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise ValueError(f"prompts[{i}]: a token id is outside the vocabulary [0, {vocab})")
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[EngineSamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        self._check(encoded)
         requests = {str(next(self._ids)): (text, ids, p) for (text, ids), p in zip(encoded, params)}
         tracked = {rid: TextRequest(rid, text, ids, p, self.tokenizer) for rid, (text, ids, p) in requests.items()}
         try:

@@ -49,6 +49,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = not _DEFAULTS["no_chunked_prefill"]
     # ranks 1..N-1 run in spawned processes (services: one worker per rank)
     tensor_parallel_size: int = _DEFAULTS["tensor_parallel_size"]
+    runner: str = _DEFAULTS["runner"]  # auto/generate, or pooling: embeddings (LLM.embed)
+    pooler: str = _DEFAULTS["pooler"]  # with runner pooling: last, mean or cls
     progress: bool = True
 
 
@@ -63,6 +65,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     prompt_logprobs: list[SampledToken] | None = None  # positions 1.., on a sample's first output
+    embedding: bytes | None = None  # an embedding request's vector (float32 LE), on its finish
 
 
 @dataclass(slots=True)
@@ -184,7 +187,7 @@ class LLMEngine:
             raise RuntimeError(f"request {request_id!r} failed in the scheduler: {exc}") from exc
         return [RequestOutput(u.request.group_id, u.request.sample_index, u.new_tokens, u.finished,
                               u.request.finish_reason, u.request.num_prompt_tokens, u.request.num_cached_tokens,
-                              u.prompt_logprobs)
+                              u.prompt_logprobs, u.embedding)
                 for u in updates]
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,

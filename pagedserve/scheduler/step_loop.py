@@ -313,7 +313,7 @@ class StepLoop:
                 delivery = Delivery(req.sample_index, req.num_output_tokens - len(tokens), tokens,
                                     list(update.new_tokens) if group.params.logprobs is not None else None,
                                     num_cached_tokens=group.num_cached_tokens,
-                                    prompt_logprobs=update.prompt_logprobs)
+                                    prompt_logprobs=update.prompt_logprobs, embedding=update.embedding)
                 if update.finished:
                     group.ended_samples[req.sample_index] = req
                     group.finish_reasons[req.sample_index] = delivery.finish_reason = req.finish_reason or "stop"

@@ -33,6 +33,7 @@ class Delivery:
     timings: dict | None = None  # on a sample's last delivery
     num_cached_tokens: int = 0
     prompt_logprobs: list[SampledToken] | None = None  # with its first token (start 0), when asked
+    embedding: bytes | None = None  # an embedding request's vector, with its finish
 
 
 class Outbox:
@@ -128,6 +129,8 @@ def delta_message(request_id: str, delivery: Delivery, tokens: list[int], logpro
         wire.token_to_proto(token, msg.prompt_logprobs.add())
     if delivery.timings:
         wire.timings_from_dict(delivery.timings, msg.timings)
+    if delivery.embedding:
+        msg.embedding = delivery.embedding
     return msg
 
 

@@ -209,6 +209,7 @@ class RequestStream:
         response.timings.MergeFrom(self.accepted_timings)
         response.timings.MergeFrom(delta.timings)
         response.timings.detokenized = time.time()
+        response.embedding = delta.embedding
         # The scheduler still generates this sample only if it had not finished it itself.
         return response, stopped and not reason
 

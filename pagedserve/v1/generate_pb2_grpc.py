@@ -56,6 +56,11 @@ class GenerationStub:
                 request_serializer=pagedserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pagedserve.v1.Generation/Embed',
+                request_serializer=pagedserve_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -88,6 +93,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """POST /v1/embeddings (--runner pooling)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +122,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=pagedserve_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pagedserve_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +238,33 @@ class Generation:
             '/pagedserve.v1.Generation/Detokenize',
             pagedserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
             pagedserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Generation/Embed',
+            pagedserve_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+            pagedserve_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

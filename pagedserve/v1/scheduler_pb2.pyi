@@ -29,7 +29,7 @@ class ScheduleRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., attach: _Optional[bool] = ..., skip_tokens: _Optional[_Iterable[int]] = ..., tag: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "accepted", "timings", "n", "tag", "prompt_logprobs")
+    __slots__ = ("request_id", "index", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "accepted", "timings", "n", "tag", "prompt_logprobs", "embedding")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class TokenDelta(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -54,7 +55,8 @@ class TokenDelta(_message.Message):
     n: int
     tag: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., accepted: _Optional[bool] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., n: _Optional[int] = ..., tag: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    embedding: bytes
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., accepted: _Optional[bool] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., n: _Optional[int] = ..., tag: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., embedding: _Optional[bytes] = ...) -> None: ...
 
 class StreamCommand(_message.Message):
     __slots__ = ("schedule", "leave")

@@ -187,18 +187,28 @@ class PromptLogprobs(_message.Message):
     tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     def __init__(self, req_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
+class PooledOutput(_message.Message):
+    __slots__ = ("req_id", "data")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    data: bytes
+    def __init__(self, req_id: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "forward_time_s", "sample_time_s", "worker_time_s", "prompt_logprobs")
+    __slots__ = ("step_id", "sampled", "forward_time_s", "sample_time_s", "worker_time_s", "prompt_logprobs", "pooled")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_TIME_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     WORKER_TIME_S_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledTokens]
     forward_time_s: float
     sample_time_s: float
     worker_time_s: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledTokens, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., sample_time_s: _Optional[float] = ..., worker_time_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    pooled: _containers.RepeatedCompositeFieldContainer[PooledOutput]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledTokens, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., sample_time_s: _Optional[float] = ..., worker_time_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ...) -> None: ...

@@ -19,7 +19,7 @@ from pagedserve.worker.cpu_linear import pack_model
 from pagedserve.worker.graph_runner import CudaGraph, DecodeGraphRunner, GraphCaptureError
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.models import model_class
-from pagedserve.worker import prompt_logprobs
+from pagedserve.worker import pooling, prompt_logprobs
 from pagedserve.worker.parallel import broadcast_from_rank0, tp_group, using_group
 from pagedserve.worker.platform import platform_for
 from pagedserve.worker.request_states import RequestState, RequestStates
@@ -264,6 +264,8 @@ class ModelRunner:
             result.forward_time_s = time.perf_counter() - t0
         if any(s.params.prompt_logprobs is not None for s in order):
             result.prompt_logprobs = prompt_logprobs.compute(self.model, hidden, order, counts, tp_group().rank == 0)
+        if any(s.params.pooling is not None for s in order):
+            result.pooled = pooling.compute(hidden, order, counts, tp_group().rank == 0)
         self.requests.advance(zip(order, counts))
         self.requests.commit({req_id: [t.token_id for t in tokens] for req_id, tokens in result.sampled.items()})
         return result

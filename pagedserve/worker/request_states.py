@@ -28,6 +28,7 @@ class RequestState:
     child_req_ids: list[str]  # samples 1..n-1 fork from this one at its first sampled token
     group_block_ids: list[list[int]]  # the tables of KV groups 1.. (common/model_config.KVGroups)
     matcher: object | None = None  # structured outputs: its grammar's state (rank 0 only, built lazily)
+    pooled: object | None = None  # embeddings: mean's running sum or cls's row (worker/pooling.py)
 
 
 class RequestStates(dict[str, RequestState]):

@@ -2,7 +2,8 @@
 tokens, its sampled token(s) — the first sample of a request of n > 1 forks the others, which
 share its blocks copy-on-write —, its prompt logprobs, the stop rules (stop ids, eos, max_tokens,
 max_model_len), and the prefix cache's newly full blocks (entered first: a request that ends in
-its step still leaves the blocks that step computed in the cache).
+its step still leaves the blocks that step computed in the cache). An embedding request (params.pooling)
+is prompt-only: it finishes on the step that completes its prompt, with the worker's pooled vector.
 
 Threads: the Scheduler's (one thread: the step loop, or the in-process engine's caller).
 Invariants: a request finished or failed here is in no queue and holds no blocks when update
@@ -33,6 +34,8 @@ class RequestUpdate:
     # With prompt_logprobs, on each sample's first update (its first token, or the finish of a
     # max_tokens 0 request): the prompt's logprobs, positions 1 .. P-1.
     prompt_logprobs: list[SampledToken] | None = None
+    # An embedding request (params.pooling), on its finish: the pooled vector, float32 little-endian.
+    embedding: bytes | None = None
 
 
 class Results:
@@ -65,7 +68,8 @@ class Results:
                 if not samples_any(req.params):  # the prompt only: done once it is computed, nothing sampled
                     if req.num_computed_tokens >= req.num_tokens:
                         self._finish(req, RequestStatus.FINISHED_LENGTH)
-                        updates.append(RequestUpdate(req, [], True, self._first_prompt_logprobs(req)))
+                        updates.append(RequestUpdate(req, [], True, self._first_prompt_logprobs(req),
+                                                     self._embedding(req, result)))
                         continue
                     samples = None
                 if samples:
@@ -123,6 +127,15 @@ class Results:
             self._finish(req, stop)
         first = self._first_prompt_logprobs(req) if req.num_output_tokens == 1 else None
         return RequestUpdate(req, new, stop is not None, first)
+
+    @staticmethod
+    def _embedding(req: Request, result: ModelRunnerOutput) -> bytes | None:
+        if req.params.pooling is None:
+            return None
+        data = result.pooled.get(req.request_id)
+        if data is None:
+            raise RuntimeError("the worker completed an embedding request's prompt but returned no vector")
+        return data
 
     @staticmethod
     def _first_prompt_logprobs(req: Request) -> list[SampledToken] | None:

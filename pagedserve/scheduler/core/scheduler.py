@@ -357,10 +357,10 @@ class Scheduler(Isolation, Results):
         if self._num_seqs_after(req) > cfg.max_num_seqs:
             self._wait_reason = "seq_budget"
             return False
-        # A cached prefix computes no logits: a request that wants its prompt's logprobs takes no
-        # hits (as vLLM does); it still fills the cache for others.
+        # A cached prefix computes no logits or hidden states: a request that reads them (prompt
+        # logprobs, mean/cls pooling) takes no hits (as vLLM does); it still fills the cache for others.
         hits = (bm.find_cached_prefix(req.request_id, req.token_ids, req.params.cache_salt)
-                if req.params.prompt_logprobs is None else [])
+                if req.params.takes_prefix_hits else [])
         num_computed = len(hits) * cfg.block_size
         num_new = req.num_tokens - num_computed
         # Unchunked prefill waits for a step with room, unless no step could ever hold it
