@@ -13,9 +13,9 @@ import time
 import pytest
 
 from pagedserve.common.grpc_util import free_port
-from pagedserve.launcher.processes import (SCHEDULER_FLAGS, TOKENIZER_FLAGS, WORKER_FLAGS, Ports, ServiceError,
-                                  ServiceProcess, Stack, StackConfig, client_host, resolve_redis, service_argvs,
-                                  service_env)
+from pagedserve.launcher.processes import (GATEWAY_FLAGS, SCHEDULER_FLAGS, TOKENIZER_FLAGS, WORKER_FLAGS, Ports,
+                                  ServiceError, ServiceProcess, Stack, StackConfig, client_host, resolve_redis,
+                                  service_argvs, service_env)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -95,7 +95,9 @@ def test_every_engine_flag_reaches_a_service():
     add_engine_args(p)
     engine = {a.dest for a in p._actions if a.option_strings and a.dest != "help"}
     # service_argvs gives every worker rank --tensor-parallel-size itself (with its --rank).
-    assert engine - {"tensor_parallel_size"} <= set(WORKER_FLAGS) | set(SCHEDULER_FLAGS) | set(TOKENIZER_FLAGS)
+    # (--runner and --pooler shape the API: the gateway reads them)
+    assert engine - {"tensor_parallel_size"} <= (set(WORKER_FLAGS) | set(SCHEDULER_FLAGS) | set(TOKENIZER_FLAGS)
+                                                 | set(GATEWAY_FLAGS))
     cfg = StackConfig(tensor_parallel_size=2)
     argvs = service_argvs(cfg, Ports([1, 2], 3, 4))
     assert [parse(argvs[f"worker{r}"]).tensor_parallel_size for r in (0, 1)] == [2, 2]

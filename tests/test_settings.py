@@ -71,7 +71,8 @@ def test_the_table_holds_together():
 def test_every_engine_setting_reaches_a_service_through_serve():
     for s in settings_of("engine"):
         assert "serve" in s.services, s.flag
-        assert s.services & {"worker", "scheduler", "tokenizer"}, s.flag
+        # (--runner and --pooler shape the API: the gateway is the service that reads them)
+        assert s.services & {"worker", "scheduler", "tokenizer", "gateway"}, s.flag
     # Everything serve takes is its own (the launcher's) or some service's.
     for s in settings_of("serve"):
         assert s.services == {"serve"} or s.services - {"serve", "engine"}, s.flag

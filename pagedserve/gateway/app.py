@@ -1,4 +1,4 @@
-"""The OpenAI-compatible REST API: `build_app(backend)` wires the routes (completions and chat,
+"""The OpenAI-compatible REST API: `build_app(backend)` wires the routes (completions and chat, embeddings,
 their stream resume, models, request status, engine stats, health, metrics, the dashboard) to
 the plain code that serves them, behind the admission gate (http_gate.py), and renders every
 error in OpenAI's {"error": {...}} shape.
@@ -19,7 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.gateway.backend import Backend
-from pagedserve.gateway import anthropic_api, batched_completion, completion_call, responses_api, tokenization
+from pagedserve.gateway import (anthropic_api, batched_completion, completion_call, embeddings, responses_api,
+                                tokenization)
 from pagedserve.gateway.health import readiness, readiness_now
 from pagedserve.gateway.http_gate import HttpGate
 from pagedserve.gateway.metrics import Metrics
@@ -100,17 +101,20 @@ def build_app(backend: Backend) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        backend.check_runner("Completions API")
         if batched_completion.is_batched(body):  # a list of prompts
             return await batched_completion.run_batched(backend, request, body)
         return await completion_call.run_completion(backend, request, False, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        backend.check_runner("Chat Completions API")
         return await completion_call.run_completion(backend, request, True, body)
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         """OpenAI's Responses API (responses_api.py)."""
+        backend.check_runner("Responses API")
         return await responses_api.create(backend, request, await _json_body(request))
 
     @app.get("/v1/responses/{response_id}")
@@ -122,7 +126,10 @@ def build_app(backend: Backend) -> FastAPI:
     async def messages(request: Request) -> Response:
         """Anthropic's Messages API (anthropic_api.py); errors in Anthropic's shape."""
         try:
+            backend.check_runner("Messages API")
             body = await request.json()
+        except RequestError as exc:
+            return anthropic_api.error_response(exc)
         except ValueError:
             return anthropic_api.error_response(RequestError(400, "the body is not valid JSON"))
         return await anthropic_api.run_messages(backend, request, body)
@@ -134,6 +141,11 @@ def build_app(backend: Backend) -> FastAPI:
         except ValueError:
             return anthropic_api.error_response(RequestError(400, "the body is not valid JSON"))
         return await anthropic_api.count_tokens(backend, body)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(request: Request) -> Response:
+        """OpenAI's embeddings, with --runner pooling (embeddings.py)."""
+        return await embeddings.create(backend, request, await _json_body(request))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

@@ -107,17 +107,25 @@ class TokenizerCalls:
 class Backend:
     """Holds the grpc.aio stubs (created on first use, inside the serving event loop)."""
 
+    def check_runner(self, api: str, pooling: bool = False) -> None:
+        """vLLM's answer to an endpoint the --runner does not serve: 400 "The model does not support
+        <api>" (embeddings need --runner pooling; generation needs the generate runner)."""
+        if (self.runner == "pooling") != pooling:
+            hint = "--runner pooling" if pooling else "the generate runner (this server runs --runner pooling)"
+            raise RequestError(400, f"The model does not support {api}: it needs {hint}", code="model_not_supported")
+
     def __init__(self, tokenizer_addr: str, scheduler_addr: str, api_key: str | list[str] | None = None,
                  store: RequestStore | None = None, metrics: Metrics | None = None,
                  limits: Limits | None = None, admin_keys: list[str] | None = None,
                  min_priorities: dict[str, int] | None = None, tool_call_parser: str | None = None,
                  local_links: bool = True, reasoning_parser: str | None = None,
-                 prefix_cache_scope: str = "owner") -> None:
+                 prefix_cache_scope: str = "owner", runner: str = "auto", pooler: str = "last") -> None:
         self.tokenizer_addr, self.scheduler_addr = tokenizer_addr, scheduler_addr
         self.local_links = local_links  # --service-transport auto: Generate over the tokenizer's local socket
         self.tool_call_parser = tool_call_parser  # --tool-call-parser: reads tool_choice "auto" outputs
         self.reasoning_parser = reasoning_parser  # --reasoning-parser: a chat's reasoning_content
         self.prefix_cache_scope = prefix_cache_scope  # --prefix-cache-scope: owners.cache_salt
+        self.runner, self.pooler = runner, pooler  # --runner pooling: embeddings only, pooled by --pooler
         self.admission = Admission(api_key, limits, admin_keys, min_priorities)
         self.limits = self.admission.limits
         self.inflight: set = set()  # the REST calls this gateway is serving (completion_call.CompletionCall)

@@ -87,7 +87,7 @@ async def _run(backend: Backend, request: Request, body: CompletionRequest) -> R
     calls = [CompletionCall(backend, request, False, part) for part in parts]
     for call in calls:
         call.raw = True
-    answers = await _start_all(calls)
+    answers = await start_all(calls)
     headers = {"x-request-id": ",".join(c.client_id for c in calls)}
     if body.stream:
         return CancellingStream(_merged_stream(calls, answers, body.n), lambda: _close_all(calls),
@@ -95,7 +95,7 @@ async def _run(backend: Backend, request: Request, body: CompletionRequest) -> R
     return JSONResponse(_merged_body(calls, answers, body.n), headers=headers)
 
 
-async def _start_all(calls: list[CompletionCall]) -> list:
+async def start_all(calls: list[CompletionCall]) -> list:
     """Every call's answer (its raw stream, or its body); the first failure cancels the rest and
     is raised (an HTTP error: no headers are gone yet)."""
     tasks = [asyncio.ensure_future(call.start()) for call in calls]

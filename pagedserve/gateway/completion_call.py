@@ -33,14 +33,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.common import request_checks as checks
-from pagedserve.v1 import generate_pb2
+from pagedserve.v1 import common_pb2, generate_pb2
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import Backend, as_request_error, rpc_error
 from pagedserve.gateway.generation import admit_first, forward_as, output_budget
 from pagedserve.gateway.metrics import RequestTracker
 from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
-                                         completion_to_generate, error_body, include_event_ids,
+                                         completion_to_generate, embedding_to_generate, error_body, include_event_ids,
                                          include_usage)
 from pagedserve.gateway.reasoning import request_parser
 from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning, vllm_prompt_logprobs
@@ -83,6 +83,8 @@ class CompletionCall:
         self.raw = False  # one prompt of a batch (batched_completion.py): answer chunks / a body, no Response
         self.tools: ToolOutput | None = None  # how a chat's samples are read for tool calls
         self.reasoning: Reasoning | None = None  # and for their reasoning (--reasoning-parser)
+        # An embedding (embeddings.py): the prompt runs alone and the answer is its pooled vector.
+        self.pooling: common_pb2.Pooling | None = None
         if body is not None:
             self.n, self.stream = body.n, body.stream
             self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
@@ -108,7 +110,10 @@ class CompletionCall:
         backend.admission.check_priority(self.caller, body.priority)
         timeout = self._timeout()
         info = await backend.served_model(body.model)
-        gen = chat_to_generate(body) if self.chat else completion_to_generate(body)
+        if self.pooling is not None:
+            gen = embedding_to_generate(body.prompt, self.pooling, body.priority)
+        else:
+            gen = chat_to_generate(body) if self.chat else completion_to_generate(body)
         if self.chat:
             self.tools = chat_tools(body, gen, backend.tool_call_parser)
             if backend.reasoning_parser:
@@ -359,6 +364,9 @@ class CompletionCall:
         tracker = self.tracker
         out_timings = tracker.timings_object() if self.timings and tracker is not None else None
         self.end()
+        if self.pooling is not None:
+            return {"embedding": collector.embedding, "prompt_tokens": collector.usage.prompt_tokens,
+                    "finish_reason": collector.samples[0].finish_reason}
         body = self.body
         if self.chat:
             out = collector.chat(self.client_id, self.model, self.created, bool(body.logprobs), self.tools,

@@ -27,6 +27,7 @@ from pagedserve.v1 import generate_pb2, generate_pb2_grpc
 from pagedserve.common import request_checks as checks
 from pagedserve.common import structured_output
 from pagedserve.common.wire import params_from_proto
+from pagedserve.gateway import grpc_embed
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend
 from pagedserve.gateway.generation import admit_first, forward_as, output_budget
@@ -106,6 +107,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             self.backend.admission.check_priority(caller, request.priority)
         except Refusal as refusal:
             await context.abort(refusal.grpc_code, refusal.message)
+        if self.backend.runner == "pooling":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "The model does not support generation: this server runs --runner pooling (use Embed)")
         info = await self._model_info(context)
         problem = request_problem(request, info)
         if problem is not None:
@@ -143,6 +147,11 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             call.cancel()
             admission.release(reserved)
             tracker.finish(n, cancelled=not finished)
+
+    async def Embed(self, request: generate_pb2.EmbedRequest, context: grpc.aio.ServicerContext):
+        """As POST /v1/embeddings (grpc_embed.py)."""
+        metadata = {key.lower(): value for key, value in (context.invocation_metadata() or ())}
+        return await grpc_embed.embed(self, request, context, metadata, peer_host(context.peer()))
 
     async def GetModelInfo(self, request: generate_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         await self._admit(context)

@@ -275,6 +275,24 @@ def completion_to_generate(req: CompletionRequest) -> generate_pb2.GenerateReque
     return gen
 
 
+def embedding_to_generate(prompt: str | list[int], pooling, priority: int = 0) -> generate_pb2.GenerateRequest:
+    """One embedding input (checked by embeddings.inputs) as a prefill-only request that returns
+    its pooled vector (pooling: a common_pb2.Pooling)."""
+    gen = generate_pb2.GenerateRequest()
+    if isinstance(prompt, str):
+        gen.prompt = prompt
+    else:
+        for token in prompt:
+            _check_uint32(token, "input")
+        gen.prompt_token_ids.ids[:] = prompt
+    if not -(2**31) <= priority < 2**31:
+        raise bad_request("priority must be a 32-bit integer", "priority")
+    gen.priority = priority
+    gen.params.max_tokens = 0
+    gen.params.pooling.CopyFrom(pooling)
+    return gen
+
+
 def chat_to_generate(req: ChatCompletionRequest) -> generate_pb2.GenerateRequest:
     """The tools and tool_choice are mapped by tools.apply_tools (it needs the server's parser)."""
     if not req.messages:

@@ -139,6 +139,7 @@ class Collector:
         self.samples = [SampleOutput() for _ in range(n)]
         self.usage = UsageTracker()
         self.prompt_text = ""
+        self.embedding = b""  # an embedding request's vector (float32 LE), from its last message
 
     def add(self, msg: generate_pb2.GenerateResponse) -> None:
         self.usage.add(msg)
@@ -148,6 +149,8 @@ class Collector:
         while msg.index >= len(self.samples):
             self.samples.append(SampleOutput())
         sample = self.samples[msg.index]
+        if msg.embedding:
+            self.embedding = msg.embedding
         if msg.text:
             sample.text.append(msg.text)
         sample.logprobs.extend(msg.logprobs)

@@ -170,7 +170,8 @@ async def _serve(args) -> int:
                       tool_call_parser=getattr(args, "tool_call_parser", None),
                       reasoning_parser=getattr(args, "reasoning_parser", None),
                       local_links=getattr(args, "service_transport", "auto") == "auto",
-                      prefix_cache_scope=getattr(args, "prefix_cache_scope", "owner"))
+                      prefix_cache_scope=getattr(args, "prefix_cache_scope", "owner"),
+                      runner=getattr(args, "runner", "auto"), pooler=getattr(args, "pooler", "last"))
     if store.durable and getattr(store, "url", None):  # engine replicas register in this Redis
         from pagedserve.gateway.replicas import ReplicaDirectory
         backend.replicas = ReplicaDirectory(store.url, args.redis_prefix)

@@ -1,0 +1,113 @@
+"""POST /v1/embeddings through every service (--runner pooling, issue 38 item 5), driven by the
+official `openai` client (client.embeddings.create: its default base64 and float), raw HTTP and
+gRPC's Generation/Embed: vectors equal transformers' last_hidden_state pooled the same way
+(cosine >= 0.9999, float32), usage counted, a request record kept; a 400 naming the field for
+each unsupported field a client commonly sends, and generation endpoints refused as vLLM does."""
+
+from __future__ import annotations
+
+import base64
+
+import grpc
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from pagedserve.v1 import generate_pb2, generate_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+TEXTS = ["Hello", "The quick brown fox jumps over the lazy dog", "Paged attention keeps the KV cache in blocks. " * 4]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, launch_stack):
+    return launch_stack(tiny_model, runner="pooling", pooler="mean", max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """(token ids, mean of last_hidden_state) per text, from transformers."""
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
+    hf = transformers.AutoModel.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    out = []
+    for text in TEXTS:
+        ids = tokenizer(text)["input_ids"]
+        with torch.no_grad():
+            out.append((ids, hf(torch.tensor([ids])).last_hidden_state[0].mean(dim=0).numpy()))
+    return out
+
+
+def cosine(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_openai_client_float_and_base64_equal_transformers(client, model_name, reference):
+    as_float = client.embeddings.create(model=model_name, input=TEXTS, encoding_format="float")
+    as_default = client.embeddings.create(model=model_name, input=TEXTS)  # the SDK asks for base64
+    assert [d.index for d in as_float.data] == [0, 1, 2]
+    assert as_float.usage.prompt_tokens == as_float.usage.total_tokens == sum(len(ids) for ids, _ in reference)
+    for a, b, (_, expected) in zip(as_float.data, as_default.data, reference):
+        assert cosine(a.embedding, expected) >= 0.9999
+        assert np.isclose(np.linalg.norm(a.embedding), 1.0, atol=1e-5)  # normalised by default
+        assert np.allclose(a.embedding, b.embedding, atol=1e-6)
+    # token ids, one list or several, as vLLM takes them
+    ids = [ids for ids, _ in reference]
+    one = client.embeddings.create(model=model_name, input=ids[1], encoding_format="float")
+    assert cosine(one.data[0].embedding, reference[1][1]) >= 0.9999
+    several = client.embeddings.create(model=model_name, input=ids, encoding_format="float")
+    assert all(cosine(d.embedding, e) >= 0.9999 for d, (_, e) in zip(several.data, reference))
+
+
+def test_raw_base64_unnormalised_and_the_request_record(stack, model_name, reference):
+    with httpx.Client(base_url=stack.http_url, timeout=300) as http:
+        reply = http.post("/v1/embeddings", json={"model": model_name, "input": TEXTS[2],
+                                                  "encoding_format": "base64", "normalize": False})
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["object"] == "list" and body["data"][0]["object"] == "embedding"
+        vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+        assert np.allclose(vector, reference[2][1], rtol=1e-4, atol=1e-4)
+        record = http.get(f"/v1/requests/{reply.headers['x-request-id']}")
+        assert record.status_code == 200 and record.json()["status"] == "finished"
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("dimensions", 8, "matryoshka"), ("encoding_format", "int8", "float, base64"),
+    ("truncate_prompt_tokens", 4, "not supported"), ("input_type", "query", "not supported"),
+    ("input", "", "empty"), ("input", [[1, 2], []], "input[1] is empty"), ("normalize", "yes", "true or false")])
+def test_unsupported_fields_get_a_400_naming_them(client, model_name, field, value, words):
+    body = {"input": "Hello", field: value}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.post("/embeddings", body={"model": model_name, **body}, cast_to=object)
+    assert err.value.body["param"] == field and words in err.value.body["message"]
+
+
+def test_generation_refused_on_a_pooling_server(client, model_name, stack):
+    with pytest.raises(openai.BadRequestError, match="does not support Chat Completions API"):
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(openai.BadRequestError, match="does not support Completions API"):
+        client.completions.create(model=model_name, prompt="Hi")
+    with httpx.Client(base_url=stack.http_url, timeout=60) as http:
+        reply = http.post("/v1/messages", json={"model": model_name, "max_tokens": 4,
+                                                "messages": [{"role": "user", "content": "Hi"}]})
+        assert reply.status_code == 400 and "does not support Messages API" in reply.text
+
+
+def test_grpc_embed(stack, reference):
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        reply = stub.Embed(generate_pb2.EmbedRequest(texts=TEXTS), timeout=300)
+        assert reply.usage.prompt_tokens == sum(len(ids) for ids, _ in reference)
+        for item, (_, expected) in zip(reply.embeddings, reference):
+            assert cosine(item.values, expected) >= 0.9999
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Embed(generate_pb2.EmbedRequest(texts=["a", ""]), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "texts[1]" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(generate_pb2.GenerateRequest(prompt="Hi"), timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pooling" in err.value.details()
