@@ -87,3 +87,23 @@ def test_bfloat16_loses_a_little_against_float32(tmp_path, default_model_path):
     got = quality.compare(tested.runner, reference.runner, quality.windows_of(ids, 64, None))
     assert 0 < got["kl_mean"] < 0.05 and 0 < got["max_logit_diff"] < 1 and got["top1_agreement"] > 0.8
     assert got["perplexity"] == pytest.approx(got["reference_perplexity"], rel=0.05)
+
+
+def test_gemma3_sliding_and_global_layers_match_transformers(tmp_path):
+    """A model whose KV groups differ per layer (tiny Gemma 3: local layers with an 8-token window,
+    global layers) runs its windows through the serving runner's per-group tables: the perplexity is
+    transformers' over the same windows (each window 4x the sliding window, not a multiple of the
+    block size), a run against itself loses nothing, and bfloat16 loses a little."""
+    from tiny_models import build_tiny_model, make_engine
+
+    folder = build_tiny_model(tmp_path / "gemma3", "gemma3")
+    reference = make_engine(folder)
+    assert reference.runner.config.kv_groups().hybrid
+    ids = torch.randint(3, 256, (5 * 40,), generator=torch.Generator().manual_seed(0)).tolist()
+    windows = quality.windows_of(ids, 40, 1)
+    itself = quality.compare(reference.runner, reference.runner, windows)
+    assert itself["kl_mean"] == 0 and itself["top1_agreement"] == 1 and itself["scored_tokens"] == 5 * 19
+    assert itself["perplexity"] == pytest.approx(hf_perplexity(folder, windows), rel=1e-4)
+    got = quality.compare(make_engine(folder, dtype="bfloat16").runner, reference.runner, windows)
+    assert 0 < got["kl_mean"] < 0.05 and got["top1_agreement"] > 0.8
+    assert got["perplexity"] == pytest.approx(got["reference_perplexity"], rel=0.05)

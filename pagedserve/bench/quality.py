@@ -15,7 +15,9 @@ and the largest difference of any logit. --json FILE writes perplexity, kl_mean,
 max_logit_diff (and the reference's perplexity). --llama-perplexity PATH also runs llama.cpp's
 llama-perplexity on the same GGUF, text and window, and prints its perplexity in the same table.
 
-Runs in process (tensor parallel size 1); models whose KV groups differ per layer (Gemma 3) are refused."""
+Runs in process (tensor parallel size 1). Models whose KV groups differ per layer (Gemma 3's sliding and
+global layers) run as they are served: each window holds its own blocks in every group, and each layer
+reads its group's tables (the model runner's batch_metadata)."""
 
 from __future__ import annotations
 
@@ -67,35 +69,50 @@ class Scores:
         self.kls: list = []
 
 
+@dataclass(slots=True)
+class WindowState:
+    """One window as the model runner's batch layout reads a request: nothing computed yet, and its
+    own blocks in every KV group."""
+    block_ids: list[int]
+    group_block_ids: list[list[int]]
+    num_computed_tokens: int = 0
+
+
+def window_states(count: int, ctx: int, block_size: int, num_groups: int) -> list[WindowState]:
+    """count windows' block tables: each window holds ctx tokens in every KV group, no block shared
+    (a block id belongs to one group at a time, as the scheduler's block manager hands them out)."""
+    per_window = -(-ctx // block_size)
+    tables = [[list(range((i * num_groups + g) * per_window, (i * num_groups + g + 1) * per_window))
+               for g in range(num_groups)] for i in range(count)]
+    return [WindowState(t[0], t[1:]) for t in tables]
+
+
 def window_logits(runner, windows: list[list[int]]):
     """Yield, per window, the float32 logits of its scored positions [ctx/2 .. ctx-2], computed by the
-    runner's model over its KV cache, as many windows per forward pass as the cache's blocks hold."""
+    runner's model over its KV cache, as many windows per forward pass as the cache's blocks hold. The
+    batch's attention metadata is the runner's own (batch_metadata: with KV groups, Gemma 3's sliding
+    and global layers each get their group's tables), as for a step of whole-prompt prefills."""
+    import numpy as np
     import torch
 
-    from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
     from pagedserve.worker.parallel import using_group
 
-    if runner.config.kv_groups().hybrid:
-        raise ValueError(f"{runner.config.architecture}: models whose KV groups differ per layer are not supported "
-                         "by bench quality")
-    bs, ctx = runner.block_size, len(windows[0])
-    per_window = -(-ctx // bs)
-    batch = max(1, min(runner.kv.num_blocks // per_window, 8))
+    ctx, num_groups = len(windows[0]), len(runner.kv.groups.layers)
+    per_window = -(-ctx // runner.block_size) * num_groups
+    if runner.kv.num_blocks < per_window:
+        raise ValueError(f"the KV cache holds {runner.kv.num_blocks} blocks: one window of --ctx {ctx} needs "
+                         f"{per_window}; raise --kv-cache-memory")
+    batch = min(runner.kv.num_blocks // per_window, 8)
     first, last = scored_range(ctx)
     device = runner.device
+    states = window_states(batch, ctx, runner.block_size, num_groups)
     for b0 in range(0, len(windows), batch):
         group = windows[b0:b0 + batch]
         ids = torch.tensor([t for w in group for t in w], dtype=torch.long, device=device)
-        positions = torch.arange(ctx, device=device).repeat(len(group))
-        seqs, slots = [], []
-        for i in range(len(group)):
-            blocks = torch.arange(i * per_window, (i + 1) * per_window, device=device)
-            pos = torch.arange(ctx, device=device)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            seqs.append(PrefillSeq(i * ctx, ctx, 0, blocks))
-        meta = AttentionMetadata(torch.cat(slots), 0, None, None, None, seqs)
+        positions = np.tile(np.arange(ctx, dtype=np.int64), len(group))
+        meta = runner.batch_metadata([], [(state, ctx) for state in states[:len(group)]], positions)
         with torch.inference_mode(), using_group(runner.tp):
-            hidden = runner.model(ids, positions, runner.kv.model_caches(), meta)
+            hidden = runner.model(ids, torch.from_numpy(positions).to(device), runner.kv.model_caches(), meta)
             for i in range(len(group)):
                 yield runner.model.compute_logits(hidden[i * ctx + first:i * ctx + last]).float()
 

@@ -169,19 +169,25 @@ class ModelRunner:
             input_ids[start:start + n] = state.token_ids[c:c + n]
             positions[start:start + n] = np.arange(c, c + n)
             start += n
-        groups = self.kv.groups
-        shared: dict[int, tuple] = {}  # window -> decode layout, built once for the groups sharing it
-        metas = [self._group_meta(decodes, prefills, positions, g, groups.windows[g], shared)
-                 for g in range(len(groups.layers))]
-        if groups.hybrid:
-            slot_of = groups.slot_of()
-            meta = [metas[slot_of[layer][0]] for layer in range(len(slot_of))]
-        else:
-            meta = metas[0]
+        meta = self.batch_metadata(decodes, prefills, positions)
         order = [s for s, _ in decodes] + [s for s, _ in prefills]
         counts = [1] * num_decodes + [n for _, n in prefills]
         return (torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
                 meta, order, counts)
+
+    def batch_metadata(self, decodes, prefills, positions: np.ndarray):
+        """The AttentionMetadata of a batch laid out as _prepare lays it (decodes first, then each
+        prefill's run of positions): one object, or with KV groups one per layer (its group's).
+        decodes and prefills are (state, num_tokens) pairs; a state needs num_computed_tokens,
+        block_ids and group_block_ids. bench quality lays out its teacher-forced windows with it."""
+        groups = self.kv.groups
+        shared: dict[int, tuple] = {}  # window -> decode layout, built once for the groups sharing it
+        metas = [self._group_meta(decodes, prefills, positions, g, groups.windows[g], shared)
+                 for g in range(len(groups.layers))]
+        if not groups.hybrid:
+            return metas[0]
+        slot_of = groups.slot_of()
+        return [metas[slot_of[layer][0]] for layer in range(len(slot_of))]
 
     def _group_meta(self, decodes, prefills, positions: np.ndarray, group: int, window: int,
                     shared: dict[int, tuple]) -> AttentionMetadata:
