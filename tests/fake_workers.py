@@ -1,6 +1,7 @@
 """A fake worker group for driving the scheduler service without a model: the scheduler's
 WorkerGroup interface over the model runner's own request bookkeeping (RequestStates), sampling a
-known function of the token ids, so every output is known in advance."""
+known function of the token ids, so every output is known in advance (prompt logprobs too: position
+p's is -p)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 import uuid
 from collections import deque
 
-from pagedserve.common.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
+from pagedserve.common.messages import ModelRunnerOutput, PromptLogprobs, SampledToken, SchedulerOutput
 from pagedserve.common.store import open_store
 from pagedserve.v1 import worker_pb2
 from pagedserve.worker.request_states import RequestStates
@@ -25,6 +26,13 @@ def expected(prompt: list[int], max_tokens: int) -> list[int]:
     while len(tokens) - len(prompt) < max_tokens:
         tokens.append(next_token(tokens))
     return tokens[len(prompt):]
+
+
+def prompt_logprobs(state, n: int) -> PromptLogprobs:
+    """The prompt positions this chunk of n tokens predicts, each with "logprob" -position."""
+    c = state.num_computed_tokens
+    span = range(c + 1, min(c + n, state.num_prompt_tokens - 1) + 1)
+    return PromptLogprobs(c + 1, [SampledToken(state.token_ids[p], -float(p)) for p in span])
 
 
 class FakeWorkerGroup:
@@ -70,12 +78,14 @@ class FakeWorkerGroup:
         self.num_steps += 1
         self.requests.apply(out)
         scheduled = [(self.requests.state(r), n) for r, n in out.num_scheduled_tokens.items()]
+        prompt = {s.req_id: prompt_logprobs(s, n) for s, n in scheduled if s.params.prompt_logprobs is not None}
         self.requests.advance(scheduled)
         # Greedy: every sample draws the same token (at the fork step, one per sample).
         sampled = {s.req_id: [next_token(s.token_ids)] * (1 + len(s.child_req_ids)) for s, _ in scheduled
                    if s.num_computed_tokens == len(s.token_ids)}
         self.requests.commit(sampled)
-        return ModelRunnerOutput(out.step_id, {r: [SampledToken(t) for t in ts] for r, ts in sampled.items()})
+        return ModelRunnerOutput(out.step_id, {r: [SampledToken(t) for t in ts] for r, ts in sampled.items()},
+                                 prompt_logprobs={r: p for r, p in prompt.items() if p.tokens})
 
     def close_streams(self) -> None:
         self.sent.clear()

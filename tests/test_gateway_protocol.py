@@ -261,6 +261,44 @@ def test_echo_with_logprobs_covers_the_prompt_and_prompt_logprobs_take_vllms_sha
     assert plain["text"] == " c" and plain["logprobs"] is None and "prompt_logprobs" not in plain
 
 
+def _messages_of_n2(every_choice: bool) -> list[generate_pb2.GenerateResponse]:
+    """An n = 2 completion with prompt logprobs as the tokenizer sends it: once, with choice 0's first
+    message (every_choice: as it was, with each choice's first message)."""
+    prompt = [lp("A", 0.0), lp(" b", -2.0, [(" x", -0.25)])]
+    msgs = [accepted(prompt_text="A b"), delta(0, " c", [7], logprobs=[lp(" c", -0.5)]),
+            delta(1, " d", [8], logprobs=[lp(" d", -0.7)]), delta(0, "!", [9], "length", 2, [lp("!", -0.1)]),
+            delta(1, "?", [10], "length", 2, [lp("?", -0.2)])]
+    for m in (msgs[1], msgs[2]) if every_choice else (msgs[1],):
+        m.prompt_logprobs.extend(prompt)
+    return msgs
+
+
+@pytest.mark.parametrize("echo, prompt_logprobs", [(True, False), (False, True), (True, True)])
+def test_prompt_logprobs_sent_once_show_in_every_choice_as_before(echo, prompt_logprobs):
+    """Issue 42 row 3: the prompt's logprobs come once per request (with choice 0's first message);
+    every choice still shows them, whole and streamed, exactly as when each choice's message carried
+    a copy."""
+    def whole(every_choice):
+        c = Collector(2)
+        for msg in _messages_of_n2(every_choice):
+            c.add(msg)
+        return c.completion("c", "m", 0, logprobs=True, echo=echo, prompt_logprobs=prompt_logprobs)
+
+    def streamed(every_choice):
+        b = ChunkBuilder(False, "c", "m", 0, 2, logprobs=True, echo=echo, prompt_logprobs=prompt_logprobs)
+        return [chunk for msg in _messages_of_n2(every_choice) for chunk in b.add(msg)]
+
+    once, chunks = whole(False), streamed(False)
+    assert once == whole(True) and chunks == streamed(True)
+    for choice in once["choices"]:
+        assert choice["text"].startswith("A b" if echo else " ")
+        assert (choice["logprobs"]["tokens"][:2] == ["A", " b"]) == echo
+        assert ("prompt_logprobs" in choice) == prompt_logprobs
+    firsts = [next(c["choices"][0] for c in chunks if c["choices"][0]["index"] == i) for i in range(2)]
+    assert all((f.get("prompt_logprobs") is not None) == prompt_logprobs for f in firsts)
+    assert all(f["text"].startswith("A b") == echo for f in firsts)
+
+
 # ---- input that cannot be encoded or means nothing (issue 13) ---------------------------------
 @pytest.mark.parametrize("body, field", [
     ({"prompt": "caf\ud800"}, "prompt"),

@@ -11,7 +11,7 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.scheduler.core.request import Request
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.scheduler.subscriptions import Delivery
-from pagedserve.scheduler.subscriptions import DeltaFilter
+from pagedserve.scheduler.subscriptions import DeltaFilter, Outbox
 
 PROMPT = list(range(100, 118))  # 18 tokens: 4 full blocks of 4
 
@@ -47,16 +47,19 @@ def positions(entries) -> list[float]:
     return [-e.logprob for e in entries]
 
 
-def test_no_prefix_hits_chunks_in_order_and_the_list_with_the_first_token_only():
+def test_no_prefix_hits_chunks_in_order_and_the_list_once_per_request():
     sched = scheduler()
     run(sched, Request("warm", list(PROMPT), len(PROMPT), SamplingParams(max_tokens=2)))
-    asking = Request("a", list(PROMPT), len(PROMPT), SamplingParams(max_tokens=3, prompt_logprobs=0, n=2))
+    asking = Request("a", list(PROMPT), len(PROMPT), SamplingParams(max_tokens=3, prompt_logprobs=0, n=16))
     updates = run(sched, asking)
     assert asking.num_cached_tokens == 0  # the cache held the prompt, but no logits: no hits
-    firsts = [u for u in updates if u.prompt_logprobs is not None]
-    assert sorted(u.request.sample_index for u in firsts) == [0, 1]  # each sample's first token carries it
-    for u in firsts:
-        assert u.new_tokens and positions(u.prompt_logprobs) == list(range(1, len(PROMPT)))
+    # Issue 42 row 3: once per request (it was copied into each of the 16 samples' first update),
+    # with sample 0's first token, ahead of the other samples' first tokens.
+    (first,) = [u for u in updates if u.prompt_logprobs is not None]
+    assert first is next(u for u in updates if u.new_tokens) and first.request.sample_index == 0
+    assert first.new_tokens and positions(first.prompt_logprobs) == list(range(1, len(PROMPT)))
+    order = list(dict.fromkeys(u.request.sample_index for u in updates if u.new_tokens))  # by first token
+    assert order[0] == 0 and sorted(order) == list(range(16))
     plain = Request("b", list(PROMPT), len(PROMPT), SamplingParams(max_tokens=1))
     run(sched, plain)
     assert plain.num_cached_tokens == 16  # the same prompt without prompt logprobs does take hits
@@ -99,3 +102,66 @@ def test_a_reattached_subscriber_past_the_first_token_gets_no_second_copy():
     reattached = DeltaFilter.for_request("r", 1, [1], replayed=True)  # it had the first token already
     (replay,) = reattached.deltas(True, [Delivery(0, 0, [7, 8], prompt_logprobs=lps)])
     assert list(replay.token_ids) == [8] and not replay.prompt_logprobs
+
+
+# ---- through the scheduler service (fake worker, real Redis): what goes out on the streams ------------
+
+def test_n16_sends_the_prompt_logprobs_once_and_a_reattach_only_what_it_lacks():
+    """Issue 42 row 3: with n = 16 the prompt's logprobs went out 16 times (every sample's first
+    delta), and a subscriber attaching to the running request was replayed 16 copies again. Now one
+    copy per request on the first stream; a re-attach past sample 0's first token (a tokenizer whose
+    stream broke) gets none; one from the start (an idempotent retry) gets the one copy it lacks;
+    one whose schedule does not ask (the gateway's resume) gets none."""
+    import asyncio
+
+    from fake_workers import started_service
+
+    from pagedserve.v1 import common_pb2, scheduler_pb2
+
+    prompt = list(range(100, 160))
+    service = started_service(0.01, 256)
+
+    def schedule(asks: bool = True, **extra) -> scheduler_pb2.ScheduleRequest:
+        params = common_pb2.SamplingParams(max_tokens=200, temperature=1.0, seed=1, ignore_eos=True, n=16)
+        if asks:
+            params.prompt_logprobs = 3
+        return scheduler_pb2.ScheduleRequest(request_id="pl16", prompt_token_ids=prompt, params=params, **extra)
+
+    async def follow(outbox, filters, until) -> list:
+        deltas = []
+        while not until(deltas):
+            for sub, item in await asyncio.wait_for(outbox.next_batch(), 30):
+                deltas += filters[sub.tag].deltas(*item)
+        return deltas
+
+    def subscribe(msg, tag):
+        outbox = Outbox(asyncio.get_running_loop())
+        sub, group = service.submit(msg, outbox, tag)
+        deltas = DeltaFilter.for_request(group.group_id, group.n, msg.skip_tokens, sub.replayed, tag)
+        deltas.prompt_logprobs = msg.params.HasField("prompt_logprobs")  # as server.py makes it
+        return outbox, {tag: deltas}
+
+    def carrying(deltas) -> list:
+        return [d for d in deltas if d.prompt_logprobs]
+
+    async def main():
+        first = await follow(*subscribe(schedule(), 1), lambda ds: sum(len(d.token_ids) for d in ds) >= 16 * 3)
+        received = [0] * 16
+        for d in first:
+            received[d.index] += len(d.token_ids)
+        some = lambda ds: sum(len(d.token_ids) for d in ds) >= 16  # noqa: E731
+        reattached = await follow(*subscribe(schedule(attach=True, skip_tokens=received), 2), some)
+        retried = await follow(*subscribe(schedule(), 3), some)
+        resumed = await follow(*subscribe(schedule(asks=False), 4), some)
+        return first, reattached, retried, resumed
+
+    try:
+        first, reattached, retried, resumed = asyncio.run(main())
+    finally:
+        service.stop()
+    (once,) = carrying(first)
+    assert once is first[0] and once.index == 0 and list(once.token_ids)  # ahead of every other sample's
+    assert [-e.logprob for e in once.prompt_logprobs] == list(range(1, len(prompt)))
+    assert not carrying(reattached) and not carrying(resumed)
+    (again,) = carrying(retried)
+    assert again.index == 0 and list(again.prompt_logprobs) == list(once.prompt_logprobs)

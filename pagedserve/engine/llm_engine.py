@@ -64,7 +64,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    prompt_logprobs: list[SampledToken] | None = None  # positions 1.., on a sample's first output
+    prompt_logprobs: list[SampledToken] | None = None  # positions 1.., on the request's first output (sample 0's)
     embedding: bytes | None = None  # an embedding request's vector (float32 LE), on its finish
 
 
@@ -204,8 +204,9 @@ class LLMEngine:
         while self.has_unfinished():
             for out in self.step():
                 sample = results[out.request_id][out.sample_index]
-                if out.prompt_logprobs is not None:
-                    sample.prompt_logprobs = out.prompt_logprobs
+                if out.prompt_logprobs is not None:  # once per request: every sample shows them
+                    for each in results[out.request_id]:
+                        each.prompt_logprobs = out.prompt_logprobs
                 for token in out.new_tokens:
                     sample.token_ids.append(token.token_id)
                     if token.logprob is not None:

@@ -210,6 +210,9 @@ class CompletionCall:
                                            include_stop_str_in_output=bool(meta.get("include_stop_str_in_output")),
                                            skip_special_tokens=bool(meta.get("skip_special_tokens", True)))
         gen.prompt_token_ids.ids.extend(record.prompt_token_ids)
+        # A resumed stream shows no echo or prompt logprobs (its client had them in its first
+        # chunks): without the field the scheduler's replay leaves them out (DeltaFilter).
+        gen.params.ClearField("prompt_logprobs")
         if cursor_text not in (None, ""):
             tokens += [0] * (n - len(tokens))
             chars += [0] * (n - len(chars))
@@ -372,7 +375,7 @@ class CompletionCall:
             out = collector.chat(self.client_id, self.model, self.created, bool(body.logprobs), self.tools,
                                  self.reasoning)
             if body.prompt_logprobs is not None:  # vLLM's: one list for the request, beside the choices
-                out["prompt_logprobs"] = vllm_prompt_logprobs(collector.samples[0].prompt_logprobs)
+                out["prompt_logprobs"] = vllm_prompt_logprobs(collector.prompt_logprobs)
         else:
             out = collector.completion(self.client_id, self.model, self.created, body.logprobs is not None,
                                        body.echo, body.prompt_logprobs is not None)

@@ -129,17 +129,18 @@ class SampleOutput:
     text: list[str] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
 class Collector:
-    """Accumulates a non-streamed generation, per sample."""
+    """Accumulates a non-streamed generation, per sample. The prompt's logprobs come once per
+    request (with sample 0's first message) and every choice shows them."""
 
     def __init__(self, n: int) -> None:
         self.samples = [SampleOutput() for _ in range(n)]
         self.usage = UsageTracker()
         self.prompt_text = ""
         self.embedding = b""  # an embedding request's vector (float32 LE), from its last message
+        self.prompt_logprobs: list[common_pb2.TokenLogprob] = []
 
     def add(self, msg: generate_pb2.GenerateResponse) -> None:
         self.usage.add(msg)
@@ -155,7 +156,7 @@ class Collector:
             sample.text.append(msg.text)
         sample.logprobs.extend(msg.logprobs)
         if msg.prompt_logprobs:
-            sample.prompt_logprobs = list(msg.prompt_logprobs)
+            self.prompt_logprobs = list(msg.prompt_logprobs)
         if msg.finish_reason:
             sample.finish_reason = msg.finish_reason
 
@@ -166,14 +167,14 @@ class Collector:
         choices = []
         for i, s in enumerate(self.samples):
             prefix = self.prompt_text if echo else ""
-            echoed = s.prompt_logprobs if echo else ()
+            echoed = self.prompt_logprobs if echo else ()
             choice = {
                 "index": i, "text": prefix + "".join(s.text),
                 "logprobs": CompletionLogprobs(0 if echoed else len(prefix)).build(s.logprobs, echoed)
                 if logprobs else None,
                 "finish_reason": s.finish_reason, "stop_reason": None}
             if prompt_logprobs:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(s.prompt_logprobs)
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_logprobs)
             choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": self.usage.as_dict(), "system_fingerprint": None}
@@ -204,7 +205,9 @@ class Collector:
 class ChunkBuilder:
     """Turns one request's GenerateResponse stream into OpenAI chunks (dicts, one or more per
     message). Chat: each sample's first chunk carries role "assistant"; completions: an echoed
-    prompt comes first in each sample's text."""
+    prompt comes first in each sample's text. The prompt's logprobs come once per request, with
+    sample 0's first message, ahead of every other sample's first (the scheduler orders them so):
+    kept here, each sample's first chunk shows them."""
 
     def __init__(self, chat: bool, request_id: str, model: str, created: int, n: int,
                  logprobs: bool, echo: bool = False, tools: ToolOutput | None = None,
@@ -218,6 +221,8 @@ class ChunkBuilder:
         # echo with logprobs: each sample's prompt text waits for its first message, which brings
         # the prompt's logprobs, and goes out in one chunk with them.
         self.held_prompt: dict[int, str] = {}
+        self.prompt_entries: list[common_pb2.TokenLogprob] = []  # the request's prompt logprobs
+        self.started: set[int] = set()  # samples whose first message has come
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.usage = UsageTracker()
         self.offsets: dict[int, CompletionLogprobs] = {}
@@ -274,10 +279,15 @@ class ChunkBuilder:
                 self.held_prompt = dict.fromkeys(range(self.n), prompt)
                 return []
             return [self._chunk([self._choice(i, prompt, None, None)]) for i in range(self.n)] if prompt else []
+        if msg.prompt_logprobs:
+            self.prompt_entries = list(msg.prompt_logprobs)
+        first = msg.index not in self.started
+        self.started.add(msg.index)
+        prompt_entries = self.prompt_entries if first else ()
         held = self.held_prompt.pop(msg.index, None)
-        echoed = msg.prompt_logprobs if held is not None else ()
+        echoed = prompt_entries if held is not None else ()
         if held is None and not msg.text and not msg.finish_reason and not (self.logprobs and msg.logprobs) \
-                and not (self.prompt_logprobs and msg.prompt_logprobs):
+                and not (self.prompt_logprobs and prompt_entries):
             return []
         logprobs = None
         if self.logprobs and (msg.logprobs or echoed):
@@ -291,8 +301,8 @@ class ChunkBuilder:
         if held is not None:
             text = held + (text or "")
         choice = self._choice(msg.index, text, logprobs, msg.finish_reason or None)
-        if self.prompt_logprobs and msg.prompt_logprobs:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(msg.prompt_logprobs)
+        if self.prompt_logprobs and prompt_entries:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_entries)
         return [self._chunk([choice])]
 
     def _parser(self, index: int):

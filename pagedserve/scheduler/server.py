@@ -70,7 +70,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(exc.code, exc.details)
         try:
             yield accepted_message(group)
-            deltas = DeltaFilter.for_request(group.group_id, group.n, request.skip_tokens, sub.replayed)
+            deltas = DeltaFilter.for_request(group.group_id, group.n, request.skip_tokens, sub.replayed,
+                                            prompt_logprobs=request.params.HasField("prompt_logprobs"))
             while not deltas.done:
                 for _, item in await outbox.next_batch():
                     if isinstance(item, StatusError):
@@ -146,8 +147,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 error = StatusError(grpc.StatusCode.INTERNAL, f"the scheduler failed the request: {exc}")
                 outbox.post_here([(None, error_message(msg.tag, msg.request_id, error))])
                 continue
-            live[msg.tag] = (sub, DeltaFilter.for_request(group.group_id, group.n, msg.skip_tokens,
-                                                          sub.replayed, msg.tag))
+            live[msg.tag] = (sub, DeltaFilter.for_request(group.group_id, group.n, msg.skip_tokens, sub.replayed,
+                                                          msg.tag, msg.params.HasField("prompt_logprobs")))
             # Before any delivery: those reach the outbox through call_soon_threadsafe, later.
             outbox.post_here([(sub, accepted_message(group, msg.tag))])
 

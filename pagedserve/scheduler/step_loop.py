@@ -209,12 +209,20 @@ class StepLoop:
             tokens = req.output_token_ids if req is not None else []
             logprobs = list(req.logprobs) if req is not None and group.params.logprobs is not None else None
             reason = group.finish_reasons[index]
-            prompt = list(req.prompt_logprobs) if req is not None and tokens and group.params.prompt_logprobs \
-                is not None else None
+            prompt = self._replayed_prompt_logprobs(group, index, req)
             deliveries.append(Delivery(index, 0, tokens, logprobs, reason,
                                        group.timings_snapshot() if reason else None, group.num_cached_tokens,
                                        prompt))
         self.writer.submit([], [(group, deliveries)], only_to=sub)
+
+    @staticmethod
+    def _replayed_prompt_logprobs(group: GroupState, index: int, req: Request | None) -> list | None:
+        """The request's prompt logprobs ride with sample 0's replay once they are complete (as
+        live, with its first token; a max_tokens 0 request has no token); the subscription's
+        filter drops them for a subscriber past that first delivery."""
+        if index or req is None or group.params.prompt_logprobs is None:
+            return None
+        return list(req.prompt_logprobs) if len(req.prompt_logprobs) >= len(group.prompt_token_ids) - 1 else None
 
     def _step(self) -> None:
         """One step's results taken in. With async scheduling the step after it is scheduled and

@@ -32,7 +32,8 @@ class Delivery:
     finish_reason: str = ""
     timings: dict | None = None  # on a sample's last delivery
     num_cached_tokens: int = 0
-    prompt_logprobs: list[SampledToken] | None = None  # with its first token (start 0), when asked
+    # The request's, with sample 0's first token (start 0), when asked: once per request.
+    prompt_logprobs: list[SampledToken] | None = None
     embedding: bytes | None = None  # an embedding request's vector, with its finish
 
 
@@ -79,18 +80,22 @@ class Subscription:
 @dataclass(slots=True)
 class DeltaFilter:
     """The TokenDelta messages of one subscription: replays and live deliveries line up by output
-    position (skip_tokens on a re-attach), so no token is sent twice and none is lost."""
+    position (skip_tokens on a re-attach), so no token is sent twice and none is lost. The
+    request's prompt logprobs go to a subscriber that asks for them (its schedule's params: a
+    gateway's resume does not) and has not had sample 0's first delivery, which carried them."""
     request_id: str
     n: int
     tag: int = 0
     sent: list[int] = field(default_factory=list)
     finished: list[bool] = field(default_factory=list)
     replayed: bool = False
+    prompt_logprobs: bool = True
 
     @classmethod
-    def for_request(cls, request_id: str, n: int, skip_tokens, replayed: bool, tag: int = 0) -> DeltaFilter:
+    def for_request(cls, request_id: str, n: int, skip_tokens, replayed: bool, tag: int = 0,
+                    prompt_logprobs: bool = True) -> DeltaFilter:
         sent = list(skip_tokens)[:n] + [0] * max(0, n - len(skip_tokens))
-        return cls(request_id, n, tag, sent, [False] * n, replayed)
+        return cls(request_id, n, tag, sent, [False] * n, replayed, prompt_logprobs)
 
     @property
     def done(self) -> bool:
@@ -108,8 +113,9 @@ class DeltaFilter:
             skip = max(0, self.sent[index] - delivery.start)
             tokens = delivery.token_ids[skip:]
             logprobs = delivery.logprobs[skip:] if delivery.logprobs else None
-            # The prompt's logprobs ride with the first token: past it, this subscriber has them.
-            prompt = delivery.prompt_logprobs if self.sent[index] <= delivery.start else None
+            # The prompt's logprobs ride with sample 0's first token: past it, this subscriber has them.
+            prompt = delivery.prompt_logprobs if self.prompt_logprobs and self.sent[index] <= delivery.start \
+                else None
             self.sent[index] += len(tokens)
             if tokens or delivery.finish_reason:
                 out.append(delta_message(self.request_id, delivery, tokens, logprobs, self.tag, prompt))

@@ -7,7 +7,8 @@ is prompt-only: it finishes on the step that completes its prompt, with the work
 
 Threads: the Scheduler's (one thread: the step loop, or the in-process engine's caller).
 Invariants: a request finished or failed here is in no queue and holds no blocks when update
-returns; each sample's prompt logprobs go out once, with its first token.
+returns; the request's prompt logprobs go out once, with sample 0's first token (listed first
+among the request's updates of that step), never with the other samples'.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ class RequestUpdate:
     request: Request
     new_tokens: list[SampledToken]
     finished: bool
-    # With prompt_logprobs, on each sample's first update (its first token, or the finish of a
-    # max_tokens 0 request): the prompt's logprobs, positions 1 .. P-1.
+    # With prompt_logprobs, on the request's first update (sample 0's first token, or the finish of
+    # a max_tokens 0 request): the prompt's logprobs, positions 1 .. P-1. Once per request.
     prompt_logprobs: list[SampledToken] | None = None
     # An embedding request (params.pooling), on its finish: the pooled vector, float32 little-endian.
     embedding: bytes | None = None
@@ -72,10 +73,10 @@ class Results:
                                                      self._embedding(req, result)))
                         continue
                     samples = None
-                if samples:
-                    for child in self._fork(req, samples[1:]):
-                        updates.append(self._append(child, None))
+                if samples:  # sample 0 (with the prompt logprobs) ahead of its forks
+                    children = self._fork(req, samples[1:])
                     updates.append(self._append(req, samples[0]))
+                    updates.extend(self._append(child, None) for child in children)
             except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
                 # The worker forked the samples itself when it sampled: it must drop those too.
                 self._fail(req, exc, worker_forked=req.child_req_ids if samples else ())
@@ -139,6 +140,8 @@ class Results:
 
     @staticmethod
     def _first_prompt_logprobs(req: Request) -> list[SampledToken] | None:
-        # Sent once, with a sample's first token: a request resumed after a restart (outputs
-        # already stored) or re-run by recompute is past it and sends nothing again.
-        return list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None
+        # Sent once per request, with sample 0's first token (the other samples share them): a
+        # request resumed after a restart (outputs already stored) or re-run by recompute is past
+        # it and sends nothing again.
+        return list(req.prompt_logprobs) if req.params.prompt_logprobs is not None and req.sample_index == 0 \
+            else None
