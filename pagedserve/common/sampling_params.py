@@ -111,6 +111,11 @@ class SamplingParams:
     # Set: an embedding request, run as a prefill only (max_tokens 0, n 1) that returns the pooled
     # hidden states instead of sampling.
     pooling: Pooling | None = None
+    # The LoRA adapter this request runs with (vLLM's LoRARequest, common/lora.py): its name and
+    # folder; empty: the base model. The worker loads the folder on first use; the prefix cache
+    # keeps each adapter's blocks apart (prefix_salt).
+    lora_name: str = ""
+    lora_path: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -123,6 +128,12 @@ class SamplingParams:
             except (TypeError, ValueError, AttributeError):
                 raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         self.validate()
+
+    @property
+    def prefix_salt(self) -> str:
+        """The prefix cache's scope (common/prefix_hashes.py): cache_salt, and the adapter when
+        there is one (its KV differs from the base model's for the same tokens)."""
+        return f"{self.cache_salt}\x00lora:{self.lora_name}@{self.lora_path}" if self.lora_name else self.cache_salt
 
     @property
     def greedy(self) -> bool:
@@ -188,6 +199,8 @@ class SamplingParams:
                     raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias!r}")
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
             bad("cache_salt", f"a string of at most {MAX_CACHE_SALT} characters")
+        if not isinstance(self.lora_name, str) or len(self.lora_name) > 128 or not isinstance(self.lora_path, str):
+            bad("lora_name", "a string of at most 128 characters")
         if self.structured_output is not None and len(self.structured_output.kinds()) != 1:
             kinds = self.structured_output.kinds()
             raise ValueError("structured_output must set exactly one of json_schema, json_object, regex, choice, "

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.common.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 from pagedserve.common.replicas import (DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TTL_S,
                                         DEFAULT_PUBLISHED_BLOCKS)
 from pagedserve.common.store import DEFAULT_PREFIX, DEFAULT_RETENTION_S, DEFAULT_TTL_S
@@ -248,6 +249,18 @@ def _settings() -> tuple[Setting, ...]:
           group="engine"),
         S("--no-chunked-prefill", "engine serve scheduler", bool, False, "prefill each prompt in one step",
           group="engine"),
+        # ---- LoRA adapters (common/lora.py, worker/lora; vLLM's flags) ----------------------
+        S("--enable-lora", "engine serve scheduler worker gateway", bool, False, group="lora",
+          help="serve LoRA adapters (PEFT folders) of the model: a request names one as its \"model\""),
+        S("--lora-modules", "engine serve gateway", many=True, group="lora",
+          help="an adapter served from the start, as name=path (a PEFT folder: adapter_config.json and "
+          "adapter_model.safetensors); repeat for several; more at run time with POST /v1/load_lora_adapter"),
+        S("--max-loras", "engine serve scheduler worker", int, DEFAULT_MAX_LORAS, group="lora",
+          help="most adapters in one step (each holds a slot of stacked weights on the device)"),
+        S("--max-lora-rank", "engine serve worker gateway", int, DEFAULT_MAX_LORA_RANK, group="lora",
+          help="the largest adapter rank served (the slots are this wide)"),
+        S("--max-cpu-loras", "engine serve worker", int, None, group="lora", default_text="--max-loras",
+          help="most adapters the worker keeps loaded in host memory (least recently used evicted)"),
         # ---- the scheduler ------------------------------------------------------------------
         S("--max-waiting-requests", "serve scheduler", int, 1024,
           "bound on the waiting queue: beyond it requests get RESOURCE_EXHAUSTED (HTTP 429)", group="scheduler"),

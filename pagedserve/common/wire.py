@@ -30,7 +30,7 @@ def params_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int = 
         if msg.HasField("structured_output") else None,
         logit_bias=dict(msg.logit_bias) or None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-        cache_salt=msg.cache_salt,
+        cache_salt=msg.cache_salt, lora_name=msg.lora_name, lora_path=msg.lora_path,
         pooling=Pooling(msg.pooling.type, msg.pooling.normalize) if msg.HasField("pooling") else None)
 
 
@@ -72,6 +72,8 @@ def params_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | Non
     if params.pooling is not None:
         msg.pooling.type = params.pooling.type
         msg.pooling.normalize = params.pooling.normalize
+    msg.lora_name = params.lora_name
+    msg.lora_path = params.lora_path
     return msg
 
 

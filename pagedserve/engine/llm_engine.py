@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from pagedserve.common import settings, structured_output
+from pagedserve.common.lora import LoraError, LoraRequest, parse_lora_modules, read_adapter
 from pagedserve.common.messages import SampledToken
 from pagedserve.common.request_checks import logit_bias_problem
 from pagedserve.common.sampling_params import SamplingParams
@@ -51,6 +53,11 @@ class EngineConfig:
     tensor_parallel_size: int = _DEFAULTS["tensor_parallel_size"]
     runner: str = _DEFAULTS["runner"]  # auto/generate, or pooling: embeddings (LLM.embed)
     pooler: str = _DEFAULTS["pooler"]  # with runner pooling: last, mean or cls
+    enable_lora: bool = _DEFAULTS["enable_lora"]  # LoRA adapters (add_request's lora_request)
+    lora_modules: list[str] | None = _DEFAULTS["lora_modules"]  # name=path, registered at start
+    max_loras: int = _DEFAULTS["max_loras"]
+    max_lora_rank: int = _DEFAULTS["max_lora_rank"]
+    max_cpu_loras: int | None = _DEFAULTS["max_cpu_loras"]  # None: max_loras
     progress: bool = True
 
 
@@ -117,6 +124,12 @@ class LLMEngine:
                  "per request: %.2fx", num_blocks, config.block_size, self.dtype,
                  num_blocks * size.block_bytes / 2**20, max_len, max_concurrency)
         self._on_all_ranks("allocate_kv_cache", num_blocks, num_host_blocks)
+        self.loras: dict[str, str] = {}  # the adapters requests may name: name -> folder
+        if config.enable_lora:
+            self._on_all_ranks("enable_lora", config.max_loras, config.max_lora_rank,
+                               config.max_cpu_loras or config.max_loras)
+            for name, path in parse_lora_modules(config.lora_modules).items():
+                self.add_lora(LoraRequest(name, 0, path))
         self._on_all_ranks("use_decode_graphs", config.max_num_seqs, config.enforce_eager)
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
@@ -124,7 +137,7 @@ class LLMEngine:
             num_cpu_blocks=num_host_blocks, enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
             policy=config.policy, long_prefill_token_threshold=long_prefill_token_threshold,
-            kv_group_windows=mc.kv_groups().windows))
+            kv_group_windows=mc.kv_groups().windows, max_loras=config.max_loras if config.enable_lora else 0))
         self.num_steps = 0
 
     def _on_all_ranks(self, method: str, *args):
@@ -154,9 +167,40 @@ class LLMEngine:
             return measure_cuda_memory(runner, num_tokens)
         return size_kv_cache(self.runner, kv, measure=measure)
 
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ------------------------------
+    def add_lora(self, lora_request: LoraRequest) -> bool:
+        """Register an adapter (its folder checked now; the ranks read it on first use). LoraError
+        when it cannot be served."""
+        if not self.config.enable_lora:
+            raise LoraError("LoRA adapters need enable_lora (--enable-lora)")
+        read_adapter(lora_request.lora_name, lora_request.lora_path, self.config.max_lora_rank)
+        self.loras[lora_request.lora_name] = lora_request.lora_path
+        return True
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget an adapter (running requests of it keep it until they finish)."""
+        known = self.loras.pop(name, None) is not None
+        if known:
+            self._on_all_ranks("remove_lora", name)
+        return known
+
+    def list_loras(self) -> list[str]:
+        return list(self.loras)
+
+    def _with_lora(self, params: SamplingParams, lora_request: LoraRequest | None) -> SamplingParams:
+        if lora_request is None:
+            return params
+        name, path = lora_request.lora_name, lora_request.lora_path
+        if path and self.loras.get(name) != path:
+            self.add_lora(lora_request)
+        elif name not in self.loras:
+            raise LoraError(f"LoRA adapter {name!r} is not loaded (and the request names no lora_path)", 404)
+        return dataclasses.replace(params, lora_name=name, lora_path=self.loras[name])
+
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_request: LoraRequest | None = None) -> None:
+        params = self._with_lora(params, lora_request)
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
@@ -191,14 +235,16 @@ class LLMEngine:
                 for u in updates]
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
-                 use_tqdm: bool = False) -> list[list[CompletedSample]]:
-        """Run a batch to completion; results in input order, one list of samples per prompt."""
+                 use_tqdm: bool = False, lora_request: LoraRequest | list | None = None) -> list[list[CompletedSample]]:
+        """Run a batch to completion; results in input order, one list of samples per prompt.
+        lora_request: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         ids = [f"gen-{self.num_steps}-{i}" for i in range(len(prompts))]
         results = {rid: [CompletedSample() for _ in range(p.n)] for rid, p in zip(ids, params)}
-        for rid, prompt, p in zip(ids, prompts, params):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, lora in zip(ids, prompts, params, loras):
+            self.add_request(rid, prompt, p, lora_request=lora)
         bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not use_tqdm)
         pending = {rid: p.n for rid, p in zip(ids, params)}
         while self.has_unfinished():

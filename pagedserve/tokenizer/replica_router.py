@@ -151,7 +151,7 @@ class ReplicaRouter:
         block_size = next(iter(self.replicas.values())).block_size
         prompt = schedule.prompt_token_ids
         if self.policy == "prefix" and prompt:
-            hashes = block_hashes(prompt, block_size, (len(prompt) - 1) // block_size, schedule.params.cache_salt)
+            hashes = block_hashes(prompt, block_size, (len(prompt) - 1) // block_size, schedule.params.prefix_salt)
         pipe = self.client.pipeline(transaction=False)
         if schedule.request_id:
             pipe.hget(f"{self.prefix}req:{schedule.request_id}", "replica")

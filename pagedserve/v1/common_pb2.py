@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/common.proto\x12\rpagedserve.v1\"\xb5\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12:\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1f.pagedserve.v1.StructuredOutput\x12@\n\nlogit_bias\x18\x10 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\rH\x06\x88\x01\x01\x12\x12\n\ncache_salt\x18\x15 \x01(\t\x12\'\n\x07pooling\x18\x16 \x01(\x0b\x32\x16.pagedserve.v1.Pooling\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"*\n\x07Pooling\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x11\n\tnormalize\x18\x02 \x01(\x08\"l\n\x10StructuredOutput\x12\x13\n\x0bjson_schema\x18\x01 \x01(\t\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\r\n\x05regex\x18\x03 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x0f\n\x07grammar\x18\x05 \x01(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"v\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x05 \x01(\r\"\xee\x02\n\x07Timings\x12\x18\n\x10gateway_received\x18\x01 \x01(\x01\x12\x1a\n\x12tokenizer_received\x18\x02 \x01(\x01\x12\x11\n\ttokenized\x18\x03 \x01(\x01\x12\x1a\n\x12scheduler_received\x18\x04 \x01(\x01\x12\x17\n\x0f\x66irst_scheduled\x18\x05 \x01(\x01\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\x01\x12\x10\n\x08\x66inished\x18\x07 \x01(\x01\x12\x13\n\x0b\x64\x65tokenized\x18\x08 \x01(\x01\x12\x15\n\rworker_time_s\x18\t \x01(\x01\x12\x11\n\tnum_steps\x18\n \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\r\x12\x16\n\x0eprefill_chunks\x18\x0c \x01(\r\x12\x13\n\x0bprefill_end\x18\r \x01(\x01\x12\x1c\n\x14\x66irst_token_streamed\x18\x0e \x01(\x01\x12\x1b\n\x13last_token_streamed\x18\x0f \x01(\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x14\n\x12LocalSocketRequest\"\x1b\n\x0bLocalSocket\x12\x0c\n\x04path\x18\x01 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/common.proto\x12\rpagedserve.v1\"\xdb\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12:\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1f.pagedserve.v1.StructuredOutput\x12@\n\nlogit_bias\x18\x10 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\rH\x06\x88\x01\x01\x12\x12\n\ncache_salt\x18\x15 \x01(\t\x12\'\n\x07pooling\x18\x16 \x01(\x0b\x32\x16.pagedserve.v1.Pooling\x12\x11\n\tlora_name\x18\x17 \x01(\t\x12\x11\n\tlora_path\x18\x18 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"*\n\x07Pooling\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x11\n\tnormalize\x18\x02 \x01(\x08\"l\n\x10StructuredOutput\x12\x13\n\x0bjson_schema\x18\x01 \x01(\t\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\r\n\x05regex\x18\x03 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x0f\n\x07grammar\x18\x05 \x01(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"v\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x05 \x01(\r\"\xee\x02\n\x07Timings\x12\x18\n\x10gateway_received\x18\x01 \x01(\x01\x12\x1a\n\x12tokenizer_received\x18\x02 \x01(\x01\x12\x11\n\ttokenized\x18\x03 \x01(\x01\x12\x1a\n\x12scheduler_received\x18\x04 \x01(\x01\x12\x17\n\x0f\x66irst_scheduled\x18\x05 \x01(\x01\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\x01\x12\x10\n\x08\x66inished\x18\x07 \x01(\x01\x12\x13\n\x0b\x64\x65tokenized\x18\x08 \x01(\x01\x12\x15\n\rworker_time_s\x18\t \x01(\x01\x12\x11\n\tnum_steps\x18\n \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\r\x12\x16\n\x0eprefill_chunks\x18\x0c \x01(\r\x12\x13\n\x0bprefill_end\x18\r \x01(\x01\x12\x1c\n\x14\x66irst_token_streamed\x18\x0e \x01(\x01\x12\x1b\n\x13last_token_streamed\x18\x0f \x01(\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x14\n\x12LocalSocketRequest\"\x1b\n\x0bLocalSocket\x12\x0c\n\x04path\x18\x01 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=739
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=585
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=633
-  _globals['_POOLING']._serialized_start=741
-  _globals['_POOLING']._serialized_end=783
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=785
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=893
-  _globals['_TOPLOGPROB']._serialized_start=895
-  _globals['_TOPLOGPROB']._serialized_end=957
-  _globals['_TOKENLOGPROB']._serialized_start=959
-  _globals['_TOKENLOGPROB']._serialized_end=1077
-  _globals['_TIMINGS']._serialized_start=1080
-  _globals['_TIMINGS']._serialized_end=1446
-  _globals['_USAGE']._serialized_start=1448
-  _globals['_USAGE']._serialized_end=1528
-  _globals['_LOCALSOCKETREQUEST']._serialized_start=1530
-  _globals['_LOCALSOCKETREQUEST']._serialized_end=1550
-  _globals['_LOCALSOCKET']._serialized_start=1552
-  _globals['_LOCALSOCKET']._serialized_end=1579
+  _globals['_SAMPLINGPARAMS']._serialized_end=777
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=623
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=671
+  _globals['_POOLING']._serialized_start=779
+  _globals['_POOLING']._serialized_end=821
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=823
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=931
+  _globals['_TOPLOGPROB']._serialized_start=933
+  _globals['_TOPLOGPROB']._serialized_end=995
+  _globals['_TOKENLOGPROB']._serialized_start=997
+  _globals['_TOKENLOGPROB']._serialized_end=1115
+  _globals['_TIMINGS']._serialized_start=1118
+  _globals['_TIMINGS']._serialized_end=1484
+  _globals['_USAGE']._serialized_start=1486
+  _globals['_USAGE']._serialized_end=1566
+  _globals['_LOCALSOCKETREQUEST']._serialized_start=1568
+  _globals['_LOCALSOCKETREQUEST']._serialized_end=1588
+  _globals['_LOCALSOCKET']._serialized_start=1590
+  _globals['_LOCALSOCKET']._serialized_end=1617
 # @@protoc_insertion_point(module_scope)

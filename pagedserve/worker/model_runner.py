@@ -77,6 +77,18 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests = RequestStates()
         self.grammars = GrammarMatchers(model_path, model_config.vocab_size, eos_token_ids)
+        self.lora = None  # a lora.manager.LoraManager once enable_lora ran (--enable-lora)
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> None:
+        """Serve LoRA adapters (worker/lora): every adaptable layer gets its slots' stacks; decode
+        steps run eagerly (a step's rows change slots)."""
+        from pagedserve.worker.lora.manager import LoraManager
+        with using_group(self.tp):
+            self.lora = LoraManager(self.model, max_loras, max_lora_rank, max_cpu_loras, self.dtype, self.device)
+        self.decode_graphs = None
+
+    def remove_lora(self, name: str) -> bool:
+        return self.lora is not None and self.lora.remove(name)
 
     def weight_bytes(self) -> int:
         quant = sum(m.quant.nbytes for m in self.model.modules() if getattr(m, "quant", None) is not None)
@@ -91,7 +103,7 @@ class ModelRunner:
     def use_decode_graphs(self, max_num_seqs: int, enforce_eager: bool) -> None:
         """On CUDA, unless enforce_eager: decode steps of up to max_num_seqs sequences replay CUDA graphs
         (one memory pool for all of them). The CPU runs every step eagerly."""
-        if self.device.type != "cuda" or enforce_eager or self.decode_graphs is not None:
+        if self.device.type != "cuda" or enforce_eager or self.decode_graphs is not None or self.lora is not None:
             return
         pool = torch.cuda.graph_pool_handle()
         self.enable_decode_graphs(max_num_seqs, lambda: CudaGraph(pool))
@@ -242,6 +254,8 @@ class ModelRunner:
             return ModelRunnerOutput(step.step_id, {})
         t0 = time.perf_counter()
         input_ids, positions, meta, order, counts = self._prepare(step)
+        if self.lora is not None:
+            self.lora.prepare(order, counts)
         graphs = self.decode_graphs
         hidden = None
         if graphs is not None and graphs.can_run(meta, input_ids.shape[0]):

@@ -6,14 +6,16 @@ platform gives it (pagedserve.worker.platform) and never learns the device.
     CpuKernelOps   the compiled C++ kernels (pagedserve/kernels/cpu): fused residual-add norm,
                    in-place rotary from the position tables, silu-and-mul, the small-row float32
                    matmul; what they lack stays native
-    CudaOps        native torch for now; a Triton kernel plugs in as one class attribute
+    CudaOps        the fused Triton kernels (norm, rotary, activation, LoRA's grouped matmuls)
 
 The ops:
   rms_norm(x, weight, eps, residual=None)  with residual: residual += x in place, then norm it
   rope(cos_table, sin_table, positions, dtype) -> the step's rotary argument (built once a step)
   rotary(q, k, rope) -> (q, k)             rotate-half rotary; may work in place
   silu_and_mul(x), gelu_and_mul(x)         act(x[..., :I]) * x[..., I:] (gelu: tanh approximation)
-  linear(x, layer)                         a parallel linear layer (its reduce included)
+  linear(x, layer)                         a parallel linear layer (its reduce included), plus its
+                                           LoRA adapters' deltas when the layer has some (`layer.lora`,
+                                           worker/lora: set only with --enable-lora)
   logits(hidden, head)                     the LM head (a VocabParallelEmbedding)
 `fused_residual_norm`: whether a decoder should run each residual add inside the norm after
 it (DecoderLayer.forward_fused); numerically the same either way.
@@ -80,7 +82,18 @@ class NativeOps:
         return F.gelu(gate, approximate="tanh") * up
 
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        out = self.base_linear(x, layer)
+        lora = layer.lora
+        if lora is None or lora.batch.mask is None:
+            return out
+        return self.lora_delta(lora, x, out)
+
+    def base_linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         return layer(x)
+
+    def lora_delta(self, lora, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out + each row's adapter delta (worker/lora/layers.py: the grouped matmul)."""
+        return lora.grouped_delta(x, out)
 
     def logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
         return head.logits(hidden)
@@ -116,7 +129,7 @@ class CpuKernelOps(NativeOps):
     def silu_and_mul(self, x):
         return self.kernels.silu_and_mul(x)
 
-    def linear(self, x, layer):
+    def base_linear(self, x, layer):
         if use_small_m(x, layer):
             out = self.kernels.small_m_linear(x.contiguous(), layer.weight)
             if isinstance(layer, parallel.RowParallelLinear) and layer.reduce:
@@ -162,6 +175,10 @@ class CudaOps(NativeOps):
 
     def gelu_and_mul(self, x):
         return self._act_and_mul(x, "gelu_tanh")
+
+    def lora_delta(self, lora, x, out):
+        from pagedserve.kernels.triton import lora as lora_kernels
+        return lora.kernel_delta(x, out, lora_kernels)
 
     def _act_and_mul(self, x, activation):
         rows = x.reshape(-1, x.shape[-1]) if x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()

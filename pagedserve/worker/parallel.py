@@ -353,6 +353,7 @@ def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
 
 
 def init_quantized(layer: nn.Module) -> None:
+    layer.lora = None  # a lora.LoraLayer (worker/lora): the ops bundle adds its deltas (--enable-lora only)
     layer.quant = None  # a quantized.QuantizedWeight: forward runs the quantized kernel on it
     layer.quant_parts = {}  # part -> QuantizedTensor as loaded, until quantized.finalize
 

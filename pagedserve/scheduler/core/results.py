@@ -62,7 +62,7 @@ class Results:
                 # full blocks go in before its token may finish it (max_tokens 1, a prompt-only
                 # request), which frees them. Before a fork, so the samples share what is cached.
                 self.block_manager.cache_full_blocks(req_id, req.token_ids, req.num_computed_tokens,
-                                                     req.params.cache_salt)
+                                                     req.params.prefix_salt)
                 prompt = result.prompt_logprobs.get(req_id)
                 if prompt is not None:
                     req.add_prompt_logprobs(prompt.start, prompt.tokens)

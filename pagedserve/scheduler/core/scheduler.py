@@ -53,6 +53,10 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # Per KV group (common/model_config.KVGroups): 0 full attention, else the sliding window.
     kv_group_windows: tuple[int, ...] = (0,)
+    # Most distinct LoRA adapters among the running requests (--max-loras; a step's adapters are
+    # a subset): a request of another adapter waits (counted as "seq_budget": the step's seats for
+    # adapters are full). 0: LoRA off.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
@@ -108,6 +112,8 @@ class Scheduler(Isolation, Results):
     def add_request(self, request: Request) -> None:
         """Queue a new request; raises ValueError (RequestIdInUse for a taken id) and changes nothing."""
         self.check_prompt(request.num_prompt_tokens)
+        if request.params.lora_name and not self.config.max_loras:
+            raise ValueError(f"lora_name {request.params.lora_name!r}: LoRA adapters are off (--enable-lora)")
         if request.params.n > self.config.max_num_seqs:
             raise ValueError(f"n={request.params.n} is more than max_num_seqs ({self.config.max_num_seqs})")
         self._claim(request.group_id, request.params.n)
@@ -235,6 +241,17 @@ class Scheduler(Isolation, Results):
         pending = sum(len(r.child_req_ids) for r in self.running)
         return len(self.running) + pending + 1 + len(req.child_req_ids)
 
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether req's adapter (if any) is running already or one more fits --max-loras."""
+        name = req.params.lora_name
+        if not name:
+            return True
+        running = {r.params.lora_name for r in self.running if r.params.lora_name}
+        if name in running or len(running) < self.config.max_loras:
+            return True
+        self._wait_reason = "seq_budget"
+        return False
+
     def _chunk(self, num_remaining: int) -> int:
         cap = self.config.long_prefill_token_threshold
         if cap and self.config.enable_chunked_prefill:
@@ -337,6 +354,8 @@ class Scheduler(Isolation, Results):
         if self._num_seqs_after(req) > self.config.max_num_seqs:
             self._wait_reason = "seq_budget"
             return False
+        if not self._lora_fits(req):
+            return False
         num_new = self._chunk(req.num_tokens - req.num_computed_tokens)
         total = req.num_computed_tokens + num_new
         extra = max(0, cdiv(total, bm.block_size) - len(bm.cpu_tables[req.request_id]))
@@ -357,9 +376,11 @@ class Scheduler(Isolation, Results):
         if self._num_seqs_after(req) > cfg.max_num_seqs:
             self._wait_reason = "seq_budget"
             return False
+        if not self._lora_fits(req):
+            return False
         # A cached prefix computes no logits or hidden states: a request that reads them (prompt
         # logprobs, mean/cls pooling) takes no hits (as vLLM does); it still fills the cache for others.
-        hits = (bm.find_cached_prefix(req.request_id, req.token_ids, req.params.cache_salt)
+        hits = (bm.find_cached_prefix(req.request_id, req.token_ids, req.params.prefix_salt)
                 if req.params.takes_prefix_hits else [])
         num_computed = len(hits) * cfg.block_size
         num_new = req.num_tokens - num_computed
