@@ -14,13 +14,13 @@ from contextlib import asynccontextmanager
 import grpc
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.gateway.backend import Backend
-from pagedserve.gateway import (anthropic_api, batched_completion, completion_call, embeddings, responses_api,
-                                tokenization)
+from pagedserve.gateway import (anthropic_api, batched_completion, completion_call, embeddings, lora_adapters,
+                                responses_api, tokenization)
 from pagedserve.gateway.health import readiness, readiness_now
 from pagedserve.gateway.http_gate import HttpGate
 from pagedserve.gateway.metrics import Metrics
@@ -66,6 +66,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
+
+
+def _operator(request: Request) -> None:
+    """Refuse a caller without the operator key (--admin-api-key; anyone when no keys are set)."""
+    if not caller_of(request).admin:
+        raise RequestError(403, "this path wants the operator key (--admin-api-key)", None, "permission_error",
+                           "admin_key_required")
 
 
 async def _json_body(request: Request):
@@ -160,7 +167,20 @@ def build_app(backend: Backend) -> FastAPI:
         info = await backend.model_info()
         return {"object": "list", "data": [
             {"id": info.model, "object": "model", "created": 0, "owned_by": "pagedserve", "root": info.model,
-             "parent": None, "max_model_len": info.max_model_len, "ready": info.ready}]}
+             "parent": None, "max_model_len": info.max_model_len, "ready": info.ready},
+            *backend.loras.model_cards(info.model, info.max_model_len, info.ready)]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's: {"lora_name", "lora_path"} (a PEFT folder); the operator key only."""
+        _operator(request)
+        return PlainTextResponse(lora_adapters.load_from_body(backend.loras, await _json_body(request)))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        """vLLM's: {"lora_name"}; the operator key only."""
+        _operator(request)
+        return PlainTextResponse(lora_adapters.unload_from_body(backend.loras, await _json_body(request)))
 
     @app.get("/v1/requests/{request_id}")
     async def request_status(request_id: str, request: Request) -> dict:

@@ -22,6 +22,7 @@ from pagedserve.common.local_calls import LocalOrGrpcCall, LocalSocketPath
 from pagedserve.common.request_checks import other_model
 from pagedserve.common.store import MemoryStore, RequestStore
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.gateway.lora_adapters import LoraAdapters
 from pagedserve.gateway.admission import Admission
 from pagedserve.gateway.limits import Limits
 from pagedserve.gateway.metrics import Metrics
@@ -126,6 +127,7 @@ class Backend:
         self.reasoning_parser = reasoning_parser  # --reasoning-parser: a chat's reasoning_content
         self.prefix_cache_scope = prefix_cache_scope  # --prefix-cache-scope: owners.cache_salt
         self.runner, self.pooler = runner, pooler  # --runner pooling: embeddings only, pooled by --pooler
+        self.loras = LoraAdapters()  # --enable-lora: the adapters requests may name as their model
         self.admission = Admission(api_key, limits, admin_keys, min_priorities)
         self.limits = self.admission.limits
         self.inflight: set = set()  # the REST calls this gateway is serving (completion_call.CompletionCall)
@@ -247,7 +249,7 @@ class Backend:
     async def served_model(self, requested: str | None) -> generate_pb2.ModelInfo:
         """Check the request's model name; raise 404 for another model, 503 while loading."""
         info = await self.model_info()
-        if other_model(requested, info.model):
+        if other_model(requested, info.model) and self.loras.path_of(requested) is None:
             raise RequestError(404, f"The model `{requested}` does not exist.", "model", "invalid_request_error",
                                "model_not_found")
         if not info.ready:

@@ -149,10 +149,11 @@ class CompletionCall:
                         timeout: float | None) -> Response:
         """Send the request on under the caller's internal id; answer once the tokenizer accepts it."""
         body, backend = self.body, self.backend
-        request_id = forward_as(gen, self.caller, client_id, self.received, backend.prefix_cache_scope)
+        request_id = forward_as(gen, self.caller, client_id, self.received, backend.prefix_cache_scope, backend.loras)
         self.tracker.request_id = request_id
-        self.model, self.client_id, self.request_id, self.created = info.model, client_id, request_id, \
-            int(self.received)
+        self.tracker.adapter = gen.params.lora_name
+        self.model = gen.params.lora_name or info.model  # an adapter's answers name it
+        self.client_id, self.request_id, self.created = client_id, request_id, int(self.received)
 
         self.call = backend.tokenizer.Generate(gen, timeout=timeout, metadata=self._metadata())
         first = await self._first()

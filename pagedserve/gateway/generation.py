@@ -16,14 +16,17 @@ from __future__ import annotations
 
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import Backend
+from pagedserve.gateway.lora_adapters import LoraAdapters
 from pagedserve.gateway.owners import Caller, cache_salt
 from pagedserve.v1 import generate_pb2
 
 
 def forward_as(gen: generate_pb2.GenerateRequest, caller: Caller, client_id: str, received: float,
-               prefix_cache_scope: str) -> str:
-    """Stamp gen for downstream (in place); returns its internal request id."""
+               prefix_cache_scope: str, adapters: LoraAdapters | None = None) -> str:
+    """Stamp gen for downstream (in place); returns its internal request id. adapters: a model
+    name that is a LoRA adapter's runs the served model with it (lora_adapters.stamp)."""
     gen.request_id = caller.internal_id(client_id)
+    (adapters or LoraAdapters()).stamp(gen)
     gen.params.cache_salt = cache_salt(caller.owner, gen.params.cache_salt, prefix_cache_scope)
     gen.ClearField("timings")  # stamps are ours: a client's would corrupt the metrics
     gen.timings.gateway_received = received

@@ -31,6 +31,8 @@ from pagedserve.gateway import grpc_embed
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend
 from pagedserve.gateway.generation import admit_first, forward_as, output_budget
+from pagedserve.gateway.errors import RequestError
+from pagedserve.gateway.lora_adapters import LoraAdapters, load_from_body, unload_from_body
 from pagedserve.gateway.owners import Caller, client_id_problem, valid_client_id
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -52,10 +54,11 @@ def _no_such_model(model: str) -> str:
     return f"the model {model!r} does not exist"
 
 
-def request_problem(request: generate_pb2.GenerateRequest,
-                    info: generate_pb2.ModelInfo) -> tuple[grpc.StatusCode, str] | None:
-    """What is wrong with a GenerateRequest for the served model (status and message), or None."""
-    if checks.other_model(request.model, info.model):
+def request_problem(request: generate_pb2.GenerateRequest, info: generate_pb2.ModelInfo,
+                    adapters: LoraAdapters | None = None) -> tuple[grpc.StatusCode, str] | None:
+    """What is wrong with a GenerateRequest for the served model or one of its LoRA adapters
+    (status and message), or None."""
+    if checks.other_model(request.model, info.model) and (adapters is None or adapters.path_of(request.model) is None):
         return grpc.StatusCode.NOT_FOUND, _no_such_model(request.model)
     if not info.ready:
         return grpc.StatusCode.UNAVAILABLE, "the model is loading"
@@ -111,16 +114,18 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "The model does not support generation: this server runs --runner pooling (use Embed)")
         info = await self._model_info(context)
-        problem = request_problem(request, info)
+        problem = request_problem(request, info, self.backend.loras)
         if problem is not None:
             await context.abort(*problem)
 
         forward = generate_pb2.GenerateRequest()
         forward.CopyFrom(request)
         client_id = request.request_id or "cmpl-" + uuid.uuid4().hex
-        request_id = forward_as(forward, caller, client_id, received, self.backend.prefix_cache_scope)
+        request_id = forward_as(forward, caller, client_id, received, self.backend.prefix_cache_scope,
+                                self.backend.loras)
         admission, tracker = self.backend.admission, self.backend.metrics.track(received)
         tracker.request_id = request_id
+        tracker.adapter = forward.params.lora_name
         # The client's deadline goes downstream; its cancellation cancels this handler, whose
         # finally cancels the downstream call (the scheduler then aborts and frees the KV blocks).
         # context.write rather than yield: a generator suspended at a yield when the cancellation
@@ -168,6 +173,32 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         """As POST /detokenize (but skip_special_tokens is the caller's)."""
         await self._checked_model(request.model, context)
         return await self._forward(self.backend.tokenizer.Detokenize, request, context)
+
+    async def LoadLoraAdapter(self, request: generate_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext):
+        """As POST /v1/load_lora_adapter (the operator key only)."""
+        await self._operator(context)
+        return await self._adapters(context, lambda body: load_from_body(self.backend.loras, body),
+                                    {"lora_name": request.lora_name, "lora_path": request.lora_path})
+
+    async def UnloadLoraAdapter(self, request: generate_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext):
+        """As POST /v1/unload_lora_adapter (the operator key only)."""
+        await self._operator(context)
+        return await self._adapters(context, lambda body: unload_from_body(self.backend.loras, body),
+                                    {"lora_name": request.lora_name})
+
+    async def _operator(self, context: grpc.aio.ServicerContext) -> None:
+        if not (await self._admit(context)).admin:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this call wants the operator key (--admin-api-key)")
+
+    @staticmethod
+    async def _adapters(context: grpc.aio.ServicerContext, change, body: dict) -> generate_pb2.LoraAdapterReply:
+        try:
+            return generate_pb2.LoraAdapterReply(message=change(body))
+        except RequestError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND if exc.status == 404 else grpc.StatusCode.INVALID_ARGUMENT,
+                                exc.message)
+            raise  # not reached: abort raises
 
     async def _checked_model(self, model: str, context: grpc.aio.ServicerContext) -> generate_pb2.ModelInfo:
         await self._admit(context)

@@ -27,7 +27,7 @@ DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 # vLLM's paths outside /v1 that still need the key (vLLM leaves them open; they read the model).
 GATED_PATHS = ("/tokenize", "/detokenize")
 KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
-                   "/v1/responses",
+                   "/v1/responses", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
                    "/v1/models", "/v1/engine/stats", "/health",
                    "/metrics", "/dashboard", *GATED_PATHS)
 BODY_METHODS = ("POST", "PUT", "PATCH")

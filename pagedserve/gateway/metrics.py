@@ -198,6 +198,11 @@ class Metrics:
                           STAGE_BUCKETS, ("stage",))
         self.finished = Counter(P + "request_success", "Requests finished, by finish reason", ["finished_reason"],
                                 registry=self.registry)
+        # LoRA (--enable-lora): requests and output tokens per adapter ("" : the base model)
+        self.adapter_requests = Counter(P + "adapter_requests", "Requests finished, by LoRA adapter and finish "
+                                        "reason", ["adapter", "finished_reason"], registry=self.registry)
+        self.adapter_tokens = Counter(P + "adapter_generation_tokens", "Output tokens, by LoRA adapter",
+                                      ["adapter"], registry=self.registry)
         self.http = Counter(P + "http_requests", "HTTP responses, by endpoint and status", ["endpoint", "status"],
                             registry=self.registry)
         self.model_name = ""  # the served model's name, once the tokenizer said it
@@ -248,6 +253,7 @@ class RequestTracker:
         self.timings: common_pb2.Timings | None = None
         self.done = False
         self.request_id = ""
+        self.adapter = ""  # the LoRA adapter the request named ("": the base model)
         self.first_streamed: float | None = None  # when the gateway wrote the first / last text
         self.last_streamed: float | None = None
 
@@ -304,6 +310,8 @@ class RequestTracker:
             return
         for reason in self.finish_reasons.values():
             m.finished.labels(reason).inc()
+            m.adapter_requests.labels(self.adapter, reason).inc()
+        m.adapter_tokens.labels(self.adapter).inc(sum(self.completion_tokens.values()))
         end = self.last_text or time.time()
         m.e2e.observe(end - self.received)
         if self.first_text is not None:

@@ -74,6 +74,8 @@ class ServiceConfig:
     store_check_interval_s: float = 1.0  # how often the store (Redis) is pinged
     # Schedule and send step N+1 while the worker runs step N (--no-async-scheduling turns it off).
     async_scheduling: bool = True
+    enable_lora: bool = False
+    max_loras: int = 1  # most adapters among the running requests (--max-loras), with enable_lora
 
 
 class SchedulerService:
@@ -120,7 +122,8 @@ class SchedulerService:
             max_num_batched_tokens=budget, max_model_len=self.max_model_len, num_cpu_blocks=sizes.num_cpu_blocks,
             enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
             preemption_mode=cfg.preemption_mode, policy=cfg.policy,
-            long_prefill_token_threshold=long_prefill, kv_group_windows=tuple(sizes.kv_group_windows) or (0,)))
+            long_prefill_token_threshold=long_prefill, kv_group_windows=tuple(sizes.kv_group_windows) or (0,),
+            max_loras=cfg.max_loras if cfg.enable_lora else 0))
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %d rank(s); step budget %d tokens, %d seqs",
                  sizes.num_gpu_blocks, cfg.block_size, sizes.num_gpu_blocks * sizes.bytes_per_block / 2**20,
                  len(self.workers.addresses), budget, cfg.max_num_seqs)

@@ -204,3 +204,23 @@ class ModelInfo(_message.Message):
     vocab_size: int
     ready: bool
     def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdapterReply(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...

@@ -61,6 +61,16 @@ class GenerationStub:
                 request_serializer=pagedserve_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pagedserve.v1.Generation/LoadLoraAdapter',
+                request_serializer=pagedserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_generate__pb2.LoraAdapterReply.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pagedserve.v1.Generation/UnloadLoraAdapter',
+                request_serializer=pagedserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_generate__pb2.LoraAdapterReply.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -100,6 +110,20 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """POST /v1/load_lora_adapter
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """POST /v1/unload_lora_adapter
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +151,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=pagedserve_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pagedserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_generate__pb2.LoraAdapterReply.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pagedserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_generate__pb2.LoraAdapterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +299,60 @@ class Generation:
             '/pagedserve.v1.Generation/Embed',
             pagedserve_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
             pagedserve_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Generation/LoadLoraAdapter',
+            pagedserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pagedserve_dot_v1_dot_generate__pb2.LoraAdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Generation/UnloadLoraAdapter',
+            pagedserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pagedserve_dot_v1_dot_generate__pb2.LoraAdapterReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,7 +58,7 @@ class WorkerService:
                  max_model_len: int | None = None, rank: int = 0, world_size: int = 1,
                  dist_init_method: str | None = None, tokenizer: str | None = None,
                  quantization: str = "auto", kv: KVSettings | None = None, max_num_seqs: int | None = None,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, lora: tuple[int, int, int] | None = None) -> None:
         import dataclasses
 
         import torch  # noqa: F401 - the worker is the one service that needs it
@@ -89,6 +89,7 @@ class WorkerService:
         # decode steps of up to this many sequences replay CUDA graphs, unless enforce_eager (CPU: never)
         self.max_num_seqs = max_num_seqs or defaults("engine")["max_num_seqs"]
         self.enforce_eager = enforce_eager
+        self.lora = lora  # (max_loras, max_lora_rank, max_cpu_loras) with --enable-lora
         self.runner = None
         self.session_id = ""
         self.lock = threading.Lock()  # one step at a time, and no InitCache in the middle of one
@@ -116,6 +117,8 @@ class WorkerService:
         # Every rank blocks here until all have joined the group, then loads only its shard.
         init_tensor_parallel(self.rank, self.world_size, self.dist_init_method, self.device)
         self.runner = load_runner(self.place, self.kv.block_size, self.quantization, progress=False)
+        if self.lora is not None:  # its slots before the memory reading
+            self.runner.enable_lora(*self.lora)
         log.info("rank %d loaded %s (%s on %s; linear weights %s) in %.1f s", self.rank, Path(self.model_path).name,
                  str(self.dtype).removeprefix("torch."), self.device, self.runner.weights_description,
                  time.monotonic() - started)
@@ -263,7 +266,9 @@ def dist_init_method(address: str | None) -> str | None:
 def serve(args: argparse.Namespace) -> int:
     service = WorkerService(args.model, args.device, args.dtype, args.max_model_len, args.rank,
                             args.tensor_parallel_size, dist_init_method(args.dist_init_addr), args.tokenizer,
-                            args.quantization, kv_settings(args), args.max_num_seqs, args.enforce_eager)
+                            args.quantization, kv_settings(args), args.max_num_seqs, args.enforce_eager,
+                            (args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
+                            if args.enable_lora else None)
     ready = threading.Event()
     # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
