@@ -49,8 +49,9 @@ class Recovery:
             group, requests = self.resume_plan(record)
             if not requests:
                 continue
-            self.add_resumed(record, requests)
-            live.readmit(group)
+            self.add_resumed(record, requests)  # (the Scheduler refuses colliding ids first)
+            with live.lock:
+                live.claim(group)
             readmitted.append(request_id)
         if readmitted:
             log.info("re-admitted %d unfinished request(s) from the store; they resume by recompute",

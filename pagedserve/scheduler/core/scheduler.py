@@ -14,64 +14,38 @@ samples fork, or the pending token ends it by length). A request that stops on t
 
 A bad request fails alone: an exception in one request's scheduling or result bookkeeping ends
 that request's whole group (aborted, its blocks freed) and is reported by take_failed(); the
-step goes on for the others. No two live requests share a sample id. (Both: isolation.py.)
-Taking in a step's results — sampled tokens, forks of n > 1, stop rules, prompt logprobs — is
-results.py; counting what a step did (StepStats, waiting reasons) is step_stats.py.
+step goes on for the others (_fail: whatever the step being built had given it is taken back).
+No two live requests share a sample id (sample_ids.py). update() takes a step's results in: what
+they make of each request — sampled tokens, forks of n > 1, stop rules, prompt logprobs, pooled
+vectors — is results.py; counting what a step did (StepStats, waiting reasons) is step_stats.py.
+
+Invariants: `sample_ids` holds exactly the sample ids of every group in `groups`; a request
+finished or failed in update() or by _fail is in no queue and holds no blocks when it returns;
+the request's prompt logprobs go out once, with sample 0's first token (listed first among the
+request's updates of that step), never with the other samples'.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from pagedserve.common.request_checks import prompt_tokens_problem
 from pagedserve.common.stop_rules import at_length, samples_any
-from pagedserve.common.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.common.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData, SampledToken,
+                                        SchedulerOutput)
 from pagedserve.scheduler.core.block_manager import Allocation, cdiv
-from pagedserve.scheduler.core.isolation import Isolation
+from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.core.kv_groups import blocks_for_sequence, make_block_manager, step_entry
-from pagedserve.scheduler.core.results import Results
+from pagedserve.scheduler.core.results import (RequestUpdate, append_sample, first_prompt_logprobs, fork_children,
+                                               pooled_vector)
 from pagedserve.scheduler.core.request import Request, RequestStatus, sample_ids
+from pagedserve.scheduler.core.sample_ids import SampleIds
 from pagedserve.scheduler.core.step_stats import StepStats, count_step
 
 
-@dataclass(slots=True)
-class SchedulerConfig:
-    num_gpu_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    num_cpu_blocks: int = 0
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"  # or "swap"
-    policy: str = "fcfs"  # or "priority"
-    # Most prompt tokens one request prefills in a step (0: no cap). Keeps steps short while a
-    # long prompt prefills, so decodes and short prompts beside it are not held for seconds.
-    long_prefill_token_threshold: int = 0
-    # Per KV group (common/model_config.KVGroups): 0 full attention, else the sliding window.
-    kv_group_windows: tuple[int, ...] = (0,)
-    # Most distinct LoRA adapters among the running requests (--max-loras; a step's adapters are
-    # a subset): a request of another adapter waits (counted as "seq_budget": the step's seats for
-    # adapters are full). 0: LoRA off.
-    max_loras: int = 0
-
-    def __post_init__(self) -> None:
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
-        if self.preemption_mode == "swap" and self.num_cpu_blocks < 1:
-            raise ValueError("preemption_mode 'swap' needs a host block pool (num_cpu_blocks >= 1)")
-
-
-class Scheduler(Isolation, Results):
+class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_manager = make_block_manager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching,
@@ -81,8 +55,8 @@ class Scheduler(Isolation, Results):
         self.swapped: list[Request] = []  # sorted by Request.sort_key
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
-        self.sample_ids: set[str] = set()  # every sample id of the groups, forked or still to fork
-        self.failed: list[tuple[str, Exception]] = []  # (group id, why): see Isolation.take_failed
+        self.sample_ids = SampleIds()  # every sample id of the groups, forked or still to fork
+        self.failed: list[tuple[str, Exception]] = []  # (group id, why): see take_failed
         self._dropped_ids: list[str] = []  # the worker must forget these on the next step
         self._cut_short: list[Request] = []  # finished inside schedule(): reported by update()
         self._key = Request.sort_key if config.policy == "priority" else Request.arrival_key
@@ -116,7 +90,7 @@ class Scheduler(Isolation, Results):
             raise ValueError(f"lora_name {request.params.lora_name!r}: LoRA adapters are off (--enable-lora)")
         if request.params.n > self.config.max_num_seqs:
             raise ValueError(f"n={request.params.n} is more than max_num_seqs ({self.config.max_num_seqs})")
-        self._claim(request.group_id, request.params.n)
+        self.sample_ids.claim(request.group_id, request.params.n)
         if request.params.n > 1 and not request.child_req_ids:
             request.child_req_ids = sample_ids(request.request_id, request.params.n)[1:]
         request.status = RequestStatus.WAITING
@@ -130,7 +104,7 @@ class Scheduler(Isolation, Results):
         group_id = requests[0].group_id
         for req in requests:
             self.check_prompt(req.num_tokens)
-        self._claim(group_id, requests[0].params.n)
+        self.sample_ids.claim(group_id, requests[0].params.n)
         for req in requests:
             req.status = RequestStatus.WAITING
             req.num_computed_tokens = 0
@@ -151,6 +125,12 @@ class Scheduler(Isolation, Results):
             if not req.status.finished and sample_index in (None, req.sample_index):
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
+
+    def take_failed(self) -> list[tuple[str, Exception]]:
+        """(group id, exception) of the groups ended by a fault in their own bookkeeping since the
+        last call; they are aborted already (blocks freed): the caller tells their clients."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def preempt_all_for_new_session(self, num_gpu_blocks: int, num_cpu_blocks: int) -> int:
         """The workers lost their KV cache (a rank died and was re-initialised): every running or
@@ -235,6 +215,91 @@ class Scheduler(Isolation, Results):
             (out.new_requests if isinstance(entry, NewRequestData) else out.cached_requests).append(entry)
         out.blocks_to_copy = [pair for pairs in self._copies.values() for pair in pairs]
         return out
+
+    # ---- a step's results ---------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+        updates = [RequestUpdate(req, [], True) for req in self._cut_short]
+        self._cut_short = []
+        for req_id, num_tokens in sched.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                # Aborted while the step ran (async scheduling). Had its samples forked there, the
+                # worker holds the forks, which this side never registered: it drops them too
+                # (unless a new request has claimed those ids since).
+                forked = sample_ids(req_id, len(result.sampled.get(req_id) or ()))[1:]
+                self._dropped_ids.extend(i for i in forked if i not in self.sample_ids)
+                continue
+            req.num_computed_tokens += num_tokens
+            req.num_inflight_tokens -= num_tokens
+            if req.num_pending_samples and req.num_computed_tokens == req.num_tokens:
+                req.num_pending_samples -= 1  # (the worker's rule: it sampled where the known tokens end)
+            samples = result.sampled.get(req_id)
+            try:
+                # The KV this step wrote is the prefix cache's whatever becomes of the request: its
+                # full blocks go in before its token may finish it (max_tokens 1, a prompt-only
+                # request), which frees them. Before a fork, so the samples share what is cached.
+                self.block_manager.cache_full_blocks(req_id, req.token_ids, req.num_computed_tokens,
+                                                     req.params.prefix_salt)
+                prompt = result.prompt_logprobs.get(req_id)
+                if prompt is not None:
+                    req.add_prompt_logprobs(prompt.start, prompt.tokens)
+                if not samples_any(req.params):  # the prompt only: done once it is computed, nothing sampled
+                    if req.num_computed_tokens >= req.num_tokens:
+                        self._finish(req, RequestStatus.FINISHED_LENGTH)
+                        updates.append(RequestUpdate(req, [], True, first_prompt_logprobs(req),
+                                                     pooled_vector(req, result)))
+                        continue
+                    samples = None
+                if samples:  # sample 0 (with the prompt logprobs) ahead of its forks
+                    children = self._fork(req, samples[1:])
+                    updates.append(self._append(req, samples[0]))
+                    updates.extend(self._append(child, None) for child in children)
+            except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
+                # The worker forked the samples itself when it sampled: it must drop those too.
+                self._fail(req, exc, worker_forked=req.child_req_ids if samples else ())
+        if self.failed:
+            failed = {group_id for group_id, _ in self.failed}
+            updates = [u for u in updates if u.request.group_id not in failed]
+        return updates
+
+    def _fork(self, parent: Request, child_samples: list[SampledToken]) -> list[Request]:
+        children = fork_children(parent, child_samples)
+        for child in children:
+            self.block_manager.fork(parent.request_id, child.request_id)
+            self.requests[child.request_id] = child
+            self.groups[parent.group_id].append(child)
+            bisect.insort(self.running, child, key=self._key)
+        parent.child_req_ids = []
+        return children
+
+    def _append(self, req: Request, sample: SampledToken | None) -> RequestUpdate:
+        update, stop = append_sample(req, sample, self.config.max_model_len)
+        if stop is not None:
+            self._finish(req, stop)
+        return update
+
+    # ---- one request's fault -------------------------------------------------------------
+    def _fail(self, req: Request, exc: Exception, out: SchedulerOutput | None = None,
+              worker_forked: Sequence[str] = ()) -> None:
+        """req's scheduling (out: the step being built) or its results raised: abort its whole
+        group, taking back what this step had given its sequences, so the others go on.
+        worker_forked: sample ids the worker created (it forks at its first sampled token) that
+        may not have been registered here; the worker is told to drop them."""
+        self.failed.append((req.group_id, exc))
+        unregistered = [i for i in worker_forked if i not in self.requests]
+        if out is not None:
+            for r in self.groups.get(req.group_id) or [req]:
+                if r.request_id in out.num_scheduled_tokens:
+                    self._budget += out.num_scheduled_tokens.pop(r.request_id)
+                    self._copies.pop(r.request_id, None)
+                    if isinstance(self._entries.pop(r.request_id, None), NewRequestData):
+                        r.sent_to_worker = False  # the worker never hears of it
+        if not self.abort(req.group_id) and not req.status.finished:
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._dropped_ids.extend(unregistered)
+        if out is not None:  # what it held on the worker is dropped by this same step
+            out.finished_req_ids.extend(self._dropped_ids)
+            self._dropped_ids.clear()
 
     def _num_seqs_after(self, req: Request) -> int:
         # Samples that running requests will fork on their first token count already.
@@ -420,3 +485,7 @@ class Scheduler(Isolation, Results):
         if group is not None and all(r.status.finished for r in group) and not any(
                 r.child_req_ids for r in group):
             self._forget(req.group_id)
+
+    def _forget(self, group_id: str) -> None:
+        group = self.groups.pop(group_id)
+        self.sample_ids.release(group_id, group[0].params.n)
