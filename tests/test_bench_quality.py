@@ -107,3 +107,24 @@ def test_gemma3_sliding_and_global_layers_match_transformers(tmp_path):
     got = quality.compare(make_engine(folder, dtype="bfloat16").runner, reference.runner, windows)
     assert 0 < got["kl_mean"] < 0.05 and got["top1_agreement"] > 0.8
     assert got["perplexity"] == pytest.approx(got["reference_perplexity"], rel=0.05)
+
+
+def test_bos_is_what_the_tokenizer_puts_first():
+    """Gemma's tokenizer adds BOS by its post-processor, with add_bos_token False: asked of an
+    encoding, the windows start with it (without it Gemma 3 scored far worse than llama.cpp)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<bos>": 0, "x": 1, "y": 2}
+
+    def tokenizer(adds_bos: bool):
+        t = Tokenizer(models.WordLevel(vocab, unk_token="x"))
+        t.pre_tokenizer = pre_tokenizers.Whitespace()
+        if adds_bos:
+            t.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
+        return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<bos>")
+
+    gemma_like = tokenizer(True)
+    assert not getattr(gemma_like, "add_bos_token", False) and gemma_like("y")["input_ids"] == [0, 2]
+    assert quality.leading_bos(gemma_like) == 0
+    assert quality.leading_bos(tokenizer(False)) is None

@@ -5,8 +5,8 @@ The text (--text, or the bundled sample: this project's own prose and code, ~5,4
 model's tokenizer) is tokenized once and cut into windows of --ctx tokens; each window runs teacher-forced
 as one prefill (several windows per forward pass) through the serving model runner's model, its KV cache
 and attention backends, and only the second half of each window is scored (every scored token sees at
-least ctx/2 tokens of context), as llama-perplexity does. A tokenizer that adds a BOS token gets it as each
-window's first token.
+least ctx/2 tokens of context), as llama-perplexity does. A tokenizer that starts its encodings with a BOS token
+(leading_bos) gets it as each window's first token.
 
 Against a reference run of the same windows (--reference-dtype float32 --reference-quantization none by
 default) it reports, over the scored tokens: perplexity (exp of the mean negative log-likelihood) of both,
@@ -49,6 +49,18 @@ def windows_of(ids: list[int], ctx: int, bos: int | None) -> list[list[int]]:
     if not wins:
         raise ValueError(f"the text has {len(ids)} tokens: fewer than one window of --ctx {ctx}")
     return [[bos, *w[1:]] if bos is not None else w for w in wins]
+
+
+def leading_bos(tokenizer) -> int | None:
+    """The BOS id if the tokenizer starts an encoding with it (as llama.cpp's tokenizer then does),
+    else None. Asked of an encoding, not of add_bos_token: Gemma's tokenizer adds it by its
+    post-processor with add_bos_token False (Gemma 3 270M without its BOS: perplexity 40 on the
+    sample instead of 25)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("x", add_special_tokens=True)["input_ids"]
+    return bos if ids and ids[0] == bos else None
 
 
 def scored_range(ctx: int) -> tuple[int, int]:
@@ -185,7 +197,7 @@ def run_quality(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(model_path)
     text = Path(args.text).read_text(encoding="utf-8") if args.text else sample_text()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    bos = getattr(tokenizer, "bos_token_id", None) if getattr(tokenizer, "add_bos_token", False) else None
+    bos = leading_bos(tokenizer)
     windows = windows_of(ids, args.ctx, bos)
     tested = build(args, model_path, tokenizer, args.dtype, args.quantization)
     reference = build(args, model_path, tokenizer, args.reference_dtype, args.reference_quantization)
@@ -206,7 +218,7 @@ def run_quality(args: argparse.Namespace) -> dict:
             raise SystemExit("llama-perplexity not found: pass its path with --llama-perplexity PATH "
                              "(see `pagedserve bench llama-cpp --help` for building llama.cpp)")
         from pagedserve.bench.llama_cpp import find_gguf
-        gguf, _ = find_gguf(args.model)
+        gguf, _ = find_gguf(str(model_path))  # a name (gemma3-270m) resolved to its folder
         text_file = Path(args.text) if args.text else Path(str(resources.files("pagedserve.bench") / "data" / SAMPLE))
         result["llama_cpp_perplexity"] = run_llama_perplexity(binary, gguf, text_file, args.ctx, os.cpu_count() or 1)
         rows.append((f"llama.cpp {gguf.name}", result["llama_cpp_perplexity"], "-", "-", "-", "-"))
