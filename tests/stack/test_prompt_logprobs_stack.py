@@ -124,6 +124,36 @@ def test_vllm_prompt_logprobs_and_streaming_echo(client, model_name, hf):
     assert offsets == whole.choices[0].logprobs.text_offset
 
 
+def test_every_choice_of_n_shows_the_prompt_logprobs_sent_once(client, model_name, hf):
+    """Issue 42 row 3: the prompt's logprobs travel once per request (with sample 0's first
+    delta); each of n choices still shows them, whole and streamed, echoed and in vLLM's field."""
+    tokenizer, model = hf
+    ids = tokenizer(TEXT)["input_ids"]
+    want = prompt_reference(model, ids)
+    args = dict(model=model_name, prompt=TEXT, n=3, max_tokens=2, temperature=1.0, seed=7, echo=True, logprobs=0,
+                extra_body={"prompt_logprobs": 1})
+    out = client.completions.create(**args)
+    assert len(out.choices) == 3
+    streamed: dict[int, list] = {}
+    prompts: dict[int, list] = {}
+    for chunk in client.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+            if (c.model_extra or {}).get("prompt_logprobs") is not None:
+                assert c.index not in prompts  # once per choice, with its first chunk
+                prompts[c.index] = c.model_extra["prompt_logprobs"]
+    first = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(first) == len(ids) and first[0] is None
+    for choice in out.choices:
+        assert choice.text.startswith(TEXT) and choice.model_extra["prompt_logprobs"] == first
+        got = choice.logprobs.token_logprobs[:len(ids)]
+        assert got[0] is None and max(abs(a - b) for a, b in zip(got[1:], want)) < 1e-3
+    assert sorted(prompts) == sorted(streamed) == [0, 1, 2] and all(p == first for p in prompts.values())
+    for logprobs in streamed.values():
+        assert logprobs[0] is None and max(abs(a - b) for a, b in zip(logprobs[1:len(ids)], want)) < 1e-3
+
+
 def test_lm_eval_local_completions_accuracy_equals_transformers(stack, model_name, hf, default_model_path,
                                                                 monkeypatch):
     import json
