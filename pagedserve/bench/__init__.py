@@ -21,7 +21,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
     bench = subparsers.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command",
-                                     metavar="{throughput,latency,services,tp,moe,serve,structured,vllm-cpu,llama-cpp,quality}")
+                                     metavar="{throughput,latency,services,embeddings,tp,moe,serve,structured,vllm-cpu,llama-cpp,"
+                                     "quality}")
     bench_sub.required = True
     p = bench_sub.add_parser("throughput", help="offline throughput vs transformers' static batching",
                              description=throughput_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,6 +42,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_latency_parser(bench_sub)
     from pagedserve.bench.services import add_services_parser
     add_services_parser(bench_sub)
+    from pagedserve.bench.embeddings import add_embeddings_parser
+    add_embeddings_parser(bench_sub)
     from pagedserve.bench.tp import add_tp_parser
     add_tp_parser(bench_sub)
     from pagedserve.bench.moe import add_moe_parser

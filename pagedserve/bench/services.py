@@ -167,7 +167,8 @@ def on_gpu(device: str) -> bool:
     return torch.cuda.is_available()
 
 
-def start_services(args, model_path):
+def start_services(args, model_path, **extra):
+    """The stack for args' engine settings; extra: other StackConfig fields (bench embeddings: runner)."""
     from pagedserve.common.grpc_util import free_port
     from pagedserve.launcher.processes import StackConfig, start_stack
 
@@ -187,7 +188,7 @@ def start_services(args, model_path):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
         preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
-        no_prefix_caching=args.no_prefix_caching, no_chunked_prefill=args.no_chunked_prefill, log_dir=None))
+        no_prefix_caching=args.no_prefix_caching, no_chunked_prefill=args.no_chunked_prefill, log_dir=None, **extra))
 
 
 # ---- one side at a time on a GPU --------------------------------------------------------------------
