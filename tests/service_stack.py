@@ -32,6 +32,35 @@ def tiny_model_with_tokenizer(folder: Path, default_model: Path, arch: str = "ll
     return folder
 
 
+def bigram_chain_model(folder: Path, default_model: Path, chain_text: str, after_prompt: str) -> list[int]:
+    """A tiny model (tiny_model_with_tokenizer's) that greedily writes chain_text after any prompt
+    ending like after_prompt: every layer's output projections zeroed, the next token depends on
+    the current one only (its embedding, normed, through the head), and the head maps each token of
+    the chain to the next. Returns the chain's token ids (distinct, the start token included)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    import torch
+
+    tiny_model_with_tokenizer(folder, default_model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    start = tokenizer(after_prompt, add_special_tokens=False)["input_ids"][-1]
+    chain = [start, *tokenizer(chain_text, add_special_tokens=False)["input_ids"]]
+    assert len(set(chain)) == len(chain), "the chain's tokens must be distinct"
+    weights = load_file(folder / "model.safetensors")
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name].zero_()
+    embed = weights["model.embed_tokens.weight"]
+    head = torch.randn_like(weights["lm_head.weight"]) * 1e-3
+    for current, following in zip(chain, chain[1:]):
+        head[following] = 40.0 * embed[current] / embed[current].norm()
+    weights["lm_head.weight"] = head
+    weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"])
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return chain
+
+
 def start_test_stack(model: Path, log_dir: Path, **overrides):
     """Every service as a real process; records under a fresh Redis key prefix."""
     prefix = f"pstest-{uuid.uuid4().hex[:8]}:"

@@ -55,6 +55,9 @@ class StructuredOutput:
     regex: str = ""
     choice: list[str] = field(default_factory=list)
     grammar: str = ""  # Lark (llguidance's dialect) or GBNF
+    # With a reasoning parser: the text ending the reasoning ("</think>"); the constraint starts
+    # after it (vLLM's behaviour). Not a kind: it qualifies the one kind set.
+    reasoning_end: str = ""
 
     def kinds(self) -> list[str]:
         return [name for name in ("json_schema", "json_object", "regex", "choice", "grammar") if getattr(self, name)]

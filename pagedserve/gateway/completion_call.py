@@ -42,7 +42,7 @@ from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
                                          completion_to_generate, embedding_to_generate, error_body, include_event_ids,
                                          include_usage)
-from pagedserve.gateway.reasoning import request_parser
+from pagedserve.gateway.reasoning import END as REASONING_END, request_parser
 from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning, vllm_prompt_logprobs
 from pagedserve.gateway.tools import ToolOutput, chat_tools
 from pagedserve.gateway.background import spawn, watch_disconnect
@@ -118,6 +118,9 @@ class CompletionCall:
             self.tools = chat_tools(body, gen, backend.tool_call_parser)
             if backend.reasoning_parser:
                 self.reasoning = Reasoning(request_parser(backend.reasoning_parser, body.chat_template_kwargs))
+                if self.reasoning.parser and gen.params.HasField("structured_output"):
+                    # vLLM's: structured outputs and forced tool calls constrain what follows the reasoning
+                    gen.params.structured_output.reasoning_end = REASONING_END
         name = "max_completion_tokens" if self.chat and body.max_completion_tokens is not None else "max_tokens"
         problem = checks.max_tokens_problem(output_budget(gen), info.max_model_len, name)
         if problem:

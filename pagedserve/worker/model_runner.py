@@ -307,7 +307,8 @@ class ModelRunner:
             repeats.append(len(indices))
         if any(r > 1 for r in repeats):
             logits = logits.repeat_interleave(to_device(repeats, torch.long, logits.device), dim=0)
-        constrained = [i for i, state in enumerate(states) if state.params.structured_output is not None]
+        constrained = [i for i, state in enumerate(states)  # (a row still in its reasoning samples freely)
+                       if state.params.structured_output is not None and self.grammars.prepare(state)]
         masks = self._grammar_masks(states, repeats, constrained) if constrained else None
         out = self.sampler(logits, rows, masks)
         sampled, row = {}, 0
@@ -324,14 +325,9 @@ class ModelRunner:
         return sampled
 
     def _grammar_masks(self, states: list[RequestState], repeats: list[int], constrained: list[int]) -> TokenMasks:
-        """The constrained rows' bitmasks; a state's matcher is built on its first sampling step
-        from its outputs so far (new, forked, re-sent after a preemption or a restart)."""
+        """The constrained rows' bitmasks (their matchers built by GrammarMatchers.prepare, on a
+        state's first sampling step from its outputs so far)."""
         starts = np.cumsum([0] + repeats[:-1])
-        for i in constrained:
-            state = states[i]
-            if state.matcher is None:
-                state.matcher = self.grammars.new_matcher(state.params.structured_output,
-                                                          state.token_ids[state.num_prompt_tokens:])
         rows = [int(starts[i]) + j for i in constrained for j in range(repeats[i])]
         row_of = [k for k, i in enumerate(constrained) for _ in range(repeats[i])]
         bitmask = self.grammars.fill([states[i].matcher for i in constrained], row_of)

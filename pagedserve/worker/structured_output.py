@@ -9,6 +9,11 @@ step's token bitmask for the rows that sample under a grammar.
   sequence samples, by consuming its output tokens so far. That one rule covers a new request
   (no outputs), the samples 2..n forked after the first token, a request re-sent after a
   recompute preemption or a worker restart, and one resumed from the store.
+- With a reasoning parser (spec.reasoning_end, vLLM's behaviour) the grammar reads only the output
+  after the reasoning: until the end marker's token ids appear in the output the row samples
+  unconstrained (matcher REASONING; each step checks whether the output now ends with them),
+  then the matcher is built from the tokens after the marker. A sequence rebuilt from its
+  outputs (fork, preemption, restart) searches them whole once.
 - Only tensor-parallel rank 0 samples, so only rank 0 builds matchers; the other ranks get the
   token ids from rank 0 and never consult a grammar.
 
@@ -34,6 +39,9 @@ log = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 64
 FAILED = "failed"  # a RequestState.matcher that could not be built: the row may only sample eos
+# A RequestState.matcher while the sequence is still in its reasoning (spec.reasoning_end not yet
+# written): the row samples unconstrained; its matcher is built on the step after the end.
+REASONING = "reasoning"
 
 
 @dataclass(slots=True)
@@ -69,6 +77,8 @@ class GrammarMatchers:
         self._tokenizer = None
         self._executor = None
         self._cache: OrderedDict[str, object] = OrderedDict()
+        self._hf = None  # the HF tokenizer (encodes the reasoning end markers)
+        self._end_ids: dict[str, list[int]] = {}
         self.mask_time_s = 0.0  # filling the bitmasks, summed over steps (the sampler times applying them)
         self.mask_steps = 0  # steps that had at least one constrained row
 
@@ -82,13 +92,48 @@ class GrammarMatchers:
             if not (self.tokenizer_folder / "tokenizer.json").is_file():
                 raise ValueError(f"structured outputs need the model's tokenizer.json, and {self.tokenizer_folder} "
                                  "has none")
-            hf = load_tokenizer(self.tokenizer_folder)
+            hf = self._hf = load_tokenizer(self.tokenizer_folder)
             # The logits' width, or the tokenizer's when it has more (added) tokens than the model
             # head: the bitmask is sized by the tokenizer and cut to the logits when applied.
             self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=max(self.vocab_size, len(hf)),
                                                            eos_token=list(self.eos_token_ids) or None)
             self._executor = llguidance.LLExecutor()
         return self._tokenizer
+
+    def prepare(self, state) -> bool:
+        """Build or update a constrained sequence's matcher before it samples (its RequestState:
+        params, token_ids, num_prompt_tokens, matcher); True when the row samples under its grammar
+        this step, False while it is still reasoning."""
+        spec = state.params.structured_output
+        if state.matcher is not None and state.matcher is not REASONING:
+            return True
+        outputs = state.token_ids[state.num_prompt_tokens:]
+        try:
+            after = self.after_reasoning(spec, outputs, whole=state.matcher is None)
+        except Exception:  # noqa: BLE001 - e.g. no tokenizer: the matcher fails the same way below
+            after = outputs
+        state.matcher = REASONING if after is None else self.new_matcher(spec, after)
+        return state.matcher is not REASONING
+
+    def after_reasoning(self, spec: StructuredOutput, outputs: list[int], whole: bool) -> list[int] | None:
+        """The outputs the grammar reads: all of them without spec.reasoning_end; else those after
+        the end marker's token ids, or None while they have not appeared. whole: search every
+        output; else only whether the outputs end with the marker (at the previous step the
+        sequence was still reasoning, so the marker can only have just been completed)."""
+        if not spec.reasoning_end:
+            return outputs
+        end = self._end_ids.get(spec.reasoning_end)
+        if end is None:
+            self._ll_tokenizer()
+            end = self._end_ids[spec.reasoning_end] = list(
+                self._hf.encode(spec.reasoning_end, add_special_tokens=False))
+        n = len(end)
+        if not whole:
+            return [] if n and outputs[-n:] == end else None
+        for i in range(len(outputs) - n + 1):
+            if outputs[i:i + n] == end:
+                return outputs[i + n:]
+        return None
 
     def new_matcher(self, spec: StructuredOutput, output_token_ids: list[int]):
         """A matcher for a sequence that has produced output_token_ids so far, or FAILED when none
@@ -143,5 +188,7 @@ class GrammarMatchers:
 
     @staticmethod
     def advance(matcher, token_id: int) -> None:
-        if matcher is not FAILED and not matcher.is_stopped() and not matcher.consume_token(token_id):
+        if matcher is FAILED or matcher is REASONING:
+            return
+        if not matcher.is_stopped() and not matcher.consume_token(token_id):
             log.warning("grammar matcher refused sampled token %d: %s", token_id, matcher.get_error())

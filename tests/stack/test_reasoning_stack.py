@@ -1,13 +1,17 @@
-"""--reasoning-parser through every service, driven by the official `openai` client. The tiny
-model's weights are random, so a structured_outputs regex makes it write a thinking block and an
-answer after it (as a reasoning model would); the gateway splits the two into reasoning_content and
-content, streamed and not, and a request with enable_thinking false gets the text as content."""
+"""--reasoning-parser through every service, driven by the official `openai` client. A tiny model
+made to write a thinking block ("hmm ok</think>", service_stack.bigram_chain_model) answers after it
+under a structured_outputs regex (which applies after the reasoning, as vLLM's); the gateway splits
+the two into reasoning_content and content, streamed and not, and a request with enable_thinking
+false gets the text as content (the regex then holds from the first token: a whole thinking block
+and answer)."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
+
+from service_stack import bigram_chain_model
 
 pytestmark = pytest.mark.slow
 
@@ -18,14 +22,16 @@ REGEX = f"<think>{THOUGHT}</think>{ANSWER}"
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, launch_stack):
-    return launch_stack(tiny_model, reasoning_parser="deepseek_r1", max_num_seqs=8)
+def stack(default_model_path, tmp_path_factory, launch_stack):
+    folder = tmp_path_factory.mktemp("chain-reasoning")
+    bigram_chain_model(folder, default_model_path, "hmm ok</think>", "<|im_start|>assistant\n")
+    return launch_stack(folder, reasoning_parser="deepseek_r1", max_num_seqs=8)
 
 
-def ask(client, model_name, **kwargs):
+def ask(client, model_name, regex: str = ANSWER, **kwargs):
     extra = kwargs.pop("extra_body", {})
     return dict(model=model_name, messages=MESSAGES, max_tokens=60, temperature=1.0,
-                extra_body={"structured_outputs": {"regex": REGEX}, **extra}, **kwargs)
+                extra_body={"structured_outputs": {"regex": regex}, **extra}, **kwargs)
 
 
 def test_reasoning_content_split_streamed_and_not(client, model_name):
@@ -37,6 +43,7 @@ def test_reasoning_content_split_streamed_and_not(client, model_name):
     assert re.fullmatch(ANSWER, message.content), message
     # Usage as vLLM counts it: the reasoning's tokens are completion tokens.
     assert completion.usage.completion_tokens > len(message.content)
+    assert message.reasoning_content == "hmm ok"
     stream = client.chat.completions.create(**ask(client, model_name, seed=3, stream=True,
                                                   stream_options={"include_usage": True}))
     reasoning, content, usage = [], [], None
@@ -54,7 +61,7 @@ def test_reasoning_content_split_streamed_and_not(client, model_name):
 
 def test_enable_thinking_false_reads_the_text_as_content(client, model_name):
     completion = client.chat.completions.create(**ask(
-        client, model_name, seed=4, extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
+        client, model_name, REGEX, seed=4, extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
     message = completion.choices[0].message
     assert message.reasoning_content is None
     assert re.fullmatch(REGEX, message.content), message.content

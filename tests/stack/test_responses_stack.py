@@ -1,8 +1,9 @@
 """OpenAI's Responses API (POST /v1/responses, GET /v1/responses/{id}) through every service, driven
-by the official `openai` client's responses.create / .stream. The tiny model's weights are random:
-a structured_outputs regex (vLLM's extension, in extra_body) makes it write a thinking block and an
-answer, which --reasoning-parser qwen3 splits into a reasoning item and a message; a text.format
-json_schema and a forced function tool are enforced by structured outputs. Stored responses are
+by the official `openai` client's responses.create / .stream. A tiny model made to write a thinking
+block ("hmm ok</think>", service_stack.bigram_chain_model) answers after it under a structured_outputs
+regex (vLLM's extension, in extra_body; it applies after the reasoning), which --reasoning-parser
+deepseek_r1 splits into a reasoning item and a message; a text.format json_schema and a forced
+function tool are enforced by structured outputs, after the reasoning too. Stored responses are
 the caller's: another API key gets 404, and store: false keeps nothing."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from service_stack import bigram_chain_model
 from test_tools_stack import TEMPLATE, WEATHER
 
 pytestmark = pytest.mark.slow
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.slow
 K1, K2 = "sk-responses-one", "sk-responses-two"
 THOUGHT = r"[a-z]{1,8}( [a-z]{1,8}){0,2}"
 ANSWER = r"(yes|no)-[0-9]{2}"
-REGEX = f"<think>{THOUGHT}</think>{ANSWER}"
+REGEX = ANSWER  # what follows the thinking block
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer",
                                                                                       "minimum": 0, "maximum": 20}},
           "required": ["kind", "age"], "additionalProperties": False}
@@ -29,9 +31,11 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in 
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, launch_stack):
-    (tiny_model / "chat_template.jinja").write_text(TEMPLATE)
-    return launch_stack(tiny_model, api_key=[K1, K2], reasoning_parser="qwen3", tool_call_parser="hermes",
+def stack(default_model_path, tmp_path_factory, launch_stack):
+    folder = tmp_path_factory.mktemp("chain-responses")
+    bigram_chain_model(folder, default_model_path, "hmm ok</think>", "<|im_start|>assistant\n")
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    return launch_stack(folder, api_key=[K1, K2], reasoning_parser="deepseek_r1", tool_call_parser="hermes",
                         max_num_seqs=8)
 
 
@@ -81,13 +85,14 @@ def test_function_call_then_its_output_with_previous_response_id(client, other, 
     first = client.responses.create(model=model_name, input="Weather in Paris?", tools=TOOLS,
                                     tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60,
                                     temperature=1.0, extra_body={"seed": 3})
-    [call] = first.output
+    reasoning, call = first.output  # the thinking block, then the call the grammar forced after it
+    assert reasoning.type == "reasoning"
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), WEATHER)
     follow = [{"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}]
     second = client.responses.create(model=model_name, previous_response_id=first.id, input=follow, tools=TOOLS,
-                                     tool_choice="none", max_output_tokens=4)
-    assert second.previous_response_id == first.id and second.output[0].type == "message"
+                                     tool_choice="none", max_output_tokens=8)
+    assert second.previous_response_id == first.id and second.output[-1].type == "message"
     # The conversation was carried: the second prompt holds the question, the call and its output.
     alone = client.responses.create(model=model_name, input="Weather in Paris?", tools=TOOLS, tool_choice="none",
                                     max_output_tokens=1)
