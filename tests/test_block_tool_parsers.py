@@ -1,7 +1,8 @@
 """The block tool-call parsers (pagedserve/gateway/block_tool_parsers.py: mistral, deepseek_v3,
 qwen3_coder, pythonic), in the formats their models write: whole text, and every split of it
 streamed (test_tool_parsers.check_stream_matches), which must give the same content and calls;
-malformed blocks are content; parallel_tool_calls=false keeps the first call."""
+malformed blocks are content; parallel_tool_calls=false keeps the first call; deepseek_v3, mistral's
+[ARGS] form and qwen3_coder stream a call's arguments in fragments before its block ends."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from test_tool_parsers import calls_of, check_stream_matches
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                             "metric": {"type": "boolean"}, "tags": {"type": "array"}}}
 A = '{"city": "Paris", "days": 2}'
+DS_OPEN = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function"
 DS_CALL = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>"
 
 CASES = [
@@ -33,8 +35,9 @@ CASES = [
      [("get_weather", A), ("get_time", '{"zone": 1}')]),
     (DeepSeekV3Parser, "<｜tool▁calls▁begin｜>junk<｜tool▁calls▁end｜> ok",
      "<｜tool▁calls▁begin｜>junk<｜tool▁calls▁end｜> ok", []),
-    (DeepSeekV3Parser, "<｜tool▁calls▁begin｜>" + DS_CALL.format(name="f", args="{}"), "<｜tool▁calls▁begin｜>"
-     + DS_CALL.format(name="f", args="{}"), []),  # cut off before its end: text
+    (DeepSeekV3Parser, "<｜tool▁calls▁begin｜>" + DS_CALL.format(name="f", args="{}"), "",
+     [("f", "{}")]),  # cut off before the block's end, its call whole: the call
+    (DeepSeekV3Parser, DS_OPEN, DS_OPEN, []),  # cut off before a name: text
     (Qwen3CoderParser, "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
      "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
      "<parameter=city>\n42\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=tags>\n[\"a\"]\n"
@@ -83,3 +86,28 @@ def test_mistral_keeps_special_tokens_in_the_output():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert apply_tools(tools, "auto", None, gen, "mistral").parser == "mistral"
     assert gen.skip_special_tokens is False
+
+
+QWEN_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
+             "</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize(("cls", "text", "block_end"), [
+    (DeepSeekV3Parser, "<｜tool▁calls▁begin｜>" + DS_CALL.format(name="get_weather", args=A) + "<｜tool▁calls▁end｜>",
+     "<｜tool▁calls▁end｜>"),
+    (MistralParser, f"[TOOL_CALLS]get_weather[ARGS]{A}", None),
+    (Qwen3CoderParser, QWEN_CALL, "</tool_call>")])
+def test_arguments_stream_as_deltas_before_the_block_ends(cls, text, block_end):
+    parser = cls(stream=True, schemas={"get_weather": WEATHER})
+    fed, fragments, before_end = "", [], 0
+    for ch in text:
+        fed += ch
+        for event in parser.feed(ch):
+            if event.arguments is not None:
+                fragments.append(event.arguments)
+                before_end += block_end is not None and block_end not in fed
+    fragments += [e.arguments for e in parser.finish() if e.arguments is not None]
+    assert json.loads("".join(fragments)) == json.loads(A)
+    assert len(fragments) >= 2 and (block_end is None or before_end >= 1), fragments
+    first = stream_deltas(cls(stream=True, schemas={"get_weather": WEATHER}).feed(text))[0]  # OpenAI's shape
+    assert first["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}

@@ -11,11 +11,17 @@
   pythonic      the output is a Python list of calls, `[f(a=1, b="x"), g()]` (Llama 3.2), literal
                 arguments only; output that does not start with `[` is content.
 
-The ToolParser contract (tool_parsers.py) holds: any split of a text gives the events of the whole
-text. A block (a region of calls) is read when its end is seen (or at the end of the output): its
-calls go out then, each as its name and then its whole arguments; a block that does not parse is
-content, whole and streamed alike (nothing of it went out before). Text before a block streams as
-content as it comes, holding back only what may begin the block's tag. Plain Python, no I/O.
+The ToolParser contract (tool_parsers.py) holds: any split of a text gives the content and calls
+of the whole text. A block (a region of calls) is read when its end is seen (or at the end of the
+output, where a block whose calls are complete is read as calls): its calls, each its name and its
+arguments. Streamed, a parser with a view of the open block (view_block: deepseek_v3, mistral's
+`name[ARGS]{...}` form, qwen3_coder) sends each call's name once it is whole and its arguments as
+OpenAI-shaped deltas as they come (deepseek_v3 and mistral: the JSON text as written; qwen3_coder:
+`{"key": value` at each complete parameter, then `, "key": value`, `}` at the block's end); the
+others (mistral's JSON list, pythonic) send a block's calls whole at its end. A block that does
+not parse is content (whole and streamed alike when nothing of it went out; a stream cannot take
+back a call it announced: that call ends with the arguments sent, as hermes'). Text before a block
+streams as content as it comes, holding back only what may begin the block's tag. Plain Python.
 """
 
 from __future__ import annotations
@@ -42,9 +48,25 @@ class BlockParser(ToolParser):
         self.schemas = schemas or {}
         self._block: list[str] | None = None  # the open block's text, in pieces
         self._seen_text = False
+        self._streamed: list[tuple[int, int]] = []  # the open block's announced calls: (index, args sent)
 
     def read_block(self, text: str) -> list[tuple[str, str]] | None:
         raise NotImplementedError
+
+    def view_block(self, text: str) -> list[tuple[str, str]]:
+        """An open block's calls so far: (name, a prefix of the arguments text read_block will give),
+        for the calls whose name is whole. Default: none (the block's calls go out at its end)."""
+        return []
+
+    def _stream_view(self, text: str) -> None:
+        for i, (name, arguments) in enumerate(self.view_block(text)):
+            if i == len(self._streamed):
+                self._args_sent = 0
+                self._announce(name)
+                self._streamed.append((self._index, 0))
+            self._index, self._args_sent = self._streamed[i]
+            self._send_arguments(arguments)
+            self._streamed[i] = (self._index, self._args_sent)
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -53,11 +75,15 @@ class BlockParser(ToolParser):
                 if self.END is None:
                     self._block.append(self._buf)
                     self._buf = ""
+                    if self.stream:
+                        self._stream_view("".join(self._block))
                     break
                 joined = "".join(self._block) + self._buf  # the block is short: joined once per piece
                 at = joined.find(self.END)
                 if at < 0:
                     self._block, self._buf = [joined], ""
+                    if self.stream:
+                        self._stream_view(joined)
                     break
                 self._block = None
                 self._close(joined[:at], joined[:at + len(self.END)])
@@ -88,22 +114,26 @@ class BlockParser(ToolParser):
     def _close(self, body: str, whole: str) -> None:
         """A block's text is complete: its calls, or (when it does not parse) the text as content."""
         calls = self.read_block(body)
+        streamed, self._streamed = self._streamed, []
         if calls is None:
-            self._content(self.START + whole)
+            if streamed:  # announced: those calls end as sent
+                self._after_call = True
+            else:
+                self._content(self.START + whole)
             return
-        for name, arguments in calls:
-            self._args_sent = 0
-            self._announce(name)
+        for i, (name, arguments) in enumerate(calls):
+            if i < len(streamed):
+                self._index, self._args_sent = streamed[i]
+            else:
+                self._args_sent = 0
+                self._announce(name)
             self._send_arguments(arguments)
         self._after_call = True
 
     def finish(self) -> list[Event]:
-        if self._block is not None:
+        if self._block is not None:  # (cut off before its END: calls if they are complete, else text)
             body, self._block = "".join(self._block), None
-            if self.END is None:
-                self._close(body, body)
-            else:  # cut off before its end: text
-                self._content(self.START + body)
+            self._close(body, body)
         elif self.AT_START_ONLY and not self._seen_text and self._buf.strip():
             self._content(self._buf)
             self._buf = ""
@@ -112,13 +142,20 @@ class BlockParser(ToolParser):
 
 
 def _object_text(value) -> str | None:
-    """Arguments as JSON text: an object given as one, or as JSON text of one."""
+    """Arguments as JSON text: an object given as one (serialized), or JSON text of one (as the model
+    wrote it, stripped: what a stream sent of it is its prefix)."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            parsed = json.loads(value)
         except ValueError:
             return None
+        return value.strip() if isinstance(parsed, dict) else None
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+
+
+def _open_prefix(text: str, stop: str) -> str:
+    """What of an open call's arguments text can go out: stripped, less what may begin `stop`."""
+    return text[:len(text) - _held(text, stop)].strip()
 
 
 class MistralParser(BlockParser):
@@ -154,6 +191,20 @@ class MistralParser(BlockParser):
         return out
 
 
+    def view_block(self, text: str) -> list[tuple[str, str]]:
+        s = text.lstrip()
+        if not s or s.startswith("["):  # the JSON list: whole at the block's end
+            return []
+        out, parts = [], s.split(self.START)
+        for k, part in enumerate(parts):
+            name, sep, arguments = part.partition(self._ARGS)
+            if not sep or not name.strip():
+                break
+            last = k == len(parts) - 1
+            out.append((name.strip(), _open_prefix(arguments, self.START) if last else arguments.strip()))
+        return out
+
+
 class DeepSeekV3Parser(BlockParser):
     name = "deepseek_v3"
     START, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -171,6 +222,23 @@ class DeepSeekV3Parser(BlockParser):
             out.append((match["name"].strip(), arguments))
             at = match.end()
         return out if out and not text[at:].strip() else None
+
+    _HEAD = re.compile(r"\s*<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(?P<name>[^\n]*)\n```json\n", re.DOTALL)
+    _CALL_END = "<｜tool▁call▁end｜>"
+
+    def view_block(self, text: str) -> list[tuple[str, str]]:
+        out, at = [], 0
+        while (head := self._HEAD.match(text, at)) is not None and head["name"].strip():
+            end = text.find("\n```", head.end())
+            if end < 0:
+                out.append((head["name"].strip(), _open_prefix(text[head.end():], "\n```")))
+                break
+            out.append((head["name"].strip(), text[head.end():end].strip()))
+            close = text.find(self._CALL_END, end)
+            if close < 0:
+                break
+            at = close + len(self._CALL_END)
+        return out
 
 
 class Qwen3CoderParser(BlockParser):
@@ -195,6 +263,28 @@ class Qwen3CoderParser(BlockParser):
         if match["body"][at:].strip():
             return None
         return [(name, json.dumps(arguments, ensure_ascii=False))]
+
+    _HEAD = re.compile(r"\s*<function=(?P<name>[^>\n]+)>")
+
+    def view_block(self, text: str) -> list[tuple[str, str]]:
+        """The call once its first parameter (or its clean end) is whole, so a block that turns out
+        not to be a call is never announced; then each complete parameter, as json.dumps writes it."""
+        head = self._HEAD.match(text)
+        if head is None:
+            return []
+        name, body = head["name"].strip(), text[head.end():]
+        properties = (self.schemas.get(name) or {}).get("properties") or {}
+        pieces, at = [], 0
+        for p in self._PARAMETER.finditer(body):
+            if body[at:p.start()].strip():
+                break
+            key = p["key"].strip()
+            value = _typed(p["value"], (properties.get(key) or {}).get("type"))
+            pieces.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}")
+            at = p.end()
+        if pieces:
+            return [(name, "{" + ", ".join(pieces))]
+        return [(name, "")] if body.lstrip().startswith("</function>") else []
 
 
 def _typed(value: str, kind) -> object:
