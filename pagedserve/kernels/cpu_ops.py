@@ -30,6 +30,12 @@ def cpu_flags() -> str:
     return ""
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 itself (avx512_bf16 or AMX): the dtype choice's test."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 @cache
 def load():
     """The compiled module, or None (with a warning) when it cannot be built here."""

@@ -31,6 +31,8 @@ from functools import cache
 import torch
 from torch import nn
 
+from pagedserve.worker.embedding_table import is_matmul_weight, lm_head
+
 log = logging.getLogger(__name__)
 
 # oneDNN keeps a compiled primitive per (shape, row count) it has seen, 1,024 by default; a step's
@@ -136,13 +138,10 @@ def pack_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> in
     A layer opts in by having a `packed` attribute (None until packed) and a 2-D `weight`."""
     if not available(device, dtype):
         return 0
-    from pagedserve.worker.parallel import VocabParallelEmbedding
-
-    # An embedding table is a matmul weight only as the LM head (tied or not).
-    head = getattr(model, "lm_head", None) or getattr(model, "embed_tokens", None)
+    head = lm_head(model)
     count = 0
     for module in model.modules():
-        if not hasattr(module, "packed") or (isinstance(module, VocabParallelEmbedding) and module is not head):
+        if not hasattr(module, "packed") or not is_matmul_weight(module, head):
             continue
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != dtype or not weight.numel():

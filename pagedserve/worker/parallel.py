@@ -25,6 +25,7 @@ from torch import nn
 
 from pagedserve.worker.cpu_linear import packed_linear
 from pagedserve.worker.device_memory import rank_device, visible_devices
+from pagedserve.worker.embedding_table import EmbeddingTable
 from pagedserve.worker.quantized import DEQUANTIZE_ABOVE, QuantizedTensor
 
 
@@ -254,7 +255,7 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(EmbeddingTable):
     """Vocabulary rows split across ranks (padded to equal slices); a token's row comes from the
     rank that holds it, the others contribute zeros to the all_reduce. Also the LM head: each
     rank scores its vocabulary slice and the slices are gathered."""

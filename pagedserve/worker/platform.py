@@ -24,6 +24,7 @@ from functools import cache
 
 import torch
 
+from pagedserve.kernels.cpu_ops import cpu_has_fast_bf16
 from pagedserve.worker import parallel
 from pagedserve.worker.attention import (
     AttentionBackend,
@@ -80,12 +81,6 @@ class Platform:
 
     def kv_budget(self, reading: MemoryReading, utilization: float, block_bytes: int) -> int:
         return kv_budget(reading, utilization, block_bytes)
-
-
-def cpu_has_fast_bf16() -> bool:
-    from pagedserve.kernels.cpu_ops import cpu_flags
-    flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class CpuPlatform(Platform):

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from pagedserve.worker.embedding_table import is_matmul_weight, lm_head
+
 log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "none", "int8")
@@ -201,8 +203,8 @@ class QuantizedWeight:
 @cache
 def _native_bfloat16() -> bool:
     """Whether the CPU multiplies bfloat16 itself (avx512_bf16 or AMX): oneDNN's bfloat16 matmul is
-    fast only then. The same test as the dtype choice's (model_setup)."""
-    from pagedserve.worker.model_setup import cpu_has_fast_bf16
+    fast only then. The same test as the dtype choice's (platform.pick_dtype)."""
+    from pagedserve.kernels.cpu_ops import cpu_has_fast_bf16
     return cpu_has_fast_bf16()
 
 
@@ -260,10 +262,9 @@ def finalize(model: torch.nn.Module, mode: str) -> Counter:
     """After the load: layers that received quantized parts (or, for int8, every linear weight and
     the LM head) switch to the quantized kernel and drop their float weight. Returns the formats."""
     from pagedserve.kernels import cpu_ops
-    from pagedserve.worker.parallel import VocabParallelEmbedding
 
     ops = cpu_ops.load()
-    head = getattr(model, "lm_head", None) or getattr(model, "embed_tokens", None)
+    head = lm_head(model)
     formats: Counter = Counter()
     for module in model.modules():
         parts = getattr(module, "quant_parts", None)
@@ -271,7 +272,7 @@ def finalize(model: torch.nn.Module, mode: str) -> Counter:
             continue
         weight = module.weight
         int8 = mode == "int8" and weight.dim() == 2 and weight.numel() and weight.dtype.is_floating_point \
-            and (not isinstance(module, VocabParallelEmbedding) or module is head)
+            and is_matmul_weight(module, head)
         if not parts and not int8:
             continue
         offsets = getattr(module, "offsets", [0])

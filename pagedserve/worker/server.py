@@ -34,16 +34,14 @@ import grpc
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, add_internal_port, set_serving
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from pagedserve.worker.step_errors import SessionMismatch, step_failure
+from pagedserve.worker.step_socket import StepSocket
 
 if TYPE_CHECKING:  # model_setup imports torch: not before main has set the OpenMP environment
     from pagedserve.worker.model_setup import KVSettings, KVSize
 
 log = logging.getLogger("pagedserve.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-
-
-class SessionMismatch(Exception):
-    pass
 
 
 class WorkerService:
@@ -235,10 +233,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         while (future := queued.get()) is not None:
             try:
                 yield future.result()
-            except SessionMismatch as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            except KeyError as exc:  # a request id the worker does not hold: fail loudly
-                context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else str(exc))
+            except (SessionMismatch, KeyError) as exc:
+                code, details = step_failure(exc)
+                context.abort(grpc.StatusCode[code], details)
 
 
 def profile_settings(request: worker_pb2.ProfileRequest, own: KVSettings) -> KVSettings:
@@ -297,7 +294,6 @@ def serve(args: argparse.Namespace) -> int:
 def open_step_socket(service: WorkerService):
     """The local step link (a StepSocket), advertised in Describe; None (steps come over gRPC)
     where no Unix socket can be made."""
-    from pagedserve.worker.step_socket import StepSocket  # it imports this module
     try:
         step_socket = StepSocket(service)
     except OSError as exc:

@@ -24,7 +24,7 @@ import threading
 
 from pagedserve.common.step_frames import FrameReader, error_reply, result_reply
 from pagedserve.v1 import worker_pb2
-from pagedserve.worker.server import SessionMismatch
+from pagedserve.worker.step_errors import step_failure
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -99,11 +99,10 @@ class StepSocket:
         try:
             request = worker_pb2.StepRequest.FromString(body)
             result = self.service.run_step(request)
-        except SessionMismatch as exc:
-            return error_reply("FAILED_PRECONDITION", str(exc)), True
-        except KeyError as exc:  # a request id the worker does not hold: fail loudly
-            return error_reply("NOT_FOUND", str(exc.args[0]) if exc.args else str(exc)), True
         except Exception as exc:  # noqa: BLE001 - the scheduler recovers the ranks; this worker stays up
+            failure = step_failure(exc)
+            if failure is not None:
+                return error_reply(*failure), True
             log.exception("a step on the local step link failed")
             return error_reply("INTERNAL", f"the step failed on the worker: {exc}"), True
         return result_reply(result.SerializeToString()), False
