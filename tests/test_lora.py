@@ -14,7 +14,7 @@ import torch
 from lora_adapters import build_adapter, merged_greedy
 from pagedserve.common.lora import LoraError, LoraRequest, read_adapter
 from pagedserve.common.sampling_params import SamplingParams
-from tiny_models import make_engine
+from tiny_models import build_tiny_model, make_engine
 
 MAX_NEW = 10
 PROMPTS = [[5, 17, 99, 3, 41], list(range(20, 58)), [7, 8] * 9 + [200]]
@@ -75,6 +75,8 @@ def test_four_adapters_and_the_base_in_one_batch(case):
     jobs = [(p, name) for p in range(len(PROMPTS)) for name in [None, *ADAPTERS]]
     assert run(engine, jobs, folders) == expect(expected, jobs)
     assert max(slots_per_step) == 5  # four adapters and the base model shared steps
+    engine.add_request("s", PROMPTS[0], GREEDY, lora_request=LoraRequest("a1", 2, str(folders["a1"])))
+    assert engine.stats()["adapters"] == {"a1": {"running": 0, "waiting": 1}}  # engine stats by adapter
 
 
 def test_runtime_load_unload_and_fewer_slots_than_adapters(case):
@@ -145,6 +147,21 @@ def test_quantized_base_gets_the_same_delta(case):
     base_out = layer(x)
     torch.testing.assert_close(got[0], base_out[0] + delta[0])
     torch.testing.assert_close(got[1], base_out[1])
+
+
+def test_an_adapter_that_does_not_fit_fails_alone(case, tmp_path):
+    """Files and ranks fine, shapes of another model: its requests fail, the others run."""
+    base, folders, expected = case
+    other = build_tiny_model(tmp_path / "other", "llama", hidden_size=32, intermediate_size=64)
+    alien = build_adapter(other, tmp_path / "alien", seed=5, r=4)
+    engine = lora_engine(base)
+    engine.add_lora(LoraRequest("alien", 9, str(alien)))
+    with pytest.raises(RuntimeError, match="'alien' did not load"):
+        run(engine, [(0, "alien"), (1, "a0"), (2, None)], {**folders, "alien": alien})
+    while engine.has_unfinished():
+        engine.step()
+    jobs = [(1, "a0"), (2, None)]
+    assert run(engine, jobs, folders) == expect(expected, jobs)
 
 
 def test_adapters_that_cannot_be_served(case, tmp_path):

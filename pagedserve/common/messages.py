@@ -84,3 +84,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # Pooling requests whose prompt this step completed: the pooled vector, float32 little-endian.
     pooled: dict[str, bytes] = field(default_factory=dict)
+    # Requests the worker could not run this step, with why (a LoRA adapter that did not load): it
+    # computed nothing for them, and the scheduler fails each one alone.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -168,6 +168,7 @@ def result_to_proto(result: ModelRunnerOutput, worker_time_s: float = 0.0) -> wo
             token_to_proto(token, entry.tokens.add())
     for req_id, data in result.pooled.items():
         msg.pooled.add(req_id=req_id, data=data)
+    msg.failed.update(result.failed)
     return msg
 
 
@@ -180,7 +181,7 @@ def result_from_proto(msg: worker_pb2.StepResult, wants_logprobs: set[str] | Non
     prompt = {entry.req_id: PromptLogprobs(entry.start, [token_from_proto(t, True) for t in entry.tokens])
               for entry in msg.prompt_logprobs}
     return ModelRunnerOutput(msg.step_id, sampled, msg.forward_time_s, msg.sample_time_s, prompt,
-                             {entry.req_id: entry.data for entry in msg.pooled})
+                             {entry.req_id: entry.data for entry in msg.pooled}, dict(msg.failed))
 
 
 # ---- timings --------------------------------------------------------------------------------

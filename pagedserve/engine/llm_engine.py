@@ -271,4 +271,14 @@ class LLMEngine:
                 "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
                 "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps,
                 "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-                "swapped": len(self.scheduler.swapped)}
+                "swapped": len(self.scheduler.swapped), "adapters": self._adapter_counts()}
+
+    def _adapter_counts(self) -> dict[str, dict[str, int]]:
+        """LoRA adapter -> its running and waiting requests (vLLM's lora_requests_info)."""
+        counts: dict[str, dict[str, int]] = {}
+        for queue in ("running", "waiting"):
+            for req in getattr(self.scheduler, queue):
+                if req.params.lora_name:
+                    entry = counts.setdefault(req.params.lora_name, {"running": 0, "waiting": 0})
+                    entry[queue] += 1
+        return counts

@@ -78,6 +78,7 @@ def engine_stats_dict(msg: scheduler_pb2.EngineStats, steps: int, merge=None, ca
         recent.append({"request_id": caller.shown_id(rec.request_id), "prompt_tokens": rec.prompt_tokens,
                        "output_tokens": rec.output_tokens, "finish_reason": rec.finish_reason,
                        "finish_reasons": list(rec.finish_reasons), "cached_tokens": rec.cached_tokens,
+                       "adapter": rec.adapter,
                        "prefill_chunk_list": [{"time": c.time, "tokens": c.tokens} for c in rec.prefill_chunks],
                        "timings": timings_object(stamps)})
     totals = _plain(msg.totals)

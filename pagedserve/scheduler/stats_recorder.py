@@ -88,6 +88,7 @@ class FinishedRecord:
     cached_tokens: int
     timings: dict
     prefill_chunks: list[tuple[float, int]]  # the first sample's (scheduled at, tokens)
+    adapter: str = ""  # its LoRA adapter ("": the base model)
 
 
 @dataclass(slots=True)
@@ -149,7 +150,7 @@ class StatsRecorder:
     def remember(self, group) -> None:
         self.recent.append(FinishedRecord(
             group.group_id, len(group.prompt_token_ids), group.output_tokens, list(group.finish_reasons),
-            group.num_cached_tokens, group.timings_snapshot(), list(group.prefill_chunks)))
+            group.num_cached_tokens, group.timings_snapshot(), list(group.prefill_chunks), group.params.lora_name))
 
     # ---- read ---------------------------------------------------------------------------------
     def fill_stats(self, msg: scheduler_pb2.SchedulerStats, scheduler) -> None:
@@ -199,7 +200,7 @@ class StatsRecorder:
             entry = msg.recent_requests.add(
                 request_id=rec.request_id, prompt_tokens=rec.prompt_tokens, output_tokens=rec.output_tokens,
                 finish_reason=rec.finish_reasons[0] if rec.finish_reasons else "",
-                finish_reasons=rec.finish_reasons, cached_tokens=rec.cached_tokens)
+                finish_reasons=rec.finish_reasons, cached_tokens=rec.cached_tokens, adapter=rec.adapter)
             wire.timings_from_dict(rec.timings, entry.timings)
             for at, tokens in rec.prefill_chunks:
                 entry.prefill_chunks.add(time=at, tokens=tokens)

@@ -271,7 +271,7 @@ class PrefillChunk(_message.Message):
     def __init__(self, time: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class RecentRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "output_tokens", "finish_reason", "timings", "finish_reasons", "cached_tokens", "prefill_chunks")
+    __slots__ = ("request_id", "prompt_tokens", "output_tokens", "finish_reason", "timings", "finish_reasons", "cached_tokens", "prefill_chunks", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +280,7 @@ class RecentRequest(_message.Message):
     FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     output_tokens: int
@@ -288,7 +289,8 @@ class RecentRequest(_message.Message):
     finish_reasons: _containers.RepeatedScalarFieldContainer[str]
     cached_tokens: int
     prefill_chunks: _containers.RepeatedCompositeFieldContainer[PrefillChunk]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., cached_tokens: _Optional[int] = ..., prefill_chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., cached_tokens: _Optional[int] = ..., prefill_chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class EngineTotals(_message.Message):
     __slots__ = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_steps", "prompt_tokens", "generation_tokens", "waiting_reasons", "prefill_tokens", "decode_tokens", "requests_finished")

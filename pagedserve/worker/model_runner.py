@@ -3,6 +3,7 @@ flattened batch, runs the model over the paged KV cache and samples. Makes no sc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -250,8 +251,12 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_delta(step)
+        failed = self.lora.unloadable(step.num_scheduled_tokens, self.requests) if self.lora is not None else {}
+        if failed:  # their adapter did not load: they run nothing, and fail alone (ModelRunnerOutput.failed)
+            step = dataclasses.replace(step, num_scheduled_tokens={
+                r: n for r, n in step.num_scheduled_tokens.items() if r not in failed})
         if not step.num_scheduled_tokens:
-            return ModelRunnerOutput(step.step_id, {})
+            return ModelRunnerOutput(step.step_id, {}, failed=failed)
         t0 = time.perf_counter()
         input_ids, positions, meta, order, counts = self._prepare(step)
         if self.lora is not None:
@@ -269,7 +274,7 @@ class ModelRunner:
         ends = np.cumsum(counts) - 1
         samplers = [i for i, (s, n) in enumerate(zip(order, counts))
                     if s.num_computed_tokens + n == len(s.token_ids) and samples_any(s.params)]
-        result = ModelRunnerOutput(step.step_id, {})
+        result = ModelRunnerOutput(step.step_id, {}, failed=failed)
         if samplers:
             logits = self.model.compute_logits(hidden[to_device(ends[samplers], torch.long, self.device)])
             t1 = time.perf_counter()

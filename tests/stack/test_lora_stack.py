@@ -14,6 +14,7 @@ import pytest
 
 from lora_adapters import build_adapter, merged_greedy
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc
+from tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.slow  # the tiny model borrows the default model's tokenizer
 
@@ -27,8 +28,11 @@ def adapters(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-stack")
     folders = {"sql": build_adapter(tiny_model, root / "sql", seed=11, r=8),
                "chat": build_adapter(tiny_model, root / "chat", seed=12, r=16, rslora=True),
-               "wide": build_adapter(tiny_model, root / "wide", seed=13, r=32)}
-    expected = {name: merged_greedy(tiny_model, folder, [PROMPT], MAX_NEW)[0] for name, folder in folders.items()}
+               "wide": build_adapter(tiny_model, root / "wide", seed=13, r=32),
+               "alien": build_adapter(build_tiny_model(root / "other", "llama", hidden_size=32, intermediate_size=64,
+                                                       vocab_size=49152), root / "alien", seed=14, r=4)}
+    expected = {name: merged_greedy(tiny_model, folder, [PROMPT], MAX_NEW)[0] for name, folder in folders.items()
+                if name != "alien"}
     expected[None] = merged_greedy(tiny_model, None, [PROMPT], MAX_NEW)[0]
     return folders, expected
 
@@ -90,6 +94,17 @@ def test_runtime_load_unload_and_bad_adapters(stack, client, adapters, tokenizer
     assert admin(stack, "/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 404
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="chat", prompt=PROMPT, max_tokens=2)
+    # A folder of another model's shapes passes the gateway's checks; the worker cannot load it:
+    # its request ends alone (finish_reason "abort", as any request that fails in the scheduler),
+    # the others go on.
+    assert admin(stack, "/v1/load_lora_adapter", {"lora_name": "alien", "lora_path": str(folders["alien"])}) \
+        .status_code == 200
+    alien = client.completions.create(model="alien", prompt=PROMPT, max_tokens=2)
+    assert alien.choices[0].finish_reason == "abort" and alien.usage.completion_tokens == 0
+    assert tokens(client, "sql") == [tokenizer.decode([t]) for t in expected["sql"]]
+    stats = httpx.get(stack.http_url + "/v1/engine/stats", headers={"Authorization": f"Bearer {ADMIN}"},
+                      timeout=30).json()
+    assert {"sql", "chat", ""} <= {r["adapter"] for r in stats["recent_requests"]}
     metrics = httpx.get(stack.http_url + "/metrics", timeout=30).text
     assert re.search(r'pagedserve:adapter_requests_total\{adapter="chat",finished_reason="length"[^}]*\} 1', metrics)
 

@@ -229,6 +229,9 @@ class Scheduler:
                 forked = sample_ids(req_id, len(result.sampled.get(req_id) or ()))[1:]
                 self._dropped_ids.extend(i for i in forked if i not in self.sample_ids)
                 continue
+            if req_id in result.failed:  # the worker could not run it (its LoRA adapter did not load)
+                self._fail(req, ValueError(result.failed[req_id]))
+                continue
             req.num_computed_tokens += num_tokens
             req.num_inflight_tokens -= num_tokens
             if req.num_pending_samples and req.num_computed_tokens == req.num_tokens:

@@ -84,6 +84,26 @@ class LoraManager:
         return [k[0] for k in self.host]
 
     # ---- a step ----------------------------------------------------------------------------------
+    def unloadable(self, scheduled: dict[str, int], states) -> dict[str, str]:
+        """The step's requests whose adapter cannot be loaded (req_id -> why), after loading the
+        others' into the host pool: they are left out of the step and fail alone."""
+        failed, errors = {}, {}
+        for req_id in scheduled:
+            params = states.state(req_id).params
+            if not params.lora_name:
+                continue
+            key = (params.lora_name, params.lora_path)
+            if key not in errors:
+                try:
+                    self.add(*key)
+                    errors[key] = None
+                except (LoraError, OSError, ValueError, KeyError) as exc:
+                    log.error("LoRA adapter %r from %s did not load: %s", key[0], key[1], exc)
+                    errors[key] = f"LoRA adapter {key[0]!r} did not load: {exc}"
+            if errors[key] is not None:
+                failed[req_id] = errors[key]
+        return failed
+
     def prepare(self, states, counts) -> None:
         """Slots for this step's adapters and the rows' mask (states: the batch's request states
         in row order, counts: their rows)."""
