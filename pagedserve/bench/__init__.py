@@ -15,6 +15,11 @@ def parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _lora_bench(args) -> dict:
+    from pagedserve.bench.lora_bench import run
+    return run(args)
+
+
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from pagedserve.bench.throughput import __doc__ as throughput_doc
     from pagedserve.bench.throughput import run_throughput
@@ -36,8 +41,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "and print them per step kind against their floors (costs a little speed); on CUDA, "
                         "after the run: kernel launches, GPU busy time and the top GPU operators per step, "
                         "prefill and pure-decode steps apart (torch.profiler)")
+    p.add_argument("--loras", type=int, default=0, metavar="N",
+                   help="instead: the workload on the base model and spread over N random LoRA adapters, "
+                        "alternating in one engine (bench/lora_bench.py); no transformers baseline")
+    p.add_argument("--lora-rank", type=int, default=16, help="the rank of --loras' adapters (default 16)")
+    p.add_argument("--rounds", type=int, default=2, help="with --loras: base/LoRA runs of each (default 2)")
     add_engine_args(p)
-    p.set_defaults(func=run_throughput)
+    p.set_defaults(func=lambda args: _lora_bench(args) if args.loras else run_throughput(args))
     from pagedserve.bench.latency import add_latency_parser
     add_latency_parser(bench_sub)
     from pagedserve.bench.services import add_services_parser
