@@ -2,7 +2,7 @@
 qwen3_coder, pythonic), in the formats their models write: whole text, and every split of it
 streamed (test_tool_parsers.check_stream_matches), which must give the same content and calls;
 malformed blocks are content; parallel_tool_calls=false keeps the first call; deepseek_v3, mistral's
-[ARGS] form and qwen3_coder stream a call's arguments in fragments before its block ends."""
+and qwen3_coder stream a call's arguments in fragments before its block ends."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ CASES = [
     (MistralParser, f'[TOOL_CALLS]get_weather[ARGS]{A}[TOOL_CALLS]get_time[ARGS]{{}}', "",
      [("get_weather", A), ("get_time", "{}")]),
     (MistralParser, "[TOOL_CALLS][{broken", "[TOOL_CALLS][{broken", []),
+    (MistralParser, '[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1, 2]}}, {"name": "g", "parameters": {}} ]', "",
+     [("f", '{"a": [1, 2]}'), ("g", "{}")]),
+    (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": "{\\"a\\": 1}"}]', "", [("f", '{"a": 1}')]),
+    (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": 3}]', '[TOOL_CALLS][{"name": "f", "arguments": 3}]',
+     []),
     (MistralParser, "No calls [TOOL here.", "No calls [TOOL here.", []),
     (DeepSeekV3Parser, "Let me look.<｜tool▁calls▁begin｜>" + DS_CALL.format(name="get_weather", args=A)
      + DS_CALL.format(name="get_time", args='{"zone": 1}') + "<｜tool▁calls▁end｜>", "Let me look.",
@@ -96,6 +101,7 @@ QWEN_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</pa
     (DeepSeekV3Parser, "<｜tool▁calls▁begin｜>" + DS_CALL.format(name="get_weather", args=A) + "<｜tool▁calls▁end｜>",
      "<｜tool▁calls▁end｜>"),
     (MistralParser, f"[TOOL_CALLS]get_weather[ARGS]{A}", None),
+    (MistralParser, f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {A}}}]', None),
     (Qwen3CoderParser, QWEN_CALL, "</tool_call>")])
 def test_arguments_stream_as_deltas_before_the_block_ends(cls, text, block_end):
     parser = cls(stream=True, schemas={"get_weather": WEATHER})

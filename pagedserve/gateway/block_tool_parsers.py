@@ -14,11 +14,11 @@
 The ToolParser contract (tool_parsers.py) holds: any split of a text gives the content and calls
 of the whole text. A block (a region of calls) is read when its end is seen (or at the end of the
 output, where a block whose calls are complete is read as calls): its calls, each its name and its
-arguments. Streamed, a parser with a view of the open block (view_block: deepseek_v3, mistral's
-`name[ARGS]{...}` form, qwen3_coder) sends each call's name once it is whole and its arguments as
-OpenAI-shaped deltas as they come (deepseek_v3 and mistral: the JSON text as written; qwen3_coder:
-`{"key": value` at each complete parameter, then `, "key": value`, `}` at the block's end); the
-others (mistral's JSON list, pythonic) send a block's calls whole at its end. A block that does
+arguments. Streamed, a parser with a view of the open block (view_block: deepseek_v3, mistral (both
+forms), qwen3_coder) sends each call's name once it is whole and its arguments as OpenAI-shaped
+deltas as they come (deepseek_v3 and mistral: the JSON text as written; qwen3_coder: `{"key": value`
+at each complete parameter, then `, "key": value`, `}` at the block's end); pythonic sends a
+block's calls whole at its end. A block that does
 not parse is content (whole and streamed alike when nothing of it went out; a stream cannot take
 back a call it announced: that call ends with the arguments sent, as hermes'). Text before a block
 streams as content as it comes, holding back only what may begin the block's tag. Plain Python.
@@ -31,6 +31,7 @@ import json
 import re
 from typing import ClassVar
 
+from pagedserve.gateway.call_scanner import CallScanner
 from pagedserve.gateway.tool_parsers import Event, ToolParser, _held
 
 
@@ -166,21 +167,7 @@ class MistralParser(BlockParser):
     def read_block(self, text: str) -> list[tuple[str, str]] | None:
         s = text.strip()
         if s.startswith("["):
-            try:
-                calls = json.loads(s)
-            except ValueError:
-                return None
-            if not isinstance(calls, list) or not calls:
-                return None
-            out = []
-            for call in calls:
-                if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                    return None
-                arguments = _object_text(call.get("arguments", call.get("parameters", {})))
-                if arguments is None:
-                    return None
-                out.append((call["name"], arguments))
-            return out
+            return _json_list(s, final=True)
         out = []
         for part in s.split(self.START):  # name[ARGS]{...}, repeated with [TOOL_CALLS] between
             name, sep, arguments = part.partition(self._ARGS)
@@ -193,8 +180,10 @@ class MistralParser(BlockParser):
 
     def view_block(self, text: str) -> list[tuple[str, str]]:
         s = text.lstrip()
-        if not s or s.startswith("["):  # the JSON list: whole at the block's end
+        if not s:
             return []
+        if s.startswith("["):
+            return _json_list(s, final=False)
         out, parts = [], s.split(self.START)
         for k, part in enumerate(parts):
             name, sep, arguments = part.partition(self._ARGS)
@@ -203,6 +192,39 @@ class MistralParser(BlockParser):
             last = k == len(parts) - 1
             out.append((name.strip(), _open_prefix(arguments, self.START) if last else arguments.strip()))
         return out
+
+
+def _json_list(text: str, final: bool) -> list[tuple[str, str]] | None:
+    """mistral's `[{"name": ..., "arguments": {...}}, ...]`, each element read by a CallScanner (the
+    arguments' JSON text as written). final: the calls of a whole valid list, else None; not final:
+    the calls so far, the open one's arguments as far as they can go out."""
+    out, rest = [], text[1:]
+    while True:
+        rest = rest.lstrip()
+        if not rest:
+            break
+        scanner = CallScanner()
+        rest = scanner.feed(rest)
+        if scanner.failed:
+            break
+        if not scanner.done:
+            end = scanner.streamable_end()  # announced once its arguments open as an object
+            if not final and scanner.name and end >= 0:
+                out.append((scanner.name, scanner.slice(scanner.args_start, end)))
+            break
+        found = scanner.result()
+        arguments = _object_text(found[1]) if found is not None else None
+        if arguments is None:
+            break
+        out.append((found[0], arguments))
+        rest = rest.lstrip()
+        if rest.startswith(","):
+            rest = rest[1:]
+            continue
+        if rest.startswith("]") and not rest[1:].strip():
+            return out
+        break
+    return None if final else out
 
 
 class DeepSeekV3Parser(BlockParser):
