@@ -89,7 +89,7 @@ def test_bfloat16_loses_a_little_against_float32(tmp_path, default_model_path):
     assert got["perplexity"] == pytest.approx(got["reference_perplexity"], rel=0.05)
 
 
-def test_gemma3_sliding_and_global_layers_match_transformers(tmp_path):
+def test_gemma3_sliding_and_global_layers_match_transformers(tmp_path, monkeypatch):
     """A model whose KV groups differ per layer (tiny Gemma 3: local layers with an 8-token window,
     global layers) runs its windows through the serving runner's per-group tables: the perplexity is
     transformers' over the same windows (each window 4x the sliding window, not a multiple of the
@@ -101,6 +101,7 @@ def test_gemma3_sliding_and_global_layers_match_transformers(tmp_path):
     assert reference.runner.config.kv_groups().hybrid
     ids = torch.randint(3, 256, (5 * 40,), generator=torch.Generator().manual_seed(0)).tolist()
     windows = quality.windows_of(ids, 40, 1)
+    monkeypatch.setattr(quality, "SCORE_ROWS", 7)  # each window's 19 scored rows in three pieces
     itself = quality.compare(reference.runner, reference.runner, windows)
     assert itself["kl_mean"] == 0 and itself["top1_agreement"] == 1 and itself["scored_tokens"] == 5 * 19
     assert itself["perplexity"] == pytest.approx(hf_perplexity(folder, windows), rel=1e-4)

@@ -129,6 +129,24 @@ def window_logits(runner, windows: list[list[int]]):
                 yield runner.model.compute_logits(hidden[i * ctx + first:i * ctx + last]).float()
 
 
+# Rows scored at a time: a row of Gemma 3's 262,144 logits is 1 MiB in float32, and scoring makes a few
+# temporaries of each (all 255 rows of a 512-token window at once took ~2 GiB more).
+SCORE_ROWS = 32
+
+
+def score(s: Scores, got, ref, targets) -> None:
+    """Add rows of tested and reference logits (float32, [rows, vocab]) to the sums."""
+    import torch
+
+    logp, ref_logp = torch.log_softmax(got, -1), torch.log_softmax(ref, -1)
+    s.nll -= logp.gather(1, targets[:, None]).sum().item()
+    s.ref_nll -= ref_logp.gather(1, targets[:, None]).sum().item()
+    s.kls.append((ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp(min=0).cpu())
+    s.agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+    s.max_logit_diff = max(s.max_logit_diff, (got - ref).abs().max().item())
+    s.count += targets.numel()
+
+
 def compare(tested_runner, reference_runner, windows: list[list[int]]) -> dict:
     """The metrics of KEYS (and reference_perplexity) over every window's scored tokens."""
     import torch
@@ -137,13 +155,9 @@ def compare(tested_runner, reference_runner, windows: list[list[int]]) -> dict:
     s = Scores()
     for w, got, ref in zip(windows, window_logits(tested_runner, windows), window_logits(reference_runner, windows)):
         targets = torch.tensor(w[first + 1:last + 1], device=got.device)
-        logp, ref_logp = torch.log_softmax(got, -1), torch.log_softmax(ref.to(got.device), -1)
-        s.nll -= logp.gather(1, targets[:, None]).sum().item()
-        s.ref_nll -= ref_logp.gather(1, targets[:, None]).sum().item()
-        s.kls.append((ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp(min=0).cpu())
-        s.agree += int((got.argmax(-1) == ref.argmax(-1).to(got.device)).sum())
-        s.max_logit_diff = max(s.max_logit_diff, (got - ref.to(got.device)).abs().max().item())
-        s.count += targets.numel()
+        ref = ref.to(got.device)
+        for r in range(0, len(targets), SCORE_ROWS):
+            score(s, got[r:r + SCORE_ROWS], ref[r:r + SCORE_ROWS], targets[r:r + SCORE_ROWS])
     kl = torch.cat(s.kls).double()
     return {"perplexity": math.exp(s.nll / s.count), "kl_mean": kl.mean().item(),
             "kl_p99": torch.quantile(kl, 0.99).item(), "top1_agreement": s.agree / s.count,
