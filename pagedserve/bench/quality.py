@@ -129,8 +129,8 @@ def window_logits(runner, windows: list[list[int]]):
                 yield runner.model.compute_logits(hidden[i * ctx + first:i * ctx + last]).float()
 
 
-# Rows scored at a time: a row of Gemma 3's 262,144 logits is 1 MiB in float32, and scoring makes a few
-# temporaries of each (all 255 rows of a 512-token window at once took ~2 GiB more).
+# Rows scored at a time: a row of Gemma 3's 262,144 logits is 1 MiB in float32, and scoring makes about
+# five temporaries of each (all 255 rows of a 512-token window at once: ~1.3 GiB of them).
 SCORE_ROWS = 32
 
 
