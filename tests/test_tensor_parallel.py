@@ -110,3 +110,14 @@ def test_prompt_logprobs_on_two_ranks_equal_one(llama_one_kv_head):
         assert len(one) == len(prompt)  # an entry per prompt position after the first, then the logprobs
         assert one[:-1] == two[:-1]
         assert max(abs(a - b) for a, b in zip(one[-1], two[-1])) < 1e-4
+
+
+def test_two_ranks_with_speculative_decoding(llama):
+    """n-gram speculation at TP 2: rank 0 verifies, the others take the kept tokens (a number only
+    rank 0 knows) from its broadcast; the tokens equal one rank's without speculation."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    one, _, _ = run(llama, 1, params)
+    two, _, stats = run(llama, 2, params, speculative_config=spec)
+    assert two == one
+    assert stats["spec_decode"]["num_accepted_tokens"] > 0

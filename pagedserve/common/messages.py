@@ -51,6 +51,10 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    # Speculative decoding: a decode row's proposals (vLLM's scheduled_spec_decode_tokens). Such a
+    # row runs 1 + k tokens (num_scheduled_tokens counts them): its last known token, then the k
+    # proposals; the worker samples every position and returns the accepted prefix + one token.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -77,7 +81,8 @@ class PromptLogprobs:
 class ModelRunnerOutput:
     step_id: int
     # Requests whose scheduled tokens reached the end of their known tokens: one entry per sample
-    # (n entries for a prompt that forks into n samples on this step, in sample order).
+    # (n entries for a prompt that forks into n samples on this step, in sample order); for a row
+    # with proposals (spec_token_ids), its new tokens in order: the accepted proposals, then one.
     sampled: dict[str, list[SampledToken]]
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0

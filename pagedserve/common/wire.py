@@ -128,6 +128,8 @@ def step_to_proto(step: SchedulerOutput, session_id: str = "") -> worker_pb2.Ste
                          (step.blocks_to_swap_in, msg.blocks_to_swap_in)):
         for src, dst in pairs:
             field.add(src=src, dst=dst)
+    for req_id, proposals in step.spec_token_ids.items():
+        msg.spec_tokens.add(req_id=req_id, token_ids=proposals)
     return msg
 
 
@@ -152,7 +154,8 @@ def step_from_proto(msg: worker_pb2.StepRequest) -> SchedulerOutput:
         finished_req_ids=list(msg.finished_req_ids),
         blocks_to_copy=[(p.src, p.dst) for p in msg.blocks_to_copy],
         blocks_to_swap_out=[(p.src, p.dst) for p in msg.blocks_to_swap_out],
-        blocks_to_swap_in=[(p.src, p.dst) for p in msg.blocks_to_swap_in])
+        blocks_to_swap_in=[(p.src, p.dst) for p in msg.blocks_to_swap_in],
+        spec_token_ids={entry.req_id: list(entry.token_ids) for entry in msg.spec_tokens})
 
 
 def result_to_proto(result: ModelRunnerOutput, worker_time_s: float = 0.0) -> worker_pb2.StepResult:

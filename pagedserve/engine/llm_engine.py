@@ -15,6 +15,7 @@ from pagedserve.common.lora import LoraError, LoraRequest, parse_lora_modules, r
 from pagedserve.common.messages import SampledToken
 from pagedserve.common.request_checks import logit_bias_problem
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.speculative import parse_speculative_config
 from pagedserve.scheduler.core.request import Request
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.worker.model_setup import (KVSettings, KVSize, load_runner, measure_cuda_memory, place_model,
@@ -58,6 +59,8 @@ class EngineConfig:
     max_loras: int = _DEFAULTS["max_loras"]
     max_lora_rank: int = _DEFAULTS["max_lora_rank"]
     max_cpu_loras: int | None = _DEFAULTS["max_cpu_loras"]  # None: max_loras
+    # vLLM's JSON (a str) or a dict: {"method": "ngram", "num_speculative_tokens": 4, ...}; None: off
+    speculative_config: str | dict | None = _DEFAULTS["speculative_config"]
     progress: bool = True
 
 
@@ -96,6 +99,7 @@ def engine_config_from_args(args: argparse.Namespace, progress: bool = True) -> 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         self.config = config
+        speculative = parse_speculative_config(config.speculative_config)  # a bad one fails before the model loads
         # The one model setup (worker/model_setup.py), as the worker service runs it.
         place = place_model(config.model, config.device, config.dtype, config.max_model_len, local_rank=0,
                             tokenizer=tokenizer, tokenizer_name=config.tokenizer)
@@ -137,7 +141,8 @@ class LLMEngine:
             num_cpu_blocks=num_host_blocks, enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
             policy=config.policy, long_prefill_token_threshold=long_prefill_token_threshold,
-            kv_group_windows=mc.kv_groups().windows, max_loras=config.max_loras if config.enable_lora else 0))
+            kv_group_windows=mc.kv_groups().windows, max_loras=config.max_loras if config.enable_lora else 0),
+            speculative)
         self.num_steps = 0
 
     def _on_all_ranks(self, method: str, *args):
@@ -271,7 +276,8 @@ class LLMEngine:
                 "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
                 "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps,
                 "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-                "swapped": len(self.scheduler.swapped), "adapters": self._adapter_counts()}
+                "swapped": len(self.scheduler.swapped), "adapters": self._adapter_counts(),
+                **self.spec_decode_stats()}
 
     def _adapter_counts(self) -> dict[str, dict[str, int]]:
         """LoRA adapter -> its running and waiting requests (vLLM's lora_requests_info)."""
@@ -282,3 +288,8 @@ class LLMEngine:
                     entry = counts.setdefault(req.params.lora_name, {"running": 0, "waiting": 0})
                     entry[queue] += 1
         return counts
+
+    def spec_decode_stats(self) -> dict:
+        """Speculative decoding's counters, acceptance rate and mean acceptance length (empty when off)."""
+        spec = self.scheduler.speculation
+        return {} if spec is None else {"spec_decode": spec.counters.as_dict()}

@@ -46,6 +46,7 @@ def main(args: argparse.Namespace) -> int:
     import sys
     import time
 
+    from pagedserve.common.speculative import parse_speculative_config
     from pagedserve.launcher.service_process import ServiceError, describe_exit
     from pagedserve.launcher.stack import start_stack
     from pagedserve.launcher.wiring import StackConfig, first_api_key
@@ -62,6 +63,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         check_model(args.model)
+        parse_speculative_config(args.speculative_config)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2

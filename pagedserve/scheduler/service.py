@@ -35,6 +35,7 @@ from pagedserve.common.grpc_util import StatusError
 from pagedserve.common import structured_output
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.settings import step_budgets
+from pagedserve.common.speculative import parse_speculative_config
 from pagedserve.common.store import RequestStore, StoredRequest
 from pagedserve.v1 import scheduler_pb2, worker_pb2
 from pagedserve.scheduler.adoption import Adoption
@@ -76,6 +77,7 @@ class ServiceConfig:
     async_scheduling: bool = True
     enable_lora: bool = False
     max_loras: int = 1  # most adapters among the running requests (--max-loras), with enable_lora
+    speculative_config: str | None = None  # --speculative-config (common/speculative.py)
 
 
 class SchedulerService:
@@ -123,7 +125,7 @@ class SchedulerService:
             enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
             preemption_mode=cfg.preemption_mode, policy=cfg.policy,
             long_prefill_token_threshold=long_prefill, kv_group_windows=tuple(sizes.kv_group_windows) or (0,),
-            max_loras=cfg.max_loras if cfg.enable_lora else 0))
+            max_loras=cfg.max_loras if cfg.enable_lora else 0), parse_speculative_config(cfg.speculative_config))
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %d rank(s); step budget %d tokens, %d seqs",
                  sizes.num_gpu_blocks, cfg.block_size, sizes.num_gpu_blocks * sizes.bytes_per_block / 2**20,
                  len(self.workers.addresses), budget, cfg.max_num_seqs)

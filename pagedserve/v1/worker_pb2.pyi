@@ -146,7 +146,7 @@ class BlockPair(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "session_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "blocks_to_copy", "blocks_to_swap_out", "blocks_to_swap_in")
+    __slots__ = ("step_id", "session_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "blocks_to_copy", "blocks_to_swap_out", "blocks_to_swap_in", "spec_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class StepRequest(_message.Message):
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    SPEC_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     session_id: str
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
@@ -167,7 +168,16 @@ class StepRequest(_message.Message):
     blocks_to_copy: _containers.RepeatedCompositeFieldContainer[BlockPair]
     blocks_to_swap_out: _containers.RepeatedCompositeFieldContainer[BlockPair]
     blocks_to_swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
-    def __init__(self, step_id: _Optional[int] = ..., session_id: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ...) -> None: ...
+    spec_tokens: _containers.RepeatedCompositeFieldContainer[SpecTokens]
+    def __init__(self, step_id: _Optional[int] = ..., session_id: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., spec_tokens: _Optional[_Iterable[_Union[SpecTokens, _Mapping]]] = ...) -> None: ...
+
+class SpecTokens(_message.Message):
+    __slots__ = ("req_id", "token_ids")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampledTokens(_message.Message):
     __slots__ = ("req_id", "tokens")

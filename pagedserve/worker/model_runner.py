@@ -20,7 +20,7 @@ from pagedserve.worker.cpu_linear import pack_model
 from pagedserve.worker.graph_runner import CudaGraph, DecodeGraphRunner, GraphCaptureError
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.models import model_class
-from pagedserve.worker import pooling, prompt_logprobs
+from pagedserve.worker import pooling, prompt_logprobs, spec_verify
 from pagedserve.worker.parallel import broadcast_from_rank0, tp_group, using_group
 from pagedserve.worker.platform import platform_for
 from pagedserve.worker.request_states import RequestState, RequestStates
@@ -179,7 +179,8 @@ class ModelRunner:
         start = num_decodes
         for state, n in prefills:
             c = state.num_computed_tokens
-            input_ids[start:start + n] = state.token_ids[c:c + n]
+            tokens = [*state.token_ids, *state.spec_token_ids] if state.spec_token_ids else state.token_ids
+            input_ids[start:start + n] = tokens[c:c + n]
             positions[start:start + n] = np.arange(c, c + n)
             start += n
         meta = self.batch_metadata(decodes, prefills, positions)
@@ -273,10 +274,11 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv.model_caches(), meta)
         ends = np.cumsum(counts) - 1
         samplers = [i for i, (s, n) in enumerate(zip(order, counts))
-                    if s.num_computed_tokens + n == len(s.token_ids) and samples_any(s.params)]
+                    if s.num_computed_tokens + n == len(s.token_ids) + len(s.spec_token_ids) and samples_any(s.params)]
         result = ModelRunnerOutput(step.step_id, {}, failed=failed)
         if samplers:
-            logits = self.model.compute_logits(hidden[to_device(ends[samplers], torch.long, self.device)])
+            rows = spec_verify.logit_rows(ends, samplers, order) if step.spec_token_ids else ends[samplers]
+            logits = self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
             t1 = time.perf_counter()
             result.forward_time_s = t1 - t0
             states = [order[i] for i in samplers]
@@ -296,7 +298,9 @@ class ModelRunner:
         return result
 
     def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> dict[str, list[SampledToken]]:
-        rows, repeats = [], []
+        """logits: one row per state, or k + 1 for a state with k proposals. Sampler rows: one per
+        logits row, repeated n times for a state that forks its n samples here."""
+        rows, repeats, starts, sizes = [], [], [], []  # repeats: per logits row; starts, sizes: per state
         for state in states:
             params = state.params
             num_outputs = len(state.token_ids) - state.num_prompt_tokens
@@ -305,36 +309,46 @@ class ModelRunner:
             wants_outputs = params.needs_penalties or params.min_tokens > 0
             prompt = state.token_ids[:state.num_prompt_tokens] if wants_prompt else []
             outputs = state.token_ids[state.num_prompt_tokens:] if wants_outputs else []
+            starts.append(len(rows))
+            if state.spec_token_ids:  # each position as a plain step would sample it (spec_verify.py)
+                spec = state.spec_token_ids
+                for j in range(len(spec) + 1):
+                    rows.append(RowSampling(params, sample_generator(params, state.sample_index, num_outputs + j,
+                                                                     logits.device),
+                                            prompt, outputs + spec[:j] if wants_outputs else [], self.eos_token_ids))
+                repeats += [1] * (len(spec) + 1)
+                sizes.append(len(spec) + 1)
+                continue
             indices = [state.sample_index] if not state.child_req_ids else range(1 + len(state.child_req_ids))
             for index in indices:
                 rows.append(RowSampling(params, sample_generator(params, index, num_outputs, logits.device),
                                         prompt, outputs, self.eos_token_ids))
             repeats.append(len(indices))
+            sizes.append(len(indices))
         if any(r > 1 for r in repeats):
             logits = logits.repeat_interleave(to_device(repeats, torch.long, logits.device), dim=0)
         constrained = [i for i, state in enumerate(states)  # (a row still in its reasoning samples freely)
                        if state.params.structured_output is not None and self.grammars.prepare(state)]
-        masks = self._grammar_masks(states, repeats, constrained) if constrained else None
+        masks = self._grammar_masks(states, starts, sizes, constrained) if constrained else None
         out = self.sampler(logits, rows, masks)
-        sampled, row = {}, 0
-        for state, count in zip(states, repeats):
-            tokens = []
-            for _ in range(count):
-                tokens.append(SampledToken(
-                    out.token_ids[row], None if out.logprobs is None else out.logprobs[row],
-                    None if out.top_logprobs is None else out.top_logprobs[row]))
-                row += 1
-            sampled[state.req_id] = tokens
+        sampled = {}
+        for state, start, size in zip(states, starts, sizes):
+            tokens = [SampledToken(out.token_ids[row], None if out.logprobs is None else out.logprobs[row],
+                                   None if out.top_logprobs is None else out.top_logprobs[row])
+                      for row in range(start, start + size)]
+            sampled[state.req_id] = spec_verify.accept(tokens, state.spec_token_ids) if state.spec_token_ids else tokens
         for i in constrained:  # samples 2..n of a fork build their own matcher when they next sample
             self.grammars.advance(states[i].matcher, sampled[states[i].req_id][0].token_id)
         return sampled
 
-    def _grammar_masks(self, states: list[RequestState], repeats: list[int], constrained: list[int]) -> TokenMasks:
+    def _grammar_masks(self, states: list[RequestState], starts: list[int], sizes: list[int],
+                       constrained: list[int]) -> TokenMasks:
         """The constrained rows' bitmasks (their matchers built by GrammarMatchers.prepare, on a
-        state's first sampling step from its outputs so far)."""
-        starts = np.cumsum([0] + repeats[:-1])
-        rows = [int(starts[i]) + j for i in constrained for j in range(repeats[i])]
-        row_of = [k for k, i in enumerate(constrained) for _ in range(repeats[i])]
+        state's first sampling step from its outputs so far). starts, sizes: each state's first
+        sampler row and its number of rows (a constrained state never carries proposals: the
+        scheduler does not speculate for it)."""
+        rows = [starts[i] + j for i in constrained for j in range(sizes[i])]
+        row_of = [k for k, i in enumerate(constrained) for _ in range(sizes[i])]
         bitmask = self.grammars.fill([states[i].matcher for i in constrained], row_of)
         return TokenMasks(torch.tensor(rows, dtype=torch.long), bitmask)
 
@@ -342,10 +356,15 @@ class ModelRunner:
                        states: list[RequestState]) -> dict[str, list[SampledToken]]:
         """Rank 0 samples; the other ranks need the same token ids to feed the next step, so
         rank 0 broadcasts them (one small collective per step; the order is the same on every
-        rank because every rank applied the same deltas)."""
-        counts = [1 + len(s.child_req_ids) for s in states]
+        rank because every rank applied the same deltas). A verified row keeps a number of tokens
+        only rank 0 knows: each state has room for its most, the unused padded with -1."""
+        counts = [1 + len(s.child_req_ids) + len(s.spec_token_ids) for s in states]
         if tp_group().rank == 0:
-            ids = torch.tensor([t.token_id for s in states for t in sampled[s.req_id]], dtype=torch.int64)
+            flat = []
+            for state, count in zip(states, counts):
+                tokens = sampled[state.req_id]
+                flat += [t.token_id for t in tokens] + [-1] * (count - len(tokens))
+            ids = torch.tensor(flat, dtype=torch.int64)
         else:
             ids = torch.empty(sum(counts), dtype=torch.int64)
         ids = broadcast_from_rank0(ids.to(self.device)).tolist()
@@ -353,6 +372,7 @@ class ModelRunner:
             return sampled
         shared, start = {}, 0
         for state, count in zip(states, counts):
-            shared[state.req_id] = [SampledToken(token_id, None, None) for token_id in ids[start:start + count]]
+            shared[state.req_id] = [SampledToken(token_id, None, None) for token_id in ids[start:start + count]
+                                    if token_id >= 0]
             start += count
         return shared

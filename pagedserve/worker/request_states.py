@@ -4,7 +4,8 @@ model runner uses it, and so do the tests' fake workers, so the two cannot drift
 
 Invariant: after `apply(step)` the states equal the scheduler's view of its running and swapped
 requests (token ids, block tables, computed tokens); `advance` and `commit` then record what the
-step computed and sampled. Single-threaded: the runner's (or the fake worker's) step.
+step computed and sampled (for a row with proposals: what it kept of them). Single-threaded: the
+runner's (or the fake worker's) step.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class RequestState:
     group_block_ids: list[list[int]]  # the tables of KV groups 1.. (common/model_config.KVGroups)
     matcher: object | None = None  # structured outputs: its grammar's state (rank 0 only, built lazily)
     pooled: object | None = None  # embeddings: mean's running sum or cls's row (worker/pooling.py)
+    # This step's proposals (speculative decoding): the row runs token_ids[-1] and these; commit
+    # keeps the accepted ones and takes the rejected slots back from num_computed_tokens.
+    spec_token_ids: list[int] | tuple[()] = ()
 
 
 class RequestStates(dict[str, RequestState]):
@@ -61,6 +65,8 @@ class RequestStates(dict[str, RequestState]):
             state.block_ids.extend(cached.new_block_ids)
             for table, ids in zip(state.group_block_ids, cached.group_new_block_ids):
                 table.extend(ids)
+        for req_id, proposals in step.spec_token_ids.items():
+            self.state(req_id).spec_token_ids = proposals
 
     def state(self, req_id: str) -> RequestState:
         try:
@@ -75,10 +81,16 @@ class RequestStates(dict[str, RequestState]):
             state.num_computed_tokens += n
 
     def commit(self, sampled: dict[str, list[int]]) -> None:
-        """The sampled token ids (one per sample; n at a fork step): forked samples become their
-        own requests, sharing the parent's blocks; each request appends its token."""
+        """The sampled token ids (one per sample; n at a fork step; a verified row's new tokens):
+        forked samples become their own requests, sharing the parent's blocks; each request
+        appends its token(s)."""
         for req_id, tokens in sampled.items():
             state = self[req_id]
+            if state.spec_token_ids:  # a verified row: its accepted proposals and the token after them
+                state.num_computed_tokens -= len(state.spec_token_ids) - (len(tokens) - 1)
+                state.token_ids.extend(tokens)
+                state.spec_token_ids = ()
+                continue
             for index, (child_id, token) in enumerate(zip(state.child_req_ids, tokens[1:]), start=1):
                 self[child_id] = RequestState(
                     child_id, state.token_ids[:state.num_prompt_tokens] + [token], state.num_prompt_tokens,

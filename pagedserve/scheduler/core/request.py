@@ -58,6 +58,11 @@ class Request:
     num_inflight_tokens: int = 0
     num_pending_samples: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits at its first admission
+    # Speculative decoding (speculation.py): proposals riding in the step in flight (a row of
+    # 1 + num_spec_tokens tokens), and what its verified rows drafted and accepted so far.
+    num_spec_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     num_preemptions: int = 0
     sent_to_worker: bool = False  # the worker holds its state (cleared by a recompute preemption)
     logprobs: list[SampledToken] = field(default_factory=list)

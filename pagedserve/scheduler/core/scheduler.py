@@ -19,6 +19,13 @@ No two live requests share a sample id (sample_ids.py). update() takes a step's 
 they make of each request — sampled tokens, forks of n > 1, stop rules, prompt logprobs, pooled
 vectors — is results.py; counting what a step did (StepStats, waiting reasons) is step_stats.py.
 
+Speculative decoding (speculative: set; speculation.py): a decode row of a synchronous step may
+carry proposals, budgeted as 1 + k tokens of the step and k more KV slots (dropped first when
+blocks run short, before anything is preempted); update() takes back the rejected ones
+(num_computed_tokens counts the accepted only; the blocks stay the request's, written over by
+its next tokens, and go back to the pool with it) and runs the kept tokens one by one through
+the stop rules, stopping at the first that ends the sample.
+
 Invariants: `sample_ids` holds exactly the sample ids of every group in `groups`; a request
 finished or failed in update() or by _fail is in no queue and holds no blocks when it returns;
 the request's prompt logprobs go out once, with sample 0's first token (listed first among the
@@ -32,6 +39,7 @@ import time
 from collections.abc import Sequence
 
 from pagedserve.common.request_checks import prompt_tokens_problem
+from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.common.stop_rules import at_length, samples_any
 from pagedserve.common.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData, SampledToken,
                                         SchedulerOutput)
@@ -42,12 +50,14 @@ from pagedserve.scheduler.core.results import (RequestUpdate, append_sample, fir
                                                pooled_vector)
 from pagedserve.scheduler.core.request import Request, RequestStatus, sample_ids
 from pagedserve.scheduler.core.sample_ids import SampleIds
+from pagedserve.scheduler.core.speculation import Speculation
 from pagedserve.scheduler.core.step_stats import StepStats, count_step
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        self.speculation = Speculation(speculative) if speculative is not None else None
         self.block_manager = make_block_manager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching,
                                                 config.num_cpu_blocks, config.kv_group_windows)
         self.waiting: list[Request] = []  # sorted by Request.sort_key
@@ -144,7 +154,7 @@ class Scheduler:
         moved = self.running + self.swapped
         self.running, self.swapped = [], []
         for req in moved + self.waiting:
-            req.num_computed_tokens = req.num_inflight_tokens = req.num_pending_samples = 0
+            req.num_computed_tokens = req.num_inflight_tokens = req.num_pending_samples = req.num_spec_tokens = 0
             req.sent_to_worker = False
         for req in moved:
             req.num_preemptions += 1
@@ -172,6 +182,8 @@ class Scheduler:
         self._wait_reason = None
         preemptions_before = self.num_preemptions
         preempted = False
+        if self.speculation is not None and not ahead:
+            self.speculation.begin_step(self.requests)
 
         decodes = [r for r in self.running if r.num_unscheduled_tokens == 1]
         prefills = [r for r in self.running if r.num_unscheduled_tokens > 1]
@@ -226,23 +238,27 @@ class Scheduler:
                 # Aborted while the step ran (async scheduling). Had its samples forked there, the
                 # worker holds the forks, which this side never registered: it drops them too
                 # (unless a new request has claimed those ids since).
-                forked = sample_ids(req_id, len(result.sampled.get(req_id) or ()))[1:]
+                forked = [] if req_id in sched.spec_token_ids else sample_ids(
+                    req_id, len(result.sampled.get(req_id) or ()))[1:]
                 self._dropped_ids.extend(i for i in forked if i not in self.sample_ids)
                 continue
             if req_id in result.failed:  # the worker could not run it (its LoRA adapter did not load)
                 self._fail(req, ValueError(result.failed[req_id]))
                 continue
-            req.num_computed_tokens += num_tokens
-            req.num_inflight_tokens -= num_tokens
-            if req.num_pending_samples and req.num_computed_tokens == req.num_tokens:
-                req.num_pending_samples -= 1  # (the worker's rule: it sampled where the known tokens end)
             samples = result.sampled.get(req_id)
+            spec = sched.spec_token_ids.get(req_id) if sched.spec_token_ids else None
+            rejected = self.speculation.settle(req, spec, samples, sched.step_id) if spec is not None else 0
+            req.num_computed_tokens += num_tokens - rejected
+            req.num_inflight_tokens -= num_tokens
+            if req.num_pending_samples and req.num_computed_tokens >= req.num_tokens:
+                req.num_pending_samples -= 1  # (the worker's rule: it sampled where the known tokens end)
             try:
                 # The KV this step wrote is the prefix cache's whatever becomes of the request: its
                 # full blocks go in before its token may finish it (max_tokens 1, a prompt-only
                 # request), which frees them. Before a fork, so the samples share what is cached.
-                self.block_manager.cache_full_blocks(req_id, req.token_ids, req.num_computed_tokens,
-                                                     req.params.prefix_salt)
+                # (A verified row has computed its kept proposals, which token_ids get below.)
+                written = min(req.num_computed_tokens, req.num_tokens)
+                self.block_manager.cache_full_blocks(req_id, req.token_ids, written, req.params.prefix_salt)
                 prompt = result.prompt_logprobs.get(req_id)
                 if prompt is not None:
                     req.add_prompt_logprobs(prompt.start, prompt.tokens)
@@ -253,7 +269,9 @@ class Scheduler:
                                                      pooled_vector(req, result)))
                         continue
                     samples = None
-                if samples:  # sample 0 (with the prompt logprobs) ahead of its forks
+                if samples and spec is not None:
+                    updates.append(self._append_run(req, samples))
+                elif samples:  # sample 0 (with the prompt logprobs) ahead of its forks
                     children = self._fork(req, samples[1:])
                     updates.append(self._append(req, samples[0]))
                     updates.extend(self._append(child, None) for child in children)
@@ -279,6 +297,17 @@ class Scheduler:
         update, stop = append_sample(req, sample, self.config.max_model_len)
         if stop is not None:
             self._finish(req, stop)
+        return update
+
+    def _append_run(self, req: Request, samples: list[SampledToken]) -> RequestUpdate:
+        """A verified row's tokens, in order, until one ends the sample (the rest are cut)."""
+        update = self._append(req, samples[0])
+        for sample in samples[1:]:
+            if update.finished:
+                break
+            more = self._append(req, sample)
+            update.new_tokens += more.new_tokens
+            update.finished = more.finished
         return update
 
     # ---- one request's fault -------------------------------------------------------------
@@ -330,6 +359,8 @@ class Scheduler:
         """An ahead step leaves out a request whose next token depends on what the running step
         samples for it beyond the token itself: its n samples fork there, or that token ends it by
         length (known now; running on would be past max_tokens, or past the model's context)."""
+        if req.num_spec_tokens:
+            return True  # how many tokens its step keeps is known only from its results
         if not req.num_pending_samples:
             return False
         num_output = req.num_output_tokens + req.num_pending_samples
@@ -350,11 +381,15 @@ class Scheduler:
         """Schedule a running request, preempting others if blocks run out. False if anything
         was preempted."""
         num_new = self._chunk(req.num_unscheduled_tokens)
+        spec = self._proposals(req, num_new)
         preempted = False
         while True:
-            result = self.block_manager.allocate(req.request_id, req.num_scheduled_tokens, num_new)
+            result = self.block_manager.allocate(req.request_id, req.num_scheduled_tokens, num_new + len(spec))
             if result is not None:
                 break
+            if spec:
+                spec = []  # no room for the lookahead: a plain decode, before preempting anyone
+                continue
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:
                 # Alone and still out of blocks: the pool cannot hold this sequence any longer.
@@ -367,20 +402,29 @@ class Scheduler:
             preempted = True
             if victim is req:
                 return False
-        self._record(req, num_new, result, out)
+        self._record(req, num_new + len(spec), result, out, spec=spec)
         return not preempted
 
+    def _proposals(self, req: Request, num_new: int) -> list[int]:
+        if self.speculation is None or num_new != 1 or req.num_unscheduled_tokens != 1:
+            return []
+        return self.speculation.propose(req, self._budget - 1, self.config.max_model_len, self.step_id)
+
     def _record(self, req: Request, num_new: int, alloc: Allocation, out: SchedulerOutput,
-                whole_table: bool = False) -> None:
+                whole_table: bool = False, spec: list[int] = ()) -> None:
         out.num_scheduled_tokens[req.request_id] = num_new
         self._budget -= num_new
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         self._entries[req.request_id] = step_entry(self.block_manager, req, alloc, whole_table)
-        if num_new == 1 and req.num_unscheduled_tokens == 1 and req.num_output_tokens + req.num_pending_samples:
+        if spec:
+            out.spec_token_ids[req.request_id] = spec
+            req.num_spec_tokens = len(spec)
+        if (num_new - len(spec) == 1 and req.num_unscheduled_tokens == 1
+                and req.num_output_tokens + req.num_pending_samples):
             self._decode_ids.add(req.request_id)  # the next token after a sampled one (StepStats)
         req.num_inflight_tokens += num_new
-        if req.num_unscheduled_tokens == 0 and samples_any(req.params):
+        if req.num_unscheduled_tokens <= 0 and samples_any(req.params):  # < 0: the row's proposals
             req.num_pending_samples += 1  # the worker samples where the known tokens end
         if not req.sent_to_worker:
             req.sent_to_worker = True
@@ -392,7 +436,8 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         # (Only synchronous steps preempt: nothing else of the victim's is in flight.)
-        victim.num_inflight_tokens = victim.num_pending_samples = 0
+        victim.num_inflight_tokens = victim.num_pending_samples = victim.num_spec_tokens = 0
+        out.spec_token_ids.pop(victim.request_id, None)
         # A victim scheduled earlier in this step gives its tokens back.
         copied_this_step = False
         if victim.request_id in out.num_scheduled_tokens:
