@@ -19,6 +19,9 @@ Datasets:
             lengths reported are the server's usage.prompt_tokens whenever it gives them.
   prefix    --num-prefixes shared prefixes of --prefix-len x --suffixes-per-prefix suffixes of
             --suffix-len, shuffled: exercises prefix caching.
+  grounded  repeat a piece of code with one change (bench/grounded.py): outputs copy their prompts,
+            the workload of n-gram speculation (--speculative-config on the server); with it the
+            report adds the run's spec decode acceptance rate and mean acceptance length
   sharegpt  --dataset-path FILE, a JSON list or JSONL of {"conversations": [{"from": "human",
             "value": ...}, {"from": "gpt", ...}]}: the first human turn is the prompt and the reply
             after it sets max_tokens (its token count with a tokenizer, else words x 1.3).
@@ -44,7 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedserve.bench.serve_client import (aggregate, prefix_hit_rates, read_prefix_cache_counters, request_body,
+from pagedserve.bench.serve_client import (aggregate, prefix_hit_rates, read_prefix_cache_counters, read_spec_counters,
+                                           request_body, spec_rates,
                                            resolve_model, run_requests)
 from pagedserve.bench.serve_datasets import BenchRequest, build_dataset, load_tokenizer
 
@@ -78,7 +82,7 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload and SLO flags, shared with `pagedserve plan` (the planner replays the same draws)."""
-    p.add_argument("--dataset", choices=["random", "prefix", "sharegpt"], default="random")
+    p.add_argument("--dataset", choices=["random", "prefix", "sharegpt", "grounded"], default="random")
     p.add_argument("--dataset-path", default=None, help="the ShareGPT JSON/JSONL file")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=int, default=128, help="random dataset")
@@ -148,6 +152,11 @@ def print_report(result: dict) -> None:
         rows.append(("Prefix cache hit rate:", f"{100 * result['prefix_cache_hit_rate']:.1f}%"))
     for replica, rate in sorted((result.get("prefix_cache_hit_rate_by_replica") or {}).items()):
         rows.append((f"  replica {replica}:", "n/a" if rate is None else f"{100 * rate:.1f}%"))
+    spec = result.get("spec_decode")
+    if spec is not None:
+        rows += [("Spec decode drafts:", int(spec["num_drafts"])),
+                 ("Spec decode acceptance rate:", f"{100 * spec['acceptance_rate']:.1f}%"),
+                 ("Spec decode mean acceptance length:", f"{spec['mean_acceptance_length']:.2f}")]
     print(f"{' Serving Benchmark Result ':=^60}")
     for label, value in rows:
         print(f"{label:<40}{value!s:>20}")
@@ -179,6 +188,7 @@ def run_once(args, model: str, requests: list[BenchRequest], tokenizer, request_
     bodies = [request_body(q, model, args.endpoint, args.plain_openai, tokenizer) for q in requests]
     with httpx.Client(timeout=30) as http_sync:
         before = read_prefix_cache_counters(http_sync, args.base_url, headers)
+        spec_before = read_spec_counters(http_sync, args.base_url, headers)
         results, duration = asyncio.run(run_requests(
             args.base_url, args.endpoint, bodies, headers, request_rate, max_concurrency, args.seed,
             args.burstiness, args.timeout, progress))
@@ -186,9 +196,11 @@ def run_once(args, model: str, requests: list[BenchRequest], tokenizer, request_
         # `before` again; wait it out (outside the timed run)
         time.sleep(METRICS_SHARED_S)
         after = read_prefix_cache_counters(http_sync, args.base_url, headers)
+        spec_after = read_spec_counters(http_sync, args.base_url, headers)
     result = aggregate(results, requests, duration, args.slo_ttft_ms, args.slo_tpot_ms)
     # Overall and per engine replica (a `replica` label on the counters; docs/scale-out.md).
     result["prefix_cache_hit_rate"], result["prefix_cache_hit_rate_by_replica"] = prefix_hit_rates(before, after)
+    result["spec_decode"] = spec_rates(spec_before, spec_after)
     result.update(request_rate="inf" if math.isinf(request_rate) else request_rate,
                   max_concurrency=max_concurrency)
     return result

@@ -155,6 +155,37 @@ def read_prefix_cache_counters(http_sync, base_url: str, headers: dict) -> dict[
     return out or None
 
 
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def read_spec_counters(http_sync, base_url: str, headers: dict) -> dict[str, float] | None:
+    """Speculative decoding's counters (pagedserve:spec_decode_*, summed over replicas), or None
+    when the server exposes none (speculation off, or not our server)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        reply = http_sync.get(base_url + "/metrics", headers=headers)
+        families = list(text_string_to_metric_families(reply.text)) if reply.status_code == 200 else []
+    except Exception:  # noqa: BLE001 - not our server, or not Prometheus text
+        return None
+    out: dict[str, float] = {}
+    for family in families:
+        name = family.name.removeprefix("pagedserve:spec_decode_")
+        if family.name.startswith("pagedserve:") and name in SPEC_COUNTERS:
+            out[name] = sum(s.value for s in family.samples if not s.name.endswith("_created"))
+    return out if len(out) == len(SPEC_COUNTERS) else None
+
+
+def spec_rates(before: dict | None, after: dict | None) -> dict | None:
+    """The run's speculative decoding: its counters (after - before), acceptance rate (accepted /
+    proposed tokens) and mean acceptance length (1 + accepted / drafts)."""
+    if before is None or after is None:
+        return None
+    d = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
+    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
+    return d
+
+
 def prefix_hit_rates(before: dict | None, after: dict | None) -> tuple[float | None, dict[str, float | None]]:
     """(overall hit rate, replica -> hit rate) between two read_prefix_cache_counters answers: the
     prompt tokens found in the prefix cache / looked up, over the run (None where none was looked up)."""

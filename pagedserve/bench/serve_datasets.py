@@ -132,6 +132,17 @@ def load_sharegpt(path: str | Path, num: int, seed: int, tokenizer=None) -> list
     return out
 
 
+def grounded_requests(num: int, output_len: int, tokenizer=None) -> list[BenchRequest]:
+    """bench/grounded.py's prompts (repeat code with one change): chat-rendered token ids with a
+    tokenizer, else the bare message text."""
+    from pagedserve.bench.grounded import grounded_message, grounded_token_ids
+    out = []
+    for i in range(num):
+        prompt = grounded_token_ids(tokenizer, i) if tokenizer is not None else grounded_message(i)
+        out.append(BenchRequest(prompt, len(prompt) if tokenizer is not None else len(prompt.split()), output_len))
+    return out
+
+
 def build_dataset(args, tokenizer) -> tuple[list[BenchRequest], str]:
     maker = PromptMaker(tokenizer)
     if args.dataset == "random":
@@ -140,6 +151,8 @@ def build_dataset(args, tokenizer) -> tuple[list[BenchRequest], str]:
     if args.dataset == "prefix":
         return prefix_requests(args.num_prefixes, args.suffixes_per_prefix, args.prefix_len, args.suffix_len,
                                args.output_len, args.seed, maker), maker.kind
+    if args.dataset == "grounded":
+        return grounded_requests(args.num_prompts, args.output_len, tokenizer), "ids" if tokenizer else "text"
     if not args.dataset_path:
         raise SystemExit("--dataset sharegpt needs --dataset-path FILE")
     requests = load_sharegpt(args.dataset_path, args.num_prompts, args.seed, tokenizer)

@@ -60,8 +60,8 @@ class SchedulerStatsCollector(Collector):
                     order.append(name)
                     if kind == "histogram":
                         family = HistogramMetricFamily(P + name, doc, labels=labels)
-                    elif kind == "labelled":
-                        family = CounterMetricFamily(P + name, doc, labels=[*labels, "reason"])
+                    elif kind in LABEL_OF:
+                        family = CounterMetricFamily(P + name, doc, labels=[*labels, LABEL_OF[kind]])
                     else:
                         family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
                             P + name, doc, labels=labels)
@@ -69,13 +69,38 @@ class SchedulerStatsCollector(Collector):
                 key = [rid] if labels else []
                 if kind == "histogram":
                     family.add_metric(key, buckets=_buckets(value), sum_value=value.sum)
-                elif kind == "labelled":
+                elif kind in LABEL_OF:
                     for reason, count in value:
                         family.add_metric([*key, reason], count)
                 else:
                     family.add_metric(key, value)
         for name in order:
             yield families[name]
+
+
+# Counters with one label of their own: kind -> the label's name.
+LABEL_OF = {"labelled": "reason", "per_position": "position"}
+
+
+def _spec_decode_samples(s: scheduler_pb2.SchedulerStats) -> list[tuple[str, str, str, object]]:
+    """Speculative decoding's counters (vLLM's spec_decode_* names), only when it is on."""
+    if not s.spec_decode_enabled:
+        return []
+    drafts, drafted, accepted = (s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens,
+                                 s.spec_decode_num_accepted_tokens)
+    return [
+        ("counter", "spec_decode_num_drafts", "Speculative decoding: rows that carried proposals", drafts),
+        ("counter", "spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed", drafted),
+        ("counter", "spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted", accepted),
+        ("per_position", "spec_decode_num_accepted_tokens_per_pos",
+         "Speculative decoding: proposals accepted at each position (0: the first)",
+         [(str(pos), count) for pos, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos)]),
+        ("gauge", "spec_decode_acceptance_rate", "Speculative decoding: accepted / proposed tokens",
+         accepted / drafted if drafted else 0.0),
+        ("gauge", "spec_decode_mean_acceptance_length",
+         "Speculative decoding: tokens a verified row yields on average (1 + accepted / drafts)",
+         1 + accepted / drafts if drafts else 0.0),
+    ]
 
 
 def _engine_samples(s: scheduler_pb2.SchedulerStats) -> list[tuple[str, str, str, object]]:
@@ -123,7 +148,7 @@ def _engine_samples(s: scheduler_pb2.SchedulerStats) -> list[tuple[str, str, str
             ("step_duration_seconds", "Engine step wall time at the scheduler", s.step_duration_seconds)):
         if data.bounds:
             out.append(("histogram", name, doc, data))
-    return out
+    return out + _spec_decode_samples(s)
 
 
 def _buckets(data: scheduler_pb2.HistogramData) -> list[tuple[str, float]]:
@@ -149,6 +174,10 @@ VLLM_NAMES = {
     "request_queue_time_seconds": ["request_queue_time_seconds"],
     "request_prefill_time_seconds": ["request_prefill_time_seconds"],
     "request_decode_time_seconds": ["request_decode_time_seconds"],
+    "spec_decode_num_drafts": ["spec_decode_num_drafts"],
+    "spec_decode_num_draft_tokens": ["spec_decode_num_draft_tokens"],
+    "spec_decode_num_accepted_tokens": ["spec_decode_num_accepted_tokens"],
+    "spec_decode_num_accepted_tokens_per_pos": ["spec_decode_num_accepted_tokens_per_pos"],
 }
 
 

@@ -342,7 +342,7 @@ class ChunkBuilder:
 TIMING_STAMPS = ("gateway_received", "tokenizer_received", "tokenized", "scheduler_received", "first_scheduled",
                  "prefill_end", "first_token", "first_token_streamed", "finished", "detokenized",
                  "last_token_streamed")
-TIMING_COUNTS = ("prefill_chunks", "num_steps", "num_preemptions")
+TIMING_COUNTS = ("prefill_chunks", "num_steps", "num_preemptions", "spec_draft_tokens", "spec_accepted_tokens")
 # The stages that partition the time to first token: (name, the stamp that ends it).
 TTFT_STAGES = (("gateway", "tokenizer_received"), ("tokenizer", "scheduler_received"),
                ("queue", "first_scheduled"), ("prefill", "first_token"), ("network", "first_token_streamed"))

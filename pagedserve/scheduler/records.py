@@ -45,12 +45,16 @@ class GroupState:
     num_prefill_chunks: int = 0
     prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (scheduled at, tokens): the first 64
     output_tokens: int = 0  # summed over the samples
+    spec_draft_tokens: int = 0  # speculative decoding: proposed for its samples, and accepted
+    spec_accepted_tokens: int = 0
     # Samples the Scheduler has let go (finished or aborted) while the group is still live: a
     # subscriber attaching before the group is forgotten is replayed their tokens from here.
     ended_samples: dict[int, Request] = field(default_factory=dict)
 
     def timings_snapshot(self) -> dict:
-        return {**self.timings, "worker_time_s": self.worker_time_s, "num_steps": self.num_steps,
+        spec = {"spec_draft_tokens": self.spec_draft_tokens,
+                "spec_accepted_tokens": self.spec_accepted_tokens} if self.spec_draft_tokens else {}
+        return {**self.timings, **spec, "worker_time_s": self.worker_time_s, "num_steps": self.num_steps,
                 "num_preemptions": self.num_preemptions, "prefill_chunks": self.num_prefill_chunks}
 
     def creation_fields(self) -> dict[str, str]:

@@ -169,6 +169,12 @@ class StatsRecorder:
         msg.waiting_reasons_total.CopyFrom(_waiting_proto(t.waiting))
         cfg = scheduler.config
         msg.max_num_seqs, msg.max_num_batched_tokens = cfg.max_num_seqs, cfg.max_num_batched_tokens
+        if scheduler.speculation is not None:
+            c = scheduler.speculation.counters
+            msg.spec_decode_enabled = True
+            msg.spec_decode_num_drafts, msg.spec_decode_num_draft_tokens = c.num_drafts, c.num_draft_tokens
+            msg.spec_decode_num_accepted_tokens = c.num_accepted_tokens
+            msg.spec_decode_num_accepted_tokens_per_pos[:] = c.accepted_per_pos
 
     def engine_stats(self, scheduler, ready: bool, num_pending: int, max_steps: int) -> scheduler_pb2.EngineStats:
         """GetEngineStats' message. Walks the queues and the pool: call it on the step loop."""

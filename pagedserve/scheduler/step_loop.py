@@ -288,6 +288,9 @@ class StepLoop:
                 group.last_step_id = sched.step_id
                 group.worker_time_s += step_worker_time
                 group.num_steps += 1
+            if group is not None and req_id in sched.spec_token_ids:  # speculative decoding's share
+                group.spec_draft_tokens += len(sched.spec_token_ids[req_id])
+                group.spec_accepted_tokens += max(0, len(result.sampled.get(req_id) or ()) - 1)
         updates = self.scheduler.update(sched, result)
         if self.scheduler.failed:
             self._end_failed()

@@ -108,7 +108,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("gateway_received", "tokenizer_received", "tokenized", "scheduler_received", "first_scheduled", "first_token", "finished", "detokenized", "worker_time_s", "num_steps", "num_preemptions", "prefill_chunks", "prefill_end", "first_token_streamed", "last_token_streamed")
+    __slots__ = ("gateway_received", "tokenizer_received", "tokenized", "scheduler_received", "first_scheduled", "first_token", "finished", "detokenized", "worker_time_s", "num_steps", "num_preemptions", "prefill_chunks", "prefill_end", "first_token_streamed", "last_token_streamed", "spec_draft_tokens", "spec_accepted_tokens")
     GATEWAY_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     TOKENIZED_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,8 @@ class Timings(_message.Message):
     PREFILL_END_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_STREAMED_FIELD_NUMBER: _ClassVar[int]
     LAST_TOKEN_STREAMED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     gateway_received: float
     tokenizer_received: float
     tokenized: float
@@ -139,7 +141,9 @@ class Timings(_message.Message):
     prefill_end: float
     first_token_streamed: float
     last_token_streamed: float
-    def __init__(self, gateway_received: _Optional[float] = ..., tokenizer_received: _Optional[float] = ..., tokenized: _Optional[float] = ..., scheduler_received: _Optional[float] = ..., first_scheduled: _Optional[float] = ..., first_token: _Optional[float] = ..., finished: _Optional[float] = ..., detokenized: _Optional[float] = ..., worker_time_s: _Optional[float] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefill_chunks: _Optional[int] = ..., prefill_end: _Optional[float] = ..., first_token_streamed: _Optional[float] = ..., last_token_streamed: _Optional[float] = ...) -> None: ...
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, gateway_received: _Optional[float] = ..., tokenizer_received: _Optional[float] = ..., tokenized: _Optional[float] = ..., scheduler_received: _Optional[float] = ..., first_scheduled: _Optional[float] = ..., first_token: _Optional[float] = ..., finished: _Optional[float] = ..., detokenized: _Optional[float] = ..., worker_time_s: _Optional[float] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefill_chunks: _Optional[int] = ..., prefill_end: _Optional[float] = ..., first_token_streamed: _Optional[float] = ..., last_token_streamed: _Optional[float] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

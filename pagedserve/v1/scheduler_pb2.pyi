@@ -105,7 +105,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens_total", "generation_tokens_total", "num_steps", "step_rtt_median_s", "step_time_median_s", "ready", "max_waiting_requests", "requests_finished_total", "worker_busy_seconds_total", "step_seconds_total", "idle_seconds_total", "step_scheduled_tokens", "step_token_budget_utilization", "step_duration_seconds", "scheduled_prefill_tokens_total", "scheduled_decode_tokens_total", "waiting_reasons_total", "max_num_seqs", "max_num_batched_tokens", "healthy", "unhealthy_cause", "num_worker_recoveries")
+    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens_total", "generation_tokens_total", "num_steps", "step_rtt_median_s", "step_time_median_s", "ready", "max_waiting_requests", "requests_finished_total", "worker_busy_seconds_total", "step_seconds_total", "idle_seconds_total", "step_scheduled_tokens", "step_token_budget_utilization", "step_duration_seconds", "scheduled_prefill_tokens_total", "scheduled_decode_tokens_total", "waiting_reasons_total", "max_num_seqs", "max_num_batched_tokens", "healthy", "unhealthy_cause", "num_worker_recoveries", "spec_decode_enabled", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,11 @@ class SchedulerStats(_message.Message):
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     UNHEALTHY_CAUSE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKER_RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_swapped: int
@@ -168,7 +173,12 @@ class SchedulerStats(_message.Message):
     healthy: bool
     unhealthy_cause: str
     num_worker_recoveries: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_rtt_median_s: _Optional[float] = ..., step_time_median_s: _Optional[float] = ..., ready: _Optional[bool] = ..., max_waiting_requests: _Optional[int] = ..., requests_finished_total: _Optional[int] = ..., worker_busy_seconds_total: _Optional[float] = ..., step_seconds_total: _Optional[float] = ..., idle_seconds_total: _Optional[float] = ..., step_scheduled_tokens: _Optional[_Union[HistogramData, _Mapping]] = ..., step_token_budget_utilization: _Optional[_Union[HistogramData, _Mapping]] = ..., step_duration_seconds: _Optional[_Union[HistogramData, _Mapping]] = ..., scheduled_prefill_tokens_total: _Optional[int] = ..., scheduled_decode_tokens_total: _Optional[int] = ..., waiting_reasons_total: _Optional[_Union[WaitingReasons, _Mapping]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., unhealthy_cause: _Optional[str] = ..., num_worker_recoveries: _Optional[int] = ...) -> None: ...
+    spec_decode_enabled: bool
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., num_steps: _Optional[int] = ..., step_rtt_median_s: _Optional[float] = ..., step_time_median_s: _Optional[float] = ..., ready: _Optional[bool] = ..., max_waiting_requests: _Optional[int] = ..., requests_finished_total: _Optional[int] = ..., worker_busy_seconds_total: _Optional[float] = ..., step_seconds_total: _Optional[float] = ..., idle_seconds_total: _Optional[float] = ..., step_scheduled_tokens: _Optional[_Union[HistogramData, _Mapping]] = ..., step_token_budget_utilization: _Optional[_Union[HistogramData, _Mapping]] = ..., step_duration_seconds: _Optional[_Union[HistogramData, _Mapping]] = ..., scheduled_prefill_tokens_total: _Optional[int] = ..., scheduled_decode_tokens_total: _Optional[int] = ..., waiting_reasons_total: _Optional[_Union[WaitingReasons, _Mapping]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., unhealthy_cause: _Optional[str] = ..., num_worker_recoveries: _Optional[int] = ..., spec_decode_enabled: _Optional[bool] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HistogramData(_message.Message):
     __slots__ = ("bounds", "counts", "sum")

@@ -1,30 +1,45 @@
-"""Speculative decoding through the services (scheduler -> worker over the step link and gRPC):
-with --speculative-config the greedy text equals the in-process engine's without it, for a
-batch of prompts at once. In-process engines: tests/test_speculative.py."""
+"""Speculative decoding through the services (scheduler -> worker over the step link): with
+--speculative-config the default model (float32) answers grounded prompts (repeat code with one
+change: bench/grounded.py) with the greedy tokens the in-process engine gives without it, most of
+them accepted proposals; /metrics shows the spec_decode counters (and vLLM's names), and each
+request's timings its drafted and accepted tokens. In-process engines: tests/test_speculative.py."""
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import pytest
 
+from pagedserve.bench.grounded import grounded_token_ids
 from pagedserve.common.sampling_params import SamplingParams
 from tiny_models import make_engine
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
-PROMPTS = ["one two three one two three one two", "The quick brown fox jumps over the lazy dog. " * 3,
-           "a b c d e f g a b c d e f g a b c"]
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+MAX_TOKENS = 48
 
 
 @pytest.mark.slow
-def test_greedy_text_equals_the_engine_without_speculation(tiny_model, launch_stack):
-    import openai
-
-    with make_engine(tiny_model, tokenizer=None) as engine:
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        outs = engine.generate([engine.tokenizer.encode(p) for p in PROMPTS], params)
-        expected = [engine.tokenizer.decode(o[0].token_ids, skip_special_tokens=True) for o in outs]
-    stack = launch_stack(tiny_model, speculative_config=SPEC)
-    client = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    name = client.models.list().data[0].id
-    reply = client.completions.create(model=name, prompt=PROMPTS, temperature=0, max_tokens=24,
-                                      extra_body={"ignore_eos": True})
-    assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == expected
+def test_default_model_greedy_tokens_equal_without_speculation_and_metrics(default_model_path, launch_stack):
+    with make_engine(default_model_path, tokenizer=None) as engine:
+        prompts = [grounded_token_ids(engine.tokenizer, i) for i in range(2)]
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        expected = [engine.tokenizer.decode(o[0].token_ids, skip_special_tokens=True)
+                    for o in engine.generate(prompts, params)]
+    stack = launch_stack(default_model_path, speculative_config=SPEC)
+    http = httpx.Client(base_url=stack.http_url, timeout=300)
+    name = http.get("/v1/models").json()["data"][0]["id"]
+    for prompt, text in zip(prompts, expected):
+        body = {"model": name, "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                "timings": True}
+        reply = http.post("/v1/completions", json=body).json()
+        assert reply["choices"][0]["text"] == text
+        timings = reply["timings"]
+        assert timings["spec_draft_tokens"] >= timings["spec_accepted_tokens"] > MAX_TOKENS // 3, timings
+    time.sleep(0.6)  # the gateway shares one /metrics answer for ~0.5 s
+    lines = http.get("/metrics").text.splitlines()
+    metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(("vllm:", "pag"))}
+    drafted = metrics["vllm:spec_decode_num_draft_tokens_total"]
+    assert drafted >= metrics["vllm:spec_decode_num_accepted_tokens_total"] > MAX_TOKENS
+    assert metrics["pagedserve:spec_decode_num_drafts_total"] > 0
+    assert 2 < metrics["pagedserve:spec_decode_mean_acceptance_length"] <= 5
