@@ -28,6 +28,17 @@ def test_the_gguf_of_a_prepared_folder_or_a_file(tmp_path):
     assert find_gguf(str(tmp_path / "model.gguf")) == (tmp_path / "model.gguf", tmp_path / "model.gguf")
 
 
+def test_the_gguf_of_a_model_named_as_pagedserve_names_it(tmp_path, monkeypatch):
+    """`--model gemma3-270m` (a prepared model's name) was read as a folder of that name in the cwd."""
+    named = tmp_path / "models" / "tiny-q4"
+    named.mkdir(parents=True)
+    (named / "config.json").write_text("{}")
+    (named / "model.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv("PAGEDSERVE_DATA_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert find_gguf("tiny-q4") == ((named / "model.gguf").resolve(), named)
+
+
 def test_missing_llama_bench_says_how_to_build_it(tmp_path):
     env = {"PAGEDSERVE_DATA_DIR": str(tmp_path), "PATH": "/nonexistent", "PYTHONPATH": ":".join(sys.path)}
     done = subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "llama-cpp", "--model", str(tmp_path),

@@ -45,14 +45,14 @@ def find_llama_bench(explicit: str | None) -> Path | None:
 
 
 def find_gguf(model: str | None) -> tuple[Path, Path]:
-    """(the .gguf file for llama.cpp, the model argument for pagedserve: the prepared folder)."""
-    if model is None:
-        from pagedserve.model_files.default_model import ensure_default_model
-        folder = ensure_default_model()
-    else:
-        folder = Path(model).expanduser()
-        if folder.is_file() and folder.suffix == ".gguf":
-            return folder, folder
+    """(the .gguf file for llama.cpp, the model argument for pagedserve: the prepared folder). model is
+    what --model takes: a .gguf, a prepared folder, or a name (gemma3-270m, one `pagedserve list` shows)."""
+    if model is not None:
+        path = Path(model).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            return path, path
+    from pagedserve.model_files.default_model import resolve_model
+    folder = resolve_model(model)
     ggufs = sorted(folder.glob("*.gguf"))
     if not ggufs:
         raise FileNotFoundError(f"{folder} holds no .gguf file: pass one with --model")

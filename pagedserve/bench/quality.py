@@ -232,7 +232,7 @@ def run_quality(args: argparse.Namespace) -> dict:
             raise SystemExit("llama-perplexity not found: pass its path with --llama-perplexity PATH "
                              "(see `pagedserve bench llama-cpp --help` for building llama.cpp)")
         from pagedserve.bench.llama_cpp import find_gguf
-        gguf, _ = find_gguf(str(model_path))  # a name (gemma3-270m) resolved to its folder
+        gguf, _ = find_gguf(str(model_path))
         text_file = Path(args.text) if args.text else Path(str(resources.files("pagedserve.bench") / "data" / SAMPLE))
         result["llama_cpp_perplexity"] = run_llama_perplexity(binary, gguf, text_file, args.ctx, os.cpu_count() or 1)
         rows.append((f"llama.cpp {gguf.name}", result["llama_cpp_perplexity"], "-", "-", "-", "-"))
