@@ -1,8 +1,8 @@
 """The block tool-call parsers (pagedserve/gateway/block_tool_parsers.py: mistral, deepseek_v3,
 qwen3_coder, pythonic), in the formats their models write: whole text, and every split of it
 streamed (test_tool_parsers.check_stream_matches), which must give the same content and calls;
-malformed blocks are content; parallel_tool_calls=false keeps the first call; deepseek_v3, mistral's
-and qwen3_coder stream a call's arguments in fragments before its block ends."""
+malformed blocks are content; parallel_tool_calls=false keeps the first call; every parser streams
+a call's arguments in fragments before its block ends."""
 
 from __future__ import annotations
 
@@ -56,6 +56,11 @@ CASES = [
     (PythonicParser, "The list [a(b=1)] is here.", "The list [a(b=1)] is here.", []),
     (PythonicParser, "[1, 2, 3]", "[1, 2, 3]", []),
     (PythonicParser, "[f(x=open('y'))]", "[f(x=open('y'))]", []),  # literal arguments only
+    (PythonicParser, "[f(s='a, b)', t=(1, [2, 'x']), u=None), g()]", "",
+     [("f", '{"s": "a, b)", "t": [1, [2, "x"]], "u": null}'), ("g", "{}")]),
+    (PythonicParser, "[f(1)]", "[f(1)]", []),  # positional arguments: text
+    (PythonicParser, "[f(s='it\\'s, ok)', n=-1.5e3, d={'k': (1,)})]", "",
+     [("f", '{"s": "it\'s, ok)", "n": -1500.0, "d": {"k": [1]}}')]),
 ]
 
 
@@ -102,6 +107,7 @@ QWEN_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</pa
      "<｜tool▁calls▁end｜>"),
     (MistralParser, f"[TOOL_CALLS]get_weather[ARGS]{A}", None),
     (MistralParser, f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {A}}}]', None),
+    (PythonicParser, '[get_weather(city="Paris", days=2), get_time()]', None),
     (Qwen3CoderParser, QWEN_CALL, "</tool_call>")])
 def test_arguments_stream_as_deltas_before_the_block_ends(cls, text, block_end):
     parser = cls(stream=True, schemas={"get_weather": WEATHER})
@@ -109,10 +115,10 @@ def test_arguments_stream_as_deltas_before_the_block_ends(cls, text, block_end):
     for ch in text:
         fed += ch
         for event in parser.feed(ch):
-            if event.arguments is not None:
+            if event.arguments is not None and event.index == 0:
                 fragments.append(event.arguments)
                 before_end += block_end is not None and block_end not in fed
-    fragments += [e.arguments for e in parser.finish() if e.arguments is not None]
+    fragments += [e.arguments for e in parser.finish() if e.arguments is not None and e.index == 0]
     assert json.loads("".join(fragments)) == json.loads(A)
     assert len(fragments) >= 2 and (block_end is None or before_end >= 1), fragments
     first = stream_deltas(cls(stream=True, schemas={"get_weather": WEATHER}).feed(text))[0]  # OpenAI's shape

@@ -15,10 +15,10 @@ The ToolParser contract (tool_parsers.py) holds: any split of a text gives the c
 of the whole text. A block (a region of calls) is read when its end is seen (or at the end of the
 output, where a block whose calls are complete is read as calls): its calls, each its name and its
 arguments. Streamed, a parser with a view of the open block (view_block: deepseek_v3, mistral (both
-forms), qwen3_coder) sends each call's name once it is whole and its arguments as OpenAI-shaped
+forms), qwen3_coder, pythonic) sends each call's name once it is whole and its arguments as OpenAI-shaped
 deltas as they come (deepseek_v3 and mistral: the JSON text as written; qwen3_coder: `{"key": value`
-at each complete parameter, then `, "key": value`, `}` at the block's end); pythonic sends a
-block's calls whole at its end. A block that does
+at each complete parameter, then `, "key": value`, `}` at the block's end; pythonic the same at
+each complete keyword argument, `}` at its call's `)`). A block that does
 not parse is content (whole and streamed alike when nothing of it went out; a stream cannot take
 back a call it announced: that call ends with the arguments sent, as hermes'). Text before a block
 streams as content as it comes, holding back only what may begin the block's tag. Plain Python.
@@ -356,6 +356,66 @@ class PythonicParser(BlockParser):
                 return None
             out.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
         return out
+
+
+    _CALL_HEAD = re.compile(r"\s*([A-Za-z_]\w*)\s*\(")
+    _KEYWORD = re.compile(r"\s*([A-Za-z_]\w*)\s*=(?!=)")
+
+    def view_block(self, text: str) -> list[tuple[str, str]]:
+        """The calls so far, each once a keyword argument (or its closing parenthesis) is whole:
+        `{"key": value` per complete keyword as json.dumps writes the literal, `}` at its `)`."""
+        out, at = [], 0
+        while (head := self._CALL_HEAD.match(text, at)) is not None:
+            pieces, pos, closed = [], head.end(), False
+            while True:
+                keyword = self._KEYWORD.match(text, pos)
+                if keyword is None:
+                    rest = text[pos:].lstrip()
+                    closed = rest.startswith(")")
+                    pos = len(text) - len(rest) + 1
+                    break
+                end = _python_value_end(text, keyword.end())
+                if end < 0:
+                    break
+                try:
+                    value = json.dumps(ast.literal_eval(text[keyword.end():end].strip()), ensure_ascii=False)
+                except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                    return out
+                pieces.append(f"{json.dumps(keyword[1], ensure_ascii=False)}: {value}")
+                pos = end + 1 if text[end] == "," else end
+            if not pieces and not closed:
+                break
+            out.append((head[1], "{" + ", ".join(pieces) + ("}" if closed else "")))
+            rest = text[pos:].lstrip()
+            if not closed or not rest.startswith(","):
+                break
+            at = len(text) - len(rest) + 1
+        return out
+
+
+def _python_value_end(text: str, start: int) -> int:
+    """Where a keyword argument's value that starts at `start` ends: the index of the `,` or `)`
+    after it at its own level (strings and brackets skipped), or -1 while it is not complete."""
+    depth, quote, i = 0, "", start
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                return i if ch == ")" else -1
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return i
+        i += 1
+    return -1
 
 
 BLOCK_PARSERS: dict[str, type[BlockParser]] = {p.name: p for p in (MistralParser, DeepSeekV3Parser,
