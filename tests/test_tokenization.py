@@ -17,6 +17,7 @@ from pagedserve.gateway.tokenization import detokenize_request, tokenize_request
 from pagedserve.model_files import chat_templates
 from pagedserve.model_files.tokenizer_files import load_tokenizer
 from pagedserve.tokenizer import tokenization
+from pagedserve.tokenizer.chat_render import template_kwargs
 from pagedserve.v1 import generate_pb2
 
 pytestmark = pytest.mark.slow  # the default model's tokenizer
@@ -84,7 +85,7 @@ def test_tokenize_prompt_and_chat(tok):
     def render(chat):
         return chat_templates.render_chat(tok, [{"role": m.role, "content": m.content} for m in chat.messages],
                                           add_generation_prompt=chat.add_generation_prompt,
-                                          chat_template_kwargs=tokenization.template_kwargs(chat))
+                                          chat_template_kwargs=template_kwargs(chat))
     r = tokenization.tokenize(tok, generate_pb2.TokenizeRequest(prompt="Hello world", return_token_strs=True), render)
     assert list(r.token_ids) == tok.encode("Hello world") and list(r.token_strs) == ["Hello", "Ġworld"]
     r = tokenization.tokenize(tok, generate_pb2.TokenizeRequest(chat=chat_pb(CHAT, add_generation_prompt=True)),

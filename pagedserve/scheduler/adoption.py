@@ -21,8 +21,7 @@ import grpc
 from pagedserve.common.grpc_util import StatusError
 from pagedserve.common.replicas import RegistryKeys
 from pagedserve.common.store import RequestStore, StoredRequest
-from pagedserve.scheduler.live_groups import LiveGroups
-from pagedserve.scheduler.records import GroupState
+from pagedserve.scheduler.records import GroupState, LiveGroups
 from pagedserve.scheduler.recovery import Recovery
 from pagedserve.scheduler.step_loop import StepLoop
 

@@ -1,6 +1,14 @@
-"""Request records and their delivery: what the scheduler writes to the store each step, and
-the thread that writes it and then hands the step's tokens to the subscribed streams (one
+"""The scheduler service's requests: each client request's state (GroupState), the live ones
+(LiveGroups), and their records and delivery: what the scheduler writes to the store each step,
+and the thread that writes it and then hands the step's tokens to the subscribed streams (one
 hand-over per stream and step; see subscriptions.py).
+
+LiveGroups holds each request from its admission until its last tokens are published, and every
+sample id they hold. The gRPC event loop (admission, attach, leave, abort), the step loop
+(publish, fail) and the record writer (forget) all use it: its `lock` guards `groups`, `ids` and
+each group's subscriber list; whoever walks a group's subscribers takes it (the record writer is
+handed the same lock). Invariant: `ids` holds exactly the sample ids (core/sample_ids.py) of the
+groups in `groups`, so two concurrent submits of one id cannot both be admitted.
 
 Tokens reach a client only after the step that made them is in the store ("durable before
 delivered"), so a restarted scheduler never resumes behind what a client has already seen.
@@ -16,10 +24,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import grpc
+
+from pagedserve.common.grpc_util import StatusError
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.stop_rules import finish_reason
 from pagedserve.common.store import RecordWrite, RequestStore, StoredRequest
-from pagedserve.scheduler.core.request import Request
+from pagedserve.scheduler.core.request import Request, RequestIdInUse
+from pagedserve.scheduler.core.sample_ids import SampleIds
 from pagedserve.scheduler.subscriptions import Delivery, Subscription
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -61,6 +73,39 @@ class GroupState:
         return {"status": "waiting", "prompt": json.dumps(self.prompt_token_ids),
                 "params": json.dumps(self.params.to_dict()), "n": str(self.n), "priority": str(self.priority),
                 "timings": json.dumps(self.timings_snapshot()), "finish_reasons": json.dumps(self.finish_reasons)}
+
+
+class LiveGroups:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.groups: dict[str, GroupState] = {}
+        self.ids = SampleIds()  # the sample ids of every group in groups
+
+    def get(self, group_id: str) -> GroupState | None:
+        """The live group of that id (a single dict read: any thread, without the lock)."""
+        return self.groups.get(group_id)
+
+    def claim(self, group: GroupState) -> None:
+        """Under lock: the group becomes live with its samples' ids, or ALREADY_EXISTS when a live
+        request holds one of them."""
+        try:
+            self.ids.claim(group.group_id, group.n, refusal="cannot be used")
+        except RequestIdInUse as exc:
+            raise StatusError(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+        self.groups[group.group_id] = group
+
+    def push_error(self, group: GroupState, error: StatusError) -> None:
+        """Every subscriber of the group gets the error (its stream ends)."""
+        with self.lock:
+            for sub in group.subscribers:
+                sub.push(error)
+
+    def forget(self, group: GroupState) -> None:
+        """The group's last records are written: its id and sample ids are free again."""
+        with self.lock:
+            if self.groups.get(group.group_id) is group:
+                del self.groups[group.group_id]
+                self.ids.release(group.group_id, group.n)
 
 
 class RecordWriter:

@@ -22,8 +22,7 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.store import RecordWrite, RequestStore
 from pagedserve.scheduler.core.scheduler import Scheduler
 from pagedserve.scheduler.health import Health
-from pagedserve.scheduler.live_groups import LiveGroups
-from pagedserve.scheduler.records import GroupState, resumed_requests
+from pagedserve.scheduler.records import GroupState, LiveGroups, resumed_requests
 from pagedserve.v1 import worker_pb2
 
 log = logging.getLogger("pagedserve.scheduler")

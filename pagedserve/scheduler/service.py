@@ -1,6 +1,6 @@
 """The scheduler service as a plain class (the gRPC servicer in server.py only translates): start
 and stop, admission (submit, validate, attach), leaving and aborting, stats. It owns, and hands
-each what it needs through its constructor: the live requests (live_groups.py), the record writer
+each what it needs through its constructor: the live requests (records.py's LiveGroups), the record writer
 (records.py), the stats recorder (stats_recorder.py), health (health.py), and, made at start once
 the workers are known, the Scheduler, recovery (recovery.py), the step loop (step_loop.py) and
 adoption (adoption.py). Nothing else is shared between them.
@@ -40,8 +40,7 @@ from pagedserve.common.store import RequestStore, StoredRequest
 from pagedserve.v1 import scheduler_pb2, worker_pb2
 from pagedserve.scheduler.adoption import Adoption
 from pagedserve.scheduler.health import Health
-from pagedserve.scheduler.live_groups import LiveGroups
-from pagedserve.scheduler.records import GroupState, RecordWriter
+from pagedserve.scheduler.records import GroupState, LiveGroups, RecordWriter
 from pagedserve.scheduler.recovery import Recovery
 from pagedserve.scheduler.stats_recorder import StatsRecorder
 from pagedserve.scheduler.step_loop import StepLoop

@@ -19,7 +19,7 @@ where no single request can be blamed. No command's exception ends the step-loop
 Its interface, for the service that owns it (service.py): `start()`, `stop()`, `post(command)`,
 `admit(group)`, `replay(group, subscriber)`, `abort(request_id, index)`, `is_alive()` and
 `pending_admissions` (admitted, not yet handed to the Scheduler). Everything else it uses comes
-through its constructor: the Scheduler, the workers, the live groups (live_groups.py), the record
+through its constructor: the Scheduler, the workers, the live groups (records.py), the record
 writer, the stats recorder, recovery and health.
 """
 
@@ -42,8 +42,7 @@ from pagedserve.scheduler.core.request import Request, RequestIdInUse
 from pagedserve.scheduler.core.scheduler import Scheduler
 from pagedserve.scheduler.core.step_stats import StepStats
 from pagedserve.scheduler.health import Health
-from pagedserve.scheduler.live_groups import LiveGroups
-from pagedserve.scheduler.records import GroupState, RecordWriter
+from pagedserve.scheduler.records import GroupState, LiveGroups, RecordWriter
 from pagedserve.scheduler.recovery import Recovery
 from pagedserve.scheduler.stats_recorder import MAX_PREFILL_CHUNKS_KEPT, StatsRecorder
 from pagedserve.scheduler.subscriptions import Delivery, Subscription

@@ -1,4 +1,5 @@
-"""ChatMessages (proto) -> what HF chat templates take: the `messages` list and the `tools` list.
+"""ChatMessages (proto) -> what HF chat templates take: the `messages` list, the `tools` list and
+the chat_template_kwargs.
 
 Templates written for tool calling (Qwen2.5, Hermes, Llama 3.1, Mistral) read
   - tools as OpenAI entries: {"type": "function", "function": {"name", "description", "parameters"}};
@@ -14,7 +15,29 @@ from __future__ import annotations
 
 import json
 
+import grpc
+
+from pagedserve.common.grpc_util import StatusError
 from pagedserve.v1 import generate_pb2
+
+MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
+
+
+def template_kwargs(chat: generate_pb2.ChatMessages) -> dict | None:
+    """The chat's chat_template_kwargs (a JSON object on the wire), or None."""
+    if not chat.chat_template_kwargs:
+        return None
+    if len(chat.chat_template_kwargs) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"chat_template_kwargs has {len(chat.chat_template_kwargs)} bytes (at most "
+                          f"{MAX_TEMPLATE_KWARGS_BYTES})")
+    try:
+        value = json.loads(chat.chat_template_kwargs)
+    except ValueError as exc:
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"chat_template_kwargs is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "chat_template_kwargs must be a JSON object")
+    return value
 
 
 def _arguments(text: str):

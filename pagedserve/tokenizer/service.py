@@ -25,7 +25,7 @@ from pagedserve.common.sampling_params import prompt_logprobs_problem
 from pagedserve.model_files.chat_templates import ChatTemplateError, load_chat_template, render_chat, \
     text_token_ids
 from pagedserve.tokenizer import tokenization
-from pagedserve.tokenizer.chat_render import template_messages, template_tools
+from pagedserve.tokenizer.chat_render import template_kwargs, template_messages, template_tools
 from pagedserve.tokenizer.replica_router import Charge, ReplicaRouter, Target
 from pagedserve.tokenizer.request_stream import RequestStream
 from pagedserve.tokenizer.scheduler_link import SchedulerLink
@@ -127,7 +127,7 @@ class TokenizerService:
             text = render_chat(self.tokenizer, messages, chat_template=self.chat_template,
                                add_generation_prompt=chat.add_generation_prompt,
                                continue_final_message=chat.continue_final_message,
-                               chat_template_kwargs=tokenization.template_kwargs(chat), tools=tools)
+                               chat_template_kwargs=template_kwargs(chat), tools=tools)
         except ChatTemplateError as exc:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if tokenize else text
