@@ -39,22 +39,35 @@ def _profile(frame, event, arg):
         if code.co_filename.startswith(_root):
             _seen.add((code.co_filename, code.co_qualname))
 
+def _snapshot():
+    while True:  # other threads may still add for a moment after _on turned off
+        try:
+            return sorted(set(_seen))
+        except RuntimeError:
+            time.sleep(0.01)
+
 def _poll():
     global _on
-    window = 0
+    window = ""
     while True:
-        marker = os.path.join(_dir, "on")
-        now = os.path.exists(marker)
-        if now and not _on:
-            _seen.clear()
-            window = open(marker).read().strip()
-            _on = True
-        elif _on and not now:
-            _on = False
-            out = os.path.join(_dir, f"{os.getpid()}-{window}.json")
-            with open(out + ".tmp", "w") as f:
-                json.dump({"argv": sys.argv, "functions": sorted(_seen)}, f)
-            os.replace(out + ".tmp", out)
+        try:
+            marker = os.path.join(_dir, "on")
+            now = os.path.exists(marker)
+            if now and not _on:
+                _seen.clear()
+                window = open(marker).read().strip()
+                _on = True
+            elif _on and not now:
+                _on = False
+                time.sleep(0.05)
+                out = os.path.join(_dir, f"{os.getpid()}-{window}.json")
+                with open(out + ".tmp", "w") as f:
+                    json.dump({"argv": sys.argv, "functions": _snapshot()}, f)
+                os.replace(out + ".tmp", out)
+        except Exception:
+            import traceback
+            with open(os.path.join(_dir, f"error-{os.getpid()}.txt"), "a") as f:
+                traceback.print_exc(file=f)
         time.sleep(0.02)
 
 sys.setprofile(_profile)
@@ -72,6 +85,7 @@ def _window(trace_dir: Path, name: str, action, min_s: float) -> float:
     time.sleep(max(0.0, min_s - (time.monotonic() - started)))
     time.sleep(0.2)
     (trace_dir / "on").unlink()
+    time.sleep(0.3)  # every poller has seen it gone (and dumps) before the next window begins
     return elapsed
 
 
@@ -126,10 +140,13 @@ def main() -> int:
         chat()  # warm-up: first-call paths (compiles, caches) stay out of the count
         num = len(stack.processes)
         length = _window(trace_dir, "request", chat, 0.0)
-        _window(trace_dir, "quiet1", lambda: None, max(length, QUIET_S))
-        _window(trace_dir, "quiet2", lambda: None, max(length, QUIET_S))
         request = _collect(trace_dir, "request", num)
-        quiet = [_collect(trace_dir, w, num) for w in ("quiet1", "quiet2")]
+        quiet = []
+        for name in ("quiet1", "quiet2"):
+            _window(trace_dir, name, lambda: None, max(length, QUIET_S))
+            quiet.append(_collect(trace_dir, name, num))
+        if any(len(q) < num for q in [request, *quiet]):
+            raise RuntimeError(f"a process wrote no trace: {[sorted(q) for q in [request, *quiet]]}")
     finally:
         stack.stop()
     per_service: dict[str, dict[str, list[str]]] = {}  # service -> file -> its functions that ran
