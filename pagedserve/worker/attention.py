@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import enum
 import os
 from dataclasses import dataclass
 
@@ -25,11 +26,37 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None  # [num_decodes] tokens attended, the new one included
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive (0 / -inf)
+    # [num_decodes, 1, 1, max_blocks * block_size] additive (0 / -inf); None (the runner's layout): a
+    # backend that reads a mask builds it from decode_seq_lens (decode_mask below), once per step
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillSeq]
     # A sliding KV group's decodes: each table row starts at the block holding the window's first
-    # key (not block 0) and decode_mask already hides keys outside the window.
+    # key (not block 0); a given decode_mask already hides keys outside the window.
     decode_windowed: bool = False
+
+
+class GraphSupport(enum.IntEnum):
+    """What of a step a backend lets a graph capture (after vLLM v1's AttentionCGSupport): the decode graph
+    runner (graph_runner.py) captures only where every backend of the model says PURE_DECODE."""
+    NEVER = 0  # its steps run eagerly
+    PURE_DECODE = 1  # a step of single-token queries: reads only device tensors of the metadata, no host value
+
+
+def decode_mask(meta: AttentionMetadata, block_size: int, window: int = 0) -> torch.Tensor:
+    """The additive decode mask [num_decodes, 1, 1, width * block_size] of meta's decode rows, built on the
+    device from decode_seq_lens alone (no host value: it can be captured in a graph). A key is hidden past
+    the sequence's length and, with a window, older than the window; a windowed layout's rows start at the
+    block holding the window's first key (max(0, len - window) // block_size)."""
+    lens = meta.decode_seq_lens
+    span = meta.decode_block_tables.shape[1] * block_size
+    keys = torch.arange(span, device=lens.device)[None, :]
+    if meta.decode_windowed:
+        keys = keys + (torch.clamp(lens - window, min=0) // block_size * block_size)[:, None]
+    hidden = keys >= lens[:, None]
+    if window:
+        hidden |= keys < (lens - window)[:, None]
+    mask = torch.zeros(lens.shape[0], 1, 1, span, device=lens.device)
+    return mask.masked_fill_(hidden.view(lens.shape[0], 1, 1, span), float("-inf"))
 
 
 class AttentionBackend(abc.ABC):
@@ -37,7 +64,11 @@ class AttentionBackend(abc.ABC):
     values [T, KVH, D] for the step's flattened tokens, writes the new K/V into that layer's
     cache at `meta.slot_mapping`, and returns the attention output [T, H, D], each token attending
     causally to its own sequence's cached context and the new tokens before it. The cache tensors
-    are [num_blocks, block_size, KVH, D]; nothing but block ids addresses them."""
+    are [num_blocks, block_size, KVH, D]; nothing but block ids addresses them. A backend builds whatever
+    else it needs from the metadata itself, once per step (the layers of a step share one metadata object),
+    and says in `graph_support` what of its steps a graph may capture."""
+
+    graph_support = GraphSupport.NEVER
 
     @abc.abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -48,7 +79,12 @@ class AttentionBackend(abc.ABC):
 class TorchAttentionBackend(AttentionBackend):
     """Plain torch ops, for the CPU. Decodes run as two batched matmuls over grouped heads with a
     float32 softmax (torch's CPU SDPA is many times slower for one bf16 query); prefills go one
-    sequence at a time through SDPA."""
+    sequence at a time through SDPA. The decode mask is built once per step from the sequence lengths
+    (on the device: a decode step can be captured)."""
+
+    graph_support = GraphSupport.PURE_DECODE
+    window = 0  # sliding_window.SlidingWindowAttention's, in tokens
+    _built_mask: tuple[AttentionMetadata, torch.Tensor] | None = None  # (the step's metadata, its mask)
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         self._write_kv(key, value, k_cache, v_cache, meta)
@@ -84,9 +120,18 @@ class TorchAttentionBackend(AttentionBackend):
         values = v_cache[tables].flatten(1, 2).transpose(1, 2)
         q = query.view(num_seqs, num_kv_heads, group, head_dim)
         scores = torch.matmul(q, keys.transpose(2, 3)).float() * scale
-        scores += meta.decode_mask
+        scores += self._decode_mask(meta, k_cache.shape[1])
         probs = torch.softmax(scores, dim=-1).to(query.dtype)
         return torch.matmul(probs, values).reshape(num_seqs, num_heads, head_dim)
+
+    def _decode_mask(self, meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+        """meta's own mask, or the one built from its lengths (once per step: kept with the metadata)."""
+        if meta.decode_mask is not None:
+            return meta.decode_mask
+        cached = self._built_mask
+        if cached is None or cached[0] is not meta:
+            cached = self._built_mask = (meta, decode_mask(meta, block_size, self.window))
+        return cached[1]
 
     def _prefill(self, query, key, value, k_cache, v_cache, seq: PrefillSeq, scale):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -167,6 +212,8 @@ class TritonAttentionBackend(AttentionBackend):
     kernel when every sequence has one query, else the prefill/mixed kernel; the new K/V enter the cache
     through the fused write kernel (fused_ops.write_kv_cache) where each token's heads are contiguous.
     The step's metadata is converted once per step (all layers share it)."""
+
+    graph_support = GraphSupport.PURE_DECODE  # kernel_metadata converts a pure decode step on the device
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None

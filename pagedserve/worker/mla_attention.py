@@ -14,7 +14,7 @@ import abc
 
 import torch
 
-from pagedserve.worker.attention import AttentionMetadata, PrefillSeq, kernel_metadata
+from pagedserve.worker.attention import AttentionMetadata, GraphSupport, PrefillSeq, kernel_metadata
 
 
 class MLAAttentionBackend(abc.ABC):
@@ -22,7 +22,9 @@ class MLAAttentionBackend(abc.ABC):
     latent_cache [num_blocks, block_size, 1, L + R], meta, scale)` writes the step's new tokens
     (latent then rope) into the cache at `meta.slot_mapping`, then returns [T, H, L] in q_latent's
     dtype: each token attends causally to its own sequence's cached context and the new tokens
-    up to itself. Nothing but block ids addresses the cache."""
+    up to itself. Nothing but block ids addresses the cache. `graph_support` as attention.AttentionBackend's."""
+
+    graph_support = GraphSupport.NEVER
 
     @abc.abstractmethod
     def forward(self, q_latent: torch.Tensor, q_rope: torch.Tensor, latent_new: torch.Tensor,
@@ -39,6 +41,8 @@ def write_latent_cache(latent_new: torch.Tensor, rope_new: torch.Tensor, latent_
 class TorchMLABackend(MLAAttentionBackend):
     """Plain torch ops (the CPU): decodes batched through their block tables, prefills one
     sequence at a time; scores and softmax in float32."""
+
+    graph_support = GraphSupport.PURE_DECODE  # decodes read the lengths on the device
 
     def forward(self, q_latent, q_rope, latent_new, rope_new, latent_cache, meta, scale):
         write_latent_cache(latent_new, rope_new, latent_cache, meta.slot_mapping)
@@ -91,6 +95,8 @@ class TritonMLABackend(MLAAttentionBackend):
     """pagedserve/kernels/triton's paged MLA kernel (CUDA; the CPU under TRITON_INTERPRET=1); the new rows
     enter the cache through the fused KV write kernel (fused_ops.write_latent_cache). The step's
     metadata is converted once (all layers share it) into one row per sequence, decodes first."""
+
+    graph_support = GraphSupport.PURE_DECODE  # kernel_metadata converts a pure decode step on the device
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None

@@ -9,10 +9,11 @@ the window are never relied on — the block manager releases them (their entrie
 block, or at a block since given to another sequence: read only under the mask; docs/sliding_window.md).
 
 Decodes come in one of two layouts: with KV groups the model runner gives a sliding group's
-decodes table rows that start at the window's first block and a mask that already hides what lies
-outside the window (`meta.decode_windowed`), used as they are; otherwise (whole-table rows from
-block 0) the windowed mask is built here once per step (per decode mask) and reused by every local
-layer. One instance per model, shared by its local layers.
+decodes table rows that start at the window's first block (`meta.decode_windowed`), otherwise
+whole-table rows from block 0. The model runner's metadata carries no mask: the torch backend builds
+the windowed one from the lengths and `window` once per step (attention.decode_mask) and every local
+layer reuses it. A metadata that brings its own mask (tests) has it windowed here, also once per
+step: used as it is under the windowed layout. One instance per model, shared by its local layers.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class SlidingWindowAttention(TorchAttentionBackend):
         self._mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (decode mask, windowed)
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        if meta.decode_mask is None:  # the base builds the windowed mask from the lengths
+            return super().forward(query, key, value, k_cache, v_cache, meta, scale)
         return super().forward(query, key, value, k_cache, v_cache, self._windowed_meta(meta, k_cache.shape[1]), scale)
 
     def _windowed_meta(self, meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
