@@ -4,15 +4,18 @@ the CPU, so tests exercise everything but the capture itself).
 A pure-decode step of batch b runs as the graph captured for the smallest capture size >= b (1, 2, 4, 8,
 then every 8 up to max_num_seqs, as vLLM captures). A graph reads only its static buffers: token ids,
 positions, slot mapping, block tables (max_blocks wide, zero-padded) and sequence lengths, sized once for
-the largest bucket; a step copies its inputs into them (on a GPU one host->device copy of one pinned
-staging row, no allocation) and replays. The rows past b repeat row 0 exactly (its token, position,
-slot, table and length): they compute the same keys and values as row 0 and write them into row 0's
-slot, so a padding row never touches another sequence's block, and their outputs are dropped.
+the largest bucket; a step copies its inputs (already on the device: views of the input batch,
+input_batch.py) into them, device to device with no host read, and replays. The attention backends
+build what else they need (the torch backend's mask) from these inside the graph. The rows past b
+repeat row 0 exactly (its token, position, slot, table and length): they compute the same keys and
+values as row 0 and write them into row 0's slot, so a padding row never touches another sequence's
+block, and their outputs are dropped.
 
 Graphs are captured after the KV cache is allocated, lazily on the first decode step that needs a bucket,
 and dropped (re-captured on next use) when the cache is re-allocated: a graph holds the cache's
 addresses. Steps with prefills, sliding-window or hybrid KV groups, or more sequences than the largest
-bucket run eagerly.
+bucket run eagerly, and so does every step of a model whose attention backend cannot be captured (its
+`graph_support`, attention.GraphSupport: the model runner asks before it builds this runner).
 
 Threads: used only from the worker's torch thread (the model runner's), like the model itself."""
 
@@ -95,30 +98,21 @@ class CudaGraph:
 class DecodeGraphRunner:
     """Static buffers and one graph per capture size for a model's decode steps.
 
-    forward(input_ids, positions, meta) runs the model over the KV cache the runner was last given
-    (`attach`); `needs_mask` says whether the attention backend reads meta.decode_mask (the torch
-    backend), which is then built inside the graph from the static lengths."""
+    forward(input_ids, positions, meta) runs the model over the current KV cache (the model runner's)."""
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 max_num_seqs: int, max_blocks: int, block_size: int, device: torch.device,
-                 graph_factory: Callable[[], object], needs_mask: bool) -> None:
+                 max_num_seqs: int, max_blocks: int, device: torch.device,
+                 graph_factory: Callable[[], object]) -> None:
         self.forward = forward
         self.sizes = capture_sizes(max_num_seqs)
-        self.block_size = block_size
         self.device = device
         self.graph_factory = graph_factory
-        self.needs_mask = needs_mask
         rows = self.sizes[-1]
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.slots = torch.zeros(rows, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(rows, dtype=torch.long, device=device)
         self.tables = torch.zeros(rows, max_blocks, dtype=torch.long, device=device)
-        self.key_span = torch.arange(max_blocks * block_size, device=device)
-        # host staging: ids, positions, slots, lens, then the table, one row per sequence, copied at once
-        cuda = device.type == "cuda"
-        self._staging = torch.zeros(rows, 4 + max_blocks, dtype=torch.long, pin_memory=cuda)
-        self._device_staging = torch.zeros(rows, 4 + max_blocks, dtype=torch.long, device=device) if cuda else None
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -155,29 +149,16 @@ class DecodeGraphRunner:
         return self.outputs[size][:batch]
 
     def _stage(self, input_ids, positions, meta: AttentionMetadata, batch: int, size: int) -> None:
+        """The step's rows into the static buffers, device to device; rows batch..size repeat row 0."""
         width = meta.decode_block_tables.shape[1]
-        staging = self._staging[:size]
         columns = (input_ids, positions, meta.slot_mapping, meta.decode_seq_lens)
-        for col, values in enumerate(columns):
-            staging[:batch, col].copy_(values)
-        staging[:batch, 4:4 + width].copy_(meta.decode_block_tables)
-        staging[:batch, 4 + width:] = 0
-        staging[batch:] = staging[0]
-        device_rows = staging
-        if self._device_staging is not None:  # one copy from pinned memory; the host writes the staging
-            # rows again only after this step's sampled tokens came back, so the copy has long finished
-            device_rows = self._device_staging[:size]
-            device_rows.copy_(staging, non_blocking=True)
-        for col, buffer in enumerate((self.input_ids, self.positions, self.slots, self.seq_lens)):
-            buffer[:size].copy_(device_rows[:, col])
-        self.tables[:size].copy_(device_rows[:, 4:])
+        for buffer, values in zip((self.input_ids, self.positions, self.slots, self.seq_lens), columns):
+            buffer[:batch].copy_(values)
+            buffer[batch:size].copy_(values[:1].expand(size - batch))
+        self.tables[:batch, :width].copy_(meta.decode_block_tables)
+        self.tables[:batch, width:].zero_()
+        self.tables[batch:size].copy_(self.tables[:1].expand(size - batch, -1))
 
     def _forward_bucket(self, size: int) -> torch.Tensor:
-        lens = self.seq_lens[:size]
-        mask = None
-        if self.needs_mask:
-            hidden = self.key_span[None, :] >= lens[:, None]
-            mask = torch.zeros(size, 1, 1, self.key_span.shape[0], device=self.device)
-            mask.masked_fill_(hidden.view(size, 1, 1, -1), float("-inf"))
-        meta = AttentionMetadata(self.slots[:size], size, self.tables[:size], lens, mask, [])
+        meta = AttentionMetadata(self.slots[:size], size, self.tables[:size], self.seq_lens[:size], None, [])
         return self.forward(self.input_ids[:size], self.positions[:size], meta)

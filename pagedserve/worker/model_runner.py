@@ -18,6 +18,7 @@ from pagedserve.common.stop_rules import samples_any
 from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
 from pagedserve.worker.cpu_linear import pack_model
 from pagedserve.worker.graph_runner import CudaGraph, DecodeGraphRunner, GraphCaptureError
+from pagedserve.worker.input_batch import InputBatch, layout_step
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.models import model_class
 from pagedserve.worker import pooling, prompt_logprobs, spec_verify
@@ -76,6 +77,7 @@ class ModelRunner:
         self.kv: KVCache | None = None
         self.decode_graphs: DecodeGraphRunner | None = None  # enable_decode_graphs
         self.sampler = Sampler()
+        self.input_batch = InputBatch(device)  # the step's integer inputs, persistent (input_batch.py)
         self.requests = RequestStates()
         self.grammars = GrammarMatchers(model_path, model_config.vocab_size, eos_token_ids)
         self.lora = None  # a lora.manager.LoraManager once enable_lora ran (--enable-lora)
@@ -111,15 +113,21 @@ class ModelRunner:
 
     def enable_decode_graphs(self, max_num_seqs: int, graph_factory) -> None:
         """Pure-decode steps replay graphs (graph_runner.py): graph_factory() makes a CudaGraph on a GPU or a
-        StandInGraph on the CPU (tests). A model whose KV groups differ per layer keeps running eagerly."""
-        from pagedserve.worker.attention import TorchAttentionBackend
+        StandInGraph on the CPU (tests). A model whose KV groups differ per layer, or with an attention
+        backend whose graph_support is short of PURE_DECODE, keeps running eagerly."""
+        from pagedserve.worker.attention import AttentionBackend, GraphSupport
+        from pagedserve.worker.mla_attention import MLAAttentionBackend
         if self.config.kv_groups().hybrid:
             return
-        backends = {type(m.backend) for m in self.model.modules() if hasattr(m, "backend")}
+        backends = {type(m.backend) for m in self.model.modules()
+                    if isinstance(getattr(m, "backend", None), (AttentionBackend, MLAAttentionBackend))}
+        if any(b.graph_support < GraphSupport.PURE_DECODE for b in backends):
+            log.info("decode steps run eagerly: attention backend(s) %s cannot be captured",
+                     sorted(b.__name__ for b in backends if b.graph_support < GraphSupport.PURE_DECODE))
+            return
         self.decode_graphs = DecodeGraphRunner(
             lambda ids, positions, meta: self.model(ids, positions, self.kv.model_caches(), meta), max_num_seqs,
-            -(-self.max_model_len // self.block_size), self.block_size, self.device, graph_factory,
-            needs_mask=any(issubclass(b, TorchAttentionBackend) for b in backends))  # MLA reads lengths
+            -(-self.max_model_len // self.block_size), self.device, graph_factory)
 
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
         """CUDA: run the largest step the budget allows (one prompt of num_tokens, no cache yet)
@@ -164,85 +172,33 @@ class ModelRunner:
 
     # ---- batch layout --------------------------------------------------------------------
     def _prepare(self, step: SchedulerOutput):
-        """The step's flattened inputs and its AttentionMetadata: one object, or with KV groups a
-        list with each layer's group's (slot mapping and tables differ per group; the decode
-        mask is shared)."""
+        """The step's flattened inputs (views of the persistent input batch: input_batch.py) and its
+        AttentionMetadata: one object, or with KV groups a list with each layer's group's (slot mapping
+        and tables differ per group)."""
         decodes = [(self._state(r), n) for r, n in step.num_scheduled_tokens.items() if n == 1]
         prefills = [(self._state(r), n) for r, n in step.num_scheduled_tokens.items() if n > 1]
-        num_tokens = step.total_num_scheduled_tokens
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        positions = np.empty(num_tokens, dtype=np.int64)
-        num_decodes = len(decodes)
-        if num_decodes:
-            input_ids[:num_decodes] = [s.token_ids[s.num_computed_tokens] for s, _ in decodes]
-            positions[:num_decodes] = [s.num_computed_tokens for s, _ in decodes]
-        start = num_decodes
-        for state, n in prefills:
-            c = state.num_computed_tokens
-            tokens = [*state.token_ids, *state.spec_token_ids] if state.spec_token_ids else state.token_ids
-            input_ids[start:start + n] = tokens[c:c + n]
-            positions[start:start + n] = np.arange(c, c + n)
-            start += n
-        meta = self.batch_metadata(decodes, prefills, positions)
+        input_ids, positions, metas = layout_step(self.input_batch, decodes, prefills,
+                                                  step.total_num_scheduled_tokens, self.kv.groups, self.block_size)
         order = [s for s, _ in decodes] + [s for s, _ in prefills]
-        counts = [1] * num_decodes + [n for _, n in prefills]
-        return (torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
-                meta, order, counts)
+        counts = [1] * len(decodes) + [n for _, n in prefills]
+        return input_ids, positions, self._per_layer(metas), order, counts
 
     def batch_metadata(self, decodes, prefills, positions: np.ndarray):
         """The AttentionMetadata of a batch laid out as _prepare lays it (decodes first, then each
         prefill's run of positions): one object, or with KV groups one per layer (its group's).
         decodes and prefills are (state, num_tokens) pairs; a state needs num_computed_tokens,
         block_ids and group_block_ids. bench quality lays out its teacher-forced windows with it."""
+        _, _, metas = layout_step(self.input_batch, decodes, prefills, len(positions), self.kv.groups,
+                                  self.block_size, positions)
+        return self._per_layer(metas)
+
+    def _per_layer(self, metas: list[AttentionMetadata]):
+        """One KV group's metadata as it is, or with KV groups each layer's group's."""
         groups = self.kv.groups
-        shared: dict[int, tuple] = {}  # window -> decode layout, built once for the groups sharing it
-        metas = [self._group_meta(decodes, prefills, positions, g, groups.windows[g], shared)
-                 for g in range(len(groups.layers))]
         if not groups.hybrid:
             return metas[0]
         slot_of = groups.slot_of()
         return [metas[slot_of[layer][0]] for layer in range(len(slot_of))]
-
-    def _group_meta(self, decodes, prefills, positions: np.ndarray, group: int, window: int,
-                    shared: dict[int, tuple]) -> AttentionMetadata:
-        """One KV group's metadata. A sliding group's decode rows hold only the blocks from the
-        one with the window's first key on, and their mask hides keys outside the window
-        (decode_windowed): the gather costs the window, not the sequence."""
-        bs = self.block_size
-        table_of = (lambda s: s.block_ids) if group == 0 else (lambda s: s.group_block_ids[group - 1])
-        slots = np.empty(len(positions), dtype=np.int64)
-        num_decodes = len(decodes)
-        decode_tables = decode_lens = decode_mask = None
-        if num_decodes:
-            pos = positions[:num_decodes]
-            if window not in shared:
-                first = np.maximum(0, pos - window + 1) // bs if window else np.zeros_like(pos)
-                width = int((pos // bs - first).max()) + 1
-                seq_lens = torch.from_numpy(pos + 1)
-                keys = torch.from_numpy(first)[:, None] * bs + torch.arange(width * bs)[None, :]
-                hidden = keys >= seq_lens[:, None]
-                if window:
-                    hidden |= keys <= seq_lens[:, None] - 1 - window
-                mask = torch.zeros(num_decodes, 1, 1, width * bs)
-                mask.masked_fill_(hidden.view(num_decodes, 1, 1, -1), float("-inf"))
-                shared[window] = (first, width, seq_lens.to(self.device), mask.to(self.device))
-            first, width, decode_lens, decode_mask = shared[window]
-            tables = np.zeros((num_decodes, width), dtype=np.int64)
-            for row, (s, _) in enumerate(decodes):
-                used = table_of(s)[first[row]:first[row] + width]
-                tables[row, :len(used)] = used
-            slots[:num_decodes] = tables[np.arange(num_decodes), pos // bs - first] * bs + pos % bs
-            decode_tables = torch.from_numpy(tables).to(self.device)
-        seqs, start = [], num_decodes
-        for state, n in prefills:
-            c = state.num_computed_tokens
-            pos = positions[start:start + n]
-            blocks = np.asarray(table_of(state)[:-(-(c + n) // bs)], dtype=np.int64)
-            slots[start:start + n] = blocks[pos // bs] * bs + pos % bs
-            seqs.append(PrefillSeq(start, n, c, torch.from_numpy(blocks).to(self.device)))
-            start += n
-        return AttentionMetadata(torch.from_numpy(slots).to(self.device), num_decodes, decode_tables, decode_lens,
-                                 decode_mask, seqs, decode_windowed=bool(window))
 
     # ---- one step ------------------------------------------------------------------------
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:

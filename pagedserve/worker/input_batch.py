@@ -1,0 +1,181 @@
+"""Persistent step inputs (issue 37 item 1; the idea of vLLM v1's InputBatch and SGLang's ForwardBatch
+buffers, our own code).
+
+A step's integer inputs (token ids, positions, each KV group's slot mapping, the decode rows' block tables
+and sequence lengths, each prefill chunk's blocks) are written by the host, packed one after the other,
+into one preallocated int64 buffer (pinned on CUDA) and reach the device in ONE non-blocking copy of the
+used prefix into one preallocated device buffer. Every tensor the model reads is a view of that device
+buffer; on the CPU the host buffer is the device buffer (no copy at all). No tensor of a per-step shape
+is allocated: the two buffers grow (to the next power of two) only when a step needs more room than any
+step before it, so after warm-up they are the same buffers step after step (`allocations` counts them).
+
+`layout_step` builds the step's layout from the request states the model runner keeps: decodes first,
+then prefill chunks in order, as AttentionMetadata requires. Attention masks are the backends' business
+(attention.py), not the layout's.
+
+Invariants:
+- the views handed out for a step stay valid until the next `begin` (the step's forward and sampling);
+- `begin` waits until the previous step's copy has left the pinned buffer (a CUDA event) before the host
+  writes it again (a step whose sampled ids were read back has passed it already: no wait).
+
+Threads: the model runner's torch thread only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
+
+
+class InputBatch:
+    """The packed host buffer, its device twin, and a cursor for the step being written."""
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 12) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self.allocations = 0  # times the buffers were (re)allocated: constant after warm-up
+        self._used = 0
+        self._event = torch.cuda.Event() if self._cuda else None
+        self._copied = False  # whether _event marks a copy the host must wait for
+        self._allocate(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self._host.shape[0]
+
+    def _allocate(self, capacity: int) -> None:
+        self._host = torch.zeros(capacity, dtype=torch.long, pin_memory=self._cuda)
+        self._host_np = self._host.numpy()
+        self._device = torch.zeros(capacity, dtype=torch.long, device=self.device) if self._cuda else self._host
+        self.allocations += 1
+
+    def begin(self, capacity: int) -> None:
+        """Start writing a step of at most `capacity` values (the previous step's views become invalid)."""
+        if self._copied:
+            self._event.synchronize()
+            self._copied = False
+        if capacity > self.capacity:
+            self._allocate(1 << (capacity - 1).bit_length())
+        self._used = 0
+
+    def take(self, n: int) -> tuple[int, np.ndarray]:
+        """n values of the step: (their offset, the host view to write them into)."""
+        start = self._used
+        self._used += n
+        if self._used > self.capacity:
+            raise RuntimeError(f"step inputs overran their reserved {self.capacity} values")
+        return start, self._host_np[start:self._used]
+
+    def upload(self) -> None:
+        """The step's values to the device: one non-blocking copy on CUDA, nothing on the CPU."""
+        if self._cuda and self._used:
+            self._device[:self._used].copy_(self._host[:self._used], non_blocking=True)
+            self._event.record()
+            self._copied = True
+
+    def view(self, start: int, *shape: int) -> torch.Tensor:
+        """The device view of values written at `start` (after `upload`)."""
+        return self._device[start:start + int(np.prod(shape))].view(*shape)
+
+
+@dataclass(slots=True)
+class _GroupLayout:
+    slots: int  # offset of the slot mapping [T]
+    tables: int  # offset of the decode tables [num_decodes, width]
+    width: int
+    windowed: bool
+    prefills: list[tuple[int, int, int, int, int]]  # (query_start, query_len, context_len, blocks offset, count)
+
+
+def layout_step(batch: InputBatch, decodes: list, prefills: list, num_tokens: int, groups, block_size: int,
+                given_positions: np.ndarray | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
+    """(input_ids, positions, one AttentionMetadata per KV group) of a step whose decodes and prefills are
+    lists of (RequestState, scheduled tokens), written into `batch` and uploaded in one copy.
+    given_positions (bench quality's teacher-forced windows, states without token ids): the positions as
+    they are, and input_ids left unwritten (the caller brings its own).
+
+    A sliding group's decode rows hold only the blocks from the one with the window's first key on
+    (decode_windowed): the gather costs the window, not the sequence."""
+    bs = block_size
+    num_decodes = len(decodes)
+    if given_positions is not None:
+        decode_pos = given_positions[:num_decodes]
+    else:
+        decode_pos = np.fromiter((s.num_computed_tokens for s, _ in decodes), dtype=np.int64, count=num_decodes)
+    firsts: dict[int, tuple[np.ndarray, int]] = {}  # window -> (first block per row, width)
+    for window in set(groups.windows) if num_decodes else ():
+        first = np.maximum(0, decode_pos - window + 1) // bs if window else np.zeros_like(decode_pos)
+        firsts[window] = first, int((decode_pos // bs - first).max()) + 1
+    num_groups = len(groups.layers)
+    prefill_blocks = sum(-(-(s.num_computed_tokens + n) // bs) for s, n in prefills)
+    batch.begin(num_tokens * (2 + num_groups) + num_decodes + num_groups * prefill_blocks
+                + sum(num_decodes * firsts[w][1] for w in groups.windows if num_decodes))
+    ids_at, input_ids = batch.take(num_tokens)
+    pos_at, positions = batch.take(num_tokens)
+    lens_at, lens = batch.take(num_decodes)
+    lens[:] = decode_pos + 1
+    if given_positions is not None:
+        positions[:] = given_positions
+    else:
+        _write_tokens(decodes, prefills, input_ids, positions)
+    layouts = [_group_layout(batch, decodes, prefills, positions, g, groups.windows[g], firsts, bs)
+               for g in range(num_groups)]
+    batch.upload()
+    decode_lens = batch.view(lens_at, num_decodes) if num_decodes else None
+    metas = [AttentionMetadata(
+        batch.view(lay.slots, num_tokens), num_decodes,
+        batch.view(lay.tables, num_decodes, lay.width) if num_decodes else None, decode_lens, None,
+        [PrefillSeq(q, n, c, batch.view(at, count)) for q, n, c, at, count in lay.prefills],
+        decode_windowed=lay.windowed) for lay in layouts]
+    return batch.view(ids_at, num_tokens), batch.view(pos_at, num_tokens), metas
+
+
+def _write_tokens(decodes, prefills, input_ids: np.ndarray, positions: np.ndarray) -> None:
+    """The decodes' next tokens and positions, then each prefill chunk's run (a speculating request's run
+    goes on into its draft tokens: its verification rows)."""
+    num_decodes = len(decodes)
+    if num_decodes:
+        input_ids[:num_decodes] = [s.token_ids[s.num_computed_tokens] for s, _ in decodes]
+        positions[:num_decodes] = [s.num_computed_tokens for s, _ in decodes]
+    start = num_decodes
+    for state, n in prefills:
+        c = state.num_computed_tokens
+        tokens = [*state.token_ids, *state.spec_token_ids] if state.spec_token_ids else state.token_ids
+        input_ids[start:start + n] = tokens[c:c + n]
+        positions[start:start + n] = np.arange(c, c + n)
+        start += n
+
+
+def _group_layout(batch: InputBatch, decodes, prefills, positions: np.ndarray, group: int, window: int,
+                  firsts: dict, bs: int) -> _GroupLayout:
+    """One KV group's slot mapping, decode tables and prefill blocks, written into the batch."""
+    table_of = (lambda s: s.block_ids) if group == 0 else (lambda s: s.group_block_ids[group - 1])
+    slots_at, slots = batch.take(len(positions))
+    num_decodes = len(decodes)
+    tables_at, width = 0, 0
+    if num_decodes:
+        first, width = firsts[window]
+        tables_at, flat = batch.take(num_decodes * width)
+        tables = flat.reshape(num_decodes, width)
+        tables.fill(0)
+        for row, (s, _) in enumerate(decodes):
+            used = table_of(s)[first[row]:first[row] + width]
+            tables[row, :len(used)] = used
+        pos = positions[:num_decodes]
+        slots[:num_decodes] = tables[np.arange(num_decodes), pos // bs - first] * bs + pos % bs
+    seqs, start = [], num_decodes
+    for state, n in prefills:
+        c = state.num_computed_tokens
+        used = table_of(state)[:-(-(c + n) // bs)]
+        blocks_at, blocks = batch.take(len(used))
+        blocks[:] = used
+        pos = positions[start:start + n]
+        slots[start:start + n] = blocks[pos // bs] * bs + pos % bs
+        seqs.append((start, n, c, blocks_at, len(used)))
+        start += n
+    return _GroupLayout(slots_at, tables_at, width, bool(window), seqs)
