@@ -102,6 +102,19 @@ def test_a_failed_capture_falls_back_to_eager(model, caplog):
     assert "run eagerly from now on" in caplog.text
 
 
+def test_a_backend_that_cannot_be_captured_keeps_steps_eager(model, monkeypatch):
+    """The runner asks the attention backends (graph_support), not a rule of its own."""
+    from pagedserve.worker.attention import GraphSupport
+    folder, prompts, lengths, expected = model
+    engine = make_engine(folder, max_num_seqs=8)
+    backend = next(m.backend for m in engine.runner.model.modules() if hasattr(m, "backend")
+                   and hasattr(m.backend, "graph_support"))
+    monkeypatch.setattr(type(backend), "graph_support", GraphSupport.NEVER)
+    engine.runner.enable_decode_graphs(8, StandInGraph)
+    assert engine.runner.decode_graphs is None
+    assert generate(engine, prompts[:2], lengths[:2]) == expected[:2]
+
+
 def test_the_cpu_runs_eagerly_unless_asked():
     """use_decode_graphs (what the engine and the worker call after allocating the cache) is CUDA's only."""
     from pagedserve.worker.model_runner import ModelRunner
