@@ -236,6 +236,35 @@ def test_split_decode_attention(dtype, num_splits):
     assert out[4:].isnan().all()
 
 
+def test_attention_choice_splits_small_decodes_over_long_tables(monkeypatch):
+    """The rule (attention_choice.py) from shapes alone: a pure decode step splits its KV length when its
+    (sequence, kv head) programs are fewer than the multiprocessors and the tables span >= 1024 positions;
+    whichever kernel it picks equals the reference (tables zero-padded to 64 blocks of 16)."""
+    from pagedserve.kernels.triton import attention_choice as choice
+
+    assert choice.use_split_decode(1, 8, 32768, 132) and choice.use_split_decode(16, 8, 1024, 132)
+    assert not choice.use_split_decode(17, 8, 32768, 132)  # 136 programs fill 132 multiprocessors
+    assert not choice.use_split_decode(1, 8, 1008, 132) and not choice.use_split_decode(1, 8, 32768, 0)
+    query, k_cache, v_cache, tables, seq_lens, qsl, scale = attention_step(*LONG_DECODE, 8, 2, 40, 24, 16,
+                                                                           torch.float32, seed=5)
+    wide = torch.zeros(tables.shape[0], 64, dtype=tables.dtype, device=DEVICE)
+    wide[:, :tables.shape[1]] = tables
+    args = (query, k_cache, v_cache, wide, seq_lens, qsl, scale)
+    want = reference.paged_attention(*args)
+    picked = []
+
+    def split(*a, **k):
+        picked.append("split")
+        return tsd.paged_split_decode_attention(*a, **k)
+
+    monkeypatch.setattr(choice, "paged_split_decode_attention", split)
+    assert rel_err(choice.paged_attention(*args, sms=132), want) < TOL[torch.float32] and picked == ["split"]
+    assert rel_err(choice.paged_attention(*args, sms=8), want) < TOL[torch.float32] and picked == ["split"]
+    prefill = attention_step([0, 5], [3, 2], 8, 2, 40, 24, 16, torch.float32, seed=6)  # T > S: never split
+    assert rel_err(choice.paged_attention(*prefill, sms=132), reference.paged_attention(*prefill)) < 1e-3
+    assert picked == ["split"]
+
+
 def test_split_plan_covers_the_table():
     assert tsd.split_plan(112, 16, 3) == (3, 48)
     assert tsd.split_plan(48, 16, 5) == (3, 16)  # no run shorter than a tile

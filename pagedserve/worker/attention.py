@@ -209,7 +209,8 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
 class TritonAttentionBackend(AttentionBackend):
     """pagedserve/kernels/triton's paged attention (CUDA; the CPU only under TRITON_INTERPRET=1): the decode
-    kernel when every sequence has one query, else the prefill/mixed kernel; the new K/V enter the cache
+    kernel when every sequence has one query (split over the KV length when that fills the GPU better:
+    kernels/triton/attention_choice.py), else the prefill/mixed kernel; the new K/V enter the cache
     through the fused write kernel (fused_ops.write_kv_cache) where each token's heads are contiguous.
     The step's metadata is converted once per step (all layers share it)."""
 
@@ -221,7 +222,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         from pagedserve.kernels.triton.fused_ops import write_kv_cache
-        from pagedserve.kernels.triton.paged_attention import paged_attention
+        from pagedserve.kernels.triton.attention_choice import paged_attention
 
         if key.stride(2) == 1 and key.stride(1) == key.shape[2] and value.stride(2) == 1 \
                 and value.stride(1) == value.shape[2] and k_cache.is_contiguous() and v_cache.is_contiguous():

@@ -1,0 +1,56 @@
+"""Which Triton paged attention kernel a step takes: the one rule, from shapes alone (no device sync, so a
+decode graph captures the choice with the kernel).
+
+- a step with prefill tokens (T > S): paged_attention's prefill/mixed kernel;
+- a pure decode step (T == S) whose plain decode kernel would run fewer programs (S x kv heads) than the
+  GPU has multiprocessors, over block tables spanning at least SPLIT_MIN_LEN positions: flash-decoding
+  (split_decode.py), which adds up to 32 programs per (sequence, kv head) along the KV length and one
+  small combine kernel;
+- any other pure decode step: the plain decode kernel (enough programs to fill the GPU already).
+
+The thresholds come from the kernels' shapes, not from a measurement: no GPU has yet timed where the split
+pays (kernels.bench's 32K single-sequence case compares the two on the next GPU at hand). Under a decode
+graph the tables are max_model_len wide, so a small batch takes the split kernel whatever its lengths;
+runs past a sequence's end exit at once.
+
+Threads: any (the multiprocessor count is read once per device and cached)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from pagedserve.kernels.triton import paged_attention as plain
+from pagedserve.kernels.triton.split_decode import paged_split_decode_attention
+
+SPLIT_MIN_LEN = 1024  # table span (positions) from which a split has at least two runs of 512 to spread
+
+
+def use_split_decode(num_seqs: int, kv_heads: int, max_len: int, multiprocessors: int) -> bool:
+    """Whether a pure decode step of num_seqs sequences over tables of max_len positions splits its KV length."""
+    return max_len >= SPLIT_MIN_LEN and num_seqs * kv_heads < multiprocessors
+
+
+@cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors; 0 off CUDA (the interpreter: never split unless a caller says)."""
+    return _multiprocessors(device) if device.type == "cuda" else 0
+
+
+def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, *,
+                    sms: int | None = None):
+    """Causal attention of a step's tokens over the paged KV cache (contract in
+    pagedserve.kernels.reference.paged_attention), through the kernel the rule above picks; `sms` stands in
+    for the device's multiprocessor count (tests under the interpreter)."""
+    num_seqs = seq_lens.shape[0]
+    if query.shape[0] == num_seqs:
+        sms = multiprocessors(query.device) if sms is None else sms
+        if use_split_decode(num_seqs, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], sms):
+            return paged_split_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                scale, out)
+    return plain.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
