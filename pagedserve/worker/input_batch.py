@@ -39,7 +39,7 @@ class InputBatch:
         self._cuda = device.type == "cuda"
         self.allocations = 0  # times the buffers were (re)allocated: constant after warm-up
         self._used = 0
-        self._event = torch.cuda.Event() if self._cuda else None
+        self._event = None  # CUDA: made on the first upload, on this batch's device
         self._copied = False  # whether _event marks a copy the host must wait for
         self._allocate(capacity)
 
@@ -74,7 +74,10 @@ class InputBatch:
         """The step's values to the device: one non-blocking copy on CUDA, nothing on the CPU."""
         if self._cuda and self._used:
             self._device[:self._used].copy_(self._host[:self._used], non_blocking=True)
-            self._event.record()
+            if self._event is None:
+                with torch.cuda.device(self.device):
+                    self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(self.device))
             self._copied = True
 
     def view(self, start: int, *shape: int) -> torch.Tensor:
