@@ -23,6 +23,7 @@ Threads: the model runner's torch thread only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,7 +83,7 @@ class InputBatch:
 
     def view(self, start: int, *shape: int) -> torch.Tensor:
         """The device view of values written at `start` (after `upload`)."""
-        return self._device[start:start + int(np.prod(shape))].view(*shape)
+        return self._device[start:start + math.prod(shape)].view(shape)
 
 
 @dataclass(slots=True)
