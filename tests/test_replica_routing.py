@@ -200,6 +200,21 @@ def test_prefix_routing_works_per_owner(prefix):
         assert sum(loads[-1].values()) == len(prompt) + 8, (salt, loads)  # nothing expected cached
 
 
+def test_prefix_routing_salts_an_adapters_request_as_the_scheduler_does(prefix):
+    """A LoRA request's blocks are salted by its adapter too (SamplingParams.prefix_salt): the
+    router hashes the proto's fields the same way, so it finds the replica that cached them."""
+    from pagedserve.common.sampling_params import SamplingParams
+
+    rng = random.Random(3)
+    shared = [rng.randrange(1, 40000) for _ in range(128)]
+    salt = SamplingParams(cache_salt="oaaaa", lora_name="sql", lora_path="/adapters/sql").prefix_salt
+    _register(prefix, blocks={"r1": block_hashes(shared, 16, salt=salt)[:6]})
+    schedule = _schedule(shared + [7] * 20, salt="oaaaa")
+    schedule.params.lora_name, schedule.params.lora_path = "sql", "/adapters/sql"
+    chosen, loads = _route(prefix, "prefix", [schedule])
+    assert chosen == ["r1"] and loads[-1]["r1"] == len(shared) + 20 - 96 + 8
+
+
 def test_a_request_with_an_owner_goes_to_it_while_it_lives(prefix):
     _register(prefix)
     client = sync_client()

@@ -25,6 +25,13 @@ from collections.abc import Sequence
 _FIRST, _NEXT = b"\x00", b"\x01"
 
 
+def prefix_salt(cache_salt: str, lora_name: str = "", lora_path: str = "") -> str:
+    """A request's prefix-cache scope: its cache_salt, and its LoRA adapter when it has one (an
+    adapter's KV differs from the base model's for the same tokens). From the SamplingParams
+    dataclass (its prefix_salt) and from its proto alike (the tokenizer's replica router)."""
+    return f"{cache_salt}\x00lora:{lora_name}@{lora_path}" if lora_name else cache_salt
+
+
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: str = "") -> int:
     """The name of the block token_ids whose parent block is named parent_hash (None: the first
     block, under salt)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, asdict
 
+from pagedserve.common.prefix_hashes import prefix_salt
+
 # Bounds a server applies to every request; a request outside them is refused at once.
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -136,7 +138,7 @@ class SamplingParams:
     def prefix_salt(self) -> str:
         """The prefix cache's scope (common/prefix_hashes.py): cache_salt, and the adapter when
         there is one (its KV differs from the base model's for the same tokens)."""
-        return f"{self.cache_salt}\x00lora:{self.lora_name}@{self.lora_path}" if self.lora_name else self.cache_salt
+        return prefix_salt(self.cache_salt, self.lora_name, self.lora_path)
 
     @property
     def greedy(self) -> bool:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.common.grpc_util import internal_channel
 from pagedserve.common.inflight import tokens_in_flight
-from pagedserve.common.prefix_hashes import block_hashes
+from pagedserve.common.prefix_hashes import block_hashes, prefix_salt
 from pagedserve.common.replicas import ReplicaInfo, cached_prefix_blocks, read_replicas
 from pagedserve.tokenizer.scheduler_link import SchedulerLink
 from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -151,7 +151,9 @@ class ReplicaRouter:
         block_size = next(iter(self.replicas.values())).block_size
         prompt = schedule.prompt_token_ids
         if self.policy == "prefix" and prompt:
-            hashes = block_hashes(prompt, block_size, (len(prompt) - 1) // block_size, schedule.params.prefix_salt)
+            params = schedule.params  # the proto: its salt as SamplingParams.prefix_salt makes it
+            salt = prefix_salt(params.cache_salt, params.lora_name, params.lora_path)
+            hashes = block_hashes(prompt, block_size, (len(prompt) - 1) // block_size, salt)
         pipe = self.client.pipeline(transaction=False)
         if schedule.request_id:
             pipe.hget(f"{self.prefix}req:{schedule.request_id}", "replica")
