@@ -115,7 +115,8 @@ def test_prompt_logprobs_on_two_ranks_equal_one(llama_one_kv_head):
 def test_two_ranks_with_speculative_decoding(llama):
     """n-gram speculation at TP 2: rank 0 verifies, the others take the kept tokens (a number only
     rank 0 knows) from its broadcast; the tokens equal one rank's without speculation."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+            "disable_by_batch_size": 0}
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     one, _, _ = run(llama, 1, params)
     two, _, stats = run(llama, 2, params, speculative_config=spec)

@@ -58,6 +58,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.speculation = Speculation(speculative) if speculative is not None else None
+        self._speculate = False  # this step may carry proposals (schedule() decides)
         self.block_manager = make_block_manager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching,
                                                 config.num_cpu_blocks, config.kv_group_windows)
         self.waiting: list[Request] = []  # sorted by Request.sort_key
@@ -182,8 +183,8 @@ class Scheduler:
         self._wait_reason = None
         preemptions_before = self.num_preemptions
         preempted = False
-        if self.speculation is not None and not ahead:
-            self.speculation.begin_step(self.requests)
+        self._speculate = (self.speculation is not None and not ahead
+                           and self.speculation.begin_step(self.requests, len(self.running)))
 
         decodes = [r for r in self.running if r.num_unscheduled_tokens == 1]
         prefills = [r for r in self.running if r.num_unscheduled_tokens > 1]
@@ -406,7 +407,7 @@ class Scheduler:
         return not preempted
 
     def _proposals(self, req: Request, num_new: int) -> list[int]:
-        if self.speculation is None or num_new != 1 or req.num_unscheduled_tokens != 1:
+        if not self._speculate or num_new != 1 or req.num_unscheduled_tokens != 1:
             return []
         return self.speculation.propose(req, self._budget - 1, self.config.max_model_len, self.step_id)
 

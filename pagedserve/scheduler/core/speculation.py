@@ -12,7 +12,9 @@ proposal: speculation is off for such rows), rows that fork n samples on this st
 row of an ahead step (async scheduling: its token ids lag the worker's by the pending samples;
 a row with proposals in flight is left out of ahead steps, Scheduler._waits_for_result).
 
-Turning itself down: a request whose step accepted nothing halves its proposal limit; after
+Turning itself down, globally: a step with disable_by_batch_size running requests or more carries
+no proposals (vLLM's rule of that name): on a CPU a batch's verification tokens are not free. Per
+request: a request whose step accepted nothing halves its proposal limit; after
 two such steps in a row it stops proposing for 2, 4, 8 ... steps (up to max_backoff_steps); any
 accepted token resets the pause and doubles the limit back up to num_speculative_tokens. So a
 stream whose text does not repeat itself soon runs as plain decodes again.
@@ -59,11 +61,14 @@ class Speculation:
         self.backoff: dict[str, _Backoff] = {}
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
 
-    def begin_step(self, live: dict) -> None:
-        """Forget the sequences that are gone (live: the scheduler's requests by id)."""
+    def begin_step(self, live: dict, num_running: int) -> bool:
+        """Forget the sequences that are gone (live: the scheduler's requests by id); whether this
+        step may carry proposals at all (num_running: the running requests)."""
         self.arrays.keep_only(live)
         if len(self.backoff) > len(live):
             self.backoff = {i: b for i, b in self.backoff.items() if i in live}
+        limit = self.config.disable_by_batch_size
+        return not limit or num_running < limit
 
     def propose(self, req: Request, budget: int, max_model_len: int, step_id: int) -> list[int]:
         """The proposals to verify in this step's row of `req` (a decode), [] for none."""
