@@ -69,24 +69,32 @@ def run(args) -> dict:
         engine.generate([[100 + i for i in range(8)]], greedy[0])  # warm-up, outside the timed runs
         engine.generate([[100 + i for i in range(8)]], spread[0])
         runs: dict[str, list[float]] = {"base": [], "lora": []}
+        per_cpu_s: dict[str, list[float]] = {"base": [], "lora": []}  # on a shared machine, the steadier
         for _ in range(args.rounds):
             for kind, params in (("base", greedy), ("lora", spread)):
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 out = run_engine(engine, work, params)
+                cpu_s = time.process_time() - cpu0
                 tps = work.num_output_tokens / out["elapsed_s"]
                 runs[kind].append(tps)
+                per_cpu_s[kind].append(work.num_output_tokens / cpu_s)
                 print(f"{kind}: {work.num_output_tokens} output tokens in {time.perf_counter() - t0:.2f} s "
-                      f"({tps:.1f} tok/s), {out['num_steps']} steps", flush=True)
+                      f"({tps:.1f} tok/s; {cpu_s:.1f} CPU s: {work.num_output_tokens / cpu_s:.1f} tok per CPU s), "
+                      f"{out['num_steps']} steps", flush=True)
     dtype = str(engine.dtype).removeprefix("torch.")
+    quantization, weights = engine.runner.quantization, engine.runner.weights_description
     engine.close()
     result = {"num_requests": len(work.prompts), "num_output_tokens": work.num_output_tokens,
               "loras": num_loras, "lora_rank": rank, "dtype": dtype, "rounds": args.rounds,
               "base_output_tokens_per_s": runs["base"], "lora_output_tokens_per_s": runs["lora"],
               "ratio_best": max(runs["lora"]) / max(runs["base"]),
               "ratio_median": float(np.median(runs["lora"]) / np.median(runs["base"])),
+              "base_output_tokens_per_cpu_s": per_cpu_s["base"], "lora_output_tokens_per_cpu_s": per_cpu_s["lora"],
+              "ratio_per_cpu_s": max(per_cpu_s["lora"]) / max(per_cpu_s["base"]),
+              "quantization": quantization, "weights": weights,
               "model": str(args.model or model_path), "cpu": cpu_name()}
     print(f"LoRA ({num_loras} adapters of rank {rank}) / base output tok/s: best {result['ratio_best']:.3f}, "
-          f"median {result['ratio_median']:.3f} ({dtype})")
+          f"median {result['ratio_median']:.3f}; per CPU second {result['ratio_per_cpu_s']:.3f} ({dtype})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result
