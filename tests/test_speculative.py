@@ -197,3 +197,13 @@ def test_step_delta_carries_proposals_over_the_wire():
     step = SchedulerOutput(3, [], [], {"a": 1, "b": 4}, spec_token_ids={"b": [7, 8, 9]})
     back = wire.step_from_proto(wire.step_to_proto(step))
     assert back.spec_token_ids == {"b": [7, 8, 9]} and back.num_scheduled_tokens == {"a": 1, "b": 4}
+
+
+def test_bench_serve_reports_the_runs_acceptance():
+    from pagedserve.bench.serve_client import spec_rates
+    before = {"num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": 20}
+    after = {"num_drafts": 30, "num_draft_tokens": 110, "num_accepted_tokens": 76}
+    run = spec_rates(before, after)
+    assert (run["num_drafts"], run["num_draft_tokens"], run["num_accepted_tokens"]) == (20, 70, 56)
+    assert run["acceptance_rate"] == 0.8 and run["mean_acceptance_length"] == 1 + 56 / 20
+    assert spec_rates(None, after) is None

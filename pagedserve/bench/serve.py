@@ -154,9 +154,11 @@ def print_report(result: dict) -> None:
         rows.append((f"  replica {replica}:", "n/a" if rate is None else f"{100 * rate:.1f}%"))
     spec = result.get("spec_decode")
     if spec is not None:
+        drafted = spec["num_drafts"] > 0  # none: turned down (disable_by_batch_size, back-off)
         rows += [("Spec decode drafts:", int(spec["num_drafts"])),
-                 ("Spec decode acceptance rate:", f"{100 * spec['acceptance_rate']:.1f}%"),
-                 ("Spec decode mean acceptance length:", f"{spec['mean_acceptance_length']:.2f}")]
+                 ("Spec decode acceptance rate:", f"{100 * spec['acceptance_rate']:.1f}%" if drafted else "n/a"),
+                 ("Spec decode mean acceptance length:",
+                  f"{spec['mean_acceptance_length']:.2f}" if drafted else "n/a")]
     print(f"{' Serving Benchmark Result ':=^60}")
     for label, value in rows:
         print(f"{label:<40}{value!s:>20}")
