@@ -21,7 +21,7 @@ from block_checks import check_cache_index, check_pool
 from test_engine_equivalence import random_prompts
 from tiny_models import hf_greedy, make_engine
 
-# Speculating at any batch size (the default stops at 4 running requests): the batches here are bigger.
+# Speculating at any batch size (the default stops at 6 running requests): the batches here are bigger.
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
         "disable_by_batch_size": 0}
 MAX_NEW = 28
@@ -159,7 +159,7 @@ def test_speculation_skips_structured_rows_and_respects_limits():
     assert spec.propose(req, budget=100, max_model_len=100, step_id=5) == [3, 4]
     assert (req.num_draft_tokens, req.num_accepted_tokens) == (7, 1)
     # Globally: a step with disable_by_batch_size running requests or more proposes nothing.
-    assert spec.begin_step({"a": req}, num_running=3) and not spec.begin_step({"a": req}, num_running=4)
+    assert spec.begin_step({"a": req}, num_running=5) and not spec.begin_step({"a": req}, num_running=6)
     assert Speculation(SpeculativeConfig(disable_by_batch_size=0)).begin_step({}, num_running=500)
 
 
@@ -179,7 +179,7 @@ def test_config_checks():
     assert parse_speculative_config(None) is None and parse_speculative_config("") is None
     cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (3, 2, 4)
-    assert cfg.disable_by_batch_size == 4
+    assert cfg.disable_by_batch_size == 6
     bad = {"{not json": "not valid JSON", "[1]": "must be a JSON object",
            '{"method": "ngram"}': "num_speculative_tokens is required",
            '{"method": "eagle", "num_speculative_tokens": 2}': "method must be one of ngram",

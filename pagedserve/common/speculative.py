@@ -23,6 +23,7 @@ from dataclasses import dataclass
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
 MAX_LOOKUP = 64
+DEFAULT_DISABLE_BY_BATCH_SIZE = 6  # see SpeculativeConfig.disable_by_batch_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +38,9 @@ class SpeculativeConfig:
     max_backoff_steps: int = 64
     # vLLM's disable_by_batch_size: a step with this many running requests or more carries no
     # proposals (0: never). On these CPUs a verified row costs its k + 1 tokens of compute once
-    # the batch is past a few rows (bench serve random 128/64 at concurrency 8: -9% with 92% of
-    # the proposals accepted), while one stream gains 2-3x.
-    disable_by_batch_size: int = 4
+    # the batch is past a few rows: bench serve random 128/64 gained 55% at concurrency 2 and 26%
+    # at 4, and lost 9% at 8 with 92% of the proposals accepted; one stream gains 2-3x.
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
 
 def _int_field(values: dict, name: str, default: int, low: int, high: int) -> int:
@@ -85,5 +86,5 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig | Non
         raise ValueError(f"--speculative-config: prompt_lookup_min ({lookup_min}) must be at most "
                          f"prompt_lookup_max ({lookup_max})")
     backoff = _int_field(values, "max_backoff_steps", 64, 0, 1 << 20)
-    by_batch = _int_field(values, "disable_by_batch_size", 4, 0, 1 << 20)
+    by_batch = _int_field(values, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE, 0, 1 << 20)
     return SpeculativeConfig("ngram", k, lookup_min, lookup_max, backoff, by_batch)
