@@ -441,13 +441,16 @@ def test_model_volume_is_mounted_read_only_where_the_model_is_read(rendered):
 
 # ---- the worker container's rank script, run as rendered -------------------------------------------
 STAND_IN = """#!/bin/sh
-# pagedserve worker --rank R --port P: rank $FAIL_RANK exits 3 once every rank has started; the others wait.
+# pagedserve worker --rank R --port P: rank $FAIL_RANK exits 3 once every other rank has set its TERM trap
+# (at once with FAIL_AT_ONCE); the others wait.
 echo "$3" >> "$LOG_DIR/started"
 if [ "$3" = "$FAIL_RANK" ]; then
-  while [ "$(wc -l < "$LOG_DIR/started")" -lt "$RANKS" ]; do sleep 0.05; done
+  [ -n "$FAIL_AT_ONCE" ] && exit 3
+  while [ "$(wc -l < "$LOG_DIR/trapped")" -lt "$((RANKS - 1))" ]; do sleep 0.05; done
   exit 3
 fi
 trap 'echo "$3" >> "$LOG_DIR/stopped"; exit 0' TERM
+echo "$3" >> "$LOG_DIR/trapped"
 while :; do sleep 0.05; done
 """
 
@@ -459,6 +462,7 @@ def rank_script(tmp_path: Path, ranks: int) -> tuple[list[str], dict[str, str]]:
     stand_in = tmp_path / "bin" / "pagedserve"
     stand_in.write_text(STAND_IN)
     stand_in.chmod(0o755)
+    (tmp_path / "trapped").touch()
     env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "LOG_DIR": str(tmp_path),
            "RANKS": str(ranks)}
     return [*worker["command"], worker["args"][0]], env
@@ -473,13 +477,22 @@ def test_rank_script_stops_every_rank_when_one_exits(tmp_path):
     assert sorted((tmp_path / "stopped").read_text().split()) == ["0", "2"]
 
 
+def test_rank_script_stops_every_rank_when_one_exits_before_the_others_start(tmp_path):
+    # Rank 0 exits before the script has started the others: `wait -n` (bash 5.2) missed it and hung.
+    command, env = rank_script(tmp_path, 4)
+    proc = subprocess.run(command, env={**env, "FAIL_RANK": "0", "FAIL_AT_ONCE": "1"}, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert "a worker rank exited with status 3" in proc.stderr
+
+
 def test_rank_script_passes_sigterm_to_every_rank(tmp_path):
     command, env = rank_script(tmp_path, 2)
     proc = subprocess.Popen(command, env={**env, "FAIL_RANK": "none"}, stderr=subprocess.PIPE, text=True)
     try:
-        started = tmp_path / "started"
+        trapped = tmp_path / "trapped"
         deadline = time.monotonic() + 30  # a bound on the wait, not a measurement
-        while not (started.exists() and len(started.read_text().split()) == 2):
+        while len(trapped.read_text().split()) != 2:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
