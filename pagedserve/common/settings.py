@@ -261,11 +261,13 @@ def _settings() -> tuple[Setting, ...]:
           help="the largest adapter rank served (the slots are this wide)"),
         S("--max-cpu-loras", "engine serve worker", int, None, group="lora", default_text="--max-loras",
           help="most adapters the worker keeps loaded in host memory (least recently used evicted)"),
-        S("--speculative-config", "engine serve scheduler", default=None,
+        S("--speculative-config", "engine serve scheduler worker", default=None,
           help="speculative decoding as vLLM takes it, a JSON object: {\"method\": \"ngram\", "
           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} (n-gram prompt "
-          "lookup: proposals copied from the request's own prompt and output, verified exactly; greedy outputs "
-          "are unchanged, sampled ones keep their distribution). Rows with structured outputs are not "
+          "lookup: proposals copied from the request's own prompt and output) or {\"method\": \"draft_model\", "
+          "\"model\": PATH, \"num_speculative_tokens\": 4} (a smaller model of the same vocabulary proposes, in the "
+          "worker, its KV in the same blocks); verified exactly: greedy outputs "
+          "are unchanged, sampled ones keep their distribution. Rows with structured outputs are not "
           "speculated", default_text="off", group="engine"),
         # ---- the scheduler ------------------------------------------------------------------
         S("--max-waiting-requests", "serve scheduler", int, 1024,

@@ -16,6 +16,7 @@ from pagedserve.common.messages import SampledToken
 from pagedserve.common.request_checks import logit_bias_problem
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.speculative import parse_speculative_config
+from pagedserve.model_files.draft_check import check_draft_model
 from pagedserve.scheduler.core.request import Request
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.worker.model_setup import (KVSettings, KVSize, load_runner, measure_cuda_memory, place_model,
@@ -104,6 +105,7 @@ class LLMEngine:
         place = place_model(config.model, config.device, config.dtype, config.max_model_len, local_rank=0,
                             tokenizer=tokenizer, tokenizer_name=config.tokenizer)
         self.model_path, self.model_config, self.tokenizer = place.model_path, place.model_config, place.tokenizer
+        draft_path = check_draft_model(speculative, place.model_config, place.max_model_len)  # before any load
         self.device, self.dtype, self.eos_token_ids = place.device, place.dtype, place.eos_token_ids
         mc = self.model_config
         self.max_model_len = max_len = place.max_model_len
@@ -116,6 +118,8 @@ class LLMEngine:
                                     {**runner_kwargs(place, config.block_size, config.quantization), "progress": False})
         try:
             self.runner = load_runner(place, config.block_size, config.quantization, progress=config.progress)
+            if draft_path is not None:  # before the KV pool is sized: its blocks hold the draft's K/V too
+                self._on_all_ranks("enable_draft", str(draft_path))
             log.info("loaded %s (%s on %s; linear weights %s)", Path(self.model_path).name,
                      str(self.dtype).removeprefix("torch."), self.device, self.runner.weights_description)
             size = self._size_kv_cache()

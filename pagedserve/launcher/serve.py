@@ -30,14 +30,17 @@ def _served_model_name(http_url: str, api_key: str | None) -> str | None:
         return None
 
 
-def check_model(model: str | None) -> None:
+def check_model(model: str | None, speculative_config: str | None = None, max_model_len: int | None = None) -> None:
     """Before any service starts: the model is found (a hub id is downloaded here, once, for every
     rank) and its config.json is one we can serve (an architecture we have, no quantization_config
     we cannot load), so that a bad --model fails in a second with its reason, not as a worker's
-    log tail."""
+    log tail; so do a bad --speculative-config and its draft model (model_files/draft_check.py)."""
     from pagedserve.common.model_config import ModelConfig
+    from pagedserve.common.speculative import parse_speculative_config
     from pagedserve.model_files.default_model import resolve_model
-    ModelConfig.from_folder(resolve_model(model))
+    from pagedserve.model_files.draft_check import check_draft_model
+    target = ModelConfig.from_folder(resolve_model(model))
+    check_draft_model(parse_speculative_config(speculative_config), target, max_model_len)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -46,7 +49,6 @@ def main(args: argparse.Namespace) -> int:
     import sys
     import time
 
-    from pagedserve.common.speculative import parse_speculative_config
     from pagedserve.launcher.service_process import ServiceError, describe_exit
     from pagedserve.launcher.stack import start_stack
     from pagedserve.launcher.wiring import StackConfig, first_api_key
@@ -62,8 +64,7 @@ def main(args: argparse.Namespace) -> int:
         raise _Stop(signal.Signals(signum).name)
 
     try:
-        check_model(args.model)
-        parse_speculative_config(args.speculative_config)
+        check_model(args.model, args.speculative_config, args.max_model_len)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2

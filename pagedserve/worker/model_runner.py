@@ -1,5 +1,7 @@
 """Runs one engine step: applies the scheduler's delta to the cached request state, builds the
-flattened batch, runs the model over the paged KV cache and samples. Makes no scheduling decision."""
+flattened batch, runs the model over the paged KV cache and samples. Makes no scheduling decision.
+With a draft model (enable_draft; worker/draft_model.py) the draft runs each step's positions
+first and fills in the proposals the step verifies."""
 
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
 from pagedserve.worker.cpu_linear import pack_model
 from pagedserve.worker.graph_runner import CudaGraph, DecodeGraphRunner, GraphCaptureError
 from pagedserve.worker.input_batch import InputBatch, layout_step
-from pagedserve.worker.kv_cache import KVCache
+from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.models import model_class
 from pagedserve.worker import pooling, prompt_logprobs, spec_verify
-from pagedserve.worker.parallel import broadcast_from_rank0, tp_group, using_group
+from pagedserve.worker.parallel import TPGroup, broadcast_from_rank0, tp_group, using_group
 from pagedserve.worker.platform import platform_for
 from pagedserve.worker.request_states import RequestState, RequestStates
 from pagedserve.worker.sampler import RowSampling, Sampler, to_device
@@ -66,6 +68,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous_dtype)
         is_gguf = weight_files(Path(model_path))[0].suffix == ".gguf"
+        self.requested_quantization = quantization
         self.quantization = quantized.resolve(quantization, device, is_gguf)
         model.load_weights(iter_lazy_weights(model_path, dtype, progress, keep_quantized=self.quantization == "gguf"))
         formats = quantized.finalize(model, self.quantization) if self.quantization != "none" else {}
@@ -81,6 +84,29 @@ class ModelRunner:
         self.requests = RequestStates()
         self.grammars = GrammarMatchers(model_path, model_config.vocab_size, eos_token_ids)
         self.lora = None  # a lora.manager.LoraManager once enable_lora ran (--enable-lora)
+        self.drafts = False  # enable_draft ran: rank 0's draft model fills in the steps' proposals
+        self.drafter = None  # the draft_model.DraftModel, on rank 0
+
+    def enable_draft(self, model_path: str | Path) -> None:
+        """Speculate with a draft model (--speculative-config method draft_model; its files checked
+        already: model_files/draft_check.py). Rank 0 loads it unsharded, in the target's dtype and
+        quantization; the other ranks take its proposals from a broadcast. Before the KV pool is
+        sized and allocated: its blocks hold the draft's K/V too."""
+        from pagedserve.worker.draft_model import DraftModel
+        self.drafts = True
+        if self.tp.rank != 0:
+            return
+        with using_group(TPGroup()):
+            draft = ModelRunner(ModelConfig.from_folder(model_path), model_path, self.dtype, self.device,
+                                self.block_size, self.max_model_len, self.eos_token_ids, progress=False,
+                                quantization=self.requested_quantization)
+        self.drafter = DraftModel(draft)
+        log.info("draft model %s loaded (linear weights %s)", Path(model_path).name, draft.weights_description)
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """One block's bytes on this rank: the target's cache and the draft's."""
+        own = bytes_per_block(self.config, block_size, self.dtype, self.tensor_parallel_size)
+        return own + (self.drafter.block_bytes(block_size) if self.drafter is not None else 0)
 
     def enable_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> None:
         """Serve LoRA adapters (worker/lora): every adaptable layer gets its slots' stacks; decode
@@ -102,6 +128,8 @@ class ModelRunner:
                           self.tensor_parallel_size)
         if self.decode_graphs is not None:  # the graphs captured the old cache's addresses
             self.decode_graphs.invalidate()
+        if self.drafter is not None:  # the same block ids address the draft's cache
+            self.drafter.allocate(num_blocks, num_host_blocks)
 
     def use_decode_graphs(self, max_num_seqs: int, enforce_eager: bool) -> None:
         """On CUDA, unless enforce_eager: decode steps of up to max_num_seqs sequences replay CUDA graphs
@@ -159,13 +187,16 @@ class ModelRunner:
 
     # ---- state ---------------------------------------------------------------------------
     def _apply_delta(self, step: SchedulerOutput) -> None:
-        self.requests.apply(step, self._block_ops)
+        self.requests.apply(step, self.kv_block_ops)
 
-    def _block_ops(self, step: SchedulerOutput) -> None:
+    def kv_block_ops(self, step: SchedulerOutput) -> None:
+        """The step's block operations on this runner's cache (and its draft's)."""
         # Swap-outs first: their device blocks may be handed to other requests in this same step.
         self.kv.swap_out(step.blocks_to_swap_out)
         self.kv.swap_in(step.blocks_to_swap_in)
         self.kv.copy_blocks(step.blocks_to_copy)
+        if self.drafter is not None:
+            self.drafter.block_ops(step)
 
     def _state(self, req_id: str) -> RequestState:
         return self.requests.state(req_id)
@@ -215,6 +246,8 @@ class ModelRunner:
         if not step.num_scheduled_tokens:
             return ModelRunnerOutput(step.step_id, {}, failed=failed)
         t0 = time.perf_counter()
+        if self.drafts:
+            self._draft(step)
         input_ids, positions, meta, order, counts = self._prepare(step)
         if self.lora is not None:
             self.lora.prepare(order, counts)
@@ -252,6 +285,21 @@ class ModelRunner:
         self.requests.advance(zip(order, counts))
         self.requests.commit({req_id: [t.token_id for t in tokens] for req_id, tokens in result.sampled.items()})
         return result
+
+    def _draft(self, step: SchedulerOutput) -> None:
+        """The draft model runs the step's positions and proposes in place of the scheduler's
+        placeholders (draft_model.py); with TP, rank 0's proposals go to every rank."""
+        scheduled = [(self._state(r), n) for r, n in step.num_scheduled_tokens.items()]
+        if self.drafter is not None:
+            self.drafter.run(scheduled)
+        speculating = [s for s, _ in scheduled if s.spec_token_ids]
+        if self.tp.world_size > 1 and speculating:
+            flat = [t for s in speculating for t in s.spec_token_ids]
+            ids = broadcast_from_rank0(torch.tensor(flat, dtype=torch.int64, device=self.device)).tolist()
+            start = 0
+            for state in speculating:
+                k = len(state.spec_token_ids)
+                state.spec_token_ids, start = ids[start:start + k], start + k
 
     def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> dict[str, list[SampledToken]]:
         """logits: one row per state, or k + 1 for a state with k proposals. Sampler rows: one per

@@ -134,6 +134,8 @@ def size_kv_cache(runner, kv: KVSettings, reading: MemoryReading | None = None,
     to the platform's), on the CPU CPU_KV_CACHE_MEMORY. Raises
     KVBudgetError (a ValueError) naming the numbers when it holds no block."""
     per_block = bytes_per_block(runner.config, kv.block_size, runner.dtype, runner.tensor_parallel_size)
+    if getattr(runner, "drafter", None) is not None:  # a block holds the draft model's K/V too
+        per_block = runner.kv_block_bytes(kv.block_size)
     if kv.kv_cache_memory:
         budget = parse_size(kv.kv_cache_memory)
     elif (platform := platform_for(runner.device)).measures_memory:

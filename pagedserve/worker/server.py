@@ -56,12 +56,15 @@ class WorkerService:
                  max_model_len: int | None = None, rank: int = 0, world_size: int = 1,
                  dist_init_method: str | None = None, tokenizer: str | None = None,
                  quantization: str = "auto", kv: KVSettings | None = None, max_num_seqs: int | None = None,
-                 enforce_eager: bool = False, lora: tuple[int, int, int] | None = None) -> None:
+                 enforce_eager: bool = False, lora: tuple[int, int, int] | None = None,
+                 speculative_config: str | None = None) -> None:
         import dataclasses
 
         import torch  # noqa: F401 - the worker is the one service that needs it
 
         from pagedserve.common.settings import defaults, step_budgets
+        from pagedserve.common.speculative import parse_speculative_config
+        from pagedserve.model_files.draft_check import check_draft_model
         from pagedserve.worker.device_memory import local_rank
         from pagedserve.worker.model_setup import KVSettings, place_model
 
@@ -76,6 +79,9 @@ class WorkerService:
         self.model_path, self.model_config = self.place.model_path, self.place.model_config
         self.device, self.dtype = self.place.device, self.place.dtype
         self.max_model_len, self.eos_token_ids = self.place.max_model_len, self.place.eos_token_ids
+        # --speculative-config's draft model (the scheduler's flag too): checked before anything loads
+        self.draft_path = check_draft_model(parse_speculative_config(speculative_config), self.model_config,
+                                            self.max_model_len)
         if kv is None:
             engine = defaults("engine")
             kv = KVSettings(engine["block_size"], engine["kv_cache_memory"], engine["gpu_memory_utilization"],
@@ -117,6 +123,8 @@ class WorkerService:
         self.runner = load_runner(self.place, self.kv.block_size, self.quantization, progress=False)
         if self.lora is not None:  # its slots before the memory reading
             self.runner.enable_lora(*self.lora)
+        if self.draft_path is not None:  # rank 0's draft model, before the KV pool is sized
+            self.runner.enable_draft(self.draft_path)
         log.info("rank %d loaded %s (%s on %s; linear weights %s) in %.1f s", self.rank, Path(self.model_path).name,
                  str(self.dtype).removeprefix("torch."), self.device, self.runner.weights_description,
                  time.monotonic() - started)
@@ -265,7 +273,7 @@ def serve(args: argparse.Namespace) -> int:
                             args.tensor_parallel_size, dist_init_method(args.dist_init_addr), args.tokenizer,
                             args.quantization, kv_settings(args), args.max_num_seqs, args.enforce_eager,
                             (args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
-                            if args.enable_lora else None)
+                            if args.enable_lora else None, args.speculative_config)
     ready = threading.Event()
     # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)

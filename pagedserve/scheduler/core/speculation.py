@@ -7,6 +7,11 @@ the model's context leave after the token the step samples anyway, and the reque
 acceptance history. It keeps the counts vLLM reports (drafts, draft tokens, accepted tokens,
 accepted per position) and each request's own (Request.num_draft_tokens / num_accepted_tokens).
 
+With method draft_model the proposals come from the worker's draft model, which drafts at the
+start of the very step that verifies them (worker/draft_model.py): this side decides only how
+many a row gets, exactly as for n-gram, and sends that many placeholder ids (DRAFT_PLACEHOLDER)
+for the worker to fill in. Everything else (budgets, rollback, counters, backoff) is the same.
+
 Not speculated: rows with structured outputs (the worker's grammar would have to check each
 proposal: speculation is off for such rows), rows that fork n samples on this step, and any
 row of an ahead step (async scheduling: its token ids lag the worker's by the pending samples;
@@ -29,6 +34,9 @@ from dataclasses import dataclass, field
 from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.scheduler.core.ngram_proposer import TokenArrays, propose_ngram
 from pagedserve.scheduler.core.request import Request
+
+
+DRAFT_PLACEHOLDER = 0  # a proposal the worker's draft model fills in (method draft_model)
 
 
 @dataclass(slots=True)
@@ -86,6 +94,8 @@ class Speculation:
         if k < 1:
             return []
         cfg = self.config
+        if cfg.method == "draft_model":
+            return [DRAFT_PLACEHOLDER] * k
         tokens = self.arrays.get(req.request_id, req.token_ids)
         return propose_ngram(tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k).tolist()
 
