@@ -182,8 +182,8 @@ def test_config_checks():
     assert cfg.disable_by_batch_size == 6
     bad = {"{not json": "not valid JSON", "[1]": "must be a JSON object",
            '{"method": "ngram"}': "num_speculative_tokens is required",
-           '{"method": "eagle", "num_speculative_tokens": 2}': "method must be one of ngram",
-           '{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}': "'draft_model' is not supported",
+           '{"method": "eagle", "num_speculative_tokens": 2}': "method must be one of ngram, draft_model",
+           '{"method": "draft", "model": "x", "num_speculative_tokens": 2}': "method must be one of ngram, draft_model",
            '{"method": "ngram", "num_speculative_tokens": 0}': "num_speculative_tokens must be between 1 and 16",
            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}':
                r"prompt_lookup_min \(5\) must be at most prompt_lookup_max \(3\)",

@@ -122,3 +122,14 @@ def test_two_ranks_with_speculative_decoding(llama):
     two, _, stats = run(llama, 2, params, speculative_config=spec)
     assert two == one
     assert stats["spec_decode"]["num_accepted_tokens"] > 0
+
+
+def test_two_ranks_with_a_draft_model(llama):
+    """A draft model at TP 2: rank 0 runs it unsharded and broadcasts its proposals; the target as
+    its own draft keeps them all, and the tokens equal one rank's without speculation."""
+    spec = {"method": "draft_model", "model": str(llama), "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    one, _, _ = run(llama, 1, params)
+    two, _, stats = run(llama, 2, params, speculative_config=spec)
+    assert two == one
+    assert stats["spec_decode"]["num_draft_tokens"] > 0 and stats["spec_decode"]["acceptance_rate"] == 1.0

@@ -6,6 +6,7 @@ request's timings its drafted and accepted tokens. In-process engines: tests/tes
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -43,3 +44,26 @@ def test_default_model_greedy_tokens_equal_without_speculation_and_metrics(defau
     assert drafted >= metrics["vllm:spec_decode_num_accepted_tokens_total"] > MAX_TOKENS
     assert metrics["pagedserve:spec_decode_num_drafts_total"] > 0
     assert 2 < metrics["pagedserve:spec_decode_mean_acceptance_length"] <= 5
+
+
+@pytest.mark.slow
+def test_draft_model_through_the_services(tiny_model, launch_stack):
+    """method draft_model: the flag reaches the worker, which loads the draft (here the target
+    itself: every proposal kept) beside the target; the greedy tokens equal the engine's without
+    speculation."""
+    prompts = [[5, 6, 7, 8] * 6, list(range(100, 140))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with make_engine(tiny_model, tokenizer=None) as engine:
+        expected = [engine.tokenizer.decode(o[0].token_ids, skip_special_tokens=True)
+                    for o in engine.generate(prompts, params)]
+    spec = json.dumps({"method": "draft_model", "model": str(tiny_model), "num_speculative_tokens": 3})
+    stack = launch_stack(tiny_model, logs="draft-logs", speculative_config=spec)
+    http = httpx.Client(base_url=stack.http_url, timeout=300)
+    name = http.get("/v1/models").json()["data"][0]["id"]
+    for prompt, text in zip(prompts, expected):
+        body = {"model": name, "prompt": prompt, "temperature": 0, "max_tokens": 24, "ignore_eos": True,
+                "timings": True}
+        reply = http.post("/v1/completions", json=body).json()
+        assert reply["choices"][0]["text"] == text
+        timings = reply["timings"]
+        assert timings["spec_draft_tokens"] == timings["spec_accepted_tokens"] > 12, timings
