@@ -121,7 +121,8 @@ class ModelRunner:
 
     def weight_bytes(self) -> int:
         quant = sum(m.quant.nbytes for m in self.model.modules() if getattr(m, "quant", None) is not None)
-        return quant + sum(p.numel() * p.element_size() for p in self.model.parameters())
+        draft = self.drafter.runner.weight_bytes() if self.drafter is not None else 0
+        return draft + quant + sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.kv = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device, num_host_blocks,
@@ -163,7 +164,10 @@ class ModelRunner:
         if self.device.type != "cuda":
             return 0
         with using_group(self.tp):
-            return self._profile_peak(num_tokens)
+            peak = self._profile_peak(num_tokens)
+        if self.drafter is not None:  # its passes run before the target's, not beside it
+            peak = max(peak, self.drafter.runner.profile_peak_activation_bytes(num_tokens))
+        return peak
 
     @torch.inference_mode()
     def _profile_peak(self, num_tokens: int) -> int:
