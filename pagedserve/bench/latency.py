@@ -14,7 +14,9 @@ the measured run, seeds 1, 2, ... for the warm-ups (a repeated prompt would be a
 --dataset grounded: the prompt asks to repeat a piece of code with one change (bench/grounded.py;
 --input-len is then the prompt's own length), the workload of n-gram speculation. With
 --speculative-config the results add the measured run's spec_decode counters: drafts, draft and
-accepted tokens, acceptance rate, mean acceptance length (1 + accepted / drafts).
+accepted tokens, acceptance rate, mean acceptance length (1 + accepted / drafts), and spec_method
+(ngram, or draft_model and the draft's folder name). With a draft model, weight_mib counts the
+draft's weights too.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 from pagedserve.bench.grounded import grounded_token_ids
 from pagedserve.common.engine_args import add_engine_args
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.speculative import parse_speculative_config
 
 
 def spec_delta(before: dict, after: dict) -> dict:
@@ -92,6 +95,9 @@ def run_latency(args: argparse.Namespace) -> int:
         }
         if spec_before is not None:
             result["spec_decode"] = spec_delta(spec_before, engine.spec_decode_stats()["spec_decode"])
+            spec_config = parse_speculative_config(args.speculative_config)
+            result["spec_method"] = spec_config.method + (f" {Path(spec_config.model).name}" if spec_config.model
+                                                          else "")
     finally:
         engine.close()
     print(f"{Path(result['model']).name} ({result['dtype']}, linear weights {result['linear_weights']}), "
@@ -103,7 +109,8 @@ def run_latency(args: argparse.Namespace) -> int:
           f"RSS {result['rss_mib']:.0f} MiB")
     spec = result.get("spec_decode")
     if spec is not None:
-        print(f"speculative decoding: {spec['num_drafts']} drafts, {spec['num_accepted_tokens']} of "
+        print(f"speculative decoding ({result['spec_method']}): {spec['num_drafts']} drafts, "
+              f"{spec['num_accepted_tokens']} of "
               f"{spec['num_draft_tokens']} proposed tokens accepted ({100 * spec['acceptance_rate']:.1f}%), "
               f"mean acceptance length {spec['mean_acceptance_length']:.2f}")
     if args.json:
