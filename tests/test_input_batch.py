@@ -7,6 +7,8 @@ lengths (attention.decode_mask) equals the one written out key by key, windowed 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -114,3 +116,54 @@ def test_decode_mask_from_the_lengths(window, windowed):
                              torch.zeros(len(lens), width, dtype=torch.long), torch.tensor(lens), None, [],
                              decode_windowed=windowed)
     assert torch.equal(decode_mask(meta, bs, window), reference_mask(lens, width, bs, window, windowed))
+
+
+def _states(block_size: int, lengths: list[tuple[int, int]], seed: int = 0):
+    """(state, scheduled tokens) pairs for layout_step: a state has computed `context` tokens of a prompt
+    of context + new, and scattered blocks covering them."""
+    from types import SimpleNamespace
+    rng = np.random.default_rng(seed)
+    out = []
+    for context, new in lengths:
+        blocks = rng.permutation(200)[:-(-(context + new) // block_size)].tolist()
+        out.append((SimpleNamespace(num_computed_tokens=context, token_ids=list(range(context + new)),
+                                    spec_token_ids=[], block_ids=blocks, group_block_ids=[]), new))
+    return out
+
+
+@pytest.mark.parametrize("decodes,prefills", [([9, 22], [(3, 6), (0, 5), (17, 2)]), ([], [(0, 7)]),
+                                              ([5], [(40, 3)])])
+def test_kernel_metadata_of_mixed_steps_is_vectorized(decodes, prefills):
+    """The Triton backends' tables of a mixed step (attention.kernel_metadata) from the layout's packed
+    prefills equal those built chunk by chunk (the PrefillSeq list, as metadata built by hand is), with
+    a number of torch ops that does not grow with the chunks, and no host read."""
+    from pagedserve.common.model_config import KVGroups
+    from pagedserve.worker.attention import kernel_metadata, packed_prefills
+    from pagedserve.worker.input_batch import layout_step
+    from test_sampler_host_reads import HostReads
+
+    bs = 4
+    decode_states = _states(bs, [(n, 1) for n in decodes], 1)
+    prefill_states = _states(bs, prefills, 2)
+    num_tokens = len(decodes) + sum(n for _, n in prefills)
+    batch = InputBatch(torch.device("cpu"))
+    _, _, (meta,) = layout_step(batch, decode_states, prefill_states, num_tokens,
+                                KVGroups(((0,),), (0,)), bs)
+    buffer = batch._device.untyped_storage().data_ptr()
+    assert meta.prefill_chunks.untyped_storage().data_ptr() == buffer
+    assert meta.prefill_tables.untyped_storage().data_ptr() == buffer
+    by_hand = dataclasses.replace(meta, prefill_chunks=None, prefill_tables=None)
+    for got, want in zip(packed_prefills(meta, bs, batch.device), packed_prefills(by_hand, bs, batch.device)):
+        assert torch.equal(got, want)
+    with Ops() as ops, HostReads() as reads:
+        got = kernel_metadata(meta, bs, batch.device)
+    assert reads.reads == []
+    want = kernel_metadata(by_hand, bs, batch.device)
+    assert all(torch.equal(g, w) and g.dtype == w.dtype == torch.int32 for g, w in zip(got, want))
+    assert got[1].tolist() == [n + 1 for n in decodes] + [c + n for c, n in prefills]
+    # one chunk more, the same ops
+    more = _states(bs, prefills + [(2, 2)], 2)
+    _, _, (meta_more,) = layout_step(batch, decode_states, more, num_tokens + 2, KVGroups(((0,),), (0,)), bs)
+    with Ops() as ops_more:
+        kernel_metadata(meta_more, bs, batch.device)
+    assert ops_more.names == ops.names

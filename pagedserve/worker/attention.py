@@ -33,6 +33,33 @@ class AttentionMetadata:
     # A sliding KV group's decodes: each table row starts at the block holding the window's first
     # key (not block 0); a given decode_mask already hides keys outside the window.
     decode_windowed: bool = False
+    # The prefills packed on the device (the runner's layout writes them; None for metadata built by hand:
+    # packed_prefills builds them): [P, 3] (query_start, query_len, context_len) and [P, W] block tables
+    # zero-padded to W = the widest chunk's ceil((context_len + query_len) / block_size); each
+    # prefills[i].block_ids is then a view of row i.
+    prefill_chunks: torch.Tensor | None = None
+    prefill_tables: torch.Tensor | None = None
+
+
+def packed_prefills(meta: AttentionMetadata, block_size: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunks int64 [P, 3], tables int64 [P, W]) of meta's prefills: the layout's own (views of the step's
+    persistent inputs: nothing to do), or for metadata built by hand (the profiling step, tests) built from
+    the PrefillSeq list, checked to follow the decodes contiguously, in order."""
+    if meta.prefill_chunks is not None:
+        return meta.prefill_chunks, meta.prefill_tables
+    prefills = meta.prefills
+    widths = [-(-(p.context_len + p.query_len) // block_size) for p in prefills]
+    tables = torch.zeros(len(prefills), max(widths), dtype=torch.long, device=device)
+    expected = meta.num_decodes
+    for row, (seq, width) in enumerate(zip(prefills, widths)):
+        if seq.query_start != expected:
+            raise ValueError("prefill tokens must follow the decodes contiguously, in order")
+        expected += seq.query_len
+        used = seq.block_ids[:width]
+        tables[row, :used.shape[0]] = used
+    chunks = torch.tensor([(p.query_start, p.query_len, p.context_len) for p in prefills], dtype=torch.long)
+    return chunks.to(device), tables
 
 
 class GraphSupport(enum.IntEnum):
@@ -194,15 +221,11 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         self.ops.paged_prefill_attention(query, k_cache, v_cache, tables, chunks, scale, out)
 
     def _prefill_layout(self, meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block_tables int64 [P, width], chunks int64 [P, 3]) for meta's prefills, zero-padded."""
+        """(block_tables int64 [P, width], chunks int64 [P, 3]) for meta's prefills, zero-padded: the layout's
+        views as they are (attention.packed_prefills)."""
         if self._layout is not None and self._layout[0] is meta and self._layout[1] == block_size:
             return self._layout[2], self._layout[3]
-        widths = [-(-(p.context_len + p.query_len) // block_size) for p in meta.prefills]
-        tables = torch.zeros(len(widths), max(widths), dtype=torch.long)
-        for row, (seq, width) in enumerate(zip(meta.prefills, widths)):
-            used = seq.block_ids[:width]
-            tables[row, :used.shape[0]] = used
-        chunks = torch.tensor([(p.query_start, p.query_len, p.context_len) for p in meta.prefills], dtype=torch.long)
+        chunks, tables = packed_prefills(meta, block_size, torch.device("cpu"))
         self._layout = (meta, block_size, tables, chunks)
         return tables, chunks
 
@@ -248,22 +271,18 @@ def kernel_metadata(meta: AttentionMetadata, block_size: int,
         return (meta.decode_block_tables.to(device=device, dtype=torch.int32),
                 meta.decode_seq_lens.to(device=device, dtype=torch.int32),
                 torch.arange(decodes + 1, dtype=torch.int32, device=device))
-    seq_lens = [] if not decodes else [meta.decode_seq_lens.to(device=device, dtype=torch.int32)]
-    seq_lens.append(torch.tensor([p.context_len + p.query_len for p in meta.prefills], dtype=torch.int32,
-                                 device=device))
-    seq_lens = torch.cat(seq_lens)
-    widths = [-(-(p.context_len + p.query_len) // block_size) for p in meta.prefills]
-    if decodes:
-        widths.append(meta.decode_block_tables.shape[1])
-    tables = torch.zeros(decodes + len(meta.prefills), max(widths), dtype=torch.int32, device=device)
+    # A mixed or prefill step: a fixed number of device ops whatever the number of sequences (no loop over
+    # them, no host read), from the packed prefills.
+    chunks, prefill_tables = packed_prefills(meta, block_size, device)
+    num_seqs = decodes + chunks.shape[0]
+    width = prefill_tables.shape[1] if not decodes else max(prefill_tables.shape[1], meta.decode_block_tables.shape[1])
+    tables = torch.zeros(num_seqs, width, dtype=torch.int32, device=device)
+    tables[decodes:, :prefill_tables.shape[1]] = prefill_tables
+    seq_lens = torch.empty(num_seqs, dtype=torch.int32, device=device)
+    seq_lens[decodes:] = chunks[:, 1] + chunks[:, 2]
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)  # the decodes' rows: 0..decodes
+    starts[decodes + 1:] = chunks[:, 0] + chunks[:, 1]
     if decodes:
         tables[:decodes, :meta.decode_block_tables.shape[1]] = meta.decode_block_tables
-    for row, seq in enumerate(meta.prefills, start=decodes):
-        used = seq.block_ids[:widths[row - decodes]]
-        tables[row, :used.shape[0]] = used
-    starts = list(range(decodes + 1))
-    for seq in meta.prefills:
-        if seq.query_start != starts[-1]:
-            raise ValueError("prefill tokens must follow the decodes contiguously, in order")
-        starts.append(seq.query_start + seq.query_len)
-    return tables, seq_lens, torch.tensor(starts, dtype=torch.int32, device=device)
+        seq_lens[:decodes] = meta.decode_seq_lens
+    return tables, seq_lens, starts

@@ -2,7 +2,8 @@
 buffers, our own code).
 
 A step's integer inputs (token ids, positions, each KV group's slot mapping, the decode rows' block tables
-and sequence lengths, each prefill chunk's blocks) are written by the host, packed one after the other,
+and sequence lengths, the prefill chunks' (query start, query length, context length) and their block
+tables, zero-padded to the widest chunk: attention.AttentionMetadata.prefill_chunks / prefill_tables) are written by the host, packed one after the other,
 into one preallocated int64 buffer (pinned on CUDA) and reach the device in ONE non-blocking copy of the
 used prefix into one preallocated device buffer. Every tensor the model reads is a view of that device
 buffer; on the CPU the host buffer is the device buffer (no copy at all). No tensor of a per-step shape
@@ -92,7 +93,8 @@ class _GroupLayout:
     tables: int  # offset of the decode tables [num_decodes, width]
     width: int
     windowed: bool
-    prefills: list[tuple[int, int, int, int, int]]  # (query_start, query_len, context_len, blocks offset, count)
+    prefill_tables: int  # offset of the prefills' tables [P, prefill_width], zero-padded
+    prefills: list[tuple[int, int, int, int]]  # (query_start, query_len, context_len, blocks in use)
 
 
 def layout_step(batch: InputBatch, decodes: list, prefills: list, num_tokens: int, groups, block_size: int,
@@ -116,26 +118,35 @@ def layout_step(batch: InputBatch, decodes: list, prefills: list, num_tokens: in
         first = np.maximum(0, decode_pos - window + 1) // bs if window else np.zeros_like(decode_pos)
         firsts[window] = first, int((decode_pos // bs - first).max()) + 1
     num_groups = len(groups.layers)
-    prefill_blocks = sum(-(-(s.num_computed_tokens + n) // bs) for s, n in prefills)
-    batch.begin(num_tokens * (2 + num_groups) + num_decodes + num_groups * prefill_blocks
+    num_prefills = len(prefills)
+    prefill_width = max((-(-(s.num_computed_tokens + n) // bs) for s, n in prefills), default=0)
+    batch.begin(num_tokens * (2 + num_groups) + num_decodes + 3 * num_prefills
+                + num_groups * num_prefills * prefill_width
                 + sum(num_decodes * firsts[w][1] for w in groups.windows if num_decodes))
     ids_at, input_ids = batch.take(num_tokens)
     pos_at, positions = batch.take(num_tokens)
     lens_at, lens = batch.take(num_decodes)
     lens[:] = decode_pos + 1
+    chunks_at, chunks = batch.take(3 * num_prefills)  # (query_start, query_len, context_len) per prefill
     if given_positions is not None:
         positions[:] = given_positions
     else:
         _write_tokens(decodes, prefills, input_ids, positions)
-    layouts = [_group_layout(batch, decodes, prefills, positions, g, groups.windows[g], firsts, bs)
+    layouts = [_group_layout(batch, decodes, prefills, positions, g, groups.windows[g], firsts, bs, prefill_width)
                for g in range(num_groups)]
+    if num_prefills:
+        chunks.reshape(num_prefills, 3)[:] = [(q, n, c) for q, n, c, _ in layouts[0].prefills]
     batch.upload()
     decode_lens = batch.view(lens_at, num_decodes) if num_decodes else None
-    metas = [AttentionMetadata(
-        batch.view(lay.slots, num_tokens), num_decodes,
-        batch.view(lay.tables, num_decodes, lay.width) if num_decodes else None, decode_lens, None,
-        [PrefillSeq(q, n, c, batch.view(at, count)) for q, n, c, at, count in lay.prefills],
-        decode_windowed=lay.windowed) for lay in layouts]
+    prefill_chunks = batch.view(chunks_at, num_prefills, 3) if num_prefills else None
+    metas = []
+    for lay in layouts:
+        tables = batch.view(lay.prefill_tables, num_prefills, prefill_width) if num_prefills else None
+        metas.append(AttentionMetadata(
+            batch.view(lay.slots, num_tokens), num_decodes,
+            batch.view(lay.tables, num_decodes, lay.width) if num_decodes else None, decode_lens, None,
+            [PrefillSeq(q, n, c, tables[row, :used]) for row, (q, n, c, used) in enumerate(lay.prefills)],
+            decode_windowed=lay.windowed, prefill_chunks=prefill_chunks, prefill_tables=tables))
     return batch.view(ids_at, num_tokens), batch.view(pos_at, num_tokens), metas
 
 
@@ -156,8 +167,9 @@ def _write_tokens(decodes, prefills, input_ids: np.ndarray, positions: np.ndarra
 
 
 def _group_layout(batch: InputBatch, decodes, prefills, positions: np.ndarray, group: int, window: int,
-                  firsts: dict, bs: int) -> _GroupLayout:
-    """One KV group's slot mapping, decode tables and prefill blocks, written into the batch."""
+                  firsts: dict, bs: int, prefill_width: int) -> _GroupLayout:
+    """One KV group's slot mapping, decode tables and prefill tables (one zero-padded row of prefill_width
+    per chunk), written into the batch."""
     table_of = (lambda s: s.block_ids) if group == 0 else (lambda s: s.group_block_ids[group - 1])
     slots_at, slots = batch.take(len(positions))
     num_decodes = len(decodes)
@@ -173,13 +185,15 @@ def _group_layout(batch: InputBatch, decodes, prefills, positions: np.ndarray, g
         pos = positions[:num_decodes]
         slots[:num_decodes] = tables[np.arange(num_decodes), pos // bs - first] * bs + pos % bs
     seqs, start = [], num_decodes
-    for state, n in prefills:
+    prefill_at, flat = batch.take(len(prefills) * prefill_width)
+    flat.fill(0)
+    for row, (state, n) in enumerate(prefills):
         c = state.num_computed_tokens
         used = table_of(state)[:-(-(c + n) // bs)]
-        blocks_at, blocks = batch.take(len(used))
+        blocks = flat[row * prefill_width:row * prefill_width + len(used)]
         blocks[:] = used
         pos = positions[start:start + n]
         slots[start:start + n] = blocks[pos // bs] * bs + pos % bs
-        seqs.append((start, n, c, blocks_at, len(used)))
+        seqs.append((start, n, c, len(used)))
         start += n
-    return _GroupLayout(slots_at, tables_at, width, bool(window), seqs)
+    return _GroupLayout(slots_at, tables_at, width, bool(window), prefill_at, seqs)
