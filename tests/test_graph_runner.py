@@ -51,12 +51,27 @@ def graph_engine(folder, **overrides):
 
 
 def test_greedy_tokens_with_graphs_equal_transformers(model):
+    """...and a graph reads each step's inputs where the step's upload put them (no staging copy)."""
     folder, prompts, lengths, expected = model
     engine = graph_engine(folder)
+    runner = engine.runner
+    prepare, graphed = runner._prepare, []
+
+    def recording(step):
+        out = prepare(step)
+        if runner._graph_size is not None:
+            graphed.append([t.data_ptr() for t in (out[0], out[1], out[2].slot_mapping, out[2].decode_seq_lens,
+                                                   out[2].decode_block_tables)])
+        return out
+
+    runner._prepare = recording
     assert generate(engine, prompts, lengths) == expected
-    graphs = engine.runner.decode_graphs
+    graphs = runner.decode_graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 8]  # every bucket the shrinking batch needed, captured once
     assert sum(g.replays for g in graphs.graphs.values()) > 0
+    buffer = runner.input_batch._device.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == buffer for t in graphs.inputs)
+    assert graphed and all(ptrs == [t.data_ptr() for t in graphs.inputs] for ptrs in graphed)
 
 
 def test_padding_rows_write_only_row_zeros_slot(model):
@@ -78,6 +93,11 @@ def test_reallocated_cache_recaptures(model):
     assert not graphs.graphs  # dropped with the cache they captured
     assert generate(engine, prompts, lengths) == expected
     assert graphs.graphs
+    batch, before = engine.runner.input_batch, dict(graphs.graphs)
+    batch.begin(batch.capacity + 1)  # the input buffer grows (as for a step larger than any before)
+    assert generate(engine, prompts[:2], lengths[:2]) == expected[:2]
+    assert graphs.inputs[0].untyped_storage().data_ptr() == batch._device.untyped_storage().data_ptr()
+    assert graphs.graphs and all(g is not before.get(size) for size, g in graphs.graphs.items())  # captured anew
 
 
 def test_steps_a_bucket_cannot_hold_run_eagerly(model):

@@ -167,3 +167,25 @@ def test_kernel_metadata_of_mixed_steps_is_vectorized(decodes, prefills):
     with Ops() as ops_more:
         kernel_metadata(meta_more, bs, batch.device)
     assert ops_more.names == ops.names
+
+
+def test_a_graph_step_pads_with_row_zero_at_fixed_places():
+    """layout_graph_decode: the step's rows, then rows repeating row 0 up to the bucket, at graph_region's
+    views; a table wider than the graphs' leaves the step to layout_step."""
+    from pagedserve.worker.input_batch import graph_region, layout_graph_decode
+
+    bs, rows, width = 4, 8, 6
+    decodes = _states(bs, [(9, 1), (2, 1), (17, 1)], 3)
+    batch = InputBatch(torch.device("cpu"), capacity=16)
+    input_ids, positions, meta = layout_graph_decode(batch, decodes, 4, rows, width, bs)
+    region = graph_region(batch, rows, width)
+    assert [t.data_ptr() for t in (input_ids, positions, meta.slot_mapping, meta.decode_seq_lens,
+                                   meta.decode_block_tables)] == [t.data_ptr() for t in region]
+    assert positions.tolist() == [9, 2, 17, 9] and meta.decode_seq_lens.tolist() == [10, 3, 18, 10]
+    assert input_ids.tolist() == [9, 2, 17, 9] and meta.num_decodes == 4
+    for row, (s, _) in enumerate(decodes + decodes[:1]):
+        used = s.block_ids
+        assert meta.decode_block_tables[row].tolist() == used + [0] * (width - len(used))
+        pos = s.num_computed_tokens
+        assert meta.slot_mapping[row] == used[pos // bs] * bs + pos % bs
+    assert layout_graph_decode(batch, _states(bs, [(24, 1)]), 1, rows, width, bs) is None

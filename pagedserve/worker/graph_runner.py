@@ -2,18 +2,19 @@
 the CPU, so tests exercise everything but the capture itself).
 
 A pure-decode step of batch b runs as the graph captured for the smallest capture size >= b (1, 2, 4, 8,
-then every 8 up to max_num_seqs, as vLLM captures). A graph reads only its static buffers: token ids,
-positions, slot mapping, block tables (max_blocks wide, zero-padded) and sequence lengths, sized once for
-the largest bucket; a step copies its inputs (already on the device: views of the input batch,
-input_batch.py) into them, device to device with no host read, and replays. The attention backends
-build what else they need (the torch backend's mask) from these inside the graph. The rows past b
-repeat row 0 exactly (its token, position, slot, table and length): they compute the same keys and
-values as row 0 and write them into row 0's slot, so a padding row never touches another sequence's
-block, and their outputs are dropped.
+then every 8 up to max_num_seqs, as vLLM captures). A graph reads its inputs where the step's one upload
+puts them: token ids, positions, slot mapping, sequence lengths (one slice of the largest bucket's rows
+each) and block tables (max_blocks wide, zero-padded) at fixed offsets of the input batch's device buffer
+(input_batch.graph_region; the host writes a step there with layout_graph_decode), so a replay copies no
+input. The attention backends build what else they need (the torch backend's mask) from these inside the
+graph. The rows past b repeat row 0 exactly (its token, position, slot, table and length): they compute
+the same keys and values as row 0 and write them into row 0's slot, so a padding row never touches
+another sequence's block, and their outputs are dropped.
 
 Graphs are captured after the KV cache is allocated, lazily on the first decode step that needs a bucket,
-and dropped (re-captured on next use) when the cache is re-allocated: a graph holds the cache's
-addresses. Steps with prefills, sliding-window or hybrid KV groups, or more sequences than the largest
+and dropped (re-captured on next use) when the cache or the input batch's buffer is re-allocated (the
+buffer grows when a step outgrows it: rarely after warm-up): a graph holds their addresses. Steps with
+prefills, sliding-window or hybrid KV groups, tables wider than max_blocks, or more sequences than the largest
 bucket run eagerly, and so does every step of a model whose attention backend cannot be captured (its
 `graph_support`, attention.GraphSupport: the model runner asks before it builds this runner).
 
@@ -27,6 +28,7 @@ from typing import Callable
 import torch
 
 from pagedserve.worker.attention import AttentionMetadata
+from pagedserve.worker.input_batch import InputBatch, graph_region, layout_graph_decode
 
 log = logging.getLogger(__name__)
 
@@ -96,47 +98,46 @@ class CudaGraph:
 
 
 class DecodeGraphRunner:
-    """Static buffers and one graph per capture size for a model's decode steps.
+    """One graph per capture size for a model's decode steps, reading the input batch's device buffer.
 
     forward(input_ids, positions, meta) runs the model over the current KV cache (the model runner's)."""
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 max_num_seqs: int, max_blocks: int, device: torch.device,
+                 max_num_seqs: int, max_blocks: int, batch: InputBatch,
                  graph_factory: Callable[[], object]) -> None:
         self.forward = forward
         self.sizes = capture_sizes(max_num_seqs)
-        self.device = device
+        self.rows = self.sizes[-1]
+        self.max_blocks = max_blocks
+        self.batch = batch
         self.graph_factory = graph_factory
-        rows = self.sizes[-1]
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slots = torch.zeros(rows, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(rows, dtype=torch.long, device=device)
-        self.tables = torch.zeros(rows, max_blocks, dtype=torch.long, device=device)
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-
-    @property
-    def max_blocks(self) -> int:
-        return self.tables.shape[1]
+        self.inputs: tuple[torch.Tensor, ...] | None = None  # graph_region's views, bound on first use
+        self._bound = -1  # batch.allocations when the views were taken
 
     def invalidate(self) -> None:
-        """Drop every graph (the KV cache they captured was re-allocated); they re-capture on next use."""
+        """Drop every graph (the KV cache or the input buffer they captured was re-allocated); they
+        re-capture on next use."""
         self.graphs.clear()
         self.outputs.clear()
 
-    def can_run(self, meta, num_tokens: int) -> bool:
-        """A pure-decode step with one KV group, no window, a batch a bucket holds, tables that fit."""
-        return (isinstance(meta, AttentionMetadata) and not meta.prefills and meta.num_decodes == num_tokens
-                and not meta.decode_windowed and bucket_for(num_tokens, self.sizes) is not None
-                and meta.decode_block_tables.shape[1] <= self.max_blocks)
+    def bucket(self, num_decodes: int) -> int | None:
+        """The capture size a pure-decode step of num_decodes sequences runs at, or None (eagerly)."""
+        return bucket_for(num_decodes, self.sizes) if num_decodes else None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The step's hidden states [b, hidden]: its inputs copied into the static buffers (rows past b
-        repeat row 0), the bucket's graph captured if it is not yet, then replayed."""
-        batch = input_ids.shape[0]
-        size = bucket_for(batch, self.sizes)
-        self._stage(input_ids, positions, meta, batch, size)
+    def layout(self, decodes: list, size: int, block_size: int):
+        """A pure-decode step written where the graphs read it (input_batch.layout_graph_decode): (input_ids,
+        positions, metadata) of `size` rows, or None when a table is wider than the graphs' tables."""
+        return layout_graph_decode(self.batch, decodes, size, self.rows, self.max_blocks, block_size)
+
+    def run(self, size: int) -> torch.Tensor:
+        """The hidden states [size, hidden] of the step `layout` wrote (the rows past its batch are
+        padding): the bucket's graph captured if it is not yet, else replayed; no input is copied."""
+        if self._bound != self.batch.allocations:  # the buffer grew: the graphs read the old one
+            self.invalidate()
+            self.inputs = graph_region(self.batch, self.rows, self.max_blocks)
+            self._bound = self.batch.allocations
         if size not in self.graphs:
             graph = self.graph_factory()
             try:
@@ -146,19 +147,9 @@ class DecodeGraphRunner:
             self.graphs[size] = graph
         else:
             self.graphs[size].replay()
-        return self.outputs[size][:batch]
-
-    def _stage(self, input_ids, positions, meta: AttentionMetadata, batch: int, size: int) -> None:
-        """The step's rows into the static buffers, device to device; rows batch..size repeat row 0."""
-        width = meta.decode_block_tables.shape[1]
-        columns = (input_ids, positions, meta.slot_mapping, meta.decode_seq_lens)
-        for buffer, values in zip((self.input_ids, self.positions, self.slots, self.seq_lens), columns):
-            buffer[:batch].copy_(values)
-            buffer[batch:size].copy_(values[:1].expand(size - batch))
-        self.tables[:batch, :width].copy_(meta.decode_block_tables)
-        self.tables[:batch, width:].zero_()
-        self.tables[batch:size].copy_(self.tables[:1].expand(size - batch, -1))
+        return self.outputs[size]
 
     def _forward_bucket(self, size: int) -> torch.Tensor:
-        meta = AttentionMetadata(self.slots[:size], size, self.tables[:size], self.seq_lens[:size], None, [])
-        return self.forward(self.input_ids[:size], self.positions[:size], meta)
+        input_ids, positions, slots, seq_lens, tables = (t[:size] for t in self.inputs)
+        meta = AttentionMetadata(slots, size, tables, seq_lens, None, [])
+        return self.forward(input_ids, positions, meta)

@@ -1,18 +1,20 @@
 """Persistent step inputs (issue 37 item 1; the idea of vLLM v1's InputBatch and SGLang's ForwardBatch
 buffers, our own code).
 
-A step's integer inputs (token ids, positions, each KV group's slot mapping, the decode rows' block tables
-and sequence lengths, the prefill chunks' (query start, query length, context length) and their block
-tables, zero-padded to the widest chunk: attention.AttentionMetadata.prefill_chunks / prefill_tables) are written by the host, packed one after the other,
-into one preallocated int64 buffer (pinned on CUDA) and reach the device in ONE non-blocking copy of the
-used prefix into one preallocated device buffer. Every tensor the model reads is a view of that device
-buffer; on the CPU the host buffer is the device buffer (no copy at all). No tensor of a per-step shape
-is allocated: the two buffers grow (to the next power of two) only when a step needs more room than any
-step before it, so after warm-up they are the same buffers step after step (`allocations` counts them).
+A step's integer inputs (token ids, positions, each KV group's slot mapping, the decode rows' block tables and
+sequence lengths, the prefill chunks' (query start, query length, context length) and their block tables,
+zero-padded to the widest chunk: attention.AttentionMetadata.prefill_chunks / prefill_tables) are written by
+the host, packed one after the other, into one preallocated int64 buffer (pinned on CUDA) and reach the device
+in ONE non-blocking copy of the used prefix into one preallocated device buffer. Every tensor the model reads
+is a view of that device buffer; on the CPU the host buffer is the device buffer (no copy at all). No tensor
+of a per-step shape is allocated: the two buffers grow (to the next power of two) only when a step needs more
+room than any step before it, so after warm-up they are the same buffers step after step (`allocations` counts
+them).
 
-`layout_step` builds the step's layout from the request states the model runner keeps: decodes first,
-then prefill chunks in order, as AttentionMetadata requires. Attention masks are the backends' business
-(attention.py), not the layout's.
+`layout_step` builds the step's layout from the request states the model runner keeps: decodes first, then
+prefill chunks in order, as AttentionMetadata requires. `layout_graph_decode` writes a pure-decode step a
+decode graph runs at fixed places instead (`graph_region`), padded to the graph's bucket: the graph reads them
+there (graph_runner.py). Attention masks are the backends' business (attention.py), not the layout's.
 
 Invariants:
 - the views handed out for a step stay valid until the next `begin` (the step's forward and sampling);
@@ -197,3 +199,47 @@ def _group_layout(batch: InputBatch, decodes, prefills, positions: np.ndarray, g
         seqs.append((start, n, c, len(used)))
         start += n
     return _GroupLayout(slots_at, tables_at, width, bool(window), prefill_at, seqs)
+
+
+def graph_region(batch: InputBatch, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+    """The decode graphs' inputs, views at fixed offsets of the batch's device buffer: (input_ids [rows],
+    positions [rows], slot_mapping [rows], seq_lens [rows], block_tables [rows, width]). layout_graph_decode
+    writes a step there; a graph captured on these views reads each step's inputs where the one upload put
+    them. Valid until the batch reallocates (batch.allocations changes); the batch must hold the region
+    (a step laid out by layout_graph_decode made it)."""
+    if batch.capacity < 4 * rows + rows * width:
+        raise ValueError(f"the input batch holds {batch.capacity} values, the graph region needs more")
+    return (*(batch.view(k * rows, rows) for k in range(4)), batch.view(4 * rows, rows, width))
+
+
+def layout_graph_decode(batch: InputBatch, decodes: list, size: int, rows: int, width: int, block_size: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None:
+    """A pure-decode step of one full-attention KV group laid out in graph_region's places, padded to `size`
+    rows (a decode graph's bucket): rows past the batch repeat row 0 exactly (its token, position, slot,
+    length and table, so a padding row writes only row 0's slot), tables zero-padded to `width`.
+    Returns (input_ids, positions, metadata) of `size` rows, or None when a table needs more than `width`
+    blocks (the step is laid out by layout_step instead). Uploads 4 * rows + size * width values."""
+    bs, batch_size = block_size, len(decodes)
+    pos = np.fromiter((s.num_computed_tokens for s, _ in decodes), dtype=np.int64, count=batch_size)
+    if int(pos.max()) // bs >= width:
+        return None
+    batch.begin(4 * rows + rows * width)
+    columns = [batch.take(rows)[1] for _ in range(4)]
+    ids, positions, slots, lens = (c[:size] for c in columns)
+    tables_at, flat = batch.take(size * width)
+    tables = flat.reshape(size, width)
+    tables[:batch_size].fill(0)
+    for row, (s, _) in enumerate(decodes):
+        used = s.block_ids[:pos[row] // bs + 1]
+        tables[row, :len(used)] = used
+    ids[:batch_size] = [s.token_ids[s.num_computed_tokens] for s, _ in decodes]
+    positions[:batch_size] = pos
+    lens[:batch_size] = pos + 1
+    slots[:batch_size] = tables[np.arange(batch_size), pos // bs] * bs + pos % bs
+    for column in (ids, positions, slots, lens):
+        column[batch_size:] = column[0]
+    tables[batch_size:] = tables[0]
+    batch.upload()
+    meta = AttentionMetadata(batch.view(2 * rows, size), size, batch.view(tables_at, size, width),
+                             batch.view(3 * rows, size), None, [])
+    return batch.view(0, size), batch.view(rows, size), meta

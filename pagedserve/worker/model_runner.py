@@ -79,6 +79,7 @@ class ModelRunner:
         self.model = model.eval()
         self.kv: KVCache | None = None
         self.decode_graphs: DecodeGraphRunner | None = None  # enable_decode_graphs
+        self._graph_size: int | None = None  # the bucket the step _prepare laid out runs at (a decode graph)
         self.sampler = Sampler()
         self.input_batch = InputBatch(device)  # the step's integer inputs, persistent (input_batch.py)
         self.requests = RequestStates()
@@ -156,7 +157,7 @@ class ModelRunner:
             return
         self.decode_graphs = DecodeGraphRunner(
             lambda ids, positions, meta: self.model(ids, positions, self.kv.model_caches(), meta), max_num_seqs,
-            -(-self.max_model_len // self.block_size), self.device, graph_factory)
+            -(-self.max_model_len // self.block_size), self.input_batch, graph_factory)
 
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
         """CUDA: run the largest step the budget allows (one prompt of num_tokens, no cache yet)
@@ -209,13 +210,20 @@ class ModelRunner:
     def _prepare(self, step: SchedulerOutput):
         """The step's flattened inputs (views of the persistent input batch: input_batch.py) and its
         AttentionMetadata: one object, or with KV groups a list with each layer's group's (slot mapping
-        and tables differ per group)."""
+        and tables differ per group). A pure-decode step a decode graph runs is laid out where the graphs
+        read it, padded to its bucket (self._graph_size, else None)."""
         decodes = [(self._state(r), n) for r, n in step.num_scheduled_tokens.items() if n == 1]
         prefills = [(self._state(r), n) for r, n in step.num_scheduled_tokens.items() if n > 1]
-        input_ids, positions, metas = layout_step(self.input_batch, decodes, prefills,
-                                                  step.total_num_scheduled_tokens, self.kv.groups, self.block_size)
         order = [s for s, _ in decodes] + [s for s, _ in prefills]
         counts = [1] * len(decodes) + [n for _, n in prefills]
+        graphs, self._graph_size = self.decode_graphs, None
+        size = graphs.bucket(len(decodes)) if graphs is not None and not prefills else None
+        laid = graphs.layout(decodes, size, self.block_size) if size else None
+        if laid is not None:
+            self._graph_size = size
+            return *laid, order, counts
+        input_ids, positions, metas = layout_step(self.input_batch, decodes, prefills,
+                                                  step.total_num_scheduled_tokens, self.kv.groups, self.block_size)
         return input_ids, positions, self._per_layer(metas), order, counts
 
     def batch_metadata(self, decodes, prefills, positions: np.ndarray):
@@ -255,16 +263,16 @@ class ModelRunner:
         input_ids, positions, meta, order, counts = self._prepare(step)
         if self.lora is not None:
             self.lora.prepare(order, counts)
-        graphs = self.decode_graphs
         hidden = None
-        if graphs is not None and graphs.can_run(meta, input_ids.shape[0]):
+        if self._graph_size is not None:  # padded to its bucket: the rows past the step's are dropped
             try:
-                hidden = graphs.run(input_ids, positions, meta)
+                hidden = self.decode_graphs.run(self._graph_size)
             except GraphCaptureError as exc:  # never seen on a GPU yet: run eagerly rather than stop serving
                 log.warning("%s; decode steps run eagerly from now on (--enforce-eager says so up front)", exc)
                 self.decode_graphs = None
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv.model_caches(), meta)
+        hidden = hidden[:step.total_num_scheduled_tokens]
         ends = np.cumsum(counts) - 1
         samplers = [i for i, (s, n) in enumerate(zip(order, counts))
                     if s.num_computed_tokens + n == len(s.token_ids) + len(s.spec_token_ids) and samples_any(s.params)]
