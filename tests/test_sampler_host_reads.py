@@ -1,19 +1,44 @@
 """The sampler reads device values back once per step (issue 37 item 5): every row kind at once (greedy,
 temperature with top-k / top-p / min-p, seeded, penalties, logit_bias past the vocabulary, min_tokens,
-logprobs with top logprobs) costs one host read, counted with a torch function mode that sees every
-tolist / item / bool / numpy / cpu call, and no tensor is indexed by a Python list (on a GPU that copies
-the list up and waits); the values read back equal log_softmax computed apart."""
+logprobs with top logprobs) samples with no host read at all (Sampler.sample) and then costs one, when the
+step takes its result (PendingSample.result: the one device->host copy, non-blocking on CUDA), counted with a
+torch function mode that sees every tolist / item / bool / numpy / cpu call, and no tensor is indexed by a
+Python list (on a GPU that copies the list up and waits); the values read back equal log_softmax computed
+apart. A dispatch mode sees the aten ops that wait on CUDA below the Python API (scalar reads, boolean-mask
+indexing, repeat_interleave without its output size): sampling runs none."""
 
 from __future__ import annotations
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.sampler import RowSampling, Sampler, _apply_token_masks_torch
 from pagedserve.worker.structured_output import TokenMasks
 
 READS = {"tolist", "item", "__bool__", "numpy", "cpu", "__int__", "__float__", "__index__"}
+# aten ops that wait for the device on CUDA: a scalar read, or an output whose shape depends on the values
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero",
+            "repeat_interleave"}
+
+
+class SyncOps(TorchDispatchMode):
+    """The aten ops below the Python API (a boolean-mask index becomes nonzero, a tensor of repeats
+    without output_size a scalar read), which a function mode does not see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size")):
+            self.syncs.append(name)
+        if name in ("index", "index_put", "index_put_") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+            self.syncs.append(name + " by a mask")
+        return func(*args, **(kwargs or {}))
 
 
 class HostReads(TorchFunctionMode):
@@ -55,9 +80,12 @@ def test_one_host_read_per_step_with_every_row_kind():
     vocab = 50
     logits = torch.randn(7, vocab)
     rows = _rows(vocab)
+    with HostReads() as mode, SyncOps() as syncs:
+        pending = Sampler().sample(logits, rows)
+    assert mode.reads == [] and syncs.syncs == []
     with HostReads() as mode:
-        out = Sampler()(logits, rows)
-    assert mode.reads == ["tolist"]
+        out = pending.result()
+    assert mode.reads == ["tolist"] and pending.result() is out
     expected = torch.log_softmax(logits.float(), -1)
     for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         assert isinstance(token, int) and 0 <= token < vocab
@@ -76,8 +104,11 @@ def test_greedy_and_plain_sampling_read_once():
     logits = torch.randn(3, 40)
     for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=3, top_p=0.8)):
         rows = [RowSampling(params, None, [], [], (0,)) for _ in range(3)]
+        with HostReads() as mode, SyncOps() as syncs:
+            pending = Sampler().sample(logits, rows)
+        assert mode.reads == [] and syncs.syncs == []
         with HostReads() as mode:
-            Sampler()(logits, rows)
+            pending.result()
         assert mode.reads == ["tolist"]
 
 

@@ -53,7 +53,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     states = [RequestState(f"r{i}", [5, 6, 7], 3, params, [], 2, 0, [], [], spec_token_ids=PROPOSALS)
               for i in range(ROWS)]
     logits = torch.stack([P0.log(), P1.log(), P1.roll(3).log()]).repeat(ROWS, 1)
-    emitted = verifier()._sample(logits, states)
+    emitted = verifier()._sample(logits, states).result()
     runs = [[t.token_id for t in emitted[s.req_id]] for s in states]
     first = torch.bincount(torch.tensor([r[0] for r in runs]), minlength=VOCAB)
     second = torch.bincount(torch.tensor([r[1] for r in runs if len(r) > 1]), minlength=VOCAB)
@@ -78,6 +78,6 @@ def test_greedy_verification_keeps_the_argmax_prefix_and_one_more():
               RequestState("b", [5, 6, 7], 3, params, [], 2, 0, [], [], spec_token_ids=[4, 9])]
     argmaxes = [4, 9, 1, 8, 4, 2, 3]  # a: 4, 9 kept, 1 instead of 3; b: 4 kept, 2 instead of 9
     logits = torch.nn.functional.one_hot(torch.tensor(argmaxes), VOCAB).float()
-    emitted = verifier()._sample(logits, states)
+    emitted = verifier()._sample(logits, states).result()
     assert [t.token_id for t in emitted["a"]] == [4, 9, 1]
     assert [t.token_id for t in emitted["b"]] == [4, 2]

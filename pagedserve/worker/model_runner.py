@@ -27,7 +27,7 @@ from pagedserve.worker import pooling, prompt_logprobs, spec_verify
 from pagedserve.worker.parallel import TPGroup, broadcast_from_rank0, tp_group, using_group
 from pagedserve.worker.platform import platform_for
 from pagedserve.worker.request_states import RequestState, RequestStates
-from pagedserve.worker.sampler import RowSampling, Sampler, to_device
+from pagedserve.worker.sampler import PendingSample, RowSampling, Sampler, SamplerOutput, to_device
 from pagedserve.worker.structured_output import GrammarMatchers, TokenMasks
 from pagedserve.worker import quantized
 from pagedserve.worker.weights import iter_lazy_weights, weight_files
@@ -43,6 +43,21 @@ def sample_generator(params: SamplingParams, sample_index: int, num_output_token
         return None
     mixed = (params.seed * 0x9E3779B1 + sample_index * 0x85EBCA77 + num_output_tokens * 0xC2B2AE3D) % (2**63)
     return torch.Generator(device=device).manual_seed(mixed)
+
+
+@dataclasses.dataclass(slots=True)
+class PendingTokens:
+    """A step's sampling under way (Sampler.sample's PendingSample): result() waits for its one copy to the
+    host and turns the rows into each state's tokens."""
+    runner: ModelRunner
+    states: list[RequestState]
+    starts: list[int]
+    sizes: list[int]
+    constrained: list[int]
+    pending: PendingSample
+
+    def result(self) -> dict[str, list[SampledToken]]:
+        return self.runner._tokens(self.states, self.starts, self.sizes, self.constrained, self.pending.result())
 
 
 class ModelRunner:
@@ -277,6 +292,7 @@ class ModelRunner:
         samplers = [i for i, (s, n) in enumerate(zip(order, counts))
                     if s.num_computed_tokens + n == len(s.token_ids) + len(s.spec_token_ids) and samples_any(s.params)]
         result = ModelRunnerOutput(step.step_id, {}, failed=failed)
+        pending = None
         if samplers:
             rows = spec_verify.logit_rows(ends, samplers, order) if step.spec_token_ids else ends[samplers]
             logits = self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
@@ -284,17 +300,23 @@ class ModelRunner:
             result.forward_time_s = t1 - t0
             states = [order[i] for i in samplers]
             if tp_group().rank == 0:
-                result.sampled = self._sample(logits, states)
-            if tp_group().world_size > 1:
-                result.sampled = self._share_sampled(result.sampled, states)
+                pending = self._sample(logits, states)
             result.sample_time_s = time.perf_counter() - t1
         else:
             result.forward_time_s = time.perf_counter() - t0
+        # The step's host work that needs no sampled token, while the device finishes and the ids come back.
         if any(s.params.prompt_logprobs is not None for s in order):
             result.prompt_logprobs = prompt_logprobs.compute(self.model, hidden, order, counts, tp_group().rank == 0)
         if any(s.params.pooling is not None for s in order):
             result.pooled = pooling.compute(hidden, order, counts, tp_group().rank == 0)
         self.requests.advance(zip(order, counts))
+        if samplers:
+            t2 = time.perf_counter()
+            if pending is not None:
+                result.sampled = pending.result()
+            if tp_group().world_size > 1:
+                result.sampled = self._share_sampled(result.sampled, states)
+            result.sample_time_s += time.perf_counter() - t2
         self.requests.commit({req_id: [t.token_id for t in tokens] for req_id, tokens in result.sampled.items()})
         return result
 
@@ -313,9 +335,10 @@ class ModelRunner:
                 k = len(state.spec_token_ids)
                 state.spec_token_ids, start = ids[start:start + k], start + k
 
-    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> dict[str, list[SampledToken]]:
-        """logits: one row per state, or k + 1 for a state with k proposals. Sampler rows: one per
-        logits row, repeated n times for a state that forks its n samples here."""
+    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> PendingTokens:
+        """The states' tokens sampled on the device, their copy to the host started (PendingTokens.result()
+        waits for it). logits: one row per state, or k + 1 for a state with k proposals. Sampler rows: one
+        per logits row, repeated n times for a state that forks its n samples here."""
         rows, repeats, starts, sizes = [], [], [], []  # repeats: per logits row; starts, sizes: per state
         for state in states:
             params = state.params
@@ -342,11 +365,17 @@ class ModelRunner:
             repeats.append(len(indices))
             sizes.append(len(indices))
         if any(r > 1 for r in repeats):
-            logits = logits.repeat_interleave(to_device(repeats, torch.long, logits.device), dim=0)
+            logits = logits.repeat_interleave(to_device(repeats, torch.long, logits.device), dim=0,
+                                              output_size=len(rows))  # known here: no device read
         constrained = [i for i, state in enumerate(states)  # (a row still in its reasoning samples freely)
                        if state.params.structured_output is not None and self.grammars.prepare(state)]
         masks = self._grammar_masks(states, starts, sizes, constrained) if constrained else None
-        out = self.sampler(logits, rows, masks)
+        return PendingTokens(self, states, starts, sizes, constrained, self.sampler.sample(logits, rows, masks))
+
+    def _tokens(self, states: list[RequestState], starts: list[int], sizes: list[int], constrained: list[int],
+                out: SamplerOutput) -> dict[str, list[SampledToken]]:
+        """Each state's sampled tokens from the sampler's rows (a verified row's accepted ones), its
+        grammar advanced."""
         sampled = {}
         for state, start, size in zip(states, starts, sizes):
             tokens = [SampledToken(out.token_ids[row], None if out.logprobs is None else out.logprobs[row],

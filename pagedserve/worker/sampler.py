@@ -10,7 +10,9 @@ On a GPU the step never waits for the device in the middle: the rows' parameters
 pinned memory without blocking (`to_device`), rows are picked by index tensors made the same way
 (never by a Python list, which would copy up and wait), nothing reads a device value to decide
 what to do next, and the sampled ids (with the logprobs and top logprobs when a row asks) come back in one
-device->host copy at the end (`SamplerOutput` is unpacked from it).
+device->host copy at the end, started without blocking (`Sampler.sample` returns a `PendingSample`; its
+`result()` waits for the copy and unpacks the `SamplerOutput`), so the model runner does the step's other
+host work while the device finishes.
 
 Threads: the worker's torch thread only.
 """
@@ -255,13 +257,18 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[RowSampling], masks: TokenMasks | None = None) -> SamplerOutput:
         """masks: the grammar masks of the constrained rows (None: no row is constrained)."""
+        return self.sample(logits, rows, masks).result()
+
+    def sample(self, logits: torch.Tensor, rows: list[RowSampling], masks: TokenMasks | None = None) -> PendingSample:
+        """The step's sampling, all on the device (no host read: every decision comes from the rows'
+        parameters), and its results' copy to the host started (PendingSample.result waits for it)."""
         raw = logits.float()
         params = [r.params for r in rows]
         want_lp = any(p.logprobs is not None for p in params)
         mutate = masks is not None or any(p.needs_penalties or p.logit_bias or _min_tokens_pending(r)
                                           for p, r in zip(params, rows))
         if not mutate and not want_lp and all(p.greedy for p in params):
-            return SamplerOutput(argmax(raw).tolist(), None, None)
+            return PendingSample(argmax(raw), params, [], 0)
 
         # raw must stay untouched: logprobs are reported from the model's own distribution.
         x = raw.clone() if mutate else raw
@@ -284,14 +291,14 @@ class Sampler:
             put_rows(tokens, index, _draw(y.softmax(-1), [rows[i].generator for i in sampled]))
 
         if not want_lp:
-            return SamplerOutput(tokens.tolist(), None, None)
+            return PendingSample(tokens, params, [], 0)
         return _with_logprobs(raw, tokens, params)
 
 
-def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
-    """The sampled ids, their logprobs and the asked-for top logprobs, read back in one copy: ids,
-    logprobs, then the top values and ids of the rows that want them, as one float64 row (token ids
-    are exact in float64, float32 logprobs too)."""
+def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> PendingSample:
+    """The sampled ids, their logprobs and the asked-for top logprobs as one float64 row, for one copy:
+    ids, logprobs, then the top values and ids of the rows that want them (token ids are exact in
+    float64, float32 logprobs too)."""
     # log_softmax(raw) = raw - logsumexp(raw), without materialising a second [B, V] tensor.
     lse = raw.logsumexp(-1)
     logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - lse
@@ -302,15 +309,49 @@ def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[Samplin
         index = row_index(want_top, raw.shape[0], raw.device)
         vals, ids = take_rows(raw, index).topk(k, dim=-1)
         parts += [(vals - take_rows(lse, index)[:, None]).double().flatten(), ids.double().flatten()]
-    values = torch.cat(parts).tolist()  # the step's one device->host copy
-    rows = len(params)
-    token_ids = [int(t) for t in values[:rows]]
-    top: list[list[tuple[int, float]] | None] = [[] if p.logprobs is not None else None for p in params]
-    start = 2 * rows
-    span = len(want_top) * k
-    for j, i in enumerate(want_top):
-        n = params[i].logprobs
-        row_vals = values[start + j * k:start + j * k + n]
-        row_ids = values[start + span + j * k:start + span + j * k + n]
-        top[i] = [(int(t), v) for t, v in zip(row_ids, row_vals)]
-    return SamplerOutput(token_ids, values[rows:2 * rows], top)
+    return PendingSample(torch.cat(parts), params, want_top, k)
+
+
+class PendingSample:
+    """A step's sampled values on their way to the host: the step's one device->host copy, started
+    without blocking on CUDA (into pinned memory, an event recorded after it), so the host can go on
+    with work that does not need the tokens; `result()` waits for the copy and unpacks it once. On the
+    CPU there is nothing to copy: `result()` reads the values where they are (the same results).
+
+    values: the sampled ids [R] (int64) alone, or with logprobs the float64 row _with_logprobs packs."""
+
+    __slots__ = ("_host", "_event", "_params", "_want_top", "_k", "_output")
+
+    def __init__(self, values: torch.Tensor, params: list[SamplingParams], want_top: list[int], k: int) -> None:
+        self._params, self._want_top, self._k, self._output = params, want_top, k, None
+        self._event = None
+        if values.device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(values.device))
+        else:
+            self._host = values
+
+    def result(self) -> SamplerOutput:
+        if self._output is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._output = self._unpack(self._host.tolist())
+        return self._output
+
+    def _unpack(self, values: list) -> SamplerOutput:
+        params = self._params
+        rows = len(params)
+        if self._host.dtype != torch.float64:  # the ids alone
+            return SamplerOutput(values, None, None)
+        token_ids = [int(t) for t in values[:rows]]
+        top: list[list[tuple[int, float]] | None] = [[] if p.logprobs is not None else None for p in params]
+        k, start = self._k, 2 * rows
+        span = len(self._want_top) * k
+        for j, i in enumerate(self._want_top):
+            n = params[i].logprobs
+            row_vals = values[start + j * k:start + j * k + n]
+            row_ids = values[start + span + j * k:start + span + j * k + n]
+            top[i] = [(int(t), v) for t, v in zip(row_ids, row_vals)]
+        return SamplerOutput(token_ids, values[rows:2 * rows], top)
