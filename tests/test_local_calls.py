@@ -146,6 +146,37 @@ def test_cancel_and_deadline_reach_the_handler():
     assert done == [True, True]
 
 
+def test_cancel_wakes_a_read_already_waiting():
+    # A gateway reading a non-streamed answer cancels the call when its client leaves: the read it is
+    # waiting in must end (it waited for ever over the local socket, leaking the request's books).
+    async def main():
+        servicer = Echo()
+        server, local, channel, stub = await start(servicer)
+        outcomes = []
+        for where in (LocalSocketPath(lambda: stub.GetLocalSocket(common_pb2.LocalSocketRequest())),
+                      LocalSocketPath(None)):
+            servicer.hanging.clear()
+            c = call(stub, where, request([3], "hang"))
+            assert (await c.read()).text == "3"
+            await servicer.hanging.wait()
+            waiting = asyncio.ensure_future(c.read())
+            await asyncio.sleep(0.05)
+            c.cancel()
+            try:
+                await asyncio.wait_for(waiting, 5)  # a bound, not a measurement
+                outcomes.append("returned")
+            except asyncio.CancelledError:
+                outcomes.append(("cancelled", c.over_local_socket))
+            except asyncio.TimeoutError:
+                outcomes.append(("still waiting", c.over_local_socket))
+        await local.stop()
+        await channel.close()
+        await server.stop(None)
+        return outcomes
+
+    assert asyncio.run(main()) == [("cancelled", True), ("cancelled", False)]
+
+
 def test_a_server_that_goes_away_mid_call_is_unavailable():
     async def main():
         servicer = Echo()

@@ -46,6 +46,7 @@ log = logging.getLogger("pagedserve.local_calls")
 
 MESSAGE, STATUS, HALF_CLOSE = b"M", b"S", b"H"
 _END = object()  # a connection's requests ended (half-close or gone)
+_CANCELLED = object()  # in a call's responses: cancel() came; every read from then raises CancelledError
 _CODES = {code.name: code for code in grpc.StatusCode}
 
 
@@ -284,7 +285,8 @@ class LocalSocketPath:
 class LocalOrGrpcCall:
     """A streaming call over the service's local socket when it has one this process can reach,
     else the gRPC call `grpc_call()` makes. Either way: read() returns a response or grpc.aio.EOF
-    and raises grpc.aio.AioRpcError; cancel() makes a later read raise CancelledError.
+    and raises grpc.aio.AioRpcError; cancel() makes a read raise CancelledError, a later one or one
+    waiting already (as grpc.aio's does: a gateway cancels a call its client left while it reads).
 
     request: a unary call's request; requests: an async iterator (a streaming-request call)."""
 
@@ -350,6 +352,9 @@ class LocalOrGrpcCall:
         if self.call is not None:
             return await self.call.read()
         item = await self.responses.get()
+        if item is _CANCELLED:
+            self.responses.put_nowait(item)
+            raise asyncio.CancelledError()
         if isinstance(item, grpc.aio.AioRpcError):
             self.responses.put_nowait(item)  # every later read fails alike
             raise item
@@ -372,6 +377,7 @@ class LocalOrGrpcCall:
             self.deadline.cancel()
         if self.call is not None:
             return self.call.cancel()
+        self.responses.put_nowait(_CANCELLED)  # wakes a read waiting for a response
         self._close()
         return True
 
