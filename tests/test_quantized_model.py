@@ -1,6 +1,6 @@
 """Models served with their linear weights quantized (pagedserve.worker.quantized) against the same
 weights dequantized: a tiny GGUF in every kernel format, --quantization int8 on a tiny HF folder,
-and the default model (Q4_1) teacher-forced over 2,000 tokens, with each one's resident memory.
+and the default model (Q4_1) teacher-forced over 1,000 tokens, with each one's resident memory.
 
 The quantized kernel rounds activations to int8 (a scale per 32 values), so logits differ slightly
 from the float model's; what must hold is the top-1 token at (nearly) every position.
@@ -150,8 +150,8 @@ def check_agreement(model_path: Path, tmp_path: Path, formats: tuple[str, ...]) 
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(model_path).encode(english_text())
-    assert len(ids) >= 2004
-    prompts = [ids[i * 501:(i + 1) * 501] for i in range(4)]  # 4 x 500 predicted positions
+    assert len(ids) >= 1002
+    prompts = [ids[i * 501:(i + 1) * 501] for i in range(2)]  # 2 x 500 predicted positions
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     quant = measure(model_path, "auto", prompts_file)
@@ -160,7 +160,7 @@ def check_agreement(model_path: Path, tmp_path: Path, formats: tuple[str, ...]) 
     print(f"\n{model_path.name}, {len(plain['top1'])} teacher-forced positions: top-1 agreement {rate:.4f}; "
           f"worker RSS quantized ({quant['weights']}) {quant['rss_mib']:.0f} MiB, "
           f"dequantized float32 {plain['rss_mib']:.0f} MiB")
-    assert len(plain["top1"]) == 2000
+    assert len(plain["top1"]) == 1000
     assert all(f in quant["weights"] for f in formats), quant["weights"]
     assert rate >= AGREEMENT
 
