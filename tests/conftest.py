@@ -33,6 +33,20 @@ def default_model_path() -> Path:
     return ensure_default_model(progress=False)
 
 
+@pytest.fixture(scope="session")
+def default_model_hf(default_model_path, tmp_path_factory):
+    """transformers' float32 model of the default model's GGUF, the reference the slow tests compare
+    with: loaded once a session (dequantizing the GGUF takes ~13 s), from a folder of its own so our
+    config.json cannot leak into it. Tests only run it (eval mode, no gradients), never change it."""
+    import torch
+    import transformers
+
+    ref_dir = tmp_path_factory.mktemp("default-model-hf")
+    (ref_dir / "model.gguf").symlink_to(default_model_path / "model.gguf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, gguf_file="model.gguf", dtype=torch.float32)
+    return model.eval().requires_grad_(False)
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     """The default model's own HF tokenizer."""

@@ -97,7 +97,9 @@ def test_small_seq_budget_and_block_size(llama_case):
 
 
 @pytest.mark.slow
-def test_default_model_chat_matches_transformers(default_model_path):
+def test_default_model_chat_matches_transformers(default_model_path, default_model_hf):
+    import copy
+
     import torch
     import transformers
 
@@ -109,13 +111,13 @@ def test_default_model_chat_matches_transformers(default_model_path):
                for q in questions]
     engine = make_engine(default_model_path, tokenizer=tokenizer)
     ours = run(engine, prompts, max_tokens=32)
-    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_path, gguf_file="model.gguf",
-                                                              dtype=torch.float32)
-    model.generation_config.eos_token_id = None
+    model = default_model_hf
+    config = copy.deepcopy(model.generation_config)  # the shared model's own stays as it is
+    config.eos_token_id = None
     for prompt, got in zip(prompts, ours):
         ids = torch.tensor([prompt])
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                             eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, max_new_tokens=32,
+                             do_sample=False, eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
         assert got == ref
     assert "Paris" in tokenizer.decode(ours[0])
 

@@ -199,14 +199,12 @@ def default_model():
 
 
 @pytest.fixture(scope="module")
-def hf_reference(default_model, tmp_path_factory):
+def hf_reference(default_model, default_model_hf, tmp_path_factory):
     # transformers reads the GGUF from a folder of its own, so our config.json cannot leak into it
     ref_dir = tmp_path_factory.mktemp("hf_ref")
     (ref_dir / "model.gguf").symlink_to(default_model / "model.gguf")
-    model = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, gguf_file="model.gguf",
-                                                              dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(ref_dir, gguf_file="model.gguf")
-    return model, tok
+    return default_model_hf, tok
 
 
 @pytest.mark.slow

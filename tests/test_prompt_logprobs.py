@@ -21,12 +21,9 @@ TEXTS = ["The capital of France is Paris, and the capital of Germany is Berlin. 
 
 
 @pytest.fixture(scope="module")
-def hf(default_model_path):
+def hf(default_model_path, default_model_hf):
     import transformers
-    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_path, gguf_file="model.gguf",
-                                                              dtype=torch.float32).eval()
-    return tokenizer, model
+    return transformers.AutoTokenizer.from_pretrained(default_model_path), default_model_hf
 
 
 @pytest.fixture(scope="module")

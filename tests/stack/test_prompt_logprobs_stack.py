@@ -26,12 +26,9 @@ def stack(default_model_path, launch_stack):
 
 
 @pytest.fixture(scope="module")
-def hf(default_model_path):
+def hf(default_model_path, default_model_hf):
     import transformers
-    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_path, gguf_file="model.gguf",
-                                                              dtype=torch.float32).eval()
-    return tokenizer, model
+    return transformers.AutoTokenizer.from_pretrained(default_model_path), default_model_hf
 
 
 def log_dist(model, ids: list[int]) -> torch.Tensor:
