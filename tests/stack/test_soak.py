@@ -1,6 +1,6 @@
 """A soak of the real stack (every service a process, real Redis) on a tiny model.
 
-3,100 short requests at concurrency 32 (the first 100 a warm-up): a third disconnected at random
+2,100 short requests at concurrency 32 (the first 100 a warm-up): a third disconnected at random
 points (a stream closed after a random number of events, or a non-streamed request cancelled after
 a random delay), about one in ten with invalid parameters that must get a 4xx, the rest ordinary
 streamed or non-streamed completions and chat completions that must get a 200 and a finished answer.
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow  # the tiny model borrows the default model's toke
 
 CONCURRENCY = 32
 WARMUP = 100
-SOAK = 3000
+SOAK = 2000
 RSS_BOUND_MIB = 150
 SEED = 20261130
 WORDS = ("the quick brown fox jumps over a lazy dog while seven red birds sing about rain and "
