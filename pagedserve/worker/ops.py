@@ -25,6 +25,8 @@ Stateless once built; safe from any thread.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -136,6 +138,17 @@ class CpuKernelOps(NativeOps):
                 parallel.all_reduce(out)
             return out if layer.bias is None else out + layer.bias
         return layer(x)
+
+    def lora_delta(self, lora, x, out):
+        """Each row's own adapter only, in one pass (worker/lora/layers.py: packed_delta)."""
+        if x.dtype not in self._lora_dtypes:
+            return lora.grouped_delta(x, out)
+        return lora.packed_delta(x, out, self.kernels)
+
+    @functools.cached_property
+    def _lora_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(dtype for dtype in (torch.float32, torch.bfloat16)
+                     if self.kernels.lora_delta_available(dtype == torch.bfloat16))
 
     def logits(self, hidden, head):
         if use_small_m(hidden, head) and parallel.tp_group().world_size == 1:

@@ -31,6 +31,10 @@ at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& p
 bool repacked_kernel_available();
 at::Tensor argmax_rows(const at::Tensor& x);
 bool set_work_pool(bool on);
+bool lora_delta_available(bool bfloat16);
+void lora_delta_(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                 const at::Tensor& row_slots, int64_t rank_stride, const std::vector<int64_t>& offsets,
+                 const std::vector<int64_t>& sizes);
 std::tuple<at::Tensor, at::Tensor> work_pool_probe(int64_t n, int64_t chunk, int64_t threads, int64_t sleep_us,
                                                    int64_t throw_at, bool nested);
 std::tuple<at::Tensor, at::Tensor> logits_top(const at::Tensor& x, int64_t k);
@@ -76,6 +80,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logits_top", &pagedserve::logits_top,
         "(x.float(), indices of each row's k largest, unsorted) of a float32 or bfloat16 [rows, n], in one pass");
   m.def("rotary_inplace", &pagedserve::rotary_inplace, "rotate-half rotary embedding of q and k in place");
+  m.def("lora_delta_available", &pagedserve::lora_delta_available,
+        "whether lora_delta_ was compiled for float32 (AVX-512) or bfloat16 (AVX-512 with avx512_bf16)");
+  m.def("lora_delta_", &pagedserve::lora_delta_,
+        "out [T, N] += each row's LoRA delta: its own slot's shrink and expand (lora_delta.cpp; a, b packed by "
+        "worker/lora/packed.py; row_slots int32 [T], -1 none)");
   m.def("set_work_pool", &pagedserve::set_work_pool,
         "the kernels' thread pool on or off (OpenMP; the default unless PAGEDSERVE_WORK_POOL=1); returns the old state");
   m.def("work_pool_probe", &pagedserve::work_pool_probe,

@@ -16,8 +16,10 @@ A step's `LoraBatch` says which slot each row uses (none: the base model). The g
 
 which is exactly out_row += scaling * (x_row @ A_slot^T) @ B_slot^T, since the other slots'
 columns are zero. The ops bundle (worker/ops.py) calls `grouped_delta` after the base matmul,
-whatever computed it (packed float, small-row kernel, quantized blocks); CUDA's bundle calls
-`kernel_delta`, the Triton kernels (kernels/triton/lora.py) on the same stacks, instead.
+whatever computed it (packed float, small-row kernel, quantized blocks); the CPU kernels' bundle
+calls `packed_delta` instead (kernels/cpu/lora_delta.cpp: each row only its own slot's shrink and
+expand, in one pass, on a packed copy of the stacks: packed.py), and CUDA's `kernel_delta`, the
+Triton kernels (kernels/triton/lora.py) on the same stacks.
 
 Tensor parallelism: a column-parallel layer's x is whole, its B rows sharded: each rank adds its
 rows' delta. A row-parallel layer's x and A are sharded by input column: the shrink is a partial
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.worker import parallel
+from pagedserve.worker.lora.packed import PackedStacks, packable
 
 
 @dataclass(slots=True)
@@ -55,6 +58,7 @@ class LoraLayer:
         self.reduced = self.row_parallel and layer.reduce  # the base output is already summed over ranks
         self.a = torch.zeros(max_loras, len(parts), max_rank, in_features, dtype=dtype, device=device)
         self.b_t = [torch.zeros(max_loras * max_rank, size, dtype=dtype, device=device) for _, size in parts]
+        self.packed: PackedStacks | None = None  # the CPU kernel's copy, made when it first runs
 
     def set_slot(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """Put one adapter's parts in a slot: part -> (A [r, in], scaled B [out_part, r]), ranks
@@ -67,6 +71,8 @@ class LoraLayer:
             rank = a.shape[0]
             self.a[slot, part, :rank].copy_(a)
             self.b_t[part][slot * r:slot * r + rank].copy_(b.t())
+        if self.packed is not None:
+            self.packed.write(self, slot)
 
     def grouped_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out + every row's adapter delta (in place where out allows it), torch matmuls."""
@@ -81,6 +87,19 @@ class LoraLayer:
         for part, (offset, size) in enumerate(self.parts):
             target = flat if num_parts == 1 else flat[:, offset:offset + size]
             target.addmm_(v[:, :, part].reshape(-1, k * r), self.b_t[part][:k * r])
+        return out
+
+    def packed_delta(self, x: torch.Tensor, out: torch.Tensor, kernels) -> torch.Tensor:
+        """The same delta through the CPU kernel (kernels.lora_delta_), in place in out; the torch
+        path where the kernel does not take the layer (packed.packable) or the tensors."""
+        rows = x.reshape(-1, self.in_features)
+        if not packable(self, x.dtype) or out.stride(-1) != 1 or out.dtype != x.dtype:
+            return self.grouped_delta(x, out)
+        if self.packed is None:
+            self.packed = PackedStacks(self)
+        p = self.packed
+        kernels.lora_delta_(out.view(-1, out.shape[-1]), rows if rows.stride(-1) == 1 else rows.contiguous(),
+                            p.a, p.b, self.batch.row_slots, p.rank_stride, p.offsets, p.sizes)
         return out
 
     def kernel_delta(self, x: torch.Tensor, out: torch.Tensor, kernels) -> torch.Tensor:
