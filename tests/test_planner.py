@@ -34,6 +34,11 @@ def test_calibrate_writes_a_profile_with_its_fit_error(profile_path):
     assert profile.default_kv_cache_bytes == 8 * 2**20
     assert profile.step_overhead_s == pytest.approx(0.0005)
     assert all(s["seconds"] > 0 and s["predicted_seconds"] >= 0 for s in profile.samples)
+    # the tiny model's arithmetic for the LoRA term: 2 layers of q/k/v (64 -> 64 + 2 x 32), o (64 -> 64),
+    # gate/up (64 -> 2 x 128), down (128 -> 64)
+    assert profile.linear_macs_per_token == 2 * (64 * 128 + 64 * 64 + 64 * 256 + 128 * 64)
+    assert profile.lora_macs_per_rank == 2 * ((3 * 64 + 128) + (64 + 64) + (2 * 64 + 256) + (128 + 64))
+    assert profile.weight_bytes > 0 and profile.dtype_bytes == 4
 
 
 def test_calibrate_prints_the_fit_error(tiny_llama, tmp_path, capsys):
@@ -57,6 +62,22 @@ def test_the_fit_recovers_a_known_cost_model():
     model = fit([(s, truth.predict(s)) for s in shapes])
     assert model.fit.max_abs_rel_error < 1e-6
     assert model.knee == 64
+
+
+def test_the_lora_term_is_the_adapters_arithmetic_at_the_calibrated_rates():
+    cost = CostModel(dict(zip(TERMS, (2e-3, 1e-4, 0.0, 0.0, 0.0, 0.0))))
+    profile = Profile("m", "cpu", "float32", cost, 64, 256, 1 << 20, linear_macs_per_token=1000,
+                      lora_macs_per_rank=10, weight_bytes=4000, dtype_bytes=4)
+    lora = profile.lora_cost(16)
+    assert lora.seconds_per_row == pytest.approx(1e-4 * 160 / 1000)  # 16 x 10 extra multiply-adds a row
+    assert lora.seconds_per_slot == pytest.approx(2e-3 * 160 * 4 / 4000)  # its 160 values' bytes, read once
+    shape = StepShape()
+    shape.add(1, 10, 11, lora=True)
+    shape.add(5, 0, 5)
+    shape.lora_slots = 1
+    assert profile.step_time(shape, lora) - profile.step_time(shape) == pytest.approx(1.6e-5 + 3.2e-4)
+    with pytest.raises(ValueError, match="recalibrate|calibrate"):
+        Profile("m", "cpu", "float32", cost, 64, 256, 1 << 20).lora_cost(16)  # a profile from before the term
 
 
 def plan(profile_path, tmp_path, *flags) -> dict:
@@ -104,6 +125,22 @@ def test_plan_replays_a_trace_file(profile_path, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"arrival_s": 0, "prompt_tokens": 4}\n')
     assert main(["plan", "--profile", str(profile_path), "--trace", str(bad)]) == 2
+
+
+def test_the_plan_moves_with_lora_adapters(profile_path, tmp_path):
+    flags = ["--num-prompts", "8", "--input-len", "24", "--output-len", "6", "--kv-cache-memory", "1MiB"]
+    base = plan(profile_path, tmp_path, *flags)
+    lora_on = ["--enable-lora", "--max-loras", "4", "--loras", "4"]
+    four = plan(profile_path, tmp_path, *flags, *lora_on)
+    wide = plan(profile_path, tmp_path, *flags, *lora_on, "--max-lora-rank", "64")
+    assert base["planner"]["num_steps"] == four["planner"]["num_steps"] == wide["planner"]["num_steps"]
+    assert base["planner"]["mean_step_ms"] < four["planner"]["mean_step_ms"] < wide["planner"]["mean_step_ms"]
+    assert base["output_throughput"] > four["output_throughput"] > wide["output_throughput"]
+    assert base["planner"]["lora"] is None and 0 < four["planner"]["lora"]["lora_ms_total"]
+    # one adapter per step (--max-loras 1): the real scheduler holds the others back
+    one = plan(profile_path, tmp_path, *flags, "--enable-lora", "--max-loras", "1", "--loras", "4")
+    assert one["planner"]["num_steps"] > four["planner"]["num_steps"]
+    assert main(["plan", "--profile", str(profile_path), *flags, "--loras", "4"]) == 2  # adapters need --enable-lora
 
 
 def test_the_sweep_ranks_configurations_and_plots(profile_path, tmp_path, capsys):

@@ -43,6 +43,9 @@ def add_planner_parsers(sub) -> None:
     plan = sub.add_parser("plan", help="replay a workload through the real scheduler on a calibrated cost model")
     plan.add_argument("--profile", default=None, metavar="FILE", help="from `pagedserve calibrate --out FILE`")
     add_workload_args(plan)
+    plan.add_argument("--loras", type=int, default=0, metavar="N",
+                      help="spread the requests round robin over N LoRA adapters (with --enable-lora; the step "
+                           "cost then has the adapters' term: docs/planner.md)")
     plan.add_argument("--sweep", nargs="+", default=None, metavar="KEY=V1,V2",
                       help="simulate every combination, e.g. max_num_batched_tokens=256,512 max_num_seqs=8,32")
     plan.add_argument("--out-dir", default="plan-out", help="where --sweep writes plan_sweep.json and its plot")

@@ -136,6 +136,7 @@ def calibrate(args) -> Profile:
     from pagedserve.common.model_config import ModelConfig
     from pagedserve.model_files.default_model import resolve_model
     from pagedserve.worker.kv_cache import bytes_per_block
+    from pagedserve.worker.lora.weights import linear_macs_per_token, lora_macs_per_rank
     from pagedserve.worker.model_runner import ModelRunner
     from pagedserve.worker.model_setup import kv_cache_blocks, pick_device, pick_dtype, resolve_max_model_len
 
@@ -181,7 +182,10 @@ def calibrate(args) -> Profile:
                       kv_bytes_per_token=per_block // bs, max_model_len=max_len,
                       default_kv_cache_bytes=default_blocks * per_block,
                       step_overhead_s=args.step_overhead_ms / 1e3, request_overhead_s=args.request_overhead_ms / 1e3,
-                      tokenize_s_per_token=measure_tokenizer(model_path), samples=records)
+                      tokenize_s_per_token=measure_tokenizer(model_path), samples=records,
+                      linear_macs_per_token=linear_macs_per_token(runner.model),
+                      lora_macs_per_rank=lora_macs_per_rank(runner.model), weight_bytes=runner.weight_bytes(),
+                      dtype_bytes=torch.tensor([], dtype=dtype).element_size())
     return profile
 
 

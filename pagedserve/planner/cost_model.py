@@ -12,6 +12,12 @@ Every coefficient is a time (seconds per unit) and >= 0 (non-negative least squa
 reads as a bill: "this step cost 2 ms fixed, 0.3 ms per token, ...". calibrate.py measures the
 samples; the planner's simulator prices each step it schedules with predict(). Plain Python and
 numpy/scipy: no torch (the simulator imports this).
+
+LoRA adapters (--enable-lora) add a term the base calibration prices from the model's arithmetic
+(LoraCost): a row of an adapter costs its extra multiply-adds (the CPU kernel computes every
+adapted layer's shrink and expand at --max-lora-rank: rank x sum over the target layers of
+parts x in + out) at the calibrated seconds per base multiply-add, and each adapter in the step
+(a slot) reads its stacks once, those bytes at the calibrated fixed step cost per base weight byte.
 """
 
 from __future__ import annotations
@@ -34,14 +40,19 @@ class StepShape:
     sampled: int = 0  # rows that reach the end of their tokens and are sampled (the LM head runs on them)
     prefill_pairs: float = 0.0  # causal attention pairs of the prefill chunks: sum n * (context + (n + 1) / 2)
     decode_context: int = 0  # tokens the decodes attend to: sum of their context lengths
+    lora_rows: int = 0  # tokens of requests with a LoRA adapter
+    lora_slots: int = 0  # distinct adapters in the step (each one's stacks are read once)
 
     @property
     def tokens(self) -> int:
         return self.prefill_tokens + self.decode_seqs
 
-    def add(self, num_new: int, num_computed: int, num_total: int) -> None:
+    def add(self, num_new: int, num_computed: int, num_total: int, lora: bool = False) -> None:
         """One request of the step: num_new tokens on num_computed already in its cache, of
-        num_total known tokens (it is sampled when it reaches the end)."""
+        num_total known tokens (it is sampled when it reaches the end); lora: it has an adapter
+        (the caller counts the step's distinct adapters in lora_slots)."""
+        if lora:
+            self.lora_rows += num_new
         if num_new == 1:
             self.decode_seqs += 1
             self.decode_context += num_computed + 1
@@ -118,6 +129,16 @@ def fit_report(predicted: np.ndarray, measured: np.ndarray) -> FitReport:
     return FitReport(len(measured), float(rel.mean()), float(np.percentile(rel, 90)), float(rel.max()))
 
 
+@dataclass(slots=True, frozen=True)
+class LoraCost:
+    """The adapters' extra seconds in a step: per adapted row and per adapter in the step."""
+    seconds_per_row: float = 0.0
+    seconds_per_slot: float = 0.0
+
+    def seconds(self, shape: StepShape) -> float:
+        return self.seconds_per_row * shape.lora_rows + self.seconds_per_slot * shape.lora_slots
+
+
 @dataclass(slots=True)
 class Profile:
     """What calibrate measured: the cost model and the fixed costs around it, and the model's
@@ -133,9 +154,28 @@ class Profile:
     request_overhead_s: float = 0.0  # per request before the scheduler sees it (gateway, tokenizer, network)
     tokenize_s_per_token: float = 0.0  # text prompts only: the tokenizer's time per prompt token
     samples: list[dict] = field(default_factory=list)  # the measured steps: shape fields + seconds
+    # The model's arithmetic, for the LoRA term (0 in profiles made before it: recalibrate)
+    linear_macs_per_token: int = 0  # multiply-adds of one token through the decoder's linear layers
+    lora_macs_per_rank: int = 0  # an adapted row's extra multiply-adds per unit of rank (also its values read)
+    weight_bytes: int = 0  # the base weights the calibration ran on
+    dtype_bytes: int = 4  # bytes of one activation-dtype value (the adapters' stacks)
 
-    def step_time(self, shape: StepShape) -> float:
-        return self.cost.predict(shape) + (self.step_overhead_s if shape.tokens else 0.0)
+    def step_time(self, shape: StepShape, lora: LoraCost | None = None) -> float:
+        if not shape.tokens:
+            return 0.0
+        return self.cost.predict(shape) + self.step_overhead_s + (lora.seconds(shape) if lora else 0.0)
+
+    def lora_cost(self, max_lora_rank: int) -> LoraCost:
+        """What adapters of --max-lora-rank add (the stacks are that wide whatever an adapter's own
+        rank): each adapted row rank x lora_macs_per_rank multiply-adds at the calibrated seconds
+        per base multiply-add (per_token / linear_macs_per_token), each adapter in the step its
+        stacks' bytes at the calibrated fixed step cost per base weight byte (fixed / weight_bytes)."""
+        if not (self.linear_macs_per_token and self.lora_macs_per_rank and self.weight_bytes):
+            raise ValueError("this profile predates the planner's LoRA term: make it again with `pagedserve calibrate`")
+        macs = max_lora_rank * self.lora_macs_per_rank
+        coef = self.cost.coefficients
+        return LoraCost(seconds_per_row=coef["per_token"] * macs / self.linear_macs_per_token,
+                        seconds_per_slot=coef["fixed"] * macs * self.dtype_bytes / self.weight_bytes)
 
     def to_json(self) -> dict:
         return {"version": PROFILE_VERSION, **asdict(self)}

@@ -13,16 +13,17 @@ from __future__ import annotations
 import math
 
 from pagedserve.common import settings
-from pagedserve.planner.cost_model import Profile
+from pagedserve.common.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
+from pagedserve.planner.cost_model import LoraCost, Profile
 from pagedserve.common.sizes import parse_size
 from pagedserve.planner.report import bench_json
 from pagedserve.planner.simulator import Simulator
-from pagedserve.planner.trace import TraceRequest, from_dataset, load_trace
+from pagedserve.planner.trace import TraceRequest, from_dataset, load_trace, spread_over_adapters
 from pagedserve.scheduler.core.scheduler import SchedulerConfig
 
 ENGINE_KEYS = ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
                "long_prefill_token_threshold", "max_model_len", "preemption_mode", "scheduling_policy",
-               "no_prefix_caching", "no_chunked_prefill", "swap_space")
+               "no_prefix_caching", "no_chunked_prefill", "swap_space", "enable_lora", "max_loras", "max_lora_rank")
 
 
 def scheduler_config(profile: Profile, engine: dict) -> SchedulerConfig:
@@ -48,18 +49,26 @@ def scheduler_config(profile: Profile, engine: dict) -> SchedulerConfig:
                            enable_prefix_caching=not engine.get("no_prefix_caching"),
                            enable_chunked_prefill=not engine.get("no_chunked_prefill"), preemption_mode=mode,
                            policy=engine.get("scheduling_policy") or "fcfs",
-                           long_prefill_token_threshold=threshold)
+                           long_prefill_token_threshold=threshold,
+                           max_loras=(engine.get("max_loras") or DEFAULT_MAX_LORAS) if engine.get("enable_lora") else 0)
+
+
+def lora_cost(profile: Profile, engine: dict) -> LoraCost | None:
+    """The adapters' extra cost per step with --enable-lora (cost_model.LoraCost), else None."""
+    if not engine.get("enable_lora"):
+        return None
+    return profile.lora_cost(engine.get("max_lora_rank") or DEFAULT_MAX_LORA_RANK)
 
 
 def load_workload(args) -> list[TraceRequest]:
     if args.trace:
-        return load_trace(args.trace)
+        return spread_over_adapters(load_trace(args.trace), getattr(args, "loras", 0))
     tokenizer = None
     if args.dataset == "sharegpt" or args.tokenizer:
         from pagedserve.bench.serve_datasets import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer, getattr(args, "profile_model_path", args.profile_model))
-    return from_dataset(args, tokenizer)
+    return spread_over_adapters(from_dataset(args, tokenizer), getattr(args, "loras", 0))
 
 
 def workload_config(args, trace: list[TraceRequest]) -> dict:
@@ -75,14 +84,25 @@ def workload_config(args, trace: list[TraceRequest]) -> dict:
 def simulate(profile: Profile, engine: dict, trace: list[TraceRequest], max_concurrency: int | None,
              request_rate: float, slo_ttft_ms: float | None, slo_tpot_ms: float | None, config: dict) -> dict:
     sched_config = scheduler_config(profile, engine)
-    sim = Simulator(sched_config, profile.step_time, profile.request_overhead_s, max_concurrency).run(trace)
+    if any(r.lora for r in trace) and not engine.get("enable_lora"):
+        raise ValueError("the workload's requests name LoRA adapters: plan it with --enable-lora")
+    lora = lora_cost(profile, engine)
+    sim = Simulator(sched_config, lambda shape: profile.step_time(shape, lora), profile.request_overhead_s,
+                    max_concurrency).run(trace)
     result = bench_json(sim, trace, slo_ttft_ms, slo_tpot_ms, request_rate, max_concurrency, config)
     waits = [t.send_s - r.arrival_s for t, r in zip(sim.requests, trace)]
     result["planner"].update(
         engine={k: getattr(sched_config, k) for k in ("num_gpu_blocks", "block_size", "max_num_seqs",
                                                         "max_num_batched_tokens", "long_prefill_token_threshold",
                                                         "max_model_len", "enable_prefix_caching",
-                                                        "enable_chunked_prefill", "preemption_mode")},
+                                                        "enable_chunked_prefill", "preemption_mode",
+                                                        "max_loras")},
+        lora=None if lora is None else {"max_lora_rank": engine.get("max_lora_rank") or DEFAULT_MAX_LORA_RANK,
+                                        "ms_per_adapted_token": 1e3 * lora.seconds_per_row,
+                                        "ms_per_adapter_in_step": 1e3 * lora.seconds_per_slot,
+                                        "lora_ms_total": 1e3 * sum(lora.seconds_per_row * s.lora_rows +
+                                                                 lora.seconds_per_slot * s.lora_slots
+                                                                 for s in sim.steps)},
         mean_client_wait_ms=1e3 * sum(waits) / len(waits) if waits else 0.0,
         profile={"model": profile.model, "device": profile.device, "dtype": profile.dtype,
                  "fit_mean_abs_rel_error": profile.cost.fit.mean_abs_rel_error,
@@ -104,6 +124,10 @@ def print_planner_lines(result: dict) -> None:
                          ("Client-side wait (mean ms):", f"{p['mean_client_wait_ms']:.1f}")):
         print(f"{label:<40}{value!s:>20}")
     print(f"waiting (request-seconds by reason): {waits}")
+    if p.get("lora"):
+        lora = p["lora"]
+        print(f"LoRA (rank {lora['max_lora_rank']}): {lora['ms_per_adapted_token']:.4f} ms per adapted token, "
+              f"{lora['ms_per_adapter_in_step']:.3f} ms per adapter in a step; {lora['lora_ms_total']:.1f} ms in all")
 
 
 def engine_values(args) -> dict:

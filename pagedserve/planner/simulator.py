@@ -5,6 +5,9 @@ is Scheduler.schedule() then Scheduler.update() with a ModelRunnerOutput, as LLM
 only the model is replaced. Each request that reaches the end of its known tokens gets one sampled
 token (token id 0; ignore_eos, max_tokens = the trace's output length, as `bench serve` asks), and
 the step lasts what the cost model says for its shape. Virtual time then moves on by that much.
+A request of the trace with a LoRA adapter carries its name, so the scheduler holds a step to
+--max-loras adapters as it does when serving, and the step's shape counts its adapted rows and
+adapters (the cost model's LoRA term).
 
 The client side is `bench serve`'s: request i is ready at its arrival_s; with --max-concurrency it
 is sent when one of the slots frees (first ready, first sent, as asyncio's semaphore does); the
@@ -55,6 +58,8 @@ class StepRecord:
     waiting: int
     waiting_reason: str | None
     kv_usage: float  # share of the device pool in use after the step was scheduled
+    lora_rows: int = 0  # tokens of requests with an adapter
+    lora_slots: int = 0  # distinct adapters in the step
 
 
 @dataclass(slots=True)
@@ -107,7 +112,8 @@ class Simulator:
             while admissions and admissions[0][0] <= now:
                 admit_s, index = heapq.heappop(admissions)
                 req = trace[index]
-                params = SamplingParams(temperature=0.0, max_tokens=req.output_tokens, ignore_eos=True)
+                params = SamplingParams(temperature=0.0, max_tokens=req.output_tokens, ignore_eos=True,
+                                        lora_name=req.lora or "")
                 scheduler.add_request(Request(f"r{index}", list(req.prompt_token_ids), req.prompt_tokens, params,
                                               arrival_time=admit_s + index * TIE_BREAK_S))
 
@@ -134,16 +140,21 @@ class Simulator:
                                    "(the KV pool cannot hold them)")
             shape = StepShape()
             sampled: dict[str, list[SampledToken]] = {}
+            adapters = set()
             for req_id, num in out.num_scheduled_tokens.items():
                 r = scheduler.requests[req_id]
-                shape.add(num, r.num_computed_tokens, r.num_tokens)
+                shape.add(num, r.num_computed_tokens, r.num_tokens, lora=bool(r.params.lora_name))
+                if r.params.lora_name:
+                    adapters.add(r.params.lora_name)
                 if r.num_computed_tokens + num >= r.num_tokens:
                     sampled[req_id] = [SampledToken(SAMPLED_TOKEN)]
+            shape.lora_slots = len(adapters)
             stats = scheduler.last_step
             duration = self.step_time(shape)
             steps.append(StepRecord(now, duration, tuple(out.num_scheduled_tokens.items()), shape.prefill_tokens,
                                     shape.decode_seqs, stats.preemptions, len(scheduler.running), stats.waiting,
-                                    stats.waiting_reason, scheduler.block_manager.usage()))
+                                    stats.waiting_reason, scheduler.block_manager.usage(), shape.lora_rows,
+                                    shape.lora_slots))
             if stats.waiting and stats.waiting_reason:
                 waiting_time[stats.waiting_reason] += stats.waiting * duration
             now += duration

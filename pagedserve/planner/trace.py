@@ -5,8 +5,9 @@ Trace files are JSON lines, one request each:
     {"arrival_s": 0.12, "prompt_tokens": 128, "output_tokens": 64}
 optionally with "prefix_id" and "prefix_tokens" (requests of one prefix_id share their first
 prefix_tokens tokens, so the prefix cache sees what it would), or "prompt_token_ids" (the exact
-prompt; `bench serve --record-trace` writes these). arrival_s is the time the client sends it,
-from the start of the run; lines need not be sorted.
+prompt; `bench serve --record-trace` writes these), and "lora" (the name of the request's LoRA
+adapter). arrival_s is the time the client sends it, from the start of the run; lines need not be
+sorted. `plan --loras N` spreads a dataset's requests round robin over N adapters instead.
 
 Synthetic prompts are token ids (the block manager hashes ids, so only equality matters): the
 random and prefix datasets draw them exactly as `bench serve` does with a tokenizer, so with the same
@@ -34,6 +35,7 @@ class TraceRequest:
     arrival_s: float  # when the client sends it (a concurrency cap may hold it back further)
     prompt_token_ids: list[int]
     output_tokens: int
+    lora: str | None = None  # the request's LoRA adapter (its name), if any
 
     @property
     def prompt_tokens(self) -> int:
@@ -106,15 +108,25 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
                              f"prompt_token_ids ({exc})") from None
         if not ids or output < 1 or not math.isfinite(arrival) or arrival < 0:
             raise ValueError(f"{where}: needs >= 1 prompt token, >= 1 output token and arrival_s >= 0")
-        out.append(TraceRequest(arrival, ids, output))
+        lora = item.get("lora")
+        out.append(TraceRequest(arrival, ids, output, str(lora) if lora else None))
     if not out:
         raise ValueError(f"{path}: the trace holds no request")
     out.sort(key=lambda r: r.arrival_s)
     return out
 
 
+def spread_over_adapters(requests: list[TraceRequest], count: int) -> list[TraceRequest]:
+    """`plan --loras N`: request i runs with adapter lora-(i mod N), as `bench throughput --loras`
+    spreads its requests (count 0: as they are)."""
+    for i, r in enumerate(requests if count > 0 else []):
+        r.lora = f"lora-{i % count}"
+    return requests
+
+
 def write_trace(path: str | Path, requests: list[TraceRequest]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for r in requests:
             f.write(json.dumps({"arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens,
-                                "output_tokens": r.output_tokens, "prompt_token_ids": r.prompt_token_ids}) + "\n")
+                                "output_tokens": r.output_tokens, "prompt_token_ids": r.prompt_token_ids,
+                                **({"lora": r.lora} if r.lora else {})}) + "\n")

@@ -40,6 +40,24 @@ def out_features(layer: nn.Module) -> int:
     return layer.weight.shape[0] if layer.quant is None else sum(layer.quant.row_counts)
 
 
+def lora_macs_per_rank(model: nn.Module) -> int:
+    """An adapted row's extra multiply-adds per unit of rank (the planner's LoRA term): every
+    target layer's shrink (each part's A over the layer's input) and expand (its output)."""
+    total = 0
+    for name, parts in lora_targets(model).items():
+        layer = model.get_submodule(name)
+        total += len(parts) * layer.weight.shape[1] + sum(size for _, size in parts)
+    return total
+
+
+def linear_macs_per_token(model: nn.Module) -> int:
+    """Multiply-adds of one token through the model's linear layers (this rank; the LM head and
+    embeddings are not linear layers here)."""
+    return sum(m.weight.shape[1] * out_features(m) for m in model.modules()
+               if isinstance(m, (parallel.ColumnParallelLinear, parallel.RowParallelLinear,
+                                 parallel.ReplicatedLinear)))
+
+
 def load_adapter(model: nn.Module, spec: AdapterSpec, dtype: torch.dtype) -> AdapterWeights:
     """spec's tensors for this model and rank, on the CPU in dtype. LoraError when a module has
     no layer here or its shapes do not fit the model."""
