@@ -186,3 +186,45 @@ def test_adapters_that_cannot_be_served(case, tmp_path):
     with pytest.raises(LoraError):
         engine.add_lora(LoraRequest("a2", 1, str(folders["a2"])))
     assert engine.list_loras() == []
+
+
+def test_the_cpu_kernel_adds_each_rows_own_adapter():
+    """kernels/cpu/lora_delta.cpp (CpuKernelOps' delta) equals the torch grouped matmul, float32
+    and bfloat16, with base rows, an empty slot, an odd rank and a slot rewritten after packing."""
+    from pagedserve.kernels import cpu_ops
+    from pagedserve.worker.lora.layers import LoraBatch, LoraLayer
+
+    kernels = cpu_ops.load()
+    if kernels is None or not kernels.lora_delta_available(False):
+        pytest.skip("the CPU kernels are not built here (AVX-512 needed)")
+    gen = torch.Generator().manual_seed(0)
+    parts, rows = [(0, 48), (48, 20), (68, 20)], [-1, 0, 2, 2, 0, -1, 2, 0, 2]
+    for dtype in [torch.float32] + ([torch.bfloat16] if kernels.lora_delta_available(True) else []):
+        batch = LoraBatch()
+        layer = LoraLayer(object(), parts, 64, max_loras=3, max_rank=5, batch=batch, dtype=dtype,
+                          device=torch.device("cpu"))
+        adapter = lambda: {p: (torch.randn(5, 64, generator=gen), torch.randn(size, 5, generator=gen))  # noqa: E731
+                           for p, (_, size) in enumerate(parts)}
+        layer.set_slot(0, adapter())
+        layer.set_slot(2, adapter())
+        slots = torch.tensor(rows, dtype=torch.int32)
+        batch.row_slots, batch.slots = slots, 3
+        batch.mask = torch.nn.functional.one_hot(slots.long().clamp(min=0), 3).to(dtype) * (slots >= 0)[:, None]
+        x = torch.randn(len(rows), 64, generator=gen).to(dtype)
+        out = torch.randn(len(rows), 88, generator=gen).to(dtype)
+        for _ in range(2):  # the second time after slot 2 changed: the packed copy follows set_slot
+            if dtype == torch.float32:
+                want = layer.grouped_delta(x, out.clone()).double()
+            else:  # bfloat16: float64 arithmetic on the same values, the shrink rounded as torch's is
+                want = out.double().clone()
+                for t, s in enumerate(rows):
+                    for p, (offset, size) in enumerate(parts):
+                        if s >= 0:
+                            v = (x[t].double() @ layer.a[s, p].double().t()).to(dtype).double()
+                            want[t, offset:offset + size] += v @ layer.b_t[p][s * 5:(s + 1) * 5].double()
+            got = layer.packed_delta(x, out.clone(), kernels)
+            assert layer.packed is not None
+            tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+            torch.testing.assert_close(got.double(), want, **tol)
+            assert torch.equal(got[[0, 5]], out[[0, 5]])  # base rows untouched
+            layer.set_slot(2, adapter())

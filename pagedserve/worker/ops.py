@@ -5,7 +5,8 @@ platform gives it (pagedserve.worker.platform) and never learns the device.
     NativeOps      plain torch on any device: the reference the others must equal
     CpuKernelOps   the compiled C++ kernels (pagedserve/kernels/cpu): fused residual-add norm,
                    in-place rotary from the position tables, silu-and-mul, the small-row float32
-                   matmul; what they lack stays native
+                   matmul, LoRA's delta (each row its own adapter, in one pass); what they lack
+                   stays native
     CudaOps        the fused Triton kernels (norm, rotary, activation, LoRA's grouped matmuls)
 
 The ops:
