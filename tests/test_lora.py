@@ -75,6 +75,9 @@ def test_four_adapters_and_the_base_in_one_batch(case):
     jobs = [(p, name) for p in range(len(PROMPTS)) for name in [None, *ADAPTERS]]
     assert run(engine, jobs, folders) == expect(expected, jobs)
     assert max(slots_per_step) == 5  # four adapters and the base model shared steps
+    if engine.runner.model.ops.name == "cpu-kernels" and engine.runner.model.ops.kernels.lora_delta_available(False):
+        # every layer's delta ran on the CPU kernel (o_proj and down_proj too: their all-reduce is one rank's)
+        assert all(layer.packed is not None for layer in engine.runner.lora.layers.values())
     engine.add_request("s", PROMPTS[0], GREEDY, lora_request=LoraRequest("a1", 2, str(folders["a1"])))
     assert engine.stats()["adapters"] == {"a1": {"running": 0, "waiting": 1}}  # engine stats by adapter
 
