@@ -163,6 +163,33 @@ def test_speculation_skips_structured_rows_and_respects_limits():
     assert Speculation(SpeculativeConfig(disable_by_batch_size=0)).begin_step({}, num_running=500)
 
 
+def test_steps_wait_for_results_while_speculation_would_propose():
+    # An ahead step carries no proposals, and steps that go ahead keep going ahead: the step loop
+    # waits for the running step's results whenever a running request would get proposals.
+    from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
+    from scheduler_driver import make_request
+
+    def scheduler(limit: int) -> Scheduler:
+        cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2,
+                                disable_by_batch_size=limit)
+        return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks=64,
+                                         block_size=4, max_model_len=256), speculative=cfg)
+
+    sched = scheduler(limit=3)
+    assert not sched.waits_for_speculation()  # nothing running
+    sched.add_request(make_request("plain", [7, 8, 9, 10, 11], max_tokens=20))
+    sched.schedule()
+    assert not sched.waits_for_speculation()  # no n-gram match: steps may go ahead
+    sched.add_request(make_request("repeats", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], max_tokens=20))
+    sched.schedule()
+    assert sched.waits_for_speculation()
+    sched.add_request(make_request("third", [20, 21, 22], max_tokens=20))
+    sched.schedule()
+    assert not sched.waits_for_speculation()  # disable_by_batch_size running: no proposals anyway
+    assert not Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks=64,
+                                         block_size=4, max_model_len=256)).waits_for_speculation()
+
+
 def test_ngram_proposer():
     def propose(tokens, lo=1, hi=3, k=4):
         return propose_ngram(np.array(tokens), lo, hi, k).tolist()

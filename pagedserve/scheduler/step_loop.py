@@ -4,7 +4,8 @@ workers, publish each step's tokens through the record writer, abort.
 Async scheduling (ServiceConfig.async_scheduling, on by default): behind a short decode step
 (AHEAD_MAX_STEP_S), step N+1 is scheduled and sent before step N's results are taken in, so the
 worker runs it while this thread publishes N's tokens; `inflight` holds the steps sent and not yet
-taken in (one or two), oldest first.
+taken in (one or two), oldest first. Not while speculation would propose for a running request
+(Scheduler.waits_for_speculation): an ahead step carries no proposals.
 
 Threads: every method here runs on the step-loop thread, the only one that touches the Scheduler;
 other threads hand it work through `post` (callables run between two steps). The live groups'
@@ -229,7 +230,8 @@ class StepLoop:
         if not self.inflight:  # (an exception in _take_results may leave the ahead step here)
             self._send_step(self.scheduler.schedule())
         if self.async_scheduling and len(self.inflight) == 1 and not self.scheduler.needs_sync \
-                and not self.inflight[0].stats.prefill_tokens and self.last_worker_step_s < AHEAD_MAX_STEP_S:
+                and not self.inflight[0].stats.prefill_tokens and self.last_worker_step_s < AHEAD_MAX_STEP_S \
+                and not self.scheduler.waits_for_speculation():
             ahead = self.scheduler.schedule(ahead=True)
             if ahead is not None:
                 self._send_step(ahead)

@@ -168,7 +168,9 @@ def test_readmitted_request_nobody_reattaches_to_is_aborted(stack):
     old.signal(signal.SIGKILL)
     old.proc.wait(timeout=30)
     old.stop()
-    new = ServiceProcess("scheduler", [*old.argv, "--orphan-timeout", "1"], old.health_address, env=old.env,
+    # --orphan-timeout 0: aborted at the step loop's first turn. With 1 s a quiet machine ran the
+    # tiny model to its context (finish_reason "length") before the grace period was over.
+    new = ServiceProcess("scheduler", [*old.argv, "--orphan-timeout", "0"], old.health_address, env=old.env,
                          log_path=old.log_path).start()
     stack.processes[stack.processes.index(old)] = new
     new.wait_healthy(120)

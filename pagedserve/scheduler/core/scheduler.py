@@ -406,6 +406,21 @@ class Scheduler:
         self._record(req, num_new + len(spec), result, out, spec=spec)
         return not preempted
 
+    def waits_for_speculation(self) -> bool:
+        """Whether the step after the running one should wait for its results instead of going
+        ahead: speculation is on and a running request would get proposals now. An ahead step
+        carries none, and once steps go ahead each next one goes ahead too: speculation would stay
+        off for as long as the steps are short (a serve stream at one request kept ~1 proposal in 6)."""
+        spec = self.speculation
+        if spec is None:
+            return False
+        limit = spec.config.disable_by_batch_size
+        if limit and len(self.running) >= limit:
+            return False
+        budget, max_len = self.config.max_num_batched_tokens - 1, self.config.max_model_len
+        return any(spec.propose(r, budget, max_len, self.step_id + 1) for r in self.running
+                   if r.status is RequestStatus.RUNNING)
+
     def _proposals(self, req: Request, num_new: int) -> list[int]:
         if not self._speculate or num_new != 1 or req.num_unscheduled_tokens != 1:
             return []
