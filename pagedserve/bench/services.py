@@ -60,8 +60,6 @@ def add_services_parser(bench_sub) -> None:
     pool = setting("worker", "cpu_kernel_threads")
     p.add_argument("--cpu-kernel-threads", choices=pool.choices, default=pool.default,
                    help=f"the services' worker's (the in-process engine keeps openmp); default {pool.default}")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="the services' scheduler: " + setting("scheduler", "no_async_scheduling").help)
     transport = setting("scheduler", "worker_transport")
     p.add_argument("--worker-transport", choices=transport.choices, default=transport.default,
                    help="the services' scheduler: " + transport.help)

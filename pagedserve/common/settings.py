@@ -280,10 +280,11 @@ def _settings() -> tuple[Setting, ...]:
         S("--step-timeout", "serve scheduler", float, 60.0,
           "seconds a worker step may take before the rank counts as dead: the scheduler then waits for the "
           "workers to come back and resumes every request by recompute", group="scheduler"),
-        S("--no-async-scheduling", "serve scheduler", bool, False,
+        S("--no-async-scheduling", "engine serve scheduler", bool, False,
           "schedule each step only after the last one's results are in; by default the scheduler schedules and "
           "sends step N+1 while the worker runs a short decode step N (vLLM's async scheduling), so the worker "
-          "does not wait for it between steps", group="scheduler"),
+          "does not wait for it between steps, and the in-process engine on a GPU begins step N+1 before it "
+          "takes step N's tokens (its rows read N's sampled ids on the device)", group="scheduler"),
         S("--worker-transport", "serve scheduler", default="auto", choices=("auto", "grpc"),
           help="how steps reach the worker ranks: auto uses a rank's local step link (a Unix socket it names, "
           "same messages, no gRPC threads on either side) when the rank is on this host, else the gRPC Step "

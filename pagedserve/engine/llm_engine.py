@@ -62,6 +62,9 @@ class EngineConfig:
     max_cpu_loras: int | None = _DEFAULTS["max_cpu_loras"]  # None: max_loras
     # vLLM's JSON (a str) or a dict: {"method": "ngram", "num_speculative_tokens": 4, ...}; None: off
     speculative_config: str | dict | None = _DEFAULTS["speculative_config"]
+    # Begin step N+1 before taking step N's tokens (vLLM's async scheduling; worker/step_overlap.py).
+    # None: where the device runs behind the host (CUDA); the CPU computes a step as it is launched.
+    async_scheduling: bool | None = None
     progress: bool = True
 
 
@@ -94,7 +97,8 @@ def engine_config_from_args(args: argparse.Namespace, progress: bool = True) -> 
     same = {name: values[name] for name in EngineConfig.__dataclass_fields__ if name in values}
     return EngineConfig(**{**same, "policy": args.scheduling_policy,
                            "enable_prefix_caching": not args.no_prefix_caching,
-                           "enable_chunked_prefill": not args.no_chunked_prefill, "progress": progress})
+                           "enable_chunked_prefill": not args.no_chunked_prefill, "progress": progress,
+                           "async_scheduling": False if getattr(args, "no_async_scheduling", False) else None})
 
 
 class LLMEngine:
@@ -148,6 +152,9 @@ class LLMEngine:
             kv_group_windows=mc.kv_groups().windows, max_loras=config.max_loras if config.enable_lora else 0),
             speculative)
         self.num_steps = 0
+        asked = config.async_scheduling
+        self.overlaps = self.ranks is None and (self.runner.platform.runs_behind_host if asked is None else asked)
+        self._in_flight = None  # (SchedulerOutput, the runner's StepInFlight) begun ahead, overlaps only
 
     def _on_all_ranks(self, method: str, *args):
         if self.ranks is not None:
@@ -227,11 +234,16 @@ class LLMEngine:
         return self.scheduler.abort(request_id, sample_index)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        result = self._on_all_ranks("execute", sched)
+        """One step's outputs. With async scheduling (self.overlaps) the step after it has begun on the
+        device before this one's tokens are taken (step_overlap.py)."""
+        if self.overlaps:
+            sched, result = self._overlapped_step()
+        else:
+            sched = self.scheduler.schedule()
+            result = self._on_all_ranks("execute", sched)
         self.num_steps += 1
         updates = self.scheduler.update(sched, result)
         for request_id, exc in self.scheduler.take_failed():
@@ -242,6 +254,21 @@ class LLMEngine:
                               u.request.finish_reason, u.request.num_prompt_tokens, u.request.num_cached_tokens,
                               u.prompt_logprobs, u.embedding)
                 for u in updates]
+
+    def _overlapped_step(self):
+        """(step, result) of the step begun last time (or now), the next one begun ahead first when
+        nothing needs these results to schedule it (Scheduler.schedule(ahead=True))."""
+        sched, handle = self._in_flight or self._begin(self.scheduler.schedule())
+        self._in_flight = None
+        scheduler = self.scheduler
+        if not scheduler.needs_sync and not scheduler.waits_for_speculation():
+            ahead = scheduler.schedule(ahead=True)
+            if ahead is not None:
+                self._in_flight = self._begin(ahead)
+        return sched, self.runner.finish(handle)
+
+    def _begin(self, sched):
+        return sched, self.runner.begin(sched)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
                  use_tqdm: bool = False, lora_request: LoraRequest | list | None = None) -> list[list[CompletedSample]]:

@@ -23,10 +23,11 @@ from pagedserve.worker.graph_runner import CudaGraph, DecodeGraphRunner, GraphCa
 from pagedserve.worker.input_batch import InputBatch, layout_step
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.models import model_class
-from pagedserve.worker import pooling, prompt_logprobs, spec_verify
+from pagedserve.worker import pooling, prompt_logprobs, spec_verify, step_overlap
 from pagedserve.worker.parallel import TPGroup, broadcast_from_rank0, tp_group, using_group
 from pagedserve.worker.platform import platform_for
 from pagedserve.worker.request_states import RequestState, RequestStates
+from pagedserve.worker.step_overlap import StepInFlight
 from pagedserve.worker.sampler import PendingSample, RowSampling, Sampler, SamplerOutput, to_device
 from pagedserve.worker.structured_output import GrammarMatchers, TokenMasks
 from pagedserve.worker import quantized
@@ -98,6 +99,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.input_batch = InputBatch(device)  # the step's integer inputs, persistent (input_batch.py)
         self.requests = RequestStates()
+        self._unfinished: list[StepInFlight] = []  # steps begun whose tokens are not yet taken (<= 2)
+        self.held_rows = 0  # rows fed from a step in flight's sampled ids (step_overlap.py), summed
         self.grammars = GrammarMatchers(model_path, model_config.vocab_size, eos_token_ids)
         self.lora = None  # a lora.manager.LoraManager once enable_lora ran (--enable-lora)
         self.drafts = False  # enable_draft ran: rank 0's draft model fills in the steps' proposals
@@ -260,22 +263,46 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step to its tokens (begin, then finish)."""
+        return self.finish(self.begin(step))
+
+    def begin(self, step: SchedulerOutput) -> StepInFlight:
+        """Launch a step's forward and sampling; finish() takes its tokens. A step begun while the one
+        before it is still in flight (the engine's async scheduling: step_overlap.py) feeds the rows
+        that one samples for from the device; when a row needs its token on the host first, the step
+        before is finished here."""
         with using_group(self.tp):
-            return self._execute(step)
+            return self._begin(step)
+
+    def finish(self, handle: StepInFlight) -> ModelRunnerOutput:
+        """The step's result: waits for its sampled ids and commits them (once; again returns the same)."""
+        with using_group(self.tp):
+            return self._finish(handle)
 
     @torch.inference_mode()
-    def _execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+    def _begin(self, step: SchedulerOutput) -> StepInFlight:
+        while len(self._unfinished) > 1:  # depth one: only the step just before may still be in flight
+            self._finish(self._unfinished[0])
+        before = self._unfinished[0] if self._unfinished else None
+        if before is not None and not step_overlap.can_follow(before, step, self):
+            self._finish(before)
+            before = None
         self._apply_delta(step)
         failed = self.lora.unloadable(step.num_scheduled_tokens, self.requests) if self.lora is not None else {}
         if failed:  # their adapter did not load: they run nothing, and fail alone (ModelRunnerOutput.failed)
             step = dataclasses.replace(step, num_scheduled_tokens={
                 r: n for r, n in step.num_scheduled_tokens.items() if r not in failed})
+        result = ModelRunnerOutput(step.step_id, {}, failed=failed)
         if not step.num_scheduled_tokens:
-            return ModelRunnerOutput(step.step_id, {}, failed=failed)
+            return self._track(StepInFlight(result, None, []))
+        held = step_overlap.hold_places(before, step, self.requests) if before is not None else {}
         t0 = time.perf_counter()
         if self.drafts:
             self._draft(step)
         input_ids, positions, meta, order, counts = self._prepare(step)
+        if held:  # their token ids: the step in flight's samples, device to device
+            self.held_rows += len(held)
+            step_overlap.feed(input_ids, order, held, before.sampled_ids, self._graph_size)
         if self.lora is not None:
             self.lora.prepare(order, counts)
         hidden = None
@@ -291,14 +318,13 @@ class ModelRunner:
         ends = np.cumsum(counts) - 1
         samplers = [i for i, (s, n) in enumerate(zip(order, counts))
                     if s.num_computed_tokens + n == len(s.token_ids) + len(s.spec_token_ids) and samples_any(s.params)]
-        result = ModelRunnerOutput(step.step_id, {}, failed=failed)
         pending = None
+        states = [order[i] for i in samplers]
         if samplers:
             rows = spec_verify.logit_rows(ends, samplers, order) if step.spec_token_ids else ends[samplers]
             logits = self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
             t1 = time.perf_counter()
             result.forward_time_s = t1 - t0
-            states = [order[i] for i in samplers]
             if tp_group().rank == 0:
                 pending = self._sample(logits, states)
             result.sample_time_s = time.perf_counter() - t1
@@ -310,12 +336,25 @@ class ModelRunner:
         if any(s.params.pooling is not None for s in order):
             result.pooled = pooling.compute(hidden, order, counts, tp_group().rank == 0)
         self.requests.advance(zip(order, counts))
-        if samplers:
+        return self._track(StepInFlight(result, pending, states))
+
+    def _track(self, handle: StepInFlight) -> StepInFlight:
+        self._unfinished.append(handle)
+        return handle
+
+    @torch.inference_mode()
+    def _finish(self, handle: StepInFlight) -> ModelRunnerOutput:
+        result = handle.result
+        if handle.done:
+            return result
+        handle.done = True
+        self._unfinished.remove(handle)
+        if handle.states:
             t2 = time.perf_counter()
-            if pending is not None:
-                result.sampled = pending.result()
+            if handle.pending is not None:
+                result.sampled = handle.pending.result()
             if tp_group().world_size > 1:
-                result.sampled = self._share_sampled(result.sampled, states)
+                result.sampled = self._share_sampled(result.sampled, handle.states)
             result.sample_time_s += time.perf_counter() - t2
         self.requests.commit({req_id: [t.token_id for t in tokens] for req_id, tokens in result.sampled.items()})
         return result

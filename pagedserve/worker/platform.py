@@ -48,6 +48,9 @@ class Platform:
 
     device_type = ""
     measures_memory = False  # whether the KV pool is sized from a memory reading (else a fixed size)
+    # Whether the device runs a step's work after the host has launched it, so the engine gains by
+    # beginning the next step before taking this one's tokens (async scheduling: worker/step_overlap.py).
+    runs_behind_host = False
 
     @property
     def ops(self) -> NativeOps:
@@ -124,6 +127,7 @@ class CpuPlatform(Platform):
 class CudaPlatform(Platform):
     device_type = "cuda"
     measures_memory = True
+    runs_behind_host = True
 
     @property
     def ops(self) -> NativeOps:

@@ -33,6 +33,9 @@ class RequestState:
     # This step's proposals (speculative decoding): the row runs token_ids[-1] and these; commit
     # keeps the accepted ones and takes the rejected slots back from num_computed_tokens.
     spec_token_ids: list[int] | tuple[()] = ()
+    # Async scheduling (step_overlap.py): where token_ids holds a place for the token the step in
+    # flight samples (-1: none). commit writes the token there instead of appending it.
+    held_at: int = -1
 
 
 class RequestStates(dict[str, RequestState]):
@@ -83,9 +86,16 @@ class RequestStates(dict[str, RequestState]):
     def commit(self, sampled: dict[str, list[int]]) -> None:
         """The sampled token ids (one per sample; n at a fork step; a verified row's new tokens):
         forked samples become their own requests, sharing the parent's blocks; each request
-        appends its token(s)."""
+        appends its token(s), or writes it where the step after already holds its place. A request
+        dropped while its step was in flight (async scheduling) is passed over."""
         for req_id, tokens in sampled.items():
-            state = self[req_id]
+            state = self.get(req_id)
+            if state is None:
+                continue
+            if state.held_at >= 0:  # (a plain row: one token, no proposals, no fork)
+                state.token_ids[state.held_at] = tokens[0]
+                state.held_at = -1
+                continue
             if state.spec_token_ids:  # a verified row: its accepted proposals and the token after them
                 state.num_computed_tokens -= len(state.spec_token_ids) - (len(tokens) - 1)
                 state.token_ids.extend(tokens)

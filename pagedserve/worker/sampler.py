@@ -309,7 +309,7 @@ def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[Samplin
         index = row_index(want_top, raw.shape[0], raw.device)
         vals, ids = take_rows(raw, index).topk(k, dim=-1)
         parts += [(vals - take_rows(lse, index)[:, None]).double().flatten(), ids.double().flatten()]
-    return PendingSample(torch.cat(parts), params, want_top, k)
+    return PendingSample(torch.cat(parts), params, want_top, k, tokens)
 
 
 class PendingSample:
@@ -318,12 +318,16 @@ class PendingSample:
     with work that does not need the tokens; `result()` waits for the copy and unpacks it once. On the
     CPU there is nothing to copy: `result()` reads the values where they are (the same results).
 
-    values: the sampled ids [R] (int64) alone, or with logprobs the float64 row _with_logprobs packs."""
+    values: the sampled ids [R] (int64) alone, or with logprobs the float64 row _with_logprobs packs;
+    token_ids: the sampled ids [R] on the device (values when they are the ids alone): a step begun
+    before this one's result is taken reads its input ids from there (step_overlap.py)."""
 
-    __slots__ = ("_host", "_event", "_params", "_want_top", "_k", "_output")
+    __slots__ = ("_host", "_event", "_params", "_want_top", "_k", "_output", "token_ids")
 
-    def __init__(self, values: torch.Tensor, params: list[SamplingParams], want_top: list[int], k: int) -> None:
+    def __init__(self, values: torch.Tensor, params: list[SamplingParams], want_top: list[int], k: int,
+                 token_ids: torch.Tensor | None = None) -> None:
         self._params, self._want_top, self._k, self._output = params, want_top, k, None
+        self.token_ids = values if token_ids is None else token_ids
         self._event = None
         if values.device.type == "cuda":
             self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
