@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.graph_runner import StandInGraph
@@ -163,3 +164,52 @@ def test_the_sync_path_still_samples_in_one_copy(tiny_llama):
     assert engine.runner.held_rows == 0
     assert not engine.runner._unfinished
     assert isinstance(engine.runner.sampler, object) and torch.is_inference_mode_enabled() is False
+
+
+class _OpsOutsideGraphs(TorchDispatchMode):
+    """The aten ops a step runs outside its decode graph's replay (what the host launches one by one on
+    a GPU), views and other metadata-only ops left out."""
+    METADATA = ("slice", "view", "alias", "reshape", "detach", "resolve_conj", "resolve_neg", "lift_fresh",
+                "empty", "unsqueeze", "squeeze", "select", "expand", "as_strided", "t.default")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.in_graph = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if not self.in_graph and not any(m in name for m in self.METADATA):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_a_graphed_decode_steps_own_ops_do_not_grow_with_the_batch(tiny_llama, monkeypatch, overlap):
+    """Outside the graph a pure-decode step runs the same few ops at batch 3 as at batch 6: no per-row
+    work reaches the device one row at a time (the one upload, the fed ids, the logits, the sampling)."""
+    mode = _OpsOutsideGraphs()
+    replay = StandInGraph.replay
+
+    def counted_replay(graph):
+        mode.in_graph += 1
+        try:
+            replay(graph)
+        finally:
+            mode.in_graph -= 1
+
+    monkeypatch.setattr(StandInGraph, "replay", counted_replay)
+    counts = []
+    for batch in (3, 6):  # (buckets 4 and 8: both padded)
+        engine = make_engine(tiny_llama, max_num_seqs=8, async_scheduling=overlap)
+        engine.runner.enable_decode_graphs(8, StandInGraph)
+        for i, prompt in enumerate(prompts(batch, seed=5, low=10, high=30)):
+            engine.add_request(f"r{i}", prompt, greedy(20))
+        for _ in range(4):
+            engine.step()
+        mode.ops = []
+        with mode:
+            engine.step()
+        counts.append(list(mode.ops))
+    assert counts[0] == counts[1]
+    assert len(counts[0]) <= 6, counts[0]

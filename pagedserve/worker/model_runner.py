@@ -322,7 +322,9 @@ class ModelRunner:
         states = [order[i] for i in samplers]
         if samplers:
             rows = spec_verify.logit_rows(ends, samplers, order) if step.spec_token_ids else ends[samplers]
-            logits = self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
+            # every row, in order (a pure-decode step): no index to copy up, no gather
+            every = len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1
+            logits = self.model.compute_logits(hidden if every else hidden[to_device(rows, torch.long, self.device)])
             t1 = time.perf_counter()
             result.forward_time_s = t1 - t0
             if tp_group().rank == 0:

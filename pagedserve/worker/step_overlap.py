@@ -110,13 +110,12 @@ def feed(input_ids: torch.Tensor, order: list, held: dict[str, int], sampled: to
         if source is not None:
             dst.append(row)
             src.append(source)
-    if graph_size is not None and dst and dst[0] == 0:
-        pad = range(len(order), graph_size)
-        dst += pad
-        src += [src[0]] * len(pad)
-    if dst == src == list(range(len(dst))):  # the rows where they were: one copy
+    pad = graph_size is not None and dst and dst[0] == 0 and graph_size > len(order)
+    if dst == src == list(range(len(dst))):  # the rows where they were (the usual decode step): one copy
         input_ids[:len(dst)].copy_(sampled[:len(dst)])
-        return
-    device = input_ids.device
-    input_ids.index_copy_(0, to_device(dst, torch.long, device),
-                          sampled.index_select(0, to_device(src, torch.long, device)))
+    else:
+        device = input_ids.device
+        input_ids.index_copy_(0, to_device(dst, torch.long, device),
+                              sampled.index_select(0, to_device(src, torch.long, device)))
+    if pad:
+        input_ids[len(order):graph_size].copy_(input_ids[0].expand(graph_size - len(order)))
