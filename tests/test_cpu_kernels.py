@@ -121,3 +121,21 @@ def test_logits_top_is_float_copy_and_topk(dtype, n, k):
 def test_logits_top_rejects_bad_k():
     with pytest.raises(RuntimeError, match="k must be in 1..4"):
         ops.logits_top(torch.zeros(2, 4), 5)
+
+
+def test_every_process_of_one_environment_builds_with_its_own_ninja(monkeypatch):
+    """A process started without the environment activated found another ninja on PATH, whose log
+    disagreed with the environment's: each rebuilt the kernels the other had built."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from pagedserve.kernels import cpu_ops
+    own = Path(sys.executable).parent
+    if not (own / "ninja").exists():
+        pytest.skip("no ninja beside this python")
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", "/bin"]))
+    cpu_ops._prefer_own_ninja()
+    assert os.environ["PATH"].split(os.pathsep) == [str(own), "/usr/bin", "/bin"]
+    cpu_ops._prefer_own_ninja()  # once is enough
+    assert os.environ["PATH"].split(os.pathsep)[:2] == [str(own), "/usr/bin"]

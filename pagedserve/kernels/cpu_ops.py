@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -51,12 +52,25 @@ def load():
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         sources = _stable_sources(build_dir)
+        _prefer_own_ninja()
         return load_extension(name, [str(p) for p in sources], build_directory=str(build_dir),
                               extra_cflags=["-O3", "-march=native", "-fopenmp"],
                               extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # a missing compiler must not stop serving: fall back to torch ops
         log.warning("CPU attention kernel unavailable (%s); using the slower torch path", exc)
         return None
+
+
+def _prefer_own_ninja() -> None:
+    """torch builds with the first `ninja` on PATH. A process started from the virtual environment's
+    python without activating it found the system's (1.11 here) where an activated one found the
+    environment's (1.13): the two hash build commands differently, so each took the other's build for
+    a stale one and recompiled everything (~75 s, under the folder's lock). The ninja beside this
+    python, when there is one, goes first on PATH, so every process of one environment builds alike."""
+    own = Path(sys.executable).parent
+    path = os.environ.get("PATH", "")
+    if (own / "ninja").exists() and path.split(os.pathsep)[0] != str(own):
+        os.environ["PATH"] = str(own) + os.pathsep + path
 
 
 def _stable_sources(build_dir: Path) -> list[Path]:
