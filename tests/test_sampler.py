@@ -10,14 +10,16 @@ from hypothesis import assume, given, settings, strategies as st
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.sampler import RowSampling, Sampler, apply_penalties, block_min_tokens, truncate
+from pagedserve.worker.seeded_draws import stream_key
 
 sampler = Sampler()
 
 
-def row(params=None, seed=None, prompt=(), output=(), eos=(), **kw) -> RowSampling:
+def row(params=None, seed=None, position=0, prompt=(), output=(), eos=(), **kw) -> RowSampling:
+    """A seeded row's draw is a function of (seed, position): a fresh draw needs a new position."""
     params = params or SamplingParams(**kw)
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return RowSampling(params, gen, list(prompt), list(output), tuple(eos))
+    key = stream_key(seed, 0, position) if seed is not None else None
+    return RowSampling(params, key, list(prompt), list(output), tuple(eos))
 
 
 def logits_from_probs(probs, order=None) -> torch.Tensor:
@@ -31,8 +33,7 @@ def logits_from_probs(probs, order=None) -> torch.Tensor:
 
 
 def support(logits: torch.Tensor, n: int = 1000, seed: int = 0, **kw) -> set[int]:
-    r = row(seed=seed, **kw)
-    return {sampler(logits, [r]).token_ids[0] for _ in range(n)}
+    return {sampler(logits, [row(seed=seed, position=i, **kw)]).token_ids[0] for i in range(n)}
 
 
 # ---- greedy -------------------------------------------------------------------------------------
@@ -57,9 +58,9 @@ def test_input_logits_not_modified():
 
 def test_sampling_follows_softmax_over_temperature():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    r = row(seed=3, temperature=2.0)
     n = 6000
-    counts = torch.bincount(torch.tensor([sampler(logits, [r]).token_ids[0] for _ in range(n)]),
+    counts = torch.bincount(torch.tensor([sampler(logits, [row(seed=3, position=i, temperature=2.0)]).token_ids[0]
+                                          for i in range(n)]),
                             minlength=4).float() / n
     assert torch.allclose(counts, (logits[0] / 2.0).softmax(-1), atol=0.025)
 
@@ -206,10 +207,9 @@ def _steps(vocab=500, n=6):
 
 
 def _run_seeded(position: int, others: list[RowSampling], params: SamplingParams, seed: int) -> list[int]:
-    target = row(params, seed=seed)
     toks = []
-    for step in _steps():
-        rows = others[:position] + [target] + others[position:]
+    for i, step in enumerate(_steps()):
+        rows = others[:position] + [row(params, seed=seed, position=i)] + others[position:]
         logits = torch.randn(len(rows), step.numel())
         logits[position] = step
         toks.append(sampler(logits, rows).token_ids[position])
@@ -231,8 +231,7 @@ def test_different_seeds_differ():
     logits = torch.zeros(1, 1000)  # uniform: 10 bits of entropy per token
     seqs = set()
     for seed in range(8):
-        r = row(seed=seed)
-        seqs.add(tuple(sampler(logits, [r]).token_ids[0] for _ in range(5)))
+        seqs.add(tuple(sampler(logits, [row(seed=seed, position=i)]).token_ids[0] for i in range(5)))
     assert len(seqs) == 8
 
 

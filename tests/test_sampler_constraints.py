@@ -8,6 +8,7 @@ import torch
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.sampler import RowSampling, Sampler
+from pagedserve.worker.seeded_draws import stream_key
 from pagedserve.worker.structured_output import TokenMasks, forbidden_tokens, forbidden_tokens_torch
 
 VOCAB = 100
@@ -15,8 +16,8 @@ sampler = Sampler()
 
 
 def row(seed=None, output=(), eos=(), **kw) -> RowSampling:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return RowSampling(SamplingParams(**kw), gen, [], list(output), tuple(eos))
+    return RowSampling(SamplingParams(**kw), stream_key(seed, 0, 0) if seed is not None else None,
+                       [], list(output), tuple(eos))
 
 
 def bitmask(allowed_sets: list[set[int]], vocab: int = VOCAB) -> torch.Tensor:
@@ -44,14 +45,12 @@ def test_masks_hold_greedy_and_sampled_rows_and_leave_the_others_alone():
     masks = TokenMasks(torch.tensor([1, 2]), bitmask(allowed))
     free = sampler(logits, rows).token_ids
     for _ in range(50):
-        rows[2].generator.manual_seed(int(torch.randint(0, 2**31, ())))
+        rows[2].key = stream_key(int(torch.randint(0, 2**31, ())), 0, 0)
         out = sampler(logits, rows, masks).token_ids
         assert out[1] == max(allowed[0], key=lambda t: logits[1, t])  # greedy among the allowed
         assert out[2] in allowed[1]
         assert out[0] == free[0]  # an unconstrained greedy row is untouched
-    rows[3].generator.manual_seed(2)
-    free_seeded = sampler(logits, [rows[3]]).token_ids[0]
-    rows[3].generator.manual_seed(2)
+    free_seeded = sampler(logits[3:4], [rows[3]]).token_ids[0]
     assert sampler(logits, rows, masks).token_ids[3] == free_seeded  # and so is a seeded sampled row
 
 

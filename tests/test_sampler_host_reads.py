@@ -5,7 +5,8 @@ step takes its result (PendingSample.result: the one device->host copy, non-bloc
 torch function mode that sees every tolist / item / bool / numpy / cpu call, and no tensor is indexed by a
 Python list (on a GPU that copies the list up and waits); the values read back equal log_softmax computed
 apart. A dispatch mode sees the aten ops that wait on CUDA below the Python API (scalar reads, boolean-mask
-indexing, repeat_interleave without its output size): sampling runs none."""
+indexing, repeat_interleave without its output size): sampling runs none. Seeded rows are drawn together:
+the aten ops of a step are the same for 1 seeded row as for 8 (none per row)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.sampler import RowSampling, Sampler, _apply_token_masks_torch
+from pagedserve.worker.seeded_draws import exponentials_torch, stream_key
 from pagedserve.worker.structured_output import TokenMasks
 
 READS = {"tolist", "item", "__bool__", "numpy", "cpu", "__int__", "__float__", "__index__"}
@@ -41,6 +43,16 @@ class SyncOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class AllOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 class HostReads(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
@@ -61,8 +73,8 @@ def _has_list(values) -> bool:
 
 def _rows(vocab: int) -> list[RowSampling]:
     def row(seed=None, output=(), **kw):
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        return RowSampling(SamplingParams(**kw), gen, [1, 2, 3], list(output), (0,))
+        key = stream_key(seed, 0, 0) if seed is not None else None
+        return RowSampling(SamplingParams(**kw), key, [1, 2, 3], list(output), (0,))
     return [
         row(temperature=0.0),
         row(temperature=0.0, logprobs=3),
@@ -129,3 +141,33 @@ def test_device_grammar_masks_read_nothing_and_revive_dead_rows():
     assert torch.isinf(x[0]).sum() == vocab - 2 and x[0, 1] == raw[0, 1] and x[0, 3] == raw[0, 3]
     assert torch.isinf(x[1]).sum() == vocab - 1 and x[1, 9] == raw[1, 9]
     assert torch.equal(x[2], raw[2])
+
+
+def test_seeded_rows_cost_the_same_ops_for_one_row_as_for_eight():
+    """The seeded rows' draws are one batch of ops (seeded_draws.py), not a launch per row; alone, and beside
+    unseeded rows (which keep the global RNG)."""
+    vocab = 50
+    seeded = SamplingParams(temperature=0.8, top_k=10, seed=3)
+    plain = SamplingParams(temperature=0.9)
+
+    def ops(num_seeded: int, num_plain: int) -> list[str]:
+        rows = [RowSampling(seeded, stream_key(3, 0, pos), [], [], (0,)) for pos in range(num_seeded)]
+        rows += [RowSampling(plain, None, [], [], (0,)) for _ in range(num_plain)]
+        logits = torch.randn(len(rows), vocab)
+        with AllOps() as mode, HostReads() as reads, SyncOps() as syncs:
+            pending = Sampler().sample(logits, rows)
+        assert reads.reads == [] and syncs.syncs == []
+        assert all(0 <= t < vocab for t in pending.result().token_ids)
+        return mode.ops
+
+    assert ops(1, 0) == ops(8, 0)
+    assert ops(1, 1) == ops(8, 3)
+
+    def device_ops(num_seeded: int) -> list[str]:  # the torch path a GPU runs (the CPU's is numpy)
+        keys = torch.tensor([stream_key(3, 0, pos) for pos in range(num_seeded)])
+        with AllOps() as mode, HostReads() as reads, SyncOps() as syncs:
+            exponentials_torch(keys, vocab)
+        assert reads.reads == [] and syncs.syncs == []
+        return mode.ops
+
+    assert device_ops(1) == device_ops(8) and len(device_ops(1)) <= 30  # 24 today

@@ -130,7 +130,9 @@ def test_stop_ids_and_max_tokens_cut_accepted_runs(case):
 def test_seeded_sampling_and_n_samples_equal_without_speculation(case):
     folder, prompts, _ = case
     prompts = prompts[-4:]
-    params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True, seed=100 + i, n=3,
+    # top_k 5: the tiny model's samples meet the n-gram proposals often enough that some are kept (7 of 68
+    # proposals with these seeds; with top_k 20, 0 to 2 of ~60 for most seed sets)
+    params = [SamplingParams(temperature=0.8, top_k=5, max_tokens=16, ignore_eos=True, seed=100 + i, n=3,
                              repetition_penalty=1.1 if i % 2 else 1.0) for i in range(len(prompts))]
     plain, _ = generate_checked(engine_on(folder, speculative=False), prompts, params)
     engine = spec_engine(folder)

@@ -3,16 +3,18 @@ proposals (ModelRunner._sample over k + 1 positions, then spec_verify.accept), f
 logits, emits tokens whose histogram matches plain sampling's (chi-square at the 1% level).
 
 One row of 3 positions over a 12-token vocabulary, 24000 times in one sampler call (the global RNG
-seeded, so the test is deterministic): the first emitted token must be distributed as position
-0's p0 (a proposal accepted with probability p0(d0), else the rejection's draw), and the second,
-among rows that kept d0, as p1. Power: a shift of 5% of the mass between two tokens gives the
-two-sample statistic a noncentrality of n1 n2 / (n1 + n2) * sum (p - q)^2 / p, about 235 for the
-first histogram (24000 rows a side) and about 180 for the second (~4800), against a 1% critical
-value near 20: such a shift is found (the test checks one). Seeded requests drawing the same
-tokens with speculation as without: tests/test_speculative.py (through the engine)."""
+seeded, so the test is deterministic; and again with a seed a row, drawn from the rows' keys): the
+first emitted token must be distributed as position 0's p0 (a proposal accepted with probability
+p0(d0), else the rejection's draw), and the second, among rows that kept d0, as p1. Power: a shift
+of 5% of the mass between two tokens gives the two-sample statistic a noncentrality of n1 n2 / (n1 +
+n2) * sum (p - q)^2 / p, about 235 for the first histogram (24000 rows a side) and about 180 for the
+second (~4800), against a 1% critical value near 20: such a shift is found (the test checks one).
+Seeded requests drawing the same tokens with speculation as without: tests/test_speculative.py
+(through the engine)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedserve.common.sampling_params import SamplingParams
@@ -47,10 +49,13 @@ def chi_square_p(a: torch.Tensor, b: torch.Tensor, min_expected: float = 20.0) -
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
-def test_rejection_sampling_keeps_the_target_distribution():
+@pytest.mark.parametrize("seeded", [False, True])
+def test_rejection_sampling_keeps_the_target_distribution(seeded):
+    """Unseeded rows draw from the global RNG; seeded ones, one seed a row, from their keys (seeded_draws.py)."""
     torch.manual_seed(1234)
-    params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
-    states = [RequestState(f"r{i}", [5, 6, 7], 3, params, [], 2, 0, [], [], spec_token_ids=PROPOSALS)
+    params = [SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=i if seeded else None)
+              for i in range(ROWS)]
+    states = [RequestState(f"r{i}", [5, 6, 7], 3, params[i], [], 2, 0, [], [], spec_token_ids=PROPOSALS)
               for i in range(ROWS)]
     logits = torch.stack([P0.log(), P1.log(), P1.roll(3).log()]).repeat(ROWS, 1)
     emitted = verifier()._sample(logits, states).result()

@@ -12,7 +12,7 @@ field and its limit; the draft model's files are checked against the target's wh
 known (model_files/draft_check.py), before anything loads.
 
 Verification rule (worker/spec_verify.py): each of the k + 1 positions of a speculated row is
-sampled as a plain step would sample it (same sampler, same per-position seeded generator), and
+sampled as a plain step would sample it (same sampler, same per-position seeded key), and
 the proposals are accepted while they equal those samples. With a one-hot draft (n-gram) that is
 exactly vLLM's rejection sampler: a proposal d is accepted with probability p(d), and on a
 rejection the token drawn is distributed as p without d, renormalised.

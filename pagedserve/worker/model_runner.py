@@ -29,6 +29,7 @@ from pagedserve.worker.platform import platform_for
 from pagedserve.worker.request_states import RequestState, RequestStates
 from pagedserve.worker.step_overlap import StepInFlight
 from pagedserve.worker.sampler import PendingSample, RowSampling, Sampler, SamplerOutput, to_device
+from pagedserve.worker.seeded_draws import stream_key
 from pagedserve.worker.structured_output import GrammarMatchers, TokenMasks
 from pagedserve.worker import quantized
 from pagedserve.worker.weights import iter_lazy_weights, weight_files
@@ -36,14 +37,12 @@ from pagedserve.worker.weights import iter_lazy_weights, weight_files
 log = logging.getLogger(__name__)
 
 
-def sample_generator(params: SamplingParams, sample_index: int, num_output_tokens: int,
-                     device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator that depends only on (seed, sample, position): a seeded request draws the same
-    tokens whatever shares its batch, and after a preemption or a worker restart too."""
+def sample_key(params: SamplingParams, sample_index: int, num_output_tokens: int) -> int | None:
+    """A seeded row's stream key, from (seed, sample, position) only: a seeded request draws the same
+    tokens whatever shares its batch, and after a preemption or a worker restart too (seeded_draws.py)."""
     if params.seed is None or params.greedy:
         return None
-    mixed = (params.seed * 0x9E3779B1 + sample_index * 0x85EBCA77 + num_output_tokens * 0xC2B2AE3D) % (2**63)
-    return torch.Generator(device=device).manual_seed(mixed)
+    return stream_key(params.seed, sample_index, num_output_tokens)
 
 
 @dataclasses.dataclass(slots=True)
@@ -393,15 +392,14 @@ class ModelRunner:
             if state.spec_token_ids:  # each position as a plain step would sample it (spec_verify.py)
                 spec = state.spec_token_ids
                 for j in range(len(spec) + 1):
-                    rows.append(RowSampling(params, sample_generator(params, state.sample_index, num_outputs + j,
-                                                                     logits.device),
+                    rows.append(RowSampling(params, sample_key(params, state.sample_index, num_outputs + j),
                                             prompt, outputs + spec[:j] if wants_outputs else [], self.eos_token_ids))
                 repeats += [1] * (len(spec) + 1)
                 sizes.append(len(spec) + 1)
                 continue
             indices = [state.sample_index] if not state.child_req_ids else range(1 + len(state.child_req_ids))
             for index in indices:
-                rows.append(RowSampling(params, sample_generator(params, index, num_outputs, logits.device),
+                rows.append(RowSampling(params, sample_key(params, index, num_outputs),
                                         prompt, outputs, self.eos_token_ids))
             repeats.append(len(indices))
             sizes.append(len(indices))

@@ -1,10 +1,10 @@
 """Turns a batch of next-token logits into one token per request (plus logprobs when asked).
 
 The whole step is vectorised over the vocabulary; the only per-row Python loops build small
-index lists and draw from per-request seeded generators. Order: penalties, logit_bias (one
-index_put over the rows that have it), min_tokens, the grammar masks (last, so that a bias
-cannot revive a token the grammar forbids), then temperature and truncation. A batch without
-any of these pays nothing for them.
+index lists. Seeded rows draw all together from their keys (seeded_draws.py), the others from the
+global torch RNG. Order: penalties, logit_bias (one index_put over the rows that have it),
+min_tokens, the grammar masks (last, so that a bias cannot revive a token the grammar forbids),
+then temperature and truncation. A batch without any of these pays nothing for them.
 
 On a GPU the step never waits for the device in the middle: the rows' parameters go up through
 pinned memory without blocking (`to_device`), rows are picked by index tensors made the same way
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.worker.seeded_draws import exponentials
 from pagedserve.worker.structured_output import TokenMasks, forbidden_tokens, forbidden_tokens_torch
 
 _NEG_INF = float("-inf")
@@ -64,7 +65,7 @@ def put_rows(x: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) 
 @dataclass(slots=True)
 class RowSampling:
     params: SamplingParams
-    generator: torch.Generator | None  # seeded per request, or None: the global torch RNG
+    key: int | None  # a seeded row's int64 stream key (seeded_draws.stream_key), or None: the global torch RNG
     prompt_token_ids: list[int]  # repetition_penalty covers prompt + output, as HF does
     output_token_ids: list[int]  # presence/frequency cover output only, as vLLM/OpenAI do
     eos_token_ids: tuple[int, ...]
@@ -218,23 +219,26 @@ def truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return x
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def _draw(probs: torch.Tensor, keys: list[int | None]) -> torch.Tensor:
     """argmax(probs / q), q ~ Exp(1), is an exact draw from probs (the exponential race).
 
-    A seeded row consumes exactly one V-sized draw from its own generator per call, so its
-    tokens do not depend on the batch around it.
+    Rows without a key draw q from the global torch RNG. The seeded rows draw theirs together from
+    their keys (seeded_draws.py: a counter-based hash, a fixed number of ops for any number of rows,
+    no host read), so a seeded row's tokens do not depend on the batch around it.
     """
-    q = torch.empty_like(probs)
-    shared = [j for j, g in enumerate(generators) if g is None]
-    if len(shared) == len(generators):
-        q.exponential_()
+    seeded = [j for j, k in enumerate(keys) if k is not None]
+    if not seeded:
+        q = torch.empty_like(probs).exponential_()
     else:
-        if shared:
-            put_rows(q, to_device(shared, torch.long, probs.device),
-                     torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_())
-        for j, g in enumerate(generators):
-            if g is not None:
-                q[j].exponential_(generator=g)
+        dev, vocab = probs.device, probs.shape[1]
+        drawn = exponentials([keys[j] for j in seeded], vocab, dev)
+        if len(seeded) == len(keys):
+            q = drawn
+        else:
+            shared = [j for j, k in enumerate(keys) if k is None]
+            q = torch.empty_like(probs)
+            put_rows(q, to_device(shared, torch.long, dev), torch.empty(len(shared), vocab, device=dev).exponential_())
+            put_rows(q, to_device(seeded, torch.long, dev), drawn)
     # A zero draw would give inf, or nan (argmax's favourite) for a masked token.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div_(q).argmax(-1)
@@ -288,7 +292,7 @@ class Sampler:
             temp = to_device([params[i].temperature for i in sampled], torch.float32, x.device)
             index = row_index(sampled, x.shape[0], x.device)
             y = truncate(take_rows(x, index) / temp[:, None], [params[i] for i in sampled])
-            put_rows(tokens, index, _draw(y.softmax(-1), [rows[i].generator for i in sampled]))
+            put_rows(tokens, index, _draw(y.softmax(-1), [rows[i].key for i in sampled]))
 
         if not want_lp:
             return PendingSample(tokens, params, [], 0)
