@@ -16,9 +16,10 @@ the same on the CPU and on CUDA (tests/test_seeded_draws.py checks both paths ag
 splitmix64, on the CPU: there is no GPU in CI). The token can still differ between devices where the
 floats do (the model's logits, softmax, the last bit of a log), as with any sampling.
 
-Cost: the ints are [rows, vocab] int64 (8 bytes a cell, reused in place as the float64 uniform), with
-a shifted copy of them for each xor-shift, and q comes out float32: about 20 bytes a cell at the peak,
-against 4 for the float32 q the generators filled.
+On CUDA one Triton kernel computes the same (kernels/triton/seeded_draws.py: one launch, 4 bytes a
+cell, tested under the interpreter against the numpy path). The torch ops (other devices) cost more:
+the ints are [rows, vocab] int64 (8 bytes a cell, reused in place as the float64 uniform), with a
+shifted copy of them for each xor-shift, and q comes out float32: about 20 bytes a cell at the peak.
 
 Threads: the worker's torch thread only.
 """
@@ -64,8 +65,10 @@ def exponentials(keys: list[int], vocab: int, device: torch.device) -> torch.Ten
     if device.type == "cpu":
         return torch.from_numpy(_exponentials_numpy(np.array(keys, dtype=np.int64), vocab))
     host = torch.tensor(keys, dtype=torch.int64)
-    keys_on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-    return exponentials_torch(keys_on_device, vocab)
+    if device.type == "cuda":  # one Triton launch, no [rows, vocab] intermediates (kernels/triton/seeded_draws.py)
+        from pagedserve.kernels.triton.seeded_draws import seeded_exponentials
+        return seeded_exponentials(host.pin_memory().to(device, non_blocking=True), vocab)
+    return exponentials_torch(host.to(device), vocab)
 
 
 # ---- numpy (the CPU): uint64 wraps and shifts logically by itself ---------------------------------
