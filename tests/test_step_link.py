@@ -2,7 +2,7 @@
 over real Unix sockets: steps answered in order, sent ahead, large both ways without a deadlock;
 a worker's error, a hung rank, a rank that dies; a quiet link gives the torch thread back; which
 transport a rank gets. The ranks here are plain objects with what StepSocket needs of a
-WorkerService (its torch thread and run_step); the real worker over both transports is
+WorkerService (its torch thread, begin_step and finish_step); the real worker over both transports is
 tests/test_worker_client.py's."""
 
 import logging
@@ -26,16 +26,28 @@ from pagedserve.worker.step_socket import IDLE_S, StepSocket
 
 
 class FakeRank:
-    """What StepSocket uses of a WorkerService; `answer(request)` is its run_step."""
+    """What StepSocket uses of a WorkerService (its torch thread, begin_step and finish_step);
+    `answer(request)` is its run_step. A begun step is done at once, as on the CPU."""
 
     def __init__(self, answer) -> None:
         self.torch_thread = ThreadPoolExecutor(1, thread_name_prefix="fake-torch")
         self.answer = answer
         self.threads: set[int] = set()
 
-    def run_step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+    def begin_step(self, request: worker_pb2.StepRequest):
         self.threads.add(threading.get_ident())
-        return self.answer(request)
+        return _Begun(request)
+
+    def finish_step(self, begun) -> worker_pb2.StepResult:
+        return self.answer(begun.request)
+
+
+class _Begun:
+    def __init__(self, request) -> None:
+        self.request = request
+
+    def ready(self) -> bool:
+        return True
 
 
 def echo(request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
@@ -175,10 +187,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pagedserve.v1 import worker_pb2
 from pagedserve.worker.step_socket import StepSocket
 
+class Begun:
+    def __init__(self, request):
+        self.request = request
+    def ready(self):
+        return True
+
 class Rank:
     torch_thread = ThreadPoolExecutor(1)
-    def run_step(self, request):
-        return worker_pb2.StepResult(step_id=request.step_id)
+    def begin_step(self, request):
+        return Begun(request)
+    def finish_step(self, begun):
+        return worker_pb2.StepResult(step_id=begun.request.step_id)
 
 print(StepSocket(Rank()).path, flush=True)
 threading.Event().wait()

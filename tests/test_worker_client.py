@@ -104,12 +104,18 @@ def test_a_rank_that_goes_away_fails_the_step_without_waiting_for_the_timeout(ra
         group.close()
 
 
-def test_steps_sent_ahead_run_on_the_workers_own_samples(tiny_llama):
+@pytest.mark.parametrize("behind", [False, True], ids=["cpu", "device-behind"])
+def test_steps_sent_ahead_run_on_the_workers_own_samples(tiny_llama, monkeypatch, behind):
     """Async scheduling against the real worker service (tiny Llama, float32), over the gRPC Step
     stream and over the local step link: each step is scheduled and sent before the last one's
     results are in, so its decodes read tokens only the worker has yet. The outputs equal those of
     steps sent one at a time over gRPC, n > 1 forks, a stop token (the step after it ran for
-    nothing) and a length stop included."""
+    nothing) and a length stop included.
+
+    device-behind: a stand-in for a GPU, where a begun step is done only some time after begin
+    returns (BegunStep.ready, 30 ms late): the local link then begins the step sent ahead before it
+    answers the one before, and that step's rows read their tokens from the sampled ids on the device
+    (worker/step_overlap.py)."""
     from pagedserve.common.sampling_params import SamplingParams
     from pagedserve.scheduler.core.request import Request
     from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
@@ -118,6 +124,9 @@ def test_steps_sent_ahead_run_on_the_workers_own_samples(tiny_llama):
 
     service = WorkerService(str(tiny_llama), device="cpu", dtype="float32", quantization="none")
     service.load()
+    if behind:
+        from pagedserve.worker.server import BegunStep
+        monkeypatch.setattr(BegunStep, "ready", lambda begun: time.perf_counter() - begun.received > 0.03)
     step_socket = open_step_socket(service)
     ready = threading.Event()
     ready.set()
@@ -170,6 +179,7 @@ def test_steps_sent_ahead_run_on_the_workers_own_samples(tiny_llama):
             assert generate(transport, True, [stop]) == want
             assert generate(transport, True, []) == plain
         assert set(plain) == {"a", "b", "c", "c#1"} and all(len(t) == 12 for t in plain.values())
+        assert (service.runner.held_rows > 0) == behind
     finally:
         for group in groups.values():
             group.close()

@@ -339,6 +339,13 @@ class ModelRunner:
         self.requests.advance(zip(order, counts))
         return self._track(StepInFlight(result, pending, states))
 
+    def forget_requests(self) -> None:
+        """A new session: no request state, and no step in flight (its answer is not wanted)."""
+        for handle in self._unfinished:
+            handle.done = True
+        self._unfinished.clear()
+        self.requests.clear()
+
     def _track(self, handle: StepInFlight) -> StepInFlight:
         self._unfinished.append(handle)
         return handle

@@ -341,6 +341,10 @@ class PendingSample:
         else:
             self._host = values
 
+    def ready(self) -> bool:
+        """Whether result() would not wait (its copy has arrived; always on the CPU)."""
+        return self._event is None or self._output is not None or self._event.query()
+
     def result(self) -> SamplerOutput:
         if self._output is None:
             if self._event is not None:

@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -151,7 +152,7 @@ class WorkerService:
             reading = None  # another step size: measure again, without the pool of an earlier session
             with self.lock:
                 self.runner.kv = None
-                self.runner.requests.clear()
+                self.runner.forget_requests()
         size = size_kv_cache(self.runner, kv, reading)
         return worker_pb2.ProfileResponse(num_gpu_blocks=size.num_blocks, num_cpu_blocks=size.num_host_blocks,
                                           bytes_per_block=size.block_bytes,
@@ -165,7 +166,7 @@ class WorkerService:
             if request.block_size:
                 self.runner.block_size = request.block_size
             self.runner.kv = None  # free the old pool before the new one is allocated
-            self.runner.requests.clear()
+            self.runner.forget_requests()
             self.runner.allocate_kv_cache(request.num_gpu_blocks, request.num_cpu_blocks)
             self.runner.use_decode_graphs(self.max_num_seqs, self.enforce_eager)
             self.session_id = request.session_id
@@ -181,6 +182,12 @@ class WorkerService:
 
     def run_step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         """On the torch thread: apply one step's delta, run it, and answer."""
+        return self.finish_step(self.begin_step(request))
+
+    def begin_step(self, request: worker_pb2.StepRequest) -> BegunStep:
+        """On the torch thread: apply one step's delta and launch it (ModelRunner.begin); finish_step
+        answers it. A step begun before the last one is finished reads that one's sampled ids on the
+        device (worker/step_overlap.py): the local step link does so when the next step is already there."""
         received = time.perf_counter()  # the worker's own time starts when the step does
         with self.lock:
             if request.session_id != self.session_id:
@@ -188,10 +195,26 @@ class WorkerService:
                                       f"but the KV pool was set up for {self.session_id!r}; call InitCache first")
             if self.runner.kv is None:
                 raise SessionMismatch("no KV pool: call InitCache before Step")
-            result = self.runner.execute(wire.step_from_proto(request))
+            return BegunStep(request.step_id, self.runner.begin(wire.step_from_proto(request)), received)
+
+    def finish_step(self, begun: BegunStep) -> worker_pb2.StepResult:
+        """On the torch thread: the begun step's answer (its tokens taken on rank 0)."""
+        with self.lock:
+            result = self.runner.finish(begun.handle)
         if self.rank != 0:
-            return worker_pb2.StepResult(step_id=request.step_id, worker_time_s=time.perf_counter() - received)
-        return wire.result_to_proto(result, time.perf_counter() - received)
+            return worker_pb2.StepResult(step_id=begun.step_id, worker_time_s=time.perf_counter() - begun.received)
+        return wire.result_to_proto(result, time.perf_counter() - begun.received)
+
+
+@dataclass(slots=True)
+class BegunStep:
+    step_id: int
+    handle: object  # the model runner's step_overlap.StepInFlight
+    received: float  # perf_counter when the worker took it up
+
+    def ready(self) -> bool:
+        """Whether the device has finished it (finishing it now would not wait)."""
+        return self.handle.ready()
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):

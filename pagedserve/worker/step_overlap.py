@@ -46,6 +46,10 @@ class StepInFlight:
     states: list
     done: bool = False
 
+    def ready(self) -> bool:
+        """Whether finishing it would not wait for the device (always on the CPU)."""
+        return self.done or self.pending is None or self.pending.pending.ready()
+
     @property
     def sampled_ids(self) -> torch.Tensor:
         """The sampled ids on the device, one per sampler row."""

@@ -4,7 +4,9 @@ connections carry the Step stream's messages, read and answered on the torch thr
 
 Threads: one accept thread; each connection is served by a task on WorkerService.torch_thread,
 which reads a step, runs it, writes its reply and reads the next; a step the scheduler sent ahead
-is already in the socket when the one before it ends, so no thread is woken between the two.
+is already in the socket when the one before it ends, so no thread is woken between the two. On a
+GPU, a step sent ahead that arrives while the device still runs the one before begins at once, its
+tokens read on the device (WorkerService.begin_step), and the one before is answered after it.
 When no step comes for IDLE_S the task queues itself again behind whatever else waits for the
 torch thread (Profile and InitCache of a new session), so a quiet connection never holds it.
 
@@ -21,6 +23,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 
 from pagedserve.common.step_frames import FrameReader, error_reply, result_reply
 from pagedserve.v1 import worker_pb2
@@ -29,6 +32,7 @@ from pagedserve.worker.step_errors import step_failure
 log = logging.getLogger("pagedserve.worker")
 
 IDLE_S = 0.1  # a connection with no step for this long gives the torch thread back
+WAIT_S = 20e-6  # a begun step's wait between looks at the device and the socket
 RECV_BYTES = 1 << 20
 
 
@@ -66,14 +70,28 @@ class StepSocket:
                                              memoryview(bytearray(RECV_BYTES)))
 
     def _serve(self, conn: socket.socket, poller: select.poll, reader: FrameReader, received: memoryview) -> None:
-        """On the torch thread: answer the connection's steps until it is idle, closed or failed."""
+        """On the torch thread: answer the connection's steps until it is idle, closed or failed.
+
+        A step is begun (launched) and answered as soon as the device is done with it; while the
+        device still runs it, a next step already sent (async scheduling) is begun first, reading its
+        tokens on the device (worker/step_overlap.py). On the CPU a begun step is done when begin
+        returns: each is answered before the next is read, as before."""
+        begun = None  # a step begun, not yet answered
         while True:
             if self.closed:  # the worker is stopping: the scheduler sees the link end, as a stream's
                 conn.close()
                 return
+            if begun is not None and begun.ready():  # answered as soon as the device is done with it
+                if self._send(conn, self._finish(begun)):
+                    return
+                begun = None
             body = reader.next()
             if body is None:
-                if not poller.poll(IDLE_S * 1000):  # idle: let other torch-thread work run, then come back
+                if begun is not None:
+                    if not poller.poll(0):  # the device is busy and no next step is here yet
+                        time.sleep(WAIT_S)
+                        continue
+                elif not poller.poll(IDLE_S * 1000):  # idle: let other work run, then come back
                     self.service.torch_thread.submit(self._serve, conn, poller, reader, received)
                     return
                 try:
@@ -85,24 +103,45 @@ class StepSocket:
                     return
                 reader.feed(received[:size])
                 continue
-            reply, failed = self._answer(body)
-            try:
-                conn.sendall(reply)
-            except OSError:
-                failed = True
-            if failed:
+            following, failure = self._begin(body)  # (begun first, if the device still runs it)
+            if begun is not None and self._send(conn, self._finish(begun)):
+                return
+            begun = following
+            if failure is not None:
+                self._send(conn, failure)
                 conn.close()
                 return
 
-    def _answer(self, body: bytes) -> tuple[bytes, bool]:
-        """The reply frame to one request, and whether it ends the connection."""
+    def _send(self, conn: socket.socket, reply: tuple[bytes, bool]) -> bool:
+        """Send one reply frame; True when the connection is over (the reply said so, or it broke)."""
+        frame, failed = reply
         try:
-            request = worker_pb2.StepRequest.FromString(body)
-            result = self.service.run_step(request)
+            conn.sendall(frame)
+        except OSError:
+            failed = True
+        if failed:
+            conn.close()
+        return failed
+
+    def _begin(self, body: bytes):
+        """(the begun step, None), or (None, its error reply)."""
+        try:
+            return self.service.begin_step(worker_pb2.StepRequest.FromString(body)), None
         except Exception as exc:  # noqa: BLE001 - the scheduler recovers the ranks; this worker stays up
-            failure = step_failure(exc)
-            if failure is not None:
-                return error_reply(*failure), True
-            log.exception("a step on the local step link failed")
-            return error_reply("INTERNAL", f"the step failed on the worker: {exc}"), True
+            return None, self._error(exc)
+
+    def _finish(self, begun) -> tuple[bytes, bool]:
+        """The reply frame to a begun step, and whether it ends the connection."""
+        try:
+            result = self.service.finish_step(begun)
+        except Exception as exc:  # noqa: BLE001 - the scheduler recovers the ranks; this worker stays up
+            return self._error(exc)
         return result_reply(result.SerializeToString()), False
+
+    @staticmethod
+    def _error(exc: Exception) -> tuple[bytes, bool]:
+        failure = step_failure(exc)
+        if failure is not None:
+            return error_reply(*failure), True
+        log.exception("a step on the local step link failed")
+        return error_reply("INTERNAL", f"the step failed on the worker: {exc}"), True
