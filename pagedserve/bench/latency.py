@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedserve.common.gc_heap import frozen_heap
 from pagedserve.bench.grounded import grounded_token_ids
 from pagedserve.common.engine_args import add_engine_args
 from pagedserve.common.sampling_params import SamplingParams
@@ -70,10 +71,11 @@ def run_latency(args: argparse.Namespace) -> int:
             start_cpu = time.process_time()
             token_times: list[float] = []
             cpu_times: list[float] = []  # process CPU time: what a shared machine's wall clock hides
-            while engine.has_unfinished():
-                for out in engine.step():
-                    token_times.extend(time.perf_counter() for _ in out.new_tokens)
-                    cpu_times.extend(time.process_time() for _ in out.new_tokens)
+            with frozen_heap():  # as LLMEngine.generate
+                while engine.has_unfinished():
+                    for out in engine.step():
+                        token_times.extend(time.perf_counter() for _ in out.new_tokens)
+                        cpu_times.extend(time.process_time() for _ in out.new_tokens)
         if len(token_times) != args.output_len:
             raise RuntimeError(f"produced {len(token_times)} tokens, expected {args.output_len}")
         ttft = token_times[0] - start

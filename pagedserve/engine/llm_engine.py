@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from pagedserve.common import settings, structured_output
+from pagedserve.common.gc_heap import frozen_heap
 from pagedserve.common.lora import LoraError, LoraRequest, parse_lora_modules, read_adapter
 from pagedserve.common.messages import SampledToken
 from pagedserve.common.request_checks import logit_bias_problem
@@ -283,6 +284,12 @@ class LLMEngine:
             self.add_request(rid, prompt, p, lora_request=lora)
         bar = tqdm(total=len(prompts), desc="generating", unit="req", disable=not use_tqdm)
         pending = {rid: p.n for rid, p in zip(ids, params)}
+        with frozen_heap():  # no full collection rescans the model and libraries step after step
+            self._generate_loop(results, pending, bar)
+        bar.close()
+        return [results[rid] for rid in ids]
+
+    def _generate_loop(self, results: dict, pending: dict, bar) -> None:
         while self.has_unfinished():
             for out in self.step():
                 sample = results[out.request_id][out.sample_index]
@@ -298,8 +305,6 @@ class LLMEngine:
                     pending[out.request_id] -= 1
                     if pending[out.request_id] == 0:
                         bar.update(1)
-        bar.close()
-        return [results[rid] for rid in ids]
 
     def stats(self) -> dict:
         bm = self.scheduler.block_manager

@@ -11,6 +11,7 @@ import threading
 import grpc
 import uvloop
 
+from pagedserve.common.gc_heap import freeze_startup_heap
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import (
     SERVER_OPTIONS,
@@ -228,6 +229,7 @@ async def _serve(args: argparse.Namespace) -> int:
     # The tokenizer's Stream also without gRPC, for a tokenizer on this host (common/local_calls.py).
     local = LocalCallServer({"Stream": Method(servicer.Stream, scheduler_pb2.StreamCommand, True)}, "scheduler")
     servicer.local_socket = await local.start()
+    freeze_startup_heap()  # gRPC's, Redis' and our own modules: no full collection rescans them per step
     log.info("scheduler listening on %s; waiting for %d worker rank(s)", address, len(workers.addresses))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

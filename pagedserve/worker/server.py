@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pagedserve.common import wire
+from pagedserve.common.gc_heap import freeze_startup_heap
 from pagedserve.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, add_internal_port, set_serving
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve.worker.step_errors import SessionMismatch, step_failure
@@ -309,6 +310,7 @@ def serve(args: argparse.Namespace) -> int:
     log.info("worker rank %d listening on %s, loading the model", args.rank, address)
     service.load()
     step_socket = open_step_socket(service)
+    freeze_startup_heap()  # the model and libraries: no full collection rescans them between steps
     ready.set()
     set_serving(health, [SERVICE_NAME])
     stop = threading.Event()
