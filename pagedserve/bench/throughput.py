@@ -205,6 +205,7 @@ def run_throughput(args) -> dict:
             raise ValueError("--profile times one process's steps: use it with --tensor-parallel-size 1")
         from pagedserve.worker.step_profile import StepProfiler
         profiler = StepProfiler(engine.runner).install()
+        engine.overlaps = False  # it times each step whole (ModelRunner.execute), one after the other
     cpu_start = time.process_time()
     ours = run_engine(engine, work)
     cpu_s = time.process_time() - cpu_start  # on a shared machine, with 1 thread, the comparable number

@@ -142,7 +142,7 @@ class StepProfiler:
         self._wrap(runner, "_prepare", "metadata")
         self._wrap(runner, "_sample", "sampler")
 
-        def execute(step, _original=runner._execute):
+        def execute(step, _original=runner.execute):  # (begin + finish: the engine runs steps one by one)
             if not step.num_scheduled_tokens:
                 return _original(step)
             stats = self._current = self.kinds[step_kind(step.num_scheduled_tokens)]
@@ -156,7 +156,7 @@ class StepProfiler:
                 stats.seconds["total"] += time.perf_counter() - t
                 self._current = None
 
-        self._patch(runner, "_execute", execute)
+        self._patch(runner, "execute", execute)
         return self
 
     def _wrap(self, owner, name: str, part: str | None) -> None:
