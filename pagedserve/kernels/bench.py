@@ -248,7 +248,7 @@ def compile_only(arch: int) -> list[dict]:
     finally:
         KernelInterface.__getitem__ = original_getitem
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = _ptxas_for(arch)
     rows = []
     for fn, signature, constexprs, attrs, options in launches.values():
         t0 = time.perf_counter()
@@ -263,6 +263,13 @@ def _short_config(fn, signature: dict, constexprs: dict, options) -> str:
     dtype = next(v for v in signature.values() if v.startswith("*"))[1:]
     consts = " ".join(f"{fn.arg_names[path[0]]}={value}" for path, value in constexprs.items())
     return f"{dtype} {consts} warps={options.num_warps} stages={options.num_stages}"
+
+
+def _ptxas_for(arch: int) -> str:
+    """The ptxas triton itself assembles sm_<arch> with: from sm_90 on its newer one (ptxas-blackwell);
+    the older one rejects the PTX version triton writes for those."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    return get_ptxas(arch).path
 
 
 def _ptxas_usage(ptxas: str, ptx: str, arch: int) -> dict:
