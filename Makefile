@@ -58,7 +58,7 @@ protos: $(STAMP)
 
 # The GPU check kit (gpu/README.md): run here, where the package registry is; it fills the git-ignored
 # .gpu/ with the wheels the GPU machine's image lacks, the default tokenizer and the scripts. Then, on
-# the GPU machine, from the project's root: bash .gpu/check.sh [tests] [e2e] [speed] [services]
+# the GPU machine, from the project's root: bash .gpu/check.sh [tests] [e2e] [speed] [services] [tune]
 gpu-prepare: $(STAMP)
 	PYTHON=$(BIN)/python bash gpu/prepare.sh
 

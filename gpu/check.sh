@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the project's root: bash .gpu/check.sh [tests] [e2e] [speed] [services]   (default: all)
-# Writes summary.txt (a line per stage) and at most 7 logs to $OUT (default: .gpu/out).
+# On the GPU machine, from the project's root: bash .gpu/check.sh [tests] [e2e] [speed] [services] [tune]
+# (default: all but tune). Writes summary.txt (a line per stage) and at most 9 files to $OUT (default: .gpu/out).
 G="$(cd "$(dirname "$0")" && pwd)"; P="$(cd "$G/.." && pwd)"; M=/tmp/m1b
 OUT="${OUT:-$G/out}"; mkdir -p "$OUT"; S=$OUT/summary.txt
 want() { [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]]; }
+named() { [[ " $STAGES " == *" $1 "* ]]; }  # a stage run only when named
 STAGES="$*"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$G"/whl/*.whl \
@@ -27,7 +28,7 @@ if want e2e; then  # the engine on CUDA against transformers on the CPU, tiny mo
     tests/test_cuda_setup.py tests/test_device_memory.py tests/test_graph_runner.py tests/test_step_overlap.py tests/test_platform.py tests/test_cuda_profile.py -rs > "$OUT/e2e.log" 2>&1
   line e2e $? $(( $(date +%s) - t0 )) "$OUT/e2e.log"
 fi
-if want speed || want services; then timeout 60 python3 "$G/make_model.py" $M "$G/tok" > /tmp/model.log 2>&1 || echo "model: $(tail -2 /tmp/model.log)" >> "$S"; fi
+if want speed || want services || named tune; then timeout 60 python3 "$G/make_model.py" $M "$G/tok" > /tmp/model.log 2>&1 || echo "model: $(tail -2 /tmp/model.log)" >> "$S"; fi
 if want speed; then
   t0=$(date +%s); { timeout 150 pagedserve bench throughput --model $M --device cuda --num-prompts 1024 --max-num-seqs 256 \
     --baseline-batch-sizes 256; timeout 60 pagedserve bench latency --model $M --device cuda --input-len 128 --output-len 256
@@ -38,6 +39,16 @@ if want speed; then
   echo "one stream, async scheduling on / off: $(grep -o 'decode [0-9.]* tok/s' "$OUT/speed.log" | tr '\n' ' ')" >> "$S"
   t0=$(date +%s); timeout 120 python3 "$G/profile_step.py" $M > "$OUT/profile.log" 2>&1; line profile $? $(( $(date +%s) - t0 )) "$OUT/profile.log"
   t0=$(date +%s); timeout 60 python3 -m pagedserve.kernels.bench > "$OUT/kbench.log" 2>&1; line kbench $? $(( $(date +%s) - t0 )) "$OUT/kbench.log"
+fi
+if named tune; then  # the kernels' launch configs measured here; the table comes back as kernel_configs.json
+  t0=$(date +%s); timeout 330 python3 -m pagedserve.kernels.tune --budget-s 280 --out "$OUT/kernel_configs.json" \
+    > "$OUT/tune.log" 2>&1; line tune $? $(( $(date +%s) - t0 )) "$OUT/tune.log"
+  # the 1B stream with the table against without, alternated
+  t0=$(date +%s); for cfg in "" "$OUT/kernel_configs.json" "" "$OUT/kernel_configs.json"; do
+    echo "PAGEDSERVE_KERNEL_CONFIGS=$cfg"; PAGEDSERVE_KERNEL_CONFIGS=$cfg timeout 45 pagedserve bench latency --model $M \
+      --device cuda --input-len 128 --output-len 256; done > "$OUT/tuned_speed.log" 2>&1
+  line tuned_speed $? $(( $(date +%s) - t0 )) "$OUT/tuned_speed.log"
+  echo "one stream, untuned / tuned (alternating): $(grep -o 'decode [0-9.]* tok/s' "$OUT/tuned_speed.log" | tr '\n' ' ')" >> "$S"
 fi
 if want services; then
   t0=$(date +%s); timeout 180 pagedserve bench services --model $M --device cuda --workload w64 --num-prompts 256 \

@@ -406,6 +406,7 @@ def test_bench_compiles_every_kernel_for_hopper(tmp_path):
     assert {r["kernel"] for r in rows} == {"_decode_kernel", "_prefill_kernel", "_mla_kernel", "_grouped_gemm_kernel",
                                            "_silu_and_mul_kernel", "_split_kernel", "_combine_kernel"}
     assert {r["config"].split()[0] for r in rows} == {"bf16", "fp32"}
+    assert all(r.get("registers", 0) > 0 for r in rows), "ptxas -v gave no register counts"
 
 
 def test_worker_triton_backend_equals_the_torch_backend():
@@ -469,3 +470,53 @@ def test_worker_triton_backend_on_a_pure_decode_step():
     got = TritonAttentionBackend().forward(query, key, value, *caches[1], meta, 0.25)
     assert rel_err(got, want) < TOL[torch.float32]
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+# ------------------------------------------------------------------------------------ tuned configs
+
+
+class LaunchLog:
+    """Stands in front of a @triton.jit kernel: records each launch's grid and keyword arguments, then runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((tuple(grid), kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_the_wrappers_launch_what_the_devices_table_says(monkeypatch):
+    """Each wrapper asks tuning.resolve for its kernel's entry under the shape key the tuner writes, and
+    launches with it (the table is read on CUDA only: here resolve is pointed at one)."""
+    from pagedserve.kernels.triton import tuning
+    table = {"decode": {"float32 G=4 D=24 DV=24 page=8": {"block_n": 32, "num_warps": 2}},
+             "prefill": {"float32 G=4 D=24 DV=24 page=8": {"block_m": 32, "block_n": 16}},
+             "mla": {"float32 H=4 L=40 R=8 page=8 mixed": {"heads": 2, "block_n": 32}},
+             "fused moe": {"float32 E=5 N=48 K=40 k=2 M=9": {"block_m": 32, "block_n": 32}}}
+    asked = []
+
+    def resolve(kernel, key, device, default, given, size=None):
+        asked.append((kernel, key if size is None else f"{key} M={size}"))
+        return tuning.choose(table, kernel, key if size is None else f"{key} M={size}", default, given)
+
+    for module, name in ((tpa, "_decode_kernel"), (tpa, "_prefill_kernel"), (tmla, "_mla_kernel"),
+                         (tmoe, "_grouped_gemm_kernel")):
+        monkeypatch.setattr(module, "resolve", resolve)
+        monkeypatch.setattr(module, name, LaunchLog(getattr(module, name)))
+    args = attention_step(*DECODE, 8, 2, 24, 24, 8, torch.float32)
+    assert rel_err(tpa.paged_decode_attention(*args), reference.paged_attention(*args)) < 1e-3
+    assert tpa._decode_kernel.launches[-1][1]["BLOCK_N"] == 32 and tpa._decode_kernel.launches[-1][1]["num_warps"] == 2
+    args = attention_step(*MIXED, 8, 2, 24, 24, 8, torch.float32)
+    assert rel_err(tpa.paged_prefill_attention(*args), reference.paged_attention(*args)) < 1e-3
+    assert tpa._prefill_kernel.launches[-1][1]["BLOCK_M"] == 32
+    args = mla_step(*MIXED, 4, 40, 8, 8, torch.float32)
+    assert rel_err(tmla.paged_mla_attention(*args), reference.paged_mla_attention(*args)) < 1e-3
+    assert tmla._mla_kernel.launches[-1][0][0] == 2 and tmla._mla_kernel.launches[-1][1]["HEADS"] == 2
+    x, w13, w2, weights, ids = moe_inputs(torch.float32)
+    assert rel_err(tmoe.fused_moe(x, w13, w2, weights, ids), reference.fused_moe(x, w13, w2, weights, ids)) < 1e-3
+    assert {kw["BLOCK_M"] for _, kw in tmoe._grouped_gemm_kernel.launches} == {32}
+    assert [k for k, _ in asked] == ["decode", "prefill", "mla", "fused moe"]
+    assert [key for _, key in asked] == [next(iter(table[k])) for k, _ in asked]

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.triton import dot_precision, is_interpreted
+from pagedserve.kernels.triton.tuning import dtype_name, resolve
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
@@ -103,17 +104,16 @@ def _silu_and_mul_kernel(x_ptr, o_ptr, rows_ptr, num_rows, inter, stride_x, stri
     tl.store(o_ptr + row * stride_o + cols, (gate * tl.sigmoid(gate) * up).to(o_ptr.dtype.element_ty), mask=mask)
 
 
-def _grouped_gemm(a, b, c, weights, align, a_row_div: int, block_m: int, small: bool):
+def _grouped_gemm(a, b, c, weights, align, a_row_div: int, p: dict):
     """Launch _grouped_gemm_kernel once over all experts: c [P, N] from a and b [E, N, K]."""
     sorted_ids, expert_ids, total = align
     num_experts, n, k = b.shape
-    block_n, block_k = (16, 16) if small else (64, 64)
-    grid = (expert_ids.shape[0], triton.cdiv(n, block_n))
+    grid = (expert_ids.shape[0], triton.cdiv(n, p["block_n"]))
     _grouped_gemm_kernel[grid](
         a, b, c, weights if weights is not None else c, sorted_ids, expert_ids, total,
         n, k, c.shape[0], a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=dot_precision(a.dtype), num_warps=4, num_stages=1 if small else 3)
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None, BLOCK_M=p["block_m"], BLOCK_N=p["block_n"],
+        BLOCK_K=p["block_k"], PRECISION=dot_precision(a.dtype), num_warps=p["num_warps"], num_stages=p["num_stages"])
 
 
 def silu_and_mul(x: torch.Tensor, rows: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,7 +131,24 @@ def silu_and_mul(x: torch.Tensor, rows: torch.Tensor | None = None, out: torch.T
     return out
 
 
-def fused_moe(hidden, w13, w2, topk_weights, topk_ids, out=None, *, block_m: int | None = None):
+def moe_key(hidden, w13, top_k: int) -> str:
+    """What the grouped GEMMs' tiles depend on besides the token count (tuning.py's shape key; the table
+    keys token counts as "<key> M=<n>")."""
+    return f"{dtype_name(hidden.dtype)} E={w13.shape[0]} N={w13.shape[1]} K={w13.shape[2]} k={top_k}"
+
+
+def launch_params(hidden, w13, top_k: int, **given) -> dict:
+    """Both grouped GEMMs' tiles, warps and stages: the caller's > the device's table > defaults."""
+    small = is_interpreted(hidden)
+    block = 16 if small else 64
+    default = dict(block_m=16 if small or hidden.shape[0] * top_k <= 1024 else 64, block_n=block, block_k=block,
+                   num_warps=4, num_stages=1 if small else 3)
+    return resolve("fused moe", moe_key(hidden, w13, top_k), hidden.device, default, given, size=hidden.shape[0])
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids, out=None, *, block_m: int | None = None,
+              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+              num_stages: int | None = None):
     """Mixture of SiLU-gated experts; contract in pagedserve.kernels.reference.fused_moe.
 
     hidden [T, Hd]; w13 [E, 2I, Hd]; w2 [E, Hd, I]; topk_weights [T, k] float; topk_ids [T, k] int, where an
@@ -142,17 +159,17 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, out=None, *, block_m: int
     assert w13.shape[2] == hidden_size and w2.shape == (num_experts, hidden_size, two_inter // 2)
     assert hidden.stride(-1) == w13.stride(-1) == w2.stride(-1) == 1
     top_k = topk_ids.shape[1]
-    small = is_interpreted(hidden)
-    block_m = block_m or (16 if small or num_tokens * top_k <= 1024 else 64)
-    align = moe_align_block_size(topk_ids, block_m, num_experts)
+    p = launch_params(hidden, w13, top_k, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                      num_stages=num_stages)
+    align = moe_align_block_size(topk_ids, p["block_m"], num_experts)
     num_pairs = num_tokens * top_k
     gate_up = torch.empty(num_pairs, two_inter, dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(hidden, w13, gate_up, None, align, top_k, block_m, small)
+    _grouped_gemm(hidden, w13, gate_up, None, align, top_k, p)
     act = silu_and_mul(gate_up, rows=align[0])  # only the pairs some expert computed
     # skipped pairs are never written: start from zero so they add nothing
     down = torch.zeros(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
-    _grouped_gemm(act, w2, down, weights, align, 1, block_m, small)
+    _grouped_gemm(act, w2, down, weights, align, 1, p)
     result = down.view(num_tokens, top_k, hidden_size).sum(1)
     if out is None:
         return result.to(hidden.dtype)

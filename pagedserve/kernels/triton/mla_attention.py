@@ -13,6 +13,7 @@ import triton.language as tl
 
 from pagedserve.kernels.triton import dot_precision, is_interpreted, pow2_tile, tile_map
 from pagedserve.kernels.triton.paged_attention import LOG2E, NEG_BIG, online_softmax_step, paged_offsets
+from pagedserve.kernels.triton.tuning import dtype_name, resolve
 
 
 @triton.jit(do_not_specialize=["stride_table"])
@@ -71,22 +72,29 @@ def _mla_kernel(ql_ptr, qr_ptr, cache_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_
              acc.to(o_ptr.dtype.element_ty), mask=r_mask[:, None] & (lat[None, :] < L))
 
 
-def _tile_shape(num_heads: int, decode: bool, q_latent: torch.Tensor) -> tuple[int, int]:
-    """(TOKENS, HEADS) of a program's tile, powers of two. TOKENS * HEADS rows must be >= 16 for tl.dot;
-    on a GPU the [rows, L] float32 accumulator (L = 512 in DeepSeek) bounds them to 16, or 32 for a
-    mixed step with 16-bit inputs."""
-    heads = min(16, triton.next_power_of_2(num_heads))
+def _tile_tokens(heads: int, decode: bool, q_latent: torch.Tensor) -> int:
+    """TOKENS of a program's tile given its HEADS (powers of two): TOKENS * HEADS rows must be >= 16 for
+    tl.dot; on a GPU the [rows, L] float32 accumulator (L = 512 in DeepSeek) bounds them to 16 by default,
+    or 32 for a mixed step with 16-bit inputs, unless HEADS alone is more."""
     wide = not decode and not is_interpreted(q_latent) and q_latent.element_size() <= 2
-    return max(1, (32 if wide else 16) // heads), heads
+    return max(1, (32 if wide else 16) // heads)
+
+
+def mla_key(q_latent, q_rope, latent_cache, decode: bool) -> str:
+    """What the MLA kernel's tiles depend on besides the batch (tuning.py's shape key)."""
+    return (f"{dtype_name(q_latent.dtype)} H={q_latent.shape[1]} L={q_latent.shape[2]} R={q_rope.shape[-1]} "
+            f"page={latent_cache.shape[1]} {'decode' if decode else 'mixed'}")
 
 
 def paged_mla_attention(q_latent, q_rope, latent_cache, block_tables, seq_lens, query_start_loc, scale,
-                        kv_lora_rank, out=None, *, block_n: int | None = None, num_warps: int | None = None):
+                        kv_lora_rank, out=None, *, block_n: int | None = None, num_warps: int | None = None,
+                        num_stages: int | None = None, heads: int | None = None):
     """Absorbed MLA over a paged latent cache; contract in pagedserve.kernels.reference.paged_mla_attention.
 
     q_latent [T, H, L], q_rope [T, H, R], latent_cache [num_blocks, block_size, 1, L + R] (c_kv then k_pe),
     block_tables [S, max_blocks] int32, seq_lens [S] int32, query_start_loc [S+1] int32. Every sequence has
-    at least one new token; T == S is a decode step. Returns [T, H, L] in q_latent's dtype."""
+    at least one new token; T == S is a decode step. Returns [T, H, L] in q_latent's dtype. `heads` (a power
+    of two) query heads share each program's latent tiles."""
     num_tokens, num_heads, rank = q_latent.shape
     rope_dim = q_rope.shape[-1]
     assert rank == kv_lora_rank and latent_cache.shape[2] == 1 and latent_cache.shape[-1] == rank + rope_dim
@@ -97,14 +105,19 @@ def paged_mla_attention(q_latent, q_rope, latent_cache, block_tables, seq_lens, 
     if num_tokens == 0:
         return out
     small = is_interpreted(q_latent)
-    tokens, heads = _tile_shape(num_heads, num_tokens == seq_lens.shape[0], q_latent)
-    block_n = block_n or (16 if small else 32)
+    decode = num_tokens == seq_lens.shape[0]
+    default = dict(heads=min(16, triton.next_power_of_2(num_heads)), block_n=16 if small else 32,
+                   num_warps=4 if small or rank <= 128 else 8, num_stages=3)
+    p = resolve("mla", mla_key(q_latent, q_rope, latent_cache, decode), q_latent.device, default,
+                dict(heads=heads, block_n=block_n, num_warps=num_warps, num_stages=num_stages))
+    heads = p["heads"]
+    tokens = _tile_tokens(heads, decode, q_latent)
     tile_seq, tile_start, num_tiles = tile_map(query_start_loc, num_tokens, tokens)
     _mla_kernel[(triton.cdiv(num_heads, heads), num_tiles)](
         q_latent, q_rope, latent_cache, out, block_tables, seq_lens, query_start_loc, tile_seq, tile_start,
         scale * LOG2E, num_heads, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        L=rank, R=rope_dim, PAGE=latent_cache.shape[1], TOKENS=tokens, HEADS=heads, BLOCK_N=block_n,
+        L=rank, R=rope_dim, PAGE=latent_cache.shape[1], TOKENS=tokens, HEADS=heads, BLOCK_N=p["block_n"],
         BLOCK_L=pow2_tile(rank), BLOCK_R=pow2_tile(rope_dim), PRECISION=dot_precision(q_latent.dtype),
-        num_warps=num_warps or (4 if small or rank <= 128 else 8))
+        num_warps=p["num_warps"], num_stages=p["num_stages"])
     return out

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.triton import dot_precision, is_interpreted, pow2_tile, tile_map
+from pagedserve.kernels.triton.tuning import dtype_name, resolve
 
 LOG2E = 1.4426950408889634
 # Running max of a row that has seen only masked keys: finite, so exp2(m_old - m_new) never
@@ -156,6 +157,19 @@ def _tiles(query: torch.Tensor) -> int:
     return 64 if query.element_size() <= 2 else 32
 
 
+def attention_key(query, k_cache, v_cache) -> str:
+    """What a paged attention kernel's tiles depend on besides the batch (tuning.py's shape key)."""
+    return (f"{dtype_name(query.dtype)} G={query.shape[1] // k_cache.shape[2]} D={query.shape[2]} "
+            f"DV={v_cache.shape[-1]} page={k_cache.shape[1]}")
+
+
+def launch_params(kernel, query, k_cache, v_cache, **given) -> dict:
+    """A paged attention kernel's tiles, warps and stages: the caller's > the device's table > defaults."""
+    tile = _tiles(query)
+    default = dict(block_m=tile, block_n=tile, num_warps=4, num_stages=3)
+    return resolve(kernel, attention_key(query, k_cache, v_cache), query.device, default, given)
+
+
 def _common_args(query, k_cache, v_cache, out, block_tables):
     return (query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
@@ -170,7 +184,8 @@ def _constexprs(query, k_cache, v_cache):
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
-                           *, block_n: int | None = None, num_warps: int = 4):
+                           *, block_n: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None):
     """paged_attention (see pagedserve.kernels.reference) for a pure decode step: every sequence has exactly one
     new token, so T == S. Grid (S, KVH); each program handles the kv head's whole GQA group."""
     out = _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
@@ -179,29 +194,32 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, quer
     if num_seqs == 0:
         return out
     consts = _constexprs(query, k_cache, v_cache)
-    block_n = block_n or _tiles(query)
+    p = launch_params("decode", query, k_cache, v_cache, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     _decode_kernel[(num_seqs, kv_heads)](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2E,
         *_common_args(query, k_cache, v_cache, out, block_tables),
-        BLOCK_H=pow2_tile(consts["GROUP"]), BLOCK_N=block_n, num_warps=num_warps, **consts)
+        BLOCK_H=pow2_tile(consts["GROUP"]), BLOCK_N=p["block_n"], num_warps=p["num_warps"],
+        num_stages=p["num_stages"], **consts)
     return out
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
-                            *, block_m: int | None = None, block_n: int | None = None, num_warps: int = 4):
+                            *, block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None):
     """paged_attention (see pagedserve.kernels.reference) for any step, decode and prefill tokens mixed, causal.
     Grid (H, query tiles): tiles of block_m rows never straddle two sequences (tile_map)."""
     out = _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     num_tokens, heads = query.shape[:2]
     if num_tokens == 0:
         return out
-    block_m = block_m or _tiles(query)
-    block_n = block_n or _tiles(query)
-    tile_seq, tile_start, num_tiles = tile_map(query_start_loc, num_tokens, block_m)
+    p = launch_params("prefill", query, k_cache, v_cache, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                      num_stages=num_stages)
+    tile_seq, tile_start, num_tiles = tile_map(query_start_loc, num_tokens, p["block_m"])
     _prefill_kernel[(heads, num_tiles)](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_seq, tile_start, scale * LOG2E,
         *_common_args(query, k_cache, v_cache, out, block_tables),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **_constexprs(query, k_cache, v_cache))
+        BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], num_warps=p["num_warps"], num_stages=p["num_stages"],
+        **_constexprs(query, k_cache, v_cache))
     return out
 
 

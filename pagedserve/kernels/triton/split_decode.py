@@ -25,7 +25,7 @@ from pagedserve.kernels.triton.paged_attention import (
     _check,
     _common_args,
     _constexprs,
-    _tiles,
+    launch_params,
     online_softmax_step,
     paged_offsets,
 )
@@ -107,7 +107,7 @@ def split_plan(max_len: int, block_n: int, num_splits: int | None = None, target
 
 def paged_split_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                  out=None, *, num_splits: int | None = None, block_n: int | None = None,
-                                 num_warps: int = 4):
+                                 num_warps: int | None = None, num_stages: int | None = None):
     """paged_attention for a pure decode step (T == S), the KV length split across programs; arguments and
     result as pagedserve.kernels.triton.paged_attention.paged_decode_attention."""
     out = _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
@@ -116,15 +116,17 @@ def paged_split_decode_attention(query, k_cache, v_cache, block_tables, seq_lens
     if num_seqs == 0:
         return out
     consts = _constexprs(query, k_cache, v_cache)
-    block_n = block_n or _tiles(query)
-    splits, chunk = split_plan(block_tables.shape[1] * k_cache.shape[1], block_n, num_splits)
+    p = launch_params("split decode", query, k_cache, v_cache, block_n=block_n, num_warps=num_warps,
+                      num_stages=num_stages)
+    splits, chunk = split_plan(block_tables.shape[1] * k_cache.shape[1], p["block_n"], num_splits)
     dv = v_cache.shape[-1]
     acc = torch.empty(num_seqs, splits, heads, dv, dtype=torch.float32, device=query.device)
     ml = torch.empty(num_seqs, splits, heads, 2, dtype=torch.float32, device=query.device)
     _split_kernel[(num_seqs, k_cache.shape[2], splits)](
         query, k_cache, v_cache, acc, ml, block_tables, seq_lens, query_start_loc, scale * LOG2E,
         *_common_args(query, k_cache, v_cache, out, block_tables), chunk, splits, heads,
-        BLOCK_H=pow2_tile(consts["GROUP"]), BLOCK_N=block_n, num_warps=num_warps, **consts)
+        BLOCK_H=pow2_tile(consts["GROUP"]), BLOCK_N=p["block_n"], num_warps=p["num_warps"],
+        num_stages=p["num_stages"], **consts)
     _combine_kernel[(num_seqs, heads)](acc, ml, out, query_start_loc, splits, heads, out.stride(0), out.stride(1),
                                        DV=dv, BLOCK_S=max(2, triton.next_power_of_2(splits)),
                                        BLOCK_DV=consts["BLOCK_DV"])
