@@ -1,13 +1,13 @@
 """Tune the Triton kernels' launch configurations on this GPU: python -m pagedserve.kernels.tune --out FILE.
 
 For each of kernels.bench's cases (and the attention shapes of the 1B Llama the GPU kit serves) it runs
-candidate configurations (tiles, warps, pipeline stages, MLA's heads per program, fused MoE's tiles per
-token count), keeps those whose result matches the torch reference, times them (median, CUDA events) and
-writes the fastest per shape key as a table pagedserve.kernels.triton.tuning reads: name the file in
-PAGEDSERVE_KERNEL_CONFIGS to use it at once, or commit it as
-pagedserve/kernels/triton/configs/<device>.json to ship it. A candidate that fails to compile (too much
-shared memory) or gives a wrong result is counted and passed over. The default configuration is always
-tried first; the others in a fixed shuffled order, so a --budget-s cut samples the whole space.
+launch configurations (tiles, warps, pipeline stages, MLA's heads per program, fused MoE's tiles per
+token count) by coordinate descent from the wrapper's own choice, keeps those whose result matches the
+torch reference, times them (median, CUDA events) and writes the fastest per shape key as a table
+pagedserve.kernels.triton.tuning reads: name the file in PAGEDSERVE_KERNEL_CONFIGS to use it at once, or
+commit it as pagedserve/kernels/triton/configs/<device>.json to ship it. A candidate that fails to
+compile (too much shared memory) or gives a wrong result is counted and passed over. --budget-s is
+shared among the cases; the table is rewritten after each, so a run cut short keeps what it measured.
 
 Prints, per case: the default's and the best's time and share of the roofline floor (kernels.bench's).
 --interpret runs tiny shapes on the CPU under the Triton interpreter with two candidates per kernel:
@@ -16,9 +16,7 @@ a check of the script end to end, not a tuning."""
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -30,46 +28,41 @@ from pagedserve.kernels import bench
 
 @dataclass
 class Space:
-    """How one bench case maps to a table entry, and the configurations to try."""
+    """How one bench case maps to a table entry: where the search starts (the wrapper's own choice) and the
+    values each launch parameter may take."""
     kernel: str   # the table's kernel name (tuning.py)
     key: str      # its shape key, with " M=<n>" for a keyed size
-    candidates: list[dict]
-
-
-def _grid(**axes) -> list[dict]:
-    names = list(axes)
-    return [dict(zip(names, values)) for values in itertools.product(*axes.values())]
+    start: dict
+    axes: dict[str, tuple]
 
 
 def space(case: bench.Case, interpreted: bool) -> Space:
     from pagedserve.kernels.triton import fused_moe, mla_attention, paged_attention
 
     a = case.args
-    if case.kernel.endswith("attention") and not case.kernel.startswith("mla"):
-        kernel = {"decode attention": "decode", "split decode attention": "split decode"}.get(case.kernel, "prefill")
-        key = paged_attention.attention_key(a[0], a[1], a[2])
-        if interpreted:
-            return Space(kernel, key, [dict(block_n=16), dict(block_n=32)])
-        if kernel == "prefill":
-            tiles = [dict(block_m=m, block_n=n) for m, n in ((64, 64), (128, 64), (128, 128), (64, 128), (128, 32))]
-            launch = _grid(num_warps=(4, 8), num_stages=(2, 3, 4))
-            return Space(kernel, key, [{**t, **w} for t in tiles for w in launch])
-        return Space(kernel, key, _grid(block_n=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(2, 3)))
     if case.kernel.startswith("mla"):
-        key = mla_attention.mla_key(a[0], a[1], a[2], case.kernel == "mla decode")
-        if interpreted:
-            return Space("mla", key, [dict(heads=4, block_n=16), dict(heads=2, block_n=32)])
-        return Space("mla", key, _grid(heads=(16, 32, 64), block_n=(16, 32, 64), num_warps=(4, 8),
-                                       num_stages=(1, 2, 3)))
-    tokens, top_k = a[0].shape[0], a[4].shape[1]
-    key = f"{fused_moe.moe_key(a[0], a[1], top_k)} M={tokens}"
+        decode = case.kernel == "mla decode"
+        start = mla_attention.launch_params(a[0], a[1], a[2], decode)
+        axes = dict(heads=(2, 4), block_n=(16, 32)) if interpreted else \
+            dict(heads=(16, 32, 64), block_n=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3, 4))
+        return Space("mla", mla_attention.mla_key(a[0], a[1], a[2], decode), start, axes)
+    if case.kernel == "fused moe":
+        tokens, top_k = a[0].shape[0], a[4].shape[1]
+        start = fused_moe.launch_params(a[0], a[1], top_k)
+        per_expert = tokens * top_k / a[1].shape[0]
+        axes = dict(block_n=(16, 32)) if interpreted else \
+            dict(block_m=tuple(m for m in (16, 32, 64, 128) if m <= max(16, 2 * per_expert)),
+                 block_n=(32, 64, 128, 256), block_k=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
+        return Space("fused moe", f"{fused_moe.moe_key(a[0], a[1], top_k)} M={tokens}", start, axes)
+    kernel = {"decode attention": "decode", "split decode attention": "split decode"}.get(case.kernel, "prefill")
+    start = paged_attention.launch_params(kernel, a[0], a[1], a[2])
     if interpreted:
-        return Space("fused moe", key, [dict(block_m=16, block_n=16, block_k=16),
-                                        dict(block_m=16, block_n=32, block_k=16)])
-    per_expert = tokens * top_k / a[1].shape[0]
-    block_m = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * per_expert)]
-    return Space("fused moe", key, _grid(block_m=block_m, block_n=(64, 128, 256), block_k=(64, 128),
-                                         num_warps=(4, 8), num_stages=(2, 3, 4)))
+        axes = dict(block_n=(16, 32))
+    elif kernel == "prefill":
+        axes = dict(block_m=(32, 64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2, 3, 4))
+    else:
+        axes = dict(block_n=(16, 32, 64, 128), num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4))
+    return Space(kernel, paged_attention.attention_key(a[0], a[1], a[2]), start, axes)
 
 
 def tuning_cases(device, tk):
@@ -99,36 +92,53 @@ class Result:
 
 
 def tune_case(case: bench.Case, sp: Space, args, cuda: bool, deadline: float) -> Result:
-    """Time every candidate that compiles and matches the reference until `deadline`; the first is the
-    default (no launch parameters given)."""
+    """Coordinate descent from the wrapper's own choice: each parameter in turn takes each of its values with
+    the others held, a change kept when it is at least 3% faster, rounds repeated until one changes nothing
+    or the deadline passes. A candidate that fails to compile or run, or gives a wrong result, is passed
+    over. Far fewer compiles than the whole grid (each takes seconds), which the budget could not afford."""
     want = case.torch_fn(*case.args)
     tol = 1e-3 if case.args[0].dtype == torch.float32 else 3e-2
-    order = sp.candidates[:]
-    random.Random(0).shuffle(order)
-    timings: list[tuple[float, dict]] = []
-    rejected = 0
-    for config in [{}, *order]:
-        if config and time.monotonic() > deadline:
-            break
-        def call(c=config):
-            return case.triton_fn(*case.args, **c)
+    seen: dict[tuple, float | None] = {}
 
-        try:
-            err = bench.max_rel_err(call(), want)
-        except Exception as exc:  # noqa: BLE001 - a config the compiler or the GPU refuses is passed over
-            rejected += 1
-            print(f"  {sp.kernel} {config}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", file=sys.stderr)
-            continue
-        if not err < tol:
-            rejected += 1
-            print(f"  {sp.kernel} {config}: wrong result (max rel err {err:.2e})", file=sys.stderr)
-            continue
-        timings.append((bench.median_ms(call, args.iters, args.warmup, cuda), config))
-    if not timings or timings[0][1]:
-        raise RuntimeError(f"{sp.kernel} {sp.key}: the default configuration failed")
-    best_ms, best = min(timings, key=lambda t: t[0])
+    def measure(config: dict) -> float | None:
+        key = tuple(sorted(config.items()))
+        if key not in seen:
+            seen[key] = _time(case, config, want, tol, args, cuda, sp.kernel)
+        return seen[key]
+
+    start = {k: sp.start[k] for k in sp.axes}
+    default_ms = measure(start)
+    if default_ms is None:
+        raise RuntimeError(f"{sp.kernel} {sp.key}: the wrapper's own configuration failed")
+    best, best_ms, changed = start, default_ms, True
+    while changed and time.monotonic() < deadline:
+        changed = False
+        for param, values in sp.axes.items():
+            for value in values:
+                if value == best[param] or time.monotonic() > deadline:
+                    continue
+                ms = measure({**best, param: value})
+                if ms is not None and ms < 0.97 * best_ms:
+                    best, best_ms, changed = {**best, param: value}, ms, True
     floor = max(case.bytes / (args.hbm_gbps * 1e9), case.flops / (args.peak_tflops * 1e12)) * 1e3
-    return Result(sp.kernel, sp.key, timings[0][0], best_ms, best, floor, len(timings) + rejected - 1, rejected)
+    rejected = sum(v is None for v in seen.values())
+    return Result(sp.kernel, sp.key, default_ms, best_ms, best if best != start else {}, floor, len(seen) - 1,
+                  rejected)
+
+
+def _time(case: bench.Case, config: dict, want, tol: float, args, cuda: bool, kernel: str) -> float | None:
+    def call():
+        return case.triton_fn(*case.args, **config)
+
+    try:
+        err = bench.max_rel_err(call(), want)
+    except Exception as exc:  # noqa: BLE001 - a config the compiler or the GPU refuses is passed over
+        print(f"  {kernel} {config}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", file=sys.stderr)
+        return None
+    if not err < tol:
+        print(f"  {kernel} {config}: wrong result (max rel err {err:.2e})", file=sys.stderr)
+        return None
+    return bench.median_ms(call, args.iters, args.warmup, cuda)
 
 
 HEADER = f"{'kernel':<13} {'shape key':<52} {'default ms':>10} {'best ms':>9} {'% floor':>15} {'tried':>5}  best config"

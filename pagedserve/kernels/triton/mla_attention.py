@@ -86,6 +86,16 @@ def mla_key(q_latent, q_rope, latent_cache, decode: bool) -> str:
             f"page={latent_cache.shape[1]} {'decode' if decode else 'mixed'}")
 
 
+def launch_params(q_latent, q_rope, latent_cache, decode: bool, **given) -> dict:
+    """The MLA kernel's heads per program, key tile, warps and stages: the caller's > the device's table >
+    defaults (16 heads, 32 keys; 16 keys under the interpreter)."""
+    small = is_interpreted(q_latent)
+    rank = q_latent.shape[2]
+    default = dict(heads=min(16, triton.next_power_of_2(q_latent.shape[1])), block_n=16 if small else 32,
+                   num_warps=4 if small or rank <= 128 else 8, num_stages=3)
+    return resolve("mla", mla_key(q_latent, q_rope, latent_cache, decode), q_latent.device, default, given)
+
+
 def paged_mla_attention(q_latent, q_rope, latent_cache, block_tables, seq_lens, query_start_loc, scale,
                         kv_lora_rank, out=None, *, block_n: int | None = None, num_warps: int | None = None,
                         num_stages: int | None = None, heads: int | None = None):
@@ -104,12 +114,9 @@ def paged_mla_attention(q_latent, q_rope, latent_cache, block_tables, seq_lens, 
     assert out.shape == (num_tokens, num_heads, rank) and out.stride(-1) == 1
     if num_tokens == 0:
         return out
-    small = is_interpreted(q_latent)
     decode = num_tokens == seq_lens.shape[0]
-    default = dict(heads=min(16, triton.next_power_of_2(num_heads)), block_n=16 if small else 32,
-                   num_warps=4 if small or rank <= 128 else 8, num_stages=3)
-    p = resolve("mla", mla_key(q_latent, q_rope, latent_cache, decode), q_latent.device, default,
-                dict(heads=heads, block_n=block_n, num_warps=num_warps, num_stages=num_stages))
+    p = launch_params(q_latent, q_rope, latent_cache, decode, heads=heads, block_n=block_n, num_warps=num_warps,
+                      num_stages=num_stages)
     heads = p["heads"]
     tokens = _tile_tokens(heads, decode, q_latent)
     tile_seq, tile_start, num_tiles = tile_map(query_start_loc, num_tokens, tokens)
