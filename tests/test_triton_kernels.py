@@ -407,6 +407,8 @@ def test_bench_compiles_every_kernel_for_hopper(tmp_path):
                                            "_silu_and_mul_kernel", "_split_kernel", "_combine_kernel"}
     assert {r["config"].split()[0] for r in rows} == {"bf16", "fp32"}
     assert all(r.get("registers", 0) > 0 for r in rows), "ptxas -v gave no register counts"
+    # the prefill kernel's 16-bit tiles reach Hopper's warpgroup MMA (mma.sync peaks far lower there)
+    assert {r["mma"] for r in rows if r["kernel"] == "_prefill_kernel" and r["config"].startswith("bf16")} == {"wgmma"}
 
 
 def test_worker_triton_backend_equals_the_torch_backend():

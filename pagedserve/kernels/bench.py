@@ -255,8 +255,16 @@ def compile_only(arch: int) -> list[dict]:
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
         rows.append(dict(kernel=fn.__name__, config=_short_config(fn, signature, constexprs, options),
                          shared_bytes=compiled.metadata.shared, seconds=round(time.perf_counter() - t0, 2),
-                         **_ptxas_usage(ptxas, compiled.asm["ptx"], arch)))
+                         mma=_mma_kind(compiled.asm["ptx"]), **_ptxas_usage(ptxas, compiled.asm["ptx"], arch)))
     return rows
+
+
+def _mma_kind(ptx: str) -> str:
+    """Which tensor-core instructions the kernel issues: Hopper's warpgroup MMA (wgmma, what reaches the
+    tensor cores' peak there), the older per-warp mma.sync, or none (the dot fell back to FMA)."""
+    if "wgmma.mma_async" in ptx:
+        return "wgmma"
+    return "mma.sync" if "mma.sync" in ptx else "none"
 
 
 def _short_config(fn, signature: dict, constexprs: dict, options) -> str:
@@ -325,7 +333,7 @@ def main(argv=None) -> int:
         rows = compile_only(args.arch)
         for r in rows:
             print(f"{r['kernel']:<22} regs={r.get('registers', '?'):>3} spill={r.get('spill_bytes', '?'):>5}B "
-                  f"shared={r['shared_bytes']:>6}B  {r['config']}")
+                  f"shared={r['shared_bytes']:>6}B mma={r['mma']:<8} {r['config']}")
     else:
         torch.manual_seed(0)
         cuda = not args.interpret
