@@ -316,6 +316,36 @@ def test_mla_attention(dtype, ctx_lens, q_lens, heads, rank, rope, page):
     assert rel_err(got, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits, heads", [(3, 4), (7, 2)])
+def test_mla_split_decode(dtype, num_splits, heads):
+    """MLA's keys split into runs on a decode step (runs of 48 or 16 positions here, some past a sequence's
+    end), combined by split_decode's kernel: equal to the reference, rows past the step unwritten."""
+    args = mla_step(*LONG_DECODE, 4, 40, 8, 16, dtype, seed=7)
+    want = reference.paged_mla_attention(*args)
+    out = torch.full((6, 4, 40), float("nan"), dtype=dtype, device=DEVICE)
+    got = tmla.paged_mla_attention(*args, out=out[:4], num_splits=num_splits, heads=heads, block_n=16)
+    assert got.data_ptr() == out.data_ptr() and rel_err(got, want) < TOL[dtype]
+    assert out[4:].isnan().all()
+
+
+def test_mla_splits_a_small_decode_over_long_tables(monkeypatch):
+    """The paged attention kernels' rule picks MLA's split too, from shapes alone: here sequences x head
+    blocks (4 x 1) below the multiprocessors, tables 64 blocks of 16 wide; never on a mixed step."""
+    q_latent, q_rope, cache, tables, seq_lens, qsl, scale, rank = mla_step(*LONG_DECODE, 4, 40, 8, 16,
+                                                                           torch.float32, seed=8)
+    wide = torch.zeros(tables.shape[0], 64, dtype=tables.dtype, device=DEVICE)
+    wide[:, :tables.shape[1]] = tables
+    args = (q_latent, q_rope, cache, wide, seq_lens, qsl, scale, rank)
+    monkeypatch.setattr(tmla, "_combine_kernel", LaunchLog(tmla._combine_kernel))
+    want = reference.paged_mla_attention(*args)
+    assert rel_err(tmla.paged_mla_attention(*args, sms=4), want) < 1e-3 and not tmla._combine_kernel.launches
+    assert rel_err(tmla.paged_mla_attention(*args, sms=132), want) < 1e-3 and len(tmla._combine_kernel.launches) == 1
+    mixed = mla_step(*MIXED, 4, 40, 8, 16, torch.float32, seed=9)
+    assert rel_err(tmla.paged_mla_attention(*mixed, sms=132), reference.paged_mla_attention(*mixed)) < 1e-3
+    assert len(tmla._combine_kernel.launches) == 1
+
+
 def test_mla_kernel_on_a_decode_step_writes_only_its_rows():
     """4 heads make tiles of 4 tokens x 4 heads: on a decode step 3 of each tile's tokens are past the
     sequence's one query (their addresses point at its first row). Rows past the step stay unwritten and

@@ -13,6 +13,7 @@ Without a GPU it exits 2, except:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -147,6 +148,8 @@ def gpu_cases(device, tk, moe_tokens=(16, 256, 2048), batch=64, context=2048, ex
     yield attention_case("split decode attention", [16 * context], [1], 32, 8, 128, 16, dt, device, tk)
     yield attention_case("prefill attention", [1024] * 4, [512] * 4, 32, 8, 128, 16, dt, device, tk)
     yield mla_case(batch, context, 128, 512, 64, 16, dt, device, tk)
+    # a small batch over a long context: too few (head block, sequence) programs, so the keys split into runs
+    yield mla_case(4, 4 * context, 128, 512, 64, 16, dt, device, tk)
     for tokens in moe_tokens:
         yield moe_case(tokens, experts, 8, 2048, 1408, dt, device, tk)
 
@@ -240,8 +243,10 @@ def compile_only(arch: int) -> list[dict]:
         module.is_interpreted = lambda t: False  # take the GPU tile sizes
     try:
         tk = TritonKernels()
+        split_mla = mla_case(2, 40, 128, 512, 64, 16, torch.bfloat16, "cpu", tk)
+        split_mla.triton_fn = functools.partial(tk.paged_mla_attention, num_splits=2)  # no multiprocessors here
         cases = [*gpu_cases("cpu", tk, moe_tokens=(16, 256), batch=2, context=40, experts=8),
-                 mla_case(2, 40, 128, 512, 64, 16, torch.bfloat16, "cpu", tk, q_len=5)]
+                 mla_case(2, 40, 128, 512, 64, 16, torch.bfloat16, "cpu", tk, q_len=5), split_mla]
         for case in cases:
             case.triton_fn(*case.args)
             case.triton_fn(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in case.args])

@@ -186,9 +186,13 @@ def main(argv=None) -> int:
     device = "cuda" if cuda else "cpu"
     tk = bench.TritonKernels()
     cases = list(tuning_cases(device, tk) if cuda else bench.tiny_cases(device, tk))
-    spaces = [space(c, args.interpret) for c in cases]
     only = {k for k in args.only.split(",") if k}
-    chosen = [(c, s) for c, s in zip(cases, spaces) if not only or s.kernel in only]
+    chosen, keys = [], set()
+    for case in cases:  # a shape key is tuned at its first case (the bench's small-batch MLA shares one)
+        sp = space(case, args.interpret)
+        if (sp.kernel, sp.key) not in keys and (not only or sp.kernel in only):
+            chosen.append((case, sp))
+            keys.add((sp.kernel, sp.key))
     from pagedserve.kernels.triton.tuning import device_name, write_table
     name = device_name(torch.device("cuda")) if cuda else "interpreter"
     start, results = time.monotonic(), []
