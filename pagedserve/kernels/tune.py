@@ -114,6 +114,8 @@ def tune_case(case: bench.Case, sp: Space, args, cuda: bool, deadline: float) ->
     while changed and time.monotonic() < deadline:
         changed = False
         for param, values in sp.axes.items():
+            if cuda:  # every unseen neighbour of the current best at once (cached: the next sweeps find them)
+                precompile(case, [n for n in _neighbours(best, sp.axes) if tuple(sorted(n.items())) not in seen])
             for value in values:
                 if value == best[param] or time.monotonic() > deadline:
                     continue
@@ -124,6 +126,39 @@ def tune_case(case: bench.Case, sp: Space, args, cuda: bool, deadline: float) ->
     rejected = sum(v is None for v in seen.values())
     return Result(sp.kernel, sp.key, default_ms, best_ms, best if best != start else {}, floor, len(seen) - 1,
                   rejected)
+
+
+def _neighbours(config: dict, axes: dict) -> list[dict]:
+    return [{**config, p: v} for p, values in axes.items() for v in values if v != config[p]]
+
+
+def precompile(case: bench.Case, configs: list[dict], workers: int = 16) -> None:
+    """Compile the kernels each config launches, in parallel threads, without launching them: each wrapper
+    runs with its launches turned into Triton's warmup (compile only) under Triton's AsyncCompileMode. A
+    compile that fails is left for the timed call to meet (and pass over). Where this Triton lacks the mode,
+    or anything here goes wrong, the timed calls compile one by one as before."""
+    if not configs:
+        return
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime.jit import KernelInterface
+    except ImportError:
+        return
+    launch = KernelInterface.__getitem__
+    KernelInterface.__getitem__ = lambda kernel, grid: (lambda *a, **kw: kernel.warmup(*a, grid=grid, **kw))
+    try:
+        with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            for config in configs:
+                try:
+                    case.triton_fn(*case.args, **config)
+                except Exception:  # noqa: BLE001, S112 - the timed call meets it again and says why
+                    continue
+    except Exception as exc:  # noqa: BLE001 - compiling ahead is only a speed-up
+        print(f"  precompile: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", file=sys.stderr)
+    finally:
+        KernelInterface.__getitem__ = launch
 
 
 def _time(case: bench.Case, config: dict, want, tol: float, args, cuda: bool, kernel: str) -> float | None:
