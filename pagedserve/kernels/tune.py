@@ -91,13 +91,17 @@ class Result:
     rejected: int
 
 
+class CaseFailed(RuntimeError):
+    """The wrapper's own configuration failed or was wrong: nothing to tune from (the others go on)."""
+
+
 def tune_case(case: bench.Case, sp: Space, args, cuda: bool, deadline: float) -> Result:
     """Coordinate descent from the wrapper's own choice: each parameter in turn takes each of its values with
     the others held, a change kept when it is at least 3% faster, rounds repeated until one changes nothing
     or the deadline passes. A candidate that fails to compile or run, or gives a wrong result, is passed
     over. Far fewer compiles than the whole grid (each takes seconds), which the budget could not afford."""
     want = case.torch_fn(*case.args)
-    tol = 1e-3 if case.args[0].dtype == torch.float32 else 3e-2
+    tol = 1e-3 if case.args[0].dtype == torch.float32 else 5e-2  # of the reference's largest magnitude
     seen: dict[tuple, float | None] = {}
 
     def measure(config: dict) -> float | None:
@@ -109,7 +113,7 @@ def tune_case(case: bench.Case, sp: Space, args, cuda: bool, deadline: float) ->
     start = {k: sp.start[k] for k in sp.axes}
     default_ms = measure(start)
     if default_ms is None:
-        raise RuntimeError(f"{sp.kernel} {sp.key}: the wrapper's own configuration failed")
+        raise CaseFailed(f"{sp.kernel} {sp.key}: the wrapper's own configuration failed (see above)")
     best, best_ms, changed = start, default_ms, True
     while changed and time.monotonic() < deadline:
         changed = False
@@ -230,14 +234,19 @@ def main(argv=None) -> int:
             keys.add((sp.kernel, sp.key))
     from pagedserve.kernels.triton.tuning import device_name, write_table
     name = device_name(torch.device("cuda")) if cuda else "interpreter"
-    start, results = time.monotonic(), []
+    start, results, failed = time.monotonic(), [], []
     print(HEADER, flush=True)
     for i, (case, sp) in enumerate(chosen):
         share = (args.budget_s - (time.monotonic() - start)) / (len(chosen) - i)
-        results.append(tune_case(case, sp, args, cuda, time.monotonic() + share))
+        try:
+            results.append(tune_case(case, sp, args, cuda, time.monotonic() + share))
+        except CaseFailed as exc:
+            failed.append(str(exc))
+            print(f"FAILED {exc}", flush=True)
+            continue
         write_table(args.out, name, table(results))  # after each case: a run cut short keeps what it measured
         print(result_line(results[-1]), flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
