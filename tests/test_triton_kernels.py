@@ -441,9 +441,10 @@ def test_bench_compiles_every_kernel_for_hopper(tmp_path):
     assert {r["mma"] for r in rows if r["kernel"] == "_prefill_kernel" and r["config"].startswith("bf16")} == {"wgmma"}
 
 
-def test_worker_triton_backend_equals_the_torch_backend():
+def test_worker_triton_backend_equals_the_torch_backend(monkeypatch):
     """The worker's TritonAttentionBackend (what CUDA uses) against its TorchAttentionBackend on one
-    mixed step: two decodes, a prefill chunk with cached context and a fresh prompt, scattered blocks."""
+    mixed step: two decodes, a prefill chunk with cached context and a fresh prompt, scattered blocks;
+    the kernel's tile map is built once a step, whatever the number of layers."""
     from pagedserve.worker.attention import AttentionMetadata, PrefillSeq, TorchAttentionBackend, TritonAttentionBackend
 
     gen = torch.Generator().manual_seed(5)
@@ -474,9 +475,24 @@ def test_worker_triton_backend_equals_the_torch_backend():
     k_cache, v_cache = randn(gen, num_blocks, page, kv_heads, dim), randn(gen, num_blocks, page, kv_heads, dim)
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     want = TorchAttentionBackend().forward(query, key, value, *caches[0], meta, 0.25)
-    got = TritonAttentionBackend().forward(query, key, value, *caches[1], meta, 0.25)
+    import pagedserve.kernels.triton as kernels_pkg
+    tile_maps = []
+
+    def counted_tile_map(*a):
+        tile_maps.append(a[-1])
+        return tile_map(*a)
+
+    monkeypatch.setattr(kernels_pkg, "tile_map", counted_tile_map)
+    backend = TritonAttentionBackend()
+    got = backend.forward(query, key, value, *caches[1], meta, 0.25)
     assert rel_err(got, want) < TOL[torch.float32]
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    # a second layer of the same step reuses the step's tile map; the next step's metadata builds its own
+    assert rel_err(backend.forward(query, key, value, *caches[1], meta, 0.25), want) < TOL[torch.float32]
+    assert len(tile_maps) == 1
+    next_step = AttentionMetadata(slots, 2, decode_tables, torch.tensor(decode_lens, device=DEVICE), mask, seqs)
+    assert rel_err(backend.forward(query, key, value, *caches[1], next_step, 0.25), want) < TOL[torch.float32]
+    assert len(tile_maps) == 2
 
 
 def test_worker_triton_backend_on_a_pure_decode_step():

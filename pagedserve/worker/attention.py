@@ -235,13 +235,14 @@ class TritonAttentionBackend(AttentionBackend):
     kernel when every sequence has one query (split over the KV length when that fills the GPU better:
     kernels/triton/attention_choice.py), else the prefill/mixed kernel; the new K/V enter the cache
     through the fused write kernel (fused_ops.write_kv_cache) where each token's heads are contiguous.
-    The step's metadata is converted once per step (all layers share it)."""
+    The step's metadata is converted once per step (all layers share it), and so are the kernels' tile maps."""
 
     graph_support = GraphSupport.PURE_DECODE  # kernel_metadata converts a pure decode step on the device
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
         self._converted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._step_cache: dict = {}  # what the kernels build once a step (their tile maps): renewed with meta
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         from pagedserve.kernels.triton.fused_ops import write_kv_cache
@@ -256,8 +257,8 @@ class TritonAttentionBackend(AttentionBackend):
             v_cache.view(-1, num_kv_heads, v_cache.shape[3]).index_copy_(0, meta.slot_mapping, value)
         if self._meta is not meta:
             self._converted = kernel_metadata(meta, k_cache.shape[1], k_cache.device)
-            self._meta = meta
-        return paged_attention(query, k_cache, v_cache, *self._converted, scale)
+            self._meta, self._step_cache = meta, {}
+        return paged_attention(query, k_cache, v_cache, *self._converted, scale, step_cache=self._step_cache)
 
 
 def kernel_metadata(meta: AttentionMetadata, block_size: int,

@@ -101,6 +101,7 @@ class TritonMLABackend(MLAAttentionBackend):
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
         self._converted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._step_cache: dict = {}
 
     def forward(self, q_latent, q_rope, latent_new, rope_new, latent_cache, meta, scale):
         from pagedserve.kernels.triton import fused_ops
@@ -112,7 +113,7 @@ class TritonMLABackend(MLAAttentionBackend):
             write_latent_cache(latent_new, rope_new, latent_cache, meta.slot_mapping)
         if self._meta is not meta:
             self._converted = kernel_metadata(meta, latent_cache.shape[1], latent_cache.device)
-            self._meta = meta
+            self._meta, self._step_cache = meta, {}  # the kernel's tile maps: once a step
         block_tables, seq_lens, query_start_loc = self._converted
         return paged_mla_attention(q_latent, q_rope.contiguous(), latent_cache, block_tables, seq_lens,
-                                   query_start_loc, scale, latent_new.shape[-1])
+                                   query_start_loc, scale, latent_new.shape[-1], step_cache=self._step_cache)

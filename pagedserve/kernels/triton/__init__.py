@@ -74,3 +74,15 @@ def tile_map(query_start_loc: torch.Tensor, num_tokens: int, block_m: int):
     start = (idx - (ends[owner] - tiles[owner])) * block_m
     tile_seq = torch.where(seq < num_seqs, seq, -1)
     return tile_seq.to(torch.int32), start.to(torch.int32), n
+
+
+def step_tiles(step_cache: dict | None, query_start_loc: torch.Tensor, num_tokens: int, block_m: int):
+    """tile_map once per step: every layer's attention call of a step passes the same `step_cache` (a dict
+    its backend renews with each step's metadata), so the ~8 small device ops run once a step instead of
+    once a layer. None: no cache (a call on its own)."""
+    if step_cache is None:
+        return tile_map(query_start_loc, num_tokens, block_m)
+    key = ("tiles", num_tokens, block_m)
+    if key not in step_cache:
+        step_cache[key] = tile_map(query_start_loc, num_tokens, block_m)
+    return step_cache[key]

@@ -43,14 +43,16 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, *,
-                    sms: int | None = None):
+                    sms: int | None = None, step_cache: dict | None = None):
     """Causal attention of a step's tokens over the paged KV cache (contract in
     pagedserve.kernels.reference.paged_attention), through the kernel the rule above picks; `sms` stands in
-    for the device's multiprocessor count (tests under the interpreter)."""
+    for the device's multiprocessor count (tests under the interpreter); `step_cache`: the step's layers
+    share what is built once a step (kernels/triton's step_tiles)."""
     num_seqs = seq_lens.shape[0]
     if query.shape[0] == num_seqs:
         sms = multiprocessors(query.device) if sms is None else sms
         if use_split_decode(num_seqs, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], sms):
             return paged_split_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                                 scale, out)
-    return plain.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    return plain.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                                 step_cache=step_cache)

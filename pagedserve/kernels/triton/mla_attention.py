@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton import dot_precision, is_interpreted, pow2_tile, tile_map
+from pagedserve.kernels.triton import dot_precision, is_interpreted, pow2_tile, step_tiles
 from pagedserve.kernels.triton.attention_choice import multiprocessors, use_split_decode
 from pagedserve.kernels.triton.paged_attention import LOG2E, NEG_BIG, online_softmax_step, paged_offsets
 from pagedserve.kernels.triton.split_decode import _combine_kernel, split_plan
@@ -127,7 +127,7 @@ def launch_params(q_latent, q_rope, latent_cache, decode: bool, **given) -> dict
 def paged_mla_attention(q_latent, q_rope, latent_cache, block_tables, seq_lens, query_start_loc, scale,
                         kv_lora_rank, out=None, *, block_n: int | None = None, num_warps: int | None = None,
                         num_stages: int | None = None, heads: int | None = None, num_splits: int | None = None,
-                        sms: int | None = None):
+                        sms: int | None = None, step_cache: dict | None = None):
     """Absorbed MLA over a paged latent cache; contract in pagedserve.kernels.reference.paged_mla_attention.
 
     q_latent [T, H, L], q_rope [T, H, R], latent_cache [num_blocks, block_size, 1, L + R] (c_kv then k_pe),
@@ -135,7 +135,8 @@ def paged_mla_attention(q_latent, q_rope, latent_cache, block_tables, seq_lens, 
     at least one new token; T == S is a decode step. Returns [T, H, L] in q_latent's dtype. `heads` (a power
     of two) query heads share each program's latent tiles. A decode step splits its keys into runs when
     num_splits says so, or by the rule in the module's docstring (`sms` standing in for the device's
-    multiprocessor count; 0 off CUDA: no split unless asked)."""
+    multiprocessor count; 0 off CUDA: no split unless asked). `step_cache`: the step's layers share what is
+    built once a step (kernels/triton's step_tiles)."""
     num_tokens, num_heads, rank = q_latent.shape
     rope_dim = q_rope.shape[-1]
     assert rank == kv_lora_rank and latent_cache.shape[2] == 1 and latent_cache.shape[-1] == rank + rope_dim
@@ -156,7 +157,7 @@ def paged_mla_attention(q_latent, q_rope, latent_cache, block_tables, seq_lens, 
         num_splits = None if use_split_decode(num_tokens, head_blocks, span, sms) else 1
     splits, chunk = split_plan(span, p["block_n"], num_splits) if decode else (1, 0)
     tokens = _tile_tokens(heads, decode, q_latent)
-    tile_seq, tile_start, num_tiles = tile_map(query_start_loc, num_tokens, tokens)
+    tile_seq, tile_start, num_tiles = step_tiles(step_cache, query_start_loc, num_tokens, tokens)
     split = splits > 1
     target, ml = out, out  # ml is not read unless split
     if split:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton import dot_precision, is_interpreted, pow2_tile, tile_map
+from pagedserve.kernels.triton import dot_precision, is_interpreted, pow2_tile, step_tiles
 from pagedserve.kernels.triton.tuning import dtype_name, resolve
 
 LOG2E = 1.4426950408889634
@@ -205,16 +205,17 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, quer
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
                             *, block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                            num_stages: int | None = None):
+                            num_stages: int | None = None, step_cache: dict | None = None):
     """paged_attention (see pagedserve.kernels.reference) for any step, decode and prefill tokens mixed, causal.
-    Grid (H, query tiles): tiles of block_m rows never straddle two sequences (tile_map)."""
+    Grid (H, query tiles): tiles of block_m rows never straddle two sequences (tile_map, once a step given
+    the step's `step_cache`: step_tiles)."""
     out = _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     num_tokens, heads = query.shape[:2]
     if num_tokens == 0:
         return out
     p = launch_params("prefill", query, k_cache, v_cache, block_m=block_m, block_n=block_n, num_warps=num_warps,
                       num_stages=num_stages)
-    tile_seq, tile_start, num_tiles = tile_map(query_start_loc, num_tokens, p["block_m"])
+    tile_seq, tile_start, num_tiles = step_tiles(step_cache, query_start_loc, num_tokens, p["block_m"])
     _prefill_kernel[(heads, num_tiles)](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_seq, tile_start, scale * LOG2E,
         *_common_args(query, k_cache, v_cache, out, block_tables),
@@ -223,7 +224,8 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, que
     return out
 
 
-def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None):
+def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, *,
+                    step_cache: dict | None = None):
     """Causal attention of a step's tokens over the paged KV cache; contract in
     pagedserve.kernels.reference.paged_attention.
 
@@ -231,4 +233,5 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
     the decode kernel (decided from shapes alone: no device sync)."""
     if query.shape[0] == seq_lens.shape[0]:
         return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
-    return paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    return paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                                   step_cache=step_cache)
