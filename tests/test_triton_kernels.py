@@ -373,10 +373,12 @@ def test_tile_map_covers_each_sequence_once():
     assert got == [(s, st) for s, q in enumerate(q_lens) for st in range(0, q, 16)]
 
 
-def test_moe_align_block_size():
+@pytest.mark.parametrize("align", ["torch ops", "two launches"])
+def test_moe_align_block_size(align):
     experts, block_m = 5, 4
     ids = torch.tensor([[0, 3], [3, -1], [4, 0], [7, 3], [3, 3], [0, 1]], device=DEVICE)
-    sorted_ids, expert_ids, total = tmoe.moe_align_block_size(ids, block_m, experts)
+    fn = tmoe.moe_align_block_size if align == "torch ops" else tmoe.moe_align_launches
+    sorted_ids, expert_ids, total = fn(ids, block_m, experts)
     flat, sentinel = ids.flatten(), ids.numel()
     assert sorted_ids.shape[0] % block_m == 0 and sorted_ids.shape[0] == expert_ids.shape[0] * block_m
     assert int(total) == sum(math.ceil(int((flat == e).sum()) / block_m) * block_m for e in range(experts))
@@ -386,6 +388,24 @@ def test_moe_align_block_size():
         assert all(flat[p] == e for p in pairs.tolist() if p != sentinel)
     placed = sorted(p for p in sorted_ids.tolist() if p != sentinel)
     assert placed == [p for p in range(sentinel) if 0 <= flat[p] < experts]  # each valid pair once, no others
+
+
+@pytest.mark.parametrize("experts, block_m, tokens, top_k", [(5, 4, 6, 2), (64, 16, 300, 6), (3, 64, 1, 1)])
+def test_moe_align_launches_equal_the_torch_ops(experts, block_m, tokens, top_k):
+    """The two-launch align against the torch ops, over more pairs than one chunk of the kernels (1,024) and
+    with ids of other ranks' experts: the same total, expert of every M-block and sentinel places, and each
+    expert's run holds the same pairs (their order within a run may differ)."""
+    gen = torch.Generator().manual_seed(experts)
+    ids = torch.randint(-1, experts + 2, (tokens, top_k), generator=gen).to(DEVICE)
+    want = tmoe.moe_align_block_size(ids, block_m, experts)
+    got = tmoe.moe_align_launches(ids, block_m, experts)
+    assert torch.equal(got[2], want[2]) and torch.equal(got[1], want[1])
+    assert got[0].shape == want[0].shape and torch.equal(got[0] == ids.numel(), want[0] == ids.numel())
+    for block in range(0, int(want[2]), block_m):  # runs are whole blocks: compare each expert's run sorted
+        e = int(want[1][block // block_m])
+        run = (want[1] == e).nonzero().flatten()
+        lo, hi = int(run[0]) * block_m, (int(run[-1]) + 1) * block_m
+        assert torch.equal(got[0][lo:hi].sort().values, want[0][lo:hi].sort().values)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -434,8 +454,9 @@ def test_bench_compiles_every_kernel_for_hopper(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {r["kernel"] for r in rows} == {"_decode_kernel", "_prefill_kernel", "_mla_kernel", "_grouped_gemm_kernel",
-                                           "_silu_and_mul_kernel", "_split_kernel", "_combine_kernel"}
-    assert {r["config"].split()[0] for r in rows} == {"bf16", "fp32"}
+                                           "_silu_and_mul_kernel", "_split_kernel", "_combine_kernel",
+                                           "_align_plan_kernel", "_align_scatter_kernel"}
+    assert {r["config"].split()[0] for r in rows} == {"bf16", "fp32", "i32"}  # i32: the MoE align kernels
     assert all(r.get("registers", 0) > 0 for r in rows), "ptxas -v gave no register counts"
     # the prefill kernel's 16-bit tiles reach Hopper's warpgroup MMA (mma.sync peaks far lower there)
     assert {r["mma"] for r in rows if r["kernel"] == "_prefill_kernel" and r["config"].startswith("bf16")} == {"wgmma"}

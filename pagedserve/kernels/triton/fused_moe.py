@@ -54,6 +54,70 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     return sorted_ids[:capacity], expert_ids, total
 
 
+@triton.jit(do_not_specialize=["num_pairs", "capacity"])
+def _align_plan_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, cursor_ptr, num_pairs, num_experts, capacity,
+                       BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, EBLOCK: tl.constexpr):
+    """One program: count each expert's pairs, pad each count to a multiple of BLOCK_M, and from their running
+    sum write the padded total, each M-block's expert (-1 past the total), each expert's first place into
+    cursor_ptr (where _align_scatter_kernel starts), and the sentinel num_pairs over all of sorted_ptr.
+    Ids outside 0..num_experts-1 (and lanes past the pairs) count in bin BINS - 1, which is no expert's."""
+    bins = tl.arange(0, BINS)
+    counts = tl.zeros([BINS], tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        i = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1)
+        counts += tl.histogram(tl.where((e >= 0) & (e < num_experts), e, BINS - 1), BINS)
+    counts = tl.where(bins < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    tl.store(total_ptr, total)
+    tl.store(cursor_ptr + bins, ends - padded)
+    for b0 in range(0, capacity // BLOCK_M, EBLOCK):
+        b = b0 + tl.arange(0, EBLOCK)
+        first = b * BLOCK_M  # the block's expert: how many experts' padded runs end at or before its first row
+        expert = tl.sum(((ends[None, :] <= first[:, None]) & (bins[None, :] < num_experts)).to(tl.int32), 1)
+        tl.store(expert_ids_ptr + b, tl.where(first < total, expert, -1), mask=b < capacity // BLOCK_M)
+    for c0 in range(0, capacity, CHUNK):
+        c = c0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + c, tl.full([CHUNK], 0, tl.int32) + num_pairs, mask=c < capacity)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, num_pairs, num_experts, CHUNK: tl.constexpr):
+    """Program per CHUNK pairs: each valid pair takes the next place of its expert's padded run (an atomic
+    add on the expert's cursor) and writes its flat id there. The order of pairs within an expert's run
+    depends on timing; nothing downstream depends on it (every row of a grouped GEMM is computed alone,
+    and each pair's result goes back to its own row)."""
+    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1)
+    valid = (i < num_pairs) & (e >= 0) & (e < num_experts)
+    place = tl.atomic_add(cursor_ptr + tl.where(valid, e, 0), 1, mask=valid)
+    tl.store(sorted_ptr + place, i, mask=valid)
+
+
+def moe_align_launches(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """moe_align_block_size's result in two launches (vLLM and SGLang align in one CUDA kernel of their
+    own for the same reason: the torch ops are ~30 small launches a MoE layer). The same total and
+    expert of each block, and each expert's run holds the same pairs and padding; within a run the
+    pairs' order may differ from the torch version's ascending one."""
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    num_pairs, device = ids.numel(), ids.device
+    if num_pairs == 0:
+        return moe_align_block_size(topk_ids, block_m, num_experts)
+    capacity = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    total = torch.empty(1, dtype=torch.int32, device=device)
+    bins = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(bins, dtype=torch.int32, device=device)
+    _align_plan_kernel[(1,)](ids, sorted_ids, expert_ids, total, cursor, num_pairs, num_experts, capacity,
+                             BLOCK_M=block_m, BINS=bins, CHUNK=1024, EBLOCK=max(16, 4096 // bins))
+    _align_scatter_kernel[(triton.cdiv(num_pairs, 1024),)](ids, sorted_ids, cursor, num_pairs, num_experts,
+                                                           CHUNK=1024)
+    return sorted_ids, expert_ids, total
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
                          N, K, num_pairs, stride_am, stride_be, stride_bn, stride_cm,
@@ -161,7 +225,7 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids, out=None, *, block_m: int
     top_k = topk_ids.shape[1]
     p = launch_params(hidden, w13, top_k, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                       num_stages=num_stages)
-    align = moe_align_block_size(topk_ids, p["block_m"], num_experts)
+    align = moe_align_launches(topk_ids, p["block_m"], num_experts)
     num_pairs = num_tokens * top_k
     gate_up = torch.empty(num_pairs, two_inter, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(hidden, w13, gate_up, None, align, top_k, p)
