@@ -38,7 +38,7 @@ if want speed; then
   line speed $? $(( $(date +%s) - t0 )) "$OUT/speed.log"
   echo "one stream, async scheduling on / off: $(grep -o 'decode [0-9.]* tok/s' "$OUT/speed.log" | tr '\n' ' ')" >> "$S"
   t0=$(date +%s); timeout 120 python3 "$G/profile_step.py" $M > "$OUT/profile.log" 2>&1; line profile $? $(( $(date +%s) - t0 )) "$OUT/profile.log"
-  t0=$(date +%s); timeout 60 python3 -m pagedserve.kernels.bench > "$OUT/kbench.log" 2>&1; line kbench $? $(( $(date +%s) - t0 )) "$OUT/kbench.log"
+  t0=$(date +%s); timeout 90 python3 -m pagedserve.kernels.bench > "$OUT/kbench.log" 2>&1; line kbench $? $(( $(date +%s) - t0 )) "$OUT/kbench.log"
 fi
 if named tune; then  # the kernels' launch configs measured here; the table comes back as kernel_configs.json
   t0=$(date +%s); timeout 330 python3 -m pagedserve.kernels.tune --budget-s 280 --out "$OUT/kernel_configs.json" \

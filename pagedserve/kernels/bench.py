@@ -146,6 +146,9 @@ def gpu_cases(device, tk, moe_tokens=(16, 256, 2048), batch=64, context=2048, ex
     # one long sequence: what the split over the KV length is for (flash-decoding), beside the plain kernel
     yield attention_case("decode attention", [16 * context], [1], 32, 8, 128, 16, dt, device, tk)
     yield attention_case("split decode attention", [16 * context], [1], 32, 8, 128, 16, dt, device, tk)
+    # the first batch split over the KV length: whether filling whole waves of multiprocessors beats the
+    # combine's extra pass (attention_choice.py splits only below one program per multiprocessor)
+    yield attention_case("split decode attention", [context] * batch, [1] * batch, 32, 8, 128, 16, dt, device, tk)
     yield attention_case("prefill attention", [1024] * 4, [512] * 4, 32, 8, 128, 16, dt, device, tk)
     yield mla_case(batch, context, 128, 512, 64, 16, dt, device, tk)
     # a small batch over a long context: too few (head block, sequence) programs, so the keys split into runs
