@@ -308,3 +308,56 @@ def test_ranks_whose_steps_wait_on_each_other_get_their_large_steps_in_full(rank
         assert got == [1, 2, 3]
     finally:
         group.close()
+
+
+@pytest.mark.parametrize("where", ["begin", "finish"])
+@pytest.mark.parametrize("failure, code", [
+    (SessionMismatch("step 2 belongs to another session"), "FAILED_PRECONDITION"),
+    (KeyError("no request r9"), "NOT_FOUND"),
+    (RuntimeError("out of memory"), "UNKNOWN")])
+def test_a_failed_step_over_grpc_fails_the_rank_after_the_steps_before_it(failure, code, where):
+    """The gRPC Step stream (worker/step_stream.py, ranks on other hosts) with the same plain rank: step 1
+    is answered, step 2 fails in begin or in finish, and the stream ends with the worker's status (a
+    step's own failures by name; any other error as gRPC reports a handler's exception)."""
+    import grpc
+
+    from pagedserve.common.grpc_util import free_port
+    from pagedserve.v1 import worker_pb2_grpc
+    from pagedserve.worker.server import WorkerServicer
+
+    def answer(request):
+        if where == "finish" and request.step_id == 2:
+            raise failure
+        return echo(request)
+
+    fake = FakeRank(answer)
+    if where == "begin":
+        begin = fake.begin_step
+
+        def begin_step(request):
+            if request.step_id == 2:
+                raise failure
+            return begin(request)
+
+        fake.begin_step = begin_step
+    ready = threading.Event()
+    ready.set()
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(fake, ready), server)
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    group = WorkerGroup([address], step_timeout_s=10.0, transport="grpc")
+    group.session_id = "s"
+    group.infos = [worker_pb2.WorkerInfo()]
+    group.streams = group._open_streams()
+    try:
+        assert isinstance(group.streams[0], _StepStream)
+        group.step(empty_step(1), set())
+        with pytest.raises(WorkerError, match=r"(another session|no request r9|out of memory)"):
+            group.step(empty_step(2), set())
+        assert group.streams[0].broken.code().name == code
+    finally:
+        group.close()
+        server.stop(0)
+        fake.torch_thread.shutdown(wait=False, cancel_futures=True)

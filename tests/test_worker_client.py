@@ -113,9 +113,9 @@ def test_steps_sent_ahead_run_on_the_workers_own_samples(tiny_llama, monkeypatch
     nothing) and a length stop included.
 
     device-behind: a stand-in for a GPU, where a begun step is done only some time after begin
-    returns (BegunStep.ready, 30 ms late): the local link then begins the step sent ahead before it
-    answers the one before, and that step's rows read their tokens from the sampled ids on the device
-    (worker/step_overlap.py)."""
+    returns (BegunStep.ready, 30 ms late): the local link and the gRPC stream then begin the step sent
+    ahead before they answer the one before, and that step's rows read their tokens from the sampled
+    ids on the device (worker/step_overlap.py)."""
     from pagedserve.common.sampling_params import SamplingParams
     from pagedserve.scheduler.core.request import Request
     from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
@@ -175,11 +175,12 @@ def test_steps_sent_ahead_run_on_the_workers_own_samples(tiny_llama, monkeypatch
         stop = plain["a"][4]
         want = dict(plain, a=plain["a"][:plain["a"].index(stop) + 1])
         for transport in ("grpc", "auto"):
+            held = service.runner.held_rows
             assert generate(transport, False, [stop]) == want
             assert generate(transport, True, [stop]) == want
             assert generate(transport, True, []) == plain
+            assert (service.runner.held_rows > held) == behind, transport
         assert set(plain) == {"a", "b", "c", "c#1"} and all(len(t) == 12 for t in plain.values())
-        assert (service.runner.held_rows > 0) == behind
     finally:
         for group in groups.values():
             group.close()

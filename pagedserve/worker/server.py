@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import queue
 import signal
 import threading
 import time
@@ -38,6 +37,7 @@ from pagedserve.common.grpc_util import SERVER_OPTIONS, add_health_and_reflectio
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve.worker.step_errors import SessionMismatch, step_failure
 from pagedserve.worker.step_socket import StepSocket
+from pagedserve.worker.step_stream import StepPump
 
 if TYPE_CHECKING:  # model_setup imports torch: not before main has set the OpenMP environment
     from pagedserve.worker.model_setup import KVSettings, KVSize
@@ -247,27 +247,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.InitCacheResponse()
 
     def Step(self, request_iterator, context):
-        """Each step is queued on the torch thread as soon as it arrives, by a reader thread: a
-        step the scheduler sent ahead (async scheduling) starts the moment the one before it ends,
-        not after its result has gone out and this thread has read the next message."""
+        """Steps begin on the torch thread as they arrive; one the scheduler sent ahead (async scheduling)
+        that arrives while the device still runs the one before begins first, reading that one's tokens on
+        the device, and each is answered as soon as the device is done with it (worker/step_stream.py: the
+        local step link's rule over gRPC, for ranks on another host)."""
         self._check_ready(context)
-        queued: queue.SimpleQueue = queue.SimpleQueue()  # futures in step order; None: the stream ended
-
-        def read() -> None:
-            try:
-                for request in request_iterator:
-                    queued.put(self.service.submit_step(request))
-            except Exception:  # noqa: BLE001 - cancelled or closed: the stream is over either way
-                pass
-            queued.put(None)
-
-        threading.Thread(target=read, name="step-reader", daemon=True).start()
-        while (future := queued.get()) is not None:
-            try:
-                yield future.result()
-            except (SessionMismatch, KeyError) as exc:
-                code, details = step_failure(exc)
-                context.abort(grpc.StatusCode[code], details)
+        pump = StepPump(self.service)
+        threading.Thread(target=pump.read, args=(request_iterator,), name="step-reader", daemon=True).start()
+        while (reply := pump.replies.get()) is not None:
+            if isinstance(reply, BaseException):
+                failure = step_failure(reply)
+                if failure is None:
+                    raise reply
+                context.abort(grpc.StatusCode[failure[0]], failure[1])
+            yield reply
 
 
 def profile_settings(request: worker_pb2.ProfileRequest, own: KVSettings) -> KVSettings:
