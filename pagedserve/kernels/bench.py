@@ -284,8 +284,12 @@ def _short_config(fn, signature: dict, constexprs: dict, options) -> str:
 def _ptxas_for(arch: int) -> str:
     """The ptxas triton itself assembles sm_<arch> with: from sm_90 on its newer one (ptxas-blackwell);
     the older one rejects the PTX version triton writes for those."""
-    from triton.backends.nvidia.compiler import get_ptxas
-    return get_ptxas(arch).path
+    import triton
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return get_ptxas(arch).path
+    except (ImportError, TypeError, AttributeError):  # a Triton before the split (3.6 on the GPU kit's image)
+        return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
 def _ptxas_usage(ptxas: str, ptx: str, arch: int) -> dict:
