@@ -39,6 +39,7 @@ if want speed; then
   echo "one stream, async scheduling on / off: $(grep -o 'decode [0-9.]* tok/s' "$OUT/speed.log" | tr '\n' ' ')" >> "$S"
   t0=$(date +%s); timeout 120 python3 "$G/profile_step.py" $M > "$OUT/profile.log" 2>&1; line profile $? $(( $(date +%s) - t0 )) "$OUT/profile.log"
   t0=$(date +%s); timeout 90 python3 -m pagedserve.kernels.bench > "$OUT/kbench.log" 2>&1; line kbench $? $(( $(date +%s) - t0 )) "$OUT/kbench.log"
+  echo "kbench % of floor: $(grep -E '[0-9]x ' "$OUT/kbench.log" | awk '{k=substr($0,1,18); gsub(/ +$/,"",k); printf "%s %s; ", k, $(NF-1)}')" >> "$S"
 fi
 if named tune; then  # the kernels' launch configs measured here; the table comes back as kernel_configs.json
   t0=$(date +%s); timeout 330 python3 -m pagedserve.kernels.tune --budget-s 280 --out "$OUT/kernel_configs.json" \
