@@ -330,8 +330,9 @@ def test_mla_split_decode(dtype, num_splits, heads):
 
 
 def test_mla_splits_a_small_decode_over_long_tables(monkeypatch):
-    """The paged attention kernels' rule picks MLA's split too, from shapes alone: here sequences x head
-    blocks (4 x 1) below the multiprocessors, tables 64 blocks of 16 wide; never on a mixed step."""
+    """The paged attention kernels' rule picks MLA's split too, from shapes alone, at half the multiprocessors:
+    here sequences x head blocks (4 x 1) below half of 132 but not of 8, tables 64 blocks of 16 wide; never
+    on a mixed step."""
     q_latent, q_rope, cache, tables, seq_lens, qsl, scale, rank = mla_step(*LONG_DECODE, 4, 40, 8, 16,
                                                                            torch.float32, seed=8)
     wide = torch.zeros(tables.shape[0], 64, dtype=tables.dtype, device=DEVICE)
@@ -339,7 +340,7 @@ def test_mla_splits_a_small_decode_over_long_tables(monkeypatch):
     args = (q_latent, q_rope, cache, wide, seq_lens, qsl, scale, rank)
     monkeypatch.setattr(tmla, "_combine_kernel", LaunchLog(tmla._combine_kernel))
     want = reference.paged_mla_attention(*args)
-    assert rel_err(tmla.paged_mla_attention(*args, sms=4), want) < 1e-3 and not tmla._combine_kernel.launches
+    assert rel_err(tmla.paged_mla_attention(*args, sms=8), want) < 1e-3 and not tmla._combine_kernel.launches
     assert rel_err(tmla.paged_mla_attention(*args, sms=132), want) < 1e-3 and len(tmla._combine_kernel.launches) == 1
     mixed = mla_step(*MIXED, 4, 40, 8, 16, torch.float32, seed=9)
     assert rel_err(tmla.paged_mla_attention(*mixed, sms=132), reference.paged_mla_attention(*mixed)) < 1e-3

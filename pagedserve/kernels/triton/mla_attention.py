@@ -5,8 +5,8 @@ Every query head reads the same single latent "kv head", so one program serves s
 its tile's M rows are (query token, head) pairs, TOKENS tokens of one sequence x HEADS heads, and each
 latent tile it loads feeds both the score and the output product. Decode steps use TOKENS = 1.
 
-A decode step with too few programs to fill the GPU (a small batch: sequences x head blocks below the
-multiprocessor count) over tables spanning SPLIT_MIN_LEN positions or more splits each sequence's keys
+A decode step with too few programs to fill half the GPU (a small batch: sequences x head blocks below half
+the multiprocessor count) over tables spanning SPLIT_MIN_LEN positions or more splits each sequence's keys
 into runs, as flash-decoding and FlashMLA do: a program per (head block, sequence, run) writes its
 run's unnormalized output and softmax max and sum, and split_decode's combine kernel weighs the runs
 (the same rule, split plan and combine as paged attention's split kernel; attention_choice.py)."""
@@ -154,7 +154,9 @@ def paged_mla_attention(q_latent, q_rope, latent_cache, block_tables, seq_lens, 
     span = block_tables.shape[1] * latent_cache.shape[1]
     if decode and num_splits is None:
         sms = multiprocessors(q_latent.device) if sms is None else sms
-        num_splits = None if use_split_decode(num_tokens, head_blocks, span, sms) else 1
+        # only where half the multiprocessors or more would idle: a run's partial output is L = 512 floats a
+        # head, written and read again, which a batch that nearly fills the GPU does not win back
+        num_splits = None if use_split_decode(num_tokens, head_blocks, span, sms // 2) else 1
     splits, chunk = split_plan(span, p["block_n"], num_splits) if decode else (1, 0)
     tokens = _tile_tokens(heads, decode, q_latent)
     tile_seq, tile_start, num_tiles = step_tiles(step_cache, query_start_loc, num_tokens, tokens)
