@@ -13,7 +13,8 @@ or above its own size, else the largest (vLLM's rule for its MoE tables).
 Every wrapper resolves its launch parameters the same way: an argument its caller gave > the table's
 entry > its default. Off CUDA (the interpreter in tests) the tables are never read: defaults only.
 
-Threads: any; each file is read once per process (cached), and a lookup is a dict read."""
+Threads: any; each file is read and each device's table merged once per process (cached): a kernel call
+(every layer, every eager step) costs a few dict reads here."""
 
 from __future__ import annotations
 
@@ -30,7 +31,12 @@ ENV = "PAGEDSERVE_KERNEL_CONFIGS"
 
 def device_name(device: torch.device) -> str:
     """The GPU model as a file name: torch's device name with spaces as underscores (NVIDIA_H200)."""
-    return torch.cuda.get_device_name(device).replace(" ", "_")
+    return _device_name(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index).replace(" ", "_")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -49,8 +55,10 @@ def _read(path: str) -> dict:
     return kernels
 
 
+@cache
 def merged_table(name: str, override: str | None) -> dict:
-    """The shipped table of device `name` with the override file's entries laid over it."""
+    """The shipped table of device `name` with the override file's entries laid over it (once a process:
+    every kernel call of every layer looks here; the result is not to be changed)."""
     merged: dict = {}
     for path in (str(CONFIG_DIR / f"{name}.json"), override):
         for kernel, entries in (_read(path) if path else {}).items():
