@@ -4,19 +4,13 @@ the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set before tri
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_device import triton_device  # sets up the interpreter before triton.language is imported
 
-tl = pytest.importorskip("triton.language")
-if DEVICE == "cpu" and type(tl.standard.zeros).__name__ != "InterpretedFunction":
-    pytest.skip("triton.language was imported before TRITON_INTERPRET=1 was set; run this file in its own process",
-                allow_module_level=True)
+DEVICE = triton_device()
 
 from pagedserve.kernels import reference  # noqa: E402
 from pagedserve.kernels.triton import fused_ops  # noqa: E402

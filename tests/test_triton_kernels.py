@@ -19,17 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    # Must precede the first import of triton.language (and so of pagedserve.kernels.triton): @triton.jit reads it
-    # when each function is defined, triton's own tl.zeros & co. included.
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_device import triton_device  # sets up the interpreter before triton.language is imported
 
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
-if DEVICE == "cpu" and type(tl.standard.zeros).__name__ != "InterpretedFunction":
-    pytest.skip("triton.language was imported before TRITON_INTERPRET=1 was set; run this file in its own process",
-                allow_module_level=True)
+DEVICE = triton_device()
+import triton  # noqa: E402
 
 from pagedserve.kernels import reference  # noqa: E402
 from pagedserve.kernels.triton import tile_map  # noqa: E402

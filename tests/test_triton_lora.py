@@ -6,20 +6,13 @@ interpreter's is wrong)."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton.language is first imported
+from triton_device import triton_device  # sets up the interpreter before triton.language is imported
 
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
-if DEVICE == "cpu" and type(tl.standard.zeros).__name__ != "InterpretedFunction":
-    pytest.skip("triton.language was imported before TRITON_INTERPRET=1 was set; run this file in its own process",
-                allow_module_level=True)
+DEVICE = triton_device()
 
 from pagedserve.kernels.triton import lora as tlora  # noqa: E402
 from pagedserve.worker.lora.layers import LoraBatch, LoraLayer  # noqa: E402

@@ -5,20 +5,13 @@ imported)."""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
-import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_device import triton_device  # sets up the interpreter before triton.language is imported
 
-tl = pytest.importorskip("triton.language")
-if DEVICE == "cpu" and type(tl.standard.zeros).__name__ != "InterpretedFunction":
-    pytest.skip("triton.language was imported before TRITON_INTERPRET=1 was set; run this file in its own process",
-                allow_module_level=True)
+DEVICE = triton_device()
 
 from pagedserve.kernels.triton.seeded_draws import seeded_exponentials  # noqa: E402
 from pagedserve.worker import seeded_draws  # noqa: E402
