@@ -4,6 +4,12 @@ On a CUDA GPU, for each kernel at realistic shapes: median time of the Triton ke
 reference (CUDA events), the roofline floor max(bytes moved / HBM bandwidth, FLOPs / peak FLOP/s), the
 share of that floor the kernel reaches, and the kernel's max relative error against the reference.
 
+"triton ms" is the device's time: each timed call is queued behind a wipe of the L2 cache and a wait on
+the GPU, so the host has launched it before the GPU reaches it (its inputs come from HBM, and the
+wrapper's Python and launch cost, which a CUDA graph does not pay, stays out; triton.testing.do_bench's
+rule). "eager ms" is a call with nothing queued ahead of it: the device's time plus whatever the host
+took to launch it, what a step run outside a graph pays. The "% floor" column is the device's time.
+
 Without a GPU it exits 2, except:
   --interpret     tiny float32 shapes on the CPU under TRITON_INTERPRET=1: checks the script end to end;
   --compile-only  compiles every kernel exactly as the wrappers would launch it at the GPU shapes, for
@@ -47,6 +53,7 @@ class Row:
     kernel: str
     shape: str
     triton_ms: float
+    eager_ms: float
     torch_ms: float
     speedup: float
     floor_ms: float
@@ -169,14 +176,26 @@ def tiny_cases(device, tk):
 # ------------------------------------------------------------------------------------------- timing
 
 
-def median_ms(fn: Callable, iters: int, warmup: int, cuda: bool) -> float:
-    """Median wall time of fn() in ms; on CUDA measured by events around each call."""
+# cycles the GPU waits before each timed call (torch.cuda._sleep: ~2 ms at an H200's clock), for the host
+# to launch the call meanwhile; and a buffer larger than any GPU's L2, wiped before each call
+HOST_LEAD_CYCLES = 4_000_000
+L2_WIPE_BYTES = 256 << 20
+
+
+def median_ms(fn: Callable, iters: int, warmup: int, cuda: bool, host_ahead: bool = True) -> float:
+    """Median time of fn() in ms. On CUDA by events around each call; with host_ahead each call is queued
+    behind an L2 wipe and a wait on the GPU (the device's time alone: module docstring), without it the
+    GPU waits for the host's launch as an eager step does. On the CPU: wall time."""
     for _ in range(warmup):
         fn()
+    wipe = torch.empty(L2_WIPE_BYTES, dtype=torch.int8, device="cuda") if cuda and host_ahead else None
     times = []
     for _ in range(iters):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if wipe is not None:
+                wipe.zero_()
+                torch.cuda._sleep(HOST_LEAD_CYCLES)
             start.record()
             fn()
             end.record()
@@ -196,19 +215,23 @@ def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def measure(case: Case, args: argparse.Namespace, cuda: bool) -> Row:
     err = max_rel_err(case.triton_fn(*case.args), case.torch_fn(*case.args))
     triton_ms = median_ms(lambda: case.triton_fn(*case.args), args.iters, args.warmup, cuda)
+    eager_ms = triton_ms  # the CPU has no host lead to take away: the same wall time
+    if cuda:
+        eager_ms = median_ms(lambda: case.triton_fn(*case.args), args.iters, 1, cuda, host_ahead=False)
     torch_ms = median_ms(lambda: case.torch_fn(*case.args), max(1, args.iters // 4), 1, cuda)
     floor_ms = max(case.bytes / (args.hbm_gbps * 1e9), case.flops / (args.peak_tflops * 1e12)) * 1e3
-    return Row(case.kernel, case.shape, triton_ms, torch_ms, torch_ms / triton_ms, floor_ms,
+    return Row(case.kernel, case.shape, triton_ms, eager_ms, torch_ms, torch_ms / triton_ms, floor_ms,
                100 * floor_ms / triton_ms, err)
 
 
 def print_table(rows: list[Row]) -> None:
-    header = f"{'kernel':<18} {'shape':<58} {'triton ms':>10} {'torch ms':>10} {'speedup':>8} " \
+    header = f"{'kernel':<18} {'shape':<58} {'triton ms':>10} {'eager ms':>10} {'torch ms':>10} {'speedup':>8} " \
              f"{'floor ms':>9} {'% floor':>8} {'max rel err':>12}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r.kernel:<18} {r.shape:<58} {r.triton_ms:>10.4f} {r.torch_ms:>10.4f} {r.speedup:>7.1f}x "
+        print(f"{r.kernel:<18} {r.shape:<58} {r.triton_ms:>10.4f} {r.eager_ms:>10.4f} {r.torch_ms:>10.4f} "
+              f"{r.speedup:>7.1f}x "
               f"{r.floor_ms:>9.4f} {r.pct_of_floor:>7.1f}% {r.max_rel_err:>12.2e}")
 
 
