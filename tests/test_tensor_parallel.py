@@ -133,3 +133,21 @@ def test_two_ranks_with_a_draft_model(llama):
     two, _, stats = run(llama, 2, params, speculative_config=spec)
     assert two == one
     assert stats["spec_decode"]["num_draft_tokens"] > 0 and stats["spec_decode"]["acceptance_rate"] == 1.0
+
+
+def test_two_ranks_overlap_their_steps(llama):
+    """Async scheduling at TP 2 (asked for on the CPU; CUDA's default): rank 0 broadcasts its sampled ids
+    on the device as a step begins, so every rank begins the next step before the one before is finished,
+    its decode rows fed from there, and takes its tokens from the broadcast rows at finish (no collective
+    there). Greedy rows, a seeded pair that forks and chunked prefills in one batch: the tokens equal one
+    rank's run step by step (before, TP ran each step to its tokens: nothing was held)."""
+    params = [GREEDY, SamplingParams(temperature=1.0, n=2, seed=3, max_tokens=10, ignore_eos=True), GREEDY, GREEDY]
+    want = []
+    for ranks, overlap in ((1, False), (2, True)):
+        with make_engine(llama, tensor_parallel_size=ranks, async_scheduling=overlap,
+                         max_num_batched_tokens=16) as engine:
+            assert engine.overlaps == overlap
+            want.append([[s.token_ids for s in samples] for samples in engine.generate(PROMPTS, params)])
+            held = engine.runner.held_rows
+    assert want[1] == want[0]
+    assert held > 0

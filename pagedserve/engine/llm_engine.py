@@ -154,7 +154,8 @@ class LLMEngine:
             speculative)
         self.num_steps = 0
         asked = config.async_scheduling
-        self.overlaps = self.ranks is None and (self.runner.platform.runs_behind_host if asked is None else asked)
+        # (with tensor parallelism too: rank 0 broadcasts the sampled ids on the device as a step begins)
+        self.overlaps = self.runner.platform.runs_behind_host if asked is None else asked
         self._in_flight = None  # (SchedulerOutput, the runner's StepInFlight) begun ahead, overlaps only
 
     def _on_all_ranks(self, method: str, *args):
@@ -269,7 +270,9 @@ class LLMEngine:
         return sched, self.runner.finish(handle)
 
     def _begin(self, sched):
-        return sched, self.runner.begin(sched)
+        """Begin a step on every rank; only rank 0's is finished here (a rank's runner finishes its older
+        step itself as the next one begins: its finish runs no collective)."""
+        return sched, self._on_all_ranks("begin", sched)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
                  use_tqdm: bool = False, lora_request: LoraRequest | list | None = None) -> list[list[CompletedSample]]:

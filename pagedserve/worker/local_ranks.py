@@ -3,7 +3,10 @@ the engine's process, ranks 1..N-1 are spawned processes that receive every call
 torch.distributed broadcast from rank 0. (The services send each rank its step over gRPC.)
 
 Every rank is on this host: rank r takes cuda:<r> on CUDA (parallel.rank_torch_device, whatever
-LOCAL_RANK this process was given) and the ranks talk over NCCL; on the CPU over gloo."""
+LOCAL_RANK this process was given) and the ranks talk over NCCL; on the CPU over gloo. The calls
+themselves go over gloo on CUDA too (a group of their own): over NCCL a follower would read each
+message through its GPU's stream, behind the step it still runs, and could not begin the next step
+while the device finishes the one before (async scheduling: worker/step_overlap.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from pagedserve.worker.parallel import close_tensor_parallel, init_tensor_parallel, rank_torch_device
+from pagedserve.worker.parallel import close_tensor_parallel, dist_backend, init_tensor_parallel, rank_torch_device
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +45,11 @@ class LocalRanks:
         self.previous_threads = torch.get_num_threads()
         torch.set_num_threads(threads)  # the ranks share this machine's cores
         init_tensor_parallel(0, world_size, init_method, devices[0], timeout_s)
+        self.group = message_group(devices[0])
         self.closed = False
 
     def call(self, method: str, *args) -> None:
-        dist.broadcast_object_list([(method, args)], src=0)
+        dist.broadcast_object_list([(method, args)], src=0, group=self.group)
 
     def close(self) -> None:
         if self.closed:
@@ -69,14 +73,21 @@ def _follower_main(rank: int, world_size: int, init_method: str, device: torch.d
 
     torch.set_num_threads(threads)
     init_tensor_parallel(rank, world_size, init_method, device, timeout_s)
+    group = message_group(device)
     runner = ModelRunner(**{**runner_kwargs, "device": device})
     try:
         while True:
             message = [None]
-            dist.broadcast_object_list(message, src=0)
+            dist.broadcast_object_list(message, src=0, group=group)
             method, args = message[0]
             if method == "stop":
                 break
             getattr(runner, method)(*args)
     finally:
         close_tensor_parallel()
+
+
+def message_group(device: torch.device):
+    """The group rank 0's calls go over: the ranks' own where it is gloo (the CPU), else a gloo group
+    beside NCCL's (made on every rank in the same order: collectively)."""
+    return None if dist_backend(device) == "gloo" else dist.new_group(backend="gloo")

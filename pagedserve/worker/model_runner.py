@@ -328,6 +328,8 @@ class ModelRunner:
             result.forward_time_s = t1 - t0
             if tp_group().rank == 0:
                 pending = self._sample(logits, states)
+            if self.tp.world_size > 1:
+                pending = self._share_sampled(pending, states)
             result.sample_time_s = time.perf_counter() - t1
         else:
             result.forward_time_s = time.perf_counter() - t0
@@ -361,8 +363,6 @@ class ModelRunner:
             t2 = time.perf_counter()
             if handle.pending is not None:
                 result.sampled = handle.pending.result()
-            if tp_group().world_size > 1:
-                result.sampled = self._share_sampled(result.sampled, handle.states)
             result.sample_time_s += time.perf_counter() - t2
         self.requests.commit({req_id: [t.token_id for t in tokens] for req_id, tokens in result.sampled.items()})
         return result
@@ -386,8 +386,9 @@ class ModelRunner:
         """The states' tokens sampled on the device, their copy to the host started (PendingTokens.result()
         waits for it). logits: one row per state, or k + 1 for a state with k proposals. Sampler rows: one
         per logits row, repeated n times for a state that forks its n samples here."""
-        rows, repeats, starts, sizes = [], [], [], []  # repeats: per logits row; starts, sizes: per state
-        for state in states:
+        starts, sizes = sampler_rows(states)
+        rows, repeats = [], []  # repeats: per logits row
+        for state, size in zip(states, sizes):
             params = state.params
             num_outputs = len(state.token_ids) - state.num_prompt_tokens
             # Token histories cost a copy per step: hand them over only to rows that read them.
@@ -395,21 +396,18 @@ class ModelRunner:
             wants_outputs = params.needs_penalties or params.min_tokens > 0
             prompt = state.token_ids[:state.num_prompt_tokens] if wants_prompt else []
             outputs = state.token_ids[state.num_prompt_tokens:] if wants_outputs else []
-            starts.append(len(rows))
             if state.spec_token_ids:  # each position as a plain step would sample it (spec_verify.py)
                 spec = state.spec_token_ids
-                for j in range(len(spec) + 1):
+                for j in range(size):
                     rows.append(RowSampling(params, sample_key(params, state.sample_index, num_outputs + j),
                                             prompt, outputs + spec[:j] if wants_outputs else [], self.eos_token_ids))
-                repeats += [1] * (len(spec) + 1)
-                sizes.append(len(spec) + 1)
+                repeats += [1] * size
                 continue
-            indices = [state.sample_index] if not state.child_req_ids else range(1 + len(state.child_req_ids))
+            indices = [state.sample_index] if size == 1 else range(size)  # a fork: samples 0..n-1 here
             for index in indices:
                 rows.append(RowSampling(params, sample_key(params, index, num_outputs),
                                         prompt, outputs, self.eos_token_ids))
-            repeats.append(len(indices))
-            sizes.append(len(indices))
+            repeats.append(size)
         if any(r > 1 for r in repeats):
             logits = logits.repeat_interleave(to_device(repeats, torch.long, logits.device), dim=0,
                                               output_size=len(rows))  # known here: no device read
@@ -443,27 +441,28 @@ class ModelRunner:
         bitmask = self.grammars.fill([states[i].matcher for i in constrained], row_of)
         return TokenMasks(torch.tensor(rows, dtype=torch.long), bitmask)
 
-    def _share_sampled(self, sampled: dict[str, list[SampledToken]],
-                       states: list[RequestState]) -> dict[str, list[SampledToken]]:
-        """Rank 0 samples; the other ranks need the same token ids to feed the next step, so
-        rank 0 broadcasts them (one small collective per step; the order is the same on every
-        rank because every rank applied the same deltas). A verified row keeps a number of tokens
-        only rank 0 knows: each state has room for its most, the unused padded with -1."""
-        counts = [1 + len(s.child_req_ids) + len(s.spec_token_ids) for s in states]
-        if tp_group().rank == 0:
-            flat = []
-            for state, count in zip(states, counts):
-                tokens = sampled[state.req_id]
-                flat += [t.token_id for t in tokens] + [-1] * (count - len(tokens))
-            ids = torch.tensor(flat, dtype=torch.int64)
-        else:
-            ids = torch.empty(sum(counts), dtype=torch.int64)
-        ids = broadcast_from_rank0(ids.to(self.device)).tolist()
-        if tp_group().rank == 0:
-            return sampled
-        shared, start = {}, 0
-        for state, count in zip(states, counts):
-            shared[state.req_id] = [SampledToken(token_id, None, None) for token_id in ids[start:start + count]
-                                    if token_id >= 0]
-            start += count
-        return shared
+    def _share_sampled(self, pending: PendingTokens | None, states: list[RequestState]) -> PendingTokens:
+        """Rank 0 samples; every rank needs the same ids, to feed the next step and keep its states. Rank 0
+        broadcasts its sampler rows' ids on the device as the step begins (one small collective, at the
+        same place of every rank's step: the ranks' collectives keep one order whatever steps are in
+        flight, so a step may begin before the one before it is finished: step_overlap.py). The other
+        ranks take their tokens from those rows as rank 0 does (a verified row's accepted ones), without
+        logprobs; their next step's held rows read the ids on the device."""
+        if self.tp.rank == 0:
+            ids = pending.pending.token_ids
+            assert ids.dtype == torch.int64 and ids.is_contiguous(), "the ranks' broadcast needs int64 rows"
+            broadcast_from_rank0(ids)
+            return pending
+        starts, sizes = sampler_rows(states)
+        ids = broadcast_from_rank0(torch.empty(sum(sizes), dtype=torch.int64, device=self.device))
+        return PendingTokens(self, states, starts, sizes, [], PendingSample(ids, [], [], 0))
+
+
+def sampler_rows(states: list[RequestState]) -> tuple[list[int], list[int]]:
+    """Each state's first sampler row and its number of rows, as ModelRunner._sample lays them out: k + 1
+    for a state verifying k proposals, one per sample for a state forking its samples, else one."""
+    starts, sizes = [], []
+    for state in states:
+        starts.append(sum(sizes))
+        sizes.append(len(state.spec_token_ids) + 1 if state.spec_token_ids else 1 + len(state.child_req_ids))
+    return starts, sizes

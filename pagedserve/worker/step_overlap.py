@@ -15,9 +15,13 @@ token, since it writes row 0's slot). N's commit then writes the token in the he
 `can_follow` says when N+1 cannot begin before N's tokens are on the host: a row whose next step needs
 them there — its samples forked at N, it verified proposals at N (a number of tokens only N knows), its
 penalties or grammar read its tokens, it is new in N+1 (its state would be replaced) or it runs more than
-one token — and whenever proposals are drafted (a draft model reads the tokens) or ranks share the
-sampled ids (tensor parallelism: a collective per step). The runner then finishes N first: the result is
-the same, without the overlap.
+one token — and whenever proposals are drafted (a draft model reads the tokens). The runner then
+finishes N first: the result is the same, without the overlap.
+
+With tensor parallelism rank 0 samples and broadcasts the sampled ids on the device as the step begins
+(ModelRunner._share_sampled): every rank holds them there, feeds its held rows from them and takes its
+tokens from them at finish, which runs no collective; so the ranks' collectives keep one order however
+begins and finishes interleave, and ranks overlap as one does.
 
 Invariants: at most one step is in flight when another begins (depth one: the runner finishes any older
 one first); a held place is written by exactly one commit, the in-flight step's, before the step holding
@@ -39,7 +43,8 @@ PLACEHOLDER = 0  # the held place's host value until the commit: never read by t
 @dataclass(slots=True)
 class StepInFlight:
     """A step begun: its result so far (forward and sampling launched) and its sampling under way.
-    pending: rank 0's model_runner.PendingTokens, None on other ranks or with nothing sampled;
+    pending: the model_runner.PendingTokens (on ranks past 0: of rank 0's broadcast ids), None with
+    nothing sampled;
     states: the request states it samples for."""
     result: ModelRunnerOutput
     pending: object | None
@@ -66,7 +71,7 @@ def can_follow(before: StepInFlight, step: SchedulerOutput, runner) -> bool:
     """Whether `step` may begin while `before` is in flight (the module docstring's rules)."""
     if before.done or not before.states:
         return True
-    if before.pending is None or runner.drafts or runner.tp.world_size > 1:
+    if before.pending is None or runner.drafts:
         return False
     sampled = {s.req_id: s for s in before.states}
     if any(new.req_id in sampled for new in step.new_requests):
