@@ -195,6 +195,24 @@ def test_decode_attention(dtype, heads, kv_heads, dim, dim_v, page):
     assert rel_err(tpa.paged_prefill_attention(*args), want) < TOL[dtype]  # the mixed kernel on a decode step
 
 
+# whole key tiles before a query tile (the causal split's unmasked loop); contexts ending on, one and two
+# before a tile's edge
+LONG_CONTEXT = ([40, 30, 0, 62, 31, 70], [20, 37, 3, 5, 2, 1])
+
+
+@pytest.mark.parametrize("dtype, tile", [(torch.float32, 16), (torch.float16, 16), (torch.float32, 32),
+                                         (torch.float16, 64)])
+@pytest.mark.parametrize("ctx_lens, q_lens", [MIXED, MIXED_LONG, LONG_CONTEXT])
+def test_prefill_causal_split(dtype, tile, ctx_lens, q_lens):
+    """The prefill kernel with its causal split (CAUSAL_SPLIT: the key tiles every row of a query tile sees
+    run first without masks; the tuner's choice): the reference's result, at the interpreter's tiles and
+    the GPU's."""
+    args = attention_step(ctx_lens, q_lens, 8, 2, 40, 24, 16, dtype, seed=4)
+    want = reference.paged_attention(*args)
+    got = tpa.paged_prefill_attention(*args, block_m=tile, block_n=tile, causal_split=1)
+    assert rel_err(got, want) < TOL[dtype]
+
+
 # The H200 (2026-12-04) found float16 wrong at 8/2/40/24/16 (prefill 0.36 and 0.49, decode 0.23) and the mixed
 # kernel faulting on a decode step, both at the GPU's tiles (64 for 16-bit inputs, 32 for float32), which the
 # tests above do not use under the interpreter (16). These run the GPU's tiles here. The interpreter computes

@@ -271,8 +271,11 @@ def compile_only(arch: int) -> list[dict]:
         tk = TritonKernels()
         split_mla = mla_case(2, 40, 128, 512, 64, 16, torch.bfloat16, "cpu", tk)
         split_mla.triton_fn = functools.partial(tk.paged_mla_attention, num_splits=2)  # no multiprocessors here
+        causal_split = attention_case("prefill attention", [40] * 2, [70] * 2, 32, 8, 128, 16, torch.bfloat16, "cpu",
+                                      tk)  # the prefill kernel's other variant (the tuner's choice)
+        causal_split.triton_fn = functools.partial(tk.paged_prefill_attention, causal_split=1)
         cases = [*gpu_cases("cpu", tk, moe_tokens=(16, 256), batch=2, context=40, experts=8),
-                 mla_case(2, 40, 128, 512, 64, 16, torch.bfloat16, "cpu", tk, q_len=5), split_mla]
+                 mla_case(2, 40, 128, 512, 64, 16, torch.bfloat16, "cpu", tk, q_len=5), split_mla, causal_split]
         for case in cases:
             case.triton_fn(*case.args)
             case.triton_fn(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in case.args])

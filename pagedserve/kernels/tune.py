@@ -2,14 +2,14 @@
 
 For each of kernels.bench's cases (and the attention shapes of the 1B Llama the GPU kit serves) it runs
 launch configurations (tiles, warps, pipeline stages, MLA's heads per program, fused MoE's tiles per
-token count) by coordinate descent from the wrapper's own choice, keeps those whose result matches the
-torch reference, times them (kernels.bench's median of the device's time: each call queued behind an
-L2 wipe, the host's launch cost left out, so configurations differ by what the GPU does) and writes the
-fastest per shape key as a table pagedserve.kernels.triton.tuning reads: name the file in
-PAGEDSERVE_KERNEL_CONFIGS to use it at once, or commit it as pagedserve/kernels/triton/configs/<device>.json
-to ship it. A candidate that fails to compile (too much shared memory) or gives a wrong result is counted
-and passed over. --budget-s is shared among the cases; the table is rewritten after each, so a run cut
-short keeps what it measured.
+token count, the prefill kernel's causal split) by coordinate descent from the wrapper's own choice, keeps
+those whose result matches the torch reference, times them (kernels.bench's median of the device's time:
+each call queued behind an L2 wipe, the host's launch cost left out, so configurations differ by what the
+GPU does) and writes the fastest per shape key as a table pagedserve.kernels.triton.tuning reads: name the
+file in PAGEDSERVE_KERNEL_CONFIGS to use it at once, or commit it as
+pagedserve/kernels/triton/configs/<device>.json to ship it. A candidate that fails to compile (too much
+shared memory) or gives a wrong result is counted and passed over. --budget-s is shared among the cases;
+the table is rewritten after each, so a run cut short keeps what it measured.
 
 Prints, per case: the default's and the best's time and share of the roofline floor (kernels.bench's).
 --interpret runs tiny shapes on the CPU under the Triton interpreter with two candidates per kernel:
@@ -61,7 +61,8 @@ def space(case: bench.Case, interpreted: bool) -> Space:
     if interpreted:
         axes = dict(block_n=(16, 32))
     elif kernel == "prefill":
-        axes = dict(block_m=(32, 64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2, 3, 4))
+        axes = dict(block_m=(32, 64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2, 3, 4),
+                    causal_split=(0, 1))
     else:
         axes = dict(block_n=(16, 32, 64, 128), num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4))
     return Space(kernel, paged_attention.attention_key(a[0], a[1], a[2]), start, axes)

@@ -90,9 +90,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_pt
                     stride_ot, stride_oh, stride_table,
                     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, CAUSAL_SPLIT: tl.constexpr):
     """Program (head, query tile): BLOCK_M consecutive new tokens of one sequence attend causally.
-    Query i of a sequence with q_len new tokens sits at position seq_len - q_len + i."""
+    Query i of a sequence with q_len new tokens sits at position seq_len - q_len + i. CAUSAL_SPLIT: the key
+    tiles every row sees whole run in a loop without masks first (a launch parameter: the tuner says
+    whether it pays on a GPU; float32 spills with it on Hopper)."""
     head = tl.program_id(0)
     tile = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -120,7 +122,24 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_pt
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     # the tile's last query sees keys up to context + m0 + BLOCK_M - 1: stop there
     end = tl.minimum(seq_len, context + m0 + BLOCK_M)
-    for start in range(0, end, BLOCK_N):
+    first = 0
+    if CAUSAL_SPLIT:
+        # FlashAttention-2's split: every row of the tile sees every key before context + m0 + 1 (its first
+        # row's own position; rows past the queries are never stored), so whole key tiles there need no
+        # mask at all; the masked loop below starts where they end
+        first = (context + m0 + 1) // BLOCK_N * BLOCK_N
+        for start in range(0, first, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            block = tl.load(table_row + pos // PAGE).to(tl.int64)
+            slot = (pos % PAGE).to(tl.int64)
+            k = tl.load(k_ptr + (block * stride_kb + slot * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+                        mask=d[None, :] < D, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
+            v = tl.load(v_ptr + (block * stride_vb + slot * stride_vs + kv_head * stride_vh)[:, None] + dv[None, :],
+                        mask=dv[None, :] < DV, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    for start in range(first, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         n_mask = pos < end
         k_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_kb, stride_ks) + kv_head * stride_kh
@@ -167,6 +186,8 @@ def launch_params(kernel, query, k_cache, v_cache, **given) -> dict:
     """A paged attention kernel's tiles, warps and stages: the caller's > the device's table > defaults."""
     tile = _tiles(query)
     default = dict(block_m=tile, block_n=tile, num_warps=4, num_stages=3)
+    if kernel == "prefill":
+        default["causal_split"] = 0
     return resolve(kernel, attention_key(query, k_cache, v_cache), query.device, default, given)
 
 
@@ -205,7 +226,8 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, quer
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
                             *, block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                            num_stages: int | None = None, step_cache: dict | None = None):
+                            num_stages: int | None = None, causal_split: int | None = None,
+                            step_cache: dict | None = None):
     """paged_attention (see pagedserve.kernels.reference) for any step, decode and prefill tokens mixed, causal.
     Grid (H, query tiles): tiles of block_m rows never straddle two sequences (tile_map, once a step given
     the step's `step_cache`: step_tiles)."""
@@ -214,13 +236,13 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, que
     if num_tokens == 0:
         return out
     p = launch_params("prefill", query, k_cache, v_cache, block_m=block_m, block_n=block_n, num_warps=num_warps,
-                      num_stages=num_stages)
+                      num_stages=num_stages, causal_split=causal_split)
     tile_seq, tile_start, num_tiles = step_tiles(step_cache, query_start_loc, num_tokens, p["block_m"])
     _prefill_kernel[(heads, num_tiles)](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_seq, tile_start, scale * LOG2E,
         *_common_args(query, k_cache, v_cache, out, block_tables),
         BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], num_warps=p["num_warps"], num_stages=p["num_stages"],
-        **_constexprs(query, k_cache, v_cache))
+        CAUSAL_SPLIT=bool(p["causal_split"]), **_constexprs(query, k_cache, v_cache))
     return out
 
 
