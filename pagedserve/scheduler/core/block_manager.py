@@ -174,8 +174,10 @@ class BlockManager:
         the request's cache salt, as given to find_cached_prefix)."""
         if not self.enable_prefix_caching or seq_id not in self.tables:
             return
-        hashes = self._extend_hashes(seq_id, token_ids, num_computed_tokens, salt)
         start = self.num_cached_blocks.get(seq_id, 0)
+        if num_computed_tokens // self.block_size <= start:
+            return  # no block filled since the last call (most decode steps): nothing to hash or enter
+        hashes = self._extend_hashes(seq_id, token_ids, num_computed_tokens, salt)
         # Hashes may run ahead (a prefix lookup names the whole prompt): only blocks whose KV
         # is fully written may be found by others.
         end = min(num_computed_tokens // self.block_size, len(hashes), len(self.tables[seq_id]))
@@ -222,7 +224,15 @@ class BlockManager:
         blocks already out of a sliding window.
         """
         num_blocks = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
-        if seq_id not in self.tables:
+        table = self.tables.get(seq_id)
+        if table is not None and self.num_groups == 1 and not reserve_watermark and num_blocks <= len(table):
+            # The usual decode row: its blocks suffice, and the one it writes is its own (what the general
+            # path below finds, without its per-group bookkeeping; it runs on every row of every step).
+            write_index = num_computed_tokens // self.block_size
+            if not (num_new_tokens > 0 and write_index < len(table) and table[write_index].ref_count > 1
+                    and table[write_index] is not self.null_block):
+                return Allocation([[]], [])
+        if table is None:
             num = len(cached_prefix)
             prefixes = [self._group_prefix(seq_id, g, num, cached_prefix) for g in range(self.num_groups)]
             # Cached blocks with no other user sit in the free queue: taking them costs capacity.

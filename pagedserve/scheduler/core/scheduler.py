@@ -186,8 +186,13 @@ class Scheduler:
         self._speculate = (self.speculation is not None and not ahead
                            and self.speculation.begin_step(self.requests, len(self.running)))
 
-        decodes = [r for r in self.running if r.num_unscheduled_tokens == 1]
-        prefills = [r for r in self.running if r.num_unscheduled_tokens > 1]
+        decodes, prefills = [], []
+        for r in self.running:
+            unscheduled = r.num_unscheduled_tokens
+            if unscheduled == 1:
+                decodes.append(r)
+            elif unscheduled > 1:
+                prefills.append(r)
         if ahead:
             decodes = [r for r in decodes if not self._waits_for_result(r)]
         for req in decodes + prefills:
@@ -273,7 +278,7 @@ class Scheduler:
                 if samples and spec is not None:
                     updates.append(self._append_run(req, samples))
                 elif samples:  # sample 0 (with the prompt logprobs) ahead of its forks
-                    children = self._fork(req, samples[1:])
+                    children = self._fork(req, samples[1:]) if len(samples) > 1 or req.child_req_ids else ()
                     updates.append(self._append(req, samples[0]))
                     updates.extend(self._append(child, None) for child in children)
             except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
