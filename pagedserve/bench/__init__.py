@@ -58,6 +58,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_tp_parser(bench_sub)
     from pagedserve.bench.moe import add_moe_parser
     add_moe_parser(bench_sub)
+    from pagedserve.bench.scheduler_host import add_scheduler_parser
+    add_scheduler_parser(bench_sub)
     from pagedserve.bench.serve import add_serve_parser
     add_serve_parser(bench_sub)
     from pagedserve.bench.structured import add_structured_parser
