@@ -461,8 +461,10 @@ class ModelRunner:
 def sampler_rows(states: list[RequestState]) -> tuple[list[int], list[int]]:
     """Each state's first sampler row and its number of rows, as ModelRunner._sample lays them out: k + 1
     for a state verifying k proposals, one per sample for a state forking its samples, else one."""
-    starts, sizes = [], []
+    starts, sizes, total = [], [], 0
     for state in states:
-        starts.append(sum(sizes))
-        sizes.append(len(state.spec_token_ids) + 1 if state.spec_token_ids else 1 + len(state.child_req_ids))
+        size = len(state.spec_token_ids) + 1 if state.spec_token_ids else 1 + len(state.child_req_ids)
+        starts.append(total)
+        sizes.append(size)
+        total += size
     return starts, sizes
