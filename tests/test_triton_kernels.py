@@ -452,7 +452,7 @@ def test_bench_interpreted_end_to_end(tmp_path):
     assert result.returncode == 0, result.stderr
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {r["kernel"] for r in rows} == {"decode attention", "split decode attention", "prefill attention",
-                                           "mla decode", "fused moe"}
+                                           "prefill causal split", "mla decode", "fused moe"}
     assert all(r["max_rel_err"] < 1e-3 for r in rows), rows
     # the CPU has no host lead to take away: its eager time is the same wall time
     assert all(r["eager_ms"] == r["triton_ms"] > 0 for r in rows), rows

@@ -157,6 +157,10 @@ def gpu_cases(device, tk, moe_tokens=(16, 256, 2048), batch=64, context=2048, ex
     # combine's extra pass (attention_choice.py splits only below one program per multiprocessor)
     yield attention_case("split decode attention", [context] * batch, [1] * batch, 32, 8, 128, 16, dt, device, tk)
     yield attention_case("prefill attention", [1024] * 4, [512] * 4, 32, 8, 128, 16, dt, device, tk)
+    # the same with FlashAttention-2's causal split (off by default): whether the unmasked loop pays here
+    causal_split = attention_case("prefill causal split", [1024] * 4, [512] * 4, 32, 8, 128, 16, dt, device, tk)
+    causal_split.triton_fn = functools.partial(tk.paged_prefill_attention, causal_split=1)
+    yield causal_split
     yield mla_case(batch, context, 128, 512, 64, 16, dt, device, tk)
     # a small batch over a long context: too few (head block, sequence) programs, so the keys split into runs
     yield mla_case(4, 4 * context, 128, 512, 64, 16, dt, device, tk)
@@ -169,6 +173,9 @@ def tiny_cases(device, tk):
     yield attention_case("decode attention", [40, 7, 0], [1, 1, 1], 8, 2, 32, 16, dt, device, tk)
     yield attention_case("split decode attention", [40, 7, 0], [1, 1, 1], 8, 2, 32, 16, dt, device, tk)
     yield attention_case("prefill attention", [16, 0], [20, 5], 4, 2, 32, 16, dt, device, tk)
+    causal_split = attention_case("prefill causal split", [16, 0], [20, 5], 4, 2, 32, 16, dt, device, tk)
+    causal_split.triton_fn = functools.partial(tk.paged_prefill_attention, causal_split=1)
+    yield causal_split
     yield mla_case(2, 40, 4, 32, 16, 16, dt, device, tk)
     yield moe_case(5, 4, 2, 32, 24, dt, device, tk)
 
@@ -271,11 +278,8 @@ def compile_only(arch: int) -> list[dict]:
         tk = TritonKernels()
         split_mla = mla_case(2, 40, 128, 512, 64, 16, torch.bfloat16, "cpu", tk)
         split_mla.triton_fn = functools.partial(tk.paged_mla_attention, num_splits=2)  # no multiprocessors here
-        causal_split = attention_case("prefill attention", [40] * 2, [70] * 2, 32, 8, 128, 16, torch.bfloat16, "cpu",
-                                      tk)  # the prefill kernel's other variant (the tuner's choice)
-        causal_split.triton_fn = functools.partial(tk.paged_prefill_attention, causal_split=1)
         cases = [*gpu_cases("cpu", tk, moe_tokens=(16, 256), batch=2, context=40, experts=8),
-                 mla_case(2, 40, 128, 512, 64, 16, torch.bfloat16, "cpu", tk, q_len=5), split_mla, causal_split]
+                 mla_case(2, 40, 128, 512, 64, 16, torch.bfloat16, "cpu", tk, q_len=5), split_mla]
         for case in cases:
             case.triton_fn(*case.args)
             case.triton_fn(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in case.args])
