@@ -156,3 +156,11 @@ def test_cuda_ops_bundle_equals_the_native_one(dtype):
     want = native.rotary(q.clone(), k.clone(), native.rope(cos, sin, positions, dtype))
     got = cuda.rotary(q, k, cuda.rope(cos, sin, positions, dtype))
     assert close(got[0], want[0], dtype) and close(got[1], want[1], dtype)
+
+
+def test_next_pow2_is_tritons():
+    """The wrappers' plain-Python next_pow2 gives triton.next_power_of_2's values (0 and 1 included)."""
+    import triton
+
+    from pagedserve.kernels.triton import next_pow2
+    assert [next_pow2(n) for n in range(5000)] == [triton.next_power_of_2(n) for n in range(5000)]

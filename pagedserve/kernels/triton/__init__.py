@@ -52,9 +52,16 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def next_pow2(n: int) -> int:
+    """triton.next_power_of_2 in plain Python (the smallest power of two >= n; 0 and 1 as they are): the
+    wrappers compute their tiles on every call, and triton's goes through its constexpr machinery at
+    ~4 us a call, several a kernel call on the eager path of a GPU step."""
+    return n if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def pow2_tile(n: int) -> int:
     """A tile extent covering n: the next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_pow2(n))
 
 
 def tile_map(query_start_loc: torch.Tensor, num_tokens: int, block_m: int):

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton import dot_precision, is_interpreted
+from pagedserve.kernels.triton import dot_precision, is_interpreted, next_pow2
 from pagedserve.kernels.triton.tuning import dtype_name, resolve
 
 
@@ -109,7 +109,7 @@ def moe_align_launches(topk_ids: torch.Tensor, block_m: int, num_experts: int):
     sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
     expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     total = torch.empty(1, dtype=torch.int32, device=device)
-    bins = triton.next_power_of_2(num_experts + 1)
+    bins = next_pow2(num_experts + 1)
     cursor = torch.empty(bins, dtype=torch.int32, device=device)
     _align_plan_kernel[(1,)](ids, sorted_ids, expert_ids, total, cursor, num_pairs, num_experts, capacity,
                              BLOCK_M=block_m, BINS=bins, CHUNK=1024, EBLOCK=max(16, 4096 // bins))
@@ -189,7 +189,7 @@ def silu_and_mul(x: torch.Tensor, rows: torch.Tensor | None = None, out: torch.T
     if rows is None:
         rows = torch.arange(num_rows, dtype=torch.int32, device=x.device)
     if rows.numel():
-        block = min(1024, triton.next_power_of_2(inter))
+        block = min(1024, next_pow2(inter))
         _silu_and_mul_kernel[(rows.numel(), triton.cdiv(inter, block))](
             x, out, rows, num_rows, inter, x.stride(0), out.stride(0), BLOCK=block)
     return out

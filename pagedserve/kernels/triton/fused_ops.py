@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.triton import next_pow2
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, o_ptr, n_cols, stride_x, stride_r, stride_o, eps,
@@ -54,7 +56,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         res = residual if residual is not None else x
         _rms_norm_kernel[(rows,)](x, res, weight, out, cols, x.stride(0), res.stride(0), out.stride(0), eps,
                                   HAS_RESIDUAL=residual is not None, GEMMA=gemma,
-                                  BLOCK=triton.next_power_of_2(cols), num_warps=4 if cols <= 4096 else 8)
+                                  BLOCK=next_pow2(cols), num_warps=4 if cols <= 4096 else 8)
     return out
 
 
@@ -99,7 +101,7 @@ def rotary_inplace(q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, si
         heads = max(q.shape[1], k.shape[1])
         _rotary_kernel[(tokens,)](q, k, cos_table, sin_table, positions, q.stride(0), q.stride(1), k.stride(0),
                                   k.stride(1), cos_table.stride(0), q.shape[1], k.shape[1], HALF=rot // 2,
-                                  BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=triton.next_power_of_2(rot // 2))
+                                  BLOCK_H=next_pow2(heads), BLOCK_HALF=next_pow2(rot // 2))
 
 
 @triton.jit
@@ -125,7 +127,7 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu", out: torch.Tensor | N
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, inter, dtype=x.dtype, device=x.device) if out is None else out
     if rows:
-        block = min(1024, triton.next_power_of_2(inter))
+        block = min(1024, next_pow2(inter))
         _act_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0),
                                                                GELU=activation == "gelu_tanh", BLOCK=block)
     return out
@@ -158,7 +160,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     if tokens:
         _kv_write_kernel[(tokens,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
                                     k_width, v_width, K_WIDTH=k_width, V_WIDTH=v_width,
-                                    BLOCK_K=triton.next_power_of_2(k_width), BLOCK_V=triton.next_power_of_2(v_width))
+                                    BLOCK_K=next_pow2(k_width), BLOCK_V=next_pow2(v_width))
 
 
 def write_latent_cache(latent: torch.Tensor, rope: torch.Tensor, latent_cache: torch.Tensor,
@@ -173,5 +175,5 @@ def write_latent_cache(latent: torch.Tensor, rope: torch.Tensor, latent_cache: t
     if tokens:
         _kv_write_kernel[(tokens,)](latent, rope, latent_cache, latent_cache[..., rank:], slot_mapping,
                                     latent.stride(0), rope.stride(0), width, width, K_WIDTH=rank,
-                                    V_WIDTH=rope.shape[1], BLOCK_K=triton.next_power_of_2(rank),
-                                    BLOCK_V=triton.next_power_of_2(rope.shape[1]))
+                                    V_WIDTH=rope.shape[1], BLOCK_K=next_pow2(rank),
+                                    BLOCK_V=next_pow2(rope.shape[1]))

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.triton import next_pow2
+
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, slot_ptr, v_ptr, K, R, stride_x, stride_as, stride_ar, stride_v,
@@ -80,5 +82,5 @@ def sgmv_expand_(out: torch.Tensor, v: torch.Tensor, b: torch.Tensor, row_slots:
         grid = (rows, triton.cdiv(n, block_n))
         _expand_kernel[grid](v, b, row_slots, out, n, rank, v_start, out_start, v.stride(0), b.stride(0),
                              b.stride(1), out.stride(0), BLOCK_N=block_n,
-                             BLOCK_RANK=max(16, triton.next_power_of_2(rank)))
+                             BLOCK_RANK=max(16, next_pow2(rank)))
     return out

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton import dot_precision, is_interpreted, pow2_tile, step_tiles
+from pagedserve.kernels.triton import dot_precision, is_interpreted, next_pow2, pow2_tile, step_tiles
 from pagedserve.kernels.triton.attention_choice import multiprocessors, use_split_decode
 from pagedserve.kernels.triton.paged_attention import LOG2E, NEG_BIG, online_softmax_step, paged_offsets
 from pagedserve.kernels.triton.split_decode import _combine_kernel, split_plan
@@ -119,7 +119,7 @@ def launch_params(q_latent, q_rope, latent_cache, decode: bool, **given) -> dict
     if decode and not small and q_latent.element_size() <= 2 and num_heads >= 64:
         default = dict(heads=64, block_n=16, num_warps=8, num_stages=2)
     else:
-        default = dict(heads=min(16, triton.next_power_of_2(num_heads)), block_n=16 if small else 32,
+        default = dict(heads=min(16, next_pow2(num_heads)), block_n=16 if small else 32,
                        num_warps=4 if small or rank <= 128 else 8, num_stages=3)
     return resolve("mla", mla_key(q_latent, q_rope, latent_cache, decode), q_latent.device, default, given)
 
@@ -175,6 +175,6 @@ def paged_mla_attention(q_latent, q_rope, latent_cache, block_tables, seq_lens, 
         SPLIT=split, num_warps=p["num_warps"], num_stages=p["num_stages"])
     if split:
         _combine_kernel[(num_tokens, num_heads)](target, ml, out, query_start_loc, splits, num_heads, out.stride(0),
-                                                 out.stride(1), DV=rank, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                                                 out.stride(1), DV=rank, BLOCK_S=max(2, next_pow2(splits)),
                                                  BLOCK_DV=pow2_tile(rank))
     return out

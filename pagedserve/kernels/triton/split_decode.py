@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.triton import pow2_tile
+from pagedserve.kernels.triton import next_pow2, pow2_tile
 from pagedserve.kernels.triton.paged_attention import (
     LOG2E,
     NEG_BIG,
@@ -128,6 +128,6 @@ def paged_split_decode_attention(query, k_cache, v_cache, block_tables, seq_lens
         BLOCK_H=pow2_tile(consts["GROUP"]), BLOCK_N=p["block_n"], num_warps=p["num_warps"],
         num_stages=p["num_stages"], **consts)
     _combine_kernel[(num_seqs, heads)](acc, ml, out, query_start_loc, splits, heads, out.stride(0), out.stride(1),
-                                       DV=dv, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                                       DV=dv, BLOCK_S=max(2, next_pow2(splits)),
                                        BLOCK_DV=consts["BLOCK_DV"])
     return out
