@@ -603,3 +603,16 @@ def test_the_wrappers_launch_what_the_devices_table_says(monkeypatch):
     assert {kw["BLOCK_M"] for _, kw in tmoe._grouped_gemm_kernel.launches} == {32}
     assert [k for k, _ in asked] == ["decode", "prefill", "mla", "fused moe"]
     assert [key for _, key in asked] == [next(iter(table[k])) for k, _ in asked]
+
+
+def test_host_cost_times_a_layers_wrapper_calls(tmp_path):
+    """python -m pagedserve.kernels.host_cost: each wrapper's own Python per call, launches intercepted."""
+    result = subprocess.run([sys.executable, "-m", "pagedserve.kernels.host_cost", "--calls", "3", "--rounds", "1",
+                             "--json", str(tmp_path / "rows.json")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [(r["step"], r["call"]) for r in rows] == [(step, call) for step in ("mixed", "decode") for call in (
+        "rms_norm", "rms_norm + residual", "rotary", "kv write", "attention", "silu_and_mul")]
+    assert all(r["us"] > 0 for r in rows)
+    assert "a layer's calls" in result.stdout
