@@ -39,6 +39,22 @@ class AttentionMetadata:
     # prefills[i].block_ids is then a view of row i.
     prefill_chunks: torch.Tensor | None = None
     prefill_tables: torch.Tensor | None = None
+    # A step a mixed-step graph runs (graph_runner.MixedGraphRunner): every sequence, decodes included, in one
+    # packed layout on the device, padded; then num_decodes is 0 and prefills is empty (no host value at all),
+    # and only a backend whose graph_support is MIXED is handed such metadata.
+    packed: PackedSeqs | None = None
+
+
+@dataclass(slots=True)
+class PackedSeqs:
+    """A step's sequences as device tensors alone (input_batch.layout_graph_mixed writes them), padded to a
+    graph's bucket: sequence i's queries are rows query_start_loc[i]..query_start_loc[i + 1] of the step, it
+    attends to seq_lens[i] positions (its new ones last) through block_tables[i]. A padding sequence owns the
+    padding tokens (context 0, its table all block 0, their KV writes skipped: slot -1); the rows after it
+    have no query and length 0."""
+    query_start_loc: torch.Tensor  # int64 [S + 1]
+    seq_lens: torch.Tensor  # int64 [S]
+    block_tables: torch.Tensor  # int64 [S, W]
 
 
 def packed_prefills(meta: AttentionMetadata, block_size: int,
@@ -67,6 +83,7 @@ class GraphSupport(enum.IntEnum):
     runner (graph_runner.py) captures only where every backend of the model says PURE_DECODE."""
     NEVER = 0  # its steps run eagerly
     PURE_DECODE = 1  # a step of single-token queries: reads only device tensors of the metadata, no host value
+    MIXED = 2  # any step too, laid out packed (AttentionMetadata.packed): mixed and prefill steps are captured
 
 
 def decode_mask(meta: AttentionMetadata, block_size: int, window: int = 0) -> torch.Tensor:
@@ -235,9 +252,11 @@ class TritonAttentionBackend(AttentionBackend):
     kernel when every sequence has one query (split over the KV length when that fills the GPU better:
     kernels/triton/attention_choice.py), else the prefill/mixed kernel; the new K/V enter the cache
     through the fused write kernel (fused_ops.write_kv_cache) where each token's heads are contiguous.
-    The step's metadata is converted once per step (all layers share it), and so are the kernels' tile maps."""
+    The step's metadata is converted once per step (all layers share it), and so are the kernels' tile maps.
+    A packed step (a mixed-step graph's) always takes the prefill/mixed kernel, whose grid is an upper bound
+    over the step's tokens and sequences: shapes alone decide everything it launches."""
 
-    graph_support = GraphSupport.PURE_DECODE  # kernel_metadata converts a pure decode step on the device
+    graph_support = GraphSupport.MIXED  # kernel_metadata converts any step on the device, packed steps too
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
@@ -251,6 +270,8 @@ class TritonAttentionBackend(AttentionBackend):
         if key.stride(2) == 1 and key.stride(1) == key.shape[2] and value.stride(2) == 1 \
                 and value.stride(1) == value.shape[2] and k_cache.is_contiguous() and v_cache.is_contiguous():
             write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)  # one launch for K and V
+        elif meta.packed is not None:  # its padding tokens' slots are -1, which only the kernel skips
+            raise ValueError("a packed step's KV write needs each token's heads contiguous")
         else:
             num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
             k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
@@ -258,6 +279,10 @@ class TritonAttentionBackend(AttentionBackend):
         if self._meta is not meta:
             self._converted = kernel_metadata(meta, k_cache.shape[1], k_cache.device)
             self._meta, self._step_cache = meta, {}
+        if meta.packed is not None:  # padded: T may equal S, which is no pure decode step here
+            from pagedserve.kernels.triton.paged_attention import paged_prefill_attention
+            return paged_prefill_attention(query, k_cache, v_cache, *self._converted, scale,
+                                           step_cache=self._step_cache)
         return paged_attention(query, k_cache, v_cache, *self._converted, scale, step_cache=self._step_cache)
 
 
@@ -266,7 +291,12 @@ def kernel_metadata(meta: AttentionMetadata, block_size: int,
     """(block_tables int32 [S, max_blocks], seq_lens int32 [S], query_start_loc int32 [S + 1]) for
     the decodes then the prefills of `meta`. Rows are zero-padded to cover every sequence's length,
     so a table shorter than its sequence (the runner's profiling step) still reads valid blocks.
-    A pure decode step converts on the device alone (no host data): it can be captured in a graph."""
+    A pure decode step and a packed one convert on the device alone (no host data): they can be captured in
+    a graph."""
+    if meta.packed is not None:
+        packed = meta.packed
+        return tuple(t.to(device=device, dtype=torch.int32)
+                     for t in (packed.block_tables, packed.seq_lens, packed.query_start_loc))
     decodes = meta.num_decodes
     if not meta.prefills:
         return (meta.decode_block_tables.to(device=device, dtype=torch.int32),

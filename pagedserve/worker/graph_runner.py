@@ -1,22 +1,33 @@
-"""Decode steps replayed from captured graphs (CUDA graphs on a GPU; a stand-in that runs the same code on
-the CPU, so tests exercise everything but the capture itself).
+"""Steps replayed from captured graphs (CUDA graphs on a GPU; a stand-in that runs the same code on the CPU,
+so tests exercise everything but the capture itself).
 
-A pure-decode step of batch b runs as the graph captured for the smallest capture size >= b (1, 2, 4, 8,
-then every 8 up to max_num_seqs, as vLLM captures). A graph reads its inputs where the step's one upload
-puts them: token ids, positions, slot mapping, sequence lengths (one slice of the largest bucket's rows
-each) and block tables (max_blocks wide, zero-padded) at fixed offsets of the input batch's device buffer
-(input_batch.graph_region; the host writes a step there with layout_graph_decode), so a replay copies no
-input. The attention backends build what else they need (the torch backend's mask) from these inside the
-graph. The rows past b repeat row 0 exactly (its token, position, slot, table and length): they compute
-the same keys and values as row 0 and write them into row 0's slot, so a padding row never touches
-another sequence's block, and their outputs are dropped.
+Decode graphs. A pure-decode step of batch b runs as the graph captured for the smallest capture size >= b (1,
+2, 4, 8, then every 8 up to max_num_seqs, as vLLM captures). A graph reads its inputs where the step's one upload
+puts them: token ids, positions, slot mapping, sequence lengths (one slice of the largest bucket's rows each) and
+block tables (max_blocks wide, zero-padded) at fixed offsets of the input batch's device buffer
+(input_batch.graph_region; the host writes a step there with layout_graph_decode), so a replay copies no input.
+The attention backends build what else they need (the torch backend's mask) from these inside the graph. The
+rows past b repeat row 0 exactly (its token, position, slot, table and length): they compute the same keys and
+values as row 0 and write them into row 0's slot, so a padding row never touches another sequence's block, and
+their outputs are dropped.
 
-Graphs are captured after the KV cache is allocated, lazily on the first decode step that needs a bucket,
-and dropped (re-captured on next use) when the cache or the input batch's buffer is re-allocated (the
-buffer grows when a step outgrows it: rarely after warm-up): a graph holds their addresses. Steps with
-prefills, sliding-window or hybrid KV groups, tables wider than max_blocks, or more sequences than the largest
-bucket run eagerly, and so does every step of a model whose attention backend cannot be captured (its
-`graph_support`, attention.GraphSupport: the model runner asks before it builds this runner).
+Mixed-step graphs (MixedGraphRunner). Every other step (decodes beside prefill chunks, prefills alone) of T tokens
+runs as the graph captured for the smallest token size >= T (mixed_capture_sizes: every 16 up to 256, every 64 up
+to 1024, every 128 beyond, up to the step token budget), laid out packed (input_batch.layout_graph_mixed: each
+sequence's query start, length and table, decodes included, at fixed places; max_num_seqs + 1 sequence rows,
+whatever the step's count): the padding tokens form sequences of their own whose K/V writes are skipped (slot
+-1), so they touch no block, and the rows after have no query. Only where every attention backend says MIXED
+(attention.GraphSupport) and the model reads no layout on the host (phi3's long rope does): the attention kernel's
+grid is an upper bound over tokens and sequences, so shapes alone decide the launches. The graphs write their
+hidden states into one shared output buffer (no per-graph output memory).
+
+Graphs are captured after the KV cache is allocated: on a GPU all of them at once (capture_all, as vLLM and
+SGLang capture at start-up, over an idle step: padding only), else lazily on the first step that needs a bucket;
+they are dropped (re-captured on next use) when the cache or the input batch's buffer is re-allocated (the buffer
+grows when a step outgrows it: rarely after warm-up): a graph holds their addresses. Steps with sliding-window or
+hybrid KV groups, tables wider than max_blocks, more sequences than the largest bucket or more tokens than the
+largest token size run eagerly, and so does every step of a model whose attention backend cannot be captured
+(its `graph_support`: the model runner asks before it builds these runners).
 
 Threads: used only from the worker's torch thread (the model runner's), like the model itself."""
 
@@ -27,8 +38,8 @@ from typing import Callable
 
 import torch
 
-from pagedserve.worker.attention import AttentionMetadata
-from pagedserve.worker.input_batch import InputBatch, graph_region, layout_graph_decode
+from pagedserve.worker.attention import AttentionMetadata, PackedSeqs
+from pagedserve.worker.input_batch import InputBatch, graph_region, layout_graph_decode, layout_graph_mixed, mixed_region
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +54,15 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
     return sizes + [max_num_seqs]
+
+
+def mixed_capture_sizes(max_tokens: int) -> list[int]:
+    """The token counts a mixed step is padded to: every 16 up to 256, every 64 up to 1024, every 128 beyond,
+    up to max_tokens (always included). Coarser as steps grow: a step's padding stays under ~1/8 of it."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    steps = [*range(16, 257, 16), *range(320, 1025, 64), *range(1152, max_tokens, 128)]
+    return [s for s in steps if s < max_tokens] + [max_tokens]
 
 
 def bucket_for(batch: int, sizes: list[int]) -> int | None:
@@ -97,6 +117,45 @@ class CudaGraph:
         self.graph.replay()
 
 
+class BucketGraphs:
+    """One graph per bucket over views of the input batch's device buffer (`region()` takes them): captured on
+    first use, replayed after; all dropped when the buffer is re-allocated (checked on each run) or on
+    invalidate()."""
+
+    def __init__(self, batch: InputBatch, graph_factory: Callable[[], object],
+                 region: Callable[[], tuple[torch.Tensor, ...]], kind: str) -> None:
+        self.batch = batch
+        self.graph_factory = graph_factory
+        self.region = region
+        self.kind = kind
+        self.graphs: dict[int, object] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.inputs: tuple[torch.Tensor, ...] | None = None  # region's views, bound on first use
+        self._bound = -1  # batch.allocations when the views were taken
+
+    def invalidate(self) -> None:
+        self.graphs.clear()
+        self.outputs.clear()
+
+    def run(self, size: int, forward_bucket: Callable[[tuple[torch.Tensor, ...], int], torch.Tensor]) -> torch.Tensor:
+        """The bucket's graph's output for the step laid out in the region: captured if it is not yet (a failure
+        is a GraphCaptureError), else replayed."""
+        if self._bound != self.batch.allocations:  # the buffer grew: the graphs read the old one
+            self.invalidate()
+            self.inputs = self.region()
+            self._bound = self.batch.allocations
+        if size not in self.graphs:
+            graph = self.graph_factory()
+            try:
+                self.outputs[size] = graph.capture(lambda: forward_bucket(self.inputs, size))
+            except Exception as exc:
+                raise GraphCaptureError(f"capturing the {self.kind} graph of size {size} failed: {exc}") from exc
+            self.graphs[size] = graph
+        else:
+            self.graphs[size].replay()
+        return self.outputs[size]
+
+
 class DecodeGraphRunner:
     """One graph per capture size for a model's decode steps, reading the input batch's device buffer.
 
@@ -111,16 +170,21 @@ class DecodeGraphRunner:
         self.max_blocks = max_blocks
         self.batch = batch
         self.graph_factory = graph_factory
-        self.graphs: dict[int, object] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.inputs: tuple[torch.Tensor, ...] | None = None  # graph_region's views, bound on first use
-        self._bound = -1  # batch.allocations when the views were taken
+        self.captured = BucketGraphs(batch, graph_factory, lambda: graph_region(batch, self.rows, max_blocks),
+                                     "decode")
+
+    @property
+    def graphs(self) -> dict[int, object]:
+        return self.captured.graphs
+
+    @property
+    def inputs(self) -> tuple[torch.Tensor, ...] | None:
+        return self.captured.inputs
 
     def invalidate(self) -> None:
         """Drop every graph (the KV cache or the input buffer they captured was re-allocated); they
         re-capture on next use."""
-        self.graphs.clear()
-        self.outputs.clear()
+        self.captured.invalidate()
 
     def bucket(self, num_decodes: int) -> int | None:
         """The capture size a pure-decode step of num_decodes sequences runs at, or None (eagerly)."""
@@ -134,22 +198,70 @@ class DecodeGraphRunner:
     def run(self, size: int) -> torch.Tensor:
         """The hidden states [size, hidden] of the step `layout` wrote (the rows past its batch are
         padding): the bucket's graph captured if it is not yet, else replayed; no input is copied."""
-        if self._bound != self.batch.allocations:  # the buffer grew: the graphs read the old one
-            self.invalidate()
-            self.inputs = graph_region(self.batch, self.rows, self.max_blocks)
-            self._bound = self.batch.allocations
-        if size not in self.graphs:
-            graph = self.graph_factory()
-            try:
-                self.outputs[size] = graph.capture(lambda: self._forward_bucket(size))
-            except Exception as exc:
-                raise GraphCaptureError(f"capturing the decode graph of batch size {size} failed: {exc}") from exc
-            self.graphs[size] = graph
-        else:
-            self.graphs[size].replay()
-        return self.outputs[size]
+        return self.captured.run(size, self._forward_bucket)
 
-    def _forward_bucket(self, size: int) -> torch.Tensor:
-        input_ids, positions, slots, seq_lens, tables = (t[:size] for t in self.inputs)
+    def capture_all(self, block_size: int) -> None:
+        """Capture every size now, each over an idle step (every row reads and writes slot 0 of block 0: call
+        it before the cache holds anything)."""
+        for size in self.sizes:
+            self.layout([], size, block_size)
+            self.run(size)
+
+    def _forward_bucket(self, inputs: tuple[torch.Tensor, ...], size: int) -> torch.Tensor:
+        input_ids, positions, slots, seq_lens, tables = (t[:size] for t in inputs)
         meta = AttentionMetadata(slots, size, tables, seq_lens, None, [])
         return self.forward(input_ids, positions, meta)
+
+
+class MixedGraphRunner:
+    """One graph per token size for a model's other steps (the module docstring's mixed-step graphs). Their
+    hidden states land in one output buffer [max_tokens, hidden_size] that every graph writes."""
+
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+                 max_num_seqs: int, max_tokens: int, max_blocks: int, batch: InputBatch,
+                 graph_factory: Callable[[], object], output: torch.Tensor) -> None:
+        self.forward = forward
+        self.sizes = mixed_capture_sizes(max_tokens)
+        self.tokens = self.sizes[-1]
+        self.seqs = max_num_seqs + 1  # room for a padding sequence beside a full batch
+        self.max_blocks = max_blocks
+        self.batch = batch
+        self.output = output
+        self.captured = BucketGraphs(batch, graph_factory,
+                                     lambda: mixed_region(batch, self.tokens, self.seqs, max_blocks), "mixed-step")
+
+    @property
+    def graphs(self) -> dict[int, object]:
+        return self.captured.graphs
+
+    def invalidate(self) -> None:
+        self.captured.invalidate()
+
+    def bucket(self, num_tokens: int, num_seqs: int) -> int | None:
+        """The token size a step of num_tokens tokens over num_seqs sequences runs at, or None (eagerly)."""
+        if num_seqs >= self.seqs:
+            return None
+        return bucket_for(num_tokens, self.sizes)
+
+    def layout(self, decodes: list, prefills: list, num_tokens: int, size: int, block_size: int):
+        """The step written where the graphs read it (input_batch.layout_graph_mixed), or None (eagerly)."""
+        return layout_graph_mixed(self.batch, decodes, prefills, num_tokens, size, self.tokens, self.seqs,
+                                  self.max_blocks, block_size)
+
+    def run(self, size: int) -> torch.Tensor:
+        """The hidden states [size, hidden] of the step `layout` wrote (tokens past the step's are padding)."""
+        return self.captured.run(size, self._forward_bucket)
+
+    def capture_all(self, block_size: int) -> None:
+        """Capture every size now, each over an idle step (padding only: nothing is written to the cache)."""
+        for size in self.sizes:
+            if self.layout([], [], 0, size, block_size) is not None:
+                self.run(size)
+
+    def _forward_bucket(self, inputs: tuple[torch.Tensor, ...], size: int) -> torch.Tensor:
+        input_ids, positions, slots = (t[:size] for t in inputs[:3])
+        seq_lens, query_start_loc, tables = inputs[3:]
+        meta = AttentionMetadata(slots, 0, None, None, None, [], packed=PackedSeqs(query_start_loc, seq_lens, tables))
+        out = self.output[:size]
+        out.copy_(self.forward(input_ids, positions, meta))
+        return out

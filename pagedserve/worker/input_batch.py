@@ -13,8 +13,9 @@ them).
 
 `layout_step` builds the step's layout from the request states the model runner keeps: decodes first, then
 prefill chunks in order, as AttentionMetadata requires. `layout_graph_decode` writes a pure-decode step a
-decode graph runs at fixed places instead (`graph_region`), padded to the graph's bucket: the graph reads them
-there (graph_runner.py). Attention masks are the backends' business (attention.py), not the layout's.
+decode graph runs at fixed places instead (`graph_region`), padded to the graph's bucket, and
+`layout_graph_mixed` any other step a mixed-step graph runs (`mixed_region`): the graphs read them there
+(graph_runner.py). Attention masks are the backends' business (attention.py), not the layout's.
 
 Invariants:
 - the views handed out for a step stay valid until the next `begin` (the step's forward and sampling);
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
+from pagedserve.worker.attention import AttentionMetadata, PackedSeqs, PrefillSeq
 
 
 class InputBatch:
@@ -218,10 +219,11 @@ def layout_graph_decode(batch: InputBatch, decodes: list, size: int, rows: int, 
     rows (a decode graph's bucket): rows past the batch repeat row 0 exactly (its token, position, slot,
     length and table, so a padding row writes only row 0's slot), tables zero-padded to `width`.
     Returns (input_ids, positions, metadata) of `size` rows, or None when a table needs more than `width`
-    blocks (the step is laid out by layout_step instead). Uploads 4 * rows + size * width values."""
+    blocks (the step is laid out by layout_step instead). Uploads 4 * rows + size * width values.
+    No decodes (a graph captured ahead of any step): every row reads and writes slot 0 of block 0, length 1."""
     bs, batch_size = block_size, len(decodes)
     pos = np.fromiter((s.num_computed_tokens for s, _ in decodes), dtype=np.int64, count=batch_size)
-    if int(pos.max()) // bs >= width:
+    if batch_size and int(pos.max()) // bs >= width:
         return None
     batch.begin(4 * rows + rows * width)
     columns = [batch.take(rows)[1] for _ in range(4)]
@@ -236,6 +238,10 @@ def layout_graph_decode(batch: InputBatch, decodes: list, size: int, rows: int, 
     positions[:batch_size] = pos
     lens[:batch_size] = pos + 1
     slots[:batch_size] = tables[np.arange(batch_size), pos // bs] * bs + pos % bs
+    if not batch_size:
+        for column in (ids, positions, slots, tables):
+            column.fill(0)
+        lens.fill(1)
     for column in (ids, positions, slots, lens):
         column[batch_size:] = column[0]
     tables[batch_size:] = tables[0]
@@ -243,3 +249,75 @@ def layout_graph_decode(batch: InputBatch, decodes: list, size: int, rows: int, 
     meta = AttentionMetadata(batch.view(2 * rows, size), size, batch.view(tables_at, size, width),
                              batch.view(3 * rows, size), None, [])
     return batch.view(0, size), batch.view(rows, size), meta
+
+
+def mixed_region_size(tokens: int, seqs: int, width: int) -> int:
+    return 3 * tokens + 2 * seqs + 1 + seqs * width
+
+
+def mixed_region(batch: InputBatch, tokens: int, seqs: int, width: int) -> tuple[torch.Tensor, ...]:
+    """The mixed-step graphs' inputs, views at fixed offsets of the batch's device buffer: (input_ids [tokens],
+    positions [tokens], slot_mapping [tokens], seq_lens [seqs], query_start_loc [seqs + 1], block_tables
+    [seqs, width]); layout_graph_mixed writes a step there. Valid until the batch reallocates."""
+    if batch.capacity < mixed_region_size(tokens, seqs, width):
+        raise ValueError(f"the input batch holds {batch.capacity} values, the mixed graph region needs more")
+    t, s = tokens, seqs
+    return (batch.view(0, t), batch.view(t, t), batch.view(2 * t, t), batch.view(3 * t, s),
+            batch.view(3 * t + s, s + 1), batch.view(3 * t + 2 * s + 1, s, width))
+
+
+def padding_runs(pad: int, spare: int, span: int) -> list[int] | None:
+    """The padding tokens' sequences: runs of at most `span` tokens (what a table row addresses), one per spare
+    sequence row; None when `spare` rows cannot hold them."""
+    runs = [span] * (pad // span) + ([pad % span] if pad % span else [])
+    return runs if len(runs) <= spare else None
+
+
+def layout_graph_mixed(batch: InputBatch, decodes: list, prefills: list, num_tokens: int, size: int, tokens: int,
+                       seqs: int, width: int, block_size: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None:
+    """A step of one full-attention KV group (decodes first, then prefill chunks, as layout_step orders them)
+    laid out packed in mixed_region's places (`tokens` by `seqs` rows of `width` blocks), padded to `size`
+    tokens: the padding tokens (id 0, position 0, slot -1: their K/V are not written) form sequences of their
+    own after the step's (context 0, tables all block 0, at most width * block_size tokens each); the rows
+    after those have no query and length 0. Returns (input_ids, positions, metadata) of `size` tokens whose
+    metadata is packed (attention.PackedSeqs), or None when the rows, a table's width or the padding do
+    not fit (the step is laid out by layout_step instead). Uploads the region up to the last table row used.
+    No decodes and no prefills (a graph captured ahead of any step): every token is padding."""
+    bs, scheduled = block_size, [*decodes, *prefills]
+    num_real, pad = len(scheduled), size - num_tokens
+    counts = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=num_real)
+    ends = np.fromiter((s.num_computed_tokens + n for s, n in scheduled), dtype=np.int64, count=num_real)
+    runs = padding_runs(pad, seqs - num_real, width * bs)
+    if runs is None or (num_real and int(ends.max()) > width * bs) or size > tokens:
+        return None
+    used_rows = num_real + len(runs)
+    batch.begin(mixed_region_size(tokens, seqs, width))
+    ids_at, ids = batch.take(tokens)
+    pos_at, positions = batch.take(tokens)
+    slots_at, slots = batch.take(tokens)
+    lens_at, lens = batch.take(seqs)
+    qsl_at, qsl = batch.take(seqs + 1)
+    tables_at, flat = batch.take(used_rows * width)
+    tables = flat.reshape(used_rows, width)
+    tables.fill(0)
+    _write_tokens(decodes, prefills, ids, positions)
+    ids[num_tokens:size] = 0
+    positions[num_tokens:size] = 0
+    for row, (state, _) in enumerate(scheduled):
+        used = state.block_ids[:-(-int(ends[row]) // bs)]
+        tables[row, :len(used)] = used
+    rows_of_tokens = np.repeat(np.arange(num_real), counts)
+    pos = positions[:num_tokens]
+    slots[:num_tokens] = tables[rows_of_tokens, pos // bs] * bs + pos % bs
+    slots[num_tokens:size] = -1
+    lens[:num_real] = ends
+    lens[num_real:used_rows] = runs
+    lens[used_rows:] = 0
+    qsl[0] = 0
+    np.cumsum(np.concatenate([counts, np.asarray(runs, dtype=np.int64)]), out=qsl[1:used_rows + 1])
+    qsl[used_rows + 1:] = size
+    batch.upload()
+    meta = AttentionMetadata(batch.view(slots_at, size), 0, None, None, None, [], packed=PackedSeqs(
+        batch.view(qsl_at, seqs + 1), batch.view(lens_at, seqs), batch.view(tables_at, seqs, width)))
+    return batch.view(ids_at, size), batch.view(pos_at, size), meta

@@ -19,7 +19,7 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.stop_rules import samples_any
 from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
 from pagedserve.worker.cpu_linear import pack_model
-from pagedserve.worker.graph_runner import CudaGraph, DecodeGraphRunner, GraphCaptureError
+from pagedserve.worker.graph_runner import CudaGraph, DecodeGraphRunner, GraphCaptureError, MixedGraphRunner
 from pagedserve.worker.input_batch import InputBatch, layout_step
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.models import model_class
@@ -94,7 +94,9 @@ class ModelRunner:
         self.model = model.eval()
         self.kv: KVCache | None = None
         self.decode_graphs: DecodeGraphRunner | None = None  # enable_decode_graphs
+        self.mixed_graphs: MixedGraphRunner | None = None  # enable_decode_graphs with a token budget
         self._graph_size: int | None = None  # the bucket the step _prepare laid out runs at (a decode graph)
+        self._mixed_size: int | None = None  # ... or the token size (a mixed-step graph)
         self.sampler = Sampler()
         self.input_batch = InputBatch(device)  # the step's integer inputs, persistent (input_batch.py)
         self.requests = RequestStates()
@@ -132,7 +134,7 @@ class ModelRunner:
         from pagedserve.worker.lora.manager import LoraManager
         with using_group(self.tp):
             self.lora = LoraManager(self.model, max_loras, max_lora_rank, max_cpu_loras, self.dtype, self.device)
-        self.decode_graphs = None
+        self.decode_graphs = self.mixed_graphs = None
 
     def remove_lora(self, name: str) -> bool:
         return self.lora is not None and self.lora.remove(name)
@@ -145,23 +147,29 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.kv = KVCache(self.config, num_blocks, self.block_size, self.dtype, self.device, num_host_blocks,
                           self.tensor_parallel_size)
-        if self.decode_graphs is not None:  # the graphs captured the old cache's addresses
-            self.decode_graphs.invalidate()
+        for graphs in (self.decode_graphs, self.mixed_graphs):  # they captured the old cache's addresses
+            if graphs is not None:
+                graphs.invalidate()
         if self.drafter is not None:  # the same block ids address the draft's cache
             self.drafter.allocate(num_blocks, num_host_blocks)
 
-    def use_decode_graphs(self, max_num_seqs: int, enforce_eager: bool) -> None:
-        """On CUDA, unless enforce_eager: decode steps of up to max_num_seqs sequences replay CUDA graphs
-        (one memory pool for all of them). The CPU runs every step eagerly."""
-        if self.device.type != "cuda" or enforce_eager or self.decode_graphs is not None or self.lora is not None:
+    def use_decode_graphs(self, max_num_seqs: int, enforce_eager: bool, max_num_batched_tokens: int = 0) -> None:
+        """On CUDA, unless enforce_eager: decode steps of up to max_num_seqs sequences and other steps of up to
+        max_num_batched_tokens tokens replay CUDA graphs (one memory pool for all of them), every graph
+        captured now (again after the cache is re-allocated). The CPU runs every step eagerly."""
+        if self.device.type != "cuda" or enforce_eager or self.lora is not None:
             return
-        pool = torch.cuda.graph_pool_handle()
-        self.enable_decode_graphs(max_num_seqs, lambda: CudaGraph(pool))
+        if self.decode_graphs is None:
+            pool = torch.cuda.graph_pool_handle()
+            self.enable_decode_graphs(max_num_seqs, lambda: CudaGraph(pool), max_num_batched_tokens)
+        self.capture_graphs()
 
-    def enable_decode_graphs(self, max_num_seqs: int, graph_factory) -> None:
+    def enable_decode_graphs(self, max_num_seqs: int, graph_factory, max_num_batched_tokens: int = 0) -> None:
         """Pure-decode steps replay graphs (graph_runner.py): graph_factory() makes a CudaGraph on a GPU or a
-        StandInGraph on the CPU (tests). A model whose KV groups differ per layer, or with an attention
-        backend whose graph_support is short of PURE_DECODE, keeps running eagerly."""
+        StandInGraph on the CPU (tests). With max_num_batched_tokens, the other steps too, up to that many
+        tokens, where every attention backend says MIXED and the model reads no layout on the host. A model
+        whose KV groups differ per layer, or with an attention backend whose graph_support is short of
+        PURE_DECODE, keeps running eagerly."""
         from pagedserve.worker.attention import AttentionBackend, GraphSupport
         from pagedserve.worker.mla_attention import MLAAttentionBackend
         if self.config.kv_groups().hybrid:
@@ -172,9 +180,31 @@ class ModelRunner:
             log.info("decode steps run eagerly: attention backend(s) %s cannot be captured",
                      sorted(b.__name__ for b in backends if b.graph_support < GraphSupport.PURE_DECODE))
             return
-        self.decode_graphs = DecodeGraphRunner(
-            lambda ids, positions, meta: self.model(ids, positions, self.kv.model_caches(), meta), max_num_seqs,
-            -(-self.max_model_len // self.block_size), self.input_batch, graph_factory)
+        forward = lambda ids, positions, meta: self.model(ids, positions, self.kv.model_caches(), meta)  # noqa: E731
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.decode_graphs = DecodeGraphRunner(forward, max_num_seqs, max_blocks, self.input_batch, graph_factory)
+        self.mixed_graphs = None
+        if not max_num_batched_tokens or self.model.reads_layout_on_host \
+                or any(b.graph_support < GraphSupport.MIXED for b in backends):
+            return
+        output = torch.empty(max_num_batched_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        self.mixed_graphs = MixedGraphRunner(forward, max_num_seqs, max_num_batched_tokens, max_blocks,
+                                             self.input_batch, graph_factory, output)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture every graph now, over idle steps (before the cache holds anything: a decode graph's idle
+        step writes slot 0 of block 0). A runner whose capture fails is dropped: its steps run eagerly."""
+        with using_group(self.tp):
+            for name in ("decode_graphs", "mixed_graphs"):
+                graphs = getattr(self, name)
+                if graphs is None:
+                    continue
+                try:
+                    graphs.capture_all(self.block_size)
+                except GraphCaptureError as exc:
+                    log.warning("%s; those steps run eagerly (--enforce-eager says so up front)", exc)
+                    setattr(self, name, None)
 
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
         """CUDA: run the largest step the budget allows (one prompt of num_tokens, no cache yet)
@@ -233,14 +263,21 @@ class ModelRunner:
         prefills = [(self._state(r), n) for r, n in step.num_scheduled_tokens.items() if n > 1]
         order = [s for s, _ in decodes] + [s for s, _ in prefills]
         counts = [1] * len(decodes) + [n for _, n in prefills]
-        graphs, self._graph_size = self.decode_graphs, None
+        graphs, mixed, self._graph_size, self._mixed_size = self.decode_graphs, self.mixed_graphs, None, None
+        num_tokens = step.total_num_scheduled_tokens
+        if prefills and mixed is not None:  # a mixed or prefill step a mixed-step graph runs
+            size = mixed.bucket(num_tokens, len(order))
+            laid = mixed.layout(decodes, prefills, num_tokens, size, self.block_size) if size else None
+            if laid is not None:
+                self._mixed_size = size
+                return *laid, order, counts
         size = graphs.bucket(len(decodes)) if graphs is not None and not prefills else None
         laid = graphs.layout(decodes, size, self.block_size) if size else None
         if laid is not None:
             self._graph_size = size
             return *laid, order, counts
-        input_ids, positions, metas = layout_step(self.input_batch, decodes, prefills,
-                                                  step.total_num_scheduled_tokens, self.kv.groups, self.block_size)
+        input_ids, positions, metas = layout_step(self.input_batch, decodes, prefills, num_tokens, self.kv.groups,
+                                                  self.block_size)
         return input_ids, positions, self._per_layer(metas), order, counts
 
     def batch_metadata(self, decodes, prefills, positions: np.ndarray):
@@ -311,6 +348,12 @@ class ModelRunner:
             except GraphCaptureError as exc:  # never seen on a GPU yet: run eagerly rather than stop serving
                 log.warning("%s; decode steps run eagerly from now on (--enforce-eager says so up front)", exc)
                 self.decode_graphs = None
+        elif self._mixed_size is not None:  # packed and padded: the eager model runs the same layout if need be
+            try:
+                hidden = self.mixed_graphs.run(self._mixed_size)
+            except GraphCaptureError as exc:
+                log.warning("%s; mixed steps run eagerly from now on (--enforce-eager says so up front)", exc)
+                self.mixed_graphs = None
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv.model_caches(), meta)
         hidden = hidden[:step.total_num_scheduled_tokens]

@@ -132,6 +132,10 @@ MERGED_PROJECTIONS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_p
 class LlamaForCausalLM(nn.Module):
     """Also the skeleton of the MoE models: they override make_attention / make_mlp / map_name."""
 
+    # whether forward reads the step's layout on the host beyond what the attention backends read (the
+    # metadata's prefill list): such a model's mixed steps cannot be captured in a graph (graph_runner.py)
+    reads_layout_on_host = False
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg

@@ -159,6 +159,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             return gathered_rope(self.cos_table, self.sin_table, positions, dtype)
         return super().rope(positions, dtype)
 
+    @property
+    def reads_layout_on_host(self) -> bool:
+        """Long rope past the original length picks each prefill's table rows from its host lengths."""
+        return self.longrope and self.max_positions > self.original_max_positions
+
     def table_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Each token's row of the rope table: its position, plus max_positions where its sequence
         uses the long factors this step (see the module docstring)."""
