@@ -25,7 +25,7 @@ if want e2e; then  # the engine on CUDA against transformers on the CPU, tiny mo
   t0=$(date +%s)
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow and not heavy" tests/test_engine_equivalence.py \
     tests/test_moe_models.py tests/test_qwen3_phi3.py tests/test_gemma3.py tests/test_tensor_parallel.py \
-    tests/test_cuda_setup.py tests/test_device_memory.py tests/test_graph_runner.py tests/test_step_overlap.py tests/test_platform.py tests/test_cuda_profile.py -rs > "$OUT/e2e.log" 2>&1
+    tests/test_cuda_setup.py tests/test_device_memory.py tests/test_graph_runner.py tests/test_mixed_graphs.py tests/test_step_overlap.py tests/test_platform.py tests/test_cuda_profile.py -rs > "$OUT/e2e.log" 2>&1
   line e2e $? $(( $(date +%s) - t0 )) "$OUT/e2e.log"
 fi
 if want speed || want services || named tune; then timeout 60 python3 "$G/make_model.py" $M "$G/tok" > /tmp/model.log 2>&1 || echo "model: $(tail -2 /tmp/model.log)" >> "$S"; fi
@@ -33,10 +33,13 @@ if want speed; then
   t0=$(date +%s); { timeout 150 pagedserve bench throughput --model $M --device cuda --num-prompts 1024 --max-num-seqs 256 \
     --baseline-batch-sizes 256; timeout 60 pagedserve bench latency --model $M --device cuda --input-len 128 --output-len 256
     # the same stream with each step finished before the next begins: what async scheduling gains
-    timeout 60 pagedserve bench latency --model $M --device cuda --input-len 128 --output-len 256 --no-async-scheduling; } \
-    > "$OUT/speed.log" 2>&1
+    timeout 60 pagedserve bench latency --model $M --device cuda --input-len 128 --output-len 256 --no-async-scheduling
+    # W1024 with decode graphs alone: what capturing the mixed steps (two thirds of its steps) gains
+    timeout 90 pagedserve bench throughput --model $M --device cuda --num-prompts 1024 --max-num-seqs 256 --no-baseline \
+      --compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}'; } > "$OUT/speed.log" 2>&1
   line speed $? $(( $(date +%s) - t0 )) "$OUT/speed.log"
   echo "one stream, async scheduling on / off: $(grep -o 'decode [0-9.]* tok/s' "$OUT/speed.log" | tr '\n' ' ')" >> "$S"
+  echo "W1024, mixed graphs on / off: $(grep -o '^pagedserve: .* tok/s)' "$OUT/speed.log" | grep -o '([0-9.]* tok/s)' | tr '\n' ' ')" >> "$S"
   t0=$(date +%s); timeout 120 python3 "$G/profile_step.py" $M > "$OUT/profile.log" 2>&1; line profile $? $(( $(date +%s) - t0 )) "$OUT/profile.log"
   t0=$(date +%s); timeout 90 python3 -m pagedserve.kernels.bench > "$OUT/kbench.log" 2>&1; line kbench $? $(( $(date +%s) - t0 )) "$OUT/kbench.log"
   echo "kbench % of floor: $(grep -E '[0-9]x ' "$OUT/kbench.log" | awk '{k=substr($0,1,18); gsub(/ +$/,"",k); printf "%s %s; ", k, $(NF-1)}')" >> "$S"

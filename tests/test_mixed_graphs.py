@@ -113,8 +113,9 @@ def triton_engine(folder, graphs: bool = True, **overrides):
     stand-in when `graphs`."""
     from pagedserve.worker.attention import TritonAttentionBackend
 
-    engine = make_engine(folder, max_num_seqs=4, max_num_batched_tokens=BUDGET, enable_chunked_prefill=True,
-                         **overrides)
+    overrides.setdefault("enforce_eager", True)  # on a GPU: no CUDA graphs of the engine's own
+    engine = make_engine(folder, device=DEVICE, max_num_seqs=4, max_num_batched_tokens=BUDGET,
+                         enable_chunked_prefill=True, **overrides)
     backend = TritonAttentionBackend()
     for module in engine.runner.model.modules():
         if hasattr(module, "backend"):
@@ -225,9 +226,9 @@ def test_the_padding_writes_no_slot(model):
     """A packed step's padding tokens (slot -1) leave the cache as it was: the Triton KV write skips them."""
     from pagedserve.kernels.triton.fused_ops import write_kv_cache
     gen = torch.Generator().manual_seed(0)
-    key, value = torch.randn(5, 2, 8, generator=gen), torch.randn(5, 2, 8, generator=gen)
-    k_cache, v_cache = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
-    write_kv_cache(key, value, k_cache, v_cache, torch.tensor([5, 6, -1, -1, 0]))
+    key, value = (torch.randn(5, 2, 8, generator=gen).to(DEVICE) for _ in range(2))
+    k_cache, v_cache = (torch.zeros(4, 4, 2, 8, device=DEVICE) for _ in range(2))
+    write_kv_cache(key, value, k_cache, v_cache, torch.tensor([5, 6, -1, -1, 0], device=DEVICE))
     flat = k_cache.view(-1, 2, 8)
     assert torch.equal(flat[5], key[0]) and torch.equal(flat[0], key[4])
     assert int((flat.abs().sum((1, 2)) > 0).sum()) == 3
@@ -245,13 +246,13 @@ def test_prefill_attention_over_a_packed_step_equals_the_eager_one(model):
     prefills = _states(bs, [(3, 6), (0, 5)], 2)
     num_tokens = 13
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(32, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
-    caches = [tuple(torch.randn(200, bs, kv_heads, dim, generator=torch.Generator().manual_seed(4))
+    q, k, v = (torch.randn(32, h, dim, generator=gen).to(DEVICE) for h in (heads, kv_heads, kv_heads))
+    caches = [tuple(torch.randn(200, bs, kv_heads, dim, generator=torch.Generator().manual_seed(4)).to(DEVICE)
                     for _ in range(2)) for _ in range(2)]
-    _, _, (eager,) = layout_step(InputBatch(torch.device("cpu")), decodes, prefills, num_tokens,
+    _, _, (eager,) = layout_step(InputBatch(torch.device(DEVICE)), decodes, prefills, num_tokens,
                                  KVGroups(((0,),), (0,)), bs)
     want = TritonAttentionBackend().forward(q[:num_tokens], k[:num_tokens], v[:num_tokens], *caches[0], eager, 0.25)
-    _, _, packed = layout_graph_mixed(InputBatch(torch.device("cpu")), decodes, prefills, num_tokens, 32, 32, 6,
+    _, _, packed = layout_graph_mixed(InputBatch(torch.device(DEVICE)), decodes, prefills, num_tokens, 32, 32, 6,
                                       12, bs)
     got = TritonAttentionBackend().forward(q, k, v, *caches[1], packed, 0.25)
     assert torch.allclose(got[:num_tokens], want, atol=1e-5)
@@ -278,3 +279,21 @@ def test_held_rows_feed_a_mixed_graphs_step(model):
     runner._prepare = recording
     assert generate(engine, prompts, lengths) == expected
     assert any(held_mixed) and runner.held_rows > 0
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU: CUDA graphs captured and replayed")
+def test_cuda_mixed_graphs_give_transformers_tokens(model):
+    """On a GPU: the engine's default (every graph captured at start-up, real torch.cuda.CUDAGraph), then with
+    decode graphs alone (--compilation-config FULL_DECODE_ONLY): the same tokens."""
+    from pagedserve.worker.graph_runner import CudaGraph
+
+    folder, prompts, lengths, expected = model
+    engine = make_engine(folder, device="cuda", max_num_seqs=4, max_num_batched_tokens=BUDGET)
+    mixed = engine.runner.mixed_graphs
+    assert mixed is not None and mixed.captured.graph_factory().__class__ is CudaGraph
+    assert sorted(mixed.graphs) == mixed.sizes  # captured at start-up
+    assert generate(engine, prompts, lengths) == expected
+    decode_only = make_engine(folder, device="cuda", max_num_seqs=4, max_num_batched_tokens=BUDGET,
+                              compilation_config='{"cudagraph_mode": "FULL_DECODE_ONLY"}')
+    assert decode_only.runner.mixed_graphs is None and decode_only.runner.decode_graphs is not None
+    assert generate(decode_only, prompts, lengths) == expected

@@ -227,8 +227,12 @@ def _settings() -> tuple[Setting, ...]:
           group="engine"),
         S("--max-num-seqs", "engine serve scheduler worker", int, 128, "most sequences in one step",
           group="engine"),  # the worker: the largest decode batch it captures a CUDA graph for
-        S("--enforce-eager", "engine serve worker", bool, False, "run every step eagerly: no CUDA graphs for "
-          "decode steps (CUDA only; the CPU always runs eagerly)", group="engine"),
+        S("--enforce-eager", "engine serve worker", bool, False, "run every step eagerly: no CUDA graphs "
+          "(CUDA only; the CPU always runs eagerly)", group="engine"),
+        S("--compilation-config", "engine serve worker", default=None, group="engine",
+          help="which steps replay CUDA graphs, as vLLM takes it: a JSON object with cudagraph_mode "
+          "FULL_AND_PIECEWISE or FULL (decode and mixed steps, captured whole), FULL_DECODE_ONLY or NONE",
+          default_text='{"cudagraph_mode": "FULL_AND_PIECEWISE"}'),
         S("--max-num-batched-tokens", "engine serve scheduler worker", int, None,
           "token budget of one step, prefill chunks and decodes together",
           default_text=f"{CPU_MAX_NUM_BATCHED_TOKENS} on CPU, {CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA", group="engine"),

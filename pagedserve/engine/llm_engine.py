@@ -16,6 +16,7 @@ from pagedserve.common.lora import LoraError, LoraRequest, parse_lora_modules, r
 from pagedserve.common.messages import SampledToken
 from pagedserve.common.request_checks import logit_bias_problem
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.compilation import graph_plan
 from pagedserve.common.speculative import parse_speculative_config
 from pagedserve.model_files.draft_check import check_draft_model
 from pagedserve.scheduler.core.request import Request
@@ -43,7 +44,9 @@ class EngineConfig:
     gpu_memory_utilization: float = _DEFAULTS["gpu_memory_utilization"]
     swap_space: str | int = _DEFAULTS["swap_space"]  # host pool for preemption_mode="swap"
     max_num_seqs: int = _DEFAULTS["max_num_seqs"]
-    enforce_eager: bool = _DEFAULTS["enforce_eager"]  # CUDA: no decode graphs
+    enforce_eager: bool = _DEFAULTS["enforce_eager"]  # CUDA: no graphs
+    # vLLM's JSON (a str) or a dict: {"cudagraph_mode": "FULL_DECODE_ONLY"}; common/compilation.py
+    compilation_config: str | dict | None = _DEFAULTS["compilation_config"]
     # None: settings.step_budgets picks them (512 on CPU, 2048 on CUDA; a quarter of that)
     max_num_batched_tokens: int | None = _DEFAULTS["max_num_batched_tokens"]
     long_prefill_token_threshold: int | None = _DEFAULTS["long_prefill_token_threshold"]
@@ -106,6 +109,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         self.config = config
         speculative = parse_speculative_config(config.speculative_config)  # a bad one fails before the model loads
+        graphs = graph_plan(config.compilation_config, config.enforce_eager)  # so does a bad compilation config
         # The one model setup (worker/model_setup.py), as the worker service runs it.
         place = place_model(config.model, config.device, config.dtype, config.max_model_len, local_rank=0,
                             tokenizer=tokenizer, tokenizer_name=config.tokenizer)
@@ -143,8 +147,8 @@ class LLMEngine:
                                config.max_cpu_loras or config.max_loras)
             for name, path in parse_lora_modules(config.lora_modules).items():
                 self.add_lora(LoraRequest(name, 0, path))
-        self._on_all_ranks("use_decode_graphs", config.max_num_seqs, config.enforce_eager,
-                           config.max_num_batched_tokens)
+        self._on_all_ranks("use_decode_graphs", config.max_num_seqs, not graphs.decode,
+                           config.max_num_batched_tokens if graphs.mixed else 0)
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,

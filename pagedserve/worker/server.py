@@ -59,16 +59,19 @@ class WorkerService:
                  dist_init_method: str | None = None, tokenizer: str | None = None,
                  quantization: str = "auto", kv: KVSettings | None = None, max_num_seqs: int | None = None,
                  enforce_eager: bool = False, lora: tuple[int, int, int] | None = None,
-                 speculative_config: str | None = None) -> None:
+                 speculative_config: str | None = None, compilation_config: str | None = None) -> None:
         import dataclasses
 
         import torch  # noqa: F401 - the worker is the one service that needs it
 
+        from pagedserve.common.compilation import graph_plan
         from pagedserve.common.settings import defaults, step_budgets
         from pagedserve.common.speculative import parse_speculative_config
         from pagedserve.model_files.draft_check import check_draft_model
         from pagedserve.worker.device_memory import local_rank
         from pagedserve.worker.model_setup import KVSettings, place_model
+
+        self.graphs = graph_plan(compilation_config, enforce_eager)  # which steps replay CUDA graphs
 
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"--rank {rank} is outside a tensor-parallel group of size {world_size}")
@@ -92,9 +95,8 @@ class WorkerService:
         self.kv = dataclasses.replace(kv, max_num_batched_tokens=step_budgets(kv.max_num_batched_tokens, None,
                                                                               self.device.type)[0])
         self.kv_size: KVSize | None = None  # sized at load
-        # decode steps of up to this many sequences replay CUDA graphs, unless enforce_eager (CPU: never)
+        # decode steps of up to this many sequences replay CUDA graphs (self.graphs; the CPU: never)
         self.max_num_seqs = max_num_seqs or defaults("engine")["max_num_seqs"]
-        self.enforce_eager = enforce_eager
         self.lora = lora  # (max_loras, max_lora_rank, max_cpu_loras) with --enable-lora
         self.runner = None
         self.session_id = ""
@@ -169,7 +171,8 @@ class WorkerService:
             self.runner.kv = None  # free the old pool before the new one is allocated
             self.runner.forget_requests()
             self.runner.allocate_kv_cache(request.num_gpu_blocks, request.num_cpu_blocks)
-            self.runner.use_decode_graphs(self.max_num_seqs, self.enforce_eager, self.kv.max_num_batched_tokens)
+            self.runner.use_decode_graphs(self.max_num_seqs, not self.graphs.decode,
+                                          self.kv.max_num_batched_tokens if self.graphs.mixed else 0)
             self.session_id = request.session_id
         log.info("session %s: KV pool of %d blocks of %d tokens (%d host blocks)", request.session_id or "-",
                  request.num_gpu_blocks, self.runner.block_size, request.num_cpu_blocks)
@@ -290,7 +293,7 @@ def serve(args: argparse.Namespace) -> int:
                             args.tensor_parallel_size, dist_init_method(args.dist_init_addr), args.tokenizer,
                             args.quantization, kv_settings(args), args.max_num_seqs, args.enforce_eager,
                             (args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
-                            if args.enable_lora else None, args.speculative_config)
+                            if args.enable_lora else None, args.speculative_config, args.compilation_config)
     ready = threading.Event()
     # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)

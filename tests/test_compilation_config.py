@@ -1,0 +1,52 @@
+"""--compilation-config (pagedserve/common/compilation.py): vLLM's cudagraph_mode decides which steps replay CUDA
+graphs, --enforce-eager turns them all off, a bad value fails naming the field before anything loads."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedserve.common.compilation import GraphPlan, graph_plan
+from pagedserve.common.settings import add_settings
+
+
+@pytest.mark.parametrize("config,plan", [
+    (None, GraphPlan(True, True)),
+    ("", GraphPlan(True, True)),
+    ('{"cudagraph_mode": "FULL_AND_PIECEWISE"}', GraphPlan(True, True)),
+    ('{"cudagraph_mode": "FULL"}', GraphPlan(True, True)),
+    ('{"cudagraph_mode": "full_decode_only"}', GraphPlan(True, False)),
+    ({"cudagraph_mode": "NONE"}, GraphPlan(False, False)),
+    ("{}", GraphPlan(True, True)),
+])
+def test_cudagraph_modes(config, plan):
+    assert graph_plan(config) == plan
+    assert graph_plan(config, enforce_eager=True) == GraphPlan(False, False)
+
+
+@pytest.mark.parametrize("config,message", [
+    ("{not json", "must be a JSON object"),
+    ("[1]", "must be a JSON object"),
+    ('{"cudagraph_mode": "PIECEWISE"}', "cudagraph_mode must be one of FULL_AND_PIECEWISE, FULL, FULL_DECODE_ONLY"),
+    ('{"cudagraph_mode": 2}', "cudagraph_mode must be one of"),
+    ('{"level": 3, "cudagraph_mode": "FULL"}', "level not supported"),
+])
+def test_bad_values_name_the_field(config, message):
+    with pytest.raises(ValueError, match=message):
+        graph_plan(config)
+
+
+@pytest.mark.parametrize("service", ["engine", "serve", "worker"])
+def test_the_flag_is_vllms(service):
+    parser = argparse.ArgumentParser()
+    add_settings(parser, service)
+    args = parser.parse_args(["--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY"}'])
+    assert graph_plan(args.compilation_config) == GraphPlan(True, False)
+    assert parser.parse_args([]).compilation_config is None
+
+
+def test_the_engine_refuses_a_bad_one_before_loading(tiny_llama):
+    from pagedserve.engine import EngineConfig, LLMEngine
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        LLMEngine(EngineConfig(model=str(tiny_llama), compilation_config='{"cudagraph_mode": "SOMETIMES"}'))
