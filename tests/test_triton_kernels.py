@@ -231,6 +231,60 @@ def test_attention_at_gpu_tiles(dtype, tile, ctx_lens, q_lens):
         assert rel_err(tpa.paged_decode_attention(*args, block_n=tile), want) < TOL[dtype]
 
 
+# a mixed step as the worker lays it out: decodes, a one-token chunk with context, chunks crossing tiles, a
+# sequence with no query (a packed step's unused row) in the middle
+MIXED_SINGLES = ([9, 0, 20, 3, 0, 44, 5], [1, 18, 1, 1, 0, 21, 3])
+
+
+@pytest.mark.parametrize("dtype, tile", [(torch.float32, 16), (torch.float16, 16), (torch.float32, 32),
+                                         (torch.float16, 64)])
+@pytest.mark.parametrize("ctx_lens, q_lens", [MIXED, MIXED_LONG, LONG_CONTEXT, MIXED_SINGLES])
+def test_mixed_attention(dtype, tile, ctx_lens, q_lens, monkeypatch):
+    """paged_mixed_attention (what the worker runs for a step of decodes beside prefill chunks): the decode
+    kernel takes the sequences with one query, the prefill kernel the others, the reference's result."""
+    from pagedserve.kernels.triton import tuning
+    real_resolve = tuning.resolve
+    monkeypatch.setattr(tpa, "resolve", lambda kernel, key, device, default, given: real_resolve(
+        kernel, key, device, {**default, **{k: tile for k in ("block_m", "block_n") if k in default}}, given))
+    args = attention_step(ctx_lens, q_lens, 8, 2, 40, 24, 16, dtype, seed=6)
+    want = reference.paged_attention(*args)
+    got = tpa.paged_mixed_attention(*args)
+    assert rel_err(got, want) < TOL[dtype]
+
+
+def test_mixed_attention_splits_by_the_number_of_queries(monkeypatch):
+    """Each kernel writes only its own sequences' rows: the decode kernel those with exactly one query, the
+    prefill kernel's tiles none of them (a tile map without them)."""
+    args = attention_step(*MIXED_SINGLES, 8, 2, 40, 24, 16, torch.float32, seed=6)
+    want = reference.paged_attention(*args)
+    singles = [int(args[5][s]) for s, q in enumerate(MIXED_SINGLES[1]) if q == 1]
+    others = [r for r in range(sum(MIXED_SINGLES[1])) if r not in singles]
+    monkeypatch.setattr(tpa, "paged_prefill_attention", lambda *a, out=None, **k: out)  # the decode launch alone
+    out = torch.full_like(want, float("nan"))
+    tpa.paged_mixed_attention(*args, out=out)
+    assert rel_err(out[singles], want[singles]) < TOL[torch.float32] and out[others].isnan().all()
+    _, qsl = step_metadata(*MIXED_SINGLES)
+    tile_seq, _, _ = tile_map(qsl, sum(MIXED_SINGLES[1]), 16, skip_singles=True)
+    assert sorted(set(tile_seq.tolist()) - {-1}) == [s for s, q in enumerate(MIXED_SINGLES[1]) if q > 1]
+
+
+def test_attention_choice_sends_mixed_steps_by_their_singles(monkeypatch):
+    """attention_choice.paged_attention: a mixed step that may hold single-query sequences (a packed one always
+    may, T == S included) takes the split; one the layout knows has none, the prefill kernel alone."""
+    from pagedserve.kernels.triton import attention_choice
+    calls = []
+    for name in ("paged_mixed_attention", "paged_prefill_attention", "paged_decode_attention"):
+        monkeypatch.setattr(attention_choice.plain, name, lambda *a, _n=name, **k: calls.append(_n))
+    mixed = attention_step(*MIXED_SINGLES, 8, 2, 40, 24, 16, torch.float32)
+    decode = attention_step(*DECODE, 8, 2, 40, 24, 16, torch.float32)
+    attention_choice.paged_attention(*mixed, sms=0)
+    attention_choice.paged_attention(*mixed, sms=0, singles=False)
+    attention_choice.paged_attention(*decode, sms=0)
+    attention_choice.paged_attention(*decode, sms=0, packed=True)
+    assert calls == ["paged_mixed_attention", "paged_prefill_attention", "paged_decode_attention",
+                     "paged_mixed_attention"]
+
+
 LONG_DECODE = ([0, 100, 37, 63], [1, 1, 1, 1])  # seq_lens 1, 101, 38, 64: some splits past a sequence's end
 
 
@@ -452,7 +506,8 @@ def test_bench_interpreted_end_to_end(tmp_path):
     assert result.returncode == 0, result.stderr
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {r["kernel"] for r in rows} == {"decode attention", "split decode attention", "prefill attention",
-                                           "prefill causal split", "mla decode", "fused moe"}
+                                           "prefill causal split", "mixed attention", "mixed split attention",
+                                           "mla decode", "fused moe"}
     assert all(r["max_rel_err"] < 1e-3 for r in rows), rows
     # the CPU has no host lead to take away: its eager time is the same wall time
     assert all(r["eager_ms"] == r["triton_ms"] > 0 for r in rows), rows

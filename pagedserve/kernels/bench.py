@@ -143,6 +143,7 @@ class TritonKernels:
         self.paged_decode_attention = paged_attention.paged_decode_attention
         self.paged_split_decode_attention = split_decode.paged_split_decode_attention
         self.paged_prefill_attention = paged_attention.paged_prefill_attention
+        self.paged_mixed_attention = paged_attention.paged_mixed_attention
         self.paged_mla_attention = mla_attention.paged_mla_attention
         self.fused_moe = fused_moe.fused_moe
 
@@ -161,11 +162,24 @@ def gpu_cases(device, tk, moe_tokens=(16, 256, 2048), batch=64, context=2048, ex
     causal_split = attention_case("prefill causal split", [1024] * 4, [512] * 4, 32, 8, 128, 16, dt, device, tk)
     causal_split.triton_fn = functools.partial(tk.paged_prefill_attention, causal_split=1)
     yield causal_split
+    yield from mixed_cases(dict(ctx=[200] * 190 + [100] * 4, q=[1] * 190 + [150] * 4, heads=32, kv_heads=8,
+                                dim=64, page=16, dtype=dt), device, tk)
     yield mla_case(batch, context, 128, 512, 64, 16, dt, device, tk)
     # a small batch over a long context: too few (head block, sequence) programs, so the keys split into runs
     yield mla_case(4, 4 * context, 128, 512, 64, 16, dt, device, tk)
     for tokens in moe_tokens:
         yield moe_case(tokens, experts, 8, 2048, 1408, dt, device, tk)
+
+
+def mixed_cases(shape: dict, device, tk):
+    """A mixed step (W1024's kind on the GPU shape: ~190 decodes beside 4 prefill chunks, the 1B Llama's heads)
+    through the prefill kernel alone, and split by the number of queries (decodes to the decode kernel:
+    paged_mixed_attention, what the worker runs)."""
+    args = (shape["ctx"], shape["q"], shape["heads"], shape["kv_heads"], shape["dim"], shape["page"], shape["dtype"])
+    yield attention_case("mixed attention", *args, device, tk)
+    split = attention_case("mixed split attention", *args, device, tk)
+    split.triton_fn = tk.paged_mixed_attention
+    yield split
 
 
 def tiny_cases(device, tk):
@@ -176,6 +190,8 @@ def tiny_cases(device, tk):
     causal_split = attention_case("prefill causal split", [16, 0], [20, 5], 4, 2, 32, 16, dt, device, tk)
     causal_split.triton_fn = functools.partial(tk.paged_prefill_attention, causal_split=1)
     yield causal_split
+    yield from mixed_cases(dict(ctx=[40, 7, 16, 3], q=[1, 1, 20, 1], heads=8, kv_heads=2, dim=32, page=16, dtype=dt),
+                           device, tk)
     yield mla_case(2, 40, 4, 32, 16, 16, dt, device, tk)
     yield moe_case(5, 4, 2, 32, 24, dt, device, tk)
 

@@ -231,8 +231,9 @@ def main(argv=None) -> int:
     only = {k for k in args.only.split(",") if k}
     chosen, keys = [], set()
     for case in cases:  # a shape key is tuned at its first case (the bench's small-batch MLA shares one)
-        if case.kernel == "prefill causal split":
-            continue  # the bench's row for the prefill kernel's causal split: one of its parameters here
+        if case.kernel in ("prefill causal split", "mixed attention", "mixed split attention"):
+            continue  # the bench's rows for the prefill kernel's causal split (one of its parameters here) and a
+            # mixed step's two ways (their kernels' shapes are tuned at their own rows)
         sp = space(case, args.interpret)
         if (sp.kernel, sp.key) not in keys and (not only or sp.kernel in only):
             chosen.append((case, sp))

@@ -253,8 +253,9 @@ class TritonAttentionBackend(AttentionBackend):
     kernels/triton/attention_choice.py), else the prefill/mixed kernel; the new K/V enter the cache
     through the fused write kernel (fused_ops.write_kv_cache) where each token's heads are contiguous.
     The step's metadata is converted once per step (all layers share it), and so are the kernels' tile maps.
-    A packed step (a mixed-step graph's) always takes the prefill/mixed kernel, whose grid is an upper bound
-    over the step's tokens and sequences: shapes alone decide everything it launches."""
+    A mixed step's single-query sequences take the decode kernel and the others the prefill/mixed kernel
+    (attention_choice.py), whose grids are upper bounds over the step's tokens and sequences: for a packed
+    step (a mixed-step graph's) shapes alone decide everything it launches."""
 
     graph_support = GraphSupport.MIXED  # kernel_metadata converts any step on the device, packed steps too
 
@@ -279,11 +280,12 @@ class TritonAttentionBackend(AttentionBackend):
         if self._meta is not meta:
             self._converted = kernel_metadata(meta, k_cache.shape[1], k_cache.device)
             self._meta, self._step_cache = meta, {}
-        if meta.packed is not None:  # padded: T may equal S, which is no pure decode step here
-            from pagedserve.kernels.triton.paged_attention import paged_prefill_attention
-            return paged_prefill_attention(query, k_cache, v_cache, *self._converted, scale,
-                                           step_cache=self._step_cache)
-        return paged_attention(query, k_cache, v_cache, *self._converted, scale, step_cache=self._step_cache)
+        if meta.packed is not None:  # padded (T may equal S: no pure decode step here); its split on the device
+            return paged_attention(query, k_cache, v_cache, *self._converted, scale, step_cache=self._step_cache,
+                                   packed=True)
+        singles = bool(meta.num_decodes) or any(p.query_len == 1 for p in meta.prefills)
+        return paged_attention(query, k_cache, v_cache, *self._converted, scale, step_cache=self._step_cache,
+                               singles=singles)
 
 
 def kernel_metadata(meta: AttentionMetadata, block_size: int,

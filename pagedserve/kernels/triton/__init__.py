@@ -64,15 +64,18 @@ def pow2_tile(n: int) -> int:
     return max(16, next_pow2(n))
 
 
-def tile_map(query_start_loc: torch.Tensor, num_tokens: int, block_m: int):
+def tile_map(query_start_loc: torch.Tensor, num_tokens: int, block_m: int, skip_singles: bool = False):
     """Map programs to query tiles without a host sync: tile i covers rows tile_start[i]..+block_m of
     sequence tile_seq[i] (rows relative to the sequence's first query row). The grid is sized to the
-    upper bound cdiv(T, block_m) + S; surplus tiles get tile_seq = -1 and exit at once.
+    upper bound cdiv(T, block_m) + S; surplus tiles get tile_seq = -1 and exit at once. skip_singles: a
+    sequence with exactly one query gets no tile (another kernel takes it).
 
     Returns (tile_seq int32 [n], tile_start int32 [n], n)."""
     num_seqs = query_start_loc.shape[0] - 1
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     tiles = (q_lens + block_m - 1) // block_m
+    if skip_singles:
+        tiles = torch.where(q_lens == 1, 0, tiles)
     ends = torch.cumsum(tiles, 0)
     n = triton.cdiv(num_tokens, block_m) + num_seqs
     idx = torch.arange(n, device=query_start_loc.device)
@@ -83,13 +86,14 @@ def tile_map(query_start_loc: torch.Tensor, num_tokens: int, block_m: int):
     return tile_seq.to(torch.int32), start.to(torch.int32), n
 
 
-def step_tiles(step_cache: dict | None, query_start_loc: torch.Tensor, num_tokens: int, block_m: int):
+def step_tiles(step_cache: dict | None, query_start_loc: torch.Tensor, num_tokens: int, block_m: int,
+               skip_singles: bool = False):
     """tile_map once per step: every layer's attention call of a step passes the same `step_cache` (a dict
     its backend renews with each step's metadata), so the ~8 small device ops run once a step instead of
     once a layer. None: no cache (a call on its own)."""
     if step_cache is None:
-        return tile_map(query_start_loc, num_tokens, block_m)
-    key = ("tiles", num_tokens, block_m)
+        return tile_map(query_start_loc, num_tokens, block_m, skip_singles)
+    key = ("tiles", num_tokens, block_m, skip_singles)
     if key not in step_cache:
-        step_cache[key] = tile_map(query_start_loc, num_tokens, block_m)
+        step_cache[key] = tile_map(query_start_loc, num_tokens, block_m, skip_singles)
     return step_cache[key]

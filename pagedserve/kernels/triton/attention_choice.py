@@ -1,7 +1,10 @@
 """Which Triton paged attention kernel a step takes: the one rule, from shapes alone (no device sync, so a
 decode graph captures the choice with the kernel).
 
-- a step with prefill tokens (T > S): paged_attention's prefill/mixed kernel;
+- a step with prefill tokens (T > S), or any step laid out packed (a mixed-step graph's, where T may equal S):
+  when some of its sequences may have exactly one query (decodes, or a one-token chunk), the decode kernel
+  takes those and the prefill/mixed kernel the others (paged_mixed_attention: two launches, the split made on
+  the device); when none has (a prefill step, as the eager layout knows), the prefill/mixed kernel alone;
 - a pure decode step (T == S) whose plain decode kernel would run fewer programs (S x kv heads) than the
   GPU has multiprocessors, over block tables spanning at least SPLIT_MIN_LEN positions: flash-decoding
   (split_decode.py), which adds up to 32 programs per (sequence, kv head) along the KV length and one
@@ -43,16 +46,23 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, *,
-                    sms: int | None = None, step_cache: dict | None = None):
+                    sms: int | None = None, step_cache: dict | None = None, packed: bool = False,
+                    singles: bool | None = None):
     """Causal attention of a step's tokens over the paged KV cache (contract in
     pagedserve.kernels.reference.paged_attention), through the kernel the rule above picks; `sms` stands in
     for the device's multiprocessor count (tests under the interpreter); `step_cache`: the step's layers
-    share what is built once a step (kernels/triton's step_tiles)."""
+    share what is built once a step (kernels/triton's step_tiles); `packed`: a mixed-step graph's layout;
+    `singles`: whether some sequence has exactly one query (None: may have)."""
     num_seqs = seq_lens.shape[0]
-    if query.shape[0] == num_seqs:
+    if query.shape[0] == num_seqs and not packed:
         sms = multiprocessors(query.device) if sms is None else sms
         if use_split_decode(num_seqs, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], sms):
             return paged_split_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                                 scale, out)
-    return plain.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                                 step_cache=step_cache)
+        return plain.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                            scale, out)
+    if singles is False:
+        return plain.paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                             out, step_cache=step_cache)
+    return plain.paged_mixed_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                                       step_cache=step_cache)

@@ -50,13 +50,18 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr
                    stride_ot, stride_oh, stride_table,
                    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, SINGLES_ONLY: tl.constexpr):
     """Program (sequence, kv head): the GROUP query heads sharing that kv head, as the M rows of one
-    tile padded to BLOCK_H >= 16, attend to the whole sequence (a decode token sees every cached key)."""
+    tile padded to BLOCK_H >= 16, attend to the whole sequence (a decode token sees every cached key).
+    SINGLES_ONLY (a mixed step: paged_mixed_attention): a sequence whose step has other than exactly one
+    query is left to the prefill kernel."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     row = tl.load(qsl_ptr + seq).to(tl.int64)
+    if SINGLES_ONLY:
+        if tl.load(qsl_ptr + seq + 1) - row != 1:
+            return
     hh = tl.arange(0, BLOCK_H)
     h_mask = hh < GROUP
     heads = kv_head * GROUP + hh
@@ -220,30 +225,55 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, quer
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2E,
         *_common_args(query, k_cache, v_cache, out, block_tables),
         BLOCK_H=pow2_tile(consts["GROUP"]), BLOCK_N=p["block_n"], num_warps=p["num_warps"],
-        num_stages=p["num_stages"], **consts)
+        num_stages=p["num_stages"], SINGLES_ONLY=False, **consts)
     return out
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
                             *, block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                             num_stages: int | None = None, causal_split: int | None = None,
-                            step_cache: dict | None = None):
+                            step_cache: dict | None = None, skip_singles: bool = False):
     """paged_attention (see pagedserve.kernels.reference) for any step, decode and prefill tokens mixed, causal.
     Grid (H, query tiles): tiles of block_m rows never straddle two sequences (tile_map, once a step given
-    the step's `step_cache`: step_tiles)."""
+    the step's `step_cache`: step_tiles). skip_singles: sequences with exactly one query get no tile (the
+    decode kernel takes them: paged_mixed_attention)."""
     out = _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     num_tokens, heads = query.shape[:2]
     if num_tokens == 0:
         return out
     p = launch_params("prefill", query, k_cache, v_cache, block_m=block_m, block_n=block_n, num_warps=num_warps,
                       num_stages=num_stages, causal_split=causal_split)
-    tile_seq, tile_start, num_tiles = step_tiles(step_cache, query_start_loc, num_tokens, p["block_m"])
+    tile_seq, tile_start, num_tiles = step_tiles(step_cache, query_start_loc, num_tokens, p["block_m"], skip_singles)
     _prefill_kernel[(heads, num_tiles)](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_seq, tile_start, scale * LOG2E,
         *_common_args(query, k_cache, v_cache, out, block_tables),
         BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], num_warps=p["num_warps"], num_stages=p["num_stages"],
         CAUSAL_SPLIT=bool(p["causal_split"]), **_constexprs(query, k_cache, v_cache))
     return out
+
+
+def paged_mixed_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, *,
+                          step_cache: dict | None = None):
+    """paged_attention (see pagedserve.kernels.reference) for a step of decodes beside prefill chunks, in two
+    launches that split its sequences by their number of queries on the device: the decode kernel over every
+    sequence (grid (S, KVH); a program whose sequence has other than one query returns at once) and the
+    prefill kernel over the tiles of the others. A decode row then costs what it costs in a pure decode
+    step (the kv head's GROUP query heads in one program: its keys read once), where the prefill kernel
+    alone gives it a block_m-row tile per query head, one row of it real. Shapes alone decide both
+    launches: a mixed-step graph captures them whatever the step's split."""
+    out = _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    num_seqs, kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    if query.shape[0] == 0:
+        return out
+    consts = _constexprs(query, k_cache, v_cache)
+    p = launch_params("decode", query, k_cache, v_cache)
+    _decode_kernel[(num_seqs, kv_heads)](
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2E,
+        *_common_args(query, k_cache, v_cache, out, block_tables),
+        BLOCK_H=pow2_tile(consts["GROUP"]), BLOCK_N=p["block_n"], num_warps=p["num_warps"],
+        num_stages=p["num_stages"], SINGLES_ONLY=True, **consts)
+    return paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                                   step_cache=step_cache, skip_singles=True)
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, *,
