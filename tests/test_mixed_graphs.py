@@ -163,9 +163,13 @@ def test_graphs_captured_ahead_replay_every_step(model):
     """capture_graphs (what CUDA does once the cache is allocated) captures every size over idle steps that
     write nothing but block 0's slot 0 (decode graphs); the steps after only replay."""
     folder, prompts, lengths, expected = model
-    engine = triton_engine(folder, enable_prefix_caching=False)
+    engine = triton_engine(folder, graphs=False, enable_prefix_caching=False)
     runner = engine.runner
+    runner.input_batch = InputBatch(runner.device, capacity=64)  # grows for each region: once, before capturing
+    runner.enable_decode_graphs(4, StandInGraph, BUDGET)
+    assert runner.input_batch.capacity < runner.decode_graphs.region_size < runner.mixed_graphs.region_size
     runner.capture_graphs()
+    assert runner.input_batch.allocations == 2
     mixed, decode = runner.mixed_graphs, runner.decode_graphs
     assert sorted(mixed.graphs) == mixed.sizes == [16, 32, 48] and sorted(decode.graphs) == decode.sizes
     captured = {size: graph for size, graph in mixed.graphs.items()}

@@ -39,7 +39,8 @@ from typing import Callable
 import torch
 
 from pagedserve.worker.attention import AttentionMetadata, PackedSeqs
-from pagedserve.worker.input_batch import InputBatch, graph_region, layout_graph_decode, layout_graph_mixed, mixed_region
+from pagedserve.worker.input_batch import (InputBatch, graph_region, layout_graph_decode, layout_graph_mixed,
+                                            mixed_region, mixed_region_size)
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,11 @@ class DecodeGraphRunner:
         re-capture on next use."""
         self.captured.invalidate()
 
+    @property
+    def region_size(self) -> int:
+        """Values of the input buffer the graphs read (graph_region)."""
+        return 4 * self.rows + self.rows * self.max_blocks
+
     def bucket(self, num_decodes: int) -> int | None:
         """The capture size a pure-decode step of num_decodes sequences runs at, or None (eagerly)."""
         return bucket_for(num_decodes, self.sizes) if num_decodes else None
@@ -236,6 +242,11 @@ class MixedGraphRunner:
 
     def invalidate(self) -> None:
         self.captured.invalidate()
+
+    @property
+    def region_size(self) -> int:
+        """Values of the input buffer the graphs read (mixed_region)."""
+        return mixed_region_size(self.tokens, self.seqs, self.max_blocks)
 
     def bucket(self, num_tokens: int, num_seqs: int) -> int | None:
         """The token size a step of num_tokens tokens over num_seqs sequences runs at, or None (eagerly)."""

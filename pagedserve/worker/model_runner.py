@@ -194,7 +194,12 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_graphs(self) -> None:
         """Capture every graph now, over idle steps (before the cache holds anything: a decode graph's idle
-        step writes slot 0 of block 0). A runner whose capture fails is dropped: its steps run eagerly."""
+        step writes slot 0 of block 0). A runner whose capture fails is dropped: its steps run eagerly. The
+        input buffer first grows to hold every graph's region: growing between two captures would drop the
+        graphs captured before (they read the old buffer)."""
+        runners = [g for g in (self.decode_graphs, self.mixed_graphs) if g is not None]
+        if runners:
+            self.input_batch.begin(max(g.region_size for g in runners))
         with using_group(self.tp):
             for name in ("decode_graphs", "mixed_graphs"):
                 graphs = getattr(self, name)
