@@ -156,7 +156,7 @@ def test_greedy_tokens_with_mixed_graphs_equal_transformers_and_eager(model):
 
     eager = triton_engine(folder, graphs=False)
     assert generate(eager, prompts, lengths) == expected
-    assert torch.equal(eager.runner.kv.device_cache, runner.kv.device_cache)
+    assert torch.allclose(eager.runner.kv.device_cache, runner.kv.device_cache, atol=1e-5)  # (GPU: other M tiles)
 
 
 def test_graphs_captured_ahead_replay_every_step(model):
@@ -215,7 +215,7 @@ def test_who_gets_mixed_graphs(model, monkeypatch):
     """Only where every attention backend says MIXED (the CPU's torch backend says PURE_DECODE) and the model
     reads no layout on the host; without a token budget, decode graphs alone."""
     folder = model[0]
-    cpu = make_engine(folder, max_num_seqs=4)
+    cpu = make_engine(folder, device="cpu", max_num_seqs=4)
     cpu.runner.enable_decode_graphs(4, StandInGraph, BUDGET)
     assert cpu.runner.decode_graphs is not None and cpu.runner.mixed_graphs is None
     engine = triton_engine(folder, graphs=False)
