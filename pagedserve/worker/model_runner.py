@@ -198,8 +198,11 @@ class ModelRunner:
         input buffer first grows to hold every graph's region: growing between two captures would drop the
         graphs captured before (they read the old buffer)."""
         runners = [g for g in (self.decode_graphs, self.mixed_graphs) if g is not None]
-        if runners:
-            self.input_batch.begin(max(g.region_size for g in runners))
+        if not runners:
+            return
+        self.input_batch.begin(max(g.region_size for g in runners))
+        start, cuda = time.perf_counter(), self.device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
         with using_group(self.tp):
             for name in ("decode_graphs", "mixed_graphs"):
                 graphs = getattr(self, name)
@@ -210,6 +213,10 @@ class ModelRunner:
                 except GraphCaptureError as exc:
                     log.warning("%s; those steps run eagerly (--enforce-eager says so up front)", exc)
                     setattr(self, name, None)
+        grown = (torch.cuda.memory_reserved(self.device) - reserved) / 2**30 if cuda else 0.0
+        log.info("graphs captured in %.1f s: %d decode sizes, %d mixed-step sizes (the device's reserved memory "
+                 "+%.2f GiB)", time.perf_counter() - start, len(self.decode_graphs.graphs) if self.decode_graphs else 0,
+                 len(self.mixed_graphs.graphs) if self.mixed_graphs else 0, grown)
 
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
         """CUDA: run the largest step the budget allows (one prompt of num_tokens, no cache yet)
