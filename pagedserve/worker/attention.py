@@ -263,6 +263,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._meta: AttentionMetadata | None = None
         self._converted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._step_cache: dict = {}  # what the kernels build once a step (their tile maps): renewed with meta
+        self._singles: bool | None = None
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         from pagedserve.kernels.triton.fused_ops import write_kv_cache
@@ -280,12 +281,11 @@ class TritonAttentionBackend(AttentionBackend):
         if self._meta is not meta:
             self._converted = kernel_metadata(meta, k_cache.shape[1], k_cache.device)
             self._meta, self._step_cache = meta, {}
-        if meta.packed is not None:  # padded (T may equal S: no pure decode step here); its split on the device
-            return paged_attention(query, k_cache, v_cache, *self._converted, scale, step_cache=self._step_cache,
-                                   packed=True)
-        singles = bool(meta.num_decodes) or any(p.query_len == 1 for p in meta.prefills)
+            # whether some sequence has one query (None: a packed step's split is made on the device)
+            self._singles = None if meta.packed is not None else \
+                bool(meta.num_decodes) or any(p.query_len == 1 for p in meta.prefills)
         return paged_attention(query, k_cache, v_cache, *self._converted, scale, step_cache=self._step_cache,
-                               singles=singles)
+                               packed=meta.packed is not None, singles=self._singles)
 
 
 def kernel_metadata(meta: AttentionMetadata, block_size: int,
