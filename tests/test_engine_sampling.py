@@ -120,3 +120,35 @@ def test_every_sample_of_n_carries_a_logprob_for_every_token(engine):
         assert len(sample.logprobs) == len(sample.token_ids) == 6
         assert [t.token_id for t in sample.logprobs] == sample.token_ids
         assert all(t.logprob <= 0.0 and len(t.top_logprobs) == 2 for t in sample.logprobs)
+
+
+def test_plain_greedy_batches_skip_the_per_row_settings(tiny_llama, monkeypatch):
+    """A step whose rows are all plain greedy (model_runner.plain_greedy) samples by one argmax without building
+    each row's settings; a row that changes its logits (min_tokens here, a bias, penalties), asks for logprobs,
+    forks or samples sends the step the general way. Both give transformers' greedy tokens."""
+    from pagedserve.worker.model_runner import plain_greedy
+    from pagedserve.worker.sampler import Sampler
+    from tiny_models import hf_greedy
+
+    batch = prompts(3, seed=21)
+    expected = [hf_greedy(tiny_llama, [p], 6)[0] for p in batch]
+    calls = {"greedy": 0, "sample": 0}
+    for name in calls:
+        original = getattr(Sampler, name)
+        monkeypatch.setattr(Sampler, name, lambda self, *a, _o=original, _n=name, **k: (
+            calls.__setitem__(_n, calls[_n] + 1), _o(self, *a, **k))[1])
+    engine = make_engine(tiny_llama)
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert [s[0].token_ids for s in engine.generate(batch, plain)] == expected
+    assert calls["greedy"] > 0 and calls["sample"] == 0
+    held = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, min_tokens=2)
+    assert [s[0].token_ids for s in engine.generate(batch, [plain, held, plain])] == expected
+    assert calls["sample"] > 0
+    state = type("State", (), {"params": plain, "child_req_ids": []})()
+    assert plain_greedy(state)
+    for change in (dict(logprobs=0), dict(logit_bias={5: 1.0}), dict(repetition_penalty=1.1), dict(min_tokens=1),
+                   dict(temperature=0.7), dict(presence_penalty=0.5), dict(frequency_penalty=0.5)):
+        state.params = SamplingParams(**{**dict(temperature=0.0, max_tokens=6), **change})
+        assert not plain_greedy(state), change
+    state.params, state.child_req_ids = plain, ["x-1"]
+    assert not plain_greedy(state)

@@ -442,6 +442,9 @@ class ModelRunner:
         waits for it). logits: one row per state, or k + 1 for a state with k proposals. Sampler rows: one
         per logits row, repeated n times for a state that forks its n samples here."""
         starts, sizes = sampler_rows(states)
+        if all(map(plain_greedy, states)):  # the usual greedy batch: argmax, no per-row sampling settings built
+            params = [state.params for state, size in zip(states, sizes) for _ in range(size)]
+            return PendingTokens(self, states, starts, sizes, [], self.sampler.greedy(logits, params))
         rows, repeats = [], []  # repeats: per logits row
         for state, size in zip(states, sizes):
             params = state.params
@@ -511,6 +514,15 @@ class ModelRunner:
         starts, sizes = sampler_rows(states)
         ids = broadcast_from_rank0(torch.empty(sum(sizes), dtype=torch.int64, device=self.device))
         return PendingTokens(self, states, starts, sizes, [], PendingSample(ids, [], [], 0))
+
+
+def plain_greedy(state: RequestState) -> bool:
+    """Whether a state's sampler rows are plain argmaxes of its logits rows: greedy, nothing that changes the
+    logits (penalties, a bias, min_tokens, a grammar), no logprobs, no forks (whose rows repeat the logits)."""
+    p = state.params
+    return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias and not p.min_tokens
+            and p.structured_output is None and not state.child_req_ids and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 
 def sampler_rows(states: list[RequestState]) -> tuple[list[int], list[int]]:

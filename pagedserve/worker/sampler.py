@@ -263,6 +263,11 @@ class Sampler:
         """masks: the grammar masks of the constrained rows (None: no row is constrained)."""
         return self.sample(logits, rows, masks).result()
 
+    def greedy(self, logits: torch.Tensor, params: list[SamplingParams]) -> PendingSample:
+        """sample()'s result for rows that are all plain argmaxes (the model runner's plain_greedy): params one
+        per logits row."""
+        return PendingSample(argmax(logits.float()), params, [], 0)
+
     def sample(self, logits: torch.Tensor, rows: list[RowSampling], masks: TokenMasks | None = None) -> PendingSample:
         """The step's sampling, all on the device (no host read: every decision comes from the rows'
         parameters), and its results' copy to the host started (PendingSample.result waits for it)."""
@@ -272,7 +277,7 @@ class Sampler:
         mutate = masks is not None or any(p.needs_penalties or p.logit_bias or _min_tokens_pending(r)
                                           for p, r in zip(params, rows))
         if not mutate and not want_lp and all(p.greedy for p in params):
-            return PendingSample(argmax(raw), params, [], 0)
+            return self.greedy(raw, params)
 
         # raw must stay untouched: logprobs are reported from the model's own distribution.
         x = raw.clone() if mutate else raw
