@@ -301,3 +301,41 @@ def test_cuda_mixed_graphs_give_transformers_tokens(model):
                               compilation_config='{"cudagraph_mode": "FULL_DECODE_ONLY"}')
     assert decode_only.runner.mixed_graphs is None and decode_only.runner.decode_graphs is not None
     assert generate(decode_only, prompts, lengths) == expected
+
+
+@pytest.mark.parametrize("overrides", [
+    {"kv_cache_memory": 10 * 4096, "preemption_mode": "recompute"},  # preempted and recomputed in chunks
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                            "prompt_lookup_max": 2}},  # verification rows run as chunks of k + 1
+], ids=["preemption", "ngram"])
+def test_mixed_graphs_keep_greedy_tokens_through(model, overrides):
+    """Preemption (recomputed prompts and outputs as chunks) and speculative decoding (verification rows
+    beside the decodes) with mixed-step graphs: transformers' greedy tokens."""
+    folder, prompts, lengths, expected = model
+    engine = triton_engine(folder, **overrides)
+    assert generate(engine, prompts, lengths) == expected
+    assert sum(g.replays for g in engine.runner.mixed_graphs.graphs.values()) > 0
+    if "preemption_mode" in overrides:
+        assert engine.stats()["num_preemptions"] > 0
+
+
+def test_mixed_graphs_give_the_eager_engines_samples_and_prompt_logprobs(model):
+    """Seeded n = 2 samples, prompt logprobs and a prefix-cache hit (a chunk with cached context): the eager
+    engine's results, float32."""
+    folder, prompts, lengths, _ = model
+    shared = prompts[0][:40]
+    batch = [shared + prompts[1], shared + prompts[3], prompts[2]]
+    params = [SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)]
+
+    def run(engine):
+        engine.generate([shared + [7]], SamplingParams(temperature=0.0, max_tokens=1))  # caches the prefix
+        out = engine.generate(batch, params)
+        return ([[s.token_ids for s in samples] for samples in out],
+                [[(t.token_id, round(t.logprob, 4)) for t in out[1][0].prompt_logprobs]])
+
+    graphed = triton_engine(folder)
+    assert run(graphed) == run(triton_engine(folder, graphs=False))
+    assert graphed.stats()["prefix_cache_hits"] > 0
+    assert sum(g.replays for g in graphed.runner.mixed_graphs.graphs.values()) > 0
