@@ -123,10 +123,10 @@ def test_every_sample_of_n_carries_a_logprob_for_every_token(engine):
 
 
 def test_plain_greedy_batches_skip_the_per_row_settings(tiny_llama, monkeypatch):
-    """A step whose rows are all plain greedy (model_runner.plain_greedy) samples by one argmax without building
+    """A step whose rows are all plain greedy (step_sampling.plain_greedy) samples by one argmax without building
     each row's settings; a row that changes its logits (min_tokens here, a bias, penalties), asks for logprobs,
     forks or samples sends the step the general way. Both give transformers' greedy tokens."""
-    from pagedserve.worker.model_runner import plain_greedy
+    from pagedserve.worker.step_sampling import plain_greedy
     from pagedserve.worker.sampler import Sampler
     from tiny_models import hf_greedy
 

@@ -1,5 +1,5 @@
 """Speculative sampling keeps the target distribution exactly: the worker's verification of a row's
-proposals (ModelRunner._sample over k + 1 positions, then spec_verify.accept), fed the same
+proposals (StepSampling.sample over k + 1 positions, then spec_verify.accept), fed the same
 logits, emits tokens whose histogram matches plain sampling's (chi-square at the 1% level).
 
 One row of 3 positions over a 12-token vocabulary, 24000 times in one sampler call (the global RNG
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.step_sampling import StepSampling
 from pagedserve.worker.request_states import RequestState
 from pagedserve.worker.sampler import Sampler
 
@@ -29,10 +29,8 @@ P1 = torch.tensor([0.05, 0.1, 0.4, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.005, 0.00
 PROPOSALS = [1, 2]  # d0 has probability 0.2 under p0, d1 0.4 under p1
 
 
-def verifier() -> ModelRunner:
-    runner = ModelRunner.__new__(ModelRunner)  # the sampling half only: no model
-    runner.sampler, runner.eos_token_ids = Sampler(), ()
-    return runner
+def verifier() -> StepSampling:
+    return StepSampling(Sampler(), None, (), torch.device("cpu"))  # the model runner's sampling half: no model
 
 
 def chi_square_p(a: torch.Tensor, b: torch.Tensor, min_expected: float = 20.0) -> float:
@@ -58,7 +56,7 @@ def test_rejection_sampling_keeps_the_target_distribution(seeded):
     states = [RequestState(f"r{i}", [5, 6, 7], 3, params[i], [], 2, 0, [], [], spec_token_ids=PROPOSALS)
               for i in range(ROWS)]
     logits = torch.stack([P0.log(), P1.log(), P1.roll(3).log()]).repeat(ROWS, 1)
-    emitted = verifier()._sample(logits, states).result()
+    emitted = verifier().sample(logits, states).result()
     runs = [[t.token_id for t in emitted[s.req_id]] for s in states]
     first = torch.bincount(torch.tensor([r[0] for r in runs]), minlength=VOCAB)
     second = torch.bincount(torch.tensor([r[1] for r in runs if len(r) > 1]), minlength=VOCAB)
@@ -83,6 +81,6 @@ def test_greedy_verification_keeps_the_argmax_prefix_and_one_more():
               RequestState("b", [5, 6, 7], 3, params, [], 2, 0, [], [], spec_token_ids=[4, 9])]
     argmaxes = [4, 9, 1, 8, 4, 2, 3]  # a: 4, 9 kept, 1 instead of 3; b: 4 kept, 2 instead of 9
     logits = torch.nn.functional.one_hot(torch.tensor(argmaxes), VOCAB).float()
-    emitted = verifier()._sample(logits, states).result()
+    emitted = verifier().sample(logits, states).result()
     assert [t.token_id for t in emitted["a"]] == [4, 9, 1]
     assert [t.token_id for t in emitted["b"]] == [4, 2]

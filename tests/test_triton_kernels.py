@@ -668,7 +668,6 @@ def test_host_cost_times_a_layers_wrapper_calls(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [(r["step"], r["call"]) for r in rows] == [(step, call) for step in ("mixed", "decode") for call in (
-        "rms_norm", "rms_norm + residual", "rotary", "kv write", "attention", "silu_and_mul")] + [
-        (step, call) for step in ("w1024 mixed", "decode 256") for call in ("layout (eager)", "layout (graph)")]
+        "rms_norm", "rms_norm + residual", "rotary", "kv write", "attention", "silu_and_mul")]
     assert all(r["us"] > 0 for r in rows)
-    assert "a layer's calls" in result.stdout and "w1024 mixed step's layout: layout (eager)" in result.stdout
+    assert "a layer's calls" in result.stdout

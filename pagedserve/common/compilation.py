@@ -38,7 +38,8 @@ def graph_plan(compilation_config: str | dict | None, enforce_eager: bool = Fals
         except json.JSONDecodeError as exc:
             raise ValueError(f"--compilation-config must be a JSON object: {exc}") from None
     if not isinstance(config, dict):
-        raise ValueError("--compilation-config must be a JSON object, e.g. '{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'")
+        raise ValueError("--compilation-config must be a JSON object, e.g. "
+                         "'{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'")
     unknown = sorted(set(config) - {"cudagraph_mode"})
     if unknown:
         raise ValueError(f"--compilation-config: {', '.join(unknown)} not supported (pagedserve reads cudagraph_mode "

@@ -9,11 +9,7 @@ for a mixed step (4 decodes and a 508-token prefill chunk) and a decode step of 
 median microseconds a call and their sum for one layer's six calls (two norms, rotary, the KV write,
 attention, the activation). Triton's own launch cost (argument binding, its kernel cache) comes on top
 and needs a GPU to time.
-
-It also times the step's layout on the host (worker/input_batch.py), which every step pays, graphs or not:
-the eager layout (layout_step) against a graph's (layout_graph_mixed for a mixed step, layout_graph_decode
-for a decode step), for a W1024-like mixed step (190 decodes of 20-380 positions beside 4 prefill chunks,
-816 tokens) and a decode step of 256 rows, 16-token blocks, tables 256 blocks wide (a 4096-token model).
+The step's layout on the host, which every step pays, graphs or not: `pagedserve bench layout`.
 """
 
 from __future__ import annotations
@@ -82,35 +78,6 @@ def layer_calls(decodes: int, prefill: int, seed: int = 0) -> dict:
     }
 
 
-def layout_calls(decodes: int, chunks: list[tuple[int, int]], seed: int = 0) -> dict:
-    """The step's layout calls, eager and a graph's, over request states made once."""
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from pagedserve.common.model_config import KVGroups
-    from pagedserve.worker.input_batch import InputBatch, layout_graph_decode, layout_graph_mixed, layout_step
-
-    bs, width, rng = 16, 256, np.random.default_rng(seed)
-
-    def states(lengths):
-        return [(SimpleNamespace(num_computed_tokens=c, token_ids=list(range(c + n)), spec_token_ids=[],
-                                 block_ids=rng.permutation(20000)[:-(-(c + n) // bs)].tolist(), group_block_ids=[]), n)
-                for c, n in lengths]
-
-    dec = states([(int(c), 1) for c in rng.integers(20, 380, decodes)])
-    pre = states(chunks)
-    tokens = decodes + sum(n for _, n in chunks)
-    eager, graph = InputBatch(torch.device("cpu")), InputBatch(torch.device("cpu"))
-    if chunks:
-        size = -(-tokens // 64) * 64
-        graph_fn = lambda: layout_graph_mixed(graph, dec, pre, tokens, size, 2048, 257, width, bs)  # noqa: E731
-    else:
-        graph_fn = lambda: layout_graph_decode(graph, dec, decodes, decodes, width, bs)  # noqa: E731
-    return {"layout (eager)": lambda: layout_step(eager, dec, pre, tokens, KVGroups(((0,),), (0,)), bs),
-            "layout (graph)": graph_fn}
-
-
 def median_us(fn, calls: int, rounds: int) -> float:
     fn()
     times = []
@@ -129,10 +96,6 @@ def measure(calls: int = 200, rounds: int = 5) -> list[dict]:
             fns = layer_calls(decodes, prefill)
             for name in LAYER:
                 rows.append({"step": step, "call": name, "us": median_us(fns[name], calls, rounds)})
-    for step, decodes, chunks in (("w1024 mixed", 190, [(0, 160), (100, 150), (0, 200), (40, 116)]),
-                                  ("decode 256", 256, [])):
-        for name, fn in layout_calls(decodes, chunks).items():
-            rows.append({"step": step, "call": name, "us": median_us(fn, max(1, calls // 10), rounds)})
     return rows
 
 
@@ -152,8 +115,6 @@ def main(argv=None) -> int:
         mine = [r for r in rows if r["step"] == step]
         print(f"{step} step: " + ", ".join(f"{r['call']} {r['us']:.1f}" for r in mine)
               + f" us a call; a layer's calls {sum(r['us'] for r in mine):.1f} us")
-    for step in ("w1024 mixed", "decode 256"):
-        print(f"{step} step's layout: " + ", ".join(f"{r['call']} {r['us']:.0f} us" for r in rows if r["step"] == step))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -5,7 +5,7 @@ A row with k proposals ran k + 1 query tokens (its last known token, then the pr
 small prefill chunk); position j's logits predict output position num_outputs + j. Each position
 is sampled exactly as a plain step would sample it there — the same sampler, with the history of
 outputs that position would have if the proposals before it are kept (penalties, min_tokens),
-and the request's seeded stream key for that output position (model_runner.sample_key).
+and the request's seeded stream key for that output position (step_sampling.sample_key).
 Then `accept` keeps the longest prefix of proposals equal to those samples, plus the sample that
 follows it.
 

@@ -19,7 +19,7 @@ one token — and whenever proposals are drafted (a draft model reads the tokens
 finishes N first: the result is the same, without the overlap.
 
 With tensor parallelism rank 0 samples and broadcasts the sampled ids on the device as the step begins
-(ModelRunner._share_sampled): every rank holds them there, feeds its held rows from them and takes its
+(StepSampling.share, step_sampling.py): every rank holds them there, feeds its held rows from them and takes its
 tokens from them at finish, which runs no collective; so the ranks' collectives keep one order however
 begins and finishes interleave, and ranks overlap as one does.
 
@@ -43,7 +43,7 @@ PLACEHOLDER = 0  # the held place's host value until the commit: never read by t
 @dataclass(slots=True)
 class StepInFlight:
     """A step begun: its result so far (forward and sampling launched) and its sampling under way.
-    pending: the model_runner.PendingTokens (on ranks past 0: of rank 0's broadcast ids), None with
+    pending: the step_sampling.PendingTokens (on ranks past 0: of rank 0's broadcast ids), None with
     nothing sampled;
     states: the request states it samples for."""
     result: ModelRunnerOutput

@@ -1,0 +1,87 @@
+"""`pagedserve bench layout`: the host time of a step's layout (worker/input_batch.py), eager against a graph's.
+
+Every GPU step pays it on the host, graphs or not: the token ids, positions, slot mapping, lengths and block
+tables written into the persistent input buffer. This times the eager layout (layout_step) and the one a
+graph reads (layout_graph_mixed for a mixed step, layout_graph_decode for a pure decode step) for a
+W1024-like mixed step (--decodes decode rows of 20-380 positions beside 4 prefill chunks) and a pure decode
+step of --decodes rows, 16-token blocks, tables --width blocks wide; the median microseconds a call over
+--rounds rounds of --calls calls. CPU tensors (the host's part: on CUDA one non-blocking copy follows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def add_layout_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("layout", help="the host time of a step's layout, eager against a graph's",
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--decodes", type=int, default=190, help="decode rows of the mixed step (the decode step: 256)")
+    p.add_argument("--width", type=int, default=256, help="blocks a table row holds (max_model_len / 16)")
+    p.add_argument("--calls", type=int, default=50, help="calls a timing round")
+    p.add_argument("--rounds", type=int, default=5, help="timing rounds (the median is reported)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON here")
+    p.set_defaults(func=run_layout_bench)
+
+
+def layout_calls(decodes: int, chunks: list[tuple[int, int]], width: int, seed: int = 0) -> dict:
+    """The step's layout calls, eager and a graph's, over request states made once."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from pagedserve.common.model_config import KVGroups
+    from pagedserve.worker.input_batch import InputBatch, layout_graph_decode, layout_graph_mixed, layout_step
+
+    bs, rng = 16, np.random.default_rng(seed)
+
+    def states(lengths):
+        return [(SimpleNamespace(num_computed_tokens=c, token_ids=list(range(c + n)), spec_token_ids=[],
+                                 block_ids=rng.permutation(20000)[:-(-(c + n) // bs)].tolist(), group_block_ids=[]), n)
+                for c, n in lengths]
+
+    dec = states([(int(c), 1) for c in rng.integers(20, 380, decodes)])
+    pre = states(chunks)
+    tokens = decodes + sum(n for _, n in chunks)
+    eager, graph = InputBatch(torch.device("cpu")), InputBatch(torch.device("cpu"))
+    if chunks:
+        size = -(-tokens // 64) * 64
+        graph_fn = lambda: layout_graph_mixed(graph, dec, pre, tokens, size, size, decodes + len(chunks) + 1,  # noqa: E731
+                                              width, bs)
+    else:
+        graph_fn = lambda: layout_graph_decode(graph, dec, decodes, decodes, width, bs)  # noqa: E731
+    if graph_fn() is None:
+        raise SystemExit(f"--width {width} holds no table of {380 // bs + 1} blocks")
+    return {"eager": lambda: layout_step(eager, dec, pre, tokens, KVGroups(((0,),), (0,)), bs), "graph": graph_fn}
+
+
+def median_us(fn, calls: int, rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def run_layout_bench(args: argparse.Namespace) -> int:
+    if args.decodes < 1 or args.calls < 1 or args.rounds < 1:
+        raise SystemExit("--decodes, --calls and --rounds must be at least 1")
+    rows = []
+    steps = ((f"mixed ({args.decodes} decodes + 4 chunks)", args.decodes, [(0, 160), (100, 150), (0, 200), (40, 116)]),
+             ("decode (256 rows)", 256, []))
+    for step, decodes, chunks in steps:
+        fns = layout_calls(decodes, chunks, args.width)
+        times = {kind: median_us(fn, args.calls, args.rounds) for kind, fn in fns.items()}
+        rows.append({"step": step, "eager_us": times["eager"], "graph_us": times["graph"]})
+        print(f"{step}: layout eager {times['eager']:.0f} us, a graph's {times['graph']:.0f} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0

@@ -1,0 +1,156 @@
+"""A step's sampling in the model runner (ModelRunner._begin hands it the logits of the states that sample):
+the sampler rows (one per logits row; k + 1 for a state verifying k proposals, each position as a plain step
+would sample it: spec_verify.py; n for a state forking its n samples here), their settings, the grammars'
+masks, the device-side sampling (sampler.py) with its one copy to the host started, and on result the tokens
+each state takes from its rows (a verified row's accepted ones), its grammar advanced. With tensor
+parallelism rank 0 samples and every rank takes the ids of its broadcast (StepSampling.share).
+
+Threads: the model runner's torch thread only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pagedserve.common.messages import SampledToken
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.worker import spec_verify
+from pagedserve.worker.parallel import broadcast_from_rank0, tp_group
+from pagedserve.worker.request_states import RequestState
+from pagedserve.worker.sampler import PendingSample, RowSampling, Sampler, SamplerOutput, to_device
+from pagedserve.worker.seeded_draws import stream_key
+from pagedserve.worker.structured_output import GrammarMatchers, TokenMasks
+
+
+def sample_key(params: SamplingParams, sample_index: int, num_output_tokens: int) -> int | None:
+    """A seeded row's stream key, from (seed, sample, position) only: a seeded request draws the same
+    tokens whatever shares its batch, and after a preemption or a worker restart too (seeded_draws.py)."""
+    if params.seed is None or params.greedy:
+        return None
+    return stream_key(params.seed, sample_index, num_output_tokens)
+
+
+@dataclasses.dataclass(slots=True)
+class PendingTokens:
+    """A step's sampling under way (Sampler.sample's PendingSample): result() waits for its one copy to the
+    host and turns the rows into each state's tokens."""
+    sampling: StepSampling
+    states: list[RequestState]
+    starts: list[int]
+    sizes: list[int]
+    constrained: list[int]
+    pending: PendingSample
+
+    def result(self) -> dict[str, list[SampledToken]]:
+        return self.sampling.tokens(self.states, self.starts, self.sizes, self.constrained, self.pending.result())
+
+
+class StepSampling:
+    """The sampling half of the model runner: its sampler, the grammars' matchers, the eos ids, its device."""
+
+    def __init__(self, sampler: Sampler, grammars: GrammarMatchers | None, eos_token_ids: tuple[int, ...],
+                 device: torch.device) -> None:
+        self.sampler = sampler
+        self.grammars = grammars  # None: no request of this runner's asks for structured output (tests)
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+
+    def sample(self, logits: torch.Tensor, states: list[RequestState]) -> PendingTokens:
+        """The states' tokens sampled on the device, their copy to the host started (PendingTokens.result()
+        waits for it). logits: one row per state, or k + 1 for a state with k proposals. Sampler rows: one
+        per logits row, repeated n times for a state that forks its n samples here."""
+        starts, sizes = sampler_rows(states)
+        if all(map(plain_greedy, states)):  # the usual greedy batch: argmax, no per-row sampling settings built
+            params = [state.params for state, size in zip(states, sizes) for _ in range(size)]
+            return PendingTokens(self, states, starts, sizes, [], self.sampler.greedy(logits, params))
+        rows, repeats = [], []  # repeats: per logits row
+        for state, size in zip(states, sizes):
+            params = state.params
+            num_outputs = len(state.token_ids) - state.num_prompt_tokens
+            # Token histories cost a copy per step: hand them over only to rows that read them.
+            wants_prompt = params.repetition_penalty != 1.0
+            wants_outputs = params.needs_penalties or params.min_tokens > 0
+            prompt = state.token_ids[:state.num_prompt_tokens] if wants_prompt else []
+            outputs = state.token_ids[state.num_prompt_tokens:] if wants_outputs else []
+            if state.spec_token_ids:  # each position as a plain step would sample it (spec_verify.py)
+                spec = state.spec_token_ids
+                for j in range(size):
+                    rows.append(RowSampling(params, sample_key(params, state.sample_index, num_outputs + j),
+                                            prompt, outputs + spec[:j] if wants_outputs else [], self.eos_token_ids))
+                repeats += [1] * size
+                continue
+            indices = [state.sample_index] if size == 1 else range(size)  # a fork: samples 0..n-1 here
+            for index in indices:
+                rows.append(RowSampling(params, sample_key(params, index, num_outputs),
+                                        prompt, outputs, self.eos_token_ids))
+            repeats.append(size)
+        if any(r > 1 for r in repeats):
+            logits = logits.repeat_interleave(to_device(repeats, torch.long, logits.device), dim=0,
+                                              output_size=len(rows))  # known here: no device read
+        constrained = [i for i, state in enumerate(states)  # (a row still in its reasoning samples freely)
+                       if state.params.structured_output is not None and self.grammars.prepare(state)]
+        masks = self.grammar_masks(states, starts, sizes, constrained) if constrained else None
+        return PendingTokens(self, states, starts, sizes, constrained, self.sampler.sample(logits, rows, masks))
+
+    def tokens(self, states: list[RequestState], starts: list[int], sizes: list[int], constrained: list[int],
+                out: SamplerOutput) -> dict[str, list[SampledToken]]:
+        """Each state's sampled tokens from the sampler's rows (a verified row's accepted ones), its
+        grammar advanced."""
+        sampled = {}
+        for state, start, size in zip(states, starts, sizes):
+            tokens = [SampledToken(out.token_ids[row], None if out.logprobs is None else out.logprobs[row],
+                                   None if out.top_logprobs is None else out.top_logprobs[row])
+                      for row in range(start, start + size)]
+            sampled[state.req_id] = spec_verify.accept(tokens, state.spec_token_ids) if state.spec_token_ids else tokens
+        for i in constrained:  # samples 2..n of a fork build their own matcher when they next sample
+            self.grammars.advance(states[i].matcher, sampled[states[i].req_id][0].token_id)
+        return sampled
+
+    def grammar_masks(self, states: list[RequestState], starts: list[int], sizes: list[int],
+                       constrained: list[int]) -> TokenMasks:
+        """The constrained rows' bitmasks (their matchers built by GrammarMatchers.prepare, on a
+        state's first sampling step from its outputs so far). starts, sizes: each state's first
+        sampler row and its number of rows (a constrained state never carries proposals: the
+        scheduler does not speculate for it)."""
+        rows = [starts[i] + j for i in constrained for j in range(sizes[i])]
+        row_of = [k for k, i in enumerate(constrained) for _ in range(sizes[i])]
+        bitmask = self.grammars.fill([states[i].matcher for i in constrained], row_of)
+        return TokenMasks(torch.tensor(rows, dtype=torch.long), bitmask)
+
+    def share(self, pending: PendingTokens | None, states: list[RequestState]) -> PendingTokens:
+        """Rank 0 samples; every rank needs the same ids, to feed the next step and keep its states. Rank 0
+        broadcasts its sampler rows' ids on the device as the step begins (one small collective, at the
+        same place of every rank's step: the ranks' collectives keep one order whatever steps are in
+        flight, so a step may begin before the one before it is finished: step_overlap.py). The other
+        ranks take their tokens from those rows as rank 0 does (a verified row's accepted ones), without
+        logprobs; their next step's held rows read the ids on the device."""
+        if tp_group().rank == 0:
+            ids = pending.pending.token_ids
+            assert ids.dtype == torch.int64 and ids.is_contiguous(), "the ranks' broadcast needs int64 rows"
+            broadcast_from_rank0(ids)
+            return pending
+        starts, sizes = sampler_rows(states)
+        ids = broadcast_from_rank0(torch.empty(sum(sizes), dtype=torch.int64, device=self.device))
+        return PendingTokens(self, states, starts, sizes, [], PendingSample(ids, [], [], 0))
+
+
+def plain_greedy(state: RequestState) -> bool:
+    """Whether a state's sampler rows are plain argmaxes of its logits rows: greedy, nothing that changes the
+    logits (penalties, a bias, min_tokens, a grammar), no logprobs, no forks (whose rows repeat the logits)."""
+    p = state.params
+    return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias and not p.min_tokens
+            and p.structured_output is None and not state.child_req_ids and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+
+
+def sampler_rows(states: list[RequestState]) -> tuple[list[int], list[int]]:
+    """Each state's first sampler row and its number of rows, as StepSampling.sample lays them out: k + 1
+    for a state verifying k proposals, one per sample for a state forking its samples, else one."""
+    starts, sizes, total = [], [], 0
+    for state in states:
+        size = len(state.spec_token_ids) + 1 if state.spec_token_ids else 1 + len(state.child_req_ids)
+        starts.append(total)
+        sizes.append(size)
+        total += size
+    return starts, sizes
