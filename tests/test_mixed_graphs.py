@@ -339,3 +339,25 @@ def test_mixed_graphs_give_the_eager_engines_samples_and_prompt_logprobs(model):
     assert run(graphed) == run(triton_engine(folder, graphs=False))
     assert graphed.stats()["prefix_cache_hits"] > 0
     assert sum(g.replays for g in graphed.runner.mixed_graphs.graphs.values()) > 0
+
+
+class FailsFromSixteenRows(StandInGraph):
+    """A capture that fails for graphs of 16 rows or more: the mixed-step sizes here, no decode size."""
+
+    def capture(self, fn):
+        if fn().shape[0] >= 16:
+            raise RuntimeError("out of memory while capturing")
+        return super().capture(fn)
+
+
+def test_a_failed_capture_at_start_up_drops_only_its_runner(model, caplog):
+    """capture_graphs (what CUDA runs once the cache is allocated): the mixed-step captures fail, the decode
+    graphs stay; mixed steps then run eagerly and the tokens are transformers'."""
+    folder, prompts, lengths, expected = model
+    engine = triton_engine(folder, graphs=False)
+    runner = engine.runner
+    runner.enable_decode_graphs(4, FailsFromSixteenRows, BUDGET)
+    runner.capture_graphs()
+    assert runner.mixed_graphs is None and sorted(runner.decode_graphs.graphs) == runner.decode_graphs.sizes
+    assert "mixed-step graph of size 16 failed" in caplog.text
+    assert generate(engine, prompts, lengths) == expected
