@@ -140,7 +140,7 @@ class StepProfiler:
         for backend in backends.values():
             self._wrap(backend, "forward", "attention")
         self._wrap(runner, "_prepare", "metadata")
-        self._wrap(runner, "_sample", "sampler")
+        self._wrap(runner.sampling, "sample", "sampler")
 
         def execute(step, _original=runner.execute):  # (begin + finish: the engine runs steps one by one)
             if not step.num_scheduled_tokens:
