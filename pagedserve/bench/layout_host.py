@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 
 def add_layout_parser(bench_sub) -> None:
@@ -59,18 +57,9 @@ def layout_calls(decodes: int, chunks: list[tuple[int, int]], width: int, seed: 
     return {"eager": lambda: layout_step(eager, dec, pre, tokens, KVGroups(((0,),), (0,)), bs), "graph": graph_fn}
 
 
-def median_us(fn, calls: int, rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
-
-
 def run_layout_bench(args: argparse.Namespace) -> int:
+    from pagedserve.kernels.host_cost import median_us  # (torch loads when the bench runs)
+
     if args.decodes < 1 or args.calls < 1 or args.rounds < 1:
         raise SystemExit("--decodes, --calls and --rounds must be at least 1")
     rows = []
