@@ -62,6 +62,13 @@ def put_rows(x: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) 
         x.index_copy_(0, index, values)
 
 
+def plain_argmax(p: SamplingParams) -> bool:
+    """Whether a row with these settings samples the argmax of its logits as they are: greedy, no logprobs,
+    nothing that changes the logits (penalties, a bias, min_tokens; a grammar is the caller's to add)."""
+    return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias and not p.min_tokens
+            and not p.needs_penalties)
+
+
 @dataclass(slots=True)
 class RowSampling:
     params: SamplingParams
@@ -273,11 +280,11 @@ class Sampler:
         parameters), and its results' copy to the host started (PendingSample.result waits for it)."""
         raw = logits.float()
         params = [r.params for r in rows]
+        if masks is None and all(map(plain_argmax, params)):
+            return self.greedy(raw, params)
         want_lp = any(p.logprobs is not None for p in params)
         mutate = masks is not None or any(p.needs_penalties or p.logit_bias or _min_tokens_pending(r)
                                           for p, r in zip(params, rows))
-        if not mutate and not want_lp and all(p.greedy for p in params):
-            return self.greedy(raw, params)
 
         # raw must stay untouched: logprobs are reported from the model's own distribution.
         x = raw.clone() if mutate else raw

@@ -18,7 +18,7 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker import spec_verify
 from pagedserve.worker.parallel import broadcast_from_rank0, tp_group
 from pagedserve.worker.request_states import RequestState
-from pagedserve.worker.sampler import PendingSample, RowSampling, Sampler, SamplerOutput, to_device
+from pagedserve.worker.sampler import PendingSample, RowSampling, Sampler, SamplerOutput, plain_argmax, to_device
 from pagedserve.worker.seeded_draws import stream_key
 from pagedserve.worker.structured_output import GrammarMatchers, TokenMasks
 
@@ -136,12 +136,9 @@ class StepSampling:
 
 
 def plain_greedy(state: RequestState) -> bool:
-    """Whether a state's sampler rows are plain argmaxes of its logits rows: greedy, nothing that changes the
-    logits (penalties, a bias, min_tokens, a grammar), no logprobs, no forks (whose rows repeat the logits)."""
-    p = state.params
-    return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias and not p.min_tokens
-            and p.structured_output is None and not state.child_req_ids and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+    """Whether a state's sampler rows are plain argmaxes of its logits rows (sampler.plain_argmax), with no
+    grammar and no forks (whose rows repeat the logits)."""
+    return plain_argmax(state.params) and state.params.structured_output is None and not state.child_req_ids
 
 
 def sampler_rows(states: list[RequestState]) -> tuple[list[int], list[int]]:
