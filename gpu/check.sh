@@ -40,7 +40,7 @@ if want speed; then
   line speed $? $(( $(date +%s) - t0 )) "$OUT/speed.log"
   echo "one stream, async scheduling on / off: $(grep -o 'decode [0-9.]* tok/s' "$OUT/speed.log" | tr '\n' ' ')" >> "$S"
   echo "W1024, mixed graphs on / off: $(grep -o '^pagedserve: .* tok/s)' "$OUT/speed.log" | grep -o '([0-9.]* tok/s)' | tr '\n' ' ')" >> "$S"
-  echo "graph capture at start-up: $(grep -o 'graphs captured in .*' "$OUT/speed.log" | head -2 | tr '\n' ' ')" >> "$S"
+  echo "graph capture at start-up: $(grep -o 'graphs captured in .*' "$OUT/speed.log" | head -2 | tr '\n' ' '); the KV budget kept out for them: $(grep -o 'CUDA graphs ~[0-9.]* GiB' "$OUT/speed.log" | head -2 | tr '\n' ' ')" >> "$S"
   t0=$(date +%s); timeout 120 python3 "$G/profile_step.py" $M > "$OUT/profile.log" 2>&1; line profile $? $(( $(date +%s) - t0 )) "$OUT/profile.log"
   t0=$(date +%s); timeout 90 python3 -m pagedserve.kernels.bench > "$OUT/kbench.log" 2>&1; line kbench $? $(( $(date +%s) - t0 )) "$OUT/kbench.log"
   echo "kbench % of floor: $(grep -E '[0-9]x ' "$OUT/kbench.log" | awk '{k=substr($0,1,18); gsub(/ +$/,"",k); printf "%s %s; ", k, $(NF-1)}')" >> "$S"

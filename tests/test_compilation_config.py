@@ -25,6 +25,14 @@ def test_cudagraph_modes(config, plan):
     assert graph_plan(config, enforce_eager=True) == GraphPlan(False, False)
 
 
+def test_the_largest_step_a_graph_captures():
+    """What the KV budget reserves the graphs' pool for (device_memory.graph_reserve)."""
+    assert GraphPlan(True, True).graph_tokens(256, 2048) == 2048  # mixed steps up to the token budget
+    assert GraphPlan(True, True).graph_tokens(256, 128) == 256  # a decode step of every row is larger
+    assert GraphPlan(True, False).graph_tokens(256, 2048) == 256  # decode graphs alone: max_num_seqs rows
+    assert GraphPlan(False, False).graph_tokens(256, 2048) == 0
+
+
 @pytest.mark.parametrize("config,message", [
     ("{not json", "must be a JSON object"),
     ("[1]", "must be a JSON object"),

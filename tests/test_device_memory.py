@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from pagedserve.worker.device_memory import (KVBudgetError, MemoryReading, kv_budget, local_rank, num_blocks,
-                                             physical_device, rank_device, visible_devices)
+from pagedserve.worker.device_memory import (KVBudgetError, MemoryReading, graph_reserve, kv_budget, local_rank,
+                                             num_blocks, physical_device, rank_device, visible_devices)
 
 GiB = 2**30
 H200 = 140 * GiB
@@ -94,6 +94,63 @@ def test_nothing_free_says_so_without_a_utilization_that_cannot_help():
     r = MemoryReading(total=H200, free=GiB // 2, weights=3 * GiB, peak=GiB, own=3 * GiB)
     with pytest.raises(KVBudgetError, match=r": 0 bytes beside the activation peak .*: stop them$"):
         kv_budget(r, 0.9, BLOCK)
+
+
+# ---- the CUDA graphs' pool -----------------------------------------------------------------------
+def test_the_graph_reserve_is_the_largest_captured_steps_share_of_the_peak():
+    peak = 3 * GiB
+    assert graph_reserve(peak, 2048, 2048) == peak  # mixed-step graphs up to the token budget: a whole step
+    assert graph_reserve(peak, 2048, 256) == peak // 8  # decode graphs alone, 256 rows of a 2048-token profile
+    assert graph_reserve(peak, 2048, 4096) == 2 * peak  # more rows than the profiled step: linear past it
+    assert graph_reserve(10, 3, 1) == 4  # rounded up
+    assert graph_reserve(peak, 2048, 0) == 0 == graph_reserve(peak, 0, 256)  # no graphs, or no profile
+    with pytest.raises(ValueError, match="negative"):
+        graph_reserve(peak, 2048, -1)
+
+
+def test_the_graphs_pool_comes_out_of_the_budget():
+    r = reading(free=H200 - 3 * GiB - GiB // 2)
+    graphs = graph_reserve(r.peak, 2048, 2048)
+    assert kv_budget(r, 0.9, BLOCK, graphs) == kv_budget(r, 0.9, BLOCK) - GiB
+    # a budget the graphs leave no block says so, and what would help
+    small = MemoryReading(total=8 * GiB, free=7 * GiB, weights=3 * GiB, peak=GiB // 2, own=3 * GiB)
+    assert kv_budget(small, 0.5, BLOCK) == GiB // 2
+    with pytest.raises(KVBudgetError) as caught:
+        kv_budget(small, 0.5, BLOCK, GiB // 2)
+    text = str(caught.value)
+    for part in ("holds no block", "and its CUDA graphs", "CUDA graphs ~0.50 GiB", "capture fewer graphs"):
+        assert part in text, (part, text)
+    # and what is free must hold them beside the pool and the peak
+    crowded = MemoryReading(total=8 * GiB, free=3 * GiB // 4, weights=3 * GiB, peak=GiB // 4, own=3 * GiB)
+    with pytest.raises(KVBudgetError, match=f": {GiB // 4} bytes beside the activation peak and the CUDA graphs"):
+        kv_budget(crowded, 0.5, BLOCK, GiB // 4)
+
+
+def test_size_kv_cache_reserves_the_graphs_a_cuda_runner_will_capture(tiny_llama):
+    """The model setup's sizing with a measured reading (given: nothing runs on a GPU here) for a runner on
+    CUDA: mixed-step graphs keep a whole step's peak out of the pool, decode graphs their rows' share, a
+    runner with LoRA slots (which captures none) nothing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pagedserve.common.compilation import graph_plan
+    from pagedserve.common.model_config import ModelConfig
+    from pagedserve.worker.model_setup import KVSettings, size_kv_cache
+
+    cuda = SimpleNamespace(config=ModelConfig.from_folder(tiny_llama), dtype=torch.float16,
+                           device=torch.device("cuda"), tensor_parallel_size=1, lora=None, drafter=None)
+    r = MemoryReading(total=8 * GiB, free=7 * GiB, weights=GiB, peak=GiB, own=GiB)
+
+    def sized(mode: str, runner=cuda):
+        tokens = graph_plan({"cudagraph_mode": mode}).graph_tokens(256, 2048)
+        return size_kv_cache(runner, KVSettings(16, None, 0.5, 2048, 0, tokens), r)
+    eager, decode, mixed = sized("NONE"), sized("FULL_DECODE_ONLY"), sized("FULL")
+    assert (eager.graph_reserve, decode.graph_reserve, mixed.graph_reserve) == (0, GiB // 8, GiB)
+    block = eager.block_bytes
+    assert eager.num_blocks == (2 * GiB) // block
+    assert decode.num_blocks == (2 * GiB - GiB // 8) // block and mixed.num_blocks == GiB // block
+    assert sized("FULL", SimpleNamespace(**{**vars(cuda), "lora": object()})).graph_reserve == 0
 
 
 def test_utilization_outside_0_1_is_refused():

@@ -25,6 +25,14 @@ class GraphPlan:
     decode: bool  # pure-decode steps replay graphs
     mixed: bool  # the other steps too (prefill chunks, with decodes beside them or not)
 
+    def graph_tokens(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """The tokens of the largest step a graph captures (0: none): the token budget with mixed-step
+        graphs, a decode step of max_num_seqs rows with decode graphs alone. The KV budget reserves
+        that step's activations for the graphs' pool (device_memory.graph_reserve)."""
+        if self.mixed:
+            return max(max_num_batched_tokens, max_num_seqs)
+        return max_num_seqs if self.decode else 0
+
 
 def graph_plan(compilation_config: str | dict | None, enforce_eager: bool = False) -> GraphPlan:
     """What replays graphs on CUDA: --compilation-config's cudagraph_mode, all off with --enforce-eager."""

@@ -109,7 +109,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         self.config = config
         speculative = parse_speculative_config(config.speculative_config)  # a bad one fails before the model loads
-        graphs = graph_plan(config.compilation_config, config.enforce_eager)  # so does a bad compilation config
+        # so does a bad compilation config; the KV budget reserves the graphs' pool (_size_kv_cache)
+        self.graphs = graphs = graph_plan(config.compilation_config, config.enforce_eager)
         # The one model setup (worker/model_setup.py), as the worker service runs it.
         place = place_model(config.model, config.device, config.dtype, config.max_model_len, local_rank=0,
                             tokenizer=tokenizer, tokenizer_name=config.tokenizer)
@@ -182,7 +183,8 @@ class LLMEngine:
     def _size_kv_cache(self) -> KVSize:
         cfg = self.config
         kv = KVSettings(cfg.block_size, cfg.kv_cache_memory, cfg.gpu_memory_utilization, cfg.max_num_batched_tokens,
-                        cfg.swap_space if cfg.preemption_mode == "swap" else 0)
+                        cfg.swap_space if cfg.preemption_mode == "swap" else 0,
+                        self.graphs.graph_tokens(cfg.max_num_seqs, cfg.max_num_batched_tokens))
 
         def measure(runner, num_tokens: int):
             if self.ranks is not None:  # the profile run's collectives need every rank

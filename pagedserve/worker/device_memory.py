@@ -8,8 +8,9 @@ group run on one host). torch numbers the devices CUDA_VISIBLE_DEVICES shows fro
 rank indexes that list.
 
 The KV budget on a GPU (vLLM's gpu_memory_utilization): this worker may use that share of the
-device's total memory; its weights and the activation peak of the largest step come out of it,
-and the rest is the KV pool. The pool must also fit in what is free now, beside the peak, since
+device's total memory; its weights, the activation peak of the largest step and the memory its CUDA
+graphs will hold (graph_reserve: the largest captured step's activations, estimated from the peak) come
+out of it, and the rest is the KV pool. The pool must also fit in what is free now, beside the peak, since
 other processes (or another worker) may hold part of the device. A budget that holds no block, or
 that what is free cannot hold, is a KVBudgetError naming every number it saw.
 
@@ -101,37 +102,54 @@ def gib(n: int | float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def describe(reading: MemoryReading, utilization: float, block_bytes: int) -> str:
+def describe(reading: MemoryReading, utilization: float, block_bytes: int, graphs: int = 0) -> str:
     """Every number a budget was computed from, for an error or the log."""
     r = reading
+    held = f", CUDA graphs ~{gib(graphs)}" if graphs else ""
     return (f"total {gib(r.total)}, free {gib(r.free)}, held by others {gib(r.held_by_others)}, this worker's "
-            f"weights {gib(r.weights)}, activation peak {gib(r.peak)}, --gpu-memory-utilization {utilization}, "
+            f"weights {gib(r.weights)}, activation peak {gib(r.peak)}{held}, --gpu-memory-utilization {utilization}, "
             f"block {block_bytes} bytes")
 
 
-def kv_budget(reading: MemoryReading, utilization: float, block_bytes: int) -> int:
-    """Bytes of KV cache this worker may allocate: utilization x total, less its weights and its
-    activation peak; at least one block, and no more than what is free beside the peak."""
+def graph_reserve(peak: int, profiled_tokens: int, graph_tokens: int) -> int:
+    """The memory the CUDA graphs' one pool will hold: the activations of the largest step a graph captures
+    (graph_tokens tokens; 0: no graphs), estimated from the profiled peak (a step of profiled_tokens) as
+    linear in tokens. The graphs are captured after the KV pool is allocated, so this comes out of the
+    budget beforehand; the eager peak stays reserved beside it (steps no graph holds still run eagerly)."""
+    if graph_tokens < 0 or profiled_tokens < 0 or peak < 0:
+        raise ValueError(f"graph_reserve of a negative size: peak {peak}, profiled {profiled_tokens} tokens, "
+                         f"graphs {graph_tokens} tokens")
+    if not graph_tokens or not profiled_tokens:
+        return 0
+    return -(-peak * graph_tokens // profiled_tokens)
+
+
+def kv_budget(reading: MemoryReading, utilization: float, block_bytes: int, graphs: int = 0) -> int:
+    """Bytes of KV cache this worker may allocate: utilization x total, less its weights, its activation
+    peak and its CUDA graphs' pool (graphs, graph_reserve's estimate); at least one block, and no more than
+    what is free beside the peak and the graphs."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
     if block_bytes < 1:
         raise ValueError(f"a KV block of {block_bytes} bytes")
     r = reading
-    budget = int(r.total * utilization) - r.weights - r.peak
+    budget = int(r.total * utilization) - r.weights - r.peak - graphs
     if budget < block_bytes:
+        graph_remedy = ", or capture fewer graphs (--compilation-config, --enforce-eager)" if graphs else ""
         raise KVBudgetError(
             f"the KV cache budget of {budget} bytes ({gib(budget)}) holds no block: --gpu-memory-utilization "
-            f"{utilization} of the GPU less this worker's weights and activation peak "
-            f"({describe(r, utilization, block_bytes)}); raise --gpu-memory-utilization, lower "
-            f"--max-num-batched-tokens, or give --kv-cache-memory")
-    room = r.free - r.peak  # the pool and the largest step must fit together in what is free
+            f"{utilization} of the GPU less this worker's weights and activation peak"
+            f"{' and its CUDA graphs' if graphs else ''} ({describe(r, utilization, block_bytes, graphs)}); raise "
+            f"--gpu-memory-utilization, lower --max-num-batched-tokens, or give --kv-cache-memory{graph_remedy}")
+    room = r.free - r.peak - graphs  # the pool, the largest step and the graphs must fit together in what is free
     if budget > room:
         fits = math.floor(1000 * (r.free + r.weights) / r.total) / 1000  # budget <= room, rounded down
         remedy = "stop them" if room < block_bytes else \
             f"stop them, or lower --gpu-memory-utilization to at most {fits}"
+        beside = "the activation peak and the CUDA graphs" if graphs else "the activation peak"
         raise KVBudgetError(
             f"the KV cache budget of {budget} bytes ({gib(budget)}) does not fit in what is free on the GPU: "
-            f"{max(0, room)} bytes beside the activation peak ({describe(r, utilization, block_bytes)}); other "
+            f"{max(0, room)} bytes beside {beside} ({describe(r, utilization, block_bytes, graphs)}); other "
             f"processes hold {gib(r.held_by_others)}: {remedy}")
     return budget
 

@@ -24,7 +24,7 @@ import torch
 
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.sizes import parse_size
-from pagedserve.worker.device_memory import MemoryReading, describe, num_blocks
+from pagedserve.worker.device_memory import MemoryReading, describe, graph_reserve, num_blocks
 from pagedserve.worker.kv_cache import bytes_per_block
 from pagedserve.worker.platform import (  # noqa: F401 (pick_device, pick_dtype, cpu_has_fast_bf16: re-exported)
     cpu_has_fast_bf16,
@@ -116,6 +116,7 @@ class KVSettings:
     gpu_memory_utilization: float
     max_num_batched_tokens: int | None  # the largest step: the profile run's size (None: not known yet)
     swap_space: str | int = 0  # the host pool for swapping (0: none)
+    graph_tokens: int = 0  # the largest step a CUDA graph will capture (GraphPlan.graph_tokens; 0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +125,7 @@ class KVSize:
     num_host_blocks: int
     block_bytes: int
     reading: MemoryReading | None  # what the budget was computed from (CUDA, measured)
+    graph_reserve: int = 0  # bytes kept out of the budget for the CUDA graphs' pool (device_memory.graph_reserve)
 
 
 def size_kv_cache(runner, kv: KVSettings, reading: MemoryReading | None = None,
@@ -136,16 +138,20 @@ def size_kv_cache(runner, kv: KVSettings, reading: MemoryReading | None = None,
     per_block = bytes_per_block(runner.config, kv.block_size, runner.dtype, runner.tensor_parallel_size)
     if getattr(runner, "drafter", None) is not None:  # a block holds the draft model's K/V too
         per_block = runner.kv_block_bytes(kv.block_size)
+    graphs = 0
     if kv.kv_cache_memory:
         budget = parse_size(kv.kv_cache_memory)
     elif (platform := platform_for(runner.device)).measures_memory:
         reading = reading or (measure or platform.measure_memory)(runner, kv.max_num_batched_tokens)
-        budget = platform.kv_budget(reading, kv.gpu_memory_utilization, per_block)
-        log.info("KV budget %d bytes: %s", budget, describe(reading, kv.gpu_memory_utilization, per_block))
+        # a runner with LoRA slots captures no graph (ModelRunner.use_decode_graphs)
+        graph_tokens = kv.graph_tokens if getattr(runner, "lora", None) is None else 0
+        graphs = graph_reserve(reading.peak, kv.max_num_batched_tokens or 0, graph_tokens)
+        budget = platform.kv_budget(reading, kv.gpu_memory_utilization, per_block, graphs)
+        log.info("KV budget %d bytes: %s", budget, describe(reading, kv.gpu_memory_utilization, per_block, graphs))
     else:
         budget = parse_size(CPU_KV_CACHE_MEMORY)
     host = parse_size(kv.swap_space) // per_block if kv.swap_space else 0
-    return KVSize(int(num_blocks(budget, per_block)), int(host), per_block, reading)
+    return KVSize(int(num_blocks(budget, per_block)), int(host), per_block, reading, graphs)
 
 
 def kv_cache_blocks(runner, block_size: int, kv_cache_memory: str | int | None, gpu_memory_utilization: float,

@@ -82,8 +82,8 @@ class Platform:
         """The memory reading the KV budget is computed from; None where the pool has a fixed size."""
         return None
 
-    def kv_budget(self, reading: MemoryReading, utilization: float, block_bytes: int) -> int:
-        return kv_budget(reading, utilization, block_bytes)
+    def kv_budget(self, reading: MemoryReading, utilization: float, block_bytes: int, graphs: int = 0) -> int:
+        return kv_budget(reading, utilization, block_bytes, graphs)
 
 
 class CpuPlatform(Platform):

@@ -92,11 +92,13 @@ class WorkerService:
             kv = KVSettings(engine["block_size"], engine["kv_cache_memory"], engine["gpu_memory_utilization"],
                             engine["max_num_batched_tokens"])
         # the largest step by the device's default (settings.step_budgets) when none is set
-        self.kv = dataclasses.replace(kv, max_num_batched_tokens=step_budgets(kv.max_num_batched_tokens, None,
-                                                                              self.device.type)[0])
-        self.kv_size: KVSize | None = None  # sized at load
         # decode steps of up to this many sequences replay CUDA graphs (self.graphs; the CPU: never)
         self.max_num_seqs = max_num_seqs or defaults("engine")["max_num_seqs"]
+        budget = step_budgets(kv.max_num_batched_tokens, None, self.device.type)[0]
+        # the KV budget reserves the graphs' pool (size_kv_cache)
+        self.kv = dataclasses.replace(kv, max_num_batched_tokens=budget,
+                                      graph_tokens=self.graphs.graph_tokens(self.max_num_seqs, budget))
+        self.kv_size: KVSize | None = None  # sized at load
         self.lora = lora  # (max_loras, max_lora_rank, max_cpu_loras) with --enable-lora
         self.runner = None
         self.session_id = ""
@@ -269,9 +271,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 def profile_settings(request: worker_pb2.ProfileRequest, own: KVSettings) -> KVSettings:
     """The KV settings a scheduler's Profile asks for; a field it leaves unset keeps the worker's."""
     from pagedserve.worker.model_setup import KVSettings
+    # (the graphs are the worker's own: InitCache captures them at its own step budget)
     return KVSettings(request.block_size or own.block_size, request.kv_cache_memory or own.kv_cache_memory,
                       request.gpu_memory_utilization or own.gpu_memory_utilization,
-                      request.max_num_batched_tokens or own.max_num_batched_tokens, request.swap_space or 0)
+                      request.max_num_batched_tokens or own.max_num_batched_tokens, request.swap_space or 0,
+                      own.graph_tokens)
 
 
 def kv_settings(args: argparse.Namespace) -> KVSettings:
