@@ -196,10 +196,11 @@ class DecodeGraphRunner:
         """The capture size a pure-decode step of num_decodes sequences runs at, or None (eagerly)."""
         return bucket_for(num_decodes, self.sizes) if num_decodes else None
 
-    def layout(self, decodes: list, size: int, block_size: int):
-        """A pure-decode step written where the graphs read it (input_batch.layout_graph_decode): (input_ids,
-        positions, metadata) of `size` rows, or None when a table is wider than the graphs' tables."""
-        return layout_graph_decode(self.batch, decodes, size, self.rows, self.max_blocks, block_size)
+    def layout(self, decodes: list, size: int, block_size: int, tables=None):
+        """A pure-decode step written where the graphs read it (input_batch.layout_graph_decode; tables: the
+        states' block-table rows): (input_ids, positions, metadata) of `size` rows, or None when a table is
+        wider than the graphs' tables."""
+        return layout_graph_decode(self.batch, decodes, size, self.rows, self.max_blocks, block_size, tables)
 
     def run(self, size: int) -> torch.Tensor:
         """The hidden states [size, hidden] of the step `layout` wrote (the rows past its batch are
@@ -254,10 +255,11 @@ class MixedGraphRunner:
             return None
         return bucket_for(num_tokens, self.sizes)
 
-    def layout(self, decodes: list, prefills: list, num_tokens: int, size: int, block_size: int):
-        """The step written where the graphs read it (input_batch.layout_graph_mixed), or None (eagerly)."""
+    def layout(self, decodes: list, prefills: list, num_tokens: int, size: int, block_size: int, tables=None):
+        """The step written where the graphs read it (input_batch.layout_graph_mixed; tables: the states'
+        block-table rows), or None (eagerly)."""
         return layout_graph_mixed(self.batch, decodes, prefills, num_tokens, size, self.tokens, self.seqs,
-                                  self.max_blocks, block_size)
+                                  self.max_blocks, block_size, tables)
 
     def run(self, size: int) -> torch.Tensor:
         """The hidden states [size, hidden] of the step `layout` wrote (tokens past the step's are padding)."""

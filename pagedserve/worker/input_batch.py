@@ -3,7 +3,7 @@ buffers, our own code).
 
 A step's integer inputs (token ids, positions, each KV group's slot mapping, the decode rows' block tables and
 sequence lengths, the prefill chunks' (query start, query length, context length) and their block tables,
-zero-padded to the widest chunk: attention.AttentionMetadata.prefill_chunks / prefill_tables) are written by
+as wide as the widest chunk's: attention.AttentionMetadata.prefill_chunks / prefill_tables) are written by
 the host, packed one after the other, into one preallocated int64 buffer (pinned on CUDA) and reach the device
 in ONE non-blocking copy of the used prefix into one preallocated device buffer. Every tensor the model reads
 is a view of that device buffer; on the CPU the host buffer is the device buffer (no copy at all). No tensor
@@ -12,8 +12,10 @@ room than any step before it, so after warm-up they are the same buffers step af
 them).
 
 `layout_step` builds the step's layout from the request states the model runner keeps: decodes first, then
-prefill chunks in order, as AttentionMetadata requires. `layout_graph_decode` writes a pure-decode step a
-decode graph runs at fixed places instead (`graph_region`), padded to the graph's bucket, and
+prefill chunks in order, as AttentionMetadata requires. The block tables are gathered from the rows the
+request states keep in step with the deltas (block_table.py: one numpy op a table, not a copy a request).
+`layout_graph_decode` writes a pure-decode step a decode graph runs at fixed places instead
+(`graph_region`), padded to the graph's bucket, and
 `layout_graph_mixed` any other step a mixed-step graph runs (`mixed_region`): the graphs read them there
 (graph_runner.py). Attention masks are the backends' business (attention.py), not the layout's.
 
@@ -34,6 +36,7 @@ import numpy as np
 import torch
 
 from pagedserve.worker.attention import AttentionMetadata, PackedSeqs, PrefillSeq
+from pagedserve.worker.block_table import BlockTables, gather
 
 
 class InputBatch:
@@ -96,15 +99,16 @@ class _GroupLayout:
     tables: int  # offset of the decode tables [num_decodes, width]
     width: int
     windowed: bool
-    prefill_tables: int  # offset of the prefills' tables [P, prefill_width], zero-padded
+    prefill_tables: int  # offset of the prefills' tables [P, prefill_width] (columns past a chunk's: unread)
     prefills: list[tuple[int, int, int, int]]  # (query_start, query_len, context_len, blocks in use)
 
 
 def layout_step(batch: InputBatch, decodes: list, prefills: list, num_tokens: int, groups, block_size: int,
-                given_positions: np.ndarray | None = None
+                given_positions: np.ndarray | None = None, tables: BlockTables | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
     """(input_ids, positions, one AttentionMetadata per KV group) of a step whose decodes and prefills are
-    lists of (RequestState, scheduled tokens), written into `batch` and uploaded in one copy.
+    lists of (RequestState, scheduled tokens), written into `batch` and uploaded in one copy. tables: the
+    states' block-table rows (RequestStates.tables; block_table.gather), None: their lists.
     given_positions (bench quality's teacher-forced windows, states without token ids): the positions as
     they are, and input_ids left unwritten (the caller brings its own).
 
@@ -135,8 +139,8 @@ def layout_step(batch: InputBatch, decodes: list, prefills: list, num_tokens: in
         positions[:] = given_positions
     else:
         _write_tokens(decodes, prefills, input_ids, positions)
-    layouts = [_group_layout(batch, decodes, prefills, positions, g, groups.windows[g], firsts, bs, prefill_width)
-               for g in range(num_groups)]
+    layouts = [_group_layout(batch, decodes, prefills, positions, g, groups.windows[g], firsts, bs, prefill_width,
+                             tables) for g in range(num_groups)]
     if num_prefills:
         chunks.reshape(num_prefills, 3)[:] = [(q, n, c) for q, n, c, _ in layouts[0].prefills]
     batch.upload()
@@ -170,34 +174,30 @@ def _write_tokens(decodes, prefills, input_ids: np.ndarray, positions: np.ndarra
 
 
 def _group_layout(batch: InputBatch, decodes, prefills, positions: np.ndarray, group: int, window: int,
-                  firsts: dict, bs: int, prefill_width: int) -> _GroupLayout:
-    """One KV group's slot mapping, decode tables and prefill tables (one zero-padded row of prefill_width
-    per chunk), written into the batch."""
-    table_of = (lambda s: s.block_ids) if group == 0 else (lambda s: s.group_block_ids[group - 1])
+                  firsts: dict, bs: int, prefill_width: int, tables: BlockTables | None) -> _GroupLayout:
+    """One KV group's slot mapping, decode tables and prefill tables (a row of prefill_width per chunk),
+    written into the batch. A table's columns past the blocks its sequence covers are not read (they may
+    hold the request's later blocks, or 0: block_table.gather)."""
     slots_at, slots = batch.take(len(positions))
     num_decodes = len(decodes)
     tables_at, width = 0, 0
     if num_decodes:
         first, width = firsts[window]
         tables_at, flat = batch.take(num_decodes * width)
-        tables = flat.reshape(num_decodes, width)
-        tables.fill(0)
-        for row, (s, _) in enumerate(decodes):
-            used = table_of(s)[first[row]:first[row] + width]
-            tables[row, :len(used)] = used
+        decode_tables = flat.reshape(num_decodes, width)
+        gather(tables, decode_tables, [s for s, _ in decodes], group, first if window else None)
         pos = positions[:num_decodes]
-        slots[:num_decodes] = tables[np.arange(num_decodes), pos // bs - first] * bs + pos % bs
+        slots[:num_decodes] = decode_tables[np.arange(num_decodes), pos // bs - first] * bs + pos % bs
     seqs, start = [], num_decodes
     prefill_at, flat = batch.take(len(prefills) * prefill_width)
-    flat.fill(0)
+    prefill_tables = flat.reshape(len(prefills), prefill_width)
+    if prefills:
+        gather(tables, prefill_tables, [s for s, _ in prefills], group)
     for row, (state, n) in enumerate(prefills):
         c = state.num_computed_tokens
-        used = table_of(state)[:-(-(c + n) // bs)]
-        blocks = flat[row * prefill_width:row * prefill_width + len(used)]
-        blocks[:] = used
         pos = positions[start:start + n]
-        slots[start:start + n] = blocks[pos // bs] * bs + pos % bs
-        seqs.append((start, n, c, len(used)))
+        slots[start:start + n] = prefill_tables[row, pos // bs] * bs + pos % bs
+        seqs.append((start, n, c, -(-(c + n) // bs)))
         start += n
     return _GroupLayout(slots_at, tables_at, width, bool(window), prefill_at, seqs)
 
@@ -213,13 +213,15 @@ def graph_region(batch: InputBatch, rows: int, width: int) -> tuple[torch.Tensor
     return (*(batch.view(k * rows, rows) for k in range(4)), batch.view(4 * rows, rows, width))
 
 
-def layout_graph_decode(batch: InputBatch, decodes: list, size: int, rows: int, width: int, block_size: int
+def layout_graph_decode(batch: InputBatch, decodes: list, size: int, rows: int, width: int, block_size: int,
+                        tables: BlockTables | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None:
     """A pure-decode step of one full-attention KV group laid out in graph_region's places, padded to `size`
     rows (a decode graph's bucket): rows past the batch repeat row 0 exactly (its token, position, slot,
-    length and table, so a padding row writes only row 0's slot), tables zero-padded to `width`.
+    length and table, so a padding row writes only row 0's slot), tables zero past the longest row's blocks.
     Returns (input_ids, positions, metadata) of `size` rows, or None when a table needs more than `width`
-    blocks (the step is laid out by layout_step instead). Uploads 4 * rows + size * width values.
+    blocks (the step is laid out by layout_step instead). Uploads 4 * rows + size * width values. tables:
+    as layout_step's (columns past a sequence's blocks are not read).
     No decodes (a graph captured ahead of any step): every row reads and writes slot 0 of block 0, length 1."""
     bs, batch_size = block_size, len(decodes)
     pos = np.fromiter((s.num_computed_tokens for s, _ in decodes), dtype=np.int64, count=batch_size)
@@ -229,22 +231,22 @@ def layout_graph_decode(batch: InputBatch, decodes: list, size: int, rows: int, 
     columns = [batch.take(rows)[1] for _ in range(4)]
     ids, positions, slots, lens = (c[:size] for c in columns)
     tables_at, flat = batch.take(size * width)
-    tables = flat.reshape(size, width)
-    tables[:batch_size].fill(0)
-    for row, (s, _) in enumerate(decodes):
-        used = s.block_ids[:pos[row] // bs + 1]
-        tables[row, :len(used)] = used
+    step_tables = flat.reshape(size, width)
+    if batch_size:  # the columns the longest row reads; zeros after them
+        need = int(pos.max()) // bs + 1
+        gather(tables, step_tables[:batch_size, :need], [s for s, _ in decodes], 0)
+        step_tables[:batch_size, need:] = 0
     ids[:batch_size] = [s.token_ids[s.num_computed_tokens] for s, _ in decodes]
     positions[:batch_size] = pos
     lens[:batch_size] = pos + 1
-    slots[:batch_size] = tables[np.arange(batch_size), pos // bs] * bs + pos % bs
+    slots[:batch_size] = step_tables[np.arange(batch_size), pos // bs] * bs + pos % bs
     if not batch_size:
-        for column in (ids, positions, slots, tables):
+        for column in (ids, positions, slots, step_tables):
             column.fill(0)
         lens.fill(1)
     for column in (ids, positions, slots, lens):
         column[batch_size:] = column[0]
-    tables[batch_size:] = tables[0]
+    step_tables[batch_size:] = step_tables[0]
     batch.upload()
     meta = AttentionMetadata(batch.view(2 * rows, size), size, batch.view(tables_at, size, width),
                              batch.view(3 * rows, size), None, [])
@@ -274,7 +276,7 @@ def padding_runs(pad: int, spare: int, span: int) -> list[int] | None:
 
 
 def layout_graph_mixed(batch: InputBatch, decodes: list, prefills: list, num_tokens: int, size: int, tokens: int,
-                       seqs: int, width: int, block_size: int
+                       seqs: int, width: int, block_size: int, tables: BlockTables | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None:
     """A step of one full-attention KV group (decodes first, then prefill chunks, as layout_step orders them)
     laid out packed in mixed_region's places (`tokens` by `seqs` rows of `width` blocks), padded to `size`
@@ -283,7 +285,8 @@ def layout_graph_mixed(batch: InputBatch, decodes: list, prefills: list, num_tok
     after those have no query and length 0. Returns (input_ids, positions, metadata) of `size` tokens whose
     metadata is packed (attention.PackedSeqs), or None when the rows, a table's width or the padding do
     not fit (the step is laid out by layout_step instead). Uploads the region up to the last table row used.
-    No decodes and no prefills (a graph captured ahead of any step): every token is padding."""
+    No decodes and no prefills (a graph captured ahead of any step): every token is padding. tables: as
+    layout_step's (columns past a sequence's blocks are not read)."""
     bs, scheduled = block_size, [*decodes, *prefills]
     num_real, pad = len(scheduled), size - num_tokens
     counts = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=num_real)
@@ -299,17 +302,18 @@ def layout_graph_mixed(batch: InputBatch, decodes: list, prefills: list, num_tok
     lens_at, lens = batch.take(seqs)
     qsl_at, qsl = batch.take(seqs + 1)
     tables_at, flat = batch.take(used_rows * width)
-    tables = flat.reshape(used_rows, width)
-    tables.fill(0)
+    step_tables = flat.reshape(used_rows, width)
+    need = -(-int(ends.max()) // bs) if num_real else 0  # the columns the longest sequence reads
+    if num_real:
+        gather(tables, step_tables[:num_real, :need], [s for s, _ in scheduled], 0)
+    step_tables[:num_real, need:] = 0
+    step_tables[num_real:] = 0
     _write_tokens(decodes, prefills, ids, positions)
     ids[num_tokens:size] = 0
     positions[num_tokens:size] = 0
-    for row, (state, _) in enumerate(scheduled):
-        used = state.block_ids[:-(-int(ends[row]) // bs)]
-        tables[row, :len(used)] = used
     rows_of_tokens = np.repeat(np.arange(num_real), counts)
     pos = positions[:num_tokens]
-    slots[:num_tokens] = tables[rows_of_tokens, pos // bs] * bs + pos % bs
+    slots[:num_tokens] = step_tables[rows_of_tokens, pos // bs] * bs + pos % bs
     slots[num_tokens:size] = -1
     lens[:num_real] = ends
     lens[num_real:used_rows] = runs

@@ -253,20 +253,21 @@ class ModelRunner:
         order = [s for s, _ in decodes] + [s for s, _ in prefills]
         counts = [1] * len(decodes) + [n for _, n in prefills]
         graphs, mixed, self._graph_size, self._mixed_size = self.decode_graphs, self.mixed_graphs, None, None
+        rows = self.requests.tables  # the states' block tables, kept in step with the deltas
         num_tokens = step.total_num_scheduled_tokens
         if prefills and mixed is not None:  # a mixed or prefill step a mixed-step graph runs
             size = mixed.bucket(num_tokens, len(order))
-            laid = mixed.layout(decodes, prefills, num_tokens, size, self.block_size) if size else None
+            laid = mixed.layout(decodes, prefills, num_tokens, size, self.block_size, rows) if size else None
             if laid is not None:
                 self._mixed_size = size
                 return *laid, order, counts
         size = graphs.bucket(len(decodes)) if graphs is not None and not prefills else None
-        laid = graphs.layout(decodes, size, self.block_size) if size else None
+        laid = graphs.layout(decodes, size, self.block_size, rows) if size else None
         if laid is not None:
             self._graph_size = size
             return *laid, order, counts
         input_ids, positions, metas = layout_step(self.input_batch, decodes, prefills, num_tokens, self.kv.groups,
-                                                  self.block_size)
+                                                  self.block_size, tables=rows)
         return input_ids, positions, self._per_layer(metas), order, counts
 
     def batch_metadata(self, decodes, prefills, positions: np.ndarray):

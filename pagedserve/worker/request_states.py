@@ -4,8 +4,10 @@ model runner uses it, and so do the tests' fake workers, so the two cannot drift
 
 Invariant: after `apply(step)` the states equal the scheduler's view of its running and swapped
 requests (token ids, block tables, computed tokens); `advance` and `commit` then record what the
-step computed and sampled (for a row with proposals: what it kept of them). Single-threaded: the
-runner's (or the fake worker's) step.
+step computed and sampled (for a row with proposals: what it kept of them). Every state here owns a row of
+`tables` (block_table.BlockTables) equal to its block tables: each change to a state's tables below writes
+its row too, so the layouts gather rows instead of copying lists. Single-threaded: the runner's (or the
+fake worker's) step.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 from pagedserve.common.messages import SchedulerOutput
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.worker.block_table import BlockTables
 
 
 @dataclass(slots=True)
@@ -36,37 +39,61 @@ class RequestState:
     # Async scheduling (step_overlap.py): where token_ids holds a place for the token the step in
     # flight samples (-1: none). commit writes the token there instead of appending it.
     held_at: int = -1
+    table_row: int = -1  # its row of RequestStates.tables (-1: none, a state laid out from its lists)
 
 
 class RequestStates(dict[str, RequestState]):
-    """req_id -> RequestState."""
+    """req_id -> RequestState, and the block tables' rows (tables) of those states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = BlockTables()
+
+    def _add(self, state: RequestState) -> None:
+        if (old := self.get(state.req_id)) is not None:
+            self.tables.release(old)
+        self[state.req_id] = state
+        self.tables.assign(state)
+
+    def clear(self) -> None:
+        super().clear()
+        self.tables.clear()
 
     def apply(self, step: SchedulerOutput, kv_ops: Callable[[SchedulerOutput], None] | None = None) -> None:
         """The step's delta: drop finished ids, run the block operations (kv_ops: swap-outs first,
         their device blocks may be handed to other requests in this same step), add new requests,
         extend or replace the block tables of the others."""
+        tables = self.tables
         for req_id in step.finished_req_ids:
-            self.pop(req_id, None)
+            dropped = self.pop(req_id, None)
+            if dropped is not None:
+                tables.release(dropped)
         if kv_ops is not None:
             kv_ops(step)
         for new in step.new_requests:
-            self[new.req_id] = RequestState(
+            self._add(RequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.params, list(new.block_ids),
                 new.num_computed_tokens, new.sample_index, list(new.child_req_ids),
-                [list(t) for t in new.group_block_ids])
+                [list(t) for t in new.group_block_ids]))
         for cached in step.cached_requests:
             state = self.state(cached.req_id)
             if cached.block_ids is not None:
                 state.block_ids = list(cached.block_ids)
                 state.group_block_ids = [list(t) for t in cached.group_block_ids or ()]
+                tables.write(state)
                 continue
             if cached.replaced_block is not None:
                 index, block_id = cached.replaced_block
                 state.block_ids[index] = block_id
+                tables.set(state, 0, index, block_id)
             for group, index, block_id in cached.group_replaced:
                 state.group_block_ids[group - 1][index] = block_id
-            state.block_ids.extend(cached.new_block_ids)
-            for table, ids in zip(state.group_block_ids, cached.group_new_block_ids):
+                tables.set(state, group, index, block_id)
+            if cached.new_block_ids:
+                tables.extend(state, 0, len(state.block_ids), cached.new_block_ids)
+                state.block_ids.extend(cached.new_block_ids)
+            for group, (table, ids) in enumerate(zip(state.group_block_ids, cached.group_new_block_ids), start=1):
+                tables.extend(state, group, len(table), ids)
                 table.extend(ids)
         for req_id, proposals in step.spec_token_ids.items():
             self.state(req_id).spec_token_ids = proposals
@@ -102,9 +129,9 @@ class RequestStates(dict[str, RequestState]):
                 state.spec_token_ids = ()
                 continue
             for index, (child_id, token) in enumerate(zip(state.child_req_ids, tokens[1:]), start=1):
-                self[child_id] = RequestState(
+                self._add(RequestState(
                     child_id, state.token_ids[:state.num_prompt_tokens] + [token], state.num_prompt_tokens,
                     state.params, list(state.block_ids), state.num_computed_tokens, index, [],
-                    [list(t) for t in state.group_block_ids])
+                    [list(t) for t in state.group_block_ids]))
             state.child_req_ids = []
             state.token_ids.append(tokens[0])
