@@ -161,17 +161,26 @@ def test_greedy_tokens_with_mixed_graphs_equal_transformers_and_eager(model):
 
 def test_graphs_captured_ahead_replay_every_step(model):
     """capture_graphs (what CUDA does once the cache is allocated) captures every size over idle steps that
-    write nothing but block 0's slot 0 (decode graphs); the steps after only replay."""
+    write nothing but block 0's slot 0 (decode graphs), the largest step first (the mixed graphs' largest
+    size, then down: the smaller graphs reuse its memory in the one pool); the steps after only replay."""
     folder, prompts, lengths, expected = model
     engine = triton_engine(folder, graphs=False, enable_prefix_caching=False)
     runner = engine.runner
     runner.input_batch = InputBatch(runner.device, capacity=64)  # grows for each region: once, before capturing
-    runner.enable_decode_graphs(4, StandInGraph, BUDGET)
+    order = []
+
+    class Recording(StandInGraph):
+        def capture(self, fn):
+            out = super().capture(fn)
+            order.append(out.shape[0])
+            return out
+    runner.enable_decode_graphs(4, Recording, BUDGET)
     assert runner.input_batch.capacity < runner.decode_graphs.region_size < runner.mixed_graphs.region_size
     runner.capture_graphs()
     assert runner.input_batch.allocations == 2
     mixed, decode = runner.mixed_graphs, runner.decode_graphs
     assert sorted(mixed.graphs) == mixed.sizes == [16, 32, 48] and sorted(decode.graphs) == decode.sizes
+    assert order == [48, 32, 16, *sorted(decode.sizes, reverse=True)]
     captured = {size: graph for size, graph in mixed.graphs.items()}
     assert generate(engine, prompts, lengths) == expected
     assert mixed.graphs == captured and sum(g.replays for g in captured.values()) > 0
@@ -359,5 +368,5 @@ def test_a_failed_capture_at_start_up_drops_only_its_runner(model, caplog):
     runner.enable_decode_graphs(4, FailsFromSixteenRows, BUDGET)
     runner.capture_graphs()
     assert runner.mixed_graphs is None and sorted(runner.decode_graphs.graphs) == runner.decode_graphs.sizes
-    assert "mixed-step graph of size 16 failed" in caplog.text
+    assert "mixed-step graph of size 48 failed" in caplog.text  # the largest, captured first
     assert generate(engine, prompts, lengths) == expected

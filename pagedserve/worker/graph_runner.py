@@ -22,7 +22,8 @@ grid is an upper bound over tokens and sequences, so shapes alone decide the lau
 hidden states into one shared output buffer (no per-graph output memory).
 
 Graphs are captured after the KV cache is allocated: on a GPU all of them at once (capture_all, as vLLM and
-SGLang capture at start-up, over an idle step: padding only), else lazily on the first step that needs a bucket;
+SGLang capture at start-up, over an idle step: padding only; the largest size first, so that the smaller graphs
+reuse the memory the largest took in the runners' one pool), else lazily on the first step that needs a bucket;
 they are dropped (re-captured on next use) when the cache or the input batch's buffer is re-allocated (the buffer
 grows when a step outgrows it: rarely after warm-up): a graph holds their addresses. Steps with sliding-window or
 hybrid KV groups, tables wider than max_blocks, more sequences than the largest bucket or more tokens than the
@@ -208,9 +209,9 @@ class DecodeGraphRunner:
         return self.captured.run(size, self._forward_bucket)
 
     def capture_all(self, block_size: int) -> None:
-        """Capture every size now, each over an idle step (every row reads and writes slot 0 of block 0: call
-        it before the cache holds anything)."""
-        for size in self.sizes:
+        """Capture every size now, largest first (the smaller reuse its pool memory), each over an idle step
+        (every row reads and writes slot 0 of block 0: call it before the cache holds anything)."""
+        for size in sorted(self.sizes, reverse=True):
             self.layout([], size, block_size)
             self.run(size)
 
@@ -266,8 +267,9 @@ class MixedGraphRunner:
         return self.captured.run(size, self._forward_bucket)
 
     def capture_all(self, block_size: int) -> None:
-        """Capture every size now, each over an idle step (padding only: nothing is written to the cache)."""
-        for size in self.sizes:
+        """Capture every size now, largest first (the smaller reuse its pool memory), each over an idle step
+        (padding only: nothing is written to the cache)."""
+        for size in sorted(self.sizes, reverse=True):
             if self.layout([], [], 0, size, block_size) is not None:
                 self.run(size)
 

@@ -181,7 +181,7 @@ class ModelRunner:
         start, cuda = time.perf_counter(), self.device.type == "cuda"
         reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
         with using_group(self.tp):
-            for name in ("decode_graphs", "mixed_graphs"):
+            for name in ("mixed_graphs", "decode_graphs"):  # the largest step first: the rest reuse its pool
                 graphs = getattr(self, name)
                 if graphs is None:
                     continue
