@@ -97,8 +97,13 @@ def test_min_p_restricts_support(min_p, kept):
     assert support(logits, min_p=min_p) == kept
 
 
-def _reference_allowed(logits: list[float], p: SamplingParams) -> set[int]:
-    """Plain-Python top-k -> top-p -> min-p over temperature-scaled logits."""
+def _must(ok: bool) -> None:
+    assert ok, "the data lies within rounding of a top_p or min_p edge"
+
+
+def _reference_allowed(logits: list[float], p: SamplingParams, near_edge=assume) -> set[int]:
+    """Plain-Python top-k -> top-p -> min-p over temperature-scaled logits (near_edge(False): the data is
+    within float32 rounding of an edge: hypothesis's assume, else an assertion)."""
     ids = sorted(range(len(logits)), key=lambda i: -logits[i])
     if p.top_k > 0:
         ids = ids[:p.top_k]
@@ -110,12 +115,12 @@ def _reference_allowed(logits: list[float], p: SamplingParams) -> set[int]:
     for i, pr in zip(ids, probs):
         if p.top_p < 1.0 and mass >= p.top_p:
             break
-        assume(p.top_p == 1.0 or abs(mass - p.top_p) > 1e-4)  # float32 cumsum may round either way this close
+        near_edge(p.top_p == 1.0 or abs(mass - p.top_p) > 1e-4)  # float32 cumsum may round either way this close
         keep.append((i, pr))
         mass += pr
     total = sum(pr for _, pr in keep)
     top = max(pr for _, pr in keep) / total
-    assume(p.min_p == 0.0 or all(abs(pr / total - p.min_p * top) > 1e-5 for _, pr in keep))
+    near_edge(p.min_p == 0.0 or all(abs(pr / total - p.min_p * top) > 1e-5 for _, pr in keep))
     return {i for i, pr in keep if pr / total >= p.min_p * top}
 
 
@@ -129,10 +134,34 @@ def test_truncate_matches_reference(data):
                        top_k=data.draw(st.integers(-1, vocab + 1)),
                        top_p=data.draw(st.sampled_from([0.1, 0.3, 0.6, 0.9, 1.0])),
                        min_p=data.draw(st.sampled_from([0.0, 0.05, 0.3])))
-    x = truncate(torch.tensor([logits]) / p.temperature, [p])
+    # top_p alone: a guess of 1-4 candidates holds the nucleus or falls back to the sort; 64: the sort (GPU's way)
+    guess = data.draw(st.sampled_from([1, 2, 4, 64]))
+    x = truncate(torch.tensor([logits]) / p.temperature, [p], nucleus_guess=guess)
     got = set(torch.nonzero(x[0] > float("-inf")).flatten().tolist())
     want = _reference_allowed(logits, p)
     assert got == want
+
+
+def test_nucleus_from_candidates_or_the_sort_row_by_row():
+    """A batch over a 1,000-token vocabulary: top_k rows from their candidates, top_p rows whose nucleus lies
+    in the first guess (peaked) and rows whose nucleus is wider (flat: the sort), min_p on top, rows with
+    nothing to truncate untouched; each row's kept set equals the plain-Python reference."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000
+    peaked = torch.randn(vocab, generator=gen) * 4
+    flat = torch.randn(vocab, generator=gen) * 0.05
+    rows = [(peaked, SamplingParams(top_p=0.9)), (flat, SamplingParams(top_p=0.9)),
+            (flat, SamplingParams(top_k=300, top_p=0.5)), (peaked, SamplingParams(top_k=5)),
+            (flat, SamplingParams()), (peaked, SamplingParams(top_p=0.8, min_p=0.1)),
+            (flat, SamplingParams(top_k=1500, top_p=0.95)), (flat, SamplingParams(top_p=0.3, temperature=0.5))]
+    logits = torch.stack([row / p.temperature for row, p in rows])
+    for guess in (64, 0):  # 0: every top_p row sorts (a GPU's way)
+        x = truncate(logits.clone(), [p for _, p in rows], nucleus_guess=guess)
+        for i, (row, p) in enumerate(rows):
+            got = set(torch.nonzero(x[i] > float("-inf")).flatten().tolist())
+            assert got == _reference_allowed(row.tolist(), p, _must), (guess, i, p)
+            assert torch.equal(x[i][x[i] > float("-inf")], logits[i][x[i] > float("-inf")])  # values kept as they were
+    assert 64 < len(_reference_allowed(flat.tolist(), SamplingParams(top_p=0.9), _must))  # row 1 fell back: the sort
 
 
 def test_top_p_boundary_is_inclusive():

@@ -44,6 +44,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--loras", type=int, default=0, metavar="N",
                    help="instead: the workload on the base model and spread over N random LoRA adapters, "
                         "alternating in one engine (bench/lora_bench.py); no transformers baseline")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the requests at this temperature (default 0: greedy; the baseline stays greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="the requests' top_p (with --temperature; default 1)")
+    p.add_argument("--top-k", type=int, default=-1, help="the requests' top_k (with --temperature; default -1: off)")
     p.add_argument("--lora-rank", type=int, default=16, help="the rank of --loras' adapters (default 16)")
     p.add_argument("--rounds", type=int, default=2, help="with --loras: base/LoRA runs of each (default 2)")
     add_engine_args(p)

@@ -76,6 +76,16 @@ def build_engine(args, model_path: Path, tokenizer):
     return LLMEngine(config, tokenizer=tokenizer)
 
 
+def request_params(args, work: Workload) -> list[SamplingParams]:
+    """One request's settings per prompt: greedy (ignore_eos, max_tokens its output length), or sampled at
+    --temperature with --top-p / --top-k."""
+    temperature = getattr(args, "temperature", 0.0)
+    if temperature <= 0.0:
+        return [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in work.output_lens]
+    return [SamplingParams(temperature=temperature, top_p=args.top_p, top_k=args.top_k, ignore_eos=True, max_tokens=o)
+            for o in work.output_lens]
+
+
 def run_engine(engine, work: Workload, params: list[SamplingParams] | None = None) -> dict:
     """Step the engine over the workload, timing it and sampling KV-block use after every step.
     params: one per request (default: greedy, ignore_eos, max_tokens its output length)."""
@@ -207,7 +217,7 @@ def run_throughput(args) -> dict:
         profiler = StepProfiler(engine.runner).install()
         engine.overlaps = False  # it times each step whole (ModelRunner.execute), one after the other
     cpu_start = time.process_time()
-    ours = run_engine(engine, work)
+    ours = run_engine(engine, work, request_params(args, work))
     cpu_s = time.process_time() - cpu_start  # on a shared machine, with 1 thread, the comparable number
     rss = rss_mib()
     if profiler is not None:

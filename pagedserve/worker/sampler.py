@@ -27,39 +27,12 @@ import numpy as np
 import torch
 
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.worker.device_rows import put_rows, row_index, take_rows, to_device
 from pagedserve.worker.seeded_draws import exponentials
 from pagedserve.worker.structured_output import TokenMasks, forbidden_tokens, forbidden_tokens_torch
+from pagedserve.worker.truncation import truncate
 
 _NEG_INF = float("-inf")
-
-
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of host values on `device`: built on the host, on CUDA copied up from pinned memory
-    without blocking the host (torch's caching host allocator keeps the pinned block until the copy
-    has run), on the CPU as it is."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def row_index(rows: list[int], total: int, device: torch.device) -> torch.Tensor | None:
-    """rows as an index tensor on `device` (indexing a device tensor with a Python list would copy the
-    list up and wait for the device), or None when rows are every row in order (no gather needed)."""
-    if len(rows) == total:  # rows are increasing and distinct: all of them
-        return None
-    return to_device(rows, torch.long, device)
-
-
-def take_rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    return x if index is None else x.index_select(0, index)
-
-
-def put_rows(x: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) -> None:
-    if index is None:
-        x.copy_(values)
-    else:
-        x.index_copy_(0, index, values)
 
 
 def plain_argmax(p: SamplingParams) -> bool:
@@ -191,39 +164,6 @@ def _apply_token_masks_torch(x: torch.Tensor, raw: torch.Tensor, masks: TokenMas
     dead = sub.amax(-1) == _NEG_INF  # no host read: a dead row takes its raw row, the others keep theirs
     revived = raw.index_select(0, rows).masked_fill_(forbidden, _NEG_INF)
     x.index_copy_(0, rows, torch.where(dead[:, None], revived, sub))
-
-
-def truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Masks to -inf, in place, each row's tokens outside top_k, then top_p, then min_p.
-
-    x is [R, V] temperature-scaled logits, one row per params. Each filter renormalises over
-    what the previous one kept, as vLLM does.
-    """
-    dev, vocab = x.device, x.shape[1]
-    sort_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
-    if sort_rows:
-        index = row_index(sort_rows, x.shape[0], dev)
-        sub = take_rows(x, index)
-        ps = [params[i] for i in sort_rows]
-        sorted_x, order = sub.sort(dim=-1, descending=True)
-        k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in ps], torch.long, dev)
-        drop = torch.arange(vocab, device=dev) >= k[:, None]
-        sorted_x.masked_fill_(drop, _NEG_INF)
-        # A threshold above 1 can never be reached, so rounding in cumsum cannot trim rows with top_p off.
-        top_p = to_device([p.top_p if p.top_p < 1.0 else 2.0 for p in ps], torch.float32, dev)
-        probs = sorted_x.softmax(-1)
-        # Drop a token once the mass strictly before it already reaches top_p: this keeps the
-        # smallest prefix reaching top_p, and always the top token (mass before it is 0 < top_p).
-        drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
-        put_rows(x, index, sub.masked_fill(drop.scatter(1, order, drop), _NEG_INF))
-    mp_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
-    if mp_rows:
-        index = row_index(mp_rows, x.shape[0], dev)
-        sub = take_rows(x, index)
-        probs = sub.softmax(-1)
-        min_p = to_device([params[i].min_p for i in mp_rows], torch.float32, dev)[:, None]
-        put_rows(x, index, sub.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), _NEG_INF))
-    return x
 
 
 def _draw(probs: torch.Tensor, keys: list[int | None]) -> torch.Tensor:
