@@ -6,9 +6,9 @@ as far as that prefix reaches. Sorting the whole vocabulary cost 90 ms a step fo
 2-core Xeon (the step itself ~120 ms; torch.topk of 64 candidates: 2.6 ms), so:
 - a row with top_k (up to TOP_K_CANDIDATES) takes its top_k candidates from torch.topk: its top_p prefix lies
   among them, renormalised over them (exact);
-- on the CPU a row with top_p alone first tries its NUCLEUS_GUESS most likely tokens: when their mass reaches
-  top_p its prefix lies among them (probabilities over the whole row: exact); the rows whose nucleus is
-  wider fall back to the sort. Deciding that reads a device value, which a GPU step must not do (the
+- on the CPU a row with top_p alone first tries its NUCLEUS_GUESSES[0] most likely tokens: when their mass
+  reaches top_p its prefix lies among them (probabilities over the whole row: exact); the rows whose nucleus
+  is wider try the next guess, then the sort. Deciding that reads a device value, which a GPU step must not do (the
   sampler never waits for the device), so on a GPU those rows sort.
 Tokens of equal probability at a prefix's edge may be kept in another order than the sort's.
 
@@ -24,21 +24,26 @@ from pagedserve.worker.device_rows import put_rows, row_index, take_rows, to_dev
 
 _NEG_INF = float("-inf")
 TOP_K_CANDIDATES = 1024  # the largest top_k taken by torch.topk (past it the row sorts)
-NUCLEUS_GUESS = 64  # a top_p-only row's candidates on the CPU before it falls back to the sort
+NUCLEUS_GUESSES = (64, 1024)  # a top_p-only row's candidates on the CPU, one guess after the other, then the sort
 
 
-def truncate(x: torch.Tensor, params: list[SamplingParams], nucleus_guess: int = NUCLEUS_GUESS) -> torch.Tensor:
+def truncate(x: torch.Tensor, params: list[SamplingParams],
+             nucleus_guesses: tuple[int, ...] = NUCLEUS_GUESSES) -> torch.Tensor:
     """Masks to -inf, in place, each row's tokens outside top_k, then top_p, then min_p. x is [R, V]
-    temperature-scaled logits, one row per params; returns x."""
+    temperature-scaled logits, one row per params; returns x. nucleus_guesses: () sorts every top_p-only row
+    (as a GPU does)."""
     vocab = x.shape[1]
     with_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab and p.top_k <= TOP_K_CANDIDATES]
     taken = set(with_k)
     sort_rows = [i for i, p in enumerate(params) if i not in taken and (0 < p.top_k < vocab or p.top_p < 1.0)]
     if with_k:
         _truncate_candidates(x, with_k, params, max(params[i].top_k for i in with_k), whole_row=False)
-    if sort_rows and x.device.type == "cpu" and 0 < nucleus_guess < vocab:
-        guess = [i for i in sort_rows if not 0 < params[i].top_k < vocab]  # top_p alone
-        wide = _truncate_candidates(x, guess, params, nucleus_guess, whole_row=True) if guess else []
+    guesses = [g for g in nucleus_guesses if 0 < g < vocab] if x.device.type == "cpu" else []
+    guess = [i for i in sort_rows if not 0 < params[i].top_k < vocab] if guesses else []  # top_p alone
+    if guess:
+        wide = guess
+        for width in guesses:
+            wide = _truncate_candidates(x, wide, params, width, whole_row=True) if wide else []
         sort_rows = sorted(set(sort_rows) - set(guess) | set(wide))
     if sort_rows:
         _truncate_sorted(x, sort_rows, params)
