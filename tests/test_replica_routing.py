@@ -101,6 +101,27 @@ async def _read(prefix):
         await client.aclose()
 
 
+def test_a_burst_of_lookups_waits_for_a_connection_instead_of_failing(prefix):
+    """300 lookups at once (a drain aborting hundreds of requests asks each one's owner; so do the tokenizers'
+    routes of a burst): the readers' client queues them on its 32 connections. redis-py's own asyncio client
+    refuses the 101st concurrent command ("Too many connections"), as it did on the gateway."""
+    import redis.asyncio
+
+    from pagedserve.common.replicas import async_reader, request_owner
+    sync_client().hset(f"{prefix}req:a", "replica", "r1")
+
+    async def burst(client):
+        try:
+            return await asyncio.gather(*(request_owner(client, prefix, "a" if i % 2 else f"b{i}") for i in range(300)),
+                                        return_exceptions=True)
+        finally:
+            await client.aclose()
+    owners = asyncio.run(burst(async_reader(REDIS_URL)))
+    assert owners == ["", "r1"] * 150
+    plain = asyncio.run(burst(redis.asyncio.Redis.from_url(REDIS_URL, decode_responses=True)))
+    assert any(isinstance(o, redis.exceptions.MaxConnectionsError) for o in plain)  # what the gateway met
+
+
 def _schedule(prompt, max_tokens=8, request_id="", salt=""):
     msg = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt)
     msg.params.max_tokens = max_tokens

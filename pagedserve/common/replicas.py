@@ -28,6 +28,20 @@ FULL_REWRITE_BEATS = 30
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_HEARTBEAT_TTL_S = 5.0
 DEFAULT_PUBLISHED_BLOCKS = 16384
+# The readers' connections to Redis: a burst of requests waits for one of these (up to the timeout) instead
+# of failing. redis-py's own asyncio pool refuses the 101st concurrent command ("Too many connections").
+READER_CONNECTIONS = 32
+READER_WAIT_S = 10.0
+
+
+def async_reader(redis_url: str, max_connections: int = READER_CONNECTIONS):
+    """A redis.asyncio client for the registry's readers (gateways, tokenizers): at most max_connections
+    connections, a command beyond them waiting up to READER_WAIT_S for one (BlockingConnectionPool)."""
+    import redis.asyncio
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        redis_url, max_connections=max_connections, timeout=READER_WAIT_S, decode_responses=True,
+        socket_timeout=5.0, socket_connect_timeout=2.0)
+    return redis.asyncio.Redis.from_pool(pool)  # (aclose closes the pool too)
 
 
 def check_replica_id(replica_id: str) -> str:

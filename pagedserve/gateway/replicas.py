@@ -14,7 +14,7 @@ import time
 import grpc
 
 from pagedserve.common.grpc_util import internal_channel
-from pagedserve.common.replicas import ReplicaInfo, read_replicas, request_owner
+from pagedserve.common.replicas import ReplicaInfo, async_reader, read_replicas, request_owner
 from pagedserve.v1 import scheduler_pb2_grpc
 
 log = logging.getLogger("pagedserve.gateway")
@@ -23,9 +23,7 @@ REFRESH_S = 1.0
 
 class ReplicaDirectory:
     def __init__(self, redis_url: str, prefix: str) -> None:
-        import redis.asyncio
-        self.client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5.0,
-                                                   socket_connect_timeout=2.0)
+        self.client = async_reader(redis_url)  # a burst waits for a connection instead of failing
         self.prefix = prefix
         self.replicas: list[ReplicaInfo] = []
         self.refreshed = 0.0

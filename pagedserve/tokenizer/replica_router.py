@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pagedserve.common.grpc_util import internal_channel
 from pagedserve.common.inflight import tokens_in_flight
 from pagedserve.common.prefix_hashes import block_hashes, prefix_salt
-from pagedserve.common.replicas import ReplicaInfo, cached_prefix_blocks, read_replicas
+from pagedserve.common.replicas import ReplicaInfo, async_reader, cached_prefix_blocks, read_replicas
 from pagedserve.tokenizer.scheduler_link import SchedulerLink
 from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -82,11 +82,9 @@ class Charge:
 
 class ReplicaRouter:
     def __init__(self, redis_url: str, prefix: str, policy: str = "prefix", local_links: bool = True) -> None:
-        import redis.asyncio
         if policy not in POLICIES:
             raise ValueError(f"--routing-policy {policy!r}: one of {', '.join(POLICIES)}")
-        self.client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True, socket_timeout=5.0,
-                                                   socket_connect_timeout=2.0)
+        self.client = async_reader(redis_url)  # a burst waits for a connection instead of failing
         self.prefix, self.policy = prefix, policy
         self.local_links = local_links  # a replica on this host: its Stream over its local socket
         self.replicas: dict[str, ReplicaInfo] = {}
