@@ -210,9 +210,13 @@ def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1), on the CPU through the compiled kernel (torch's took ~2 ms of a batch-64
-    step over a 49k vocabulary, the kernel ~0.4)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and x.is_contiguous():
+    """x.argmax(-1). On the CPU in float32 through the compiled kernel (torch's took ~2 ms of a batch-64
+    step over a 49k vocabulary, the kernel ~0.4); elsewhere in x's own dtype (the same index: a float32
+    copy of 256 rows of 128k bfloat16 logits would be 128 MB more written and read on the GPU)."""
+    if x.device.type != "cpu":
+        return x.argmax(-1)
+    x = x.float()
+    if x.dim() == 2 and x.shape[1] and x.is_contiguous():
         from pagedserve.kernels import cpu_ops
         ops = cpu_ops.load()
         if ops is not None:
@@ -231,15 +235,15 @@ class Sampler:
     def greedy(self, logits: torch.Tensor, params: list[SamplingParams]) -> PendingSample:
         """sample()'s result for rows that are all plain argmaxes (the model runner's plain_greedy): params one
         per logits row."""
-        return PendingSample(argmax(logits.float()), params, [], 0)
+        return PendingSample(argmax(logits), params, [], 0)
 
     def sample(self, logits: torch.Tensor, rows: list[RowSampling], masks: TokenMasks | None = None) -> PendingSample:
         """The step's sampling, all on the device (no host read: every decision comes from the rows'
         parameters), and its results' copy to the host started (PendingSample.result waits for it)."""
-        raw = logits.float()
         params = [r.params for r in rows]
         if masks is None and all(map(plain_argmax, params)):
-            return self.greedy(raw, params)
+            return self.greedy(logits, params)
+        raw = logits.float()
         want_lp = any(p.logprobs is not None for p in params)
         mutate = masks is not None or any(p.needs_penalties or p.logit_bias or _min_tokens_pending(r)
                                           for p, r in zip(params, rows))
