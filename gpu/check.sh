@@ -25,7 +25,8 @@ if want e2e; then  # the engine on CUDA against transformers on the CPU, tiny mo
   t0=$(date +%s)
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow and not heavy" tests/test_engine_equivalence.py \
     tests/test_moe_models.py tests/test_qwen3_phi3.py tests/test_gemma3.py tests/test_tensor_parallel.py \
-    tests/test_cuda_setup.py tests/test_device_memory.py tests/test_graph_runner.py tests/test_mixed_graphs.py tests/test_step_overlap.py tests/test_platform.py tests/test_cuda_profile.py -rs > "$OUT/e2e.log" 2>&1
+    tests/test_cuda_setup.py tests/test_device_memory.py tests/test_graph_runner.py tests/test_mixed_graphs.py tests/test_step_overlap.py tests/test_platform.py tests/test_cuda_profile.py \
+    tests/test_sampler.py -rs > "$OUT/e2e.log" 2>&1
   line e2e $? $(( $(date +%s) - t0 )) "$OUT/e2e.log"
 fi
 if want speed || want services || named tune; then timeout 60 python3 "$G/make_model.py" $M "$G/tok" > /tmp/model.log 2>&1 || echo "model: $(tail -2 /tmp/model.log)" >> "$S"; fi

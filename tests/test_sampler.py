@@ -65,14 +65,19 @@ def test_sampling_follows_softmax_over_temperature():
     assert torch.allclose(counts, (logits[0] / 2.0).softmax(-1), atol=0.025)
 
 
-def test_unseeded_rows_follow_softmax_and_never_draw_a_masked_token():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: the device's cumsum and search"))])
+def test_unseeded_rows_follow_softmax_and_never_draw_a_masked_token(device):
     """Rows without a seed draw by the inverse CDF (one uniform a row): 20,000 rows of one distribution with
     tokens of probability 0 (top_k truncates them, and a logit of -inf) land on the others in proportion."""
-    logits = torch.tensor([[2.0, float("-inf"), 1.0, 0.0, -1.0, -3.0]]).expand(20000, 6).contiguous()
+    logits = torch.tensor([[2.0, float("-inf"), 1.0, 0.0, -1.0, -3.0]], device=device).expand(20000, 6).contiguous()
     torch.manual_seed(11)
     out = sampler(logits, [row(temperature=1.5, top_k=4) for _ in range(20000)])
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=6).float() / 20000
     want = torch.tensor([2.0, float("-inf"), 1.0, 0.0, -1.0, float("-inf")]).div(1.5).softmax(-1)
+    if device == "cuda":  # and a greedy batch's argmax in the logits' own dtype
+        half = logits.to(torch.bfloat16)[:4]
+        assert sampler(half, [row(temperature=0.0)] * 4).token_ids == [0] * 4
     assert counts[1] == 0 and counts[5] == 0
     assert torch.allclose(counts, want, atol=0.015), (counts, want)
 
