@@ -3,13 +3,13 @@ renormalising over what the one before kept, as vLLM does.
 
 top_k and top_p keep a prefix of the row's tokens sorted by probability, so they need the row's order only
 as far as that prefix reaches. Sorting the whole vocabulary cost 90 ms a step for 64 rows of 49k logits on a
-2-core Xeon (the step itself ~120 ms; torch.topk of 64 candidates: 2.6 ms), so:
+2-core Xeon (the step itself ~120 ms; torch.topk of 64 candidates: 2.6 ms, of 8,192: ~24 ms), so:
 - a row with top_k (up to TOP_K_CANDIDATES) takes its top_k candidates from torch.topk: its top_p prefix lies
   among them, renormalised over them (exact);
 - on the CPU a row with top_p alone first tries its NUCLEUS_GUESSES[0] most likely tokens: when their mass
   reaches top_p its prefix lies among them (probabilities over the whole row: exact); the rows whose nucleus
-  is wider try the next guess, then the sort. Deciding that reads a device value, which a GPU step must not do (the
-  sampler never waits for the device), so on a GPU those rows sort.
+  is wider try the next guess, then the sort. Deciding that reads a device value, which a GPU step must not
+  do (the sampler never waits for the device), so on a GPU those rows sort.
 Tokens of equal probability at a prefix's edge may be kept in another order than the sort's.
 
 Threads: the worker's torch thread only.
@@ -24,7 +24,7 @@ from pagedserve.worker.device_rows import put_rows, row_index, take_rows, to_dev
 
 _NEG_INF = float("-inf")
 TOP_K_CANDIDATES = 1024  # the largest top_k taken by torch.topk (past it the row sorts)
-NUCLEUS_GUESSES = (64, 1024)  # a top_p-only row's candidates on the CPU, one guess after the other, then the sort
+NUCLEUS_GUESSES = (64, 1024, 8192)  # a top_p-only row's candidates on the CPU, one guess after the other, then the sort
 
 
 def truncate(x: torch.Tensor, params: list[SamplingParams],
