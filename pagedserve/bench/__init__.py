@@ -66,6 +66,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_scheduler_parser(bench_sub)
     from pagedserve.bench.layout_host import add_layout_parser
     add_layout_parser(bench_sub)
+    from pagedserve.bench.sampler_host import add_sampler_parser
+    add_sampler_parser(bench_sub)
     from pagedserve.bench.serve import add_serve_parser
     add_serve_parser(bench_sub)
     from pagedserve.bench.structured import add_structured_parser
