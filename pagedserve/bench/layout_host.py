@@ -13,18 +13,15 @@ the model runner does) and copied from each request's list (what it did before: 
 from __future__ import annotations
 
 import argparse
-import json
+
+from pagedserve.bench.host_timing import timing_parser, write_rows
 
 
 def add_layout_parser(bench_sub) -> None:
-    p = bench_sub.add_parser("layout", help="the host time of a step's layout, eager against a graph's",
-                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = timing_parser(bench_sub, "layout", "the host time of a step's layout, eager against a graph's", __doc__,
+                      run_layout_bench, calls=50, rounds=5)
     p.add_argument("--decodes", type=int, default=190, help="decode rows of the mixed step (the decode step: 256)")
     p.add_argument("--width", type=int, default=256, help="blocks a table row holds (max_model_len / 16)")
-    p.add_argument("--calls", type=int, default=50, help="calls a timing round")
-    p.add_argument("--rounds", type=int, default=5, help="timing rounds (the median is reported)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON here")
-    p.set_defaults(func=run_layout_bench)
 
 
 def layout_calls(decodes: int, chunks: list[tuple[int, int]], width: int, rows: bool, seed: int = 0) -> dict:
@@ -82,7 +79,5 @@ def run_layout_bench(args: argparse.Namespace) -> int:
         rows.append({"step": step, **{f"{key}_us": value for key, value in times.items()}})
         print(f"{step}: layout eager {times['eager_rows']:.0f} us, a graph's {times['graph_rows']:.0f} us "
               f"(tables from their lists: {times['eager_lists']:.0f} / {times['graph_lists']:.0f} us)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.json, rows)
     return 0

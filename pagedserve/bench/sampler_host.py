@@ -9,7 +9,8 @@ call over --rounds rounds of --calls calls, the sampled ids' read back included.
 from __future__ import annotations
 
 import argparse
-import json
+
+from pagedserve.bench.host_timing import timing_parser, write_rows
 
 CASES = (("greedy", {"temperature": 0.0}, False), ("temperature 1.0", {"temperature": 1.0}, False),
          ("temperature 1.0, seeded", {"temperature": 1.0, "seed": 7}, False),
@@ -19,14 +20,10 @@ CASES = (("greedy", {"temperature": 0.0}, False), ("temperature 1.0", {"temperat
 
 
 def add_sampler_parser(bench_sub) -> None:
-    p = bench_sub.add_parser("sampler", help="one step's sampling by the rows' settings (CPU)",
-                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = timing_parser(bench_sub, "sampler", "one step's sampling by the rows' settings (CPU)", __doc__,
+                      run_sampler_bench, calls=5, rounds=3)
     p.add_argument("--rows", type=int, default=64, help="sampler rows (W64's decode step: 64)")
     p.add_argument("--vocab", type=int, default=49152, help="vocabulary (the default model's: 49,152)")
-    p.add_argument("--calls", type=int, default=5, help="calls a timing round")
-    p.add_argument("--rounds", type=int, default=3, help="timing rounds (the median is reported)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON here")
-    p.set_defaults(func=run_sampler_bench)
 
 
 def sample_call(rows: int, vocab: int, settings: dict, peaked: bool):
@@ -57,7 +54,5 @@ def run_sampler_bench(args: argparse.Namespace) -> int:
         ms = median_us(sample_call(args.rows, args.vocab, settings, peaked), args.calls, args.rounds) / 1e3
         out.append({"rows": name, "ms": ms})
         print(f"{name}: {ms:.2f} ms a step of {args.rows} rows", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_rows(args.json, out)
     return 0
