@@ -17,7 +17,7 @@ echo "env: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=cs
 line() { echo "$1 rc=$2 $3s :: $(tail -3 "$4" | tr '\n' ' ' | cut -c1-300)" >> "$S"; }
 if want tests; then  # each GPU test in its own process: one CUDA fault poisons only its own context
   t0=$(date +%s)
-  python3 -m pytest -q --collect-only -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_fused_ops.py tests/test_triton_seeded_draws.py tests/test_deepseek.py 2>/dev/null | grep "::" > /tmp/ids
+  python3 -m pytest -q --collect-only -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_fused_ops.py tests/test_triton_seeded_draws.py tests/test_triton_nucleus.py tests/test_deepseek.py 2>/dev/null | grep "::" > /tmp/ids
   xargs -a /tmp/ids -P 12 -I{} sh -c 'timeout 120 python3 -m pytest -q -x -p no:cacheprovider "{}" > /tmp/one.$$.log 2>&1; rc=$?; if [ $rc = 0 ]; then echo "PASS {}"; else echo "FAIL(rc=$rc) {}"; grep -E "^E |Error" /tmp/one.$$.log | head -4 | cut -c1-240; fi' > "$OUT/tests.log" 2>&1
   echo "tests $(( $(date +%s) - t0 ))s: $(grep -c ^PASS "$OUT/tests.log") pass, $(grep -c ^FAIL "$OUT/tests.log") fail (rc=124: timed out at 120 s)" >> "$S"
 fi
@@ -45,6 +45,7 @@ if want speed; then
   t0=$(date +%s); timeout 120 python3 "$G/profile_step.py" $M > "$OUT/profile.log" 2>&1; line profile $? $(( $(date +%s) - t0 )) "$OUT/profile.log"
   t0=$(date +%s); timeout 90 python3 -m pagedserve.kernels.bench > "$OUT/kbench.log" 2>&1; line kbench $? $(( $(date +%s) - t0 )) "$OUT/kbench.log"
   echo "kbench % of floor: $(grep -E '[0-9]x ' "$OUT/kbench.log" | awk '{k=substr($0,1,18); gsub(/ +$/,"",k); printf "%s %s; ", k, $(NF-1)}')" >> "$S"
+  echo "top_p nucleus (256 x 49,152), kernel / torch.sort ms, speedup: $(grep '^top_p nucleus' "$OUT/kbench.log" | awk '{print $(NF-6), $(NF-4), $(NF-3)}')" >> "$S"
 fi
 if named tune; then  # the kernels' launch configs measured here; the table comes back as kernel_configs.json
   t0=$(date +%s); timeout 330 python3 -m pagedserve.kernels.tune --budget-s 280 --out "$OUT/kernel_configs.json" \

@@ -46,6 +46,7 @@ class Case:
     torch_fn: Callable
     bytes: float   # minimum HBM traffic: every input read once, the output written once
     flops: float
+    error: Callable | None = None  # (got, want) -> error; None: max_rel_err
 
 
 @dataclass
@@ -135,17 +136,30 @@ def moe_case(tokens, experts, top_k, hidden, inter, dtype, device, tk):
                 traffic, 2 * tokens * top_k * 3 * inter * hidden)
 
 
+def nucleus_case(rows, vocab, device, tk):
+    """top_p 0.95 over float32 logits (random normals x 3, a nucleus of ~thousands): the kernel (bisection
+    over each row's float bits) against the sort every top_p row takes without it; both on a copy, the
+    inputs untouched. The error is the share of tokens kept by one and not the other."""
+    x = torch.randn(rows, vocab, device=device) * 3
+    index = torch.arange(rows, device=device)
+    top_p = torch.full((rows,), 0.95, device=device)
+    return Case("top_p nucleus", f"R={rows} V={vocab} float32", (x, index, top_p),
+                lambda x, index, top_p: tk.nucleus_(x.clone(), index, top_p), reference.top_p_nucleus,
+                2 * x.numel() * 4, 0, error=lambda got, want: ((got > -math.inf) != (want > -math.inf)).float().mean().item())
+
+
 class TritonKernels:
     """The Triton entry points, imported late: TRITON_INTERPRET must be settled before triton loads them."""
 
     def __init__(self):
-        from pagedserve.kernels.triton import fused_moe, mla_attention, paged_attention, split_decode
+        from pagedserve.kernels.triton import fused_moe, mla_attention, nucleus, paged_attention, split_decode
         self.paged_decode_attention = paged_attention.paged_decode_attention
         self.paged_split_decode_attention = split_decode.paged_split_decode_attention
         self.paged_prefill_attention = paged_attention.paged_prefill_attention
         self.paged_mixed_attention = paged_attention.paged_mixed_attention
         self.paged_mla_attention = mla_attention.paged_mla_attention
         self.fused_moe = fused_moe.fused_moe
+        self.nucleus_ = nucleus.nucleus_
 
 
 def gpu_cases(device, tk, moe_tokens=(16, 256, 2048), batch=64, context=2048, experts=64):
@@ -169,6 +183,7 @@ def gpu_cases(device, tk, moe_tokens=(16, 256, 2048), batch=64, context=2048, ex
     yield mla_case(4, 4 * context, 128, 512, 64, 16, dt, device, tk)
     for tokens in moe_tokens:
         yield moe_case(tokens, experts, 8, 2048, 1408, dt, device, tk)
+    yield nucleus_case(4 * batch, 49152, device, tk)  # W1024's sampled step: 256 rows of the 1B's vocabulary
 
 
 def mixed_cases(shape: dict, device, tk):
@@ -194,6 +209,7 @@ def tiny_cases(device, tk):
                            device, tk)
     yield mla_case(2, 40, 4, 32, 16, 16, dt, device, tk)
     yield moe_case(5, 4, 2, 32, 24, dt, device, tk)
+    yield nucleus_case(3, 300, device, tk)
 
 
 # ------------------------------------------------------------------------------------------- timing
@@ -236,7 +252,7 @@ def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def measure(case: Case, args: argparse.Namespace, cuda: bool) -> Row:
-    err = max_rel_err(case.triton_fn(*case.args), case.torch_fn(*case.args))
+    err = (case.error or max_rel_err)(case.triton_fn(*case.args), case.torch_fn(*case.args))
     triton_ms = median_ms(lambda: case.triton_fn(*case.args), args.iters, args.warmup, cuda)
     eager_ms = triton_ms  # the CPU has no host lead to take away: the same wall time
     if cuda:
@@ -272,6 +288,7 @@ def compile_only(arch: int) -> list[dict]:
 
     import pagedserve.kernels.triton.fused_moe as moe
     import pagedserve.kernels.triton.mla_attention as mla
+    import pagedserve.kernels.triton.nucleus as nucleus
     import pagedserve.kernels.triton.paged_attention as pa
 
     target = GPUTarget("cuda", arch, 32)
@@ -288,7 +305,7 @@ def compile_only(arch: int) -> list[dict]:
 
     original_getitem = KernelInterface.__getitem__
     KernelInterface.__getitem__ = lambda self, grid: lambda *a, **kw: record(self, (a, kw))
-    for module in (pa, mla, moe):
+    for module in (pa, mla, moe, nucleus):
         module.is_interpreted = lambda t: False  # take the GPU tile sizes
     try:
         tk = TritonKernels()

@@ -145,3 +145,16 @@ def write_kv_cache(key, value, k_cache, v_cache, slot_mapping):
     slots = slot_mapping[keep].long()
     k_cache.view(-1, *key.shape[1:]).index_copy_(0, slots, key[keep].to(k_cache.dtype))
     v_cache.view(-1, *value.shape[1:]).index_copy_(0, slots, value[keep].to(v_cache.dtype))
+
+
+# ---- top_p's nucleus (pagedserve/kernels/triton/nucleus.py) -----------------------------------------
+def top_p_nucleus(x, rows, top_p):
+    """A copy of x whose rows `rows` keep their smallest most-likely prefix reaching top_p (by a sort of
+    each row, as worker/truncation.py's sort does), the other tokens -inf."""
+    out = x.clone()
+    sub = out[rows]
+    ordered, order = sub.sort(dim=-1, descending=True)
+    probs = ordered.float().softmax(-1)
+    gone_sorted = probs.cumsum(-1) - probs >= top_p[:, None]
+    out[rows] = sub.masked_fill(torch.zeros_like(gone_sorted).scatter(1, order, gone_sorted), float("-inf"))
+    return out

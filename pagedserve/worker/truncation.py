@@ -9,8 +9,12 @@ as far as that prefix reaches. Sorting the whole vocabulary cost 90 ms a step fo
 - on the CPU a row with top_p alone first tries its NUCLEUS_GUESSES[0] most likely tokens: when their mass
   reaches top_p its prefix lies among them (probabilities over the whole row: exact); the rows whose nucleus
   is wider try the next guess, then the sort. Deciding that reads a device value, which a GPU step must not
-  do (the sampler never waits for the device), so on a GPU those rows sort.
-Tokens of equal probability at a prefix's edge may be kept in another order than the sort's.
+  do (the sampler never waits for the device);
+- on a GPU those rows go to one Triton launch instead (kernels/triton/nucleus.py: each row's nucleus as a
+  threshold on its probabilities, found by bisection over their float bits, no sort and no host read);
+- the rest (top_k past TOP_K_CANDIDATES) sort.
+Tokens of equal probability at a prefix's edge may be kept in another order than the sort's (the kernel
+keeps them together).
 
 Threads: the worker's torch thread only.
 """
@@ -27,17 +31,22 @@ TOP_K_CANDIDATES = 1024  # the largest top_k taken by torch.topk (past it the ro
 NUCLEUS_GUESSES = (64, 1024, 8192)  # a top_p-only row's candidates on the CPU, one guess after the other, then the sort
 
 
-def truncate(x: torch.Tensor, params: list[SamplingParams],
-             nucleus_guesses: tuple[int, ...] = NUCLEUS_GUESSES) -> torch.Tensor:
+def truncate(x: torch.Tensor, params: list[SamplingParams], nucleus_guesses: tuple[int, ...] = NUCLEUS_GUESSES,
+             nucleus_kernel: bool | None = None) -> torch.Tensor:
     """Masks to -inf, in place, each row's tokens outside top_k, then top_p, then min_p. x is [R, V]
     temperature-scaled logits, one row per params; returns x. nucleus_guesses: () sorts every top_p-only row
-    (as a GPU does)."""
+    that the kernel does not take. nucleus_kernel: whether top_p-only rows go to the Triton kernel (None: on
+    CUDA; True on the CPU runs it under TRITON_INTERPRET=1, as the tests do)."""
     vocab = x.shape[1]
     with_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab and p.top_k <= TOP_K_CANDIDATES]
     taken = set(with_k)
     sort_rows = [i for i, p in enumerate(params) if i not in taken and (0 < p.top_k < vocab or p.top_p < 1.0)]
     if with_k:
         _truncate_candidates(x, with_k, params, max(params[i].top_k for i in with_k), whole_row=False)
+    top_p_only = [i for i in sort_rows if not 0 < params[i].top_k < vocab]
+    if top_p_only and (x.device.type == "cuda" if nucleus_kernel is None else nucleus_kernel):
+        _truncate_kernel(x, top_p_only, params)
+        sort_rows = [i for i in sort_rows if 0 < params[i].top_k < vocab]
     guesses = [g for g in nucleus_guesses if 0 < g < vocab] if x.device.type == "cpu" else []
     guess = [i for i in sort_rows if not 0 < params[i].top_k < vocab] if guesses else []  # top_p alone
     if guess:
@@ -98,6 +107,13 @@ def _truncate_candidates(x: torch.Tensor, rows: list[int], params: list[Sampling
     if done:
         put_rows(x, to_device([rows[j] for j in done], torch.long, dev), kept[done])
     return [rows[j] for j, ok in enumerate(reached) if not ok]
+
+
+def _truncate_kernel(x: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
+    """top_p of `rows` (top_p alone) in one Triton launch over x's rows in place: no sort, no host read."""
+    from pagedserve.kernels.triton.nucleus import nucleus_  # triton loads only where a row needs it
+
+    nucleus_(x, to_device(rows, torch.long, x.device), _top_p_values([params[i] for i in rows], x.device))
 
 
 def _truncate_sorted(x: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
