@@ -145,7 +145,12 @@ def nucleus_case(rows, vocab, device, tk):
     top_p = torch.full((rows,), 0.95, device=device)
     return Case("top_p nucleus", f"R={rows} V={vocab} float32", (x, index, top_p),
                 lambda x, index, top_p: tk.nucleus_(x.clone(), index, top_p), reference.top_p_nucleus,
-                2 * x.numel() * 4, 0, error=lambda got, want: ((got > -math.inf) != (want > -math.inf)).float().mean().item())
+                2 * x.numel() * 4, 0, error=kept_differ)
+
+
+def kept_differ(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The share of tokens kept (not -inf) by one of two masked logits and not by the other."""
+    return ((got > -math.inf) != (want > -math.inf)).float().mean().item()
 
 
 class TritonKernels:
