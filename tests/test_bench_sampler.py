@@ -16,9 +16,10 @@ def test_bench_sampler_times_every_kind_of_row(tmp_path, capsys):
     assert args.func(args) == 0
     rows = json.loads(out.read_text())
     assert [r["rows"] for r in rows] == ["greedy", "temperature 1.0", "temperature 1.0, seeded", "top_k 50",
-                                         "top_p 0.95, peaked", "top_p 0.95, flat"]
+                                         "top_p 0.95, peaked", "top_p 0.95, flat",
+                                         "penalties, 1,000 outputs, rows kept", "penalties, 1,000 outputs, from lists"]
     assert all(r["ms"] > 0 for r in rows)
-    assert capsys.readouterr().out.count("a step of 4 rows") == 6
+    assert capsys.readouterr().out.count("a step of 4 rows") == 8
 
 
 def test_bench_sampler_refuses_an_empty_step():

@@ -20,7 +20,7 @@ Threads: the worker's torch thread only.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, repeat
 
 import numpy as np
@@ -28,6 +28,7 @@ import torch
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.device_rows import put_rows, row_index, take_rows, to_device
+from pagedserve.worker.penalty_counts import PenaltyCounts
 from pagedserve.worker.seeded_draws import exponentials
 from pagedserve.worker.structured_output import TokenMasks, forbidden_tokens, forbidden_tokens_torch
 from pagedserve.worker.truncation import truncate
@@ -49,6 +50,10 @@ class RowSampling:
     prompt_token_ids: list[int]  # repetition_penalty covers prompt + output, as HF does
     output_token_ids: list[int]  # presence/frequency cover output only, as vLLM/OpenAI do
     eos_token_ids: tuple[int, ...]
+    # With a PenaltyCounts table (the model runner's): the row of its state there, whose counts stand for
+    # the two lists above, and the tokens after them (a verifying row's proposals before it).
+    counts_row: int = -1
+    extra_output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -69,8 +74,9 @@ def _counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.T
     return counts[:, :vocab]
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[RowSampling]) -> None:
-    """Applies repetition, presence and frequency penalties in place, only on the rows that ask."""
+def apply_penalties(logits: torch.Tensor, rows: list[RowSampling], counts: PenaltyCounts | None = None) -> None:
+    """Applies repetition, presence and frequency penalties in place, only on the rows that ask. counts: the
+    rows' histories are their rows there (RowSampling.counts_row), else their token lists."""
     idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
     if not idx:
         return
@@ -78,10 +84,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowSampling]) -> None:
     sel = [rows[i].params for i in idx]
     index = row_index(idx, logits.shape[0], dev)
     x = take_rows(logits, index)
-    out = _counts([rows[i].output_token_ids for i in idx], vocab, dev)
-    if any(p.repetition_penalty != 1.0 for p in sel):
+    repetition = any(p.repetition_penalty != 1.0 for p in sel)
+    if counts is not None:
+        out, seen = counts.histories([rows[i].counts_row for i in idx], [rows[i].extra_output_ids for i in idx],
+                                     repetition)
+    else:
+        out = _counts([rows[i].output_token_ids for i in idx], vocab, dev)
+        seen = _counts([rows[i].prompt_token_ids for i in idx], vocab, dev).add_(out) > 0 if repetition else None
+    if repetition:
         rep = to_device([p.repetition_penalty for p in sel], torch.float32, dev)[:, None]
-        seen = _counts([rows[i].prompt_token_ids for i in idx], vocab, dev).add_(out) > 0
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     pres = to_device([p.presence_penalty for p in sel], torch.float32, dev)[:, None]
     freq = to_device([p.frequency_penalty for p in sel], torch.float32, dev)[:, None]
@@ -237,9 +248,11 @@ class Sampler:
         per logits row."""
         return PendingSample(argmax(logits), params, [], 0)
 
-    def sample(self, logits: torch.Tensor, rows: list[RowSampling], masks: TokenMasks | None = None) -> PendingSample:
+    def sample(self, logits: torch.Tensor, rows: list[RowSampling], masks: TokenMasks | None = None,
+               counts: PenaltyCounts | None = None) -> PendingSample:
         """The step's sampling, all on the device (no host read: every decision comes from the rows'
-        parameters), and its results' copy to the host started (PendingSample.result waits for it)."""
+        parameters), and its results' copy to the host started (PendingSample.result waits for it). counts:
+        the penalised rows' histories as rows of that table (RowSampling.counts_row), else their lists."""
         params = [r.params for r in rows]
         if masks is None and all(map(plain_argmax, params)):
             return self.greedy(logits, params)
@@ -250,7 +263,7 @@ class Sampler:
 
         # raw must stay untouched: logprobs are reported from the model's own distribution.
         x = raw.clone() if mutate else raw
-        apply_penalties(x, rows)
+        apply_penalties(x, rows, counts)
         apply_logit_bias(x, rows)
         block_min_tokens(x, rows)
         if masks is not None:

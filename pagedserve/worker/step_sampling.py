@@ -17,6 +17,7 @@ from pagedserve.common.messages import SampledToken
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker import spec_verify
 from pagedserve.worker.parallel import broadcast_from_rank0, tp_group
+from pagedserve.worker.penalty_counts import PenaltyCounts
 from pagedserve.worker.request_states import RequestState
 from pagedserve.worker.sampler import PendingSample, RowSampling, Sampler, SamplerOutput, plain_argmax, to_device
 from pagedserve.worker.seeded_draws import stream_key
@@ -55,12 +56,14 @@ class StepSampling:
         self.grammars = grammars  # None: no request of this runner's asks for structured output (tests)
         self.eos_token_ids = eos_token_ids
         self.device = device
+        self.penalty_counts: PenaltyCounts | None = None  # made when a request first samples with penalties
 
     def sample(self, logits: torch.Tensor, states: list[RequestState]) -> PendingTokens:
         """The states' tokens sampled on the device, their copy to the host started (PendingTokens.result()
         waits for it). logits: one row per state, or k + 1 for a state with k proposals. Sampler rows: one
         per logits row, repeated n times for a state that forks its n samples here."""
         starts, sizes = sampler_rows(states)
+        counted = self.penalty_rows(states, logits.shape[1])
         if all(map(plain_greedy, states)):  # the usual greedy batch: argmax, no per-row sampling settings built
             params = [state.params for state, size in zip(states, sizes) for _ in range(size)]
             return PendingTokens(self, states, starts, sizes, [], self.sampler.greedy(logits, params))
@@ -68,22 +71,21 @@ class StepSampling:
         for state, size in zip(states, sizes):
             params = state.params
             num_outputs = len(state.token_ids) - state.num_prompt_tokens
-            # Token histories cost a copy per step: hand them over only to rows that read them.
-            wants_prompt = params.repetition_penalty != 1.0
-            wants_outputs = params.needs_penalties or params.min_tokens > 0
-            prompt = state.token_ids[:state.num_prompt_tokens] if wants_prompt else []
-            outputs = state.token_ids[state.num_prompt_tokens:] if wants_outputs else []
+            # Penalties read their state's row of the counts table; min_tokens reads how many outputs there are.
+            row = counted.get(id(state), -1)
+            outputs = state.token_ids[state.num_prompt_tokens:] if params.min_tokens > 0 else []
             if state.spec_token_ids:  # each position as a plain step would sample it (spec_verify.py)
                 spec = state.spec_token_ids
                 for j in range(size):
                     rows.append(RowSampling(params, sample_key(params, state.sample_index, num_outputs + j),
-                                            prompt, outputs + spec[:j] if wants_outputs else [], self.eos_token_ids))
+                                            [], outputs + spec[:j] if outputs else [], self.eos_token_ids,
+                                            row, list(spec[:j]) if row >= 0 else []))
                 repeats += [1] * size
                 continue
             indices = [state.sample_index] if size == 1 else range(size)  # a fork: samples 0..n-1 here
             for index in indices:
-                rows.append(RowSampling(params, sample_key(params, index, num_outputs),
-                                        prompt, outputs, self.eos_token_ids))
+                rows.append(RowSampling(params, sample_key(params, index, num_outputs), [], outputs,
+                                        self.eos_token_ids, row))
             repeats.append(size)
         if any(r > 1 for r in repeats):
             logits = logits.repeat_interleave(to_device(repeats, torch.long, logits.device), dim=0,
@@ -91,7 +93,18 @@ class StepSampling:
         constrained = [i for i, state in enumerate(states)  # (a row still in its reasoning samples freely)
                        if state.params.structured_output is not None and self.grammars.prepare(state)]
         masks = self.grammar_masks(states, starts, sizes, constrained) if constrained else None
-        return PendingTokens(self, states, starts, sizes, constrained, self.sampler.sample(logits, rows, masks))
+        return PendingTokens(self, states, starts, sizes, constrained,
+                             self.sampler.sample(logits, rows, masks, self.penalty_counts))
+
+    def penalty_rows(self, states: list[RequestState], vocab: int) -> dict[int, int]:
+        """id(state) -> its row of the penalty counts, written up to its token ids, for the states that sample
+        with penalties (the table made at the first; the rows of states that no longer do are freed)."""
+        penalized = [state for state in states if state.params.needs_penalties]
+        if not penalized and self.penalty_counts is None:
+            return {}
+        if self.penalty_counts is None:
+            self.penalty_counts = PenaltyCounts(vocab, self.device)
+        return dict(zip(map(id, penalized), self.penalty_counts.sync(penalized)))
 
     def tokens(self, states: list[RequestState], starts: list[int], sizes: list[int], constrained: list[int],
                 out: SamplerOutput) -> dict[str, list[SampledToken]]:
