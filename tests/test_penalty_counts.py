@@ -1,6 +1,7 @@
 """Penalties read token histories kept on the device between steps (pagedserve/worker/penalty_counts.py): greedy
 tokens with repetition, presence and frequency penalties equal a plain reference over transformers' logits
-(with chunked prefill and preemption, with n-gram proposals verified); after every sync each penalised
+(synchronous and with async scheduling, whose steps now overlap with penalised rows held; with chunked
+prefill and preemption; with n-gram proposals verified); after every sync each penalised
 state's rows equal its token lists (forks, preemption, proposals, async scheduling); the sampler's penalties
 from the rows equal its penalties from the lists, a verifying row's proposals included; rows grow, are freed
 and are rebuilt for a replaced state."""
@@ -56,15 +57,18 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return rows + [[5, 6, 7, 8, 9] * 5]  # a loop: proposals that the model's tokens may follow
 
 
-@pytest.mark.parametrize("setup", ["plain", "chunks and preemption", "ngram"])
+@pytest.mark.parametrize("setup", ["plain", "async", "chunks and preemption", "ngram"])
 def test_greedy_penalties_equal_the_reference(tiny_llama, setup):
-    overrides = {"plain": {}, "chunks and preemption": dict(max_num_batched_tokens=16, kv_cache_memory=24 * 4096),
+    overrides = {"plain": dict(async_scheduling=False), "async": dict(async_scheduling=True),
+                 "chunks and preemption": dict(max_num_batched_tokens=16, kv_cache_memory=24 * 4096),
                  "ngram": dict(speculative_config=NGRAM)}[setup]
     engine = make_engine(tiny_llama, **overrides)
     batch = prompts(len(PENALTIES), seed=4)
     params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, **p) for p in PENALTIES]
     got = [samples[0].token_ids for samples in engine.generate(batch, params)]
     assert got == [reference(tiny_llama, prompt, 14, p) for prompt, p in zip(batch, PENALTIES)]
+    if setup == "async":
+        assert engine.overlaps and engine.runner.held_rows > 50  # penalised rows fed on the device
     if setup == "chunks and preemption":
         assert engine.stats()["num_preemptions"] > 0
     if setup == "ngram":
@@ -72,10 +76,15 @@ def test_greedy_penalties_equal_the_reference(tiny_llama, setup):
 
 
 def rows_equal_lists(counts: PenaltyCounts, states, rows) -> None:
+    """Each state's rows count its outputs and mark its prompt; a held place (async scheduling: the step in
+    flight samples it, its id not yet on the host) is one more count, of some token."""
     vocab = counts.vocab
     for state, row in zip(states, rows):
-        outputs = torch.tensor(state.token_ids[state.num_prompt_tokens:], dtype=torch.long)
-        assert torch.equal(counts.output[row].cpu(), torch.bincount(outputs, minlength=vocab).float()), state.req_id
+        end = len(state.token_ids) if state.held_at < 0 else state.held_at
+        outputs = torch.tensor(state.token_ids[state.num_prompt_tokens:end], dtype=torch.long)
+        extra = counts.output[row].cpu() - torch.bincount(outputs, minlength=vocab).float()
+        held = len(state.token_ids) - end
+        assert extra.min() >= 0 and extra.sum() == held and extra.max() == held, state.req_id
         prompt = torch.zeros(vocab, dtype=torch.bool)
         prompt[torch.tensor(state.token_ids[:state.num_prompt_tokens])] = True
         assert torch.equal(counts.prompt[row].cpu(), prompt), state.req_id
@@ -85,14 +94,16 @@ def rows_equal_lists(counts: PenaltyCounts, states, rows) -> None:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_rows_equal_the_token_lists_after_every_sync(tiny_llama, monkeypatch, async_scheduling):
-    """Forks (n = 2, seeded), preemption in a small pool, n-gram proposals, rows of plain requests beside."""
-    checks = []
+    """Forks (n = 2, seeded), preemption in a small pool, n-gram proposals, rows of plain requests beside, and
+    with async scheduling penalised rows held (their sampled ids counted on the device)."""
+    checks, held = [], []
     sync = PenaltyCounts.sync
 
     def checked_sync(self, states):
         rows = sync(self, states)
         rows_equal_lists(self, states, rows)
         checks.append(len(rows))
+        held.extend(s.held_at >= 0 for s in states)
         return rows
 
     monkeypatch.setattr(PenaltyCounts, "sync", checked_sync)
@@ -110,6 +121,7 @@ def test_rows_equal_the_token_lists_after_every_sync(tiny_llama, monkeypatch, as
     assert [len(s) for s in outputs] == [2, 1, 1, 1, 1]
     assert engine.stats()["num_preemptions"] > 0 and max(checks) >= 3 and len(checks) > 10
     assert engine.stats()["spec_decode"]["num_draft_tokens"] > 0
+    assert any(held) == async_scheduling  # penalised rows held and fed on the device with async scheduling
 
 
 def test_penalties_from_rows_equal_penalties_from_lists():
@@ -156,7 +168,8 @@ def test_rows_grow_are_freed_and_rebuilt_for_a_replaced_state():
 
 
 def test_rows_are_written_and_read_without_a_host_read():
-    """sync (new rows filled, new tokens added) and the sampler's penalties from the rows read no device value
+    """sync (new rows filled, new tokens added), the sampler's penalties from the rows and the sampled ids
+    counted on the device read no device value
     and run no op that waits for the device (the sampler's own rule, tests/test_sampler_host_reads.py)."""
     from pagedserve.worker.sampler import Sampler
     from test_sampler_host_reads import HostReads, SyncOps
@@ -172,5 +185,7 @@ def test_rows_are_written_and_read_without_a_host_read():
         batch = [RowSampling(params, None, [], [], (0,), row, extra) for row, extra in ((rows[0], []), (rows[0], [8]),
                                                                                           (rows[1], []))]
         pending = Sampler().sample(torch.randn(3, 40), batch, counts=counts)
+        counts.add_sampled([rows[0], rows[1]], pending.token_ids, [0, 2])  # what the step's plain rows sampled
     assert reads.reads == [] and syncs.syncs == []
+    assert counts.output[rows[1]].sum() == 1 and counts.counted[rows[1]] == 1
     assert len(pending.result().token_ids) == 3

@@ -84,9 +84,10 @@ def test_decode_graphs_feed_their_padding_rows(case):
 
 
 def test_every_row_kind_gives_the_synchronous_tokens(tiny_llama):
-    """Rows that need their tokens on the host (forks, penalties) make the runner finish the step in
-    flight first; seeded, logprob, min_tokens, stop and eos rows are fed on the device. Every output
-    equals the synchronous engine's (seeded draws depend only on seed, sample and position)."""
+    """Rows that need their tokens on the host (forks) make the runner finish the step in flight first;
+    seeded, logprob, min_tokens, stop, eos and penalty rows are fed on the device (a penalty row's histories
+    count its sampled id there: penalty_counts.py). Every output equals the synchronous engine's (seeded draws
+    depend only on seed, sample and position)."""
     batch = prompts(7, seed=2)
     params = [
         SamplingParams(temperature=0.9, seed=11, max_tokens=14, ignore_eos=True),
@@ -107,11 +108,11 @@ def test_every_row_kind_gives_the_synchronous_tokens(tiny_llama):
         assert mine.token_id == theirs.token_id and mine.logprob == pytest.approx(theirs.logprob, abs=1e-5)
     assert any(s.finish_reason == "stop" for g in sync for s in g)
     assert engine.runner.held_rows > 0
-    # a batch of penalty rows alone: each step is finished before the next begins, nothing is held
+    # a batch of penalty rows alone overlaps its steps: their rows are held, their histories read on the device
     penalties = [params[2]] * 3
     alone = overlapped(tiny_llama)
     assert alone.generate(batch[:3], penalties) == make_engine(tiny_llama).generate(batch[:3], penalties)
-    assert alone.runner.held_rows == 0
+    assert alone.runner.held_rows > 20
 
 
 def test_a_request_aborted_while_its_step_is_in_flight(case):

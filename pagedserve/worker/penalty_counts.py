@@ -6,14 +6,17 @@ count its outputs. Built from the token lists every step, a batch of 256 rows wi
 ~19 ms of host time a step (a padded list of lists made a tensor, on a 2-core Xeon), then a zeroed
 [rows, vocabulary] scatter, for prompts and outputs both. Here each request state that samples with
 penalties owns a row of two tables, `output` (float32 counts of its output tokens) and `prompt` (its
-prompt's tokens, bool), and a step adds only the tokens its state gained since the last (one a step, or a
-verified row's accepted ones): the host's work is per new token, the device's a gather of the rows.
+prompt's tokens, bool), and a step adds only the tokens its state gained since the last: a row that
+samples exactly its next token adds it on the device as it is sampled (`add_sampled`: so a step begun
+before those tokens reach the host reads them, and penalised rows keep async scheduling's overlap), the
+others (a verified row's accepted proposals, a fork) from their lists at the next sync. The host's work is
+per new token, the device's a gather of the rows.
 
 Rows follow the states by identity: a state seen for the first time (new, forked, or recomputed after a
 preemption: a new object) gets a fresh row filled from its lists once; a row whose state does not sample
 with penalties in a step is freed (it is rebuilt if that state samples again). Invariant after `sync`: for
-each given state, output[row] counts token_ids[num_prompt_tokens:] (its held place excepted: never the case
-for a penalized row, which async scheduling does not hold) and prompt[row] marks token_ids[:num_prompt_tokens].
+each given state, output[row] counts token_ids[num_prompt_tokens:] (a held place: the token the step in
+flight samples there, added by that step's add_sampled) and prompt[row] marks token_ids[:num_prompt_tokens].
 
 Threads: the model runner's torch thread only.
 """
@@ -67,6 +70,19 @@ class PenaltyCounts:
                 self.counted[row] = end - state.num_prompt_tokens
         self._mark(self.output, new_tokens)
         return rows
+
+    def add_sampled(self, rows: list[int], sampled: torch.Tensor, sampler_rows: list[int]) -> None:
+        """Each row's state samples exactly its next token at sampler row sampler_rows[i] of `sampled` (the
+        step's ids, on the device): counted now, on the device, so that a step begun before this one's
+        tokens reach the host (async scheduling: its place held) reads them; the next sync skips them."""
+        if not rows:
+            return
+        ids = sampled.index_select(0, to_device(sampler_rows, torch.long, self.device)).to(torch.long)
+        flat = to_device(rows, torch.long, self.device) * self.vocab + ids.clamp_(0, self.vocab - 1)
+        self.output.view(-1).index_put_((flat,), torch.ones((), device=self.device).expand(len(rows)),
+                                        accumulate=True)
+        for row in rows:
+            self.counted[row] += 1
 
     def histories(self, rows: list[int], extra: list[list[int]],
                   with_prompt: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

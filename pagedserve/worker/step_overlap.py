@@ -14,9 +14,10 @@ token, since it writes row 0's slot). N's commit then writes the token in the he
 
 `can_follow` says when N+1 cannot begin before N's tokens are on the host: a row whose next step needs
 them there — its samples forked at N, it verified proposals at N (a number of tokens only N knows), its
-penalties or grammar read its tokens, it is new in N+1 (its state would be replaced) or it runs more than
-one token — and whenever proposals are drafted (a draft model reads the tokens). The runner then
-finishes N first: the result is the same, without the overlap.
+grammar reads its tokens, it is new in N+1 (its state would be replaced) or it runs more than one token —
+and whenever proposals are drafted (a draft model reads the tokens). The runner then finishes N first: the
+result is the same, without the overlap. Penalties do not stop it: N counts each plain row's sampled id
+in the row's device histories as it samples (penalty_counts.py), so N+1 reads it there.
 
 With tensor parallelism rank 0 samples and broadcasts the sampled ids on the device as the step begins
 (StepSampling.share, step_sampling.py): every rank holds them there, feeds its held rows from them and takes its
@@ -84,7 +85,7 @@ def can_follow(before: StepInFlight, step: SchedulerOutput, runner) -> bool:
             continue
         params = state.params
         if (n != 1 or req_id not in plain or req_id in constrained or req_id in step.spec_token_ids
-                or params.needs_penalties or params.structured_output is not None):
+                or params.structured_output is not None):
             return False
     return True
 

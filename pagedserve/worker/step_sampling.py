@@ -93,8 +93,12 @@ class StepSampling:
         constrained = [i for i, state in enumerate(states)  # (a row still in its reasoning samples freely)
                        if state.params.structured_output is not None and self.grammars.prepare(state)]
         masks = self.grammar_masks(states, starts, sizes, constrained) if constrained else None
-        return PendingTokens(self, states, starts, sizes, constrained,
-                             self.sampler.sample(logits, rows, masks, self.penalty_counts))
+        pending = self.sampler.sample(logits, rows, masks, self.penalty_counts)
+        if counted:  # rows sampling exactly their next token count it on the device now (penalty_counts.py)
+            plain = [(counted[id(state)], start) for state, start, size in zip(states, starts, sizes)
+                     if id(state) in counted and size == 1 and not state.spec_token_ids]
+            self.penalty_counts.add_sampled([r for r, _ in plain], pending.token_ids, [s for _, s in plain])
+        return PendingTokens(self, states, starts, sizes, constrained, pending)
 
     def penalty_rows(self, states: list[RequestState], vocab: int) -> dict[int, int]:
         """id(state) -> its row of the penalty counts, written up to its token ids, for the states that sample
