@@ -25,6 +25,23 @@ def test_workload_is_deterministic():
     assert all(16 <= o <= 128 for o in a.output_lens)
 
 
+def test_request_settings_from_the_sampling_flags():
+    from pagedserve.bench.throughput import request_params
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    work = make_workload(3, 256)
+    greedy = request_params(parser.parse_args(["bench", "throughput"]), work)
+    assert [p.max_tokens for p in greedy] == work.output_lens and not any(p.needs_penalties for p in greedy)
+    penalised = request_params(parser.parse_args(["bench", "throughput", "--repetition-penalty", "1.1",
+                                                  "--frequency-penalty", "0.5"]), work)
+    assert all(p.greedy and p.repetition_penalty == pytest.approx(1.1) and p.frequency_penalty == 0.5
+               and p.presence_penalty == 0.0 for p in penalised)
+    sampled = request_params(parser.parse_args(["bench", "throughput", "--temperature", "0.8", "--top-p", "0.9",
+                                                "--presence-penalty", "0.3"]), work)
+    assert all(p.temperature == 0.8 and p.top_p == 0.9 and p.presence_penalty == 0.3 for p in sampled)
+
+
 def test_bench_throughput_tiny_model(tmp_path):
     model = build_tiny_model(tmp_path / "model")
     out = tmp_path / "bench.json"

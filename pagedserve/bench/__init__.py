@@ -48,6 +48,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="sample the requests at this temperature (default 0: greedy; the baseline stays greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="the requests' top_p (with --temperature; default 1)")
     p.add_argument("--top-k", type=int, default=-1, help="the requests' top_k (with --temperature; default -1: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="the requests' repetition_penalty (greedy or sampled; default 1: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="the requests' presence_penalty (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="the requests' frequency_penalty (default 0)")
     p.add_argument("--lora-rank", type=int, default=16, help="the rank of --loras' adapters (default 16)")
     p.add_argument("--rounds", type=int, default=2, help="with --loras: base/LoRA runs of each (default 2)")
     add_engine_args(p)

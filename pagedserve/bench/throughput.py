@@ -78,12 +78,15 @@ def build_engine(args, model_path: Path, tokenizer):
 
 def request_params(args, work: Workload) -> list[SamplingParams]:
     """One request's settings per prompt: greedy (ignore_eos, max_tokens its output length), or sampled at
-    --temperature with --top-p / --top-k."""
+    --temperature with --top-p / --top-k; either with --repetition-penalty, --presence-penalty and
+    --frequency-penalty."""
     temperature = getattr(args, "temperature", 0.0)
+    penalties = {name: getattr(args, name) for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+                 if hasattr(args, name)}
     if temperature <= 0.0:
-        return [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o) for o in work.output_lens]
-    return [SamplingParams(temperature=temperature, top_p=args.top_p, top_k=args.top_k, ignore_eos=True, max_tokens=o)
-            for o in work.output_lens]
+        return [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=o, **penalties) for o in work.output_lens]
+    return [SamplingParams(temperature=temperature, top_p=args.top_p, top_k=args.top_k, ignore_eos=True, max_tokens=o,
+                           **penalties) for o in work.output_lens]
 
 
 def run_engine(engine, work: Workload, params: list[SamplingParams] | None = None) -> dict:
