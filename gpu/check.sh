@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the project's root: bash .gpu/check.sh [tests] [e2e] [speed] [services] [tune]
-# (default: all but tune). Writes summary.txt (a line per stage) and at most 9 files to $OUT (default: .gpu/out).
+# On the GPU machine, from the project's root: bash .gpu/check.sh [tests] [e2e] [speed] [services] [sampled] [tune]
+# (default: all but sampled and tune). Writes summary.txt (a line per stage) and at most 9 files to $OUT (default: .gpu/out).
 G="$(cd "$(dirname "$0")" && pwd)"; P="$(cd "$G/.." && pwd)"; M=/tmp/m1b
 OUT="${OUT:-$G/out}"; mkdir -p "$OUT"; S=$OUT/summary.txt
 want() { [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]]; }
@@ -29,7 +29,7 @@ if want e2e; then  # the engine on CUDA against transformers on the CPU, tiny mo
     tests/test_sampler.py -rs > "$OUT/e2e.log" 2>&1
   line e2e $? $(( $(date +%s) - t0 )) "$OUT/e2e.log"
 fi
-if want speed || want services || named tune; then timeout 60 python3 "$G/make_model.py" $M "$G/tok" > /tmp/model.log 2>&1 || echo "model: $(tail -2 /tmp/model.log)" >> "$S"; fi
+if want speed || want services || named tune || named sampled; then timeout 60 python3 "$G/make_model.py" $M "$G/tok" > /tmp/model.log 2>&1 || echo "model: $(tail -2 /tmp/model.log)" >> "$S"; fi
 if want speed; then
   t0=$(date +%s); { timeout 150 pagedserve bench throughput --model $M --device cuda --num-prompts 1024 --max-num-seqs 256 \
     --baseline-batch-sizes 256; timeout 60 pagedserve bench latency --model $M --device cuda --input-len 128 --output-len 256
@@ -46,6 +46,13 @@ if want speed; then
   t0=$(date +%s); timeout 90 python3 -m pagedserve.kernels.bench > "$OUT/kbench.log" 2>&1; line kbench $? $(( $(date +%s) - t0 )) "$OUT/kbench.log"
   echo "kbench % of floor: $(grep -E '[0-9]x ' "$OUT/kbench.log" | awk '{k=substr($0,1,18); gsub(/ +$/,"",k); printf "%s %s; ", k, $(NF-1)}')" >> "$S"
   echo "top_p nucleus (256 x 49,152), kernel / torch.sort ms, speedup: $(grep '^top_p nucleus' "$OUT/kbench.log" | awk '{print $(NF-6), $(NF-4), $(NF-3)}')" >> "$S"
+fi
+if named sampled; then  # W1024 sampled as clients sample: top_p alone (the nucleus kernel), then penalties too
+  t0=$(date +%s); for flags in "--temperature 0.8 --top-p 0.95" "--temperature 0.8 --top-p 0.95 --repetition-penalty 1.1 --frequency-penalty 0.3"; do
+    echo "flags: $flags"; timeout 100 pagedserve bench throughput --model $M --device cuda --num-prompts 1024 --max-num-seqs 256 \
+      --no-baseline $flags; done > "$OUT/sampled.log" 2>&1
+  line sampled $? $(( $(date +%s) - t0 )) "$OUT/sampled.log"
+  echo "W1024 sampled, top_p 0.95 / with penalties: $(grep -o '^pagedserve: .* tok/s)' "$OUT/sampled.log" | grep -o '([0-9.]* tok/s)' | tr '\n' ' ')" >> "$S"
 fi
 if named tune; then  # the kernels' launch configs measured here; the table comes back as kernel_configs.json
   t0=$(date +%s); timeout 330 python3 -m pagedserve.kernels.tune --budget-s 280 --out "$OUT/kernel_configs.json" \
