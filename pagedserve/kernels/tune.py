@@ -231,9 +231,10 @@ def main(argv=None) -> int:
     only = {k for k in args.only.split(",") if k}
     chosen, keys = [], set()
     for case in cases:  # a shape key is tuned at its first case (the bench's small-batch MLA shares one)
-        if case.kernel in ("prefill causal split", "mixed attention", "mixed split attention"):
-            continue  # the bench's rows for the prefill kernel's causal split (one of its parameters here) and a
-            # mixed step's two ways (their kernels' shapes are tuned at their own rows)
+        if case.kernel in ("prefill causal split", "mixed attention", "mixed split attention", "top_p nucleus"):
+            continue  # the bench's rows for the prefill kernel's causal split (one of its parameters here), a
+            # mixed step's two ways (their kernels' shapes are tuned at their own rows) and the nucleus kernel
+            # (no table entry: its one block size is its wrapper's)
         sp = space(case, args.interpret)
         if (sp.kernel, sp.key) not in keys and (not only or sp.kernel in only):
             chosen.append((case, sp))
