@@ -344,3 +344,25 @@ def test_mixed_batch_matches_rows_alone():
         else:
             assert batch.top_logprobs[i] is None
     assert batch.token_ids[5] != int(logits[5].argmax())
+
+
+def test_the_memory_profile_samples_the_costliest_way(monkeypatch):
+    """The worker's memory profile (ModelRunner._profile_peak on CUDA) samples its logits rows the costliest way
+    (StepSampling.profile): every row through the sort (top_k past the candidates), min_p, the top 20
+    logprobs, seeded draws for every other row, penalties from a table; the ids it returns are the rows'."""
+    import pagedserve.worker.sampler as sampler_module
+    import pagedserve.worker.truncation as truncation
+    from pagedserve.worker.step_sampling import StepSampling
+
+    seen = {}
+    for module, name in ((truncation, "_truncate_sorted"), (sampler_module, "exponentials"),
+                         (sampler_module, "_with_logprobs"), (sampler_module, "apply_penalties")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name, **k: (
+            seen.setdefault(_n, []).append(a), _o(*a, **k))[1])
+    logits = torch.randn(16, 3000, generator=torch.Generator().manual_seed(0))
+    ids = StepSampling(Sampler(), None, (2,), torch.device("cpu")).profile(logits)
+    assert len(ids) == 16 and all(0 <= t < 3000 for t in ids)
+    assert len(seen["_truncate_sorted"][0][1]) == 16  # every row sorted
+    assert len(seen["exponentials"][0][0]) == 8  # every other row seeded
+    assert seen.keys() == {"_truncate_sorted", "exponentials", "_with_logprobs", "apply_penalties"}

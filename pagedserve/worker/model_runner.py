@@ -196,8 +196,11 @@ class ModelRunner:
                  len(self.mixed_graphs.graphs) if self.mixed_graphs else 0, grown)
 
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
-        """CUDA: run the largest step the budget allows (one prompt of num_tokens, no cache yet)
-        and return the activation memory it peaked at above the weights."""
+        """CUDA: run the largest step the budget allows (one prompt of num_tokens, no cache yet), then sample
+        256 of its rows the costliest way (StepSampling.profile: a full batch's sampler temporaries, a
+        [rows, vocabulary] tensor several times over), and return the memory either peaked at above the
+        weights. (The graphs' reserve is scaled from it: where the sampler's peak is the larger, a little
+        more than the graphs need.)"""
         if self.device.type != "cuda":
             return 0
         with using_group(self.tp):
@@ -219,10 +222,15 @@ class ModelRunner:
         meta = AttentionMetadata(slots, 0, None, None, None,
                                  [PrefillSeq(0, num_tokens, 0, torch.zeros(1, dtype=torch.long, device=self.device))])
         hidden = self.model(ids, positions, scratch.model_caches(), meta)
-        self.model.compute_logits(hidden[-256:])
+        logits = self.model.compute_logits(hidden[-256:])
+        if self.tp.rank == 0:  # (rank 0 samples) the costliest sampling of that many rows: its temporaries too
+            try:
+                self.sampling.profile(logits)
+            except Exception:  # noqa: BLE001 - the budget then leaves the sampler out; the worker still starts
+                log.exception("the memory profile's sampling failed: the KV budget leaves the sampler's memory out")
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        del scratch, hidden
+        del scratch, hidden, logits
         torch.cuda.empty_cache()
         return int(peak)
 

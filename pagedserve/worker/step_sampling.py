@@ -100,6 +100,22 @@ class StepSampling:
             self.penalty_counts.add_sampled([r for r, _ in plain], pending.token_ids, [s for _, s in plain])
         return PendingTokens(self, states, starts, sizes, constrained, pending)
 
+    def profile(self, logits: torch.Tensor) -> list[int]:
+        """Sample logits' rows as the costliest sampled step would (the worker's memory profile: vLLM's dummy
+        sampler run): every row sampled with a top_k past the candidates (the vocabulary sorted), top_p and
+        min_p, the top 20 logprobs, every other row seeded (its draws a [rows, vocab] table), and penalties
+        read from a table of its own. Returns the sampled ids."""
+        vocab = logits.shape[1]
+        counts = PenaltyCounts(vocab, logits.device, rows=logits.shape[0])
+        states = [RequestState(f"profile-{i}", [i % vocab] * 2, 1, SamplingParams(), [], 0, 0, [], [])
+                  for i in range(logits.shape[0])]
+        table_rows = counts.sync(states)
+        rows = [RowSampling(SamplingParams(temperature=0.8, top_k=vocab - 1, top_p=0.95, min_p=0.01, logprobs=20,
+                                           repetition_penalty=1.1, frequency_penalty=0.1, seed=i if i % 2 else None),
+                            sample_key(SamplingParams(temperature=0.8, seed=i), 0, 0) if i % 2 else None, [], [],
+                            self.eos_token_ids, row) for i, row in enumerate(table_rows)]
+        return self.sampler.sample(logits, rows, counts=counts).result().token_ids
+
     def penalty_rows(self, states: list[RequestState], vocab: int) -> dict[int, int]:
         """id(state) -> its row of the penalty counts, written up to its token ids, for the states that sample
         with penalties (the table made at the first; the rows of states that no longer do are freed)."""
