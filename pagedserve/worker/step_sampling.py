@@ -131,8 +131,12 @@ class StepSampling:
         """Each state's sampled tokens from the sampler's rows (a verified row's accepted ones), its
         grammar advanced."""
         sampled = {}
+        ids = out.token_ids
         for state, start, size in zip(states, starts, sizes):
-            tokens = [SampledToken(out.token_ids[row], None if out.logprobs is None else out.logprobs[row],
+            if size == 1 and out.logprobs is None:  # the usual row: one token, no logprobs (nor proposals)
+                sampled[state.req_id] = [SampledToken(ids[start])]
+                continue
+            tokens = [SampledToken(ids[row], None if out.logprobs is None else out.logprobs[row],
                                    None if out.top_logprobs is None else out.top_logprobs[row])
                       for row in range(start, start + size)]
             sampled[state.req_id] = spec_verify.accept(tokens, state.spec_token_ids) if state.spec_token_ids else tokens
