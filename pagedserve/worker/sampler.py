@@ -20,7 +20,8 @@ Threads: the worker's torch thread only.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import chain, repeat
 
 import numpy as np
@@ -47,13 +48,13 @@ def plain_argmax(p: SamplingParams) -> bool:
 class RowSampling:
     params: SamplingParams
     key: int | None  # a seeded row's int64 stream key (seeded_draws.stream_key), or None: the global torch RNG
-    prompt_token_ids: list[int]  # repetition_penalty covers prompt + output, as HF does
-    output_token_ids: list[int]  # presence/frequency cover output only, as vLLM/OpenAI do
+    prompt_token_ids: Sequence[int]  # repetition_penalty covers prompt + output, as HF does
+    output_token_ids: Sequence[int]  # presence/frequency cover output only, as vLLM/OpenAI do
     eos_token_ids: tuple[int, ...]
     # With a PenaltyCounts table (the model runner's): the row of its state there, whose counts stand for
     # the two lists above, and the tokens after them (a verifying row's proposals before it).
     counts_row: int = -1
-    extra_output_ids: list[int] = field(default_factory=list)
+    extra_output_ids: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -63,11 +64,11 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]] | None] | None  # sorted desc; None for rows that did not ask
 
 
-def _counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+def _counts(lists: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(lists), vocab] occurrence counts."""
     width = max(map(len, lists), default=0)
     # Padding points at an extra column that is dropped, so ragged lists need no mask.
-    ids = to_device([ids + [vocab] * (width - len(ids)) for ids in lists],
+    ids = to_device([[*ids, *[vocab] * (width - len(ids))] for ids in lists],
                     torch.long, device).reshape(len(lists), width)
     counts = torch.zeros(len(lists), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))

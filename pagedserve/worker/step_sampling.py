@@ -68,24 +68,28 @@ class StepSampling:
             params = [state.params for state, size in zip(states, sizes) for _ in range(size)]
             return PendingTokens(self, states, starts, sizes, [], self.sampler.greedy(logits, params))
         rows, repeats = [], []  # repeats: per logits row
+        eos = self.eos_token_ids
         for state, size in zip(states, sizes):
             params = state.params
-            num_outputs = len(state.token_ids) - state.num_prompt_tokens
             # Penalties read their state's row of the counts table; min_tokens reads how many outputs there are.
-            row = counted.get(id(state), -1)
-            outputs = state.token_ids[state.num_prompt_tokens:] if params.min_tokens > 0 else []
+            row = counted.get(id(state), -1) if counted else -1
+            outputs = state.token_ids[state.num_prompt_tokens:] if params.min_tokens > 0 else ()
+            if size == 1 and params.seed is None:  # the usual row: one sample, no key, no proposals
+                rows.append(RowSampling(params, None, (), outputs, eos, row))
+                repeats.append(1)
+                continue
+            num_outputs = len(state.token_ids) - state.num_prompt_tokens
             if state.spec_token_ids:  # each position as a plain step would sample it (spec_verify.py)
                 spec = state.spec_token_ids
                 for j in range(size):
                     rows.append(RowSampling(params, sample_key(params, state.sample_index, num_outputs + j),
-                                            [], outputs + spec[:j] if outputs else [], self.eos_token_ids,
-                                            row, list(spec[:j]) if row >= 0 else []))
+                                            (), outputs + spec[:j] if outputs else (), eos,
+                                            row, list(spec[:j]) if row >= 0 else ()))
                 repeats += [1] * size
                 continue
             indices = [state.sample_index] if size == 1 else range(size)  # a fork: samples 0..n-1 here
             for index in indices:
-                rows.append(RowSampling(params, sample_key(params, index, num_outputs), [], outputs,
-                                        self.eos_token_ids, row))
+                rows.append(RowSampling(params, sample_key(params, index, num_outputs), (), outputs, eos, row))
             repeats.append(size)
         if any(r > 1 for r in repeats):
             logits = logits.repeat_interleave(to_device(repeats, torch.long, logits.device), dim=0,
