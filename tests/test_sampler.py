@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings, strategies as st
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.sampler import RowSampling, Sampler, apply_penalties, block_min_tokens, truncate
 from pagedserve.worker.seeded_draws import stream_key
+from sampling_rows import mixed_truncation_rows
 
 sampler = Sampler()
 
@@ -163,15 +164,9 @@ def test_nucleus_from_candidates_or_the_sort_row_by_row():
     """A batch over a 1,000-token vocabulary: top_k rows from their candidates, top_p rows whose nucleus lies
     in the first guess (peaked) and rows whose nucleus is wider (flat: the sort), min_p on top, rows with
     nothing to truncate untouched; each row's kept set equals the plain-Python reference."""
-    gen = torch.Generator().manual_seed(0)
     vocab = 1000
-    peaked = torch.randn(vocab, generator=gen) * 4
-    flat = torch.randn(vocab, generator=gen) * 0.05
-    rows = [(peaked, SamplingParams(top_p=0.9)), (flat, SamplingParams(top_p=0.9)),
-            (flat, SamplingParams(top_k=300, top_p=0.5)), (peaked, SamplingParams(top_k=5)),
-            (flat, SamplingParams()), (peaked, SamplingParams(top_p=0.8, min_p=0.1)),
-            (flat, SamplingParams(top_k=1500, top_p=0.95)), (flat, SamplingParams(top_p=0.3, temperature=0.5))]
-    logits = torch.stack([row / p.temperature for row, p in rows])
+    rows, logits = mixed_truncation_rows(vocab, seed=0, wide_top_k=1500)
+    flat = rows[1][0]
     for guesses in ((64,), (16, 64), (64, 900), ()):  # (): every top_p row sorts (a GPU's way)
         x = truncate(logits.clone(), [p for _, p in rows], nucleus_guesses=guesses)
         for i, (row, p) in enumerate(rows):

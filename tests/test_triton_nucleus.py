@@ -12,9 +12,9 @@ from triton_device import triton_device  # sets up the interpreter before triton
 
 DEVICE = triton_device()
 
-from pagedserve.common.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.kernels.triton.nucleus import BISECTION_STEPS, ONE_BITS, nucleus_  # noqa: E402
 from pagedserve.worker.truncation import truncate  # noqa: E402
+from sampling_rows import mixed_truncation_rows  # noqa: E402
 
 NEG_INF = float("-inf")
 
@@ -86,15 +86,8 @@ def test_truncate_takes_the_kernel_for_top_p_rows_alone():
     """A batch of 700 tokens: top_p rows (peaked and flat) through the kernel, beside top_k rows (candidates),
     top_k past the candidates (the sort), min_p after top_p and untouched rows: the kept sets of the sort's way
     (nucleus_guesses=(), no kernel) and the kernel's way are equal row by row, and kept values unchanged."""
-    gen = torch.Generator().manual_seed(3)
     vocab = 700
-    peaked = torch.randn(vocab, generator=gen) * 4
-    flat = torch.randn(vocab, generator=gen) * 0.05
-    rows = [(peaked, SamplingParams(top_p=0.9)), (flat, SamplingParams(top_p=0.9)),
-            (flat, SamplingParams(top_k=300, top_p=0.5)), (peaked, SamplingParams(top_k=5)),
-            (flat, SamplingParams()), (peaked, SamplingParams(top_p=0.8, min_p=0.1)),
-            (flat, SamplingParams(top_k=690, top_p=0.95)), (flat, SamplingParams(top_p=0.3, temperature=0.5))]
-    logits = torch.stack([row / p.temperature for row, p in rows])
+    rows, logits = mixed_truncation_rows(vocab, seed=3, wide_top_k=690)
     params = [p for _, p in rows]
     sorted_way = truncate(logits.clone(), params, nucleus_guesses=(), nucleus_kernel=False)
     kernel_way = truncate(logits.clone().to(DEVICE), params, nucleus_guesses=(), nucleus_kernel=True).cpu()
