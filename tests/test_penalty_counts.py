@@ -125,6 +125,8 @@ def test_rows_equal_the_token_lists_after_every_sync(tiny_llama, monkeypatch, as
 
 
 def test_penalties_from_rows_equal_penalties_from_lists():
+    """Rows or lists, over the whole vocabulary (the device's form) or on the seen tokens (the CPU's): the
+    same values, bit for bit."""
     gen = torch.Generator().manual_seed(1)
     vocab = 50
     counts = PenaltyCounts(vocab, torch.device("cpu"), rows=2)
@@ -143,10 +145,14 @@ def test_penalties_from_rows_equal_penalties_from_lists():
                                     s.token_ids[s.num_prompt_tokens:] + extra[i], ()))
         by_rows.append(RowSampling(p, None, [], [], (), table_rows[owner[i]], extra[i]))
     logits = torch.randn(4, vocab, generator=gen) * 3
-    want, got = logits.clone(), logits.clone()
-    apply_penalties(want, by_lists)
-    apply_penalties(got, by_rows, counts)
-    assert torch.equal(got, want) and not torch.equal(got, logits)
+    want = logits.clone()
+    apply_penalties(want, by_lists, sparse=False)  # the device's form: over the whole vocabulary
+    assert not torch.equal(want, logits)
+    for rows, table in ((by_lists, None), (by_rows, counts)):
+        for sparse in (False, True):  # True: the CPU's form, on each row's seen tokens alone
+            got = logits.clone()
+            apply_penalties(got, rows, table, sparse=sparse)
+            assert torch.equal(got, want), (table is not None, sparse)
 
 
 def test_rows_grow_are_freed_and_rebuilt_for_a_replaced_state():
@@ -184,7 +190,7 @@ def test_rows_are_written_and_read_without_a_host_read():
         rows = counts.sync(states)
         batch = [RowSampling(params, None, [], [], (0,), row, extra) for row, extra in ((rows[0], []), (rows[0], [8]),
                                                                                           (rows[1], []))]
-        pending = Sampler().sample(torch.randn(3, 40), batch, counts=counts)
+        pending = Sampler(device_forms=True).sample(torch.randn(3, 40), batch, counts=counts)
         counts.add_sampled([rows[0], rows[1]], pending.token_ids, [0, 2])  # what the step's plain rows sampled
     assert reads.reads == [] and syncs.syncs == []
     assert counts.output[rows[1]].sum() == 1 and counts.counted[rows[1]] == 1

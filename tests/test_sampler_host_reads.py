@@ -6,7 +6,8 @@ torch function mode that sees every tolist / item / bool / numpy / cpu call, and
 Python list (on a GPU that copies the list up and waits); the values read back equal log_softmax computed
 apart. A dispatch mode sees the aten ops that wait on CUDA below the Python API (scalar reads, boolean-mask
 indexing, repeat_interleave without its output size): sampling runs none. Seeded rows are drawn together:
-the aten ops of a step are the same for 1 seeded row as for 8 (none per row)."""
+the aten ops of a step are the same for 1 seeded row as for 8 (none per row). The sampler runs its device
+forms (Sampler(device_forms=True)): on the CPU penalties read each row's seen tokens on the host."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def test_one_host_read_per_step_with_every_row_kind():
     logits = torch.randn(7, vocab)
     rows = _rows(vocab)
     with HostReads() as mode, SyncOps() as syncs:
-        pending = Sampler().sample(logits, rows)
+        pending = Sampler(device_forms=True).sample(logits, rows)
     assert mode.reads == [] and syncs.syncs == []
     with HostReads() as mode:
         out = pending.result()
@@ -117,7 +118,7 @@ def test_greedy_and_plain_sampling_read_once():
     for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=3, top_p=0.8)):
         rows = [RowSampling(params, None, [], [], (0,)) for _ in range(3)]
         with HostReads() as mode, SyncOps() as syncs:
-            pending = Sampler().sample(logits, rows)
+            pending = Sampler(device_forms=True).sample(logits, rows)
         assert mode.reads == [] and syncs.syncs == []
         with HostReads() as mode:
             pending.result()
@@ -155,7 +156,7 @@ def test_seeded_rows_cost_the_same_ops_for_one_row_as_for_eight():
         rows += [RowSampling(plain, None, [], [], (0,)) for _ in range(num_plain)]
         logits = torch.randn(len(rows), vocab)
         with AllOps() as mode, HostReads() as reads, SyncOps() as syncs:
-            pending = Sampler().sample(logits, rows)
+            pending = Sampler(device_forms=True).sample(logits, rows)
         assert reads.reads == [] and syncs.syncs == []
         assert all(0 <= t < vocab for t in pending.result().token_ids)
         return mode.ops
