@@ -15,7 +15,8 @@ import torch
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.penalty_counts import PenaltyCounts
-from pagedserve.worker.sampler import RowSampling, apply_penalties
+from pagedserve.worker.penalties import apply_penalties
+from pagedserve.worker.sampler import RowSampling
 from tiny_models import make_engine
 
 PENALTIES = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.6),
