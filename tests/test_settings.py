@@ -177,10 +177,11 @@ def test_argv_for_hands_on_what_differs_from_the_default():
 
 # ---- derived defaults ---------------------------------------------------------------------------
 def test_step_budgets_are_computed_in_one_place():
-    assert step_budgets(None, None, "cpu") == (512, 128)
+    assert step_budgets(None, None, "cpu") == (512, 64)
     assert step_budgets(None, None, "cuda") == (2048, 512)
     assert step_budgets(None, None, "cuda:1") == (2048, 512)
-    assert step_budgets(300, None, "cpu") == (300, 75)
+    assert step_budgets(300, None, "cpu") == (300, 37)
+    assert step_budgets(300, None, "cuda") == (300, 75)
     assert step_budgets(300, 0, "cuda") == (300, 0)  # 0: no cap
     assert step_budgets(64, 40, "cpu") == (64, 40)
 

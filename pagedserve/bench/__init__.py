@@ -58,6 +58,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=lambda args: _lora_bench(args) if args.loras else run_throughput(args))
     from pagedserve.bench.latency import add_latency_parser
     add_latency_parser(bench_sub)
+    from pagedserve.bench.behind import add_behind_parser
+    add_behind_parser(bench_sub)
     from pagedserve.bench.services import add_services_parser
     add_services_parser(bench_sub)
     from pagedserve.bench.embeddings import add_embeddings_parser

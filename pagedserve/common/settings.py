@@ -41,17 +41,22 @@ DEFAULT_PORTS = {"http": 8000, "grpc": 50051, "tokenizer": 50052, "scheduler": 5
 # ---- the defaults computed from other settings -----------------------------------------------
 CPU_MAX_NUM_BATCHED_TOKENS = 512  # small steps mix prefill chunks into decodes (+8% on W64 over 2048)
 CUDA_MAX_NUM_BATCHED_TOKENS = 2048
-LONG_PREFILL_SHARE = 4  # one request prefills at most a quarter of the step budget per step
+# One request prefills at most this share of the step budget a step: a quarter on CUDA, an eighth on
+# the CPU, where a step of 128 prompt tokens took ~140 ms on two cores and a short prompt arriving
+# meanwhile waited for it (64: ~75 ms; a 1,800-token prompt's own TTFT +3%: `pagedserve bench behind`).
+CUDA_LONG_PREFILL_SHARE = 4
+CPU_LONG_PREFILL_SHARE = 8
 
 
 def step_budgets(max_num_batched_tokens: int | None, long_prefill_token_threshold: int | None,
                  device: str) -> tuple[int, int]:
     """(max_num_batched_tokens, long_prefill_token_threshold) as configured, or their defaults:
     the budget 512 on CPU and 2048 on CUDA (device: "cpu", "cuda", "cuda:0", a torch.device),
-    the threshold a quarter of the budget (0 stays 0: no cap)."""
-    budget = max_num_batched_tokens or (CUDA_MAX_NUM_BATCHED_TOKENS if str(device).startswith("cuda")
-                                        else CPU_MAX_NUM_BATCHED_TOKENS)
-    threshold = budget // LONG_PREFILL_SHARE if long_prefill_token_threshold is None else long_prefill_token_threshold
+    the threshold an eighth of the budget on CPU, a quarter on CUDA (0 stays 0: no cap)."""
+    cuda = str(device).startswith("cuda")
+    budget = max_num_batched_tokens or (CUDA_MAX_NUM_BATCHED_TOKENS if cuda else CPU_MAX_NUM_BATCHED_TOKENS)
+    share = CUDA_LONG_PREFILL_SHARE if cuda else CPU_LONG_PREFILL_SHARE
+    threshold = budget // share if long_prefill_token_threshold is None else long_prefill_token_threshold
     return budget, threshold
 
 
@@ -237,8 +242,10 @@ def _settings() -> tuple[Setting, ...]:
           "token budget of one step, prefill chunks and decodes together",
           default_text=f"{CPU_MAX_NUM_BATCHED_TOKENS} on CPU, {CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA", group="engine"),
         S("--long-prefill-token-threshold", "engine serve scheduler", int, None,
-          "most prompt tokens one request prefills per step (0: no cap)",
-          default_text=f"--max-num-batched-tokens / {LONG_PREFILL_SHARE}", group="engine"),
+          "most prompt tokens one request prefills per step (0: no cap); a prompt of at most this many "
+          "tokens is short: a longer prefill leaves every other step to short prompts waiting",
+          default_text=f"--max-num-batched-tokens / {CPU_LONG_PREFILL_SHARE} on CPU, / {CUDA_LONG_PREFILL_SHARE} "
+          "on CUDA", group="engine"),
         S("--preemption-mode", "engine serve scheduler", default="recompute", choices=("recompute", "swap"),
           help="what happens to a preempted request's KV blocks", group="engine"),
         S("--scheduling-policy", "engine serve scheduler", default="fcfs", choices=("fcfs", "priority"),

@@ -47,7 +47,7 @@ class EngineConfig:
     enforce_eager: bool = _DEFAULTS["enforce_eager"]  # CUDA: no graphs
     # vLLM's JSON (a str) or a dict: {"cudagraph_mode": "FULL_DECODE_ONLY"}; common/compilation.py
     compilation_config: str | dict | None = _DEFAULTS["compilation_config"]
-    # None: settings.step_budgets picks them (512 on CPU, 2048 on CUDA; a quarter of that)
+    # None: settings.step_budgets picks them (512 on CPU, 2048 on CUDA; an eighth, a quarter of that)
     max_num_batched_tokens: int | None = _DEFAULTS["max_num_batched_tokens"]
     long_prefill_token_threshold: int | None = _DEFAULTS["long_prefill_token_threshold"]
     max_model_len: int | None = _DEFAULTS["max_model_len"]

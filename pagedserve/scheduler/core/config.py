@@ -20,6 +20,9 @@ class SchedulerConfig:
     # Most prompt tokens one request prefills in a step (0: no cap). Keeps steps short while a
     # long prompt prefills, so decodes and short prompts beside it are not held for seconds.
     long_prefill_token_threshold: int = 0
+    # A prefill of more than long_prefill_token_threshold tokens to go leaves every other step to the
+    # short prompts at the head of the waiting queue (short_first.py). False: first come, first served.
+    short_prompts_first: bool = True
     # Per KV group (common/model_config.KVGroups): 0 full attention, else the sliding window.
     kv_group_windows: tuple[int, ...] = (0,)
     # Most distinct LoRA adapters among the running requests (--max-loras; a step's adapters are

@@ -64,6 +64,7 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
+    yielded_step: int = -1  # the last step its prefill chunk left to short prompts (short_first.py)
     sent_to_worker: bool = False  # the worker holds its state (cleared by a recompute preemption)
     logprobs: list[SampledToken] = field(default_factory=list)
     prompt_logprobs: list[SampledToken] = field(default_factory=list)  # positions 1, 2, ... as computed

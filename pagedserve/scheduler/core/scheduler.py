@@ -2,8 +2,10 @@
 
 Each step: running decodes first (a decode is one token and keeps a stream moving), then running
 partial prefills, then swapped-out requests, then waiting ones — all against max_num_seqs and
-max_num_batched_tokens. When blocks run out the lowest-priority (latest-arrived) running request
-is preempted, by recompute or by swapping its blocks to the host pool.
+max_num_batched_tokens; except that a prefill with more than a chunk to go leaves a step now and then
+to the short prompts at the head of the waiting queue (short_first.py). When blocks run out the
+lowest-priority (latest-arrived) running request is preempted, by recompute or by swapping its blocks
+to the host pool.
 
 Async scheduling (schedule(ahead=True), vLLM's): while one step runs on the worker, the next is
 scheduled as if each request that step samples already had its token (Request.num_pending_samples):
@@ -50,6 +52,7 @@ from pagedserve.scheduler.core.results import (RequestUpdate, append_sample, fir
                                                pooled_vector)
 from pagedserve.scheduler.core.request import Request, RequestStatus, sample_ids
 from pagedserve.scheduler.core.sample_ids import SampleIds
+from pagedserve.scheduler.core.short_first import is_short, yielding_prefills
 from pagedserve.scheduler.core.speculation import Speculation
 from pagedserve.scheduler.core.step_stats import StepStats, count_step
 
@@ -182,7 +185,6 @@ class Scheduler:
         self._decode_ids: set[str] = set()
         self._wait_reason = None
         preemptions_before = self.num_preemptions
-        preempted = False
         self._speculate = (self.speculation is not None and not ahead
                            and self.speculation.begin_step(self.requests, len(self.running)))
 
@@ -195,32 +197,36 @@ class Scheduler:
                 prefills.append(r)
         if ahead:
             decodes = [r for r in decodes if not self._waits_for_result(r)]
-        for req in decodes + prefills:
-            if self._budget == 0:
-                break
-            if req.status is RequestStatus.RUNNING:
-                try:
-                    if ahead:
-                        self._schedule_ahead(req, out)
-                    else:
-                        preempted |= not self._schedule_running(req, out)
-                except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
-                    self._fail(req, exc, out)
+        cfg = self.config
+        cap = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill and cfg.short_prompts_first else 0
+        yielding = [] if self.swapped else yielding_prefills(prefills, self.waiting, cap, self.step_id)
+        if yielding:
+            prefills = [r for r in prefills if r not in yielding]
+        preempted = self._schedule_all(decodes + prefills, out, ahead)
 
         queues = [(self.swapped, self._swap_in), (self.waiting, self._admit)]
         if ahead:
             self.needs_sync |= bool(self.swapped)
             queues = queues[1:]
+        admitted = 0
         for queue, admit in queues:
             while queue and self._budget > 0 and not preempted:
                 req = queue[0]
+                if yielding and not is_short(req, cap):
+                    break  # the step is the short prompts' (short_first.py)
                 try:
                     if not admit(req, out):
                         break
+                    admitted += 1
                 except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
                     self._fail(req, exc, out)
                     if queue and queue[0] is req:
                         break  # could not even be taken out: leave the queue for the next step
+        if yielding and admitted:
+            for req in yielding:
+                req.yielded_step = self.step_id
+        elif yielding:  # no short prompt could come in: the long ones run after all
+            preempted |= self._schedule_all(yielding, out, ahead)
 
         if ahead and not out.num_scheduled_tokens:
             # Nothing could run ahead: no step. Its drops go with the next one.
@@ -233,6 +239,22 @@ class Scheduler:
             (out.new_requests if isinstance(entry, NewRequestData) else out.cached_requests).append(entry)
         out.blocks_to_copy = [pair for pairs in self._copies.values() for pair in pairs]
         return out
+
+    def _schedule_all(self, reqs: list[Request], out: SchedulerOutput, ahead: bool) -> bool:
+        """Schedule running requests in order while the budget lasts; True if one was preempted."""
+        preempted = False
+        for req in reqs:
+            if self._budget == 0:
+                break
+            if req.status is RequestStatus.RUNNING:
+                try:
+                    if ahead:
+                        self._schedule_ahead(req, out)
+                    else:
+                        preempted |= not self._schedule_running(req, out)
+                except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
+                    self._fail(req, exc, out)
+        return preempted
 
     # ---- a step's results ---------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
