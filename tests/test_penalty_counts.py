@@ -108,9 +108,9 @@ def test_rows_equal_the_token_lists_after_every_sync(tiny_llama, monkeypatch, as
         return rows
 
     monkeypatch.setattr(PenaltyCounts, "sync", checked_sync)
-    engine = make_engine(tiny_llama, max_num_batched_tokens=16, kv_cache_memory=24 * 4096,
-                         async_scheduling=async_scheduling,
-                         speculative_config=NGRAM)
+    engine = make_engine(tiny_llama, max_num_batched_tokens=16, long_prefill_token_threshold=4,
+                         kv_cache_memory=24 * 4096, async_scheduling=async_scheduling,
+                         speculative_config=NGRAM)  # (a schedule that preempts: the cap set, not the default)
     batch = prompts(5, seed=8)
     params = [SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=10, ignore_eos=True, repetition_penalty=1.2,
                              frequency_penalty=-1.0),
