@@ -104,6 +104,112 @@ def test_argmax_rows_rejects_bad_input():
         ops.argmax_rows(torch.zeros(4, 2).t())
 
 
+def _inverse_cdf_float64(y: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact rule draw_rows computes: the first token whose cumulative softmax(y) passes u (float64), and
+    that cumulative sum."""
+    cdf = torch.softmax(y.double(), -1).cumsum(-1)
+    return torch.searchsorted(cdf, u.double()[:, None], right=True).squeeze(1).clamp_max(y.shape[1] - 1), cdf
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 100, 49152])
+def test_draw_rows_is_the_inverse_transform_of_softmax(n):
+    """Each row's token is the first whose cumulative softmax passes u, as in float64 (a token whose cumulative
+    sum lies within float32's rounding of u may fall either way); -inf tokens are never drawn."""
+    gen = torch.Generator().manual_seed(n)
+    y = torch.randn(400, n, generator=gen) * 3
+    y[::3, ::2] = float("-inf")  # truncated tokens
+    y[::3, -1] = 0.5  # (one token left where n is 1)
+    y[1::7] = y[1::7].round()  # ties
+    u = torch.rand(400, generator=gen)
+    got = ops.draw_rows(y.clone(), u)
+    want, cdf = _inverse_cdf_float64(y, u)
+    near = (cdf - u.double()[:, None]).abs().amin(-1) < 1e-5
+    assert torch.equal(got[~near], want[~near]) and (got == want).float().mean() > 0.9
+    before = torch.where(got > 0, cdf.gather(1, (got - 1).clamp_min(0)[:, None]).squeeze(1), 0.0)
+    assert (before <= u + 1e-5).all() and (cdf.gather(1, got[:, None]).squeeze(1) > u - 1e-5).all()
+    assert not torch.isinf(y.gather(1, got[:, None])).any()
+
+
+def test_draw_rows_edges():
+    """u at float32's largest value below 1 takes the last token of positive weight (the walk's rounding);
+    a row of -inf draws its first token; scores far below the max get no weight; y becomes exp(y - max)."""
+    y = torch.full((4, 37), float("-inf"))
+    y[0, [3, 20, 30]] = torch.tensor([1.0, 2.0, 0.5])
+    y[1, [3, 20, 30]] = torch.tensor([1.0, 2.0, 0.5])
+    y[3, 0], y[3, 36] = 0.0, -200.0  # exp(-200) is 0 in float32 too
+    u = torch.tensor([0.0, 1.0 - 2 ** -24, 0.5, 1.0 - 2 ** -24])
+    work = y.clone()
+    assert ops.draw_rows(work, u).tolist() == [3, 30, 0, 0]
+    assert torch.allclose(work[0, [3, 20, 30]], torch.exp(y[0, [3, 20, 30]] - 2.0))
+    assert work[0].count_nonzero() == 3
+
+
+def test_draw_rows_follows_the_distribution():
+    """20,000 draws of one row (a fixed torch seed: deterministic) against its probabilities."""
+    gen = torch.Generator().manual_seed(3)
+    row = torch.tensor([0.0, 1.0, float("-inf"), 2.0, -1.0, 0.3] * 6)
+    draws = ops.draw_rows(row.repeat(20000, 1), torch.rand(20000, generator=gen))
+    freq = torch.bincount(draws, minlength=36).double() / 20000
+    assert (freq - torch.softmax(row.double(), -1)).abs().max() < 0.01 and freq[2::6].sum() == 0
+
+
+def _nucleus_draw_float64(y: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor):
+    """nucleus_draw_rows' rule in float64: token i stays when the mass of the tokens more likely than i is below
+    top_p x the total (ties together) and exp(y_i - max) >= min_p; then the first kept token whose cumulative
+    weight passes u x the kept total. Returns (tokens, the rows' distance to an edge of either rule)."""
+    e = (y.double() - y.double().amax(-1, keepdim=True)).exp()
+    total = e.sum(-1, keepdim=True)
+    above = (e[:, None, :] * (e[:, None, :] > e[:, :, None])).sum(-1)  # [rows, n]: mass of the more likely
+    need = torch.where(top_p[:, None] < 1, top_p[:, None].double() * total, 2 * total)
+    kept = (above < need) & (e >= min_p[:, None].double()) & (e > 0)
+    w = torch.where(kept, e, 0.0)
+    cdf = w.cumsum(-1) / w.sum(-1, keepdim=True)
+    tokens = torch.searchsorted(cdf, u.double()[:, None], right=True).squeeze(1).clamp_max(y.shape[1] - 1)
+    edge = torch.minimum(((above - need) / total).abs().amin(-1), (cdf - u.double()[:, None]).abs().amin(-1))
+    return tokens, edge
+
+
+@pytest.mark.parametrize("n", [7, 16, 515])
+def test_nucleus_draw_rows_is_the_rule_in_float64(n):
+    """Rows of random logits (peaked ones, flat ones, ties, -inf tokens) with top_p, min_p or both: each row's
+    token is the float64 rule's, unless the row lies within float32 rounding of an edge."""
+    gen = torch.Generator().manual_seed(n)
+    y = torch.randn(300, n, generator=gen) * 2
+    y[::5, : max(1, n // 8)] += 6  # peaked
+    y[1::5] = y[1::5].round()  # ties
+    y[2::5, 1::3] = float("-inf")
+    top_p = torch.tensor([0.2, 0.6, 0.9, 0.95, 1.0, 0.5])[torch.arange(300) % 6]
+    min_p = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.3, 0.05, 0.0])[torch.arange(300) % 7]
+    u = torch.rand(300, generator=gen)
+    got = ops.nucleus_draw_rows(y.clone(), top_p, min_p, u)
+    want, edge = _nucleus_draw_float64(y, top_p, min_p, u)
+    clear = edge > 1e-5
+    assert clear.float().mean() > 0.9 and torch.equal(got[clear], want[clear])
+
+
+def test_nucleus_draw_rows_keeps_ties_at_the_edge_together():
+    """Four tokens of 0.25 and top_p 0.5: all four stay (the mass before each is 0 < 0.5), so over many u the
+    draws reach every one; top_p 1 and min_p 0 is draw_rows; all -inf draws the first token."""
+    y = torch.zeros(4000, 4)
+    u = torch.rand(4000, generator=torch.Generator().manual_seed(1))
+    got = ops.nucleus_draw_rows(y.clone(), torch.full((4000,), 0.5), torch.zeros(4000), u)
+    assert set(got.tolist()) == {0, 1, 2, 3}
+    z = torch.randn(50, 100, generator=torch.Generator().manual_seed(2))
+    v = torch.rand(50, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(ops.nucleus_draw_rows(z.clone(), torch.ones(50), torch.zeros(50), v), ops.draw_rows(z.clone(), v))
+    dead = torch.full((2, 9), float("-inf"))
+    assert ops.nucleus_draw_rows(dead, torch.tensor([0.5, 1.0]), torch.tensor([0.1, 0.0]), torch.rand(2)).tolist() == [0, 0]
+
+
+def test_draw_rows_rejects_bad_input():
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.draw_rows(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2))
+    with pytest.raises(RuntimeError, match="u must be"):
+        ops.draw_rows(torch.zeros(2, 4), torch.zeros(3))
+    with pytest.raises(RuntimeError, match="top_p and min_p"):
+        ops.nucleus_draw_rows(torch.zeros(2, 4), torch.zeros(3), torch.zeros(2), torch.zeros(2))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(8, 8), (20, 3), (100, 8), (49152, 8)])
 def test_logits_top_is_float_copy_and_topk(dtype, n, k):

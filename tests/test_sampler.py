@@ -178,6 +178,54 @@ def test_nucleus_from_candidates_or_the_sort_row_by_row():
     assert 64 < len(_reference_allowed(flat.tolist(), SamplingParams(top_p=0.9), _must)) < 900
 
 
+def unseeded_support(logits: torch.Tensor, n: int = 4000, **kw) -> torch.Tensor:
+    """The draws of n unseeded rows of these logits ([1, V]) in one batch (a fixed torch seed)."""
+    torch.manual_seed(5)
+    batch = logits.expand(n, logits.shape[1]).contiguous()
+    return torch.tensor(sampler(batch, [row(**kw) for _ in range(n)]).token_ids)
+
+
+@pytest.mark.parametrize("settings", [dict(top_p=0.75), dict(top_p=0.9, min_p=0.2), dict(min_p=0.5),
+                                      dict(temperature=2.0), dict(top_p=0.3, temperature=0.5)])
+def test_unseeded_rows_draw_from_the_reference_kept_set_in_proportion(settings):
+    """Unseeded rows without top_k (the CPU's one-pass nucleus and draw, logits_ops.cpp): every draw lies in the
+    plain-Python reference's kept set, and each kept token comes up in proportion to its renormalised
+    probability."""
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.6, 0.0, 2.2, 1.0, 0.5, float("-inf"), 1.7]])
+    p = SamplingParams(**settings)
+    allowed = _reference_allowed(logits[0].tolist(), p, _must) - {8}  # (probability 0: never drawn)
+    draws = unseeded_support(logits, **settings)
+    assert set(draws.tolist()) == allowed
+    keep = torch.full((10,), float("-inf"))
+    keep[list(allowed)] = 0.0
+    want = (logits[0] / p.temperature + keep).softmax(-1)
+    assert torch.allclose(torch.bincount(draws, minlength=10).float() / len(draws), want, atol=0.025)
+
+
+def test_unseeded_rows_keep_ties_at_the_nucleus_edge_together():
+    """Four tokens of 0.25 and top_p 0.5: the CPU's one pass keeps all four (the mass before each is 0), as the
+    GPU's kernel does; the sort (seeded rows here) keeps two of them."""
+    assert set(unseeded_support(torch.zeros(1, 4), n=2000, top_p=0.5).tolist()) == {0, 1, 2, 3}
+    assert len(support(torch.zeros(1, 4), n=400, top_p=0.5)) == 2
+
+
+def test_a_batch_of_every_kind_of_row_gives_seeded_rows_their_own_tokens():
+    """Seeded rows, top_k rows, unseeded top_p / min_p rows and greedy rows in one call: the seeded and greedy
+    rows' tokens are theirs alone, the others lie in their kept sets."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 300, generator=gen) * 3
+    kinds = [dict(seed=1, temperature=0.9, top_p=0.8), dict(top_k=5, temperature=1.0), dict(top_p=0.7),
+             dict(temperature=0.0), dict(min_p=0.3, temperature=0.7), dict(seed=2, temperature=1.2)]
+    torch.manual_seed(0)
+    batch = sampler(logits, [row(position=0, **k) for k in kinds]).token_ids
+    for i, k in enumerate(kinds):
+        if "seed" in k or k.get("temperature") == 0.0:
+            assert batch[i] == sampler(logits[i:i + 1], [row(position=0, **k)]).token_ids[0]
+        else:
+            p = SamplingParams(**{key: v for key, v in k.items() if key != "seed"})
+            assert batch[i] in _reference_allowed(logits[i].tolist(), p, _must)
+
+
 def test_top_p_boundary_is_inclusive():
     # Four tokens at exactly .25: two of them reach top_p=.5, so a third must not be kept.
     x = truncate(torch.zeros(2, 4), [SamplingParams(top_p=0.5), SamplingParams(top_p=0.75)])

@@ -143,8 +143,8 @@ def _apply_token_masks_torch(x: torch.Tensor, raw: torch.Tensor, masks: TokenMas
     x.index_copy_(0, rows, torch.where(dead[:, None], revived, sub))
 
 
-def _draw(probs: torch.Tensor, keys: list[int | None]) -> torch.Tensor:
-    """One token a row, an exact draw from its probs.
+def _draw(y: torch.Tensor, keys: list[int | None]) -> torch.Tensor:
+    """One token a row, an exact draw from softmax(y) (y: the rows' final logits, a temporary it may overwrite).
 
     Rows without a key: inverse transform sampling with one uniform a row from the global torch RNG
     (`_inverse_cdf`). Seeded rows: the exponential race, argmax(probs / q) with q ~ Exp(1) a token, their
@@ -153,16 +153,16 @@ def _draw(probs: torch.Tensor, keys: list[int | None]) -> torch.Tensor:
     """
     seeded = [j for j, k in enumerate(keys) if k is not None]
     if not seeded:
-        return _inverse_cdf(probs)
-    dev, vocab = probs.device, probs.shape[1]
+        return _inverse_cdf(y)
+    dev, vocab = y.device, y.shape[1]
     drawn = exponentials([keys[j] for j in seeded], vocab, dev)
     if len(seeded) == len(keys):
-        return _race(probs, drawn)
+        return _race(y.softmax(-1), drawn)
     shared = to_device([j for j, k in enumerate(keys) if k is None], torch.long, dev)
     seeded_rows = to_device(seeded, torch.long, dev)
     tokens = torch.empty(len(keys), dtype=torch.long, device=dev)
-    put_rows(tokens, shared, _inverse_cdf(probs.index_select(0, shared)))
-    put_rows(tokens, seeded_rows, _race(probs.index_select(0, seeded_rows), drawn))
+    put_rows(tokens, shared, _inverse_cdf(y.index_select(0, shared)))
+    put_rows(tokens, seeded_rows, _race(y.index_select(0, seeded_rows).softmax(-1), drawn))
     return tokens
 
 
@@ -172,16 +172,24 @@ def _race(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return argmax(probs.div_(q))
 
 
-def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
-    """The first token whose cumulative probability passes u x the row's total, u ~ U[0, 1) from the global
-    torch RNG: an exact draw with one random number a row (the exponential race takes one a token: torch's
-    exponential_ over 64 rows of 49k tokens cost ~50 ms of a W64 step on a 2-core Xeon). Tokens of
-    probability 0 (truncated, masked) are never the first to pass it: their cumulative sum does not rise.
-    Where a parallel scan's rounding lets one slip through (a GPU's cumsum need not be monotone to the
+def _inverse_cdf(y: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative probability (softmax(y), y overwritten on the CPU) passes u x the row's
+    total, u ~ U[0, 1) from the global torch RNG: an exact draw with one random number a row (the exponential
+    race takes one a token: torch's exponential_ over 64 rows of 49k tokens cost ~50 ms of a W64 step on a
+    2-core Xeon). Tokens of probability 0 (truncated, masked) are never the first to pass it: their
+    cumulative sum does not rise. On the CPU one compiled pass a row does it all (logits_ops.cpp draw_rows:
+    torch's softmax, cumsum and searchsorted took ~4.3 ms of 64 rows of 49k tokens, it ~1 ms). Elsewhere,
+    where a parallel scan's rounding lets a zero slip through (a GPU's cumsum need not be monotone to the
     last bit), the row takes its most likely token instead."""
+    u = torch.rand(y.shape[0], 1, dtype=torch.float32, device=y.device)
+    if y.device.type == "cpu" and y.dtype == torch.float32 and y.is_contiguous() and y.shape[1]:
+        from pagedserve.kernels import cpu_ops
+        ops = cpu_ops.load()
+        if ops is not None:
+            return ops.draw_rows(y, u.view(-1))
+    probs = y.softmax(-1)
     cdf = probs.cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max_(probs.shape[1] - 1)
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_max_(probs.shape[1] - 1)
     possible = probs.gather(1, tokens[:, None]).squeeze(1) > 0
     return torch.where(possible, tokens, argmax(probs))
 
@@ -247,12 +255,40 @@ class Sampler:
         if sampled:
             temp = to_device([params[i].temperature for i in sampled], torch.float32, x.device)
             index = row_index(sampled, x.shape[0], x.device)
-            y = truncate(take_rows(x, index) / temp[:, None], [params[i] for i in sampled])
-            put_rows(tokens, index, _draw(y.softmax(-1), [rows[i].key for i in sampled]))
+            y = take_rows(x, index) / temp[:, None]
+            put_rows(tokens, index, self._sample_rows(y, [params[i] for i in sampled],
+                                                      [rows[i].key for i in sampled]))
 
         if not want_lp:
             return PendingSample(tokens, params, [], 0)
         return _with_logprobs(raw, tokens, params)
+
+
+    def _sample_rows(self, y: torch.Tensor, params: list[SamplingParams], keys: list[int | None]) -> torch.Tensor:
+        """A token a row of y (temperature-scaled logits, a temporary overwritten here): top_k, top_p and min_p
+        (truncation.py), then an exact draw. On the CPU the unseeded rows without top_k take one compiled pass
+        each (logits_ops.cpp nucleus_draw_rows: the nucleus found without a sort or candidate guesses, and the
+        draw among what it keeps; top_k rows go through torch.topk, seeded rows race over every token)."""
+        ops = _cpu_ops() if y.device.type == "cpu" and not self.device_forms and y.dtype == torch.float32 else None
+        vocab = y.shape[1]
+        fused = [j for j, (p, k) in enumerate(zip(params, keys))
+                 if k is None and not 0 < p.top_k < vocab] if ops is not None else []
+        if not fused:
+            return _draw(truncate(y, params), keys)
+        if len(fused) < len(params):
+            rest = [j for j in range(len(params)) if j not in set(fused)]
+            tokens = torch.empty(len(params), dtype=torch.long)
+            tokens[rest] = self._sample_rows(y[rest], [params[j] for j in rest], [keys[j] for j in rest])
+            tokens[fused] = self._sample_rows(y[fused].contiguous(), [params[j] for j in fused], [None] * len(fused))
+            return tokens
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        return ops.nucleus_draw_rows(y.contiguous(), top_p, min_p, torch.rand(len(params), dtype=torch.float32))
+
+
+def _cpu_ops():
+    from pagedserve.kernels import cpu_ops
+    return cpu_ops.load()
 
 
 def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> PendingSample:

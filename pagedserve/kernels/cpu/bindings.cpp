@@ -30,6 +30,8 @@ at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& p
                            const std::vector<int64_t>& rows, bool precise, bool bf16_out);
 bool repacked_kernel_available();
 at::Tensor argmax_rows(const at::Tensor& x);
+at::Tensor draw_rows(at::Tensor& y, const at::Tensor& u);
+at::Tensor nucleus_draw_rows(at::Tensor& y, const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& u);
 bool set_work_pool(bool on);
 bool lora_delta_available(bool bfloat16);
 void lora_delta_(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
@@ -77,6 +79,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repacked_kernel_available", &pagedserve::repacked_kernel_available,
         "whether repacked_linear was compiled (AVX-512 VNNI)");
   m.def("argmax_rows", &pagedserve::argmax_rows, "torch.argmax(x, -1) of a contiguous float32 [rows, n]");
+  m.def("draw_rows", &pagedserve::draw_rows,
+        "a token a row from softmax(y) by inverse transform with uniforms u (y overwritten with exp(y - max))");
+  m.def("nucleus_draw_rows", &pagedserve::nucleus_draw_rows,
+        "draw_rows within each row's top_p nucleus and min_p floor (y overwritten with exp(y - max))");
   m.def("logits_top", &pagedserve::logits_top,
         "(x.float(), indices of each row's k largest, unsorted) of a float32 or bfloat16 [rows, n], in one pass");
   m.def("rotary_inplace", &pagedserve::rotary_inplace, "rotate-half rotary embedding of q and k in place");
