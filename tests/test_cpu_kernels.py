@@ -196,9 +196,11 @@ def test_nucleus_draw_rows_keeps_ties_at_the_edge_together():
     assert set(got.tolist()) == {0, 1, 2, 3}
     z = torch.randn(50, 100, generator=torch.Generator().manual_seed(2))
     v = torch.rand(50, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(ops.nucleus_draw_rows(z.clone(), torch.ones(50), torch.zeros(50), v), ops.draw_rows(z.clone(), v))
+    whole = ops.nucleus_draw_rows(z.clone(), torch.ones(50), torch.zeros(50), v)
+    assert torch.equal(whole, ops.draw_rows(z.clone(), v))
     dead = torch.full((2, 9), float("-inf"))
-    assert ops.nucleus_draw_rows(dead, torch.tensor([0.5, 1.0]), torch.tensor([0.1, 0.0]), torch.rand(2)).tolist() == [0, 0]
+    top_p, min_p = torch.tensor([0.5, 1.0]), torch.tensor([0.1, 0.0])
+    assert ops.nucleus_draw_rows(dead, top_p, min_p, torch.rand(2)).tolist() == [0, 0]
 
 
 def test_draw_rows_rejects_bad_input():
