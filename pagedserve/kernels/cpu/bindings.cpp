@@ -31,6 +31,9 @@ at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& p
 bool repacked_kernel_available();
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor draw_rows(at::Tensor& y, const at::Tensor& u);
+void penalize_rows(at::Tensor& x, const at::Tensor& which, const at::Tensor& counts, const at::Tensor& prompt,
+                   const at::Tensor& table_rows, const at::Tensor& repetition, const at::Tensor& presence,
+                   const at::Tensor& frequency);
 at::Tensor nucleus_draw_rows(at::Tensor& y, const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& u);
 bool set_work_pool(bool on);
 bool lora_delta_available(bool bfloat16);
@@ -83,6 +86,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a token a row from softmax(y) by inverse transform with uniforms u (y overwritten with exp(y - max))");
   m.def("nucleus_draw_rows", &pagedserve::nucleus_draw_rows,
         "draw_rows within each row's top_p nucleus and min_p floor (y overwritten with exp(y - max))");
+  m.def("penalize_rows", &pagedserve::penalize_rows,
+        "repetition, presence and frequency penalties on x's rows from a PenaltyCounts table's rows, in place");
   m.def("logits_top", &pagedserve::logits_top,
         "(x.float(), indices of each row's k largest, unsorted) of a float32 or bfloat16 [rows, n], in one pass");
   m.def("rotary_inplace", &pagedserve::rotary_inplace, "rotate-half rotary embedding of q and k in place");
