@@ -153,15 +153,19 @@ def test_draw_rows_follows_the_distribution():
     assert (freq - torch.softmax(row.double(), -1)).abs().max() < 0.01 and freq[2::6].sum() == 0
 
 
-def _nucleus_draw_float64(y: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor):
-    """nucleus_draw_rows' rule in float64: token i stays when the mass of the tokens more likely than i is below
-    top_p x the total (ties together) and exp(y_i - max) >= min_p; then the first kept token whose cumulative
-    weight passes u x the kept total. Returns (tokens, the rows' distance to an edge of either rule)."""
+def _nucleus_draw_float64(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                          u: torch.Tensor):
+    """nucleus_draw_rows' rule in float64: token i stays when fewer than top_k tokens are more likely (0: no
+    top_k), when the mass of the tokens more likely than i is below top_p x the mass top_k kept (ties together)
+    and when exp(y_i - max) >= min_p; then the first kept token whose cumulative weight passes u x the kept
+    total. Returns (tokens, the rows' distance to an edge of the rules' sums)."""
     e = (y.double() - y.double().amax(-1, keepdim=True)).exp()
-    total = e.sum(-1, keepdim=True)
-    above = (e[:, None, :] * (e[:, None, :] > e[:, :, None])).sum(-1)  # [rows, n]: mass of the more likely
+    more = e[:, None, :] > e[:, :, None]  # [rows, i, j]: j more likely than i
+    by_k = (top_k[:, None] == 0) | (more.sum(-1) < top_k[:, None])
+    total = torch.where(by_k, e, 0.0).sum(-1, keepdim=True)
+    above = (e[:, None, :] * more).sum(-1)  # [rows, n]: mass of the more likely
     need = torch.where(top_p[:, None] < 1, top_p[:, None].double() * total, 2 * total)
-    kept = (above < need) & (e >= min_p[:, None].double()) & (e > 0)
+    kept = by_k & (above < need) & (e >= min_p[:, None].double()) & (e > 0)
     w = torch.where(kept, e, 0.0)
     cdf = w.cumsum(-1) / w.sum(-1, keepdim=True)
     tokens = torch.searchsorted(cdf, u.double()[:, None], right=True).squeeze(1).clamp_max(y.shape[1] - 1)
@@ -171,8 +175,8 @@ def _nucleus_draw_float64(y: torch.Tensor, top_p: torch.Tensor, min_p: torch.Ten
 
 @pytest.mark.parametrize("n", [7, 16, 515])
 def test_nucleus_draw_rows_is_the_rule_in_float64(n):
-    """Rows of random logits (peaked ones, flat ones, ties, -inf tokens) with top_p, min_p or both: each row's
-    token is the float64 rule's, unless the row lies within float32 rounding of an edge."""
+    """Rows of random logits (peaked ones, flat ones, ties, -inf tokens) with top_k, top_p, min_p and their
+    mixes: each row's token is the float64 rule's, unless the row lies within float32 rounding of an edge."""
     gen = torch.Generator().manual_seed(n)
     y = torch.randn(300, n, generator=gen) * 2
     y[::5, : max(1, n // 8)] += 6  # peaked
@@ -180,27 +184,34 @@ def test_nucleus_draw_rows_is_the_rule_in_float64(n):
     y[2::5, 1::3] = float("-inf")
     top_p = torch.tensor([0.2, 0.6, 0.9, 0.95, 1.0, 0.5])[torch.arange(300) % 6]
     min_p = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.3, 0.05, 0.0])[torch.arange(300) % 7]
+    top_k = torch.tensor([0, 3, 0, 0, 1, 40, 0, 5, 0, 11, 0])[torch.arange(300) % 11].clamp_max(n - 1)
     u = torch.rand(300, generator=gen)
-    got = ops.nucleus_draw_rows(y.clone(), top_p, min_p, u)
-    want, edge = _nucleus_draw_float64(y, top_p, min_p, u)
+    got = ops.nucleus_draw_rows(y.clone(), top_k, top_p, min_p, u)
+    want, edge = _nucleus_draw_float64(y, top_k, top_p, min_p, u)
     clear = edge > 1e-5
     assert clear.float().mean() > 0.9 and torch.equal(got[clear], want[clear])
 
 
 def test_nucleus_draw_rows_keeps_ties_at_the_edge_together():
-    """Four tokens of 0.25 and top_p 0.5: all four stay (the mass before each is 0 < 0.5), so over many u the
-    draws reach every one; top_p 1 and min_p 0 is draw_rows; all -inf draws the first token."""
+    """Four tokens of 0.25 and top_p 0.5, or top_k 2: all four stay (the mass before each is 0 < 0.5; none has
+    2 more likely), so over many u the draws reach every one; with a fifth token of 0.3, top_k 1 keeps it alone;
+    no top_k, top_p 1 and min_p 0 is draw_rows; all -inf draws the first token."""
     y = torch.zeros(4000, 4)
     u = torch.rand(4000, generator=torch.Generator().manual_seed(1))
-    got = ops.nucleus_draw_rows(y.clone(), torch.full((4000,), 0.5), torch.zeros(4000), u)
-    assert set(got.tolist()) == {0, 1, 2, 3}
+    none, half = torch.zeros(4000, dtype=torch.long), torch.full((4000,), 0.5)
+    assert set(ops.nucleus_draw_rows(y.clone(), none, half, torch.zeros(4000), u).tolist()) == {0, 1, 2, 3}
+    two = torch.full((4000,), 2, dtype=torch.long)
+    assert set(ops.nucleus_draw_rows(y.clone(), two, torch.ones(4000), torch.zeros(4000), u).tolist()) == {0, 1, 2, 3}
+    five = torch.log(torch.tensor([[0.175, 0.175, 0.3, 0.175, 0.175]])).expand(4000, 5).contiguous()
+    one = torch.ones(4000, dtype=torch.long)
+    assert set(ops.nucleus_draw_rows(five, one, torch.ones(4000), torch.zeros(4000), u).tolist()) == {2}
     z = torch.randn(50, 100, generator=torch.Generator().manual_seed(2))
     v = torch.rand(50, generator=torch.Generator().manual_seed(3))
-    whole = ops.nucleus_draw_rows(z.clone(), torch.ones(50), torch.zeros(50), v)
+    whole = ops.nucleus_draw_rows(z.clone(), torch.zeros(50, dtype=torch.long), torch.ones(50), torch.zeros(50), v)
     assert torch.equal(whole, ops.draw_rows(z.clone(), v))
     dead = torch.full((2, 9), float("-inf"))
-    top_p, min_p = torch.tensor([0.5, 1.0]), torch.tensor([0.1, 0.0])
-    assert ops.nucleus_draw_rows(dead, top_p, min_p, torch.rand(2)).tolist() == [0, 0]
+    top_k, top_p, min_p = torch.tensor([3, 0]), torch.tensor([0.5, 1.0]), torch.tensor([0.1, 0.0])
+    assert ops.nucleus_draw_rows(dead, top_k, top_p, min_p, torch.rand(2)).tolist() == [0, 0]
 
 
 def test_draw_rows_rejects_bad_input():
@@ -209,7 +220,10 @@ def test_draw_rows_rejects_bad_input():
     with pytest.raises(RuntimeError, match="u must be"):
         ops.draw_rows(torch.zeros(2, 4), torch.zeros(3))
     with pytest.raises(RuntimeError, match="top_p and min_p"):
-        ops.nucleus_draw_rows(torch.zeros(2, 4), torch.zeros(3), torch.zeros(2), torch.zeros(2))
+        ops.nucleus_draw_rows(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), torch.zeros(3), torch.zeros(2),
+                              torch.zeros(2))
+    with pytest.raises(RuntimeError, match="top_k must be"):
+        ops.nucleus_draw_rows(torch.zeros(2, 4), torch.zeros(2), torch.zeros(2), torch.zeros(2), torch.zeros(2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

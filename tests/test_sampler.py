@@ -186,9 +186,10 @@ def unseeded_support(logits: torch.Tensor, n: int = 4000, **kw) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("settings", [dict(top_p=0.75), dict(top_p=0.9, min_p=0.2), dict(min_p=0.5),
-                                      dict(temperature=2.0), dict(top_p=0.3, temperature=0.5)])
+                                      dict(temperature=2.0), dict(top_p=0.3, temperature=0.5), dict(top_k=3),
+                                      dict(top_k=5, top_p=0.8, min_p=0.1), dict(top_k=1)])
 def test_unseeded_rows_draw_from_the_reference_kept_set_in_proportion(settings):
-    """Unseeded rows without top_k (the CPU's one-pass nucleus and draw, logits_ops.cpp): every draw lies in the
+    """Unseeded rows (the CPU's one-pass truncation and draw, logits_ops.cpp): every draw lies in the
     plain-Python reference's kept set, and each kept token comes up in proportion to its renormalised
     probability."""
     logits = torch.tensor([[0.1, 3.0, -1.0, 2.6, 0.0, 2.2, 1.0, 0.5, float("-inf"), 1.7]])
@@ -405,7 +406,8 @@ def test_the_memory_profile_samples_the_costliest_way(monkeypatch):
         monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name, **k: (
             seen.setdefault(_n, []).append(a), _o(*a, **k))[1])
     logits = torch.randn(16, 3000, generator=torch.Generator().manual_seed(0))
-    ids = StepSampling(Sampler(), None, (2,), torch.device("cpu")).profile(logits)
+    # (the device's forms: on the CPU unseeded rows would take the one-pass kernel instead of the sort)
+    ids = StepSampling(Sampler(device_forms=True), None, (2,), torch.device("cpu")).profile(logits)
     assert len(ids) == 16 and all(0 <= t < 3000 for t in ids)
     assert len(seen["_truncate_sorted"][0][1]) == 16  # every row sorted
     assert len(seen["exponentials"][0][0]) == 8  # every other row seeded

@@ -266,13 +266,12 @@ class Sampler:
 
     def _sample_rows(self, y: torch.Tensor, params: list[SamplingParams], keys: list[int | None]) -> torch.Tensor:
         """A token a row of y (temperature-scaled logits, a temporary overwritten here): top_k, top_p and min_p
-        (truncation.py), then an exact draw. On the CPU the unseeded rows without top_k take one compiled pass
-        each (logits_ops.cpp nucleus_draw_rows: the nucleus found without a sort or candidate guesses, and the
-        draw among what it keeps; top_k rows go through torch.topk, seeded rows race over every token)."""
+        (truncation.py), then an exact draw. On the CPU the unseeded rows take one compiled pass each
+        (logits_ops.cpp nucleus_draw_rows: top_k and the nucleus found without a sort or candidate guesses, and
+        the draw among what they keep; seeded rows race over every token)."""
         ops = _cpu_ops() if y.device.type == "cpu" and not self.device_forms and y.dtype == torch.float32 else None
         vocab = y.shape[1]
-        fused = [j for j, (p, k) in enumerate(zip(params, keys))
-                 if k is None and not 0 < p.top_k < vocab] if ops is not None else []
+        fused = [j for j, k in enumerate(keys) if k is None] if ops is not None else []
         if not fused:
             return _draw(truncate(y, params), keys)
         if len(fused) < len(params):
@@ -281,9 +280,10 @@ class Sampler:
             tokens[rest] = self._sample_rows(y[rest], [params[j] for j in rest], [keys[j] for j in rest])
             tokens[fused] = self._sample_rows(y[fused].contiguous(), [params[j] for j in fused], [None] * len(fused))
             return tokens
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], dtype=torch.long)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-        return ops.nucleus_draw_rows(y.contiguous(), top_p, min_p, torch.rand(len(params), dtype=torch.float32))
+        return ops.nucleus_draw_rows(y.contiguous(), top_k, top_p, min_p, torch.rand(len(params), dtype=torch.float32))
 
 
 def _cpu_ops():

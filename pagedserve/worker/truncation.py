@@ -14,9 +14,10 @@ as far as that prefix reaches. Sorting the whole vocabulary cost 90 ms a step fo
   threshold on its probabilities, found by bisection over their float bits, no sort and no host read);
 - the rest (top_k past TOP_K_CANDIDATES) sort.
 Tokens of equal probability at a prefix's edge may be kept in another order than the sort's (the kernel
-keeps them together). On the CPU the sampler sends its unseeded rows without top_k elsewhere: one compiled
-pass a row finds the nucleus and min_p's floor by the GPU kernel's rule and draws among what they keep
-(sampler.Sampler._sample_rows, kernels/cpu/logits_ops.cpp nucleus_draw_rows); the rest come here.
+keeps them together). On the CPU the sampler sends its unseeded rows elsewhere: one compiled pass a row
+finds top_k's and top_p's edges and min_p's floor as thresholds (ties at an edge kept together, as the GPU
+kernel keeps them) and draws among what they keep (sampler.Sampler._sample_rows, kernels/cpu/logits_ops.cpp
+nucleus_draw_rows); the seeded rows come here.
 
 Threads: the worker's torch thread only.
 """

@@ -34,7 +34,8 @@ at::Tensor draw_rows(at::Tensor& y, const at::Tensor& u);
 void penalize_rows(at::Tensor& x, const at::Tensor& which, const at::Tensor& counts, const at::Tensor& prompt,
                    const at::Tensor& table_rows, const at::Tensor& repetition, const at::Tensor& presence,
                    const at::Tensor& frequency);
-at::Tensor nucleus_draw_rows(at::Tensor& y, const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& u);
+at::Tensor nucleus_draw_rows(at::Tensor& y, const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                             const at::Tensor& u);
 bool set_work_pool(bool on);
 bool lora_delta_available(bool bfloat16);
 void lora_delta_(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
@@ -85,7 +86,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw_rows", &pagedserve::draw_rows,
         "a token a row from softmax(y) by inverse transform with uniforms u (y overwritten with exp(y - max))");
   m.def("nucleus_draw_rows", &pagedserve::nucleus_draw_rows,
-        "draw_rows within each row's top_p nucleus and min_p floor (y overwritten with exp(y - max))");
+        "draw_rows within each row's top_k, top_p nucleus and min_p floor (y overwritten with exp(y - max))");
   m.def("penalize_rows", &pagedserve::penalize_rows,
         "repetition, presence and frequency penalties on x's rows from a PenaltyCounts table's rows, in place");
   m.def("logits_top", &pagedserve::logits_top,

@@ -176,13 +176,14 @@ std::tuple<at::Tensor, at::Tensor> logits_top(const at::Tensor& x, int64_t k) {
 // are scores more than 87 below the max (exp below float's normal range, < 1e-37 of the max's). A
 // row whose every token is -inf draws its first. y: contiguous float32 [rows, n], overwritten.
 //
-// nucleus_draw_rows first narrows each row to top_p's nucleus and min_p's floor (worker/truncation.py's
-// rule, as the GPU's kernels/triton/nucleus.py keeps it: token i stays when the mass of the tokens more
-// likely than i is below top_p x the total, tokens of equal probability at the edge together; then
-// those with e = exp(y - max) below min_p go), then draws among what stays. With e in [0, 1] the
-// kept set is every token whose float bits reach a threshold pattern: a histogram of the masses by
-// the top 16 bits of the pattern finds the bucket where the mass from the top crosses top_p x Z,
-// and that bucket's tokens, sorted, the pattern. No sort of the row, no candidate guesses (torch.topk
+// nucleus_draw_rows first narrows each row to its top_k, top_p's nucleus and min_p's floor
+// (worker/truncation.py's rules, as the GPU's kernels/triton/nucleus.py keeps top_p: token i stays when
+// fewer than top_k tokens are more likely, then when the mass of the tokens more likely than i is
+// below top_p x the mass top_k kept, tokens of equal probability at either edge together; then those
+// with e = exp(y - max) below min_p go), then draws among what stays. With e in [0, 1] the
+// kept set is every token whose float bits reach a threshold pattern: a histogram of the masses (of
+// the counts, for top_k) by the top 16 bits of the pattern finds the bucket where the mass (count)
+// from the top crosses top_p x Z (top_k), and that bucket's tokens, sorted, the pattern. No sort of the row, no candidate guesses (torch.topk
 // of 64, then 1,024, then 8,192 candidates: ~27 ms of 64 flat rows).
 namespace {
 
@@ -243,6 +244,30 @@ uint32_t nucleus_threshold(const float* row, int64_t n, float need, std::vector<
     above += group;
   }
   return members.empty() ? 0 : members.back();  // (the bucket's own sum crossed, its parts did not)
+}
+
+// The bit pattern of the k-th largest e (0 < k < n): the kept tokens are those with bits(e) >= it (ties
+// at the k-th value kept together). `count`, `members`: scratch.
+uint32_t top_k_threshold(const float* row, int64_t n, int64_t k, std::vector<int32_t>& count,
+                         std::vector<uint32_t>& members) {
+  count.assign((kOneBits >> kBucketShift) + 1, 0);
+  for (int64_t i = 0; i < n; ++i) ++count[bits_of(row[i]) >> kBucketShift];
+  int64_t above = 0;  // tokens in the buckets above the one looked at
+  int64_t b = static_cast<int64_t>(count.size()) - 1;
+  for (; b >= 0 && above + count[b] < k; --b) above += count[b];
+  if (b < 0) return 0;
+  members.clear();
+  for (int64_t i = 0; i < n; ++i)
+    if ((bits_of(row[i]) >> kBucketShift) == static_cast<uint64_t>(b)) members.push_back(bits_of(row[i]));
+  std::sort(members.begin(), members.end(), std::greater<uint32_t>());
+  return members[k - above - 1];
+}
+
+// The mass of the tokens with bits(e) >= keep.
+float kept_mass(const float* row, int64_t n, uint32_t keep) {
+  float total = 0.f;
+  for (int64_t i = 0; i < n; ++i) total += bits_of(row[i]) >= keep ? row[i] : 0.f;
+  return total;
 }
 
 // The draw among the tokens with bits(e) >= keep (0: all), e = row: the first whose cumulative weight
@@ -323,11 +348,15 @@ at::Tensor draw_rows(at::Tensor& y, const at::Tensor& u) {
   return out;
 }
 
-at::Tensor nucleus_draw_rows(at::Tensor& y, const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& u) {
+at::Tensor nucleus_draw_rows(at::Tensor& y, const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                             const at::Tensor& u) {
   check_rows(y, u);
   TORCH_CHECK(top_p.sizes() == u.sizes() && min_p.sizes() == u.sizes() && top_p.scalar_type() == at::kFloat &&
                   min_p.scalar_type() == at::kFloat && top_p.is_contiguous() && min_p.is_contiguous(),
               "top_p and min_p must be contiguous float32 [rows] tensors");
+  TORCH_CHECK(top_k.sizes() == u.sizes() && top_k.scalar_type() == at::kLong && top_k.is_contiguous(),
+              "top_k must be a contiguous int64 [rows] tensor");
+  const int64_t* kp = top_k.data_ptr<int64_t>();
   const int64_t rows = y.size(0), n = y.size(1);
   auto out = at::empty({rows}, y.options().dtype(at::kLong));
   float* yp = y.data_ptr<float>();
@@ -335,6 +364,7 @@ at::Tensor nucleus_draw_rows(at::Tensor& y, const at::Tensor& top_p, const at::T
   int64_t* op = out.data_ptr<int64_t>();
   pool_for(rows, grain_for(16 * n), [&](int64_t begin, int64_t end) {
     std::vector<float> blocks, mass;
+    std::vector<int32_t> count;
     std::vector<uint32_t> members;
     for (int64_t r = begin; r < end; ++r) {
       float* row = yp + r * n;
@@ -343,8 +373,13 @@ at::Tensor nucleus_draw_rows(at::Tensor& y, const at::Tensor& top_p, const at::T
         op[r] = 0;
         continue;
       }
-      const float total = exp_in_place(row, n, peak);
-      uint32_t keep = pp[r] < 1.f ? nucleus_threshold(row, n, pp[r] * total, mass, members) : 0;
+      float total = exp_in_place(row, n, peak);
+      uint32_t keep = 0;
+      if (0 < kp[r] && kp[r] < n) {  // top_k first; top_p then renormalises over what it keeps
+        keep = top_k_threshold(row, n, kp[r], count, members);
+        if (pp[r] < 1.f) total = kept_mass(row, n, keep);
+      }
+      if (pp[r] < 1.f) keep = std::max(keep, nucleus_threshold(row, n, pp[r] * total, mass, members));
       if (mp[r] > 0.f) keep = std::max(keep, bits_of(std::min(mp[r], 1.f)));
       op[r] = draw_kept(row, n, keep, up[r], blocks);
     }
