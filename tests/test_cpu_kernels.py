@@ -226,6 +226,20 @@ def test_draw_rows_rejects_bad_input():
         ops.nucleus_draw_rows(torch.zeros(2, 4), torch.zeros(2), torch.zeros(2), torch.zeros(2), torch.zeros(2))
 
 
+@pytest.mark.parametrize("n, k", [(8, 8), (20, 3), (21, 5), (100, 8), (49152, 8)])
+def test_top_indices_is_torch_topk(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(7, n, generator=gen)
+    x[1, : n // 2] = float("-inf")
+    x[2, n - 1] = 50.0  # the largest in the last element (a tail past the vectors)
+    got = ops.top_indices(x, k)
+    want = x.topk(k, dim=1).values
+    assert torch.equal(x.gather(1, got).sort(dim=1, descending=True).values, want)
+    assert all(len(set(row)) == k for row in got.tolist())
+    with pytest.raises(RuntimeError, match="k must be"):
+        ops.top_indices(x, n + 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(8, 8), (20, 3), (100, 8), (49152, 8)])
 def test_logits_top_is_float_copy_and_topk(dtype, n, k):

@@ -106,7 +106,13 @@ def test_ahead_steps_follow_the_rule_too():
 def test_yielding_prefills_is_the_rule_alone():
     sched = Driver(config()).sched
     long = make_request("long", LONG, arrival=0)
+    long.first_step = 3  # first scheduled in step 3
     head = short("s", 1)
+    head.queued_step = 4  # added after step 4 was scheduled
+    assert yielding_prefills([long], [head], 10, step_id=5) == [long]
+    head.queued_step = 2  # it was waiting before the long prompt began: first come, first served
+    assert yielding_prefills([long], [head], 10, step_id=5) == []
+    head.queued_step = 3  # added while step 3, the long prompt's first, ran
     assert yielding_prefills([long], [head], 10, step_id=5) == [long]
     assert yielding_prefills([long], [head], 0, step_id=5) == []
     assert yielding_prefills([long], [], 10, step_id=5) == []
@@ -164,3 +170,17 @@ def test_the_engine_gives_each_prompt_transformers_tokens_and_the_short_ones_a_s
                                                                         for i in range(3))]
         assert len(prefills) == 3
         assert all(("long" in p) != rule for p in prefills), (rule, prefills)
+
+
+def test_prompts_waiting_together_keep_first_come_first_served():
+    """A batch submitted at once (a long prompt first, short ones behind it, as W64's are): no step yields,
+    the steps are those of first come, first served."""
+    steps = {}
+    for rule in (True, False):
+        d = Driver(config(short_prompts_first=rule))
+        d.add(make_request("long", LONG, max_tokens=2, arrival=0),
+              *(short(f"s{i}", 1 + i) for i in range(4)))
+        d.run()
+        steps[rule] = [dict(out.num_scheduled_tokens) for out in d.steps]
+        assert d.outputs["long"] == expected_outputs(LONG, 2)[0]
+    assert steps[True] == steps[False]

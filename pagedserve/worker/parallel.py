@@ -337,6 +337,17 @@ def float_with_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     return logits.float(), None
 
 
+def _top_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """logits.topk(k, dim=1, sorted=False).indices; on the CPU in float32 one compiled pass a row (torch's
+    took ~2 ms of a batch-50 step over a 49k vocabulary)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        from pagedserve.kernels import cpu_ops
+        ops = cpu_ops.load()
+        if ops is not None:
+            return ops.top_indices(logits, k)
+    return logits.topk(k, dim=1, sorted=False).indices
+
+
 def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor | None = None,
                       rows_of=None, top: torch.Tensor | None = None) -> None:
     """Overwrite the REFINED_TOP largest logits of each row with their float32 dot products.
@@ -347,7 +358,7 @@ def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
     if k == 0 or logits.shape[0] == 0:
         return
     if top is None:
-        top = logits.topk(k, dim=1, sorted=False).indices
+        top = _top_indices(logits, k)
     rows = weight[top].float() if rows_of is None else rows_of(top)
     exact = torch.bmm(rows, hidden.float().unsqueeze(2)).squeeze(2)
     logits.scatter_(1, top, exact)

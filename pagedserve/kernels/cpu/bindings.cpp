@@ -31,6 +31,7 @@ at::Tensor repacked_linear(const at::Tensor& x, const std::vector<at::Tensor>& p
 bool repacked_kernel_available();
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor draw_rows(at::Tensor& y, const at::Tensor& u);
+at::Tensor top_indices(const at::Tensor& x, int64_t k);
 void penalize_rows(at::Tensor& x, const at::Tensor& which, const at::Tensor& counts, const at::Tensor& prompt,
                    const at::Tensor& table_rows, const at::Tensor& repetition, const at::Tensor& presence,
                    const at::Tensor& frequency);
@@ -83,6 +84,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repacked_kernel_available", &pagedserve::repacked_kernel_available,
         "whether repacked_linear was compiled (AVX-512 VNNI)");
   m.def("argmax_rows", &pagedserve::argmax_rows, "torch.argmax(x, -1) of a contiguous float32 [rows, n]");
+  m.def("top_indices", &pagedserve::top_indices, "x.topk(k, sorted=False).indices of a contiguous float32 [rows, n]");
   m.def("draw_rows", &pagedserve::draw_rows,
         "a token a row from softmax(y) by inverse transform with uniforms u (y overwritten with exp(y - max))");
   m.def("nucleus_draw_rows", &pagedserve::nucleus_draw_rows,

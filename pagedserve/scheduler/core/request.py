@@ -64,7 +64,11 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
-    yielded_step: int = -1  # the last step its prefill chunk left to short prompts (short_first.py)
+    # Steps (Scheduler.step_id), for short_first.py: the last step scheduled before it was added, the first
+    # that scheduled it, the last its prefill chunk left to short prompts.
+    queued_step: int = 0
+    first_step: int = -1
+    yielded_step: int = -1
     sent_to_worker: bool = False  # the worker holds its state (cleared by a recompute preemption)
     logprobs: list[SampledToken] = field(default_factory=list)
     prompt_logprobs: list[SampledToken] = field(default_factory=list)  # positions 1, 2, ... as computed

@@ -108,6 +108,7 @@ class Scheduler:
         if request.params.n > 1 and not request.child_req_ids:
             request.child_req_ids = sample_ids(request.request_id, request.params.n)[1:]
         request.status = RequestStatus.WAITING
+        request.queued_step = self.step_id
         self.requests[request.request_id] = request
         self.groups[request.group_id] = [request]
         bisect.insort(self.waiting, request, key=self._key)
@@ -459,6 +460,7 @@ class Scheduler:
         self._budget -= num_new
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
+            req.first_step = self.step_id
         self._entries[req.request_id] = step_entry(self.block_manager, req, alloc, whole_table)
         if spec:
             out.spec_token_ids[req.request_id] = spec
