@@ -354,6 +354,29 @@ void check_rows(const at::Tensor& y, const at::Tensor& u) {
               "u must be a contiguous float32 [rows] tensor");
 }
 
+// Scratch for sample_row, one a thread.
+struct RowScratch {
+  std::vector<float> blocks, mass;
+  std::vector<int32_t> count;
+  std::vector<uint32_t> members;
+};
+
+// One row's token: e = exp(y - max) in place, then top_k (0 < k < n), top_p (< 1) and min_p (> 0) as
+// thresholds on e's bits, then the draw among what they keep. A row of -inf draws its first token.
+int64_t sample_row(float* row, int64_t n, int64_t k, float top_p, float min_p, float u, RowScratch& scratch) {
+  const float peak = row_peak(row, n);
+  if (peak == -std::numeric_limits<float>::infinity()) return 0;
+  float total = exp_in_place(row, n, peak);
+  uint32_t keep = 0;
+  if (0 < k && k < n) {  // top_k first; top_p then renormalises over what it keeps
+    keep = top_k_threshold(row, n, k, scratch.count, scratch.members);
+    if (top_p < 1.f) total = kept_mass(row, n, keep);
+  }
+  if (top_p < 1.f) keep = std::max(keep, nucleus_threshold(row, n, top_p * total, scratch.mass, scratch.members));
+  if (min_p > 0.f) keep = std::max(keep, bits_of(std::min(min_p, 1.f)));
+  return draw_kept(row, n, keep, u, scratch.blocks);
+}
+
 }  // namespace
 
 at::Tensor draw_rows(at::Tensor& y, const at::Tensor& u) {
@@ -364,17 +387,8 @@ at::Tensor draw_rows(at::Tensor& y, const at::Tensor& u) {
   const float* up = u.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   pool_for(rows, grain_for(8 * n), [&](int64_t begin, int64_t end) {
-    std::vector<float> blocks;
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = yp + r * n;
-      const float peak = row_peak(row, n);
-      if (peak == -std::numeric_limits<float>::infinity()) {
-        op[r] = 0;
-        continue;
-      }
-      exp_in_place(row, n, peak);
-      op[r] = draw_kept(row, n, 0, up[r], blocks);
-    }
+    RowScratch scratch;
+    for (int64_t r = begin; r < end; ++r) op[r] = sample_row(yp + r * n, n, 0, 1.f, 0.f, up[r], scratch);
   });
   return out;
 }
@@ -387,33 +401,15 @@ at::Tensor nucleus_draw_rows(at::Tensor& y, const at::Tensor& top_k, const at::T
               "top_p and min_p must be contiguous float32 [rows] tensors");
   TORCH_CHECK(top_k.sizes() == u.sizes() && top_k.scalar_type() == at::kLong && top_k.is_contiguous(),
               "top_k must be a contiguous int64 [rows] tensor");
-  const int64_t* kp = top_k.data_ptr<int64_t>();
   const int64_t rows = y.size(0), n = y.size(1);
   auto out = at::empty({rows}, y.options().dtype(at::kLong));
   float* yp = y.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
   const float *up = u.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   pool_for(rows, grain_for(16 * n), [&](int64_t begin, int64_t end) {
-    std::vector<float> blocks, mass;
-    std::vector<int32_t> count;
-    std::vector<uint32_t> members;
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = yp + r * n;
-      const float peak = row_peak(row, n);
-      if (peak == -std::numeric_limits<float>::infinity()) {
-        op[r] = 0;
-        continue;
-      }
-      float total = exp_in_place(row, n, peak);
-      uint32_t keep = 0;
-      if (0 < kp[r] && kp[r] < n) {  // top_k first; top_p then renormalises over what it keeps
-        keep = top_k_threshold(row, n, kp[r], count, members);
-        if (pp[r] < 1.f) total = kept_mass(row, n, keep);
-      }
-      if (pp[r] < 1.f) keep = std::max(keep, nucleus_threshold(row, n, pp[r] * total, mass, members));
-      if (mp[r] > 0.f) keep = std::max(keep, bits_of(std::min(mp[r], 1.f)));
-      op[r] = draw_kept(row, n, keep, up[r], blocks);
-    }
+    RowScratch scratch;
+    for (int64_t r = begin; r < end; ++r) op[r] = sample_row(yp + r * n, n, kp[r], pp[r], mp[r], up[r], scratch);
   });
   return out;
 }
