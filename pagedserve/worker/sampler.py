@@ -275,7 +275,8 @@ class Sampler:
         if not fused:
             return _draw(truncate(y, params), keys)
         if len(fused) < len(params):
-            rest = [j for j in range(len(params)) if j not in set(fused)]
+            taken = set(fused)
+            rest = [j for j in range(len(params)) if j not in taken]
             tokens = torch.empty(len(params), dtype=torch.long)
             tokens[rest] = self._sample_rows(y[rest], [params[j] for j in rest], [keys[j] for j in rest])
             tokens[fused] = self._sample_rows(y[fused].contiguous(), [params[j] for j in fused], [None] * len(fused))
