@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from tiny_models import build_tiny_model
 
 from pagedserve.bench import add_bench_parser
@@ -41,3 +43,12 @@ def test_bench_behind_tiny_model(tmp_path, monkeypatch):
     firsts = [tuple(p[:4]) for _, p in prompts]
     assert len(set(firsts)) == len(firsts)  # no run shares a first block with another
     assert sorted(len(p) for _, p in prompts if "long" in _) == [40] * 7
+
+
+@pytest.mark.parametrize("flag", ["--offsets", "--lone-runs", "--long-len", "--short-len"])
+def test_bench_behind_refuses_counts_below_one_before_loading_anything(flag):
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "behind", "--model", "/nonexistent", flag, "0"])
+    with pytest.raises(SystemExit, match="must be at least 1"):
+        args.func(args)

@@ -77,6 +77,8 @@ def run_behind(args: argparse.Namespace) -> int:
     from pagedserve.bench.throughput import build_engine, load_tokenizer
     from pagedserve.model_files.default_model import resolve_model
 
+    if min(args.long_len, args.short_len, args.offsets, args.lone_runs) < 1:
+        raise SystemExit("--long-len, --short-len, --offsets and --lone-runs must be at least 1")
     model_path = resolve_model(args.model)
     engine = build_engine(args, model_path, load_tokenizer(model_path))
     try:
