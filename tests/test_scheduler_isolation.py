@@ -267,10 +267,15 @@ def test_a_fault_in_one_requests_admission_step_or_publish_fails_it_alone(servic
     wait_idle(service)
     store = service.store
     assert store.load("bad-admit") is None  # refused before anything was stored
-    for rid in ("bad-step", "bad-publish"):
+    for tag, rid in ((3, "bad-step"), (4, "bad-publish")):
         record = store.load(rid)
         assert record.status == "finished" and record.finish_reasons == ["abort"], record
+        assert (record.error, record.error_code) == (client.errors[tag].details, "INTERNAL")
         assert rid not in store.active_ids()  # a restarted scheduler does not run it again
+        # An attach (a tokenizer's re-attach, a resume) is told the error, not finish_reason "abort".
+        with pytest.raises(StatusError) as err:
+            service.submit(schedule(rid, [], 0, attach=True), Outbox(asyncio.new_event_loop()), 9)
+        assert err.value.code is grpc.StatusCode.INTERNAL and err.value.details == record.error
     assert service.step_loop.is_alive()  # and the engine goes on serving
     assert asyncio.run(_submit_and_read(service, schedule("after", [7, 7], 12))) == expected([7, 7], 12)
 

@@ -67,6 +67,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 async for msg in script(schedule, SubscriptionContext(), self):
                     started = True
                     msg.tag = schedule.tag
+                    if isinstance(msg, scheduler_pb2.SubscriptionError):  # the request failed, alone
+                        await out.put(scheduler_pb2.StepDeltas(errors=[msg]))
+                        return
                     await out.put(scheduler_pb2.StepDeltas(deltas=[msg]))
             except asyncio.CancelledError:
                 self.cancelled.set()
@@ -304,6 +307,39 @@ def test_gives_up_when_the_scheduler_stays_away(tokenizer):
                 await collect(stub, generate_pb2.GenerateRequest(prompt="Q:"))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "--scheduler-retry-timeout" in err.value.details()
+        finally:
+            await stop()
+    asyncio.run(main())
+
+
+def test_a_request_that_failed_in_the_scheduler_is_an_error_not_a_reattach(tokenizer):
+    """The scheduler ends one request with its own verdict after acceptance (an exception in its
+    bookkeeping: INTERNAL; an adapter the worker cannot load: INVALID_ARGUMENT): the caller gets
+    that status and message after the tokens so far, and nothing re-attaches (a re-attach found the
+    record ended and answered finish_reason "abort", a 200 at the gateway)."""
+    out = tokenizer.encode(" one two")
+
+    def failing(code, message):
+        async def script(request, context, fake):
+            yield accepted(request)
+            yield scheduler_pb2.TokenDelta(request_id=request.request_id, token_ids=out[:1])
+            yield scheduler_pb2.SubscriptionError(request_id=request.request_id, code=code.value[0], message=message)
+        return script
+
+    async def main():
+        cases = [(grpc.StatusCode.INTERNAL, "request 'r9' failed in the scheduler"),
+                 (grpc.StatusCode.INVALID_ARGUMENT, "LoRA adapter 'alien' did not load")]
+        stub, fake, _, _, stop = await start_stack(tokenizer, [failing(*case) for case in cases])
+        try:
+            for k, (code, message) in enumerate(cases):
+                got = []
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for r in stub.Generate(generate_pb2.GenerateRequest(prompt="Q:", request_id=f"r{k}"),
+                                                 timeout=20):
+                        got.append(r)
+                assert err.value.code() == code and message in err.value.details()
+                assert ids_of(got) == out[:1]
+            assert [r.attach for r in fake.requests] == [False, False]
         finally:
             await stop()
     asyncio.run(main())

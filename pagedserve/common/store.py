@@ -67,6 +67,8 @@ class StoredRequest:
     finish_reasons: list[str]
     outputs: list[list[int]]
     num_cached_tokens: int = 0
+    error: str = ""  # set when it failed (the message its client was given)
+    error_code: str = ""  # that failure's gRPC status name
 
 
 def _decode(request_id: str, fields: dict[str, str], outputs: list[list[int]]) -> StoredRequest:
@@ -76,7 +78,8 @@ def _decode(request_id: str, fields: dict[str, str], outputs: list[list[int]]) -
         prompt_token_ids=json.loads(fields.get("prompt", "[]")), params=json.loads(fields.get("params", "{}")),
         n=n, priority=int(fields.get("priority", 0)), timings=json.loads(fields.get("timings", "{}")),
         finish_reasons=json.loads(fields.get("finish_reasons", "[]")) or [""] * n,
-        outputs=outputs, num_cached_tokens=int(fields.get("num_cached_tokens", 0)))
+        outputs=outputs, num_cached_tokens=int(fields.get("num_cached_tokens", 0)),
+        error=fields.get("error", ""), error_code=fields.get("error_code", ""))
 
 
 class RequestStore(ABC):

@@ -225,6 +225,9 @@ class SchedulerService:
         return sub
 
     def _attach_stored(self, record: StoredRequest, outbox: Outbox, tag: int) -> tuple[Subscription, GroupState]:
+        if record.error:  # it failed: an attach (a resume, a retry) is told so, not "abort"
+            code = getattr(grpc.StatusCode, record.error_code, grpc.StatusCode.INTERNAL)
+            raise StatusError(code, record.error)
         params = SamplingParams(**record.params)
         group = GroupState(record.request_id, record.n, record.prompt_token_ids, params, record.priority,
                            dict(record.timings), list(record.finish_reasons),

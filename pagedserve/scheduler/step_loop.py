@@ -39,7 +39,7 @@ import grpc
 from pagedserve.common.grpc_util import StatusError
 from pagedserve.common.messages import SchedulerOutput
 from pagedserve.common.store import RecordWrite
-from pagedserve.scheduler.core.request import Request, RequestIdInUse
+from pagedserve.scheduler.core.request import Request, RequestIdInUse, RequestNotServable
 from pagedserve.scheduler.core.scheduler import Scheduler
 from pagedserve.scheduler.core.step_stats import StepStats
 from pagedserve.scheduler.health import Health
@@ -401,13 +401,17 @@ class StepLoop:
         for group_id, exc in self.scheduler.take_failed():
             group = self.live.get(group_id)
             if group is not None and not group.done:
-                self._fail_group(group, exc)
+                refused = None
+                if isinstance(exc, RequestNotServable):  # the request's own doing: a 400 naming why
+                    log.warning("request %s refused by the worker: %s", group_id, exc)
+                    refused = StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                self._fail_group(group, exc, error=refused)
 
     def _fail_group(self, group: GroupState, exc: Exception, stored: bool = True,
                     error: StatusError | None = None) -> None:
         """An exception in this request's own work: it ends alone. Its blocks are freed, its
         subscribers get INTERNAL (or error; the exception goes to the log, not to the client), its
-        record (stored: one was written) is finished with the unfinished samples 'abort'."""
+        record (stored: one was written) is finished with the unfinished samples 'abort' and the error."""
         if error is None:
             log.error("request %s failed in the scheduler; it alone is ended", group.group_id, exc_info=exc)
         try:
@@ -416,15 +420,15 @@ class StepLoop:
             log.exception("request %s: freeing it failed too", group.group_id)
         group.finish_reasons = [r or "abort" for r in group.finish_reasons]
         group.timings["finished"] = time.time()
-        writes = []
-        if stored:
-            writes.append(RecordWrite(group.group_id, {
-                "status": "finished", "finish_reasons": json.dumps(group.finish_reasons),
-                "timings": json.dumps(group.timings_snapshot()), "error": "failed in the scheduler"},
-                finished=True, ttl_samples=group.n))
-        group.done = True
         error = error or StatusError(grpc.StatusCode.INTERNAL, f"request {group.group_id!r} failed in the "
                                      "scheduler (the scheduler's log says why); other requests are not affected")
+        writes = []
+        if stored:  # the error kept with it: a later attach (a resume) is told the same
+            writes.append(RecordWrite(group.group_id, {
+                "status": "finished", "finish_reasons": json.dumps(group.finish_reasons),
+                "timings": json.dumps(group.timings_snapshot()), "error": error.details,
+                "error_code": error.code.name}, finished=True, ttl_samples=group.n))
+        group.done = True
         self.live.push_error(group, error)
         self.writer.submit(writes, [], [group])
 

@@ -29,9 +29,11 @@ from pagedserve.v1 import common_pb2, generate_pb2, scheduler_pb2
 log = logging.getLogger("pagedserve.tokenizer")
 
 UNREACHABLE = "the scheduler is not reachable (model still loading?)"
-# Verdicts that mean the connection failed rather than the request: after acceptance the request
-# survives them in Redis, so the stream re-attaches.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED})
+# The scheduler's verdicts on a request that mean it could not serve it now rather than that the
+# request failed: after acceptance the request survives them in Redis, so the stream re-attaches.
+# INTERNAL is the request's own failure (its record is finished with the error): passed on, not
+# retried (a re-attach would find the record ended and answer 200 with finish_reason "abort").
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 RETRY_BACKOFF_S = (0.1, 1.0)
 
 

@@ -1,7 +1,8 @@
 """LoRA adapters through the real stack (issue 40): the `openai` client selects an adapter by its
 name as the model and gets transformers + PEFT's greedy text; /v1/models lists the adapters with
 their parent; adapters load and unload at run time (REST and gRPC, the operator key only); a bad
-folder gets a clear 400/404 and the others go on; the metrics count per adapter."""
+folder gets a clear 400/404, an adapter the worker cannot load a 400 naming why, and the others go
+on; the metrics count per adapter."""
 
 from __future__ import annotations
 
@@ -95,12 +96,14 @@ def test_runtime_load_unload_and_bad_adapters(stack, client, adapters, tokenizer
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="chat", prompt=PROMPT, max_tokens=2)
     # A folder of another model's shapes passes the gateway's checks; the worker cannot load it:
-    # its request ends alone (finish_reason "abort", as any request that fails in the scheduler),
-    # the others go on.
+    # its request fails alone with a 400 naming the adapter and the module that does not fit
+    # (streamed: an error event after the headers), the others go on.
     assert admin(stack, "/v1/load_lora_adapter", {"lora_name": "alien", "lora_path": str(folders["alien"])}) \
         .status_code == 200
-    alien = client.completions.create(model="alien", prompt=PROMPT, max_tokens=2)
-    assert alien.choices[0].finish_reason == "abort" and alien.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match=r"LoRA adapter 'alien' did not load: .*does not fit"):
+        client.completions.create(model="alien", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.APIError, match=r"LoRA adapter 'alien' did not load"):
+        list(client.completions.create(model="alien", prompt=PROMPT, max_tokens=2, stream=True))
     assert tokens(client, "sql") == [tokenizer.decode([t]) for t in expected["sql"]]
     stats = httpx.get(stack.http_url + "/v1/engine/stats", headers={"Authorization": f"Bearer {ADMIN}"},
                       timeout=30).json()

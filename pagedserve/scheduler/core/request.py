@@ -19,6 +19,11 @@ class RequestIdInUse(ValueError):
     """A new request's id, or the id of one of its samples, belongs to a live request."""
 
 
+class RequestNotServable(ValueError):
+    """The worker could not run this request for a reason of its own asking (its LoRA adapter does
+    not fit the model): the client's mistake, told to it as such (400), not a server fault."""
+
+
 def sample_ids(group_id: str, n: int) -> list[str]:
     """The sequence ids of a request's n samples: group_id, then group_id#1 .. group_id#(n-1)."""
     return [group_id, *(f"{group_id}#{i}" for i in range(1, n))]

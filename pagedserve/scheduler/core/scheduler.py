@@ -50,7 +50,7 @@ from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.core.kv_groups import blocks_for_sequence, make_block_manager, step_entry
 from pagedserve.scheduler.core.results import (RequestUpdate, append_sample, first_prompt_logprobs, fork_children,
                                                pooled_vector)
-from pagedserve.scheduler.core.request import Request, RequestStatus, sample_ids
+from pagedserve.scheduler.core.request import Request, RequestNotServable, RequestStatus, sample_ids
 from pagedserve.scheduler.core.sample_ids import SampleIds
 from pagedserve.scheduler.core.short_first import is_short, yielding_prefills
 from pagedserve.scheduler.core.speculation import Speculation
@@ -272,7 +272,7 @@ class Scheduler:
                 self._dropped_ids.extend(i for i in forked if i not in self.sample_ids)
                 continue
             if req_id in result.failed:  # the worker could not run it (its LoRA adapter did not load)
-                self._fail(req, ValueError(result.failed[req_id]))
+                self._fail(req, RequestNotServable(result.failed[req_id]))
                 continue
             samples = result.sampled.get(req_id)
             spec = sched.spec_token_ids.get(req_id) if sched.spec_token_ids else None
