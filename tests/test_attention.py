@@ -27,12 +27,12 @@ def dense_reference(q, keys, values, scale):
     return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
 
 
-def build_step(dtype, context_lens, query_lens, seed=0):
+def build_step(dtype, context_lens, query_lens, seed=0, heads=HEADS, kv_heads=KV_HEADS):
     """A pool with scattered blocks holding each sequence's context, plus the step's new tokens."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 64
-    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, DIM, generator=gen).to(dtype)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     seqs = []
     for ctx, qlen in zip(context_lens, query_lens):
@@ -41,9 +41,9 @@ def build_step(dtype, context_lens, query_lens, seed=0):
     # decodes (query 1) first, as the runner orders them
     seqs.sort(key=lambda s: s[1] != 1)
     total = sum(q for _, q, _ in seqs)
-    q = torch.randn(total, HEADS, DIM, generator=gen).to(dtype)
-    k = torch.randn(total, KV_HEADS, DIM, generator=gen).to(dtype)
-    v = torch.randn(total, KV_HEADS, DIM, generator=gen).to(dtype)
+    q = torch.randn(total, heads, DIM, generator=gen).to(dtype)
+    k = torch.randn(total, kv_heads, DIM, generator=gen).to(dtype)
+    v = torch.randn(total, kv_heads, DIM, generator=gen).to(dtype)
     slots, prefills, start = [], [], 0
     decodes = [s for s in seqs if s[1] == 1]
     for ctx, qlen, blocks in seqs:
@@ -63,8 +63,9 @@ def build_step(dtype, context_lens, query_lens, seed=0):
     return q, k, v, k_cache, v_cache, meta, seqs
 
 
-def check_backend(backend, dtype, tol, context_lens=(0, 5, 13, 3, 0, 9, 30), query_lens=(1, 1, 1, 7, 5, 1, 4)):
-    q, k, v, k_cache, v_cache, meta, seqs = build_step(dtype, context_lens, query_lens)
+def check_backend(backend, dtype, tol, context_lens=(0, 5, 13, 3, 0, 9, 30), query_lens=(1, 1, 1, 7, 5, 1, 4),
+                  heads=HEADS, kv_heads=KV_HEADS):
+    q, k, v, k_cache, v_cache, meta, seqs = build_step(dtype, context_lens, query_lens, heads=heads, kv_heads=kv_heads)
     scale = DIM ** -0.5
     out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
     start = 0
@@ -90,6 +91,19 @@ def test_cpu_kernel_backend(dtype, tol):
     if ops is None:
         pytest.skip("no C++ compiler for the CPU kernel here")
     check_backend(CpuKernelAttentionBackend(ops), dtype, tol)
+
+
+def test_more_query_heads_per_kv_head_than_a_prefill_item_holds_take_sdpa():
+    """A group wider than the prefill kernel's work item (its rows hold a token's whole group: 48
+    with AVX-512, 24 with AVX2), as in a multi-query model of 64 heads: the backend sends those
+    prefills to SDPA (the kernel refuses them) and the answer is the reference's."""
+    ops = cpu_ops.load()
+    if ops is None or not ops.prefill_attention_available():
+        pytest.skip("no prefill kernel here (AVX-512, or AVX2 with FMA)")
+    backend = CpuKernelAttentionBackend(ops)
+    assert backend.prefill_max_group == ops.prefill_attention_max_group() > 0
+    check_backend(backend, torch.float32, 1e-5, heads=backend.prefill_max_group + 2, kv_heads=1)
+    check_backend(backend, torch.float32, 1e-5, heads=2 * backend.prefill_max_group, kv_heads=2)  # at the limit
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
@@ -140,7 +154,7 @@ def test_cpu_kernel_rejects_bad_shapes():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("dim, heads, kv_heads, block", [(64, 9, 3, 16), (80, 4, 4, 8), (128, 8, 2, 5),
-                                                          (32, 6, 1, 32), (256, 2, 1, 16)])
+                                                          (32, 6, 1, 32), (256, 2, 1, 16), (64, 48, 2, 16)])
 def test_decode_kernel_head_dims_and_chunk_edges(dtype, tol, dim, heads, kv_heads, block):
     """The decode kernel on every head dim it compiles in, against the dense reference: lengths
     around its 16-key chunks (AVX2: 8-key; 1, 7, 8, 9, 15, 16, 17, 33, 100), block sizes that do
@@ -171,16 +185,17 @@ def test_decode_kernel_head_dims_and_chunk_edges(dtype, tol, dim, heads, kv_head
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("dim, heads, kv_heads, block", [(64, 9, 3, 16), (80, 4, 4, 8), (128, 8, 2, 5),
-                                                          (32, 6, 1, 32), (256, 2, 1, 16)])
+                                                          (32, 6, 1, 32), (256, 2, 1, 16), (64, 48, 2, 16)])
 def test_prefill_kernel_head_dims_tiles_and_stale_rows(dtype, tol, dim, heads, kv_heads, block):
     """All of a step's prefill chunks in one call of the prefill kernel, against the dense
     reference: chunks with and without cached context, lengths around its 16-key tiles and its
-    48-row work items (a group of 1 to 6 query heads per kv head), blocks scattered through the
+    work items of 48 rows (AVX-512) or 24 (AVX2) (a group of 1 to 6 query heads per kv head, and
+    a group that fills a whole item: 24), blocks scattered through the
     pool, every cache row that no chunk may read set to NaN (stale blocks, the tail of each last
     block), and the rows of `out` outside the chunks left as they were."""
     ops = cpu_ops.load()
     if ops is None or not ops.prefill_attention_available():
-        pytest.skip("no AVX-512 prefill kernel here")
+        pytest.skip("no prefill kernel here (AVX-512, or AVX2 with FMA)")
     gen = torch.Generator().manual_seed(dim + block + heads)
     chunks = [(0, 2), (0, 17), (15, 1), (16, 33), (31, 50), (100, 70), (0, 49)]
     widths = [math.ceil((c + n) / block) for c, n in chunks]
@@ -218,7 +233,7 @@ def test_prefill_kernel_head_dims_tiles_and_stale_rows(dtype, tol, dim, heads, k
 def test_prefill_kernel_rejects_bad_layouts():
     ops = cpu_ops.load()
     if ops is None or not ops.prefill_attention_available():
-        pytest.skip("no AVX-512 prefill kernel here")
+        pytest.skip("no prefill kernel here (AVX-512, or AVX2 with FMA)")
     cache = torch.zeros(4, BLOCK, KV_HEADS, DIM)
     q = torch.zeros(5, HEADS, DIM)
     tables = torch.zeros(1, 2, dtype=torch.long)
@@ -226,3 +241,9 @@ def test_prefill_kernel_rejects_bad_layouts():
         ops.paged_prefill_attention(q, cache, cache, tables, torch.tensor([[0, 5]]), 1.0, torch.empty_like(q))
     with pytest.raises(RuntimeError, match="out must be"):
         ops.paged_prefill_attention(q, cache, cache, tables, torch.tensor([[0, 5, 0]]), 1.0, torch.empty(5, HEADS, 8))
+    most = ops.prefill_attention_max_group()
+    assert most in (24, 48)  # 3 vectors of rows: AVX2's 8 lanes, AVX-512's 16
+    wide = torch.zeros(5, most + 1, DIM)
+    with pytest.raises(RuntimeError, match=f"at most {most} query heads per kv head"):
+        ops.paged_prefill_attention(wide, torch.zeros(4, BLOCK, 1, DIM), torch.zeros(4, BLOCK, 1, DIM), tables,
+                                    torch.tensor([[0, 5, 0]]), 1.0, torch.empty_like(wide))

@@ -203,8 +203,8 @@ class TorchAttentionBackend(AttentionBackend):
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
     """The compiled kernels of pagedserve/kernels/cpu: decodes read each cached row once, no
-    gather; all of a step's prefill chunks go through one call (AVX-512, float32 and bfloat16),
-    else one sequence at a time through SDPA as the torch backend does. The prefill kernel's
+    gather; all of a step's prefill chunks go through one call (AVX-512, or AVX2 with FMA; float32
+    and bfloat16), else one sequence at a time through SDPA as the torch backend does. The prefill kernel's
     layout (block tables and (row start, rows, context) per chunk) is built once per step and
     shared by every layer: the layers of a step get the same metadata object."""
 
@@ -215,6 +215,8 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         self.ops = ops
         self.prefill_kernel = bool(getattr(ops, "prefill_attention_available", lambda: False)()) \
             and not os.environ.get("PAGEDSERVE_NO_PREFILL_KERNEL")
+        # query heads per kv head it takes (48 with AVX-512, 24 with AVX2): more go through SDPA
+        self.prefill_max_group = int(getattr(ops, "prefill_attention_max_group", lambda: 0)())
         self._layout: tuple[AttentionMetadata, int, torch.Tensor, torch.Tensor] | None = None
 
     def _write_kv(self, key, value, k_cache, v_cache, meta) -> None:
@@ -232,7 +234,7 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
     def _prefills(self, query, key, value, k_cache, v_cache, meta, scale, out) -> None:
         if not (self.prefill_kernel and query.shape[-1] in self.HEAD_DIMS and query.dtype in self.PREFILL_DTYPES
-                and query.stride(-1) == 1):
+                and query.stride(-1) == 1 and query.shape[1] // k_cache.shape[2] <= self.prefill_max_group):
             return super()._prefills(query, key, value, k_cache, v_cache, meta, scale, out)
         tables, chunks = self._prefill_layout(meta, k_cache.shape[1])
         self.ops.paged_prefill_attention(query, k_cache, v_cache, tables, chunks, scale, out)

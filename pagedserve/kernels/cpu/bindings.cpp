@@ -8,6 +8,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const at::Tensor& chunks, double scale, at::Tensor& out);
 bool prefill_attention_available();
+int64_t prefill_attention_max_group();
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& slot_mapping);
 bool lane_linear_available(bool bfloat16);
@@ -56,7 +57,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of prefill chunks over a paged KV cache into out's rows (chunks: int64 [P, 3] = "
         "row start, rows, context_len; block_tables int64 [P, max_blocks])");
   m.def("prefill_attention_available", &pagedserve::prefill_attention_available,
-        "whether paged_prefill_attention was compiled (AVX-512)");
+        "whether paged_prefill_attention was compiled (AVX-512, or AVX2 with FMA)");
+  m.def("prefill_attention_max_group", &pagedserve::prefill_attention_max_group,
+        "the most query heads per kv head paged_prefill_attention takes (48 with AVX-512, 24 with AVX2; 0: none)");
   m.def("lane_linear_available", &pagedserve::lane_linear_available,
         "whether lane_linear was compiled for float32 (bfloat16=False: AVX-512, or AVX2 with FMA) or bfloat16 (AVX-512 with avx512_bf16)");
   m.def("pack_lane_weight", &pagedserve::pack_lane_weight,

@@ -5,11 +5,12 @@
 // whenever a chunk has cached context, as a mask then has to be built); the work here is tiled so
 // that the float multiply-adds run in registers with every operand of the inner loops either a
 // vector already loaded or a scalar broadcast from L1:
-//   - a work item is (chunk, kv head, up to 48 query rows): the rows are (token, query head of
+//   - a work item is (chunk, kv head, up to 3 vectors of query rows: 48 with AVX-512, 24 with
+//     AVX2): the rows are (token, query head of
 //     the group) pairs, kept TRANSPOSED as lanes (Q^T [D][rows]), so the softmax statistics of
 //     all rows are vectors and no horizontal reduction is ever needed;
 //   - keys come 16 at a time, widened to float in a small buffer, and for each key and head-dim
-//     element one broadcast scalar multiplies a vector of 16 query rows (S^T = K Q^T);
+//     element one broadcast scalar multiplies a vector of query rows (S^T = K Q^T);
 //   - flash-attention's online softmax per row (running max, running sum, rescale of the output);
 //   - O^T [D][rows] += V^T P^T the same way, with V's scalars broadcast.
 // Causality: a row at position p sees keys 0..p; the key tiles stop at the item's last row, and a
@@ -17,6 +18,10 @@
 // position are never read (they may hold anything, NaN included).
 //
 // float32 arithmetic for float32 and bfloat16 caches alike (bfloat16 is widened on load).
+// One body for AVX-512 (16 lanes, 32 registers) and AVX2 with FMA (8 lanes, 16 registers): the
+// few vector operations it needs are the wrappers below, and the register tiles (keys per score
+// pass, head-dim elements per accumulate pass) are half a vector's lanes, so that each pass's
+// accumulators, its query vectors and the broadcast fit the registers of either.
 // Threads: one region of the kernels' pool (work_pool.h) whose threads take items, largest first,
 // one at a time (the items of one long chunk differ in size by its length).
 #include <ATen/ATen.h>
@@ -34,36 +39,86 @@
 
 namespace pagedserve {
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PAGEDSERVE_PREFILL_KERNEL 1
+#endif
+
 bool prefill_attention_available() {
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_PREFILL_KERNEL)
   return true;
 #else
   return false;
 #endif
 }
 
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_PREFILL_KERNEL)
 namespace {
 
-constexpr int kKeys = 16;     // keys per tile
-constexpr int kMaxRows = 48;  // query rows per work item: 3 vectors of 16 lanes
-
-inline void widen_row(const float* src, float* dst, int d) { std::copy(src, src + d, dst); }
+// The vector operations of the kernel, on the widest float vector: V holds W lanes, M a mask of them.
+#if defined(__AVX512F__)
+using V = __m512;
+using M = __mmask16;
+constexpr int W = 16;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset1(float x) { return _mm512_set1_ps(x); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
+inline M mask_le(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+inline M mask_all() { return 0xFFFF; }
+inline M mask_none() { return 0; }
+inline V max_where(M m, V a, V b) { return _mm512_mask_max_ps(a, m, a, b); }  // m ? max(a, b) : a
+inline V zero_unless(M m, V a) { return _mm512_maskz_mov_ps(m, a); }
 inline void widen_row(const c10::BFloat16* src, float* dst, int d) {
   for (int i = 0; i < d; i += 16) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
     _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
   }
 }
+#else
+using V = __m256;
+using M = __m256;  // all ones or all zeros in each lane
+constexpr int W = 8;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset1(float x) { return _mm256_set1_ps(x); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
+inline M mask_le(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+inline M mask_all() { return _mm256_castsi256_ps(_mm256_set1_epi32(-1)); }
+inline M mask_none() { return _mm256_setzero_ps(); }
+inline V max_where(M m, V a, V b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
+inline V zero_unless(M m, V a) { return _mm256_and_ps(m, a); }
+inline void widen_row(const c10::BFloat16* src, float* dst, int d) {
+  for (int i = 0; i < d; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+}
+#endif
+static_assert(W == kLanes, "vfloat (simd.h) and V must be the same width");
+inline void widen_row(const float* src, float* dst, int d) { std::copy(src, src + d, dst); }
 
-inline __m512 exp16(__m512 x) {
+inline V vexp(V x) {
   vfloat v;
   __builtin_memcpy(&v, &x, sizeof(v));
   v = exp_v(v);
-  __m512 r;
+  V r;
   __builtin_memcpy(&r, &v, sizeof(r));
   return r;
 }
+
+constexpr int kKeys = 16;         // keys per tile
+constexpr int kMaxRows = 3 * W;   // query rows per work item: 3 vectors
+constexpr int kPass = W / 2;      // keys per score pass, head-dim elements per accumulate pass
 
 struct Item {
   int64_t chunk, kv_head, row0;  // row0: the first of the item's tokens, counted within the chunk
@@ -71,42 +126,41 @@ struct Item {
   double cost;
 };
 
-// S^T[j][rows] = sum_d K[j][d] Q^T[d][rows] for the tile's 16 keys, eight keys at a time.
+// S^T[j][rows] = sum_d K[j][d] Q^T[d][rows] for the tile's 16 keys, kPass keys at a time.
 template <int D, int RV>
-inline void scores_tile(const float* qt, const float* keys, __m512* s) {
-  for (int j0 = 0; j0 < kKeys; j0 += 8) {
-    __m512 acc[8][RV];
-    for (int j = 0; j < 8; ++j)
-      for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_setzero_ps();
+inline void scores_tile(const float* qt, const float* keys, V* s) {
+  for (int j0 = 0; j0 < kKeys; j0 += kPass) {
+    V acc[kPass][RV];
+    for (int j = 0; j < kPass; ++j)
+      for (int v = 0; v < RV; ++v) acc[j][v] = vzero();
     for (int d = 0; d < D; ++d) {
-      __m512 q[RV];
-      for (int v = 0; v < RV; ++v) q[v] = _mm512_loadu_ps(qt + d * kMaxRows + 16 * v);
-      for (int j = 0; j < 8; ++j) {
-        const __m512 k = _mm512_set1_ps(keys[(j0 + j) * D + d]);
-        for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_fmadd_ps(k, q[v], acc[j][v]);
+      V q[RV];
+      for (int v = 0; v < RV; ++v) q[v] = vload(qt + d * kMaxRows + W * v);
+      for (int j = 0; j < kPass; ++j) {
+        const V k = vset1(keys[(j0 + j) * D + d]);
+        for (int v = 0; v < RV; ++v) acc[j][v] = vfma(k, q[v], acc[j][v]);
       }
     }
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < kPass; ++j)
       for (int v = 0; v < RV; ++v) s[(j0 + j) * RV + v] = acc[j][v];
   }
 }
 
-// O^T[d][rows] = O^T[d][rows] * corr[rows] + sum_j V[j][d] P^T[j][rows], eight head-dim elements at a time.
+// O^T[d][rows] = O^T[d][rows] * corr[rows] + sum_j V[j][d] P^T[j][rows], kPass head-dim elements at a time.
 template <int D, int RV>
-inline void accumulate_tile(float* ot, const float* values, const __m512* p, const __m512* corr) {
-  for (int d0 = 0; d0 < D; d0 += 8) {
-    __m512 acc[8][RV];
-    for (int dd = 0; dd < 8; ++dd)
-      for (int v = 0; v < RV; ++v)
-        acc[dd][v] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + dd) * kMaxRows + 16 * v), corr[v]);
+inline void accumulate_tile(float* ot, const float* values, const V* p, const V* corr) {
+  for (int d0 = 0; d0 < D; d0 += kPass) {
+    V acc[kPass][RV];
+    for (int dd = 0; dd < kPass; ++dd)
+      for (int v = 0; v < RV; ++v) acc[dd][v] = vmul(vload(ot + (d0 + dd) * kMaxRows + W * v), corr[v]);
     for (int j = 0; j < kKeys; ++j) {
-      for (int dd = 0; dd < 8; ++dd) {
-        const __m512 x = _mm512_set1_ps(values[j * D + d0 + dd]);
-        for (int v = 0; v < RV; ++v) acc[dd][v] = _mm512_fmadd_ps(x, p[j * RV + v], acc[dd][v]);
+      for (int dd = 0; dd < kPass; ++dd) {
+        const V x = vset1(values[j * D + d0 + dd]);
+        for (int v = 0; v < RV; ++v) acc[dd][v] = vfma(x, p[j * RV + v], acc[dd][v]);
       }
     }
-    for (int dd = 0; dd < 8; ++dd)
-      for (int v = 0; v < RV; ++v) _mm512_storeu_ps(ot + (d0 + dd) * kMaxRows + 16 * v, acc[dd][v]);
+    for (int dd = 0; dd < kPass; ++dd)
+      for (int v = 0; v < RV; ++v) vstore(ot + (d0 + dd) * kMaxRows + W * v, acc[dd][v]);
   }
 }
 
@@ -131,7 +185,7 @@ void run_item(const Item& item, const at::Tensor& query, const at::Tensor& k_cac
   float* position = values + kKeys * D;   // [kMaxRows]: each row's token position (padding: +inf)
 
   // Rows are token-major: row i is token row0 + i / group, query head kv_head * group + i % group.
-  for (int i = 0; i < 16 * RV; ++i) {
+  for (int i = 0; i < W * RV; ++i) {
     const bool real = i < item.rows;
     const int64_t token = item.row0 + i / group, head = item.kv_head * group + i % group;
     position[i] = real ? static_cast<float>(context + token) : std::numeric_limits<float>::infinity();
@@ -139,18 +193,18 @@ void run_item(const Item& item, const at::Tensor& query, const at::Tensor& k_cac
     for (int d = 0; d < D; ++d) qt[d * kMaxRows + i] = real ? static_cast<float>(src[d]) * scale : 0.f;
   }
   for (int d = 0; d < D; ++d)
-    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(ot + d * kMaxRows + 16 * v, _mm512_setzero_ps());
+    for (int v = 0; v < RV; ++v) vstore(ot + d * kMaxRows + W * v, vzero());
 
-  __m512 row_max[RV], row_sum[RV], pos[RV];
+  V row_max[RV], row_sum[RV], pos[RV];
   for (int v = 0; v < RV; ++v) {
-    row_max[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    row_sum[v] = _mm512_setzero_ps();
-    pos[v] = _mm512_loadu_ps(position + 16 * v);
+    row_max[v] = vset1(-std::numeric_limits<float>::infinity());
+    row_sum[v] = vzero();
+    pos[v] = vload(position + W * v);
   }
   const int64_t last_token = item.row0 + (item.rows - 1) / group;
   const int64_t num_keys = context + last_token + 1;  // the last row sees keys 0..num_keys-1
   const int64_t first_masked = context + item.row0 + 1;  // keys from here on are hidden from some row
-  __m512 s[kKeys * RV];
+  V s[kKeys * RV];
   for (int64_t t0 = 0; t0 < num_keys; t0 += kKeys) {
     const int n = static_cast<int>(std::min<int64_t>(kKeys, num_keys - t0));
     for (int j = 0; j < n; ++j) {
@@ -165,34 +219,34 @@ void run_item(const Item& item, const at::Tensor& query, const at::Tensor& k_cac
     }
     scores_tile<D, RV>(qt, keys, s);
     const bool masked = t0 + kKeys > first_masked;
-    __mmask16 visible[kKeys][RV];
-    __m512 tile_max[RV];
+    M visible[kKeys][RV];
+    V tile_max[RV];
     for (int v = 0; v < RV; ++v) tile_max[v] = row_max[v];
     for (int j = 0; j < kKeys; ++j) {
-      const __m512 key_pos = _mm512_set1_ps(static_cast<float>(t0 + j));
+      const V key_pos = vset1(static_cast<float>(t0 + j));
       for (int v = 0; v < RV; ++v) {
-        visible[j][v] = j < n ? (masked ? _mm512_cmp_ps_mask(key_pos, pos[v], _CMP_LE_OQ) : __mmask16(0xFFFF)) : 0;
-        tile_max[v] = _mm512_mask_max_ps(tile_max[v], visible[j][v], tile_max[v], s[j * RV + v]);
+        visible[j][v] = j < n ? (masked ? mask_le(key_pos, pos[v]) : mask_all()) : mask_none();
+        tile_max[v] = max_where(visible[j][v], tile_max[v], s[j * RV + v]);
       }
     }
-    __m512 corr[RV];
+    V corr[RV];
     for (int v = 0; v < RV; ++v) {
       // Every row sees key 0 in the first tile, so the running max is finite from then on.
-      corr[v] = exp16(_mm512_sub_ps(row_max[v], tile_max[v]));
-      row_sum[v] = _mm512_mul_ps(row_sum[v], corr[v]);
+      corr[v] = vexp(vsub(row_max[v], tile_max[v]));
+      row_sum[v] = vmul(row_sum[v], corr[v]);
       row_max[v] = tile_max[v];
     }
     for (int j = 0; j < kKeys; ++j)
       for (int v = 0; v < RV; ++v) {
-        const __m512 p = _mm512_maskz_mov_ps(visible[j][v], exp16(_mm512_sub_ps(s[j * RV + v], row_max[v])));
+        const V p = zero_unless(visible[j][v], vexp(vsub(s[j * RV + v], row_max[v])));
         s[j * RV + v] = p;
-        row_sum[v] = _mm512_add_ps(row_sum[v], p);
+        row_sum[v] = vadd(row_sum[v], p);
       }
     accumulate_tile<D, RV>(ot, values, s, corr);
   }
 
   float inv[kMaxRows];
-  for (int v = 0; v < RV; ++v) _mm512_storeu_ps(inv + 16 * v, _mm512_div_ps(_mm512_set1_ps(1.f), row_sum[v]));
+  for (int v = 0; v < RV; ++v) vstore(inv + W * v, vdiv(vset1(1.f), row_sum[v]));
   scalar_t* o = out.data_ptr<scalar_t>();
   for (int64_t i = 0; i < item.rows; ++i) {
     const int64_t token = item.row0 + i / group, head = item.kv_head * group + i % group;
@@ -227,7 +281,7 @@ void prefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tenso
   const int64_t buffer_floats = 2 * D * kMaxRows + 2 * kKeys * D + kMaxRows;
   auto work = [&](std::vector<float>& buffers, size_t n) {
     const Item& item = items[n];
-    switch ((item.rows + 15) / 16) {
+    switch ((item.rows + W - 1) / W) {
       case 1: run_item<D, 1, scalar_t>(item, query, k_cache, v_cache, tables, max_blocks, info, fscale, out, buffers.data()); break;
       case 2: run_item<D, 2, scalar_t>(item, query, k_cache, v_cache, tables, max_blocks, info, fscale, out, buffers.data()); break;
       default: run_item<D, 3, scalar_t>(item, query, k_cache, v_cache, tables, max_blocks, info, fscale, out, buffers.data());
@@ -250,13 +304,23 @@ void prefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tenso
 }  // namespace
 #endif
 
+// The most query heads per kv head it takes: a work item's rows hold at least one token's whole
+// group. 0 where it is not compiled.
+int64_t prefill_attention_max_group() {
+#if defined(PAGEDSERVE_PREFILL_KERNEL)
+  return kMaxRows;
+#else
+  return 0;
+#endif
+}
+
 // out[rows of each chunk] = causal attention of those query rows over the chunk's sequence: its
 // context_len cached tokens and its own new tokens (already written to the cache). chunks is
 // int64 [P, 3] = (first row in query/out, number of rows, context_len); block_tables int64
 // [P, max_blocks] covering context_len + rows tokens. Rows of out outside the chunks are untouched.
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const at::Tensor& chunks, double scale, at::Tensor& out) {
-  TORCH_CHECK(prefill_attention_available(), "paged_prefill_attention needs AVX-512");
+  TORCH_CHECK(prefill_attention_available(), "paged_prefill_attention needs AVX-512, or AVX2 with FMA");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, dim] with unit dim stride");
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == query.scalar_type(),
               "out must be a contiguous tensor shaped and typed as query");
@@ -268,9 +332,11 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
                   chunks.size(0) == block_tables.size(0),
               "chunks: contiguous int64 [chunks, 3] (row start, rows, context_len), one per block table row");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(query.size(1) / k_cache.size(2) <= prefill_attention_max_group(), "at most ",
+              prefill_attention_max_group(), " query heads per kv head (one work item holds a token's group)");
   TORCH_CHECK(query.size(2) == k_cache.size(3), "query and cache head dims differ");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes differ");
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_PREFILL_KERNEL)
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "paged_prefill_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
       with_head_dim(query.size(2), [&](auto d) {
