@@ -10,6 +10,7 @@ against a 1% critical value near 25: the test checks that such a shift is found.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedserve.common.sampling_params import SamplingParams
@@ -104,3 +105,56 @@ def test_seeded_draws_follow_the_probabilities():
     # with truncation too: top_k=4 renormalises the first four
     top4 = seeded_counts([stream_key(seed, 0, 7) for seed in range(ROWS)], temperature=1.0, top_k=4)
     assert top4[4:].sum() == 0 and gof_p(top4[:4], P[:4] / P[:4].sum()) > 0.01
+
+
+def full_race(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """The race over every token's draw, as the sampler ran it before the candidates (and still runs
+    it off the CPU): argmax(probs / q), q = exponentials(keys)."""
+    q = exponentials(keys, probs.shape[1], probs.device).clamp_min_(torch.finfo(torch.float32).tiny)
+    return (probs / q).argmax(-1)
+
+
+def test_the_candidates_race_draws_the_full_races_tokens_bit_for_bit():
+    """race_cpu (seeded_race.cpp's bounds of -log u, then numpy's logarithm of the candidates' u alone)
+    against the full race, on rows of every shape a sampler hands it: peaked and flat (temperature 2
+    over a 49,152 vocabulary: thousands of near-equal ratios), rows truncated to a few tokens (zeros),
+    two-token rows at exactly equal probability (ties), all over many keys. Also: numpy's logarithm
+    gives an element the same bits whether it sits in the whole row or among a few (what the
+    equality rests on), and the candidates are few."""
+    import numpy as np
+    from pagedserve.kernels import cpu_ops
+    from pagedserve.worker.seeded_draws import neg_log_, race_cpu
+    ops = cpu_ops.load()
+    if ops is None:
+        pytest.skip("no C++ compiler for the CPU kernels here")
+    gen = torch.Generator().manual_seed(5)
+    vocab = 49152
+    logits = torch.randn(48, vocab, generator=gen) * torch.tensor([0.5, 2.0, 6.0, 12.0]).repeat(12)[:, None]
+    probs = logits.softmax(-1)
+    probs[40:44, 10:] = 0.0  # truncated rows: ten tokens left
+    probs[40:44] /= probs[40:44].sum(-1, keepdim=True)
+    probs[44:] = 0.0
+    probs[44:, 7] = probs[44:, 9000] = 0.5  # a tie between two tokens
+    for batch in range(4):
+        keys = [stream_key(1000 * batch + r, r % 3, 17 * batch + r) for r in range(48)]
+        assert torch.equal(race_cpu(probs, keys, ops), full_race(probs, keys)), batch
+        counts, _, _ = ops.seeded_race_candidates(probs, torch.tensor(keys))
+        assert counts.min().item() >= 1 and counts.float().mean().item() < 8, counts
+    u = uniforms(torch.tensor(keys[:4]), vocab).numpy().copy()
+    whole = neg_log_(u.copy())
+    picked = np.sort(np.random.default_rng(0).choice(u.size, 997, replace=False))
+    assert np.array_equal(neg_log_(u.reshape(-1)[picked].copy()), whole.reshape(-1)[picked])
+
+
+def test_the_candidates_race_follows_nan_rows_as_the_full_race():
+    """A row with NaN probabilities (a model that overflowed) answers the first NaN in both forms."""
+    from pagedserve.kernels import cpu_ops
+    from pagedserve.worker.seeded_draws import race_cpu
+    ops = cpu_ops.load()
+    if ops is None:
+        pytest.skip("no C++ compiler for the CPU kernels here")
+    probs = torch.full((2, 300), 1 / 300)
+    probs[0, 123] = probs[0, 200] = float("nan")
+    keys = [stream_key(3, 0, 0), stream_key(4, 0, 0)]
+    got = race_cpu(probs, keys, ops).tolist()
+    assert got == full_race(probs, keys).tolist() and got[0] == 123

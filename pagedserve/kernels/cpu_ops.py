@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "cpu" / name
             for name in ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "lane_linear.cpp",
                          "fused_ops.cpp", "quant_linear.cpp", "quant_repack.cpp", "logits_ops.cpp",
-                         "dequant_lane.cpp", "lora_delta.cpp", "work_pool.cpp")]
+                         "dequant_lane.cpp", "lora_delta.cpp", "work_pool.cpp", "seeded_race.cpp")]
 _HEADERS = [Path(__file__).parent / "cpu" / name
             for name in ("simd.h", "parallel_grain.h", "head_dims.h", "lane_linear.h", "quant_blocks.h", "work_pool.h")]
 

@@ -31,7 +31,7 @@ from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.device_rows import put_rows, row_index, take_rows, to_device
 from pagedserve.worker.penalties import apply_penalties
 from pagedserve.worker.penalty_counts import PenaltyCounts
-from pagedserve.worker.seeded_draws import exponentials
+from pagedserve.worker.seeded_draws import exponentials, race_cpu
 from pagedserve.worker.structured_output import TokenMasks, forbidden_tokens, forbidden_tokens_torch
 from pagedserve.worker.truncation import truncate
 
@@ -143,7 +143,7 @@ def _apply_token_masks_torch(x: torch.Tensor, raw: torch.Tensor, masks: TokenMas
     x.index_copy_(0, rows, torch.where(dead[:, None], revived, sub))
 
 
-def _draw(y: torch.Tensor, keys: list[int | None]) -> torch.Tensor:
+def _draw(y: torch.Tensor, keys: list[int | None], device_forms: bool = False) -> torch.Tensor:
     """One token a row, an exact draw from softmax(y) (y: the rows' final logits, a temporary it may overwrite).
 
     Rows without a key: inverse transform sampling with one uniform a row from the global torch RNG
@@ -154,16 +154,25 @@ def _draw(y: torch.Tensor, keys: list[int | None]) -> torch.Tensor:
     seeded = [j for j, k in enumerate(keys) if k is not None]
     if not seeded:
         return _inverse_cdf(y)
-    dev, vocab = y.device, y.shape[1]
-    drawn = exponentials([keys[j] for j in seeded], vocab, dev)
+    dev = y.device
+    seeded_keys = [keys[j] for j in seeded]
     if len(seeded) == len(keys):
-        return _race(y.softmax(-1), drawn)
+        return _seeded_race(y.softmax(-1), seeded_keys, device_forms)
     shared = to_device([j for j, k in enumerate(keys) if k is None], torch.long, dev)
     seeded_rows = to_device(seeded, torch.long, dev)
     tokens = torch.empty(len(keys), dtype=torch.long, device=dev)
     put_rows(tokens, shared, _inverse_cdf(y.index_select(0, shared)))
-    put_rows(tokens, seeded_rows, _race(y.index_select(0, seeded_rows).softmax(-1), drawn))
+    put_rows(tokens, seeded_rows, _seeded_race(y.index_select(0, seeded_rows).softmax(-1), seeded_keys, device_forms))
     return tokens
+
+
+def _seeded_race(probs: torch.Tensor, keys: list[int], device_forms: bool = False) -> torch.Tensor:
+    """The race of seeded rows: on the CPU from the few tokens that can win (seeded_draws.race_cpu, the
+    same tokens as the full race bit for bit), elsewhere (and with device_forms) over every token's draw."""
+    if probs.device.type == "cpu" and not device_forms and probs.dtype == torch.float32 \
+            and (ops := _cpu_ops()) is not None:
+        return race_cpu(probs, keys, ops)
+    return _race(probs, exponentials(keys, probs.shape[1], probs.device))
 
 
 def _race(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -273,7 +282,7 @@ class Sampler:
         vocab = y.shape[1]
         fused = [j for j, k in enumerate(keys) if k is None] if ops is not None else []
         if not fused:
-            return _draw(truncate(y, params), keys)
+            return _draw(truncate(y, params), keys, self.device_forms)
         if len(fused) < len(params):
             taken = set(fused)
             rest = [j for j in range(len(params)) if j not in taken]

@@ -16,6 +16,11 @@ the same on the CPU and on CUDA (tests/test_seeded_draws.py checks both paths ag
 splitmix64, on the CPU: there is no GPU in CI). The token can still differ between devices where the
 floats do (the model's logits, softmax, the last bit of a log), as with any sampling.
 
+On the CPU the race does not need every token's draw (`race_cpu`): kernels/cpu/seeded_race.cpp hashes
+every token but keeps only those whose ratio can reach the winner's (bounds of -log u that need no
+logarithm), and numpy takes the logarithm of those few u: the same q and the same token, bit for bit,
+at a fifth of the full form's time (64 rows of 49,152: 126 -> 26 ms on a Zen 1 EPYC).
+
 On CUDA one Triton kernel computes the same (kernels/triton/seeded_draws.py: one launch, 4 bytes a
 cell, tested under the interpreter against the numpy path). The torch ops (other devices) cost more:
 the ints are [rows, vocab] int64 (8 bytes a cell, reused in place as the float64 uniform), with a
@@ -84,8 +89,30 @@ def _exponentials_numpy(keys: np.ndarray, vocab: int) -> np.ndarray:
     x |= np.uint64(_ONE_BITS)
     u = x.view(np.float64)
     u -= 1.0 - 2.0**-53  # as in unit_
+    return neg_log_(u)
+
+
+def neg_log_(u: np.ndarray) -> np.ndarray:
+    """float32(-log(u)) of float64 uniforms (u overwritten): q, as every CPU path takes it (numpy's
+    logarithm of a contiguous float64 array: the same bits for an element wherever it sits)."""
     np.log(u, out=u)
     return np.negative(u, out=np.empty(u.shape, dtype=np.float32), casting="same_kind")
+
+
+def race_cpu(probs: torch.Tensor, keys: list[int], ops) -> torch.Tensor:
+    """argmax(probs / exponentials(keys)) row by row, the same tokens bit for bit, from the few tokens
+    that can win (ops.seeded_race_candidates, kernels/cpu/seeded_race.cpp: bounds of -log(u) with no
+    logarithm) instead of a logarithm a token. probs: [rows, vocab] float32 on the CPU."""
+    counts, index, u = ops.seeded_race_candidates(probs.contiguous(), torch.tensor(keys, dtype=torch.int64))
+    q = neg_log_(u.numpy())
+    flat = probs.reshape(-1).numpy()
+    rows = np.repeat(np.arange(len(keys)) * probs.shape[1], counts.numpy())
+    ratios = flat[rows + index.numpy()] / np.maximum(q, np.finfo(np.float32).tiny)  # _race's clamp, then division
+    tokens, start = [], 0
+    for c in counts.tolist():  # numpy's argmax: the first maximum, or the first NaN (torch's answer)
+        tokens.append(int(index[start + int(np.argmax(ratios[start:start + c]))]))
+        start += c
+    return torch.tensor(tokens, dtype=torch.long)
 
 
 # ---- torch (the device): int64 with masked shifts -----------------------------------------------

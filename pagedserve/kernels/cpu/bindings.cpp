@@ -46,9 +46,12 @@ void lora_delta_(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, cons
 std::tuple<at::Tensor, at::Tensor> work_pool_probe(int64_t n, int64_t chunk, int64_t threads, int64_t sleep_us,
                                                    int64_t throw_at, bool nested);
 std::tuple<at::Tensor, at::Tensor> logits_top(const at::Tensor& x, int64_t k);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> seeded_race_candidates(const at::Tensor& probs, const at::Tensor& keys);
 }  // namespace pagedserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("seeded_race_candidates", &pagedserve::seeded_race_candidates,
+        "the tokens that can win each seeded row's exponential race, (counts [rows], index [C], u [C] float64)");
   m.def("paged_decode_attention", &pagedserve::paged_decode_attention,
         "decode attention over a paged KV cache (query [B,H,D], caches [N,bs,KVH,D])");
   m.def("write_kv_cache", &pagedserve::write_kv_cache,
