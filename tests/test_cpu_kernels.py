@@ -275,3 +275,31 @@ def test_every_process_of_one_environment_builds_with_its_own_ninja(monkeypatch)
     assert os.environ["PATH"].split(os.pathsep) == [str(own), "/usr/bin", "/bin"]
     cpu_ops._prefer_own_ninja()  # once is enough
     assert os.environ["PATH"].split(os.pathsep)[:2] == [str(own), "/usr/bin"]
+
+
+def test_rows_with_inf_or_nan_logits_draw_within_the_row():
+    """A logit over a tiny temperature is +inf; a model that overflowed gives NaN. e = exp(y - max) was then
+    NaN (+inf - +inf, or a NaN token), and the thresholds' histograms, which index buckets by e's bits, wrote
+    past their end (the worker's heap corrupted under the stack's fuzz test, on an AVX2 EPYC). Now the +inf
+    tokens of a row share it, NaN tokens are never drawn, and an all-NaN row draws its first token, with every
+    truncation (top_k, top_p, min_p) and without (draw_rows)."""
+    n, rows = 300, 64
+    u = torch.rand(rows, generator=torch.Generator().manual_seed(3))
+    y = torch.randn(rows, n, generator=torch.Generator().manual_seed(4))
+    y[:, 17] = y[:, 250] = float("inf")
+    y[:, 40] = y[:, 299] = float("nan")
+    nan_rows = torch.randn(rows, n, generator=torch.Generator().manual_seed(5))
+    nan_rows[:, ::3] = float("nan")
+    all_nan = torch.full((rows, n), float("nan"))
+    cases = [(torch.zeros(rows, dtype=torch.long), torch.ones(rows), torch.zeros(rows)),  # no truncation
+             (torch.full((rows,), 5, dtype=torch.long), torch.ones(rows), torch.zeros(rows)),
+             (torch.zeros(rows, dtype=torch.long), torch.full((rows,), 0.9), torch.zeros(rows)),
+             (torch.full((rows,), 50, dtype=torch.long), torch.full((rows,), 0.5), torch.full((rows,), 0.05))]
+    for top_k, top_p, min_p in cases:
+        assert set(ops.nucleus_draw_rows(y.clone(), top_k, top_p, min_p, u).tolist()) <= {17, 250}
+        got = ops.nucleus_draw_rows(nan_rows.clone(), top_k, top_p, min_p, u)
+        assert not torch.isnan(nan_rows[torch.arange(rows), got]).any()
+        assert ops.nucleus_draw_rows(all_nan.clone(), top_k, top_p, min_p, u).tolist() == [0] * rows
+    assert set(ops.draw_rows(y.clone(), u).tolist()) == {17, 250}
+    got = ops.draw_rows(nan_rows.clone(), u)
+    assert not torch.isnan(nan_rows[torch.arange(rows), got]).any()

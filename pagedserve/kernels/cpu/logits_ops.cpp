@@ -228,19 +228,33 @@ inline uint32_t bits_of(float v) {
   return b;
 }
 
-// e = exp(y - peak) in place (0 for -inf and far below), returns their total; peak: the row's max.
+// The histogram bucket of e in [0, 1] (exp_in_place's): its top 16 bits, at most 1.0's bucket.
+inline uint32_t bucket_of(float e) { return std::min(bits_of(e) >> kBucketShift, kOneBits >> kBucketShift); }
+
+// e = exp(y - peak) in place (0 for -inf and far below), returns their total; peak: the row's max
+// (NaN tokens aside). Every e is in [0, 1], never NaN: the thresholds' histograms index buckets by
+// e's bits, and a NaN (a NaN logit, or +inf - +inf) would index past them. NaN tokens get 0 (never
+// drawn); in a row with +inf tokens (a logit over a tiny temperature) those get 1 and the others 0.
 float exp_in_place(float* row, int64_t n, float peak) {
   float total = 0.f;
+  if (peak == std::numeric_limits<float>::infinity()) {
+    for (int64_t i = 0; i < n; ++i) {
+      row[i] = row[i] == peak ? 1.f : 0.f;
+      total += row[i];
+    }
+    return total;
+  }
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const vfloat d = load_v(row + i) - peak;
-    const vfloat e = d < (vfloat{} + kExpFloor) ? vfloat{} : exp_v(d);
+    vfloat e = d < (vfloat{} + kExpFloor) ? vfloat{} : exp_v(d);
+    e = e == e ? e : vfloat{};
     store_v(row + i, e);
     total += hsum(e);
   }
   for (; i < n; ++i) {
     const float d = row[i] - peak;
-    row[i] = d < kExpFloor ? 0.f : std::exp(d);
+    row[i] = d < kExpFloor || d != d ? 0.f : std::exp(d);
     total += row[i];
   }
   return total;
@@ -251,7 +265,7 @@ float exp_in_place(float* row, int64_t n, float peak) {
 uint32_t nucleus_threshold(const float* row, int64_t n, float need, std::vector<float>& mass,
                            std::vector<uint32_t>& members) {
   mass.assign((kOneBits >> kBucketShift) + 1, 0.f);
-  for (int64_t i = 0; i < n; ++i) mass[bits_of(row[i]) >> kBucketShift] += row[i];
+  for (int64_t i = 0; i < n; ++i) mass[bucket_of(row[i])] += row[i];
   float above = 0.f;  // mass of the buckets above the one looked at
   int64_t k = static_cast<int64_t>(mass.size()) - 1;
   for (; k >= 0; --k) {
@@ -261,7 +275,7 @@ uint32_t nucleus_threshold(const float* row, int64_t n, float need, std::vector<
   if (k < 0) return 0;  // rounding left the whole row short of need: keep it all
   members.clear();
   for (int64_t i = 0; i < n; ++i)
-    if ((bits_of(row[i]) >> kBucketShift) == static_cast<uint64_t>(k)) members.push_back(bits_of(row[i]));
+    if (bucket_of(row[i]) == static_cast<uint32_t>(k)) members.push_back(bits_of(row[i]));
   std::sort(members.begin(), members.end(), std::greater<uint32_t>());
   for (size_t j = 0; j < members.size();) {
     const uint32_t pattern = members[j];
@@ -282,14 +296,14 @@ uint32_t nucleus_threshold(const float* row, int64_t n, float need, std::vector<
 uint32_t top_k_threshold(const float* row, int64_t n, int64_t k, std::vector<int32_t>& count,
                          std::vector<uint32_t>& members) {
   count.assign((kOneBits >> kBucketShift) + 1, 0);
-  for (int64_t i = 0; i < n; ++i) ++count[bits_of(row[i]) >> kBucketShift];
+  for (int64_t i = 0; i < n; ++i) ++count[bucket_of(row[i])];
   int64_t above = 0;  // tokens in the buckets above the one looked at
   int64_t b = static_cast<int64_t>(count.size()) - 1;
   for (; b >= 0 && above + count[b] < k; --b) above += count[b];
   if (b < 0) return 0;
   members.clear();
   for (int64_t i = 0; i < n; ++i)
-    if ((bits_of(row[i]) >> kBucketShift) == static_cast<uint64_t>(b)) members.push_back(bits_of(row[i]));
+    if (bucket_of(row[i]) == static_cast<uint32_t>(b)) members.push_back(bits_of(row[i]));
   std::sort(members.begin(), members.end(), std::greater<uint32_t>());
   return members[k - above - 1];
 }
