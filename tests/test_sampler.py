@@ -412,3 +412,15 @@ def test_the_memory_profile_samples_the_costliest_way(monkeypatch):
     assert len(seen["_truncate_sorted"][0][1]) == 16  # every row sorted
     assert len(seen["exponentials"][0][0]) == 8  # every other row seeded
     assert seen.keys() == {"_truncate_sorted", "exponentials", "_with_logprobs", "apply_penalties"}
+
+
+def test_a_temperature_too_small_for_float32_is_raised_to_vllms_floor():
+    """vLLM raises a positive temperature below 0.01 to 0.01: logits / 1e-300 are float32 infinities, whose
+    softmax is NaN, and the device's forms then drew token 0 whatever the logits."""
+    assert SamplingParams(temperature=1e-300).temperature == 0.01
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.02).temperature == 0.02
+    logits = torch.tensor([[1.0, 0.6, 3.0, 0.2], [0.5, 4.0, 0.1, 3.9]])
+    for forms in (Sampler(), Sampler(device_forms=True)):
+        for i in range(20):
+            rows = [row(seed=i, position=i, temperature=1e-300), row(temperature=1e-45, top_p=0.9)]
+            assert forms(logits, rows).token_ids == [2, 1]

@@ -19,6 +19,9 @@ MAX_CACHE_SALT = 256  # characters of vLLM's cache_salt
 # Entries a request may send: each is work on every step of every sample (OpenAI: 300 logit_bias).
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 300
+# A positive temperature below this is raised to it, as vLLM does (its _MAX_TEMP): logits / 1e-300 are
+# float32 infinities (inf - inf is NaN in every softmax), where 0.01 is already all but greedy.
+MIN_TEMPERATURE = 1e-2
 
 
 # prompt_logprobs: entries (n x prompt tokens x (k + 1)) one request may ask for; each is a
@@ -132,6 +135,8 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
             except (TypeError, ValueError, AttributeError):
                 raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         self.validate()
 
     @property
