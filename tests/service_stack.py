@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import grpc
+import httpx
 
 from pagedserve.common.grpc_util import free_port
 from pagedserve.launcher.processes import ServiceProcess, StackConfig, start_stack
@@ -103,3 +104,24 @@ def restart(stack, name: str, kill_signal: int) -> ServiceProcess:
     stack.processes[stack.processes.index(old)] = new
     new.wait_healthy(300)
     return new
+
+
+def extra_gateway(stack, log_dir, auth: dict[str, str], *flags: str) -> tuple[ServiceProcess, str]:
+    """Another gateway on the same stack (same services, same Redis), on its own ports; auth: the headers
+    its /v1/models answers to (it is up when it does)."""
+    base = next(p for p in stack.processes if p.name == "gateway")
+    argv, port, grpc_port = list(base.argv), free_port(), free_port()
+    argv[argv.index("--port") + 1], argv[argv.index("--grpc-port") + 1] = str(port), str(grpc_port)
+    proc = ServiceProcess("gateway", argv + list(flags), f"127.0.0.1:{grpc_port}", env=base.env,
+                          log_path=log_dir / f"gateway-{port}.log").start()
+    proc.wait_healthy(120)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(url + "/v1/models", headers=auth, timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the extra gateway never answered"
+        time.sleep(0.1)

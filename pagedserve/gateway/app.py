@@ -165,6 +165,7 @@ def build_app(backend: Backend) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         info = await backend.model_info()
+        await backend.loras.sync()
         return {"object": "list", "data": [
             {"id": info.model, "object": "model", "created": 0, "owned_by": "pagedserve", "root": info.model,
              "parent": None, "max_model_len": info.max_model_len, "ready": info.ready},
@@ -174,13 +175,13 @@ def build_app(backend: Backend) -> FastAPI:
     async def load_lora_adapter(request: Request) -> Response:
         """vLLM's: {"lora_name", "lora_path"} (a PEFT folder); the operator key only."""
         _operator(request)
-        return PlainTextResponse(lora_adapters.load_from_body(backend.loras, await _json_body(request)))
+        return PlainTextResponse(await lora_adapters.load_from_body(backend.loras, await _json_body(request)))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
         """vLLM's: {"lora_name"}; the operator key only."""
         _operator(request)
-        return PlainTextResponse(lora_adapters.unload_from_body(backend.loras, await _json_body(request)))
+        return PlainTextResponse(await lora_adapters.unload_from_body(backend.loras, await _json_body(request)))
 
     @app.get("/v1/requests/{request_id}")
     async def request_status(request_id: str, request: Request) -> dict:

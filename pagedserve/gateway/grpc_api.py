@@ -114,6 +114,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "The model does not support generation: this server runs --runner pooling (use Embed)")
         info = await self._model_info(context)
+        if checks.other_model(request.model, info.model):
+            await self.backend.loras.sync(request.model)
         problem = request_problem(request, info, self.backend.loras)
         if problem is not None:
             await context.abort(*problem)
@@ -194,10 +196,11 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     @staticmethod
     async def _adapters(context: grpc.aio.ServicerContext, change, body: dict) -> generate_pb2.LoraAdapterReply:
         try:
-            return generate_pb2.LoraAdapterReply(message=change(body))
+            return generate_pb2.LoraAdapterReply(message=await change(body))
         except RequestError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND if exc.status == 404 else grpc.StatusCode.INVALID_ARGUMENT,
-                                exc.message)
+            code = {404: grpc.StatusCode.NOT_FOUND, 503: grpc.StatusCode.UNAVAILABLE}.get(
+                exc.status, grpc.StatusCode.INVALID_ARGUMENT)
+            await context.abort(code, exc.message)
             raise  # not reached: abort raises
 
     async def _checked_model(self, model: str, context: grpc.aio.ServicerContext) -> generate_pb2.ModelInfo:

@@ -18,10 +18,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedserve.common.grpc_util import (SERVER_OPTIONS, MalformedRequestInterceptor, add_health_and_reflection,
                                          set_serving)
+from pagedserve.common.replicas import async_reader
 from pagedserve.common.store import MemoryStore, open_store
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve.common.lora import DEFAULT_MAX_LORA_RANK, parse_lora_modules
-from pagedserve.gateway.lora_adapters import LoraAdapters
+from pagedserve.gateway.lora_adapters import LoraAdapters, SharedAdapters
 from pagedserve.gateway.app import build_app
 from pagedserve.gateway.backend import Backend
 from pagedserve.gateway.grpc_api import SERVICE_NAME, GenerationService
@@ -174,10 +175,13 @@ async def _serve(args) -> int:
                       local_links=getattr(args, "service_transport", "auto") == "auto",
                       prefix_cache_scope=getattr(args, "prefix_cache_scope", "owner"),
                       runner=getattr(args, "runner", "auto"), pooler=getattr(args, "pooler", "last"))
+    shared = store.durable and getattr(store, "url", None)  # engine replicas and LoRA adapters are in this Redis
     backend.loras = LoraAdapters(getattr(args, "enable_lora", False),
                                  parse_lora_modules(getattr(args, "lora_modules", None)),
-                                 getattr(args, "max_lora_rank", DEFAULT_MAX_LORA_RANK))
-    if store.durable and getattr(store, "url", None):  # engine replicas register in this Redis
+                                 getattr(args, "max_lora_rank", DEFAULT_MAX_LORA_RANK),
+                                 SharedAdapters(async_reader(store.url), args.redis_prefix) if shared else None)
+    await backend.loras.publish()
+    if shared:
         from pagedserve.gateway.replicas import ReplicaDirectory
         backend.replicas = ReplicaDirectory(store.url, args.redis_prefix)
 

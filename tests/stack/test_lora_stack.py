@@ -1,12 +1,14 @@
 """LoRA adapters through the real stack (issue 40): the `openai` client selects an adapter by its
 name as the model and gets transformers + PEFT's greedy text; /v1/models lists the adapters with
-their parent; adapters load and unload at run time (REST and gRPC, the operator key only); a bad
+their parent; adapters load and unload at run time (REST and gRPC, the operator key only), for every
+gateway of the stack; a bad
 folder gets a clear 400/404, an adapter the worker cannot load a 400 naming why, and the others go
 on; the metrics count per adapter."""
 
 from __future__ import annotations
 
 import re
+import time
 
 import grpc
 import httpx
@@ -14,7 +16,9 @@ import openai
 import pytest
 
 from lora_adapters import build_adapter, merged_greedy
+from pagedserve.gateway.lora_adapters import REFRESH_S
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc
+from service_stack import extra_gateway
 from tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.slow  # the tiny model borrows the default model's tokenizer
@@ -130,3 +134,29 @@ def test_grpc_load_and_unload(stack, adapters):
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(gen, metadata=operator, timeout=60))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_adapter_loaded_through_one_gateway_is_served_by_every_gateway(stack, adapters, tokenizer, tmp_path):
+    """Helm runs two gateways behind one Service: an adapter loaded through one must be served by the other
+    (the registry is in the stack's Redis), named once, and unloaded for all."""
+    folders, expected = adapters
+    operator = {"Authorization": f"Bearer {ADMIN}"}
+    gateway, url = extra_gateway(stack, tmp_path, operator)
+    try:
+        other = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        assert {"sql"} <= {m.id for m in other.models.list().data}  # --lora-modules: on both
+        body = {"lora_name": "everywhere", "lora_path": str(folders["chat"])}
+        assert admin(stack, "/v1/load_lora_adapter", body).status_code == 200
+        assert tokens(other, "everywhere") == [tokenizer.decode([t]) for t in expected["chat"]]  # at once
+        assert "everywhere" in {m.id for m in other.models.list().data}
+        twice = httpx.post(url + "/v1/load_lora_adapter", json=body, headers=operator, timeout=60)
+        assert twice.status_code == 400 and "already been loaded" in twice.json()["error"]["message"]
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "everywhere"}, headers=operator,
+                          timeout=60).status_code == 200
+        assert admin(stack, "/v1/unload_lora_adapter", {"lora_name": "everywhere"}).status_code == 404
+        time.sleep(REFRESH_S)  # the longest the first gateway may still serve it
+        with pytest.raises(openai.NotFoundError):
+            openai.OpenAI(base_url=stack.http_url + "/v1", api_key=KEY, max_retries=0).completions.create(
+                model="everywhere", prompt=PROMPT, max_tokens=2)
+    finally:
+        gateway.stop()

@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from pagedserve.common.grpc_util import free_port
 from pagedserve.launcher.processes import ServiceProcess
+import service_stack
 from service_stack import wait_until_idle
 
 KEY = "sk-reliability"
@@ -25,27 +25,11 @@ def stack(tiny_model, launch_stack):
     return launch_stack(tiny_model, api_key=KEY)
 
 
-def extra_gateway(stack, log_dir, *flags: str) -> tuple[ServiceProcess, str]:
-    """Another gateway on the same stack (same services, same Redis), on its own ports."""
-    base = next(p for p in stack.processes if p.name == "gateway")
-    argv, port, grpc_port = list(base.argv), free_port(), free_port()
-    argv[argv.index("--port") + 1], argv[argv.index("--grpc-port") + 1] = str(port), str(grpc_port)
-    proc = ServiceProcess("gateway", argv + list(flags), f"127.0.0.1:{grpc_port}", env=base.env,
-                          log_path=log_dir / f"gateway-{port}.log").start()
-    proc.wait_healthy(120)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(url + "/v1/models", headers=AUTH, timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the extra gateway never answered"
-        time.sleep(0.1)
-
-
 AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def extra_gateway(stack, log_dir, *flags: str) -> tuple[ServiceProcess, str]:
+    return service_stack.extra_gateway(stack, log_dir, AUTH, *flags)
 
 
 class frozen_worker:
