@@ -83,6 +83,26 @@ def certificates(tmp_path_factory) -> dict[str, dict[str, str]]:
 
 
 # ---- heavy tests: realism the 20-minute suite cannot afford ----------------------------------
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture
+def redis_prefix():
+    """A fresh key prefix in the Redis at 127.0.0.1:6379 (skipped when none answers), its keys deleted after."""
+    redis = pytest.importorskip("redis")
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    import uuid
+    name = f"pstest-{uuid.uuid4().hex[:8]}:"
+    yield name
+    keys = list(client.scan_iter(name + "*"))
+    if keys:
+        client.delete(*keys)
+
+
 # A test marked `heavy` (Gemma 3 270M in float32 against transformers: ~10-35 min on 2 cores)
 # runs with `make test-heavy` (PAGEDSERVE_HEAVY_TESTS=1) and is skipped, saying so, otherwise.
 def pytest_collection_modifyitems(config, items):

@@ -5,6 +5,7 @@ tests/fake_services.py."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -15,26 +16,35 @@ from fake_services import KEY, Stack
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from pagedserve.gateway.admission import (Admission, Refusal, bad_api_key, body_too_large, rate_limited, shutting_down,
                                           too_many_samples, too_many_tokens)
+from pagedserve.common.replicas import async_reader
 from pagedserve.gateway.grpc_api import peer_host
 from pagedserve.gateway.limits import Limits
 from pagedserve.gateway.owners import owner_of_key
 from pagedserve.gateway.protocol import RequestError
 
+REDIS_URL = "redis://127.0.0.1:6379/0"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 METADATA = (("authorization", f"Bearer {KEY}"),)
 
 
 def refusal_of(check, *args) -> Refusal:
     with pytest.raises(Refusal) as info:
-        check(*args)
+        result = check(*args)
+        if asyncio.iscoroutine(result):
+            asyncio.run(result)
     return info.value
+
+
+def admit(admission: Admission, *args):
+    """Admission.admit, from a test without a loop."""
+    return asyncio.run(admission.admit(*args))
 
 
 # ---- the admission, driven directly -----------------------------------------------------------
 def test_caller_checks_in_order():
     admission = Admission(["k1", "k2"])
-    admission.admit("Bearer k1", None)
-    admission.admit("bearer k2", "10.0.0.1")
+    admit(admission, "Bearer k1", None)
+    admit(admission, "bearer k2", "10.0.0.1")
     for authorization in (None, "", "Bearer k3", "k1", "Basic k1"):
         refusal = refusal_of(admission.admit, authorization, None)
         assert (refusal.status, refusal.grpc_code, refusal.code) == (401, grpc.StatusCode.UNAUTHENTICATED,
@@ -45,7 +55,7 @@ def test_caller_checks_in_order():
     assert (refusal.status, refusal.grpc_code, refusal.code) == (503, grpc.StatusCode.UNAVAILABLE,
                                                                  "server_shutting_down")
     assert refusal.headers == {"Retry-After": "5"}
-    Admission().admit(None, None)  # no keys: open
+    admit(Admission(), None, None)  # no keys: open
 
 
 def test_failed_keys_are_throttled_per_address():
@@ -58,34 +68,88 @@ def test_failed_keys_are_throttled_per_address():
         refusal = refusal_of(admission.admit, authorization, "10.0.0.9")
         assert (refusal.status, refusal.code) == (429, "auth_throttled") and int(refusal.headers["Retry-After"]) >= 1
     # ...while other addresses are not concerned.
-    assert admission.admit("Bearer k1", "10.0.0.10").owner == owner_of_key("k1")
+    assert admit(admission, "Bearer k1", "10.0.0.10").owner == owner_of_key("k1")
 
 
 def test_owners_and_operators():
     admission = Admission(["k1", "k2"], admin_keys=["op"])
-    one, two, operator = (admission.admit(f"Bearer {k}", None) for k in ("k1", "k2", "op"))
+    one, two, operator = (admit(admission, f"Bearer {k}", None) for k in ("k1", "k2", "op"))
     assert len({one.owner, two.owner, operator.owner}) == 3 and operator.admin and not one.admin
     assert one.internal_id("cmpl-1") != two.internal_id("cmpl-1")
     assert one.client_id(one.internal_id("cmpl-1")) == "cmpl-1" and two.client_id(one.internal_id("cmpl-1")) is None
     assert not two.sees(one.internal_id("cmpl-1")) and operator.sees(one.internal_id("cmpl-1#0"))
     assert operator.shown_id(one.internal_id("x")) == one.internal_id("x")
-    assert "k1" not in one.owner and Admission().admit(None, None).admin  # no keys: one anonymous operator
+    assert "k1" not in one.owner and admit(Admission(), None, None).admin  # no keys: one anonymous operator
 
 
 def test_rate_limit_per_key_or_address():
     admission = Admission(["k1", "k2"], Limits(rate_limit=(0.01, 2.0)))
-    admission.admit("Bearer k1", "10.0.0.1")
-    admission.admit("Bearer k1", "10.0.0.2")  # the key's bucket, whatever the address
+    admit(admission, "Bearer k1", "10.0.0.1")
+    admit(admission, "Bearer k1", "10.0.0.2")  # the key's bucket, whatever the address
     refusal = refusal_of(admission.admit, "Bearer k1", "10.0.0.3")
     assert (refusal.status, refusal.grpc_code, refusal.type, refusal.code) == (
         429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error", "rate_limit_exceeded")
     assert int(refusal.headers["Retry-After"]) >= 50 and "0.01 requests/s (burst 2)" in refusal.message
-    admission.admit("Bearer k2", "10.0.0.1")  # another key has its own bucket
+    admit(admission, "Bearer k2", "10.0.0.1")  # another key has its own bucket
     refusal_of(admission.admit, "Bearer wrong", "10.0.0.1")  # a wrong key is refused before its bucket is used
     open_gateway = Admission(None, Limits(rate_limit=(0.01, 1.0)))
-    open_gateway.admit(None, "10.0.0.1")
+    admit(open_gateway, None, "10.0.0.1")
     refusal_of(open_gateway.admit, "Bearer anything", "10.0.0.1")  # no keys: per address
-    open_gateway.admit(None, "10.0.0.2")
+    admit(open_gateway, None, "10.0.0.2")
+
+
+def gateways_sharing(prefix: str, rate: tuple[float, float], url: str = REDIS_URL, count: int = 2) -> list[Admission]:
+    """The admissions of `count` gateways of one deployment, each with its own Redis client."""
+    gateways = [Admission(["k1", "k2"], Limits(rate_limit=rate)) for _ in range(count)]
+    for gateway in gateways:
+        gateway.share_rate(async_reader(url), prefix)
+    return gateways
+
+
+def test_gateways_sharing_redis_share_each_keys_rate(redis_prefix):
+    """Helm runs several gateways behind one Service: with Redis a key's --rate-limit is for all of them
+    together (it was each gateway's, N times the rate), a batch is all or none, and no key is stored."""
+    async def run():
+        a, b = gateways_sharing(redis_prefix, (0.01, 3.0))
+        await a.admit("Bearer k1", "10.0.0.1")
+        await b.admit("Bearer k1", "10.0.0.2")
+        await a.admit_more("Bearer k1", None, 1)  # the burst of 3 is spent, across both gateways
+        for gateway in (a, b):
+            with pytest.raises(Refusal) as refused:
+                await gateway.admit("Bearer k1", None)
+            assert refused.value.status == 429 and int(refused.value.headers["Retry-After"]) >= 50
+        await b.admit("Bearer k2", None)  # another key: its own bucket
+        with pytest.raises(Refusal, match="counts as 4"):
+            await a.admit_more("Bearer k2", None, 3)  # 2 left, 3 more asked: all or none
+        await a.admit_more("Bearer k2", None, 2)
+        with pytest.raises(Refusal):
+            await b.admit("Bearer wrong", None)  # a wrong key never reaches a bucket
+        return [key async for key in a.shared_rate.client.scan_iter(redis_prefix + "*")]
+    keys = asyncio.run(run())
+    assert len(keys) == 2 and not any("k1" in k or "k2" in k for k in keys)  # digests, never the keys
+
+
+def test_the_shared_buckets_refill_at_the_rate(redis_prefix):
+    async def run():
+        a, b = gateways_sharing(redis_prefix, (20.0, 1.0))
+        await a.admit("Bearer k1", None)
+        with pytest.raises(Refusal):
+            await b.admit("Bearer k1", None)
+        await asyncio.sleep(0.2)  # 4 tokens' time at 20/s, one kept: the burst
+        await b.admit("Bearer k1", None)
+        with pytest.raises(Refusal):
+            await a.admit("Bearer k1", None)
+    asyncio.run(run())
+
+
+def test_redis_away_the_gateways_own_buckets_decide(redis_prefix):
+    async def run():
+        (alone,) = gateways_sharing(redis_prefix, (0.01, 1.0), url="redis://127.0.0.1:1/0", count=1)
+        await alone.admit("Bearer k1", None)
+        with pytest.raises(Refusal) as refused:
+            await alone.admit("Bearer k1", None)
+        assert refused.value.status == 429
+    asyncio.run(run())
 
 
 def test_n_body_and_tokens_in_flight():

@@ -99,7 +99,7 @@ def test_priority_floor_per_key(tmp_path):
         with pytest.raises(Refusal) as refused:
             admission.check_priority(callers[key], priority)
         assert refused.value.status == 400 and refused.value.param == "priority"
-    Admission().check_priority(Admission().admit(None, None), -5)  # no keys: one operator
+    Admission().check_priority(asyncio.run(Admission().admit(None, None)), -5)  # no keys: one operator
 
 
 def test_an_ordinary_key_cannot_jump_the_queue_over_rest_and_grpc():

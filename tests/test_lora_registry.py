@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 import pytest
 
@@ -20,21 +19,6 @@ from pagedserve.gateway.lora_adapters import REFRESH_S, LoraAdapters, SharedAdap
 from pagedserve.v1 import generate_pb2
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
-redis = pytest.importorskip("redis")
-
-
-@pytest.fixture
-def prefix():
-    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        pytest.skip("no Redis at 127.0.0.1:6379")
-    name = f"pstest-{uuid.uuid4().hex[:8]}:"
-    yield name
-    keys = list(client.scan_iter(name + "*"))
-    if keys:
-        client.delete(*keys)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +39,9 @@ def stamped(adapters: LoraAdapters, model: str) -> tuple[str, str, str]:
     return gen.model, gen.params.lora_name, gen.params.lora_path
 
 
-def test_what_one_gateway_loads_every_gateway_serves(prefix, folders):
+def test_what_one_gateway_loads_every_gateway_serves(redis_prefix, folders):
     async def run():
-        a, b = gateway(prefix, {"sql": folders["sql"]}), gateway(prefix)
+        a, b = gateway(redis_prefix, {"sql": folders["sql"]}), gateway(redis_prefix)
         await a.publish()
         await b.publish()
         assert b.path_of("sql") == folders["sql"]  # a's --lora-modules, read when b started
@@ -81,11 +65,11 @@ def test_what_one_gateway_loads_every_gateway_serves(prefix, folders):
     asyncio.run(run())
 
 
-def test_a_view_is_read_again_at_most_every_refresh_interval(prefix, folders):
+def test_a_view_is_read_again_at_most_every_refresh_interval(redis_prefix, folders):
     """A request for a known name costs no Redis read while the view is fresh; an unloaded one's other
     gateways stop serving it within REFRESH_S."""
     async def run():
-        a, b = gateway(prefix), gateway(prefix)
+        a, b = gateway(redis_prefix), gateway(redis_prefix)
         await a.publish()
         read_at = time.monotonic()
         await b.publish()  # b's whole view is read here
@@ -101,9 +85,9 @@ def test_a_view_is_read_again_at_most_every_refresh_interval(prefix, folders):
     asyncio.run(run())
 
 
-def test_redis_away_refuses_changes_with_503_and_keeps_the_view(prefix, folders):
+def test_redis_away_refuses_changes_with_503_and_keeps_the_view(redis_prefix, folders):
     async def run():
-        away = gateway(prefix, {"sql": folders["sql"]}, url="redis://127.0.0.1:1/0")
+        away = gateway(redis_prefix, {"sql": folders["sql"]}, url="redis://127.0.0.1:1/0")
         await away.publish()  # logged: this gateway serves its own modules meanwhile
         assert away.path_of("sql") == folders["sql"]
         for change in (away.load("chat", folders["chat"]), away.unload("sql")):

@@ -5,12 +5,13 @@ A refusal is a `Refusal`: the OpenAI-style error REST answers (HTTP status, type
 such as Retry-After) together with the gRPC status the gRPC API aborts with, and one message for
 both, so the two front ends refuse alike. The checks, in the order a request meets them:
 
-  admit(authorization, client) -> Caller   before the request is read or any service is asked:
+  await admit(authorization, client) -> Caller   before the request is read or any service is asked:
       the gateway is draining                  503 server_shutting_down    UNAVAILABLE
       too many failed keys from this address   429 auth_throttled          RESOURCE_EXHAUSTED
       the API key is missing or wrong          401 invalid_api_key         UNAUTHENTICATED
       over the rate (per API key; per client
-      address when no keys are configured)     429 rate_limit_exceeded     RESOURCE_EXHAUSTED
+      address when no keys are configured;
+      with Redis, for all gateways together)   429 rate_limit_exceeded     RESOURCE_EXHAUSTED
   check_body_size(size)          REST only, on /v1 POSTs (gRPC has its own message size limit):
       over --max-body-bytes                    413 request_too_large       RESOURCE_EXHAUSTED
   check_n(n)                     once the request is parsed:
@@ -21,7 +22,8 @@ both, so the two front ends refuse alike. The checks, in the order a request mee
     the caller release()s what reserve() returned when the request leaves the gateway.
 
 Threads: every method runs on the gateway's one asyncio loop (the REST and gRPC servers share
-it) and none awaits, so the state needs no lock.
+it); only the rate checks await (the shared buckets' Redis), and they touch no other state, so the
+state needs no lock.
 Invariants: tokens_in_flight is the sum of the reservations not yet released, never below 0; a
 request alone is always admitted whatever its size; API keys are compared in constant time (every
 key, so the time does not tell which matched) and never logged; the rate limiter keeps a digest
@@ -35,7 +37,7 @@ import hmac
 import grpc
 
 from pagedserve.common.inflight import tokens_in_flight
-from pagedserve.gateway.limits import Limits, RateLimiter, retry_after
+from pagedserve.gateway.limits import Limits, RateLimiter, SharedRateLimiter, retry_after
 from pagedserve.gateway.owners import SINGLE_TENANT, Caller, owner_of_key
 from pagedserve.gateway.protocol import RequestError
 
@@ -129,6 +131,7 @@ class Admission:
         self.failed_auth = RateLimiter(FAILED_AUTH_RATE, FAILED_AUTH_BURST)
         self.limits = limits or Limits()
         self.rate_limiter = RateLimiter(*self.limits.rate_limit) if self.limits.rate_limit else None
+        self.shared_rate: SharedRateLimiter | None = None  # share_rate(): the buckets of every gateway
         self.draining = False     # set once by the drain on SIGTERM; never cleared
         self.tokens_in_flight = 0  # the sum of the admitted requests' prompt + n * max_tokens
 
@@ -147,7 +150,13 @@ class Admission:
     def key_ok(self, authorization: str | None) -> bool:
         return self.caller(authorization) is not None
 
-    def admit(self, authorization: str | None, client: str | None) -> Caller:
+    def share_rate(self, client, prefix: str) -> None:
+        """Take the rate limit from buckets in Redis (client: redis.asyncio), shared by every gateway
+        that shares its prefix."""
+        if self.limits.rate_limit:
+            self.shared_rate = SharedRateLimiter(client, prefix, *self.limits.rate_limit)
+
+    async def admit(self, authorization: str | None, client: str | None) -> Caller:
         """The caller's checks: draining, the API key, then one request off its rate bucket; returns
         the Caller. authorization: the Authorization header (metadata on gRPC); client: its address."""
         if self.draining:
@@ -159,22 +168,25 @@ class Admission:
         if caller is None:
             self.failed_auth.check(address)
             raise bad_api_key()
-        if self.rate_limiter is not None:
-            key = (authorization or "").partition(" ")[2].strip() if self.api_keys else None
-            wait = self.rate_limiter.check(RateLimiter.identity(key, client))
-            if wait > 0:
-                raise rate_limited(self.limits.rate_limit, wait)
+        if (wait := await self._rate_wait(authorization, client, 1)) > 0:
+            raise rate_limited(self.limits.rate_limit, wait)
         return caller
 
-    def admit_more(self, authorization: str | None, client: str | None, count: int) -> None:
+    async def admit_more(self, authorization: str | None, client: str | None, count: int) -> None:
         """A request that is `count` more requests (a batch's other prompts, each its own request
         downstream): as many off the caller's rate bucket, all or none, or 429."""
-        if self.rate_limiter is None or count <= 0:
-            return
-        key = (authorization or "").partition(" ")[2].strip() if self.api_keys else None
-        wait = self.rate_limiter.check(RateLimiter.identity(key, client), count=count)
-        if wait > 0:
+        if count > 0 and (wait := await self._rate_wait(authorization, client, count)) > 0:
             raise rate_limited(self.limits.rate_limit, wait, count + 1)
+
+    async def _rate_wait(self, authorization: str | None, client: str | None, count: int) -> float:
+        """count requests off the caller's bucket (the key's, or the address's without keys): 0.0, or the wait."""
+        if self.rate_limiter is None:
+            return 0.0
+        key = (authorization or "").partition(" ")[2].strip() if self.api_keys else None
+        identity = RateLimiter.identity(key, client)
+        if self.shared_rate is not None:
+            return await self.shared_rate.check(identity, count)
+        return self.rate_limiter.check(identity, count=count)
 
     def check_tokens_fit(self, tokens: int) -> None:
         """429 when `tokens` more in flight would pass --max-tokens-in-flight now (nothing reserved:

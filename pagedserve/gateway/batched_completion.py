@@ -80,8 +80,8 @@ async def _run(backend: Backend, request: Request, body: CompletionRequest) -> R
     admission = backend.admission
     admission.check_n(body.n)
     # The gate took one request off the key's rate bucket; the other prompts are requests too.
-    admission.admit_more(request.headers.get("authorization"), request.client.host if request.client else None,
-                         len(parts) - 1)
+    await admission.admit_more(request.headers.get("authorization"),
+                               request.client.host if request.client else None, len(parts) - 1)
     if body.max_tokens:
         admission.check_tokens_fit(len(parts) * body.n * body.max_tokens)
     calls = [CompletionCall(backend, request, False, part) for part in parts]

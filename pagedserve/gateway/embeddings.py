@@ -117,8 +117,8 @@ async def _create(backend: Backend, request: Request, body: Any) -> Response:
     spec = pooling(backend, body)
     if request.headers.get("idempotency-key"):
         raise bad_request("Idempotency-Key is not supported on /v1/embeddings", "input")
-    backend.admission.admit_more(request.headers.get("authorization"),
-                                 request.client.host if request.client else None, len(items) - 1)
+    await backend.admission.admit_more(request.headers.get("authorization"),
+                                       request.client.host if request.client else None, len(items) - 1)
     received = time.time()
     calls = []
     for item in items:

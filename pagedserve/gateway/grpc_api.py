@@ -88,7 +88,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         metadata = {key.lower(): value for key, value in (context.invocation_metadata() or ())}
         admission = self.backend.admission
         try:
-            caller = admission.admit(metadata.get("authorization"), peer_host(context.peer()))
+            caller = await admission.admit(metadata.get("authorization"), peer_host(context.peer()))
             if n is not None:
                 admission.check_n(n)
         except Refusal as refusal:

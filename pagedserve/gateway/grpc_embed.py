@@ -59,13 +59,13 @@ async def embed(service, request: generate_pb2.EmbedRequest, context: grpc.aio.S
         backend.check_runner("Embeddings API", pooling=True)
         gens = request_inputs(request)
         backend.admission.check_priority(caller, request.priority)
-        backend.admission.admit_more(metadata.get("authorization"), peer, len(gens) - 1)
+        await backend.admission.admit_more(metadata.get("authorization"), peer, len(gens) - 1)
+    except Refusal as refusal:  # the batch's rate: RESOURCE_EXHAUSTED, as Generate's
+        await context.abort(refusal.grpc_code, refusal.message)
     except RequestError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
     except EmbedFailed as exc:
         await context.abort(exc.code, exc.message)
-    except Refusal as refusal:
-        await context.abort(refusal.grpc_code, refusal.message)
     info = await service._model_info(context)
     if checks.other_model(request.model, info.model):
         await context.abort(grpc.StatusCode.NOT_FOUND, f"the model {request.model!r} does not exist")

@@ -72,7 +72,7 @@ class HttpGate:
             headers = dict(scope.get("headers") or [])
             client = scope.get("client")
             try:
-                caller = admission.admit(authorization(headers), client[0] if client else None)
+                caller = await admission.admit(authorization(headers), client[0] if client else None)
                 if path in DOCS_PATHS and admission.has_admin and not caller.admin:
                     raise operators_only()
                 scope.setdefault("state", {})["caller"] = caller

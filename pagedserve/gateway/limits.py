@@ -1,9 +1,11 @@
 """The gateway's admission limits: request body size, n, tokens in flight, per-key request rate,
-the drain on shutdown, and the stream-resume grace. Pure logic, no I/O."""
+the drain on shutdown, and the stream-resume grace. Pure logic, no I/O, but for SharedRateLimiter:
+the per-key rate of every gateway of a deployment together, kept in Redis."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -14,6 +16,7 @@ DEFAULT_MAX_N = 16
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_RESUME_GRACE_S = 60.0
 MAX_RATE_LIMITED_KEYS = 10_000  # buckets kept (least recently used dropped first)
+log = logging.getLogger("pagedserve.gateway")
 
 
 @dataclass
@@ -90,6 +93,50 @@ class RateLimiter:
         """How long identity must wait before check() would pass, without taking a token."""
         bucket = self.buckets.get(identity)
         return 0.0 if bucket is None else bucket.wait(now)
+
+
+# One key's bucket in Redis, taken atomically: refilled at ARGV[1] a second up to ARGV[2] since its stamp
+# (Redis's own clock: the gateways' clocks need not agree), ARGV[3] taken all or none; returns the wait
+# in seconds as a string (0: taken). The bucket expires once it would be full again.
+_TAKE = """
+local now = redis.call('TIME')
+now = tonumber(now[1]) + tonumber(now[2]) / 1e6
+local rate, burst, count = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'stamp')
+local tokens = tonumber(state[1]) or burst
+local stamp = tonumber(state[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - stamp) * rate)
+local wait = 0
+if tokens >= count then tokens = tokens - count else wait = (count - tokens) / rate end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'stamp', tostring(now))
+redis.call('EXPIRE', KEYS[1], math.ceil((burst - tokens) / rate) + 1)
+return tostring(wait)
+"""
+
+
+class SharedRateLimiter:
+    """RateLimiter's buckets for every gateway of a deployment at once: one hash a key in Redis
+    (`<prefix>rate:<identity>`, the key's digest as RateLimiter names it), taken by one script call a
+    check (redis.asyncio), so N gateways behind a load balancer allow a key its rate, not N times it.
+    Redis away: this gateway's own buckets (`local`) decide until it answers again (logged)."""
+
+    def __init__(self, client, prefix: str, rate: float, burst: float) -> None:
+        self.client, self.prefix, self.rate, self.burst = client, prefix + "rate:", rate, burst
+        self.local = RateLimiter(rate, burst)
+        self._script = client.register_script(_TAKE)
+        self._warned = False
+
+    async def check(self, identity: str, count: float = 1.0) -> float:
+        """As RateLimiter.check: 0.0 when taken, else the seconds to wait."""
+        try:
+            wait = float(await self._script(keys=[self.prefix + identity], args=[self.rate, self.burst, count]))
+        except Exception as exc:  # noqa: BLE001 - a limiter must not stop the API
+            if not self._warned:
+                log.warning("the shared rate limit's Redis did not answer (%s): this gateway's own buckets decide", exc)
+                self._warned = True
+            return self.local.check(identity, count=count)
+        self._warned = False
+        return wait
 
 
 def retry_after(seconds: float) -> str:

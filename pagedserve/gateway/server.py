@@ -175,13 +175,16 @@ async def _serve(args) -> int:
                       local_links=getattr(args, "service_transport", "auto") == "auto",
                       prefix_cache_scope=getattr(args, "prefix_cache_scope", "owner"),
                       runner=getattr(args, "runner", "auto"), pooler=getattr(args, "pooler", "last"))
-    shared = store.durable and getattr(store, "url", None)  # engine replicas and LoRA adapters are in this Redis
+    # Engine replicas, LoRA adapters and the rate limit's buckets are this Redis's, for every gateway
+    reader = async_reader(store.url) if store.durable and getattr(store, "url", None) else None
     backend.loras = LoraAdapters(getattr(args, "enable_lora", False),
                                  parse_lora_modules(getattr(args, "lora_modules", None)),
                                  getattr(args, "max_lora_rank", DEFAULT_MAX_LORA_RANK),
-                                 SharedAdapters(async_reader(store.url), args.redis_prefix) if shared else None)
+                                 SharedAdapters(reader, args.redis_prefix) if reader else None)
+    if reader:
+        backend.admission.share_rate(reader, args.redis_prefix)
     await backend.loras.publish()
-    if shared:
+    if reader:
         from pagedserve.gateway.replicas import ReplicaDirectory
         backend.replicas = ReplicaDirectory(store.url, args.redis_prefix)
 

@@ -222,3 +222,22 @@ def test_limits_on_a_real_stack(stack, tmp_path):
         assert KEY not in log_text and "The history of the city" not in log_text
     finally:
         gw.stop()
+
+
+@pytest.mark.slow
+def test_a_keys_rate_limit_holds_for_all_gateways_together(stack, tmp_path):
+    """Two gateways with --rate-limit on one Redis (as Helm runs them): the key's burst is spent across both,
+    and each refuses the next request with 429 and a Retry-After of about the refill time."""
+    gw_a, url_a = extra_gateway(stack, tmp_path, "--rate-limit", "0.01:3")
+    gw_b, url_b = extra_gateway(stack, tmp_path, "--rate-limit", "0.01:3")
+    try:
+        with httpx.Client(timeout=60) as http:
+            # the gateways' start-up checks took requests off the key's bucket: what is left goes through A
+            codes = [http.get(url_a + "/v1/models", headers=AUTH).status_code for _ in range(3)]
+            assert codes[-1] == 429 and set(codes) <= {200, 429}, codes
+            r = http.get(url_b + "/v1/models", headers=AUTH)  # B's own share would be 2 or 3 of 3
+            assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 50, r.text
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    finally:
+        gw_a.stop()
+        gw_b.stop()
