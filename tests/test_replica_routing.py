@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import uuid
 
 import pytest
 
@@ -22,17 +21,8 @@ redis = pytest.importorskip("redis")
 
 
 @pytest.fixture
-def prefix():
-    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        pytest.skip("no Redis at 127.0.0.1:6379")
-    name = f"pstest-{uuid.uuid4().hex[:8]}:"
-    yield name
-    keys = list(client.scan_iter(name + "*"))
-    if keys:
-        client.delete(*keys)
+def prefix(redis_prefix):
+    return redis_prefix
 
 
 def sync_client():
