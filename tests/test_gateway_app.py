@@ -57,6 +57,27 @@ def test_streaming_chat_with_usage(client):
     assert [lp.token for lp in lps] == ["Hello", " world"] and lps[0].top_logprobs[0].logprob == -0.5
 
 
+def test_continuous_usage_stats_put_each_choices_usage_on_every_chunk(stack):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk with a choice carries
+    that choice's usage so far; without it (or without include_usage) the chunks are as before."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 3, "n": 2,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = naive_sse_read(stack.url + "/v1/chat/completions", body)
+    with_choice = [c for c in chunks if c["choices"]]
+    assert with_choice and all(c["usage"]["prompt_tokens"] == 3 for c in with_choice)
+    for index in (0, 1):
+        mine = [c["usage"]["completion_tokens"] for c in with_choice if c["choices"][0]["index"] == index]
+        assert mine[0] == 0 and mine[-1] == 2 and mine == sorted(mine), mine  # the role chunk first
+        assert all(c["usage"]["total_tokens"] == 3 + c["usage"]["completion_tokens"] for c in with_choice)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4  # both samples
+    completion = naive_sse_read(stack.url + "/v1/completions", {"prompt": "hi", "stream": True, "max_tokens": 3,
+                                                                "stream_options": body["stream_options"]})
+    assert [c["usage"]["completion_tokens"] for c in completion if c["choices"]][-1] == 2
+    for options in ({"continuous_usage_stats": True}, {"include_usage": True}):
+        plain = naive_sse_read(stack.url + "/v1/chat/completions", {**body, "stream_options": options})
+        assert all("usage" not in c for c in plain if c["choices"])
+
+
 def naive_sse_read(url: str, body: dict) -> list[dict]:
     """How vLLM's `bench serve` client (async_request_openai_completions / _chat_completions) and
     many hand-written readers consume a stream: every non-empty line, `data: ` stripped, is JSON

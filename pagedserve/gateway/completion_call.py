@@ -41,7 +41,7 @@ from pagedserve.gateway.metrics import RequestTracker
 from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
                                          completion_to_generate, embedding_to_generate, error_body, include_event_ids,
-                                         include_usage)
+                                         continuous_usage, include_usage)
 from pagedserve.gateway.reasoning import END as REASONING_END, request_parser
 from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning, vllm_prompt_logprobs
 from pagedserve.gateway.tools import ToolOutput, chat_tools
@@ -80,6 +80,7 @@ class CompletionCall:
         # leaves does not abort it; the tokenizer's resume grace ends it if nobody is left.
         self.shared = False
         self.n = 1  # a resume learns its n from the record; until then (or when there is none) one sample
+        self.continuous_usage = False  # vLLM's continuous_usage_stats: usage on every chunk
         self.raw = False  # one prompt of a batch (batched_completion.py): answer chunks / a body, no Response
         self.tools: ToolOutput | None = None  # how a chat's samples are read for tool calls
         self.reasoning: Reasoning | None = None  # and for their reasoning (--reasoning-parser)
@@ -90,6 +91,7 @@ class CompletionCall:
             self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
             self.echo = not chat and body.echo
             self.usage, self.timings = include_usage(body), body.timings
+            self.continuous_usage = continuous_usage(body)
             self.event_ids = include_event_ids(body)
 
     def _metadata(self):
@@ -171,6 +173,7 @@ class CompletionCall:
             await backend.resume_records.save(request_id, {
                 "chat": self.chat, "model": info.model, "created": self.created, "n": body.n,
                 "logprobs": self.logprobs, "usage": self.usage, "timings": self.timings,
+                "continuous_usage": self.continuous_usage,
                 "stop": list(gen.stop), "include_stop_str_in_output": gen.include_stop_str_in_output,
                 "skip_special_tokens": gen.skip_special_tokens,
                 "tools": self.tools.state() if self.tools else None,
@@ -202,6 +205,7 @@ class CompletionCall:
         self.chat = bool(meta.get("chat", self.client_id.startswith("chatcmpl-")))
         self.n, self.stream, self.logprobs, self.echo = n, True, bool(meta.get("logprobs")), False
         self.usage, self.timings = bool(meta.get("usage")), False
+        self.continuous_usage = bool(meta.get("continuous_usage"))
         self.event_ids = True  # a client that resumes reads the cursor; only our own endpoint sends it
         self.tools = ToolOutput.from_state(meta.get("tools"))
         self.reasoning = Reasoning(meta["reasoning"][0]) if meta.get("reasoning") else None
@@ -297,6 +301,8 @@ class CompletionCall:
         usage, tracker = self.usage, self.tracker
 
         def event(chunk: dict) -> str:
+            if self.continuous_usage:
+                builder.with_usage([chunk])
             if self.raw:
                 return chunk
             return sse_event(chunk, cursor.event_id() if self.event_ids else None)

@@ -30,6 +30,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage of its choice so far as well.
+    continuous_usage_stats: bool = False
     # pagedserve's own, opt-in: each SSE event carries an `id:` line (the resume cursor for
     # GET /v1/requests/{id}/stream with Last-Event-ID). Off by default: OpenAI's streams have no
     # `id:` field and naive readers (vLLM's bench client) parse every non-`data: ` line as JSON.
@@ -340,6 +342,11 @@ def fill_template_options(req: ChatCompletionRequest, chat: generate_pb2.ChatMes
 
 def include_usage(req: _SamplingFields) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def continuous_usage(req: _SamplingFields) -> bool:
+    """vLLM's stream_options.continuous_usage_stats (taken with include_usage only, as vLLM does)."""
+    return include_usage(req) and req.stream_options.continuous_usage_stats
 
 
 def include_event_ids(req: _SamplingFields) -> bool:

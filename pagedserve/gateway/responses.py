@@ -331,6 +331,17 @@ class ChunkBuilder:
                               "finish_reason": reason if j == len(deltas) - 1 else None}])
                 for j, delta in enumerate(deltas)]
 
+    def with_usage(self, chunks: list[dict]) -> list[dict]:
+        """vLLM's continuous usage: each chunk with a choice carries that choice's usage so far (its
+        completion tokens, the prompt's), in place."""
+        for chunk in chunks:
+            if chunk["choices"]:
+                index = chunk["choices"][0]["index"]
+                tracked = self.usage
+                done = tracked.final.get(index, tracked.counted.get(index, 0))
+                chunk["usage"] = usage_dict(tracked.prompt_tokens, done, tracked.cached_tokens)
+        return chunks
+
     def usage_chunk(self) -> dict:
         chunk = self._chunk([])
         chunk["usage"] = self.usage.as_dict()
