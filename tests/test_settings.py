@@ -175,6 +175,37 @@ def test_argv_for_hands_on_what_differs_from_the_default():
                                                               "chat_template", "routing_policy", "service_transport"}
 
 
+def test_a_vllm_command_line_starts_serve():
+    """`vllm serve MODEL ...` with the flags its users pass: the positional model, vLLM's names of our
+    settings (-tp, --enable-prefix-caching / --no-enable-..., --async-scheduling) and its switches whose
+    meaning is ours already; what is not implemented (an fp8 KV cache) is refused naming the flag."""
+    from pagedserve.launcher.serve import positional_model
+    args = parse(["serve", "/models/llama", "--dtype", "auto", "--max-model-len", "2048", "-tp", "2",
+                  "--enable-prefix-caching", "--no-enable-chunked-prefill", "--enable-auto-tool-choice",
+                  "--tool-call-parser", "hermes", "--trust-remote-code", "--disable-log-requests",
+                  "--kv-cache-dtype", "auto", "--async-scheduling", "--gpu-memory-utilization", "0.85"])
+    positional_model(args)
+    assert (args.model, args.tensor_parallel_size, args.max_model_len) == ("/models/llama", 2, 2048)
+    assert (args.no_prefix_caching, args.no_chunked_prefill, args.no_async_scheduling) == (False, True, False)
+    assert args.tool_call_parser == "hermes" and args.enable_auto_tool_choice
+    assert {"--no-chunked-prefill", "--max-model-len"} <= set(argv_for("scheduler", vars(args)))
+    assert "--no-prefix-caching" not in argv_for("scheduler", vars(args))
+    assert parse(["serve", "--no-enable-prefix-caching"]).no_prefix_caching
+    assert not parse(["serve", "--no-prefix-caching", "--enable-prefix-caching"]).no_prefix_caching  # the last wins
+    assert env_parser("serve", {"PAGEDSERVE_NO_PREFIX_CACHING": "1"}).parse_args(
+        ["--enable-prefix-caching"]).no_prefix_caching is False  # the command line wins over the variable
+    same = parse(["serve", "m", "--model", "m"])
+    positional_model(same)
+    assert same.model == "m"
+    twice = parse(["serve", "a", "--model", "b"])
+    with pytest.raises(ValueError, match="named twice"):
+        positional_model(twice)
+    with pytest.raises(SystemExit):
+        parse(["serve", "--kv-cache-dtype", "fp8"])
+    with pytest.raises(ValueError, match="only a switch"):
+        Setting("--x", "engine", int, 1, opposites=("--y",))
+
+
 # ---- derived defaults ---------------------------------------------------------------------------
 def test_step_budgets_are_computed_in_one_place():
     assert step_budgets(None, None, "cpu") == (512, 64)

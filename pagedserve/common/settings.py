@@ -73,6 +73,10 @@ class Setting:
     group: str = ""  # its section of --help ("" or the service's own name: the main one)
     many: bool = False  # repeatable; the value is a list
     secret: bool = False  # the launcher hands it on by environment, never on a command line `ps` shows
+    # vLLM's spellings of the same setting, so that a vLLM command line starts: other names of the flag
+    # ("-tp"), and for a switch the names that turn it off ("--enable-prefix-caching" of --no-prefix-caching)
+    aliases: tuple[str, ...] = ()
+    opposites: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.services, str):
@@ -82,6 +86,8 @@ class Setting:
             raise ValueError(f"{self.flag}: unknown services {sorted(unknown)}")
         if self.choices is not None and self.default is not None and self.default not in self.choices:
             raise ValueError(f"{self.flag}: default {self.default!r} is not among {self.choices}")
+        if self.opposites and (self.type is not bool or self.default):
+            raise ValueError(f"{self.flag}: only a switch that is off by default has opposites")
 
     @property
     def dest(self) -> str:
@@ -156,7 +162,8 @@ def _settings() -> tuple[Setting, ...]:
           "record are kept (GET /v1/requests/{id}, retries and resumes find it until then)"),
         # ---- engine replicas (data parallel; docs/scale-out.md) ----------------------------
         S("--data-parallel-size", "serve", int, 1, "engine replicas to start (each: its worker ranks and a "
-          "scheduler), behind one tokenizer that routes over them; more than 1 needs Redis", group="replicas"),
+          "scheduler), behind one tokenizer that routes over them; more than 1 needs Redis", group="replicas",
+          aliases=("-dp",)),
         S("--routing-policy", "serve tokenizer", default="prefix", choices=("prefix", "least_load", "round_robin"),
           help="how a request's replica is picked: prefix (the one whose prefix cache holds most of the prompt, "
           "unless it is much busier), least_load (fewest queued and running tokens), round_robin",
@@ -178,6 +185,8 @@ def _settings() -> tuple[Setting, ...]:
           help="memory cap of the private redis-server (when no --redis-url is given), in Redis' units "
           "(e.g. 256mb, 1gb); beyond it the least recently used records are evicted (volatile-lru: every "
           "record has a TTL)", group="launcher"),
+        S("--disable-log-requests", "serve", bool, False, group="launcher",
+          help="vLLM's: taken so that its command lines start; requests are never logged here at info level"),
         S("--log-dir", "serve", help="write each service's output to LOG_DIR/<service>.log",
           default_text="this terminal", group="launcher"),
         S("--startup-timeout", "serve", float, 600.0,
@@ -218,9 +227,14 @@ def _settings() -> tuple[Setting, ...]:
           "core the scheduler, tokenizer or gateway holds for a moment costs its share, not the whole "
           "kernel's wait (kernels/cpu/work_pool.h); openmp splits it up front as torch does. The in-process "
           "engine uses openmp unless PAGEDSERVE_WORK_POOL=1", group="engine"),
+        S("--trust-remote-code", "engine serve worker", bool, False, group="engine",
+          help="vLLM's: taken so that its command lines start; no code from a model's folder ever runs here (only "
+          "the architectures pagedserve implements load), so there is nothing to trust"),
+        S("--kv-cache-dtype", "engine serve worker", default="auto", choices=("auto",), group="engine",
+          help="vLLM's: the KV cache is kept in the model's dtype (fp8 caches are not implemented)"),
         S("--tensor-parallel-size", "engine serve worker", int, 1,
           "ranks the model is split across (one worker process each; in process, ranks 1..N-1 are spawned)",
-          group="engine"),
+          group="engine", aliases=("-tp",)),
         S("--max-model-len", "engine serve worker scheduler", int, None, "longest prompt + output in tokens",
           default_text="the model's", group="engine"),
         S("--block-size", "engine serve scheduler worker", int, 16, "tokens per KV-cache block", group="engine"),
@@ -257,9 +271,9 @@ def _settings() -> tuple[Setting, ...]:
           help="with --runner pooling: how a prompt's hidden states (after the final norm) become its "
           "embedding: the last token's, the mean over the prompt, or the first token's", group="engine"),
         S("--no-prefix-caching", "engine serve scheduler", bool, False, "do not share KV blocks of equal prefixes",
-          group="engine"),
+          group="engine", aliases=("--no-enable-prefix-caching",), opposites=("--enable-prefix-caching",)),
         S("--no-chunked-prefill", "engine serve scheduler", bool, False, "prefill each prompt in one step",
-          group="engine"),
+          group="engine", aliases=("--no-enable-chunked-prefill",), opposites=("--enable-chunked-prefill",)),
         # ---- LoRA adapters (common/lora.py, worker/lora; vLLM's flags) ----------------------
         S("--enable-lora", "engine serve scheduler worker gateway", bool, False, group="lora",
           help="serve LoRA adapters (PEFT folders) of the model: a request names one as its \"model\""),
@@ -295,7 +309,8 @@ def _settings() -> tuple[Setting, ...]:
           "schedule each step only after the last one's results are in; by default the scheduler schedules and "
           "sends step N+1 while the worker runs a short decode step N (vLLM's async scheduling), so the worker "
           "does not wait for it between steps, and the in-process engine on a GPU begins step N+1 before it "
-          "takes step N's tokens (its rows read N's sampled ids on the device)", group="scheduler"),
+          "takes step N's tokens (its rows read N's sampled ids on the device)", group="scheduler",
+          opposites=("--async-scheduling",)),
         S("--worker-transport", "serve scheduler", default="auto", choices=("auto", "grpc"),
           help="how steps reach the worker ranks: auto uses a rank's local step link (a Unix socket it names, "
           "same messages, no gRPC threads on either side) when the rank is on this host, else the gRPC Step "
@@ -354,6 +369,10 @@ def _settings() -> tuple[Setting, ...]:
           "\"auto\" (vLLM's names): hermes (Hermes, Qwen: <tool_call>{...}</tool_call>), llama3_json (Llama 3: "
           "{\"name\": ..., \"parameters\": ...}), mistral ([TOOL_CALLS]), deepseek_v3, qwen3_coder (XML), "
           "pythonic ([f(a=1)]); unset: such requests get 400", group="gateway"),
+        S("--enable-auto-tool-choice", "serve gateway", bool, False, group="gateway",
+          help="vLLM's switch for --tool-call-parser: here a chat with tools and tool_choice \"auto\" is read by "
+          "the parser whenever one is named, so the switch changes nothing; it is taken so that vLLM's command "
+          "lines start"),
         S("--reasoning-parser", "serve gateway", choices=("deepseek_r1", "qwen3"),
           help="how a chat's reasoning is read from its output (vLLM's names): deepseek_r1 (up to </think>), "
           "qwen3 (a <think>...</think> block at the start); it goes in message.reasoning_content and "
@@ -426,7 +445,10 @@ def add_settings(parser: argparse.ArgumentParser, service: str, with_env: bool =
             kwargs["action"] = "store_true"
         else:
             kwargs.update(type=s.type, choices=s.choices, action="append" if s.many else "store")
-        target.add_argument(s.flag, **kwargs)
+        target.add_argument(s.flag, *s.aliases, **kwargs)
+        if s.opposites:
+            target.add_argument(*s.opposites, dest=s.dest, action="store_false", default=s.default,
+                                help=f"vLLM's: the default (not {s.flag})")
     if with_env and not parser.epilog:
         parser.epilog = ENV_EPILOG
 
@@ -435,8 +457,8 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, st
     """Every flag --some-flag also reads PAGEDSERVE_SOME_FLAG (the command line wins): the variable
     becomes the flag's default. A value the flag would refuse raises ValueError naming both."""
     for action in parser._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
+        if not action.option_strings or action.dest == "help" or isinstance(action, argparse._StoreFalseAction):
+            continue  # (a switch's opposite, e.g. --enable-prefix-caching, reads no variable of its own)
         name = env_name(action.dest)
         value = environ.get(name)
         if value is None:

@@ -12,6 +12,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every setting of the "serve" slice of pagedserve.common.settings: the launcher's own, and
     those it hands the services (pagedserve.launcher.wiring)."""
     add_settings(parser, "serve")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as `vllm serve MODEL` takes it (the same as --model)")
+
+
+def positional_model(args: argparse.Namespace) -> None:
+    """`pagedserve serve MODEL` as `vllm serve MODEL`: the positional model is --model (both, and not the
+    same: ValueError)."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise ValueError(f"the model is named twice: {tag!r} and --model {args.model!r}")
+    args.model = tag
 
 
 class _Stop(KeyboardInterrupt):
@@ -64,6 +77,7 @@ def main(args: argparse.Namespace) -> int:
         raise _Stop(signal.Signals(signum).name)
 
     try:
+        positional_model(args)
         check_model(args.model, args.speculative_config, args.max_model_len)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
