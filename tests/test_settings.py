@@ -171,8 +171,9 @@ def test_argv_for_hands_on_what_differs_from_the_default():
     assert "PAGEDSERVE_WORKER_TIMEOUT" not in handed_on_env("scheduler")
     assert "PAGEDSERVE_MAX_NUM_SEQS" in handed_on_env("scheduler")
     assert "PAGEDSERVE_API_KEY" not in handed_on_env("gateway")
-    assert {s.dest for s in shared("serve", "tokenizer")} == {"model", "served_model_name", "tokenizer",
-                                                              "chat_template", "routing_policy", "service_transport"}
+    assert {s.dest for s in shared("serve", "tokenizer")} == {
+        "model", "served_model_name", "tokenizer", "chat_template", "routing_policy", "service_transport",
+        "generation_config", "override_generation_config"}
 
 
 def test_a_vllm_command_line_starts_serve():

@@ -136,7 +136,7 @@ def streamer(token_ids, n=1, finish="length", fail_after=None, pause=0.0, logpro
     return script
 
 
-async def start_stack(tokenizer, scripts, scheduler=True, retry_timeout=5.0):
+async def start_stack(tokenizer, scripts, scheduler=True, retry_timeout=5.0, sampling_defaults=None):
     from pagedserve.tokenizer.server import TokenizerServicer
     from pagedserve.tokenizer.service import TokenizerService
     sched_port = free_port()
@@ -147,7 +147,8 @@ async def start_stack(tokenizer, scripts, scheduler=True, retry_timeout=5.0):
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(fake, sched_server)
         sched_server.add_insecure_port(f"127.0.0.1:{sched_port}")
         await sched_server.start()
-    service = TokenizerService(tokenizer, "SmolLM2-135M-Instruct", f"127.0.0.1:{sched_port}", retry_timeout)
+    service = TokenizerService(tokenizer, "SmolLM2-135M-Instruct", f"127.0.0.1:{sched_port}", retry_timeout,
+                               sampling_defaults=sampling_defaults)
     server = grpc.aio.server()
     generate_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(service), server)
     port = free_port()
@@ -434,6 +435,33 @@ def test_tokenize_detokenize_and_chat(tokenizer):
             res = await collect(stub, generate_pb2.GenerateRequest(chat=chat, echo=True, skip_special_tokens=False))
             assert list(fake.requests[0].prompt_token_ids) == list(r.token_ids)
             assert res[0].prompt_text == r.text and text_of(res) == "Hi!"
+        finally:
+            await stop()
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_unset_sampling_fields_take_the_models_defaults(tokenizer):
+    """The model's generation config (common/sampling_defaults.py) fills what a request left unset before
+    the scheduler sees it; what the request set stays, but max_new_tokens caps max_tokens; an embedding
+    request keeps its own."""
+    defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 6}
+
+    async def main():
+        stub, fake, _, _, stop = await start_stack(tokenizer, [streamer([42])] * 3, sampling_defaults=defaults)
+        try:
+            plain = generate_pb2.GenerateRequest(prompt="hi", request_id="d1")
+            mine = generate_pb2.GenerateRequest(prompt="hi", request_id="d2", params=common_pb2.SamplingParams(
+                temperature=0.0, top_k=0, max_tokens=100))
+            mine.params.min_p = 0.0
+            await collect(stub, plain)
+            await collect(stub, mine)
+            first, second = (r.params for r in fake.requests)
+            assert (first.temperature, round(first.top_p, 6), first.top_k, round(first.repetition_penalty, 6),
+                    first.max_tokens) == (0.7, 0.8, 20, 1.05, 6)
+            assert not first.HasField("min_p") and not first.HasField("seed")  # not in the config: the engine's
+            assert (second.temperature, second.top_k, second.min_p, second.max_tokens) == (0.0, 0, 0.0, 6)
+            assert round(second.top_p, 6) == 0.8
         finally:
             await stop()
     asyncio.run(main())

@@ -225,12 +225,11 @@ def _fill_params(req: _SamplingFields, gen: generate_pb2.GenerateRequest, max_to
 
     p = gen.params
     p.n = req.n
-    for name in ("temperature", "top_p", "repetition_penalty", "seed"):
+    # Unsent: the tokenizer gives them the model's defaults (common/sampling_defaults.py), else the engine's.
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
         if getattr(req, name) is not None:
             setattr(p, name, getattr(req, name))
     # Zero is both the proto default and the engine's "off" for these.
-    p.top_k = req.top_k or 0
-    p.min_p = req.min_p or 0.0
     p.presence_penalty = req.presence_penalty or 0.0
     p.frequency_penalty = req.frequency_penalty or 0.0
     if max_tokens is not None:

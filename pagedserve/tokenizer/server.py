@@ -13,6 +13,7 @@ import uvloop
 from pagedserve.common.grpc_util import (SERVER_OPTIONS, MalformedRequestInterceptor, StatusError,
                                          add_health_and_reflection, add_internal_port, set_serving)
 from pagedserve.common.local_calls import LocalCallServer, Method
+from pagedserve.common.sampling_defaults import read_defaults
 from pagedserve.tokenizer.service import TokenizerService, load_tokenizer
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
@@ -106,7 +107,8 @@ async def _serve(args) -> int:
         await asyncio.gather(server.stop(grace=None), local.stop())
         return 0
     try:
-        tokenizer, default_name, vocab_size = loader.result()
+        tokenizer, default_name, vocab_size, folder = loader.result()
+        defaults = read_defaults(folder, args.generation_config, args.override_generation_config)
     except Exception as exc:
         log.error("could not load the tokenizer: %s", exc)
         await asyncio.gather(server.stop(grace=None), local.stop())
@@ -120,13 +122,16 @@ async def _serve(args) -> int:
     try:
         service = TokenizerService(tokenizer, args.served_model_name or default_name, args.scheduler_addr,
                                    args.scheduler_retry_timeout, vocab_size, chat_template=args.chat_template,
-                                   router=router, local_links=local_links)
+                                   router=router, local_links=local_links, sampling_defaults=defaults)
     except ValueError as exc:  # --chat-template names no file
         log.error("%s", exc)
         await asyncio.gather(server.stop(grace=None), local.stop())
         return 1
     servicer.service = service
     set_serving(health, [SERVICE_NAME])
+    if defaults:
+        log.info("a request's unset sampling fields take the model's generation config: %s "
+                 "(--generation-config vllm: the engine's defaults)", defaults)
     log.info("tokenizer serving %s on %s (%s)", service.served_model_name, address,
              f"engine replicas from the Redis registry, routing {args.routing_policy}" if router else
              f"scheduler at {args.scheduler_addr}")

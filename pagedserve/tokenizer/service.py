@@ -21,6 +21,7 @@ import grpc
 
 from pagedserve.common.grpc_util import StatusError, internal_channel
 from pagedserve.common.request_checks import other_model
+from pagedserve.common.sampling_defaults import apply_defaults
 from pagedserve.common.sampling_params import prompt_logprobs_problem
 from pagedserve.model_files.chat_templates import ChatTemplateError, load_chat_template, render_chat, \
     text_token_ids
@@ -47,8 +48,8 @@ def default_served_name(model: str | None, folder: Path) -> str:
 
 
 def load_tokenizer(model: str | None, tokenizer_folder: str | None = None):
-    """(HF tokenizer, default served name, the model's vocab_size or None) for a folder or .gguf;
-    tokenizer_folder (--tokenizer): where the tokenizer files are, if not with the model."""
+    """(HF tokenizer, default served name, the model's vocab_size or None, the model's folder) for a folder
+    or .gguf; tokenizer_folder (--tokenizer): where the tokenizer files are, if not with the model."""
     from pagedserve.model_files.default_model import resolve_model
     from pagedserve.model_files.tokenizer_files import load_tokenizer as load_folder_tokenizer
     folder = resolve_model(model)
@@ -57,7 +58,7 @@ def load_tokenizer(model: str | None, tokenizer_folder: str | None = None):
         vocab_size = json.loads((folder / "config.json").read_text()).get("vocab_size")
     except (OSError, ValueError):
         vocab_size = None
-    return tokenizer, default_served_name(model, folder), vocab_size
+    return tokenizer, default_served_name(model, folder), vocab_size, folder
 
 
 class TokenizerService:
@@ -66,8 +67,10 @@ class TokenizerService:
     def __init__(self, tokenizer, served_model_name: str, scheduler_addr: str,
                  scheduler_retry_timeout: float = 120.0, vocab_size: int | None = None,
                  chat_template: str | None = None, router: ReplicaRouter | None = None,
-                 local_links: bool = True) -> None:
+                 local_links: bool = True, sampling_defaults: dict | None = None) -> None:
         self.tokenizer = tokenizer
+        # The model's sampling defaults (common/sampling_defaults.py): a request's unset fields take them.
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.chat_template = load_chat_template(chat_template)  # None: the model's own
         self.served_model_name = served_model_name
         self.scheduler_addr = scheduler_addr
@@ -210,6 +213,7 @@ class TokenizerService:
         timings.tokenizer_received = time.time()
         self._validate(request)
         prompt_ids = await self._in_thread(self._prompt_ids, request)
+        apply_defaults(request.params, self.sampling_defaults)
         params = request.params
         too_many = prompt_logprobs_problem(params.n or 1, len(prompt_ids),
                                            params.prompt_logprobs if params.HasField("prompt_logprobs") else None)
