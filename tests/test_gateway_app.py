@@ -314,3 +314,11 @@ def test_tokenizer_endpoints_are_behind_the_key(stack):
         assert httpx.post(stack.url + path, json=body).status_code == 401
         r = httpx.post(stack.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code not in (401, 404), r.text  # past the gate (the fake tokenizer answers)
+    # vLLM's score and rerank paths outside /v1 too; this (generate) server answers them as vLLM does
+    score, rerank = {"text_1": "a", "text_2": "b"}, {"query": "q", "documents": ["d"]}
+    for path, body in (("/score", score), ("/v1/score", score), ("/rerank", rerank), ("/v1/rerank", rerank),
+                       ("/v2/rerank", rerank)):
+        assert httpx.post(stack.url + path, json=body).status_code == 401
+        r = httpx.post(stack.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
+        assert "--runner pooling" in r.json()["error"]["message"]

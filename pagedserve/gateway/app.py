@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.gateway.backend import Backend
 from pagedserve.gateway import (anthropic_api, batched_completion, completion_call, embeddings, lora_adapters,
-                                responses_api, tokenization)
+                                responses_api, scores, tokenization)
 from pagedserve.gateway.health import readiness, readiness_now
 from pagedserve.gateway.http_gate import HttpGate
 from pagedserve.gateway.metrics import Metrics
@@ -153,6 +153,19 @@ def build_app(backend: Backend) -> FastAPI:
     async def create_embeddings(request: Request) -> Response:
         """OpenAI's embeddings, with --runner pooling (embeddings.py)."""
         return await embeddings.create(backend, request, await _json_body(request))
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def create_score(request: Request) -> Response:
+        """vLLM's Score API, with --runner pooling (scores.py)."""
+        return await scores.score(backend, request, await _json_body(request))
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def create_rerank(request: Request) -> Response:
+        """Jina's and Cohere's rerank, as vLLM serves them, with --runner pooling (scores.py)."""
+        return await scores.rerank(backend, request, await _json_body(request))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

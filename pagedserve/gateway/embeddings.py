@@ -110,16 +110,22 @@ async def create(backend: Backend, request: Request, body: Any) -> Response:
         raise as_request_error(exc) from exc
 
 
-async def _create(backend: Backend, request: Request, body: Any) -> Response:
-    backend.check_runner("Embeddings API", pooling=True)
-    encoding = check_fields(body)
-    items = inputs(body)
-    spec = pooling(backend, body)
+class Embedded:
+    """The vectors of a request's inputs (float32 little-endian bytes, in input order), their prompt
+    tokens, the served model's name and the downstream request ids."""
+
+    def __init__(self, vectors: list[bytes], prompt_tokens: int, model: str, request_ids: list[str]) -> None:
+        self.vectors, self.prompt_tokens, self.model, self.request_ids = vectors, prompt_tokens, model, request_ids
+
+
+async def embed_all(backend: Backend, request: Request, items: list[str | list[int]], spec: common_pb2.Pooling,
+                    body: dict, api: str = "/v1/embeddings") -> Embedded:
+    """Each item's pooled vector, every item a request downstream (started together, the first refusal
+    cancelling the others); the caller's rate bucket pays for all of them. body: model, priority, user."""
     if request.headers.get("idempotency-key"):
-        raise bad_request("Idempotency-Key is not supported on /v1/embeddings", "input")
+        raise bad_request(f"Idempotency-Key is not supported on {api}", "input")
     await backend.admission.admit_more(request.headers.get("authorization"),
                                        request.client.host if request.client else None, len(items) - 1)
-    received = time.time()
     calls = []
     for item in items:
         part = CompletionRequest(model=body.get("model"), prompt=item, max_tokens=0,
@@ -132,10 +138,19 @@ async def _create(backend: Backend, request: Request, body: Any) -> Response:
         if not answer["embedding"]:
             raise RequestError(500, f"input[{i}] ended ({answer['finish_reason'] or 'no finish'}) without its vector",
                                type="server_error")
-    data = [{"object": "embedding", "index": i, "embedding": vector(answer["embedding"], encoding)}
-            for i, answer in enumerate(answers)]
-    prompt_tokens = sum(answer["prompt_tokens"] for answer in answers)
+    return Embedded([answer["embedding"] for answer in answers], sum(answer["prompt_tokens"] for answer in answers),
+                    calls[0].model, [c.client_id for c in calls])
+
+
+async def _create(backend: Backend, request: Request, body: Any) -> Response:
+    backend.check_runner("Embeddings API", pooling=True)
+    encoding = check_fields(body)
+    items = inputs(body)
+    spec = pooling(backend, body)
+    received = time.time()
+    done = await embed_all(backend, request, items, spec, body)
+    data = [{"object": "embedding", "index": i, "embedding": vector(v, encoding)} for i, v in enumerate(done.vectors)]
     out = {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(received),
-           "model": calls[0].model, "data": data,
-           "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
-    return JSONResponse(out, headers={"x-request-id": ",".join(c.client_id for c in calls)})
+           "model": done.model, "data": data,
+           "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens}}
+    return JSONResponse(out, headers={"x-request-id": ",".join(done.request_ids)})

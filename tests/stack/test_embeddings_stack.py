@@ -1,5 +1,6 @@
-"""POST /v1/embeddings through every service (--runner pooling, issue 38 item 5), driven by the
-official `openai` client (client.embeddings.create: its default base64 and float), raw HTTP and
+"""POST /v1/embeddings (and /v1/score, /rerank on it) through every service (--runner pooling, issue 38
+item 5), driven by the official `openai` client (client.embeddings.create: its default base64 and
+float), raw HTTP and
 gRPC's Generation/Embed: vectors equal transformers' last_hidden_state pooled the same way
 (cosine >= 0.9999, float32), usage counted, a request record kept; a 400 naming the field for
 each unsupported field a client commonly sends, and generation endpoints refused as vLLM does."""
@@ -111,3 +112,41 @@ def test_grpc_embed(stack, reference):
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(generate_pb2.GenerateRequest(prompt="Hi"), timeout=60))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pooling" in err.value.details()
+
+
+def test_score_and_rerank_are_the_cosines_of_the_embeddings(stack, client, model_name, reference):
+    """vLLM's /v1/score and Jina's / Cohere's rerank (as vLLM serves them) on an embedding model: each score
+    the cosine of the two texts' /v1/embeddings vectors (and of transformers' pooled states), every distinct
+    text embedded once, the documents best first."""
+    vectors = [np.asarray(d.embedding, dtype=np.float64)
+               for d in client.embeddings.create(model=model_name, input=TEXTS, encoding_format="float").data]
+    tokens = sum(len(ids) for ids, _ in reference)
+    with httpx.Client(base_url=stack.http_url, timeout=300) as http:
+        one_to_many = http.post("/v1/score", json={"model": model_name, "text_1": TEXTS[0], "text_2": TEXTS}).json()
+        assert one_to_many["object"] == "list" and one_to_many["usage"]["prompt_tokens"] == tokens  # each text once
+        assert [d["index"] for d in one_to_many["data"]] == [0, 1, 2] and one_to_many["data"][0]["object"] == "score"
+        for d, v in zip(one_to_many["data"], vectors):
+            assert d["score"] == pytest.approx(float(vectors[0] @ v), abs=1e-5)
+            assert d["score"] == pytest.approx(cosine(reference[0][1], reference[d["index"]][1]), abs=1e-4)
+        pairs = http.post("/score", json={"text_1": [TEXTS[1], TEXTS[2]], "text_2": [TEXTS[2], TEXTS[0]]}).json()
+        assert [d["score"] for d in pairs["data"]] == pytest.approx(
+            [float(vectors[1] @ vectors[2]), float(vectors[2] @ vectors[0])], abs=1e-5)
+        uneven = http.post("/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS})
+        assert uneven.status_code == 400 and uneven.json()["error"]["param"] == "text_2"
+
+        documents = [TEXTS[2], TEXTS[0], {"text": TEXTS[1]}]
+        ranked = http.post("/v1/rerank", json={"model": model_name, "query": TEXTS[1], "documents": documents,
+                                                 "top_n": 2}).json()
+        scores = [float(vectors[1] @ vectors[i]) for i in (2, 0, 1)]
+        best = sorted(range(3), key=lambda i: -scores[i])[:2]
+        assert [r["index"] for r in ranked["results"]] == best and best[0] == 2  # the query itself first
+        assert ranked["results"][0]["document"] == {"text": TEXTS[1]} and ranked["usage"]["total_tokens"] == tokens
+        assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([scores[i] for i in best], abs=1e-5)
+        cohere = http.post("/v2/rerank", json={"query": TEXTS[1], "documents": TEXTS, "return_documents": False})
+        assert len(cohere.json()["results"]) == 3 and "document" not in cohere.json()["results"][0]
+        for path, body, field in (("/rerank", {"query": "q", "documents": ["d"], "max_tokens_per_doc": 8},
+                                   "max_tokens_per_doc"), ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+                                  ("/v1/score", {"text_1": "a", "text_2": [""]}, "text_2"),
+                                  ("/v1/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n")):
+            refused = http.post(path, json=body)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
