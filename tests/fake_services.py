@@ -20,6 +20,7 @@ from pagedserve.gateway.grpc_api import GenerationService
 from pagedserve.gateway.limits import Limits
 
 MODEL = "fake-model"
+ALIAS = "fake-alias"  # --served-model-name's second name
 KEY = "sekret"
 
 
@@ -32,7 +33,8 @@ class FakeTokenizer(generate_pb2_grpc.TokenizerServicer):
 
     def GetModelInfo(self, request, context):
         self.model_info_calls += 1
-        return generate_pb2.ModelInfo(model=MODEL, max_model_len=128, vocab_size=100, ready=self.ready)
+        return generate_pb2.ModelInfo(model=MODEL, aliases=[ALIAS], max_model_len=128, vocab_size=100,
+                                      ready=self.ready)
 
     def Generate(self, request, context):
         self.requests.append(request)

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from fake_services import KEY, MODEL, Stack
+from fake_services import ALIAS, KEY, MODEL, Stack
 from pagedserve.gateway.owners import owner_of_key
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
@@ -197,8 +197,8 @@ def test_idempotency_key_reuses_the_request_id(stack, client):
 
 
 def test_models_health_metrics_and_request_status(stack, client):
-    (model,) = client.models.list().data
-    assert model.id == MODEL and model.model_extra["max_model_len"] == 128
+    model, alias = client.models.list().data  # --served-model-name's names, the first first (vLLM's list)
+    assert (model.id, alias.id, alias.root) == (MODEL, ALIAS, MODEL) and model.model_extra["max_model_len"] == 128
     r = httpx.get(stack.url + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
     client.completions.create(model=MODEL, prompt="hi")
@@ -322,3 +322,23 @@ def test_tokenizer_endpoints_are_behind_the_key(stack):
         r = httpx.post(stack.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
         assert "--runner pooling" in r.json()["error"]["message"]
+
+
+def test_every_served_name_is_the_model_and_answers_under_it(stack, client):
+    """--served-model-name a b (vLLM's): a request may name either; its answer carries the name it sent
+    (no name: the first); another name is 404 on REST and NOT_FOUND on gRPC."""
+    assert client.completions.create(model=ALIAS, prompt="hi").model == ALIAS
+    assert client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "hi"}]).model == ALIAS
+    assert client.completions.create(model=MODEL, prompt="hi").model == MODEL
+    assert httpx.post(stack.url + "/v1/completions", json={"prompt": "hi"},
+                      headers={"Authorization": f"Bearer {KEY}"}).json()["model"] == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="fake-other", prompt="hi")
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        auth = (("authorization", f"Bearer {KEY}"),)
+        assert list(stub.Generate(generate_pb2.GenerateRequest(model=ALIAS, prompt="hi"), metadata=auth, timeout=30))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(generate_pb2.GenerateRequest(model="fake-other", prompt="hi"), metadata=auth,
+                               timeout=30))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND

@@ -40,7 +40,8 @@ def test_routing_of_every_flag(monkeypatch):
                        "--long-prefill-token-threshold", "40", "--preemption-mode", "swap",
                        "--scheduling-policy", "priority", "--no-prefix-caching", "--no-chunked-prefill",
                        "--max-waiting-requests", "9", "--tensor-parallel-size", "2", "--api-key", "sk-1",
-                       "--served-model-name", "smol", "--host", "0.0.0.0", "--port", "8123", "--grpc-port", "8124")
+                       "--served-model-name", "smol", "small", "--host", "0.0.0.0", "--port", "8123",
+                       "--grpc-port", "8124")
     argvs = service_argvs(cfg, PORTS)
     assert list(argvs) == ["worker0", "worker1", "scheduler", "tokenizer", "gateway"]  # start order
     ns = {name: parse(argv) for name, argv in argvs.items()}  # each service's own parser accepts it
@@ -60,7 +61,7 @@ def test_routing_of_every_flag(monkeypatch):
 
     t = ns["tokenizer"]
     assert (t.model, t.served_model_name, t.host, t.port, t.scheduler_addr) == (
-        "/m", "smol", "127.0.0.1", 7020, "127.0.0.1:7010")
+        "/m", ["smol", "small"], "127.0.0.1", 7020, "127.0.0.1:7010")  # vLLM's several names after one flag
 
     g = ns["gateway"]
     assert (g.host, g.port, g.grpc_port, g.redis_url) == ("0.0.0.0", 8123, 8124, None)

@@ -465,3 +465,22 @@ def test_unset_sampling_fields_take_the_models_defaults(tokenizer):
         finally:
             await stop()
     asyncio.run(main())
+
+
+def test_every_served_name_is_accepted_and_the_first_named(tokenizer):
+    from pagedserve.common.grpc_util import StatusError
+    from pagedserve.tokenizer.service import TokenizerService
+
+    async def main():
+        service = TokenizerService(tokenizer, ["smol", "small", "smol"], f"127.0.0.1:{free_port()}")
+        try:
+            assert (service.served_model_name, service.served_aliases) == ("smol", ["small"])
+            info = await service.model_info()  # no scheduler: not ready, the names all the same
+            assert (info.model, list(info.aliases), info.ready) == ("smol", ["small"], False)
+            for name in ("smol", "small", ""):
+                service._check_model(name)
+            with pytest.raises(StatusError, match="not served here"):
+                service._check_model("large")
+        finally:
+            await service.close()
+    asyncio.run(main())

@@ -73,7 +73,9 @@ def logit_bias_problem(logit_bias: Iterable[int] | None, vocab_size: int) -> str
     return None if bad is None else f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})"
 
 
-def other_model(requested: str | None, served: str) -> bool:
-    """The request names a model and not the served one (no name: the served one). Each surface
-    words the refusal as its clients expect: REST 404 model_not_found, gRPC NOT_FOUND."""
-    return bool(requested) and requested != served
+def other_model(requested: str | None, served) -> bool:
+    """The request names a model and not the served one (no name: the served one). served: its name, or
+    a ModelInfo (its name and aliases: --served-model-name's other names). Each surface words the
+    refusal as its clients expect: REST 404 model_not_found, gRPC NOT_FOUND."""
+    names = (served,) if isinstance(served, str) else (served.model, *served.aliases)
+    return bool(requested) and requested not in names

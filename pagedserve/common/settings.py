@@ -72,6 +72,7 @@ class Setting:
     default_text: str | None = None  # how --help states a default the table leaves None (computed later)
     group: str = ""  # its section of --help ("" or the service's own name: the main one)
     many: bool = False  # repeatable; the value is a list
+    several: bool = False  # with many: one flag may take several values (vLLM's nargs="+": --served-model-name a b)
     secret: bool = False  # the launcher hands it on by environment, never on a command line `ps` shows
     # vLLM's spellings of the same setting, so that a vLLM command line starts: other names of the flag
     # ("-tp"), and for a switch the names that turn it off ("--enable-prefix-caching" of --no-prefix-caching)
@@ -318,8 +319,9 @@ def _settings() -> tuple[Setting, ...]:
         S("--stall-timeout", "serve scheduler", float, 30.0,
           "health turns NOT_SERVING when work is pending and no step completed for this long", group="scheduler"),
         # ---- the tokenizer ------------------------------------------------------------------
-        S("--served-model-name", "serve tokenizer", help="the name clients pass as model",
-          default_text="the model folder's name", group="tokenizer"),
+        S("--served-model-name", "serve tokenizer", many=True, several=True, group="tokenizer",
+          help="the names clients may pass as model (vLLM's: several after one flag); answers and /v1/models "
+          "name the first", default_text="the model folder's name"),
         S("--tokenizer", "engine serve tokenizer worker", help="a folder with the tokenizer files, for a model "
           "folder that has none (the worker reads its end-of-sequence token)", default_text="the model's folder",
           group="tokenizer"),
@@ -452,6 +454,8 @@ def add_settings(parser: argparse.ArgumentParser, service: str, with_env: bool =
             kwargs["action"] = "store_true"
         else:
             kwargs.update(type=s.type, choices=s.choices, action="append" if s.many else "store")
+            if s.several:
+                kwargs.update(action="extend", nargs="+")
         target.add_argument(s.flag, *s.aliases, **kwargs)
         if s.opposites:
             target.add_argument(*s.opposites, dest=s.dest, action="store_false", default=s.default,

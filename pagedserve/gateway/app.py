@@ -180,8 +180,9 @@ def build_app(backend: Backend) -> FastAPI:
         info = await backend.model_info()
         await backend.loras.sync()
         return {"object": "list", "data": [
-            {"id": info.model, "object": "model", "created": 0, "owned_by": "pagedserve", "root": info.model,
-             "parent": None, "max_model_len": info.max_model_len, "ready": info.ready},
+            *({"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": info.model,
+               "parent": None, "max_model_len": info.max_model_len, "ready": info.ready}
+              for name in (info.model, *info.aliases)),  # --served-model-name's names, as vLLM lists them
             *backend.loras.model_cards(info.model, info.max_model_len, info.ready)]}
 
     @app.post("/v1/load_lora_adapter")

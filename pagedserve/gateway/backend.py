@@ -249,9 +249,9 @@ class Backend:
     async def served_model(self, requested: str | None) -> generate_pb2.ModelInfo:
         """Check the request's model name; raise 404 for another model, 503 while loading."""
         info = await self.model_info()
-        if other_model(requested, info.model):
+        if other_model(requested, info):
             await self.loras.sync(requested)
-        if other_model(requested, info.model) and self.loras.path_of(requested) is None:
+        if other_model(requested, info) and self.loras.path_of(requested) is None:
             raise RequestError(404, f"The model `{requested}` does not exist.", "model", "invalid_request_error",
                                "model_not_found")
         if not info.ready:

@@ -157,7 +157,8 @@ class CompletionCall:
         request_id = forward_as(gen, self.caller, client_id, self.received, backend.prefix_cache_scope, backend.loras)
         self.tracker.request_id = request_id
         self.tracker.adapter = gen.params.lora_name
-        self.model = gen.params.lora_name or info.model  # an adapter's answers name it
+        # an adapter's answers name it; a request that names one of the served names is answered under it (vLLM's)
+        self.model = gen.params.lora_name or gen.model or info.model
         self.client_id, self.request_id, self.created = client_id, request_id, int(self.received)
 
         self.call = backend.tokenizer.Generate(gen, timeout=timeout, metadata=self._metadata())

@@ -58,7 +58,7 @@ def request_problem(request: generate_pb2.GenerateRequest, info: generate_pb2.Mo
                     adapters: LoraAdapters | None = None) -> tuple[grpc.StatusCode, str] | None:
     """What is wrong with a GenerateRequest for the served model or one of its LoRA adapters
     (status and message), or None."""
-    if checks.other_model(request.model, info.model) and (adapters is None or adapters.path_of(request.model) is None):
+    if checks.other_model(request.model, info) and (adapters is None or adapters.path_of(request.model) is None):
         return grpc.StatusCode.NOT_FOUND, _no_such_model(request.model)
     if not info.ready:
         return grpc.StatusCode.UNAVAILABLE, "the model is loading"
@@ -114,7 +114,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "The model does not support generation: this server runs --runner pooling (use Embed)")
         info = await self._model_info(context)
-        if checks.other_model(request.model, info.model):
+        if checks.other_model(request.model, info):
             await self.backend.loras.sync(request.model)
         problem = request_problem(request, info, self.backend.loras)
         if problem is not None:
@@ -206,7 +206,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def _checked_model(self, model: str, context: grpc.aio.ServicerContext) -> generate_pb2.ModelInfo:
         await self._admit(context)
         info = await self._model_info(context)
-        if checks.other_model(model, info.model):
+        if checks.other_model(model, info):
             await context.abort(grpc.StatusCode.NOT_FOUND, _no_such_model(model))
         return info
 

@@ -91,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"pagedserve serve: {exc}", file=sys.stderr)
             return 1
         key = first_api_key(args.api_key, args.api_key_file)
-        name = _served_model_name(stack.http_url, key) or args.served_model_name or "default"
+        name = _served_model_name(stack.http_url, key) or (args.served_model_name or ["default"])[0]
         print(f"pagedserve: OpenAI API at {stack.http_url}/v1 (model {name}), gRPC at {stack.grpc_address}",
               flush=True)
         print("pagedserve: Ctrl-C stops every service", flush=True)

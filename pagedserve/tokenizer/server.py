@@ -120,7 +120,7 @@ async def _serve(args) -> int:
         from pagedserve.tokenizer.replica_router import ReplicaRouter
         router = ReplicaRouter(args.redis_url, args.redis_prefix, args.routing_policy, local_links)
     try:
-        service = TokenizerService(tokenizer, args.served_model_name or default_name, args.scheduler_addr,
+        service = TokenizerService(tokenizer, args.served_model_name or [default_name], args.scheduler_addr,
                                    args.scheduler_retry_timeout, vocab_size, chat_template=args.chat_template,
                                    router=router, local_links=local_links, sampling_defaults=defaults)
     except ValueError as exc:  # --chat-template names no file

@@ -64,7 +64,7 @@ def load_tokenizer(model: str | None, tokenizer_folder: str | None = None):
 class TokenizerService:
     """Tokenization, model info and request streams; no gRPC server objects (see server.py)."""
 
-    def __init__(self, tokenizer, served_model_name: str, scheduler_addr: str,
+    def __init__(self, tokenizer, served_model_name: str | list[str], scheduler_addr: str,
                  scheduler_retry_timeout: float = 120.0, vocab_size: int | None = None,
                  chat_template: str | None = None, router: ReplicaRouter | None = None,
                  local_links: bool = True, sampling_defaults: dict | None = None) -> None:
@@ -72,7 +72,9 @@ class TokenizerService:
         # The model's sampling defaults (common/sampling_defaults.py): a request's unset fields take them.
         self.sampling_defaults = dict(sampling_defaults or {})
         self.chat_template = load_chat_template(chat_template)  # None: the model's own
-        self.served_model_name = served_model_name
+        # --served-model-name: the first names the model in answers, the others are accepted too
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        self.served_model_name, self.served_aliases = names[0], [n for n in dict.fromkeys(names[1:]) if n != names[0]]
         self.scheduler_addr = scheduler_addr
         self.retry_timeout_s = scheduler_retry_timeout
         # The model may have more embedding rows than the tokenizer has tokens.
@@ -170,7 +172,7 @@ class TokenizerService:
         return await self._in_thread(tokenization.detokenize, self.tokenizer, request, self.vocab_limit)
 
     def _check_model(self, model: str) -> None:
-        if other_model(model, self.served_model_name):
+        if other_model(model, generate_pb2.ModelInfo(model=self.served_model_name, aliases=self.served_aliases)):
             raise StatusError(grpc.StatusCode.NOT_FOUND,
                                f"the model {model!r} is not served here (this is {self.served_model_name!r})")
 
@@ -181,7 +183,8 @@ class TokenizerService:
         return text
 
     async def model_info(self) -> generate_pb2.ModelInfo:
-        info = generate_pb2.ModelInfo(model=self.served_model_name, vocab_size=len(self.tokenizer))
+        info = generate_pb2.ModelInfo(model=self.served_model_name, aliases=self.served_aliases,
+                                      vocab_size=len(self.tokenizer))
         try:
             if self.router is not None:
                 await self.router.refresh()
