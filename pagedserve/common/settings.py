@@ -312,6 +312,9 @@ def _settings() -> tuple[Setting, ...]:
           "does not wait for it between steps, and the in-process engine on a GPU begins step N+1 before it "
           "takes step N's tokens (its rows read N's sampled ids on the device)", group="scheduler",
           opposites=("--async-scheduling",)),
+        S("--disable-log-stats", "serve scheduler", bool, False, group="scheduler",
+          help="no periodic stats line in the scheduler's log (every 10 s of steps: prompt and generation "
+          "throughput, running and waiting requests, KV cache usage, prefix cache hit rate; vLLM's flag)"),
         S("--worker-transport", "serve scheduler", default="auto", choices=("auto", "grpc"),
           help="how steps reach the worker ranks: auto uses a rank's local step link (a Unix socket it names, "
           "same messages, no gRPC threads on either side) when the rank is on this host, else the gRPC Step "

@@ -207,7 +207,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(**{
         **same, "kv_cache_memory": args.kv_cache_memory or "", "policy": args.scheduling_policy,
         "enable_prefix_caching": not args.no_prefix_caching, "enable_chunked_prefill": not args.no_chunked_prefill,
-        "async_scheduling": not args.no_async_scheduling,
+        "async_scheduling": not args.no_async_scheduling, "log_stats": not args.disable_log_stats,
         "worker_timeout_s": args.worker_timeout, "orphan_timeout_s": args.orphan_timeout,
         "step_timeout_s": args.step_timeout, "stall_timeout_s": args.stall_timeout})
 

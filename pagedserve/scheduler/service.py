@@ -42,6 +42,7 @@ from pagedserve.scheduler.adoption import Adoption
 from pagedserve.scheduler.health import Health
 from pagedserve.scheduler.records import GroupState, LiveGroups, RecordWriter
 from pagedserve.scheduler.recovery import Recovery
+from pagedserve.scheduler.stats_log import StatsLog
 from pagedserve.scheduler.stats_recorder import StatsRecorder
 from pagedserve.scheduler.step_loop import StepLoop
 from pagedserve.scheduler.subscriptions import Delivery, Outbox, Subscription
@@ -77,6 +78,7 @@ class ServiceConfig:
     enable_lora: bool = False
     max_loras: int = 1  # most adapters among the running requests (--max-loras), with enable_lora
     speculative_config: str | None = None  # --speculative-config (common/speculative.py)
+    log_stats: bool = True  # the periodic stats line (stats_log.py); --disable-log-stats turns it off
 
 
 class SchedulerService:
@@ -134,7 +136,7 @@ class SchedulerService:
         readmitted = self.recovery.readmit_from_store(self.live)
         self.step_loop = StepLoop(self.scheduler, self.workers, self.live, self.writer, self.recorder,
                                   self.recovery, self.health, self.stopping, eos, cfg.async_scheduling,
-                                  readmitted, cfg.orphan_timeout_s)
+                                  readmitted, cfg.orphan_timeout_s, StatsLog() if cfg.log_stats else None)
         self.adoption = Adoption(self.store, self.live, self.recovery, self.step_loop)
         self.step_loop.start()
         self.health.start_store_checks()

@@ -45,6 +45,7 @@ from pagedserve.scheduler.core.step_stats import StepStats
 from pagedserve.scheduler.health import Health
 from pagedserve.scheduler.records import GroupState, LiveGroups, RecordWriter
 from pagedserve.scheduler.recovery import Recovery
+from pagedserve.scheduler.stats_log import StatsLog
 from pagedserve.scheduler.stats_recorder import MAX_PREFILL_CHUNKS_KEPT, StatsRecorder
 from pagedserve.scheduler.subscriptions import Delivery, Subscription
 from pagedserve.scheduler.worker_client import WorkerError
@@ -74,13 +75,15 @@ class InFlightStep:
 class StepLoop:
     def __init__(self, scheduler: Scheduler, workers, live: LiveGroups, writer: RecordWriter, recorder: StatsRecorder,
                  recovery: Recovery, health: Health, stopping: threading.Event, eos_token_ids: tuple[int, ...],
-                 async_scheduling: bool, readmitted: list[str], orphan_timeout_s: float) -> None:
+                 async_scheduling: bool, readmitted: list[str], orphan_timeout_s: float,
+                 stats_log: StatsLog | None = None) -> None:
         """readmitted: the requests re-admitted from the store at start; those no client attaches
-        to within orphan_timeout_s are aborted."""
+        to within orphan_timeout_s are aborted. stats_log: the periodic stats line (None: off)."""
         self.scheduler, self.workers, self.live, self.writer = scheduler, workers, live, writer
         self.recorder, self.recovery, self.health, self.stopping = recorder, recovery, health, stopping
         self.eos_token_ids, self.async_scheduling = eos_token_ids, async_scheduling
         self.readmitted, self.orphan_deadline = readmitted, time.monotonic() + orphan_timeout_s
+        self.stats_log = stats_log
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # callables run on the step-loop thread
         self.pending_admissions = 0  # admitted (event loop), not yet handed to the Scheduler
         self.inflight: deque[InFlightStep] = deque()  # sent, results not yet taken in
@@ -298,6 +301,8 @@ class StepLoop:
         self._publish(updates)
         self.recorder.step(sched.step_id, step.scheduled_at, step.schedule_s + time.perf_counter() - started,
                            step.stats, self.scheduler)
+        if self.stats_log is not None:
+            self.stats_log.maybe_log(self.recorder.totals, self.scheduler, self.pending_admissions)
 
     def _publish(self, updates) -> None:
         now = time.time()
