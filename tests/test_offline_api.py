@@ -206,3 +206,22 @@ def test_a_one_token_request_leaves_its_prompt_in_the_prefix_cache(llm):
     again = llm.generate([prompt], greedy(1))[0]
     assert first.num_cached_tokens == 0 and again.num_cached_tokens == 64
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_no_sampling_params_take_the_models_generation_config(llm, model, tmp_path):
+    """vLLM's LLM.get_default_sampling_params: the model's generation_config.json sampling entries (here a
+    folder of its own with temperature 0 and max_new_tokens 3) are generate's and chat's params when none
+    are given; "vllm" (this module's engine: none in the model's config) leaves SamplingParams()."""
+    from pagedserve import LLM, SamplingParams
+    assert llm.get_default_sampling_params() == SamplingParams()
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
+    with LLM(model=str(model), generation_config=str(folder), **ENGINE_ARGS) as own:
+        assert own.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=3)
+        (out,) = own.generate(PROMPTS[1])
+        assert out.outputs[0].token_ids == llm.generate(PROMPTS[1], greedy(3))[0].outputs[0].token_ids[:3]
+        (chat,) = own.chat([{"role": "user", "content": "Hi"}])
+        assert len(chat.outputs[0].token_ids) <= 3
+    with pytest.raises(ValueError, match="generation config"):
+        LLM(model=str(model), override_generation_config={"top_p": 2.0}, **ENGINE_ARGS)

@@ -328,11 +328,11 @@ def _settings() -> tuple[Setting, ...]:
         S("--tokenizer", "engine serve tokenizer worker", help="a folder with the tokenizer files, for a model "
           "folder that has none (the worker reads its end-of-sequence token)", default_text="the model's folder",
           group="tokenizer"),
-        S("--generation-config", "serve tokenizer", default="auto", group="tokenizer",
+        S("--generation-config", "engine serve tokenizer", default="auto", group="tokenizer",
           help="where a request's unset temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
           "(max_new_tokens) come from (vLLM's flag): auto = the model's generation_config.json, a folder = "
           "that folder's, vllm = the engine's defaults"),
-        S("--override-generation-config", "serve tokenizer", group="tokenizer",
+        S("--override-generation-config", "engine serve tokenizer", group="tokenizer",
           help="JSON object of generation-config entries set over --generation-config's, e.g. "
           "'{\"temperature\": 0.5}'"),
         S("--chat-template", "engine serve tokenizer", help="a Jinja chat template file (or the template itself) "

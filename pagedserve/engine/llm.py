@@ -106,6 +106,11 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> EngineSamplingParams:
+        """vLLM's: the model's generation config's sampling defaults (generation_config="auto"; max_new_tokens
+        as max_tokens), else SamplingParams(); what generate and chat use when given none."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def close(self) -> None:
         self.engine.close()
 
@@ -121,7 +126,10 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         encoded = [encode_prompt(self.tokenizer, p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        return self._run(encoded, per_prompt(sampling_params, len(encoded)), use_tqdm)
+        return self._run(encoded, per_prompt(self._params(sampling_params), len(encoded)), use_tqdm)
+
+    def _params(self, sampling_params):
+        return self.get_default_sampling_params() if sampling_params is None else sampling_params
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -139,7 +147,7 @@ class LLM:
             except chat_templates.ChatTemplateError as exc:
                 raise ValueError(f"messages[{i}]: {exc}" if len(chats) > 1 else str(exc)) from None
             encoded.append((text, ids))
-        return self._run(encoded, per_prompt(sampling_params, len(encoded)), use_tqdm)
+        return self._run(encoded, per_prompt(self._params(sampling_params), len(encoded)), use_tqdm)
 
     def embed(self, prompts, pooling_params=None, use_tqdm: bool = False) -> list:
         """vLLM's LLM.embed (runner="pooling"): one EmbeddingRequestOutput per prompt, in order

@@ -15,6 +15,7 @@ from pagedserve.common.gc_heap import frozen_heap
 from pagedserve.common.lora import LoraError, LoraRequest, parse_lora_modules, read_adapter
 from pagedserve.common.messages import SampledToken
 from pagedserve.common.request_checks import logit_bias_problem
+from pagedserve.common.sampling_defaults import read_defaults
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.compilation import graph_plan
 from pagedserve.common.speculative import parse_speculative_config
@@ -69,6 +70,10 @@ class EngineConfig:
     # Begin step N+1 before taking step N's tokens (vLLM's async scheduling; worker/step_overlap.py).
     # None: where the device runs behind the host (CUDA); the CPU computes a step as it is launched.
     async_scheduling: bool | None = None
+    # The model's sampling defaults (vLLM's --generation-config; common/sampling_defaults.py): what
+    # LLM.generate and chat use when given no sampling params. auto, vllm or a folder; JSON over it.
+    generation_config: str = _DEFAULTS["generation_config"]
+    override_generation_config: str | dict | None = _DEFAULTS["override_generation_config"]
     progress: bool = True
 
 
@@ -115,6 +120,9 @@ class LLMEngine:
         place = place_model(config.model, config.device, config.dtype, config.max_model_len, local_rank=0,
                             tokenizer=tokenizer, tokenizer_name=config.tokenizer)
         self.model_path, self.model_config, self.tokenizer = place.model_path, place.model_config, place.tokenizer
+        # the model's sampling defaults (a bad generation config fails here, before the weights load)
+        self.sampling_defaults = read_defaults(place.model_path, config.generation_config,
+                                               config.override_generation_config)
         draft_path = check_draft_model(speculative, place.model_config, place.max_model_len)  # before any load
         self.device, self.dtype, self.eos_token_ids = place.device, place.dtype, place.eos_token_ids
         mc = self.model_config
