@@ -201,6 +201,10 @@ def test_models_health_metrics_and_request_status(stack, client):
     assert (model.id, alias.id, alias.root) == (MODEL, ALIAS, MODEL) and model.model_extra["max_model_len"] == 128
     r = httpx.get(stack.url + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
+    for ping in (httpx.get(stack.url + "/ping"), httpx.post(stack.url + "/ping")):  # vLLM's, open as /health
+        assert ping.status_code == 200 and ping.json() == r.json()
+    version = httpx.get(stack.url + "/version")
+    assert version.status_code == 200 and version.json()["version"].count(".") == 2
     client.completions.create(model=MODEL, prompt="hi")
     text = httpx.get(stack.url + "/metrics").text
     model = f'model_name="{MODEL}"'

@@ -91,6 +91,14 @@ async def _metrics_text(backend: Backend) -> bytes:
     return backend.metrics.render(stats, per_replica if stats is None else None)
 
 
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("pagedserve")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
+
 def build_app(backend: Backend) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -230,6 +238,17 @@ def build_app(backend: Backend) -> FastAPI:
     async def health_ready() -> JSONResponse:
         """Kubernetes readiness probe: the same conditions as /health."""
         return await readiness(health_answer)
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> JSONResponse:
+        """vLLM's (and SageMaker's) health route: /health's answer."""
+        return await readiness(health_answer)
+
+    @app.get("/version")
+    async def version() -> dict:
+        """vLLM's: the server's version."""
+        return {"version": package_version()}
 
     @app.get("/health/live")
     async def health_live() -> JSONResponse:

@@ -21,7 +21,7 @@ from pagedserve.gateway.anthropic_api import error_body as anthropic_error
 from pagedserve.gateway.backend import Backend
 
 # Paths that answer without the API key: probes and scrapers do not carry one.
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/ping", "/version")
 # The API's description: for operators (it is a map of the attack surface).
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 # vLLM's paths outside /v1 that still need the key (vLLM leaves them open; they read the model).
@@ -29,7 +29,7 @@ GATED_PATHS = ("/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank")
 KNOWN_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
                    "/v1/responses", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
                    "/v1/models", "/v1/engine/stats", "/v1/embeddings", "/v1/score", "/v1/rerank", "/health",
-                   "/metrics", "/dashboard", *GATED_PATHS)
+                   "/metrics", "/dashboard", "/ping", "/version", *GATED_PATHS)
 BODY_METHODS = ("POST", "PUT", "PATCH")
 ANTHROPIC_PATHS = ("/v1/messages",)  # refused in Anthropic's error shape
 
