@@ -124,6 +124,9 @@ class RequestStore(ABC):
         """The text put_text kept under P<name>; None when there is none."""
         return None
 
+    def delete_text(self, name: str) -> None:  # noqa: B027 - a store that keeps no texts has none to forget
+        """Forget the text put_text kept under P<name> (none: nothing to do)."""
+
 
 def check_text_size(name: str, text: str) -> None:
     size = len(text.encode("utf-8", "surrogatepass"))
@@ -227,6 +230,9 @@ class RedisStore(RequestStore):
 
     def get_text(self, name: str) -> str | None:
         return self.client.get(f"{self.prefix}{name}")
+
+    def delete_text(self, name: str) -> None:
+        self.client.delete(f"{self.prefix}{name}")
 
     def ping(self) -> bool:
         try:

@@ -137,6 +137,11 @@ def build_app(backend: Backend) -> FastAPI:
         """The caller's stored response (another owner's: 404)."""
         return await responses_api.retrieve(backend, request, response_id)
 
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict:
+        """OpenAI's: forget the caller's stored response (another owner's: 404)."""
+        return await responses_api.delete(backend, request, response_id)
+
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         """Anthropic's Messages API (anthropic_api.py); errors in Anthropic's shape."""

@@ -392,6 +392,13 @@ class ResponseRecords:
                                code="response_not_found")
         return record
 
+    async def delete(self, response_id: str, owner: str) -> None:
+        """Forget the owner's record (404 as load for anything else): no retrieve or previous_response_id
+        finds it again, on any gateway."""
+        await self.load(response_id, owner)
+        self.local.pop(response_id, None)
+        await asyncio.to_thread(self.store.delete_text, _name(response_id))
+
 
 def records(backend: Backend) -> ResponseRecords:
     if backend.response_records is None:
@@ -464,3 +471,14 @@ async def retrieve(backend: Backend, request: Request, response_id: str) -> dict
     except RequestError as exc:
         exc.param = None
         raise
+
+
+async def delete(backend: Backend, request: Request, response_id: str) -> dict:
+    """DELETE /v1/responses/{id}: OpenAI's; the caller's stored response is forgotten."""
+    owner = getattr(request.state, "caller", SINGLE_TENANT).owner
+    try:
+        await records(backend).delete(response_id, owner)
+    except RequestError as exc:
+        exc.param = None
+        raise
+    return {"id": response_id, "object": "response", "deleted": True}

@@ -71,6 +71,13 @@ def test_reasoning_and_text_streamed_and_not_then_retrieved(client, other, model
     assert (got.id, got.output_text) == (response.id, response.output_text)
     with pytest.raises(openai.NotFoundError):
         other.responses.retrieve(response.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(response.id)  # another key's: as if it did not exist
+    client.responses.delete(response.id)
+    for gone in (lambda: client.responses.retrieve(response.id), lambda: client.responses.delete(response.id),
+                 lambda: client.responses.create(model=model_name, previous_response_id=response.id, input="more")):
+        with pytest.raises(openai.NotFoundError):
+            gone()
 
 
 def test_json_schema_format(client, model_name):
