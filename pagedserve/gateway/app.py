@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.gateway.backend import Backend
 from pagedserve.gateway import (anthropic_api, batched_completion, completion_call, embeddings, lora_adapters,
-                                responses_api, scores, tokenization)
+                                response_records, responses_api, scores, tokenization)
 from pagedserve.gateway.health import readiness, readiness_now
 from pagedserve.gateway.http_gate import HttpGate
 from pagedserve.gateway.metrics import Metrics
@@ -135,12 +135,12 @@ def build_app(backend: Backend) -> FastAPI:
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request) -> dict:
         """The caller's stored response (another owner's: 404)."""
-        return await responses_api.retrieve(backend, request, response_id)
+        return await response_records.retrieve(backend, request, response_id)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> dict:
         """OpenAI's: forget the caller's stored response (another owner's: 404)."""
-        return await responses_api.delete(backend, request, response_id)
+        return await response_records.delete(backend, request, response_id)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:

@@ -135,7 +135,7 @@ class Backend:
         self.store = store if store is not None and store.durable else None
         self.idempotency: RequestStore = store if store is not None else MemoryStore()
         self.resume_records = ResumeRecords(self.idempotency)
-        self.response_records = None  # responses_api.ResponseRecords, made on first use
+        self.response_records = None  # response_records.ResponseRecords, made on first use
         self.metrics = metrics or Metrics()
         self._channels: list[grpc.aio.Channel] = []
         self._tokenizer: TokenizerCalls | None = None
