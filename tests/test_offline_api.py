@@ -225,3 +225,15 @@ def test_no_sampling_params_take_the_models_generation_config(llm, model, tmp_pa
         assert len(chat.outputs[0].token_ids) <= 3
     with pytest.raises(ValueError, match="generation config"):
         LLM(model=str(model), override_generation_config={"top_p": 2.0}, **ENGINE_ARGS)
+
+
+def test_seed_makes_unseeded_sampling_repeat(model):
+    """vLLM's --seed: requests without a seed of their own draw the same tokens in two engines started with
+    the same seed (the same steps); unseeded engines would draw others (12 tokens at temperature 1)."""
+    from pagedserve import LLM, SamplingParams
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def sampled(seed):
+        with LLM(model=str(model), seed=seed, **ENGINE_ARGS) as engine:
+            return [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)]
+    assert sampled(7) == sampled(7)

@@ -23,7 +23,7 @@ from pagedserve.model_files.draft_check import check_draft_model
 from pagedserve.scheduler.core.request import Request
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.worker.model_setup import (KVSettings, KVSize, load_runner, measure_cuda_memory, place_model,
-                                           runner_kwargs, size_kv_cache)
+                                           runner_kwargs, seed_rngs, size_kv_cache)
 
 log = logging.getLogger("pagedserve")
 
@@ -72,6 +72,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # The model's sampling defaults (vLLM's --generation-config; common/sampling_defaults.py): what
     # LLM.generate and chat use when given no sampling params. auto, vllm or a folder; JSON over it.
+    seed: int | None = _DEFAULTS["seed"]  # vLLM's: the generators start from it (worker/model_setup.seed_rngs)
     generation_config: str = _DEFAULTS["generation_config"]
     override_generation_config: str | dict | None = _DEFAULTS["override_generation_config"]
     progress: bool = True
@@ -145,6 +146,7 @@ class LLMEngine:
             self.close()
             raise
         num_blocks, num_host_blocks = size.num_blocks, size.num_host_blocks
+        seed_rngs(config.seed)
         max_concurrency = num_blocks * config.block_size / max_len
         log.info("KV cache: %d blocks of %d tokens (%s, %.1f MiB); maximum concurrency at %d tokens "
                  "per request: %.2fx", num_blocks, config.block_size, self.dtype,

@@ -94,6 +94,19 @@ def place_model(model: str | None, device: str, dtype: str, max_model_len: int |
                       eos_ids(model_path, config, tokenizer), tokenizer)
 
 
+def seed_rngs(seed: int | None) -> None:
+    """--seed (vLLM's): torch's CPU and CUDA generators, Python's and numpy's start from seed (unseeded
+    requests' draws come from torch's); None: left as the process started them."""
+    if seed is None:
+        return
+    import random
+
+    import numpy as np
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # every device's generator too
+
+
 def runner_kwargs(place: ModelPlace, block_size: int, quantization: str) -> dict:
     """ModelRunner's arguments for this place (the TP followers of an engine get them too)."""
     return dict(model_config=place.model_config, model_path=place.model_path, dtype=place.dtype, device=place.device,

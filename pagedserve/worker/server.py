@@ -59,7 +59,8 @@ class WorkerService:
                  dist_init_method: str | None = None, tokenizer: str | None = None,
                  quantization: str = "auto", kv: KVSettings | None = None, max_num_seqs: int | None = None,
                  enforce_eager: bool = False, lora: tuple[int, int, int] | None = None,
-                 speculative_config: str | None = None, compilation_config: str | None = None) -> None:
+                 speculative_config: str | None = None, compilation_config: str | None = None,
+                 seed: int | None = None) -> None:
         import dataclasses
 
         import torch  # noqa: F401 - the worker is the one service that needs it
@@ -72,6 +73,7 @@ class WorkerService:
         from pagedserve.worker.model_setup import KVSettings, place_model
 
         self.graphs = graph_plan(compilation_config, enforce_eager)  # which steps replay CUDA graphs
+        self.seed = seed  # --seed: the generators start from it once the model is loaded
 
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"--rank {rank} is outside a tensor-parallel group of size {world_size}")
@@ -121,7 +123,7 @@ class WorkerService:
         self._on_torch_thread(self._load)
 
     def _load(self) -> None:
-        from pagedserve.worker.model_setup import load_runner, size_kv_cache
+        from pagedserve.worker.model_setup import load_runner, seed_rngs, size_kv_cache
         from pagedserve.worker.parallel import init_tensor_parallel
         started = time.monotonic()
         # Every rank blocks here until all have joined the group, then loads only its shard.
@@ -136,6 +138,7 @@ class WorkerService:
                  time.monotonic() - started)
         # On CUDA every rank profiles its largest step here at once (the step's collectives need all).
         self.kv_size = size_kv_cache(self.runner, self.kv)
+        seed_rngs(self.seed)
         log.info("rank %d: a KV pool of %d blocks of %d tokens fits (%d bytes each)", self.rank,
                  self.kv_size.num_blocks, self.kv.block_size, self.kv_size.block_bytes)
 
@@ -297,7 +300,8 @@ def serve(args: argparse.Namespace) -> int:
                             args.tensor_parallel_size, dist_init_method(args.dist_init_addr), args.tokenizer,
                             args.quantization, kv_settings(args), args.max_num_seqs, args.enforce_eager,
                             (args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
-                            if args.enable_lora else None, args.speculative_config, args.compilation_config)
+                            if args.enable_lora else None, args.speculative_config, args.compilation_config,
+                            args.seed)
     ready = threading.Event()
     # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
