@@ -228,7 +228,7 @@ def _settings() -> tuple[Setting, ...]:
           "core the scheduler, tokenizer or gateway holds for a moment costs its share, not the whole "
           "kernel's wait (kernels/cpu/work_pool.h); openmp splits it up front as torch does. The in-process "
           "engine uses openmp unless PAGEDSERVE_WORK_POOL=1", group="engine"),
-        S("--seed", "engine serve worker", int, None, group="engine", default_text="unseeded",
+        S("--seed", "serve worker", int, None, group="engine", default_text="unseeded",
           help="vLLM's: the worker's random number generators start from this seed, so requests without a seed "
           "of their own draw the same tokens for the same sequence of steps"),
         S("--trust-remote-code", "engine serve worker", bool, False, group="engine",

@@ -72,7 +72,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # The model's sampling defaults (vLLM's --generation-config; common/sampling_defaults.py): what
     # LLM.generate and chat use when given no sampling params. auto, vllm or a folder; JSON over it.
-    seed: int | None = _DEFAULTS["seed"]  # vLLM's: the generators start from it (worker/model_setup.seed_rngs)
+    # vLLM's LLM(seed=...): the generators start from it (worker/model_setup.seed_rngs; the benches' own
+    # --seed is their workload's, so the engine commands take no --seed flag)
+    seed: int | None = None
     generation_config: str = _DEFAULTS["generation_config"]
     override_generation_config: str | dict | None = _DEFAULTS["override_generation_config"]
     progress: bool = True
