@@ -207,6 +207,13 @@ def test_a_vllm_command_line_starts_serve():
         Setting("--x", "engine", int, 1, opposites=("--y",))
 
 
+def test_enable_auto_tool_choice_needs_a_parser_as_in_vllm(caplog):
+    from pagedserve.cli import main
+    with caplog.at_level("ERROR"):
+        assert main(["gateway", "--enable-auto-tool-choice", "--port", "1", "--grpc-port", "2"]) == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in caplog.text
+
+
 # ---- derived defaults ---------------------------------------------------------------------------
 def test_step_budgets_are_computed_in_one_place():
     assert step_budgets(None, None, "cpu") == (512, 64)

@@ -387,7 +387,7 @@ def _settings() -> tuple[Setting, ...]:
         S("--enable-auto-tool-choice", "serve gateway", bool, False, group="gateway",
           help="vLLM's switch for --tool-call-parser: here a chat with tools and tool_choice \"auto\" is read by "
           "the parser whenever one is named, so the switch changes nothing; it is taken so that vLLM's command "
-          "lines start"),
+          "lines start, and as vLLM's it needs --tool-call-parser"),
         S("--reasoning-parser", "serve gateway", choices=("deepseek_r1", "qwen3"),
           help="how a chat's reasoning is read from its output (vLLM's names): deepseek_r1 (up to </think>), "
           "qwen3 (a <think>...</think> block at the start); it goes in message.reasoning_content and "

@@ -157,6 +157,8 @@ async def _serve(args) -> int:
         keys, admins = api_keys(args), admin_keys(args)
         floors = {k: v for k, v in key_file_priorities(args).items() if v is not None}
         limits = limits_from_args(args)
+        if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (as vLLM's)")
     except (OSError, ValueError) as exc:
         log.error("bad gateway settings: %s", exc)
         return 2
