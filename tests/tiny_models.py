@@ -47,6 +47,17 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
     elif arch == "phi3":
         cfg = transformers.Phi3Config(tie_word_embeddings=False, **common)
         model = transformers.Phi3ForCausalLM(cfg)
+    elif arch == "smollm3":
+        # NoPE every second layer of four (no_rope_layer_interval 2): layers 1 and 3 take no rotary
+        common = {**common, **dict(num_hidden_layers=4, no_rope_layer_interval=2), **overrides}
+        cfg = transformers.SmolLM3Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
+        model = transformers.SmolLM3ForCausalLM(cfg)
+    elif arch == "granite":
+        # Granite 3's multipliers, away from 1 so that each one shows
+        common = {**common, **dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                                   logits_scaling=8.0), **overrides}
+        cfg = transformers.GraniteConfig(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
+        model = transformers.GraniteForCausalLM(cfg)
     elif arch in ("deepseek_v3", "deepseek_v2"):
         # Multi-head latent attention (q and kv compressed), the first layer dense, then MoE
         # with shared experts and group-limited routing. MLA has as many KV heads as query heads

@@ -11,7 +11,8 @@ from pagedserve.common.checkpoint_quantization import check_quantization
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                           "Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
+                           "Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
+                           "SmolLM3ForCausalLM", "GraniteForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
@@ -133,6 +134,9 @@ class ModelConfig:
             elif scaling["rope_type"] not in ("llama3", "linear"):
                 raise ValueError(f"unsupported rope_scaling type {scaling['rope_type']!r} for {arch}; "
                                  "supported: llama3, linear (yarn for DeepSeek, longrope for Phi-3)")
+        if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
+            raise ValueError("SmolLM3 with use_sliding_window is not supported (its sliding layers are not "
+                             "implemented)")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

@@ -16,6 +16,8 @@ _MODELS = {
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
+    "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
 }
 
 

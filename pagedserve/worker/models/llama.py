@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2; SmolLM3 and Granite in their own modules) over a paged KV cache.
 
 Numerics follow transformers' implementation (float32 RMSNorm, float32 rotary tables cast to the
 activation dtype) so greedy tokens match it. Q/K/V and gate/up are merged into one matmul each.
@@ -72,6 +72,7 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         self.ops = current_platform().ops
         self.scale = self.head_dim ** -0.5
+        self.use_rope = True  # False: a NoPE layer (SmolLM3's), its queries and keys take no rotary
 
     def forward(self, hidden, rope, kv_cache, meta: AttentionMetadata):
         num_tokens, ops = hidden.shape[0], self.ops
@@ -79,7 +80,8 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary(q, k, rope)
+        if self.use_rope:
+            q, k = ops.rotary(q, k, rope)
         attn = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return ops.linear(attn.reshape(num_tokens, -1), self.o_proj)
 
