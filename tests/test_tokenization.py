@@ -136,7 +136,8 @@ def test_a_folder_without_tokenizer_names_itself(tmp_path, default_model_path):
     (tmp_path / "config.json").write_text((default_model_path / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match=f"no tokenizer in {tmp_path}.*--tokenizer"):
         service_load(str(tmp_path))
-    tokenizer, name, _ = service_load(str(tmp_path), str(default_model_path))  # --tokenizer
+    tokenizer, name, _, folder = service_load(str(tmp_path), str(default_model_path))  # --tokenizer
+    assert folder == tmp_path  # where the generation config is read (the model's, not the tokenizer's)
     assert name == tmp_path.name and tokenizer.encode("Hello world") == load_tokenizer(default_model_path).encode(
         "Hello world")
 
