@@ -114,3 +114,29 @@ def test_a_resumed_stream_catches_up_through_the_reasoning():
     builder.skip_text(0, THOUGHT[0] + THOUGHT[1])
     deltas = [c["choices"][0]["delta"] for msg in msgs[3:] for c in builder.add(msg)]
     assert deltas == [{"content": "Sure."}]
+
+
+def test_token_ids_ride_every_message_through_reasoning_and_tool_calls():
+    """vLLM's return_token_ids: every message's ids go out once, on the first chunk it makes, even
+    when its text is held back by the tool-call parser or is reasoning; the prompt's ids once, on
+    the role chunk; a message with ids and no text still makes a chunk."""
+    msgs = [generate_pb2.GenerateResponse(accepted=True, prompt_token_ids=[5, 6])]
+    msgs += [generate_pb2.GenerateResponse(text=t, token_ids=[10 + i, 20 + i]) for i, t in enumerate(THOUGHT)]
+    msgs.insert(2, generate_pb2.GenerateResponse(token_ids=[99]))  # ids whose text is still held back
+    msgs[-1].finish_reason = "stop"
+    sent = [i for m in msgs[1:] for i in m.token_ids]
+    for reasoning in (Reasoning("deepseek_r1"), None):
+        builder = ChunkBuilder(True, "id", "m", 0, 1, False, tools=ToolOutput(parser="hermes"), reasoning=reasoning,
+                               token_ids=True)
+        chunks = [c for msg in msgs for c in builder.add(msg)]
+        assert chunks[0]["prompt_token_ids"] == [5, 6] and all("prompt_token_ids" not in c for c in chunks[1:])
+        assert [i for c in chunks[1:] for i in c["choices"][0]["token_ids"]] == sent
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    collector = Collector(1)
+    for msg in msgs:
+        collector.add(msg)
+    out = collector.chat("id", "m", 0, False, ToolOutput(parser="hermes"), Reasoning("deepseek_r1"), token_ids=True)
+    assert out["prompt_token_ids"] == [5, 6] and out["choices"][0]["token_ids"] == sent
+    plain = ChunkBuilder(True, "id", "m", 0, 1, False, reasoning=Reasoning("deepseek_r1"))
+    assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c for msg in msgs
+               for c in plain.add(msg))

@@ -388,6 +388,9 @@ def _settings() -> tuple[Setting, ...]:
           help="vLLM's switch for --tool-call-parser: here a chat with tools and tool_choice \"auto\" is read by "
           "the parser whenever one is named, so the switch changes nothing; it is taken so that vLLM's command "
           "lines start, and as vLLM's it needs --tool-call-parser"),
+        S("--return-tokens-as-token-ids", "serve gateway", bool, False, group="gateway",
+          help="logprob tokens are written \"token_id:<id>\" (vLLM's), for a request that does not set "
+          "return_tokens_as_token_ids itself"),
         S("--reasoning-parser", "serve gateway", choices=("deepseek_r1", "qwen3"),
           help="how a chat's reasoning is read from its output (vLLM's names): deepseek_r1 (up to </think>), "
           "qwen3 (a <think>...</think> block at the start); it goes in message.reasoning_content and "

@@ -125,6 +125,7 @@ class Backend:
         self.local_links = local_links  # --service-transport auto: Generate over the tokenizer's local socket
         self.tool_call_parser = tool_call_parser  # --tool-call-parser: reads tool_choice "auto" outputs
         self.reasoning_parser = reasoning_parser  # --reasoning-parser: a chat's reasoning_content
+        self.return_tokens_as_token_ids = False  # --return-tokens-as-token-ids: a request's default
         self.prefix_cache_scope = prefix_cache_scope  # --prefix-cache-scope: owners.cache_salt
         self.runner, self.pooler = runner, pooler  # --runner pooling: embeddings only, pooled by --pooler
         self.loras = LoraAdapters()  # --enable-lora: the adapters requests may name as their model

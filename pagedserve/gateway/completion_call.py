@@ -43,7 +43,7 @@ from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionReques
                                          completion_to_generate, embedding_to_generate, error_body, include_event_ids,
                                          continuous_usage, include_usage)
 from pagedserve.gateway.reasoning import END as REASONING_END, request_parser
-from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning, vllm_prompt_logprobs
+from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning, show_ids_as_tokens, vllm_prompt_logprobs
 from pagedserve.gateway.tools import ToolOutput, chat_tools
 from pagedserve.gateway.background import spawn, watch_disconnect
 from pagedserve.gateway.sse import DONE, CancellingStream, Cursor, ResumeSkip, sse_event
@@ -86,6 +86,11 @@ class CompletionCall:
         self.reasoning: Reasoning | None = None  # and for their reasoning (--reasoning-parser)
         # An embedding (embeddings.py): the prompt runs alone and the answer is its pooled vector.
         self.pooling: common_pb2.Pooling | None = None
+        # vLLM's return_token_ids (the prompt's and the output's ids in the response) and
+        # return_tokens_as_token_ids (logprob tokens as "token_id:<id>"; unset: the server's)
+        self.token_ids = bool(getattr(body, "return_token_ids", None))
+        as_ids = getattr(body, "return_tokens_as_token_ids", None)
+        self.ids_as_tokens = backend.return_tokens_as_token_ids if as_ids is None else as_ids
         if body is not None:
             self.n, self.stream = body.n, body.stream
             self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
@@ -175,6 +180,7 @@ class CompletionCall:
                 "chat": self.chat, "model": info.model, "created": self.created, "n": body.n,
                 "logprobs": self.logprobs, "usage": self.usage, "timings": self.timings,
                 "continuous_usage": self.continuous_usage,
+                "token_ids": self.token_ids, "ids_as_tokens": self.ids_as_tokens,
                 "stop": list(gen.stop), "include_stop_str_in_output": gen.include_stop_str_in_output,
                 "skip_special_tokens": gen.skip_special_tokens,
                 "tools": self.tools.state() if self.tools else None,
@@ -207,6 +213,7 @@ class CompletionCall:
         self.n, self.stream, self.logprobs, self.echo = n, True, bool(meta.get("logprobs")), False
         self.usage, self.timings = bool(meta.get("usage")), False
         self.continuous_usage = bool(meta.get("continuous_usage"))
+        self.token_ids, self.ids_as_tokens = bool(meta.get("token_ids")), bool(meta.get("ids_as_tokens"))
         self.event_ids = True  # a client that resumes reads the cursor; only our own endpoint sends it
         self.tools = ToolOutput.from_state(meta.get("tools"))
         self.reasoning = Reasoning(meta["reasoning"][0]) if meta.get("reasoning") else None
@@ -222,6 +229,8 @@ class CompletionCall:
         # A resumed stream shows no echo or prompt logprobs (its client had them in its first
         # chunks): without the field the scheduler's replay leaves them out (DeltaFilter).
         gen.params.ClearField("prompt_logprobs")
+        # and the prompt's ids only to a client that starts over (a cursor: it has them)
+        gen.return_token_ids = self.token_ids and cursor_text in (None, "")
         if cursor_text not in (None, ""):
             tokens += [0] * (n - len(tokens))
             chars += [0] * (n - len(chars))
@@ -291,13 +300,17 @@ class CompletionCall:
             return None
         if self.tracker is not None:
             self.tracker.on_message(msg)
+        if self.ids_as_tokens:
+            show_ids_as_tokens(msg.logprobs)
+            if self.echo:  # an echo's logprobs list the prompt's entries first
+                show_ids_as_tokens(msg.prompt_logprobs)
         return msg
 
     async def _stream(self, first: generate_pb2.GenerateResponse, skip: ResumeSkip | None = None) -> AsyncIterator[str]:
         builder = ChunkBuilder(self.chat, self.client_id, self.model, self.created, self.n, self.logprobs,
                                echo=self.echo and skip is None, tools=self.tools,
                                prompt_logprobs=getattr(self.body, "prompt_logprobs", None) is not None,
-                               reasoning=self.reasoning)
+                               reasoning=self.reasoning, token_ids=self.token_ids)
         cursor = Cursor(self.n)
         usage, tracker = self.usage, self.tracker
 
@@ -384,12 +397,12 @@ class CompletionCall:
         body = self.body
         if self.chat:
             out = collector.chat(self.client_id, self.model, self.created, bool(body.logprobs), self.tools,
-                                 self.reasoning)
+                                 self.reasoning, self.token_ids)
             if body.prompt_logprobs is not None:  # vLLM's: one list for the request, beside the choices
                 out["prompt_logprobs"] = vllm_prompt_logprobs(collector.prompt_logprobs)
         else:
             out = collector.completion(self.client_id, self.model, self.created, body.logprobs is not None,
-                                       body.echo, body.prompt_logprobs is not None)
+                                       body.echo, body.prompt_logprobs is not None, self.token_ids)
         if out_timings is not None:
             out["timings"] = out_timings
         return out

@@ -115,6 +115,10 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the prompt's and each choice's token ids in the response (responses.py), and logprob
+    # tokens as "token_id:<id>" (unset: the server's --return-tokens-as-token-ids).
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -273,6 +277,7 @@ def completion_to_generate(req: CompletionRequest) -> generate_pb2.GenerateReque
         prompt_logprobs = req.logprobs
     _fill_params(req, gen, req.max_tokens, req.logprobs, prompt_logprobs, req.echo)
     gen.echo = req.echo
+    gen.return_token_ids = bool(req.return_token_ids)
     return gen
 
 
@@ -321,6 +326,7 @@ def chat_to_generate(req: ChatCompletionRequest) -> generate_pb2.GenerateRequest
         if exc.param == "max_tokens" and req.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"
         raise
+    gen.return_token_ids = bool(req.return_token_ids)
     return gen
 
 

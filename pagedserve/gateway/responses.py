@@ -59,6 +59,16 @@ def _token_bytes(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="replace"))
 
 
+def show_ids_as_tokens(entries: Iterable[common_pb2.TokenLogprob]) -> None:
+    """vLLM's return_tokens_as_token_ids, in place: every token string (the sampled one's and its
+    alternatives') becomes "token_id:<id>", so that tokens that are not whole characters can be told
+    apart (the bytes and text offsets are then those of that string, as vLLM's)."""
+    for e in entries:
+        e.token = f"token_id:{e.token_id}"
+        for t in e.top:
+            t.token = f"token_id:{t.token_id}"
+
+
 def chat_logprobs(entries: Iterable[common_pb2.TokenLogprob]) -> dict:
     """OpenAI chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
     return {"content": [
@@ -128,6 +138,7 @@ class Reasoning:
 class SampleOutput:
     text: list[str] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -141,11 +152,13 @@ class Collector:
         self.prompt_text = ""
         self.embedding = b""  # an embedding request's vector (float32 LE), from its last message
         self.prompt_logprobs: list[common_pb2.TokenLogprob] = []
+        self.prompt_token_ids: list[int] = []  # return_token_ids: from the accepted message
 
     def add(self, msg: generate_pb2.GenerateResponse) -> None:
         self.usage.add(msg)
         if msg.accepted:
             self.prompt_text = msg.prompt_text or self.prompt_text
+            self.prompt_token_ids = list(msg.prompt_token_ids) or self.prompt_token_ids
             return
         while msg.index >= len(self.samples):
             self.samples.append(SampleOutput())
@@ -155,15 +168,17 @@ class Collector:
         if msg.text:
             sample.text.append(msg.text)
         sample.logprobs.extend(msg.logprobs)
+        sample.token_ids.extend(msg.token_ids)
         if msg.prompt_logprobs:
             self.prompt_logprobs = list(msg.prompt_logprobs)
         if msg.finish_reason:
             sample.finish_reason = msg.finish_reason
 
     def completion(self, request_id: str, model: str, created: int, logprobs: bool, echo: bool,
-                   prompt_logprobs: bool = False) -> dict:
+                   prompt_logprobs: bool = False, token_ids: bool = False) -> dict:
         """echo with logprobs: the logprobs cover the prompt, then the completion (text_offset from 0).
-        prompt_logprobs (vLLM's field was sent): each choice carries "prompt_logprobs"."""
+        prompt_logprobs (vLLM's field was sent): each choice carries "prompt_logprobs"; token_ids
+        (vLLM's return_token_ids): each carries "prompt_token_ids" and its own "token_ids"."""
         choices = []
         for i, s in enumerate(self.samples):
             prefix = self.prompt_text if echo else ""
@@ -175,12 +190,16 @@ class Collector:
                 "finish_reason": s.finish_reason, "stop_reason": None}
             if prompt_logprobs:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_logprobs)
+            if token_ids:
+                choice["prompt_token_ids"], choice["token_ids"] = self.prompt_token_ids, s.token_ids
             choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": self.usage.as_dict(), "system_fingerprint": None}
 
     def chat(self, request_id: str, model: str, created: int, logprobs: bool,
-             tools: ToolOutput | None = None, reasoning: Reasoning | None = None) -> dict:
+             tools: ToolOutput | None = None, reasoning: Reasoning | None = None, token_ids: bool = False) -> dict:
+        """token_ids (vLLM's return_token_ids): "prompt_token_ids" beside the choices, each choice
+        its "token_ids"."""
         choices = []
         for i, s in enumerate(self.samples):
             message, reason = {"role": "assistant", "content": "".join(s.text)}, s.finish_reason
@@ -197,8 +216,13 @@ class Collector:
                 message["reasoning_content"] = thought
             choices.append({"index": i, "message": message, "logprobs": chat_logprobs(s.logprobs) if logprobs else None,
                             "finish_reason": reason, "stop_reason": None})
-        return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": self.usage.as_dict(), "system_fingerprint": None}
+            if token_ids:
+                choices[-1]["token_ids"] = s.token_ids
+        out = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+               "choices": choices, "usage": self.usage.as_dict(), "system_fingerprint": None}
+        if token_ids:
+            out["prompt_token_ids"] = self.prompt_token_ids
+        return out
 
 
 # ---- streaming chunks -----------------------------------------------------------------------
@@ -207,11 +231,15 @@ class ChunkBuilder:
     message). Chat: each sample's first chunk carries role "assistant"; completions: an echoed
     prompt comes first in each sample's text. The prompt's logprobs come once per request, with
     sample 0's first message, ahead of every other sample's first (the scheduler orders them so):
-    kept here, each sample's first chunk shows them."""
+    kept here, each sample's first chunk shows them. token_ids (vLLM's return_token_ids): every
+    chunk of a message carries its "token_ids" (a message with ids and no text still makes a
+    chunk), and the prompt's ids come once per sample: a chat's role chunks carry
+    "prompt_token_ids" beside the choices, a completion's first choice of each sample in it."""
 
     def __init__(self, chat: bool, request_id: str, model: str, created: int, n: int,
                  logprobs: bool, echo: bool = False, tools: ToolOutput | None = None,
-                 prompt_logprobs: bool = False, reasoning: Reasoning | None = None) -> None:
+                 prompt_logprobs: bool = False, reasoning: Reasoning | None = None,
+                 token_ids: bool = False) -> None:
         self.chat, self.request_id, self.model, self.created = chat, request_id, model, created
         self.n, self.logprobs, self.echo, self.prompt_logprobs = n, logprobs, echo, prompt_logprobs
         self.tools, self.parsers, self.called = tools, {}, set()  # tool calls: a parser per sample
@@ -226,6 +254,9 @@ class ChunkBuilder:
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.usage = UsageTracker()
         self.offsets: dict[int, CompletionLogprobs] = {}
+        self.token_ids = token_ids
+        self.prompt_ids: list[int] = []
+        self.ids_pending: set[int] = set()  # completions: samples whose prompt ids are still to go out
 
     def _chunk(self, choices: list[dict]) -> dict:
         return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
@@ -251,8 +282,10 @@ class ChunkBuilder:
         if not thought:
             return chunks
         if not chunks:
-            return [self._chunk([{"index": msg.index, "delta": {"reasoning_content": thought}, "logprobs": None,
-                                  "finish_reason": None}])]
+            choice = {"index": msg.index, "delta": {"reasoning_content": thought}, "logprobs": None,
+                      "finish_reason": None}
+            self._with_ids(choice, msg)
+            return [self._chunk([choice])]
         delta = chunks[0]["choices"][0]["delta"]
         rest = {k: v for k, v in delta.items() if not (k == "content" and v == "")}
         delta.clear()
@@ -270,15 +303,7 @@ class ChunkBuilder:
     def _add(self, msg: generate_pb2.GenerateResponse) -> list[dict]:
         self.usage.add(msg)
         if msg.accepted:
-            if self.chat:
-                return [self._chunk([self._choice(i, "", None, None, role=True)]) for i in range(self.n)]
-            prompt = msg.prompt_text if self.echo else ""
-            for i in range(self.n):
-                self.offsets[i] = CompletionLogprobs(0 if prompt and self.logprobs else len(prompt))
-            if prompt and self.logprobs:
-                self.held_prompt = dict.fromkeys(range(self.n), prompt)
-                return []
-            return [self._chunk([self._choice(i, prompt, None, None)]) for i in range(self.n)] if prompt else []
+            return self._accepted(msg)
         if msg.prompt_logprobs:
             self.prompt_entries = list(msg.prompt_logprobs)
         first = msg.index not in self.started
@@ -287,7 +312,7 @@ class ChunkBuilder:
         held = self.held_prompt.pop(msg.index, None)
         echoed = prompt_entries if held is not None else ()
         if held is None and not msg.text and not msg.finish_reason and not (self.logprobs and msg.logprobs) \
-                and not (self.prompt_logprobs and prompt_entries):
+                and not (self.prompt_logprobs and prompt_entries) and not (self.token_ids and msg.token_ids):
             return []
         logprobs = None
         if self.logprobs and (msg.logprobs or echoed):
@@ -303,7 +328,41 @@ class ChunkBuilder:
         choice = self._choice(msg.index, text, logprobs, msg.finish_reason or None)
         if self.prompt_logprobs and prompt_entries:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_entries)
+        self._with_ids(choice, msg)
         return [self._chunk([choice])]
+
+    def _accepted(self, msg: generate_pb2.GenerateResponse) -> list[dict]:
+        self.prompt_ids = list(msg.prompt_token_ids)
+        if self.chat:
+            chunks = [self._chunk([self._choice(i, "", None, None, role=True)]) for i in range(self.n)]
+            if self.token_ids:
+                for chunk in chunks:
+                    chunk["prompt_token_ids"] = self.prompt_ids
+            return chunks
+        if self.token_ids:
+            self.ids_pending = set(range(self.n))
+        prompt = msg.prompt_text if self.echo else ""
+        for i in range(self.n):
+            self.offsets[i] = CompletionLogprobs(0 if prompt and self.logprobs else len(prompt))
+        if prompt and self.logprobs:
+            self.held_prompt = dict.fromkeys(range(self.n), prompt)
+            return []
+        if not prompt:
+            return []
+        choices = [self._choice(i, prompt, None, None) for i in range(self.n)]
+        for choice in choices:
+            self._with_ids(choice, None)
+        return [self._chunk([choice]) for choice in choices]
+
+    def _with_ids(self, choice: dict, msg: generate_pb2.GenerateResponse | None) -> None:
+        """return_token_ids: the message's ids on its choice, and a completion sample's prompt ids
+        on its first choice."""
+        if not self.token_ids:
+            return
+        if choice["index"] in self.ids_pending:
+            self.ids_pending.discard(choice["index"])
+            choice["prompt_token_ids"] = self.prompt_ids
+        choice["token_ids"] = list(msg.token_ids) if msg is not None else []
 
     def _parser(self, index: int):
         if index not in self.parsers:
@@ -326,10 +385,15 @@ class ChunkBuilder:
         if any(e.name is not None for e in events):
             self.called.add(msg.index)
         reason = finish_reason(msg.finish_reason or None, msg.index in self.called)
-        deltas = stream_deltas(events) or ([{}] if reason or logprobs else [])
-        return [self._chunk([{"index": msg.index, "delta": delta, "logprobs": logprobs if j == 0 else None,
-                              "finish_reason": reason if j == len(deltas) - 1 else None}])
-                for j, delta in enumerate(deltas)]
+        shown_ids = self.token_ids and bool(msg.token_ids)
+        deltas = stream_deltas(events) or ([{}] if reason or logprobs or shown_ids else [])
+        chunks = [self._chunk([{"index": msg.index, "delta": delta, "logprobs": logprobs if j == 0 else None,
+                                "finish_reason": reason if j == len(deltas) - 1 else None}])
+                  for j, delta in enumerate(deltas)]
+        if self.token_ids:  # the message's ids on its first chunk
+            for j, chunk in enumerate(chunks):
+                chunk["choices"][0]["token_ids"] = list(msg.token_ids) if j == 0 else []
+        return chunks
 
     def with_usage(self, chunks: list[dict]) -> list[dict]:
         """vLLM's continuous usage: each chunk with a choice carries that choice's usage so far (its

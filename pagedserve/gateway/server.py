@@ -177,6 +177,7 @@ async def _serve(args) -> int:
                       local_links=getattr(args, "service_transport", "auto") == "auto",
                       prefix_cache_scope=getattr(args, "prefix_cache_scope", "owner"),
                       runner=getattr(args, "runner", "auto"), pooler=getattr(args, "pooler", "last"))
+    backend.return_tokens_as_token_ids = getattr(args, "return_tokens_as_token_ids", False)
     # Engine replicas, LoRA adapters and the rate limit's buckets are this Redis's, for every gateway
     reader = async_reader(store.url) if store.durable and getattr(store, "url", None) else None
     backend.loras = LoraAdapters(getattr(args, "enable_lora", False),

@@ -26,7 +26,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "spaces_between_special_tokens": (*_OFF, True), "truncate_prompt_tokens": _OFF, "prompt_logprobs": _OFF,
     "allowed_token_ids": _OFF, "bad_words": _OFF, "logits_processors": _OFF,
     "guided_whitespace_pattern": _OFF, "guided_decoding_backend": (*_OFF, "auto", "guidance", "llguidance"),
-    "structural_tag": _OFF, "return_tokens_as_token_ids": _OFF, "return_token_ids": _OFF,
+    "structural_tag": _OFF,
     "chat_template": _OFF, "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "documents": _OFF,
     "mm_processor_kwargs": _OFF, "kv_transfer_params": _OFF, "vllm_xargs": _OFF,
     "echo": _OFF,  # chat's echo (completions declares its own)

@@ -138,6 +138,8 @@ class RequestStream:
         if request.echo:
             accepted.prompt_text = request.prompt if request.WhichOneof("input") == "prompt" else \
                 self.service.tokenizer.decode(prompt_ids, skip_special_tokens=request.skip_special_tokens)
+        if request.return_token_ids:
+            accepted.prompt_token_ids.extend(prompt_ids)
         return accepted
 
     # -- the stream ---------------------------------------------------------------------------

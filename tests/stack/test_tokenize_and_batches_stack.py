@@ -4,7 +4,9 @@ and --chat-template (a template of the test's, which reads a chat_template_kwarg
 every answer shows which tokenizer and template the tokenizer service used. The public gRPC API
 answers the same. And /v1/completions with a list of prompts (strings or token-id lists): the
 choices of one batched request equal those of one request per prompt, indexed prompt i sample j
-at i * n + j, streamed or not, usage summed."""
+at i * n + j, streamed or not, usage summed. vLLM's return_token_ids (the prompt's ids as the
+model read them, the output's as transformers' greedy decoding of the same weights gives them,
+whole or chunk by chunk) and return_tokens_as_token_ids."""
 
 from __future__ import annotations
 
@@ -29,9 +31,13 @@ def tok(default_model_path):
 
 
 @pytest.fixture(scope="module")
-def stack(default_model_path, launch_stack, tmp_path_factory):
+def folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("no-tokenizer")
-    build_tiny_model(folder, vocab_size=49152, max_position_embeddings=1024, eos_token_id=2, pad_token_id=2)
+    return build_tiny_model(folder, vocab_size=49152, max_position_embeddings=1024, eos_token_id=2, pad_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def stack(default_model_path, launch_stack, folder):
     template = folder.parent / "template.jinja"
     template.write_text(TEMPLATE)
     return launch_stack(folder, tokenizer=str(default_model_path), chat_template=str(template))
@@ -193,3 +199,87 @@ def test_a_prompt_refused_downstream_cancels_the_others(http, stack):
     stats = wait_until_idle(stack)
     assert stats.num_running == stats.num_waiting == 0
     assert stats.generation_tokens_total - before < 900
+
+
+# ---- vLLM's return_token_ids and return_tokens_as_token_ids ------------------------------------
+@pytest.fixture(scope="module")
+def greedy(folder):
+    """Transformers' greedy continuation of prompt ids on the served weights (float32, EOS ignored)."""
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+    def run(ids: list[int], steps: int) -> list[int]:
+        ids = list(ids)
+        with torch.no_grad():
+            for _ in range(steps):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[-steps:]
+    return run
+
+
+def test_return_token_ids_gives_the_prompt_as_read_and_transformers_greedy_ids(client, http, greedy):
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    prompt_ids = http.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    want = greedy(prompt_ids, 8)
+    chat = client.chat.completions.create(model="", messages=CHAT, max_tokens=8, temperature=0, extra_body=extra)
+    assert chat.prompt_token_ids == prompt_ids and chat.choices[0].token_ids == want
+    text = http.post("/detokenize", json={"tokens": want}).json()["prompt"]
+    assert chat.choices[0].message.content == text
+    # Streamed: the prompt's ids once, on the role chunk; every chunk its own ids, which add up.
+    chunks = list(client.chat.completions.create(model="", messages=CHAT, max_tokens=8, temperature=0, stream=True,
+                                                 extra_body=extra))
+    assert chunks[0].prompt_token_ids == prompt_ids and chunks[0].choices[0].delta.role == "assistant"
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
+    assert [t for c in chunks[1:] for t in c.choices[0].token_ids] == want
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+
+    ids = [tok for tok in prompt_ids[:5]]
+    want = greedy(ids, 6)
+    out = client.completions.create(model="", prompt=ids, max_tokens=6, temperature=0, extra_body=extra)
+    assert out.choices[0].prompt_token_ids == ids and out.choices[0].token_ids == want
+    chunks = list(client.completions.create(model="", prompt=ids, max_tokens=6, temperature=0, stream=True,
+                                            extra_body=extra))
+    assert chunks[0].choices[0].prompt_token_ids == ids
+    assert all(getattr(c.choices[0], "prompt_token_ids", None) is None for c in chunks[1:])
+    assert [t for c in chunks for t in c.choices[0].token_ids] == want
+
+
+def test_return_token_ids_for_every_sample_and_every_prompt_of_a_batch(client, tok):
+    params = {"temperature": 1.0, "seed": 7, "n": 2, "max_tokens": 5,
+              "extra_body": {"return_token_ids": True, "ignore_eos": True}}
+    batch = client.completions.create(model="", prompt=PROMPTS, **params)
+    assert [c.prompt_token_ids for c in batch.choices] == [tok.encode(p) for p in PROMPTS for _ in range(2)]
+    assert all(len(c.token_ids) == 5 for c in batch.choices)
+    streamed: dict[int, list[int]] = {}
+    prompts: dict[int, list[list[int]]] = {}
+    for chunk in client.completions.create(model="", prompt=PROMPTS, stream=True, **params):
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend(c.token_ids)
+            if getattr(c, "prompt_token_ids", None) is not None:
+                prompts.setdefault(c.index, []).append(c.prompt_token_ids)
+    assert [streamed[i] for i in range(6)] == [c.token_ids for c in batch.choices]
+    assert [prompts[i] for i in range(6)] == [[c.prompt_token_ids] for c in batch.choices]  # once per sample
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, http):
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    chat = client.chat.completions.create(model="", messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body=extra)
+    (choice,) = chat.choices
+    assert [e.token for e in choice.logprobs.content] == [f"token_id:{t}" for t in choice.token_ids]
+    assert all(e.bytes == list(e.token.encode()) for e in choice.logprobs.content)
+    assert all(t.token.startswith("token_id:") for e in choice.logprobs.content for t in e.top_logprobs)
+    assert choice.logprobs.content[0].top_logprobs[0].token == choice.logprobs.content[0].token  # greedy: the best
+    out = client.completions.create(model="", prompt="Hello", max_tokens=4, temperature=0, logprobs=1, echo=True,
+                                    extra_body=extra)
+    (c,) = out.choices
+    assert c.logprobs.tokens == [f"token_id:{t}" for t in c.prompt_token_ids + c.token_ids]
+    assert all(set(top) <= {f"token_id:{i}" for i in range(49152)} for top in c.logprobs.top_logprobs[1:])
+    # Unasked, the bytes are OpenAI's: no ids, tokens as text.
+    plain = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3, "temperature": 0,
+                                                    "logprobs": True}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    assert not plain["choices"][0]["logprobs"]["content"][0]["token"].startswith("token_id:")
+    r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "stream": True})
+    assert "token_ids" not in r.text

@@ -225,10 +225,11 @@ def assembled(chunks: list[dict]) -> tuple[str, list[tuple[str, str]]]:
 
 
 def test_a_resumed_stream_continues_the_call(stack, model_name):
-    """Resumed from an event inside the call, the rest adds up to the same content and call."""
+    """Resumed from an event inside the call, the rest adds up to the same content and call, and
+    (vLLM's return_token_ids) to the same token ids, without the prompt's again."""
     body = {"model": model_name, "messages": HISTORY, "tools": TOOLS, "max_tokens": 120, "temperature": 1.0,
             "seed": 3, "stream": True, "stream_options": {"include_event_ids": True},
-            "structured_outputs": {"regex": HERMES_REGEX}}
+            "structured_outputs": {"regex": HERMES_REGEX}, "return_token_ids": True}
     with httpx.Client(timeout=300) as http:
         with http.stream("POST", stack.http_url + "/v1/chat/completions", json=body) as reply:
             request_id = reply.headers["x-request-id"]
@@ -244,6 +245,12 @@ def test_a_resumed_stream_continues_the_call(stack, model_name):
     rest = [d for _, d in sse_events(reply.text.splitlines())]
     assert assembled([d for _, d in events[:cut + 1]] + rest) == whole
     assert [c["choices"][0]["finish_reason"] for c in rest if c.get("choices")][-1] == "tool_calls"
+
+    def ids(chunks):
+        return [t for c in chunks if c.get("choices") for t in c["choices"][0].get("token_ids") or []]
+    assert "prompt_token_ids" in events[0][1] and not any("prompt_token_ids" in c for c in rest)
+    assert ids([d for _, d in events[:cut + 1]] + rest) == ids([d for _, d in events])
+    assert len(ids(rest)) > 0
 
 
 def test_public_grpc_api_renders_tools(stack, tool_model):
