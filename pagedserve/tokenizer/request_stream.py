@@ -63,6 +63,9 @@ class RequestStream:
     stopped_by_us: list[int] = field(default_factory=list)  # samples a stop string ended (n > 1)
     detached: bool = False
     responses_done: bool = False  # responses() ran to its end (or raised): the caller had its answer
+    # prompt_logprobs of a one-token prompt: the scheduler has no entry to send (nothing predicts
+    # that token), so its one entry goes with sample 0's first message from here
+    lone_prompt_entry_due: bool = False
 
     @property
     def request_id(self) -> str:
@@ -140,6 +143,7 @@ class RequestStream:
                 self.service.tokenizer.decode(prompt_ids, skip_special_tokens=request.skip_special_tokens)
         if request.return_token_ids:
             accepted.prompt_token_ids.extend(prompt_ids)
+        self.lone_prompt_entry_due = len(prompt_ids) == 1 and request.params.HasField("prompt_logprobs")
         return accepted
 
     # -- the stream ---------------------------------------------------------------------------
@@ -191,7 +195,9 @@ class RequestStream:
         text, used, stopped = s.text.push(token_ids, final=bool(reason))
         finish = "stop" if stopped else reason
         logprobs, prompt_logprobs = delta.logprobs, delta.prompt_logprobs
-        if not finish and not text and not used and not prompt_logprobs:
+        lone_entry = index == 0 and self.lone_prompt_entry_due
+        self.lone_prompt_entry_due &= index != 0
+        if not finish and not text and not used and not prompt_logprobs and not lone_entry:
             s.forwarded += used
             return None, False  # nothing to say (a token held back whole)
         response = generate_pb2.GenerateResponse(request_id=self.request_id, index=index, text=text,
@@ -199,7 +205,7 @@ class RequestStream:
         if len(logprobs) == len(token_ids):
             for lp in logprobs[:used]:
                 self._add_logprob(response.logprobs.add(), lp)
-        if prompt_logprobs:
+        if prompt_logprobs or lone_entry:
             self._add_prompt_logprobs(response, prompt_logprobs)
         s.forwarded += used
         if not finish:

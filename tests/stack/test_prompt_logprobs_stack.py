@@ -121,6 +121,27 @@ def test_vllm_prompt_logprobs_and_streaming_echo(client, model_name, hf):
     assert offsets == whole.choices[0].logprobs.text_offset
 
 
+def test_a_one_token_prompt_is_echoed_with_its_entry(client, model_name, hf):
+    """Nothing predicts a one-token prompt's token, so the scheduler has no prompt logprob to send:
+    its one entry (the token, logprob None) still comes first, streamed or not, as vLLM's."""
+    tokenizer, model = hf
+    (token,) = tokenizer("Hello")["input_ids"]
+    first = log_dist(model, [token])[0].max().item()
+    for max_tokens in (0, 2):
+        out = client.completions.create(model=model_name, prompt=[token], echo=True, logprobs=1,
+                                        max_tokens=max_tokens, temperature=0, extra_body={"prompt_logprobs": 1})
+        (choice,) = out.choices
+        assert choice.logprobs.tokens[0] == "Hello" and choice.logprobs.token_logprobs[0] is None
+        assert len(choice.logprobs.tokens) == 1 + max_tokens and choice.text.startswith("Hello")
+        assert choice.prompt_logprobs == [None]
+        if max_tokens:
+            assert abs(choice.logprobs.token_logprobs[1] - first) < 1e-3
+        chunks = list(client.completions.create(model=model_name, prompt=[token], echo=True, logprobs=1,
+                                                max_tokens=max_tokens, temperature=0, stream=True))
+        tokens = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
+        assert tokens == choice.logprobs.tokens and "".join(c.choices[0].text for c in chunks) == choice.text
+
+
 def test_every_choice_of_n_shows_the_prompt_logprobs_sent_once(client, model_name, hf):
     """Issue 42 row 3: the prompt's logprobs travel once per request (with sample 0's first
     delta); each of n choices still shows them, whole and streamed, echoed and in vLLM's field."""
