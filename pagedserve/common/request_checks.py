@@ -36,6 +36,17 @@ def prompt_chars_problem(gen: Any, max_model_len: int) -> str | None:
     return None
 
 
+def truncation_problem(value: int | None, max_model_len: int) -> str | None:
+    """Why vLLM's truncate_prompt_tokens cannot be honoured (-1: the context; k >= 1: the prompt's
+    last k tokens, k at most the context), or None."""
+    if value is None or value == -1 or 1 <= value <= max_model_len:
+        return None
+    if value > max_model_len:
+        return (f"truncate_prompt_tokens={value} is greater than the model's maximum context length of "
+                f"{max_model_len} tokens")
+    return f"truncate_prompt_tokens must be -1 (the context) or a positive number of tokens, got {value}"
+
+
 def max_tokens_problem(max_tokens: int | None, max_model_len: int, name: str = "max_tokens") -> str | None:
     """Why max_tokens alone cannot fit the context (before the prompt is tokenized), or None."""
     if max_tokens is not None and max_tokens > max_model_len:

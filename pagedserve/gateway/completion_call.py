@@ -132,6 +132,12 @@ class CompletionCall:
         problem = checks.max_tokens_problem(output_budget(gen), info.max_model_len, name)
         if problem:
             raise RequestError(400, problem, name)
+        problem = checks.truncation_problem(body.truncate_prompt_tokens, info.max_model_len)
+        if problem:
+            raise RequestError(400, problem, "truncate_prompt_tokens")
+        if body.truncate_prompt_tokens is not None:
+            gen.truncate_prompt_tokens = info.max_model_len if body.truncate_prompt_tokens == -1 \
+                else body.truncate_prompt_tokens
         problem = checks.prompt_chars_problem(gen, info.max_model_len)
         if problem:
             raise RequestError(400, problem, "messages" if self.chat else "prompt", code="context_length_exceeded")

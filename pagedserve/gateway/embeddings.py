@@ -12,7 +12,8 @@ The answer: `data` in input order, each vector a list of floats (`encoding_forma
 the default) or base64 of its float32 little-endian bytes ("base64", what the openai SDK asks
 for by default); `usage` counts the prompt tokens. Fields a client commonly sends that this
 server cannot honour are refused with a 400 naming the field (`dimensions`: no served model
-has matryoshka representations; `truncate_prompt_tokens`; an unknown field), never ignored.
+has matryoshka representations; an unknown field), never ignored. vLLM's `truncate_prompt_tokens`
+embeds each input's last k tokens (-1: as many as the context holds).
 
 Threads: the gateway's event loop.
 """
@@ -35,7 +36,7 @@ from pagedserve.gateway.protocol import CompletionRequest, RequestError, bad_req
 from pagedserve.v1 import common_pb2
 
 # The fields this endpoint takes; `user` is OpenAI's end-user id (kept nowhere, as vLLM).
-FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "priority", "normalize"}
+FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "priority", "normalize", "truncate_prompt_tokens"}
 # Inputs in one request: each is a request downstream, all queued at once (the scheduler's
 # waiting queue holds --max-waiting-requests, 1024 by default).
 MAX_INPUTS = 512
@@ -89,9 +90,16 @@ def check_fields(body: Any) -> str:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", "model")
-    if not isinstance(body.get("priority", 0), int):
-        raise bad_request("priority must be an integer", "priority")
+    check_integers(body)
     return encoding
+
+
+def check_integers(body: dict) -> None:
+    """priority and truncate_prompt_tokens, when sent, are integers (the values are checked downstream)."""
+    for name in ("priority", "truncate_prompt_tokens"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise bad_request(f"{name} must be an integer", name)
 
 
 def vector(data: bytes, encoding: str) -> list[float] | str:
@@ -129,7 +137,8 @@ async def embed_all(backend: Backend, request: Request, items: list[str | list[i
     calls = []
     for item in items:
         part = CompletionRequest(model=body.get("model"), prompt=item, max_tokens=0,
-                                 priority=body.get("priority", 0), user=body.get("user"))
+                                 priority=body.get("priority", 0), user=body.get("user"),
+                                 truncate_prompt_tokens=body.get("truncate_prompt_tokens"))
         call = CompletionCall(backend, request, False, part)
         call.raw, call.pooling = True, spec
         calls.append(call)

@@ -119,6 +119,8 @@ class _SamplingFields(BaseModel):
     # tokens as "token_id:<id>" (unset: the server's --return-tokens-as-token-ids).
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: only the prompt's last k tokens are read (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -27,12 +27,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.gateway.backend import Backend, as_request_error
-from pagedserve.gateway.embeddings import MAX_INPUTS, embed_all
+from pagedserve.gateway.embeddings import MAX_INPUTS, check_integers, embed_all
 from pagedserve.gateway.protocol import RequestError, bad_request
 from pagedserve.v1 import common_pb2
 
-SCORE_FIELDS = {"model", "text_1", "text_2", "priority", "user"}
-RERANK_FIELDS = {"model", "query", "documents", "top_n", "priority", "user", "return_documents"}
+SCORE_FIELDS = {"model", "text_1", "text_2", "priority", "user", "truncate_prompt_tokens"}
+RERANK_FIELDS = {"model", "query", "documents", "top_n", "priority", "user", "return_documents",
+                 "truncate_prompt_tokens"}
 
 
 def _texts(value: Any, name: str) -> list[str]:
@@ -55,8 +56,7 @@ def _check(body: Any, fields: set[str], api: str) -> None:
         raise bad_request(f"{unknown[0]} is not supported by {api}", unknown[0])
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise bad_request("model must be a string", "model")
-    if not isinstance(body.get("priority", 0), int):
-        raise bad_request("priority must be an integer", "priority")
+    check_integers(body)
 
 
 def score_pairs(body: dict) -> list[tuple[str, str]]:

@@ -23,7 +23,7 @@ from pagedserve.v1 import common_pb2
 _OFF = (None, False, "", [], {})
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": _OFF, "length_penalty": (*_OFF, 1, 1.0), "early_stopping": _OFF,
-    "spaces_between_special_tokens": (*_OFF, True), "truncate_prompt_tokens": _OFF, "prompt_logprobs": _OFF,
+    "spaces_between_special_tokens": (*_OFF, True), "prompt_logprobs": _OFF,
     "allowed_token_ids": _OFF, "bad_words": _OFF, "logits_processors": _OFF,
     "guided_whitespace_pattern": _OFF, "guided_decoding_backend": (*_OFF, "auto", "guidance", "llguidance"),
     "structural_tag": _OFF,

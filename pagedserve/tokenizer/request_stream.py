@@ -139,7 +139,8 @@ class RequestStream:
         accepted = generate_pb2.GenerateResponse(request_id=self.request_id, accepted=True)
         accepted.usage.prompt_tokens = self.prompt_tokens
         if request.echo:
-            accepted.prompt_text = request.prompt if request.WhichOneof("input") == "prompt" else \
+            cut = request.truncate_prompt_tokens  # kept nonzero only when the prompt was cut
+            accepted.prompt_text = request.prompt if request.WhichOneof("input") == "prompt" and not cut else \
                 self.service.tokenizer.decode(prompt_ids, skip_special_tokens=request.skip_special_tokens)
         if request.return_token_ids:
             accepted.prompt_token_ids.extend(prompt_ids)

@@ -154,6 +154,10 @@ class TokenizerService:
             ids = []
         if not ids:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        keep = request.truncate_prompt_tokens
+        if keep and len(ids) > keep:  # vLLM's truncate_prompt_tokens: the prompt's end is kept
+            return ids[-keep:]
+        request.truncate_prompt_tokens = 0  # nothing was cut (an echo shows the prompt as sent)
         return ids
 
     async def _in_thread(self, fn, *args):

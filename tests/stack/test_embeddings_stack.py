@@ -79,13 +79,37 @@ def test_raw_base64_unnormalised_and_the_request_record(stack, model_name, refer
 
 @pytest.mark.parametrize("field, value, words", [
     ("dimensions", 8, "matryoshka"), ("encoding_format", "int8", "float, base64"),
-    ("truncate_prompt_tokens", 4, "not supported"), ("input_type", "query", "not supported"),
+    ("truncate_prompt_tokens", 0, "-1 (the context) or a positive"), ("truncate_prompt_tokens", 5000, "greater than"),
+    ("truncate_prompt_tokens", "4", "an integer"), ("input_type", "query", "not supported"),
     ("input", "", "empty"), ("input", [[1, 2], []], "input[1] is empty"), ("normalize", "yes", "true or false")])
 def test_unsupported_fields_get_a_400_naming_them(client, model_name, field, value, words):
     body = {"input": "Hello", field: value}
     with pytest.raises(openai.BadRequestError) as err:
         client.post("/embeddings", body={"model": model_name, **body}, cast_to=object)
     assert err.value.body["param"] == field and words in err.value.body["message"]
+
+
+def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(client, model_name, reference):
+    """vLLM's truncate_prompt_tokens: an input longer than k is embedded as its last k tokens (as
+    transformers pools those), a shorter one whole; -1 keeps what the context holds; usage counts
+    what was read (the token-id inputs' vectors are transformers', test_openai_client_...)."""
+    k = 6
+    out = client.embeddings.create(model=model_name, input=TEXTS, encoding_format="float",
+                                   extra_body={"truncate_prompt_tokens": k})
+    assert out.usage.prompt_tokens == sum(min(k, len(ids)) for ids, _ in reference)
+    whole = client.embeddings.create(model=model_name, input=[ids[-k:] for ids, _ in reference],
+                                     encoding_format="float")
+    for a, b in zip(out.data, whole.data):
+        assert np.allclose(a.embedding, b.embedding, atol=1e-6)
+    assert cosine(out.data[0].embedding, reference[0][1]) >= 0.9999  # "Hello" is shorter than k: whole
+    assert cosine(out.data[2].embedding, reference[2][1]) < 0.999  # cut: not the whole text's vector
+    everything = client.embeddings.create(model=model_name, input=TEXTS, encoding_format="float",
+                                          extra_body={"truncate_prompt_tokens": -1})
+    assert everything.usage.prompt_tokens == sum(len(ids) for ids, _ in reference)
+    score = client.post("/score", body={"model": model_name, "text_1": TEXTS[1], "text_2": TEXTS[2],
+                                        "truncate_prompt_tokens": k}, cast_to=object)
+    want = np.dot(out.data[1].embedding, out.data[2].embedding)
+    assert abs(score["data"][0]["score"] - want) < 1e-5 and score["usage"]["prompt_tokens"] == 2 * k
 
 
 def test_generation_refused_on_a_pooling_server(client, model_name, stack):

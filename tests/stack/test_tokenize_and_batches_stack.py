@@ -283,3 +283,30 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, http):
     assert not plain["choices"][0]["logprobs"]["content"][0]["token"].startswith("token_id:")
     r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "stream": True})
     assert "token_ids" not in r.text
+
+
+def test_truncate_prompt_tokens_reads_the_prompts_end(client, http, tok, greedy):
+    """vLLM's truncate_prompt_tokens: the model reads the prompt's last k tokens (a chat's after its
+    template), generates from them as transformers does, counts them in usage and echoes them."""
+    text = PROMPTS[2]
+    ids = tok.encode(text)
+    extra = {"truncate_prompt_tokens": 4, "return_token_ids": True, "ignore_eos": True}
+    out = client.completions.create(model="", prompt=text, max_tokens=5, temperature=0, echo=True, extra_body=extra)
+    (choice,) = out.choices
+    assert choice.prompt_token_ids == ids[-4:] and out.usage.prompt_tokens == 4
+    assert choice.token_ids == greedy(ids[-4:], 5)
+    tail = http.post("/detokenize", json={"tokens": ids[-4:]}).json()["prompt"]
+    assert choice.text.startswith(tail) and not choice.text.startswith(text)
+    short = client.completions.create(model="", prompt="Hello", max_tokens=2, temperature=0, echo=True,
+                                      extra_body=extra)
+    assert short.choices[0].prompt_token_ids == tok.encode("Hello") and short.choices[0].text.startswith("Hello")
+    templated = http.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    chat = client.chat.completions.create(model="", messages=CHAT, max_tokens=3, temperature=0, extra_body=extra)
+    assert chat.prompt_token_ids == templated[-4:] and chat.choices[0].token_ids == greedy(templated[-4:], 3)
+    whole = client.chat.completions.create(model="", messages=CHAT, max_tokens=3, temperature=0,
+                                           extra_body={**extra, "truncate_prompt_tokens": -1})
+    assert whole.prompt_token_ids == templated
+    for value, words in ((0, "-1 (the context) or a positive"), (-2, "-1 (the context)"), (1025, "greater than")):
+        r = http.post("/v1/completions", json={"prompt": text, "max_tokens": 2, "truncate_prompt_tokens": value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+        assert words in r.json()["error"]["message"]
