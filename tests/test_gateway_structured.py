@@ -74,7 +74,9 @@ def test_no_constraint_leaves_the_field_unset():
     ({"guided_whitespace_pattern": " +"}, "guided_whitespace_pattern", "not supported"),
     ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "not supported"),
     ({"use_beam_search": True}, "use_beam_search", "not supported"),
-    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
+    ({"logits_processors": ["my.Processor"]}, "logits_processors", "not supported"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
+    ({"bad_words": ["ok", "\t"]}, "bad_words", "bad_words[1] must be a word"),
 ])
 def test_bad_constraints_and_unsupported_extensions_are_400_naming_the_field(fields, param, words):
     error = refused(chat, **fields)

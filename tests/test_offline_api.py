@@ -85,6 +85,28 @@ def test_stop_strings_cut_the_text_and_token_ids(llm):
     assert kept.text == full.text[:full.text.index(stop) + len(stop)]
 
 
+def test_bad_words_and_allowed_token_ids_as_vllms_sampling_params(llm, model):
+    """vLLM's SamplingParams(bad_words=..., allowed_token_ids=...): greedy tokens as transformers'
+    with the masks applied (test_bad_words.masked_greedy), the words tokenized as the servers do."""
+    import torch
+    import transformers
+    from pagedserve.common.bad_words import token_sequences
+    from test_bad_words import masked_greedy
+    tok = llm.get_tokenizer()
+    prompt = tok.encode(PROMPTS[1])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    plain = llm.generate(PROMPTS[1], greedy(8))[0].outputs[0].token_ids
+    word = next(w for t in plain if (w := tok.decode([t]).strip())
+                and [t] in token_sequences([w], lambda x: tok.encode(x, add_special_tokens=False)))
+    sequences = token_sequences([word], lambda x: tok.encode(x, add_special_tokens=False))
+    allowed = sorted(set(plain[2:6]) | set(tok.encode(" and then")))
+    out = llm.generate([PROMPTS[1]] * 2, [greedy(8, bad_words=[word]), greedy(8, allowed_token_ids=allowed)])
+    assert out[0].outputs[0].token_ids == masked_greedy(hf, prompt, 8, sequences=sequences) != plain
+    assert out[1].outputs[0].token_ids == masked_greedy(hf, prompt, 8, allowed=allowed) != plain
+    with pytest.raises(ValueError, match="bad_words"):
+        greedy(8, bad_words=[""])
+
+
 def test_seeded_sampling_with_n_is_reproducible(llm):
     from pagedserve import SamplingParams
     params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True, logprobs=0)

@@ -24,6 +24,7 @@ class SamplingParams(EngineSamplingParams):
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    bad_words: list[str] | None = None  # never generated (common/bad_words.py)
 
     def validate(self) -> None:
         EngineSamplingParams.validate(self)
@@ -35,6 +36,9 @@ class SamplingParams(EngineSamplingParams):
                 or not all(isinstance(s, str) and s for s in self.stop)):
             raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, "
                              f"got {self.stop!r}")
+        if self.bad_words is not None and not (isinstance(self.bad_words, list)
+                                               and all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of words (non-blank strings), got {self.bad_words!r}")
 
 
 @dataclass(slots=True)

@@ -84,6 +84,22 @@ def logit_bias_problem(logit_bias: Iterable[int] | None, vocab_size: int) -> str
     return None if bad is None else f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})"
 
 
+def params_vocab_problem(params, vocab_size: int) -> str | None:
+    """The first token id of logit_bias, allowed_token_ids or bad_words outside the vocabulary, as a
+    message starting with the field's name, or None. params: a SamplingParams or its proto."""
+    problem = logit_bias_problem(params.logit_bias, vocab_size)
+    if problem:
+        return problem
+    bad = next((t for t in params.allowed_token_ids or () if t >= vocab_size), None)
+    if bad is not None:
+        return f"allowed_token_ids token id {bad} is outside the vocabulary [0, {vocab_size})"
+    for word in params.bad_words_token_ids or ():
+        bad = next((t for t in getattr(word, "ids", word) if t >= vocab_size), None)
+        if bad is not None:
+            return f"bad_words token id {bad} is outside the vocabulary [0, {vocab_size})"
+    return None
+
+
 def other_model(requested: str | None, served) -> bool:
     """The request names a model and not the served one (no name: the served one). served: its name, or
     a ModelInfo (its name and aliases: --served-model-name's other names). Each surface words the

@@ -19,6 +19,11 @@ MAX_CACHE_SALT = 256  # characters of vLLM's cache_salt
 # Entries a request may send: each is work on every step of every sample (OpenAI: 300 logit_bias).
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 300
+# vLLM's allowed_token_ids (a mask over the vocabulary) and bad_words (each word up to two token
+# sequences: as written and after a space), both work on every step of the row.
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+MAX_BAD_WORDS = 100
+MAX_BAD_WORD_TOKENS = 64
 # A positive temperature below this is raised to it, as vLLM does (its _MAX_TEMP): logits / 1e-300 are
 # float32 infinities (inf - inf is NaN in every softmax), where 0.01 is already all but greedy.
 MIN_TEMPERATURE = 1e-2
@@ -124,6 +129,11 @@ class SamplingParams:
     # keeps each adapter's blocks apart (prefix_salt).
     lora_name: str = ""
     lora_path: str = ""
+    # vLLM's allowed_token_ids: only these tokens may be sampled (None: all).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words, tokenized (common/bad_words.py): a sequence's last token is never sampled
+    # where the output so far ends with the rest of the sequence.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -154,6 +164,16 @@ class SamplingParams:
         """A cached prefix computes no logits and no hidden states: a request that reads them
         (prompt logprobs, mean or cls pooling) takes no hits, as vLLM's; it still fills the cache."""
         return self.prompt_logprobs is None and (self.pooling is None or self.pooling.takes_prefix_hits)
+
+    @property
+    def reads_outputs(self) -> bool:
+        """Whether sampling a row reads its output so far (min_tokens counts it, bad words match its end)."""
+        return self.min_tokens > 0 or bool(self.bad_words_token_ids)
+
+    @property
+    def masks_tokens(self) -> bool:
+        """allowed_token_ids or bad words: the sampler masks the row's logits."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     @property
     def needs_penalties(self) -> bool:
@@ -207,6 +227,7 @@ class SamplingParams:
                     raise ValueError(f"logit_bias token id {token} must be non-negative")
                 if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                     raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias!r}")
+        self._validate_token_masks()
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
             bad("cache_salt", f"a string of at most {MAX_CACHE_SALT} characters")
         if not isinstance(self.lora_name, str) or len(self.lora_name) > 128 or not isinstance(self.lora_path, str):
@@ -222,6 +243,21 @@ class SamplingParams:
             if self.max_tokens != 0 or self.n != 1:
                 raise ValueError("an embedding (pooling) request runs its prompt only: it needs max_tokens=0 "
                                  f"and n=1, got max_tokens={self.max_tokens}, n={self.n}")
+
+    def _validate_token_masks(self) -> None:
+        """(The lists may be long: the message names the rule, not the value.)"""
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, list) or not allowed
+                                    or len(allowed) > MAX_ALLOWED_TOKEN_IDS
+                                    or any(not isinstance(t, int) or t < 0 for t in allowed)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} "
+                             "non-negative token ids")
+        words = self.bad_words_token_ids
+        if words is not None and (not isinstance(words, list) or len(words) > 2 * MAX_BAD_WORDS
+                                  or any(not isinstance(w, list) or not 0 < len(w) <= MAX_BAD_WORD_TOKENS
+                                         or any(not isinstance(t, int) or t < 0 for t in w) for w in words)):
+            raise ValueError(f"bad_words must come to at most {2 * MAX_BAD_WORDS} token sequences of 1 to "
+                             f"{MAX_BAD_WORD_TOKENS} tokens (at most {MAX_BAD_WORDS} words)")
 
     def to_dict(self) -> dict:
         return asdict(self)

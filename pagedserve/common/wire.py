@@ -31,7 +31,9 @@ def params_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int = 
         logit_bias=dict(msg.logit_bias) or None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         cache_salt=msg.cache_salt, lora_name=msg.lora_name, lora_path=msg.lora_path,
-        pooling=Pooling(msg.pooling.type, msg.pooling.normalize) if msg.HasField("pooling") else None)
+        pooling=Pooling(msg.pooling.type, msg.pooling.normalize) if msg.HasField("pooling") else None,
+        allowed_token_ids=list(msg.allowed_token_ids) or None,
+        bad_words_token_ids=[list(w.ids) for w in msg.bad_words_token_ids] or None)
 
 
 def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
@@ -76,6 +78,10 @@ def params_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | Non
         msg.pooling.normalize = params.pooling.normalize
     msg.lora_name = params.lora_name
     msg.lora_path = params.lora_path
+    if params.allowed_token_ids:
+        msg.allowed_token_ids[:] = params.allowed_token_ids
+    for word in params.bad_words_token_ids or ():
+        msg.bad_words_token_ids.add(ids=word)
     return msg
 
 

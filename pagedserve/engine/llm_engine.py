@@ -14,7 +14,7 @@ from pagedserve.common import settings, structured_output
 from pagedserve.common.gc_heap import frozen_heap
 from pagedserve.common.lora import LoraError, LoraRequest, parse_lora_modules, read_adapter
 from pagedserve.common.messages import SampledToken
-from pagedserve.common.request_checks import logit_bias_problem
+from pagedserve.common.request_checks import params_vocab_problem
 from pagedserve.common.sampling_defaults import read_defaults
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.compilation import graph_plan
@@ -242,7 +242,7 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        problem = logit_bias_problem(params.logit_bias, vocab)
+        problem = params_vocab_problem(params, vocab)
         if problem:
             raise ValueError(problem)
         if params.structured_output is not None:

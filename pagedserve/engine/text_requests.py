@@ -9,6 +9,9 @@ nothing more is appended (the engine may run an unforked sample a step longer; s
 
 from __future__ import annotations
 
+import dataclasses
+
+from pagedserve.common import bad_words
 from pagedserve.common.offline_types import CompletionOutput, RequestOutput, SamplingParams
 from pagedserve.tokenizer.detokenizer import SampleText
 
@@ -22,6 +25,10 @@ class TextRequest:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
+        words = getattr(params, "bad_words", None)
+        if words:  # vLLM's bad_words, as the tokenizer service reads them
+            encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words.token_sequences(words, encode))
         self.params = params
         stop = list(getattr(params, "stop", None) or [])
         skip = getattr(params, "skip_special_tokens", True)

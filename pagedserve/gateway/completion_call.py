@@ -141,9 +141,9 @@ class CompletionCall:
         problem = checks.prompt_chars_problem(gen, info.max_model_len)
         if problem:
             raise RequestError(400, problem, "messages" if self.chat else "prompt", code="context_length_exceeded")
-        problem = checks.logit_bias_problem(gen.params.logit_bias, info.vocab_size)
+        problem = checks.params_vocab_problem(gen.params, info.vocab_size)
         if problem:
-            raise RequestError(400, problem, "logit_bias")
+            raise RequestError(400, problem, problem.split()[0])
         client_id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         key = self.request.headers.get("idempotency-key")
         if key:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams, size_problem
+from pagedserve.common.sampling_params import MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams, size_problem
 from pagedserve.gateway import structured
 from pagedserve.gateway.errors import RequestError, bad_request, error_body, internal_error  # noqa: F401 (their home)
 from pagedserve.gateway.tools import history_fields
@@ -121,6 +121,9 @@ class _SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool | None = None
     # vLLM's: only the prompt's last k tokens are read (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: only these tokens may be generated / these words never are
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -192,6 +195,15 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def _check_bad_words(words: list[str] | None) -> None:
+    """Each a word (the tokenizer checks their token lengths); at most MAX_BAD_WORDS."""
+    if len(words or ()) > MAX_BAD_WORDS:
+        raise bad_request(f"bad_words has {len(words)} words: at most {MAX_BAD_WORDS}", "bad_words")
+    for i, word in enumerate(words or ()):
+        if not word.strip():
+            raise bad_request(f"bad_words[{i}] must be a word (a non-blank string), got {word!r}", "bad_words")
+
+
 def _check_uint32(value: int, name: str) -> None:
     if not 0 <= value <= UINT32_MAX:
         raise bad_request(f"{name} must be a non-negative 32-bit integer, got {value!r}", name)
@@ -210,7 +222,8 @@ def _fill_params(req: _SamplingFields, gen: generate_pb2.GenerateRequest, max_to
         raise bad_request(too_many, too_many.split(" ", 1)[0])
     check = {"n": req.n, "max_tokens": _UNBOUNDED if max_tokens is None else max_tokens,
              "min_tokens": req.min_tokens, "stop_token_ids": list(req.stop_token_ids or []),
-             "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "cache_salt": req.cache_salt or ""}
+             "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "cache_salt": req.cache_salt or "",
+             "allowed_token_ids": req.allowed_token_ids}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed"):
         if getattr(req, name) is not None:
@@ -222,8 +235,10 @@ def _fill_params(req: _SamplingFields, gen: generate_pb2.GenerateRequest, max_to
         raise bad_request(message, message.split(" ", 1)[0]) from exc
     if max_tokens is not None:
         _check_uint32(max_tokens, "max_tokens")
-    for token in req.stop_token_ids or []:
-        _check_uint32(token, "stop_token_ids")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        for token in getattr(req, name) or []:
+            _check_uint32(token, name)
+    _check_bad_words(req.bad_words)
     if req.seed is not None and not -(2**63) <= req.seed < 2**63:
         raise bad_request("seed must be a 64-bit integer", "seed")
     if not -(2**31) <= req.priority < 2**31:
@@ -248,6 +263,8 @@ def _fill_params(req: _SamplingFields, gen: generate_pb2.GenerateRequest, max_to
     if prompt_logprobs is not None:
         p.prompt_logprobs = prompt_logprobs
     p.cache_salt = req.cache_salt or ""  # the client's: the gateway salts it with the owner
+    p.allowed_token_ids[:] = req.allowed_token_ids or []
+    gen.bad_words[:] = req.bad_words or []
     structured.fill(req, p)
     gen.stop[:] = _stop_strings(req.stop)
     gen.include_stop_str_in_output = req.include_stop_str_in_output

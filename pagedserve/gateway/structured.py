@@ -24,7 +24,7 @@ _OFF = (None, False, "", [], {})
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": _OFF, "length_penalty": (*_OFF, 1, 1.0), "early_stopping": _OFF,
     "spaces_between_special_tokens": (*_OFF, True), "prompt_logprobs": _OFF,
-    "allowed_token_ids": _OFF, "bad_words": _OFF, "logits_processors": _OFF,
+    "logits_processors": _OFF,
     "guided_whitespace_pattern": _OFF, "guided_decoding_backend": (*_OFF, "auto", "guidance", "llguidance"),
     "structural_tag": _OFF,
     "chat_template": _OFF, "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "documents": _OFF,

@@ -200,7 +200,7 @@ class SchedulerService:
             self.scheduler.check_prompt(len(prompt))
             if params.n > self.config.max_num_seqs:
                 raise ValueError(f"n={params.n} is more than max_num_seqs ({self.config.max_num_seqs})")
-            problem = checks.logit_bias_problem(params.logit_bias, vocab)
+            problem = checks.params_vocab_problem(params, vocab)
             if problem:
                 raise ValueError(problem)
             if params.structured_output is not None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from pagedserve.common import bad_words
 from pagedserve.common.grpc_util import StatusError, internal_channel
 from pagedserve.common.request_checks import other_model
 from pagedserve.common.sampling_defaults import apply_defaults
@@ -160,6 +161,17 @@ class TokenizerService:
         request.truncate_prompt_tokens = 0  # nothing was cut (an echo shows the prompt as sent)
         return ids
 
+    def _bad_words(self, request: generate_pb2.GenerateRequest) -> None:
+        """vLLM's bad_words as token sequences into the params (common/bad_words.py)."""
+        try:
+            sequences = bad_words.token_sequences(
+                list(request.bad_words), lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        except ValueError as exc:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        del request.params.bad_words_token_ids[:]
+        for seq in sequences:
+            request.params.bad_words_token_ids.add(ids=seq)
+
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
@@ -220,6 +232,8 @@ class TokenizerService:
         timings.tokenizer_received = time.time()
         self._validate(request)
         prompt_ids = await self._in_thread(self._prompt_ids, request)
+        if request.bad_words:
+            self._bad_words(request)
         apply_defaults(request.params, self.sampling_defaults)
         params = request.params
         too_many = prompt_logprobs_problem(params.n or 1, len(prompt_ids),

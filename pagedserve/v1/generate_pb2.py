@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/generate.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xbd\x01\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x04 \x01(\t\x12\"\n\x05tools\x18\n \x03(\x0b\x32\x13.pagedserve.v1.Tool\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb2\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12-\n\x06params\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x08 \x01(\x08\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\x05\x12\'\n\x07timings\x18\x0b \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12\x0c\n\x04\x65\x63ho\x18\x0c \x01(\x08\x12\x18\n\x10return_token_ids\x18\r \x01(\x08\x12\x1e\n\x16truncate_prompt_tokens\x18\x0e \x01(\rB\x07\n\x05input\"\xf4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\'\n\x07timings\x18\x08 \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12\x10\n\x08\x61\x63\x63\x65pted\x18\t \x01(\x08\x12\x13\n\x0bprompt_text\x18\n \x01(\t\x12\x34\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x11\n\tembedding\x18\x15 \x01(\x0c\x12\x18\n\x10prompt_token_ids\x18\x16 \x03(\r\"\x90\x01\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12*\n\ttoken_ids\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.TokenIds\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x0c\n\n_normalize\"*\n\tEmbedding\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06values\x18\x02 \x03(\x02\"b\n\rEmbedResponse\x12,\n\nembeddings\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.Embedding\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\xbb\x01\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\tB\x07\n\x05inputB\x15\n\x13_add_special_tokens\"^\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\ntoken_strs\x18\x03 \x03(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"R\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\r\n\x05model\x18\x03 \x01(\t\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"e\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x0f\n\x07\x61liases\x18\x05 \x03(\t\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"#\n\x10LoraAdapterReply\x12\x0f\n\x07message\x18\x01 \x01(\t2\xc4\x04\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12I\n\x0cGetModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12\x42\n\x05\x45mbed\x12\x1b.pagedserve.v1.EmbedRequest\x1a\x1c.pagedserve.v1.EmbedResponse\x12Y\n\x0fLoadLoraAdapter\x12%.pagedserve.v1.LoadLoraAdapterRequest\x1a\x1f.pagedserve.v1.LoraAdapterReply\x12]\n\x11UnloadLoraAdapter\x12\'.pagedserve.v1.UnloadLoraAdapterRequest\x1a\x1f.pagedserve.v1.LoraAdapterReply2\x96\x03\n\tTokenizer\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12I\n\x0cGetModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12O\n\x0eGetLocalSocket\x12!.pagedserve.v1.LocalSocketRequest\x1a\x1a.pagedserve.v1.LocalSocketb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/generate.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xbd\x01\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x04 \x01(\t\x12\"\n\x05tools\x18\n \x03(\x0b\x32\x13.pagedserve.v1.Tool\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc5\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12-\n\x06params\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x08 \x01(\x08\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\x05\x12\'\n\x07timings\x18\x0b \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12\x0c\n\x04\x65\x63ho\x18\x0c \x01(\x08\x12\x18\n\x10return_token_ids\x18\r \x01(\x08\x12\x1e\n\x16truncate_prompt_tokens\x18\x0e \x01(\r\x12\x11\n\tbad_words\x18\x0f \x03(\tB\x07\n\x05input\"\xf4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\'\n\x07timings\x18\x08 \x01(\x0b\x32\x16.pagedserve.v1.Timings\x12\x10\n\x08\x61\x63\x63\x65pted\x18\t \x01(\x08\x12\x13\n\x0bprompt_text\x18\n \x01(\t\x12\x34\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x11\n\tembedding\x18\x15 \x01(\x0c\x12\x18\n\x10prompt_token_ids\x18\x16 \x03(\r\"\x90\x01\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12*\n\ttoken_ids\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.TokenIds\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x0c\n\n_normalize\"*\n\tEmbedding\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06values\x18\x02 \x03(\x02\"b\n\rEmbedResponse\x12,\n\nembeddings\x18\x01 \x03(\x0b\x32\x18.pagedserve.v1.Embedding\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\xbb\x01\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\tB\x07\n\x05inputB\x15\n\x13_add_special_tokens\"^\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\ntoken_strs\x18\x03 \x03(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"R\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\x12\r\n\x05model\x18\x03 \x01(\t\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"e\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x0f\n\x07\x61liases\x18\x05 \x03(\t\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"#\n\x10LoraAdapterReply\x12\x0f\n\x07message\x18\x01 \x01(\t2\xc4\x04\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12I\n\x0cGetModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12\x42\n\x05\x45mbed\x12\x1b.pagedserve.v1.EmbedRequest\x1a\x1c.pagedserve.v1.EmbedResponse\x12Y\n\x0fLoadLoraAdapter\x12%.pagedserve.v1.LoadLoraAdapterRequest\x1a\x1f.pagedserve.v1.LoraAdapterReply\x12]\n\x11UnloadLoraAdapter\x12\'.pagedserve.v1.UnloadLoraAdapterRequest\x1a\x1f.pagedserve.v1.LoraAdapterReply2\x96\x03\n\tTokenizer\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12I\n\x0cGetModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12O\n\x0eGetLocalSocket\x12!.pagedserve.v1.LocalSocketRequest\x1a\x1a.pagedserve.v1.LocalSocketb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,35 +43,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=519
   _globals['_TOKENIDS']._serialized_end=542
   _globals['_GENERATEREQUEST']._serialized_start=545
-  _globals['_GENERATEREQUEST']._serialized_end=979
-  _globals['_GENERATERESPONSE']._serialized_start=982
-  _globals['_GENERATERESPONSE']._serialized_end=1354
-  _globals['_EMBEDREQUEST']._serialized_start=1357
-  _globals['_EMBEDREQUEST']._serialized_end=1501
-  _globals['_EMBEDDING']._serialized_start=1503
-  _globals['_EMBEDDING']._serialized_end=1545
-  _globals['_EMBEDRESPONSE']._serialized_start=1547
-  _globals['_EMBEDRESPONSE']._serialized_end=1645
-  _globals['_TOKENIZEREQUEST']._serialized_start=1648
-  _globals['_TOKENIZEREQUEST']._serialized_end=1835
-  _globals['_TOKENIZERESPONSE']._serialized_start=1837
-  _globals['_TOKENIZERESPONSE']._serialized_end=1931
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1933
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2015
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2017
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2051
-  _globals['_MODELINFOREQUEST']._serialized_start=2053
-  _globals['_MODELINFOREQUEST']._serialized_end=2071
-  _globals['_MODELINFO']._serialized_start=2073
-  _globals['_MODELINFO']._serialized_end=2174
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2176
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2238
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2240
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2285
-  _globals['_LORAADAPTERREPLY']._serialized_start=2287
-  _globals['_LORAADAPTERREPLY']._serialized_end=2322
-  _globals['_GENERATION']._serialized_start=2325
-  _globals['_GENERATION']._serialized_end=2905
-  _globals['_TOKENIZER']._serialized_start=2908
-  _globals['_TOKENIZER']._serialized_end=3314
+  _globals['_GENERATEREQUEST']._serialized_end=998
+  _globals['_GENERATERESPONSE']._serialized_start=1001
+  _globals['_GENERATERESPONSE']._serialized_end=1373
+  _globals['_EMBEDREQUEST']._serialized_start=1376
+  _globals['_EMBEDREQUEST']._serialized_end=1520
+  _globals['_EMBEDDING']._serialized_start=1522
+  _globals['_EMBEDDING']._serialized_end=1564
+  _globals['_EMBEDRESPONSE']._serialized_start=1566
+  _globals['_EMBEDRESPONSE']._serialized_end=1664
+  _globals['_TOKENIZEREQUEST']._serialized_start=1667
+  _globals['_TOKENIZEREQUEST']._serialized_end=1854
+  _globals['_TOKENIZERESPONSE']._serialized_start=1856
+  _globals['_TOKENIZERESPONSE']._serialized_end=1950
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1952
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2034
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2036
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2070
+  _globals['_MODELINFOREQUEST']._serialized_start=2072
+  _globals['_MODELINFOREQUEST']._serialized_end=2090
+  _globals['_MODELINFO']._serialized_start=2092
+  _globals['_MODELINFO']._serialized_end=2193
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2195
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2257
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2259
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2304
+  _globals['_LORAADAPTERREPLY']._serialized_start=2306
+  _globals['_LORAADAPTERREPLY']._serialized_end=2341
+  _globals['_GENERATION']._serialized_start=2344
+  _globals['_GENERATION']._serialized_end=2924
+  _globals['_TOKENIZER']._serialized_start=2927
+  _globals['_TOKENIZER']._serialized_end=3333
 # @@protoc_insertion_point(module_scope)

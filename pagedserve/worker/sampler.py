@@ -3,7 +3,8 @@
 The whole step is vectorised over the vocabulary; the only per-row Python loops build small
 index lists. Seeded rows draw all together from their keys (seeded_draws.py), the others from the
 global torch RNG. Order: penalties, logit_bias (one index_put over the rows that have it),
-min_tokens, the grammar masks (last, so that a bias cannot revive a token the grammar forbids),
+allowed_token_ids and bad words (mask_tokens), min_tokens, the grammar masks (last, so that a bias
+cannot revive a token the grammar forbids),
 then temperature and truncation. A batch without any of these pays nothing for them.
 
 On a GPU the step never waits for the device in the middle: the rows' parameters go up through
@@ -27,6 +28,7 @@ from itertools import chain, repeat
 import numpy as np
 import torch
 
+from pagedserve.common import bad_words
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.device_rows import put_rows, row_index, take_rows, to_device
 from pagedserve.worker.penalties import apply_penalties
@@ -40,9 +42,10 @@ _NEG_INF = float("-inf")
 
 def plain_argmax(p: SamplingParams) -> bool:
     """Whether a row with these settings samples the argmax of its logits as they are: greedy, no logprobs,
-    nothing that changes the logits (penalties, a bias, min_tokens; a grammar is the caller's to add)."""
+    nothing that changes the logits (penalties, a bias, min_tokens, allowed or bad tokens; a grammar is the
+    caller's to add)."""
     return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias and not p.min_tokens
-            and not p.needs_penalties)
+            and not p.needs_penalties and not p.masks_tokens)
 
 
 @dataclass(slots=True)
@@ -106,6 +109,24 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[RowSampling]) -> None:
     if dev.type == "cuda":
         row_idx, tokens, values = (t.pin_memory().to(dev, non_blocking=True) for t in (row_idx, tokens, values))
     logits.index_put_((row_idx, tokens), values, accumulate=True)
+
+
+def mask_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> None:
+    """vLLM's allowed_token_ids (every other token to -inf) and bad words (the tokens their sequences
+    forbid after the row's output, common/bad_words.py), in place. A loop over the rows that have
+    either (rare); each row's work is one gather and one scatter."""
+    vocab, dev = logits.shape[1], logits.device
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.allowed_token_ids is not None:
+            ids = to_device([t for t in p.allowed_token_ids if t < vocab], torch.long, dev)
+            kept = logits[i, ids]
+            logits[i].fill_(_NEG_INF)
+            logits[i, ids] = kept
+        if p.bad_words_token_ids:
+            banned = [t for t in bad_words.forbidden(p.bad_words_token_ids, r.output_token_ids) if t < vocab]
+            if banned:
+                logits[i, to_device(banned, torch.long, dev)] = _NEG_INF
 
 
 def apply_token_masks(x: torch.Tensor, raw: torch.Tensor, masks: TokenMasks) -> None:
@@ -244,13 +265,15 @@ class Sampler:
             return self.greedy(logits, params)
         raw = logits.float()
         want_lp = any(p.logprobs is not None for p in params)
-        mutate = masks is not None or any(p.needs_penalties or p.logit_bias or _min_tokens_pending(r)
-                                          for p, r in zip(params, rows))
+        mutate = masks is not None or any(p.needs_penalties or p.logit_bias or p.masks_tokens
+                                          or _min_tokens_pending(r) for p, r in zip(params, rows))
 
         # raw must stay untouched: logprobs are reported from the model's own distribution.
         x = raw.clone() if mutate else raw
         apply_penalties(x, rows, counts, sparse=False if self.device_forms else None)
         apply_logit_bias(x, rows)
+        if any(p.masks_tokens for p in params):
+            mask_tokens(x, rows)
         block_min_tokens(x, rows)
         if masks is not None:
             started = time.perf_counter()

@@ -71,9 +71,10 @@ class StepSampling:
         eos = self.eos_token_ids
         for state, size in zip(states, sizes):
             params = state.params
-            # Penalties read their state's row of the counts table; min_tokens reads how many outputs there are.
+            # Penalties read their state's row of the counts table; min_tokens reads how many outputs there are,
+            # bad words how they end.
             row = counted.get(id(state), -1) if counted else -1
-            outputs = state.token_ids[state.num_prompt_tokens:] if params.min_tokens > 0 else ()
+            outputs = state.token_ids[state.num_prompt_tokens:] if params.reads_outputs else ()
             if size == 1 and params.seed is None:  # the usual row: one sample, no key, no proposals
                 rows.append(RowSampling(params, None, (), outputs, eos, row))
                 repeats.append(1)

@@ -6,7 +6,8 @@ answers the same. And /v1/completions with a list of prompts (strings or token-i
 choices of one batched request equal those of one request per prompt, indexed prompt i sample j
 at i * n + j, streamed or not, usage summed. vLLM's return_token_ids (the prompt's ids as the
 model read them, the output's as transformers' greedy decoding of the same weights gives them,
-whole or chunk by chunk) and return_tokens_as_token_ids."""
+whole or chunk by chunk), return_tokens_as_token_ids, truncate_prompt_tokens, allowed_token_ids and
+bad_words."""
 
 from __future__ import annotations
 
@@ -204,17 +205,15 @@ def test_a_prompt_refused_downstream_cancels_the_others(http, stack):
 # ---- vLLM's return_token_ids and return_tokens_as_token_ids ------------------------------------
 @pytest.fixture(scope="module")
 def greedy(folder):
-    """Transformers' greedy continuation of prompt ids on the served weights (float32, EOS ignored)."""
+    """Transformers' greedy continuation of prompt ids on the served weights (float32, EOS ignored),
+    with vLLM's allowed_token_ids and bad-word sequences applied when given (test_bad_words.py)."""
     import torch
     import transformers
+    from test_bad_words import masked_greedy
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
 
-    def run(ids: list[int], steps: int) -> list[int]:
-        ids = list(ids)
-        with torch.no_grad():
-            for _ in range(steps):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-        return ids[-steps:]
+    def run(ids: list[int], steps: int, **masks) -> list[int]:
+        return masked_greedy(model, ids, steps, **masks)
     return run
 
 
@@ -309,4 +308,35 @@ def test_truncate_prompt_tokens_reads_the_prompts_end(client, http, tok, greedy)
     for value, words in ((0, "-1 (the context) or a positive"), (-2, "-1 (the context)"), (1025, "greater than")):
         r = http.post("/v1/completions", json={"prompt": text, "max_tokens": 2, "truncate_prompt_tokens": value})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+        assert words in r.json()["error"]["message"]
+
+
+def test_allowed_token_ids_and_bad_words_decode_as_transformers_masked(client, http, tok, greedy):
+    from pagedserve.common.bad_words import token_sequences
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    prompt_ids = http.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    plain = client.chat.completions.create(model="", messages=CHAT, max_tokens=8, temperature=0,
+                                           extra_body=extra).choices[0].token_ids
+    allowed = tok.encode(" yes no maybe") + plain[3:5]
+    chat = client.chat.completions.create(model="", messages=CHAT, max_tokens=8, temperature=0,
+                                          extra_body={**extra, "allowed_token_ids": allowed})
+    assert chat.choices[0].token_ids == greedy(prompt_ids, 8, allowed=allowed) != plain
+    assert set(chat.choices[0].token_ids) <= set(allowed)
+    def sequences_of(word):
+        return token_sequences([word], lambda text: tok.encode(text, add_special_tokens=False))
+    # a generated token that is a word of its own (as written or after a space)
+    word = next(w for t in plain if (w := tok.decode([t]).strip()) and [t] in sequences_of(w))
+    sequences = sequences_of(word)
+    banned = client.chat.completions.create(model="", messages=CHAT, max_tokens=8, temperature=0,
+                                            extra_body={**extra, "bad_words": [word]}).choices[0].token_ids
+    assert banned == greedy(prompt_ids, 8, sequences=sequences) != plain
+    out = client.completions.create(model="", prompt=prompt_ids, max_tokens=8, temperature=0,
+                                    extra_body={**extra, "bad_words": [word], "allowed_token_ids": allowed})
+    assert out.choices[0].token_ids == greedy(prompt_ids, 8, allowed=allowed, sequences=sequences)
+    for body, param, words in (({"allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
+                               ({"allowed_token_ids": [3, 49152]}, "allowed_token_ids", "outside the vocabulary"),
+                               ({"bad_words": [" "]}, "bad_words", "a non-blank string"),
+                               ({"bad_words": ["no"] * 101}, "bad_words", "at most 100")):
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert words in r.json()["error"]["message"]
