@@ -86,6 +86,13 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
                   **overrides}
         cfg = transformers.Gemma3TextConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
         model = transformers.Gemma3ForCausalLM(cfg)
+    elif arch == "gemma2":
+        # Gemma 3's shape without q/k norms, one rope base; soft-capping small enough to bend these
+        # random weights' scores and logits (the real model's 50 and 30 would hardly touch them).
+        common = {**common, **dict(num_hidden_layers=4, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                                   attn_logit_softcapping=1.5, final_logit_softcapping=4.0), **overrides}
+        cfg = transformers.Gemma2Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
+        model = transformers.Gemma2ForCausalLM(cfg)
     else:
         raise ValueError(arch)
     # Random init gives near-uniform logits; sharper weights make greedy choices well separated.
@@ -95,7 +102,7 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
                 param.normal_(0.0, 0.15)
             elif "bias" in name:
                 param.normal_(0.0, 0.1)
-            elif arch == "gemma3" and "norm" in name:  # zero-centred (1 + w) norms: vary them too
+            elif arch in ("gemma2", "gemma3") and "norm" in name:  # zero-centred (1 + w) norms: vary them too
                 param.normal_(0.0, 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's load-balancing bias

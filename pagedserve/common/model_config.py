@@ -12,7 +12,9 @@ from pagedserve.common.checkpoint_quantization import check_quantization
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                            "Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
-                           "SmolLM3ForCausalLM", "GraniteForCausalLM")
+                           "SmolLM3ForCausalLM", "GraniteForCausalLM", "Gemma2ForCausalLM")
+# Models whose layers interleave sliding-window and full attention (layer_types), in KV groups.
+INTERLEAVED_WINDOW_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
@@ -26,12 +28,14 @@ class KVLayout:
 
 
 def layer_types(hf: dict) -> list[str]:
-    """Gemma 3: 'sliding_attention' or 'full_attention' per layer, from config.json
-    (`layer_types`, or every `sliding_window_pattern`-th layer global)."""
+    """Gemma 2 and 3: 'sliding_attention' or 'full_attention' per layer, from config.json
+    (`layer_types`, or every `sliding_window_pattern`-th layer global: Gemma 3's default 6, Gemma 2's
+    every second layer)."""
     n = hf["num_hidden_layers"]
     if hf.get("layer_types"):
         return list(hf["layer_types"])
-    pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+    default = 2 if hf.get("model_type") == "gemma2" else 6
+    pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or default
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
 
 
@@ -94,10 +98,10 @@ class ModelConfig:
         return KVLayout(2, max(1, self.num_key_value_heads // tensor_parallel_size), self.head_dim)
 
     def kv_groups(self) -> KVGroups:
-        """Gemma 3 with a window: its global and local layers in groups (KVGroups); every other
-        model (and a Gemma 3 without a window, or with only one kind of layer): one group."""
+        """Gemma 2 or 3 with a window: its global and local layers in groups (KVGroups); every other
+        model (and a Gemma without a window, or with only one kind of layer): one group."""
         n = self.num_hidden_layers
-        window = self.hf.get("sliding_window") if self.architecture == "Gemma3ForCausalLM" else None
+        window = self.hf.get("sliding_window") if self.architecture in INTERLEAVED_WINDOW_ARCHITECTURES else None
         kinds = layer_types({**self.hf, "num_hidden_layers": n}) if window else []
         local = [i for i, t in enumerate(kinds) if t == "sliding_attention"]
         full = [i for i, t in enumerate(kinds) if t != "sliding_attention"]

@@ -128,6 +128,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     graph_support = GraphSupport.PURE_DECODE
     window = 0  # sliding_window.SlidingWindowAttention's, in tokens
+    # Gemma 2's attn_logit_softcapping: scaled scores become cap * tanh(scores / cap) before the mask
+    # (0: none; SoftcapAttention sets it)
+    softcap = 0.0
     _built_mask: tuple[AttentionMetadata, torch.Tensor] | None = None  # (the step's metadata, its mask)
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
@@ -164,6 +167,8 @@ class TorchAttentionBackend(AttentionBackend):
         values = v_cache[tables].flatten(1, 2).transpose(1, 2)
         q = query.view(num_seqs, num_kv_heads, group, head_dim)
         scores = torch.matmul(q, keys.transpose(2, 3)).float() * scale
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         scores += self._decode_mask(meta, k_cache.shape[1])
         probs = torch.softmax(scores, dim=-1).to(query.dtype)
         return torch.matmul(probs, values).reshape(num_seqs, num_heads, head_dim)
@@ -194,11 +199,38 @@ class TorchAttentionBackend(AttentionBackend):
             # (no AVX-512), torch's bfloat16 SDPA moved the default model's greedy text
             # (tests/test_bf16_text.py) on an AVX2-only EPYC.
             query, keys, values = query.float(), keys.float(), values.float()
-        out = F.scaled_dot_product_attention(
-            query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale,
-            enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1).to(dtype)
+        return self._attend(query, keys, values, mask, causal, scale).to(dtype)
+
+    def _attend(self, query, keys, values, mask, causal: bool, scale: float) -> torch.Tensor:
+        """One sequence's attention: query [T, H, D] over keys and values [S, KVH, D] (mask [T, S],
+        True where a query sees a key; or causal), through SDPA; with a softcap, written out (SDPA
+        has none), its scores in float32."""
+        if not self.softcap:
+            out = F.scaled_dot_product_attention(
+                query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale,
+                enable_gqa=True)
+            return out.squeeze(0).transpose(0, 1)
+        group = query.shape[1] // keys.shape[1]
+        k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+        v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(query.transpose(0, 1), k.transpose(1, 2)).float() * scale  # [H, T, S]
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:
+            mask = torch.ones(scores.shape[1:], dtype=torch.bool, device=scores.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).transpose(0, 1)
+
+
+class SoftcapAttention(TorchAttentionBackend):
+    """The torch backend with Gemma 2's attention logit soft-capping (every step, decode and prefill)."""
+
+    def __init__(self, softcap: float) -> None:
+        if not softcap > 0:
+            raise ValueError(f"attention softcap must be positive, got {softcap}")
+        self.softcap = float(softcap)
 
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):

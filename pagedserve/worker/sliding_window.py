@@ -21,16 +21,16 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from pagedserve.worker.attention import AttentionMetadata, PrefillSeq, TorchAttentionBackend
 
 
 class SlidingWindowAttention(TorchAttentionBackend):
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, softcap: float = 0.0) -> None:
         if window < 1:
             raise ValueError(f"sliding window must be at least 1 token, got {window}")
         self.window = window
+        self.softcap = float(softcap or 0.0)  # Gemma 2's attention logit soft-capping (TorchAttentionBackend)
         self._meta: AttentionMetadata | None = None
         self._windowed: AttentionMetadata | None = None
         self._mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (decode mask, windowed)
@@ -79,7 +79,4 @@ class SlidingWindowAttention(TorchAttentionBackend):
         key_pos = torch.arange(first, total, device=query.device)
         query_pos = torch.arange(seq.context_len, total, device=query.device)
         mask = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - self.window)
-        out = F.scaled_dot_product_attention(
-            query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1)
+        return self._attend(query, keys, values, mask, False, scale)

@@ -15,6 +15,7 @@ _MODELS = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),

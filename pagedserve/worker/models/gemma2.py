@@ -1,0 +1,85 @@
+"""Gemma 2 over a paged KV cache: Gemma 3's skeleton (gemma3.py: zero-centred norms, four norms a
+layer, GeGLU, embeddings scaled by sqrt(hidden_size), queries by query_pre_attn_scalar ** -0.5,
+local and global layers interleaved) with Gemma 2's differences:
+
+- no q/k norms; one rope base for every layer (`rope_theta`);
+- attention logits soft-capped (`attn_logit_softcapping`: cap * tanh(scores / cap), before the
+  mask) in every layer: the torch backends with a softcap (attention.SoftcapAttention, and
+  SlidingWindowAttention's for the local layers), since no compiled kernel here caps;
+- final logits soft-capped (`final_logit_softcapping`), as Gemma 3 may;
+- the local layers are every second one from the first unless `layer_types` says otherwise.
+
+Numerics follow transformers' Gemma2ForCausalLM (eager attention) so greedy tokens match it in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.common.model_config import ModelConfig, layer_types
+from pagedserve.worker.attention import AttentionBackend, AttentionMetadata, SoftcapAttention
+from pagedserve.worker.models.gemma3 import GeGLUMLP, Gemma3DecoderLayer, Gemma3ForCausalLM, GemmaRMSNorm, inv_freq
+from pagedserve.worker.models.llama import LlamaAttention
+from pagedserve.worker.parallel import VocabParallelEmbedding
+from pagedserve.worker.platform import current_platform
+from pagedserve.worker.sliding_window import SlidingWindowAttention
+
+
+class Gemma2Attention(LlamaAttention):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__(cfg, backend)
+        self.scale = cfg.hf.get("query_pre_attn_scalar", cfg.head_dim) ** -0.5
+
+    def forward(self, hidden, rope, kv_cache, meta: AttentionMetadata):
+        num_tokens, ops = hidden.shape[0], self.ops
+        q, k, v = ops.linear(hidden, self.qkv_proj).split(self.split, dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary(q, k, rope)
+        attn = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return ops.linear(attn.reshape(num_tokens, -1), self.o_proj)
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        self.ops = current_platform().ops
+        hf = cfg.hf
+        self.layer_types = layer_types({**hf, "model_type": "gemma2", "num_hidden_layers": cfg.num_hidden_layers})
+        window, cap = hf.get("sliding_window"), hf.get("attn_logit_softcapping")
+        # One backend for each kind of layer (a windowed one builds the step's windowed mask once).
+        full_backend = SoftcapAttention(cap) if cap else backend
+        local_backend = SlidingWindowAttention(window, cap or 0.0) if window else full_backend
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, Gemma2Attention(cfg, local_backend if t == "sliding_attention" else full_backend),
+                               GeGLUMLP(cfg.hidden_size, cfg.intermediate_size))
+            for t in self.layer_types)
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.softcap = hf.get("final_logit_softcapping")
+        self.init_rope(max_positions)
+        self.requires_grad_(False)
+        self._fused_norms = False
+
+    def init_rope(self, max_positions: int) -> None:
+        hf = self.cfg.hf
+        params = {"rope_theta": hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10_000.0)),
+                  **(hf.get("rope_scaling") or {})}
+        params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq(params, self.cfg.head_dim))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_table", emb.cos(), persistent=False)
+        self.register_buffer("sin_table", emb.sin(), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        hidden = hidden * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=hidden.dtype, device=hidden.device)
+        rope = self.ops.rope(self.cos_table, self.sin_table, positions, hidden.dtype)
+        for i, layer in enumerate(self.layers):  # meta: one for all layers, or per layer (KV groups)
+            hidden = layer(hidden, rope, kv_caches[i], meta[i] if isinstance(meta, list) else meta)
+        return self.norm(hidden)
