@@ -30,10 +30,11 @@ log = logging.getLogger(__name__)
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
 # Chat templates shipped for GGUF architectures whose files usually carry none (templates/*.jinja).
-BUILTIN_CHAT_TEMPLATES = {"gemma3": "gemma3.jinja"}
+BUILTIN_CHAT_TEMPLATES = {"gemma2": "gemma3.jinja", "gemma3": "gemma3.jinja"}  # Gemma 2's turns are Gemma 3's
 PREPARED_FILES = ("config.json", "tokenizer_config.json", "model.gguf")
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -230,6 +231,8 @@ def hf_config(g: GGUFFile) -> dict:
         cfg["rope_parameters"].update(cfg["rope_scaling"])
     if arch == "gemma3":
         _gemma3_config(g, cfg, key)
+    elif arch == "gemma2":
+        _gemma2_config(g, cfg, key)
     if "rope_freqs.weight" in g.tensors:
         # Llama 3.x GGUFs bake the llama3 rope scaling into a tensor; transformers ignores it too,
         # which only matters beyond the original context length.
@@ -253,9 +256,30 @@ def _gemma3_config(g: GGUFFile, cfg: dict, key) -> None:
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
     })
+    _end_of_turn(g, cfg)
+
+
+def _end_of_turn(g: GGUFFile, cfg: dict) -> None:
+    """Gemma's chat turns end with <end_of_turn> (a stop id) where the file names no eot token."""
     tokens = g.fields.get("tokenizer.ggml.tokens") or []
     if "<end_of_turn>" in tokens and not g.fields.get("tokenizer.ggml.eot_token_id"):
         cfg["eot_token_id"] = tokens.index("<end_of_turn>")
+
+
+def _gemma2_config(g: GGUFFile, cfg: dict, key) -> None:
+    """What a Gemma 2 GGUF leaves to convention, as llama.cpp reads it: every second layer local from
+    the first, GeGLU, the soft-caps (Gemma2Config's 50 and 30 when the file has none), queries
+    scaled by head_dim ** -0.5, except the 27B (46 layers) by (hidden / heads) ** -0.5."""
+    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    cfg.update({
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": key("attention.sliding_window", 4096),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "query_pre_attn_scalar": hidden // heads if layers == 46 else cfg["head_dim"],
+        "attn_logit_softcapping": key("attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": key("final_logit_softcapping", 30.0),
+    })
+    _end_of_turn(g, cfg)
 
 
 def gguf_to_hf_config(gguf_path: str | Path) -> dict:
@@ -265,7 +289,7 @@ def gguf_to_hf_config(gguf_path: str | Path) -> dict:
 
 def hf_name(name: str, arch: str = "llama") -> str | None:
     if m := _BLOCK.fullmatch(name):
-        suffix = (_GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES).get(m[2])
+        suffix = (_GEMMA3_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES).get(m[2])
         return f"model.layers.{m[1]}.{suffix}" if suffix else None
     return _GLOBAL_NAMES.get(name)
 

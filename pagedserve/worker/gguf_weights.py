@@ -35,7 +35,7 @@ def iter_gguf_weights(gguf_path: str | Path, dtype: torch.dtype,
     permuted = ARCHITECTURES[arch][2]
     # llama.cpp stores Gemma's zero-centred norm weights as 1 + w; HF (and our model) keep w.
     # Subtracted in float32 as transformers' GGUF loader does, so the weights are identical.
-    shifted_norms = arch == "gemma3"
+    shifted_norms = arch in ("gemma2", "gemma3")
 
     def weights():
         for name, mapped in names.items():
