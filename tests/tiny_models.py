@@ -86,6 +86,10 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
                   **overrides}
         cfg = transformers.Gemma3TextConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
         model = transformers.Gemma3ForCausalLM(cfg)
+    elif arch == "olmo2":
+        common = {**common, **overrides}
+        cfg = transformers.Olmo2Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
+        model = transformers.Olmo2ForCausalLM(cfg)
     elif arch == "gemma2":
         # Gemma 3's shape without q/k norms, one rope base; soft-capping small enough to bend these
         # random weights' scores and logits (the real model's 50 and 30 would hardly touch them).
@@ -104,6 +108,8 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
                 param.normal_(0.0, 0.1)
             elif arch in ("gemma2", "gemma3") and "norm" in name:  # zero-centred (1 + w) norms: vary them too
                 param.normal_(0.0, 0.5)
+            elif arch == "olmo2" and "norm" in name:  # its q/k norms' weights span all heads: vary them
+                param.normal_(1.0, 0.3)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's load-balancing bias
                 buffer.normal_(0.0, 0.1)
