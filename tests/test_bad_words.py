@@ -137,3 +137,17 @@ def test_engine_greedy_with_masks_equals_transformers(tiny_llama, speculative):
     assert got == want
     if speculative:
         assert engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
+
+
+def test_allowed_ids_index_is_built_once_per_request():
+    """A vocabulary-long allowed_token_ids list becomes its index tensor once, not every step (it
+    would slow every row of the batch), ids past the logits' width dropped; the cache is bounded."""
+    from pagedserve.worker.sampler import AllowedIds
+    cache = AllowedIds()
+    ids = list(range(0, 200, 3))
+    first = cache.get(ids, VOCAB, torch.device("cpu"))
+    assert first.tolist() == [t for t in ids if t < VOCAB] and cache.get(ids, VOCAB, torch.device("cpu")) is first
+    assert cache.get(list(ids), VOCAB, torch.device("cpu")) is not first  # another request's list
+    for _ in range(AllowedIds.MAX + 5):
+        cache.get([1, 2], VOCAB, torch.device("cpu"))
+    assert len(cache._cache) <= AllowedIds.MAX

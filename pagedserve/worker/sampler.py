@@ -21,6 +21,7 @@ Threads: the worker's torch thread only.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
@@ -111,15 +112,38 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[RowSampling]) -> None:
     logits.index_put_((row_idx, tokens), values, accumulate=True)
 
 
-def mask_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> None:
+class AllowedIds:
+    """The index tensors of the rows' allowed_token_ids, made once per request (a list may hold a
+    vocabulary's worth of ids: building it every step would slow every row of the batch), kept for
+    the most recent MAX requests. Keyed by the list object, which a request keeps for its life."""
+
+    MAX = 256
+
+    def __init__(self) -> None:
+        self._cache: OrderedDict[int, tuple[list[int], torch.Tensor]] = OrderedDict()
+
+    def get(self, ids: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+        hit = self._cache.get(id(ids))
+        if hit is not None and hit[0] is ids and hit[1].device == device:
+            self._cache.move_to_end(id(ids))
+            return hit[1]
+        tensor = to_device([t for t in ids if t < vocab], torch.long, device)
+        self._cache[id(ids)] = (ids, tensor)
+        while len(self._cache) > self.MAX:
+            self._cache.popitem(last=False)
+        return tensor
+
+
+def mask_tokens(logits: torch.Tensor, rows: list[RowSampling], allowed: AllowedIds | None = None) -> None:
     """vLLM's allowed_token_ids (every other token to -inf) and bad words (the tokens their sequences
     forbid after the row's output, common/bad_words.py), in place. A loop over the rows that have
     either (rare); each row's work is one gather and one scatter."""
     vocab, dev = logits.shape[1], logits.device
+    allowed = allowed or AllowedIds()
     for i, r in enumerate(rows):
         p = r.params
         if p.allowed_token_ids is not None:
-            ids = to_device([t for t in p.allowed_token_ids if t < vocab], torch.long, dev)
+            ids = allowed.get(p.allowed_token_ids, vocab, dev)
             kept = logits[i, ids]
             logits[i].fill_(_NEG_INF)
             logits[i, ids] = kept
@@ -245,6 +269,7 @@ class Sampler:
         # True: the forms a GPU runs (no host read) on the CPU too, where penalties would otherwise read the
         # rows' seen tokens on the host (tests of the device's rules)
         self.device_forms = device_forms
+        self.allowed_ids = AllowedIds()  # allowed_token_ids' index tensors, per request
 
     def __call__(self, logits: torch.Tensor, rows: list[RowSampling], masks: TokenMasks | None = None) -> SamplerOutput:
         """masks: the grammar masks of the constrained rows (None: no row is constrained)."""
@@ -273,7 +298,7 @@ class Sampler:
         apply_penalties(x, rows, counts, sparse=False if self.device_forms else None)
         apply_logit_bias(x, rows)
         if any(p.masks_tokens for p in params):
-            mask_tokens(x, rows)
+            mask_tokens(x, rows, self.allowed_ids)
         block_min_tokens(x, rows)
         if masks is not None:
             started = time.perf_counter()
