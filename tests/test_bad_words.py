@@ -142,7 +142,7 @@ def test_engine_greedy_with_masks_equals_transformers(tiny_llama, speculative):
 def test_allowed_ids_index_is_built_once_per_request():
     """A vocabulary-long allowed_token_ids list becomes its index tensor once, not every step (it
     would slow every row of the batch), ids past the logits' width dropped; the cache is bounded."""
-    from pagedserve.worker.sampler import AllowedIds
+    from pagedserve.worker.logit_rules import AllowedIds
     cache = AllowedIds()
     ids = list(range(0, 200, 3))
     first = cache.get(ids, VOCAB, torch.device("cpu"))

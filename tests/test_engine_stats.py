@@ -12,7 +12,7 @@ STAGES = ("gateway", "tokenizer", "queue", "prefill", "network")
 
 
 def test_timings_object_partitions_the_ttft_even_with_stamps_missing_or_out_of_order():
-    from pagedserve.gateway.responses import timings_object
+    from pagedserve.gateway.timings import timings_object
     t0 = 1_700_000_000.0
     full = {"gateway_received": t0, "tokenizer_received": t0 + 0.001, "tokenized": t0 + 0.002,
             "scheduler_received": t0 + 0.003, "first_scheduled": t0 + 0.010, "first_token": t0 + 0.030,

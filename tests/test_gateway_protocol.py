@@ -9,7 +9,8 @@ from pagedserve.common.sampling_params import MAX_LOGPROBS, MAX_N
 from pagedserve.v1 import common_pb2, generate_pb2
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
                                        completion_to_generate, include_usage)
-from pagedserve.gateway.responses import ChunkBuilder, Collector, CompletionLogprobs, chat_logprobs
+from pagedserve.gateway.logprobs import CompletionLogprobs, chat_logprobs
+from pagedserve.gateway.responses import ChunkBuilder, Collector
 
 FULL = dict(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5,
             frequency_penalty=-0.5, repetition_penalty=1.2, seed=1234, stop=["\n", "END"], stop_token_ids=[2, 3],

@@ -10,7 +10,8 @@ from hypothesis import assume, given, settings, strategies as st
 
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker.penalties import apply_penalties
-from pagedserve.worker.sampler import RowSampling, Sampler, block_min_tokens, truncate
+from pagedserve.worker.logit_rules import block_min_tokens
+from pagedserve.worker.sampler import RowSampling, Sampler, truncate
 from pagedserve.worker.seeded_draws import stream_key
 from sampling_rows import mixed_truncation_rows
 

@@ -111,7 +111,7 @@ def test_a_matcher_that_cannot_be_built_ends_its_row_alone(tmp_path):
 
 def test_the_gpu_way_of_applying_masks_equals_the_cpu_way():
     """The CUDA path (torch ops on the device) run on CPU tensors against the numpy path."""
-    from pagedserve.worker.sampler import _apply_token_masks_numpy, _apply_token_masks_torch
+    from pagedserve.worker.logit_rules import _apply_token_masks_numpy, _apply_token_masks_torch
 
     torch.manual_seed(4)
     raw = torch.randn(5, VOCAB)
@@ -129,7 +129,7 @@ def test_the_gpu_way_of_applying_masks_equals_the_cpu_way():
 def test_logit_bias_of_many_rows_adds_exactly_the_entries_inside_the_vocabulary():
     """apply_logit_bias builds each row's entries as tensors whole (issue 42 row 1): the same sums
     as adding them one by one, ids past the vocabulary (a model's padded vocab) skipped."""
-    from pagedserve.worker.sampler import apply_logit_bias
+    from pagedserve.worker.logit_rules import apply_logit_bias
     torch.manual_seed(3)
     logits = torch.randn(4, VOCAB)
     biases = [{1: 5.0, VOCAB + 3: 50.0, 7: -2.5}, None, {0: 1.0}, {i: float(i) for i in range(VOCAB)}]

@@ -16,7 +16,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.worker.sampler import RowSampling, Sampler, _apply_token_masks_torch
+from pagedserve.worker.logit_rules import _apply_token_masks_torch
+from pagedserve.worker.sampler import RowSampling, Sampler
 from pagedserve.worker.seeded_draws import exponentials_torch, stream_key
 from pagedserve.worker.structured_output import TokenMasks
 

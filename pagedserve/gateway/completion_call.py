@@ -43,7 +43,8 @@ from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionReques
                                          completion_to_generate, embedding_to_generate, error_body, include_event_ids,
                                          continuous_usage, include_usage)
 from pagedserve.gateway.reasoning import END as REASONING_END, request_parser
-from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning, show_ids_as_tokens, vllm_prompt_logprobs
+from pagedserve.gateway.logprobs import show_ids_as_tokens, vllm_prompt_logprobs
+from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning
 from pagedserve.gateway.tools import ToolOutput, chat_tools
 from pagedserve.gateway.background import spawn, watch_disconnect
 from pagedserve.gateway.sse import DONE, CancellingStream, Cursor, ResumeSkip, sse_event

@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from pagedserve.common import wire
 from pagedserve.v1 import common_pb2, generate_pb2, scheduler_pb2
-from pagedserve.gateway.responses import timings_object
+from pagedserve.gateway.timings import timings_object
 
 P = "pagedserve:"
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -9,7 +9,7 @@ import time
 from pagedserve.common import wire
 from pagedserve.v1 import scheduler_pb2
 from pagedserve.gateway.owners import SINGLE_TENANT, Caller
-from pagedserve.gateway.responses import timings_object
+from pagedserve.gateway.timings import timings_object
 
 # (stage, from stamp, to stamp): the order a request moves through the pipeline.
 STAGES = [("gateway", "gateway_received", "tokenizer_received"),

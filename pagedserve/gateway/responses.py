@@ -1,25 +1,15 @@
-"""OpenAI's response shapes: completion and chat.completion objects, their streaming chunks,
-usage and logprobs, built from the tokenizer service's GenerateResponse messages."""
+"""OpenAI's response shapes: completion and chat.completion objects, their streaming chunks and
+usage, built from the tokenizer service's GenerateResponse messages (logprobs' shapes: logprobs.py;
+the timings object: timings.py)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedserve.gateway.logprobs import CompletionLogprobs, chat_logprobs, vllm_prompt_logprobs
 from pagedserve.gateway.reasoning import ReasoningSplitter, split
 from pagedserve.gateway.tools import ToolOutput, finish_reason, message_fields, stream_deltas
 from pagedserve.v1 import common_pb2, generate_pb2
-
-# JSON has no -inf; vLLM clamps a logprob the same way so that strict JSON parsers accept it.
-MIN_LOGPROB = -9999.0
-
-
-def clamp_logprob(value: float) -> float:
-    if math.isnan(value):
-        return MIN_LOGPROB
-    return max(value, MIN_LOGPROB)
-
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -52,76 +42,6 @@ class UsageTracker:
 
     def as_dict(self) -> dict:
         return usage_dict(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
-
-
-# ---- logprobs -------------------------------------------------------------------------------
-def _token_bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8", errors="replace"))
-
-
-def show_ids_as_tokens(entries: Iterable[common_pb2.TokenLogprob]) -> None:
-    """vLLM's return_tokens_as_token_ids, in place: every token string (the sampled one's and its
-    alternatives') becomes "token_id:<id>", so that tokens that are not whole characters can be told
-    apart (the bytes and text offsets are then those of that string, as vLLM's)."""
-    for e in entries:
-        e.token = f"token_id:{e.token_id}"
-        for t in e.top:
-            t.token = f"token_id:{t.token_id}"
-
-
-def chat_logprobs(entries: Iterable[common_pb2.TokenLogprob]) -> dict:
-    """OpenAI chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
-    return {"content": [
-        {"token": e.token, "logprob": clamp_logprob(e.logprob), "bytes": _token_bytes(e.token),
-         "top_logprobs": [{"token": t.token, "logprob": clamp_logprob(t.logprob), "bytes": _token_bytes(t.token)}
-                          for t in e.top]}
-        for e in entries]}
-
-
-class CompletionLogprobs:
-    """OpenAI completions format. text_offset counts characters into the choice's text, so the
-    running offset (which starts after an echoed prompt) is kept across a stream's chunks."""
-
-    def __init__(self, offset: int = 0) -> None:
-        self.offset = offset
-
-    def build(self, entries: Iterable[common_pb2.TokenLogprob], prompt: Iterable[common_pb2.TokenLogprob] = ()) -> dict:
-        """prompt: an echoed prompt's entries (GenerateResponse.prompt_logprobs), listed first; its
-        first token has no logprob (None), as OpenAI and vLLM answer."""
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        prompt = list(prompt)
-        if prompt:
-            first = prompt.pop(0)
-            out["tokens"].append(first.token)
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-            out["text_offset"].append(self.offset)
-            self.offset += len(first.token)
-        for e in [*prompt, *entries]:
-            out["tokens"].append(e.token)
-            out["token_logprobs"].append(clamp_logprob(e.logprob))
-            # Like vLLM: the sampled token is listed among the alternatives even when not in the top k.
-            top = {t.token: clamp_logprob(t.logprob) for t in e.top}
-            top.setdefault(e.token, clamp_logprob(e.logprob))
-            out["top_logprobs"].append(top)
-            out["text_offset"].append(self.offset)
-            self.offset += len(e.token)
-        return out
-
-
-def vllm_prompt_logprobs(entries: Iterable[common_pb2.TokenLogprob]) -> list[dict | None]:
-    """vLLM's choice "prompt_logprobs": None for the first token, then per position
-    {token_id: {logprob, rank, decoded_token}}: the prompt token first, then the top k."""
-    entries = list(entries)
-    out: list[dict | None] = [None] if entries else []
-    for e in entries[1:]:
-        position = {str(e.token_id): {"logprob": clamp_logprob(e.logprob), "rank": e.rank or None,
-                                      "decoded_token": e.token}}
-        for rank, t in enumerate(e.top, start=1):
-            position.setdefault(str(t.token_id), {"logprob": clamp_logprob(t.logprob), "rank": rank,
-                                                  "decoded_token": t.token})
-        out.append(position)
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,46 +330,3 @@ class ChunkBuilder:
         chunk = self._chunk([])
         chunk["usage"] = self.usage.as_dict()
         return chunk
-
-
-# ---- timings --------------------------------------------------------------------------------
-# The wall-clock stamps of a request, in pipeline order (0.0: not reached or not known).
-TIMING_STAMPS = ("gateway_received", "tokenizer_received", "tokenized", "scheduler_received", "first_scheduled",
-                 "prefill_end", "first_token", "first_token_streamed", "finished", "detokenized",
-                 "last_token_streamed")
-TIMING_COUNTS = ("prefill_chunks", "num_steps", "num_preemptions", "spec_draft_tokens", "spec_accepted_tokens")
-# The stages that partition the time to first token: (name, the stamp that ends it).
-TTFT_STAGES = (("gateway", "tokenizer_received"), ("tokenizer", "scheduler_received"),
-               ("queue", "first_scheduled"), ("prefill", "first_token"), ("network", "first_token_streamed"))
-
-
-def timings_object(stamps: dict) -> dict:
-    """The "timings" object of a response, of GET /v1/requests/{id} and of /v1/engine/stats.
-
-    ttft_ms runs from gateway_received to first_token_streamed; ttft_breakdown_ms splits it into
-    five stages that sum to it (a stamp missing, or out of order across processes, makes its stage
-    0 and the next stage takes the time). Both are None until first_token_streamed is known.
-    """
-    out = {key: value for key, value in stamps.items() if key not in TIMING_STAMPS + TIMING_COUNTS}
-    for key in TIMING_STAMPS:
-        out[key] = float(stamps.get(key) or 0.0)
-    for key in TIMING_COUNTS:
-        out[key] = int(stamps.get(key) or 0)
-    out["worker_time_s"] = float(stamps.get("worker_time_s") or 0.0)
-    start, end = out["gateway_received"], out["first_token_streamed"]
-    if start > 0 and end > 0:
-        end = max(end, start)
-        breakdown, prev = {}, start
-        for stage, stamp in TTFT_STAGES:
-            at = min(max(out[stamp], prev), end) if out[stamp] > 0 else prev
-            breakdown[stage] = (at - prev) * 1000.0
-            prev = at
-        total = 0.0
-        for value in breakdown.values():
-            total += value
-        out["ttft_ms"], out["ttft_breakdown_ms"] = total, breakdown
-    else:
-        out["ttft_ms"], out["ttft_breakdown_ms"] = None, None
-    last = out["last_token_streamed"]
-    out["e2e_ms"] = (last - start) * 1000.0 if start > 0 and last >= start else None
-    return out
