@@ -39,9 +39,9 @@ from pagedserve.gateway.backend import Backend, as_request_error, rpc_error
 from pagedserve.gateway.generation import admit_first, forward_as, output_budget
 from pagedserve.gateway.metrics import RequestTracker
 from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
-from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_to_generate,
-                                         completion_to_generate, embedding_to_generate, error_body, include_event_ids,
-                                         continuous_usage, include_usage)
+from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_echo_text,
+                                         chat_to_generate, completion_to_generate, embedding_to_generate, error_body,
+                                         include_event_ids, continuous_usage, include_usage)
 from pagedserve.gateway.reasoning import END as REASONING_END, request_parser
 from pagedserve.gateway.logprobs import show_ids_as_tokens, vllm_prompt_logprobs
 from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning
@@ -87,6 +87,7 @@ class CompletionCall:
         self.reasoning: Reasoning | None = None  # and for their reasoning (--reasoning-parser)
         # An embedding (embeddings.py): the prompt runs alone and the answer is its pooled vector.
         self.pooling: common_pb2.Pooling | None = None
+        self.chat_echo = ""
         # vLLM's return_token_ids (the prompt's and the output's ids in the response) and
         # return_tokens_as_token_ids (logprob tokens as "token_id:<id>"; unset: the server's)
         self.token_ids = bool(getattr(body, "return_token_ids", None))
@@ -96,6 +97,7 @@ class CompletionCall:
             self.n, self.stream = body.n, body.stream
             self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
             self.echo = not chat and body.echo
+            self.chat_echo = chat_echo_text(body) if chat else ""  # vLLM's chat echo: the answer's prefix
             self.usage, self.timings = include_usage(body), body.timings
             self.continuous_usage = continuous_usage(body)
             self.event_ids = include_event_ids(body)
@@ -187,7 +189,7 @@ class CompletionCall:
                 "chat": self.chat, "model": info.model, "created": self.created, "n": body.n,
                 "logprobs": self.logprobs, "usage": self.usage, "timings": self.timings,
                 "continuous_usage": self.continuous_usage,
-                "token_ids": self.token_ids, "ids_as_tokens": self.ids_as_tokens,
+                "token_ids": self.token_ids, "ids_as_tokens": self.ids_as_tokens, "chat_echo": self.chat_echo,
                 "stop": list(gen.stop), "include_stop_str_in_output": gen.include_stop_str_in_output,
                 "skip_special_tokens": gen.skip_special_tokens,
                 "tools": self.tools.state() if self.tools else None,
@@ -221,6 +223,7 @@ class CompletionCall:
         self.usage, self.timings = bool(meta.get("usage")), False
         self.continuous_usage = bool(meta.get("continuous_usage"))
         self.token_ids, self.ids_as_tokens = bool(meta.get("token_ids")), bool(meta.get("ids_as_tokens"))
+        self.chat_echo = str(meta.get("chat_echo") or "")
         self.event_ids = True  # a client that resumes reads the cursor; only our own endpoint sends it
         self.tools = ToolOutput.from_state(meta.get("tools"))
         self.reasoning = Reasoning(meta["reasoning"][0]) if meta.get("reasoning") else None
@@ -317,7 +320,8 @@ class CompletionCall:
         builder = ChunkBuilder(self.chat, self.client_id, self.model, self.created, self.n, self.logprobs,
                                echo=self.echo and skip is None, tools=self.tools,
                                prompt_logprobs=getattr(self.body, "prompt_logprobs", None) is not None,
-                               reasoning=self.reasoning, token_ids=self.token_ids)
+                               reasoning=self.reasoning, token_ids=self.token_ids,
+                               chat_echo=self.chat_echo if skip is None else "")
         cursor = Cursor(self.n)
         usage, tracker = self.usage, self.tracker
 
@@ -405,6 +409,9 @@ class CompletionCall:
         if self.chat:
             out = collector.chat(self.client_id, self.model, self.created, bool(body.logprobs), self.tools,
                                  self.reasoning, self.token_ids)
+            if self.chat_echo:
+                for choice in out["choices"]:
+                    choice["message"]["content"] = self.chat_echo + (choice["message"]["content"] or "")
             if body.prompt_logprobs is not None:  # vLLM's: one list for the request, beside the choices
                 out["prompt_logprobs"] = vllm_prompt_logprobs(collector.prompt_logprobs)
         else:

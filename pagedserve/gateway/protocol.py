@@ -169,6 +169,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     prompt_logprobs: int | None = None  # vLLM's: the response's "prompt_logprobs" (the templated prompt)
+    echo: bool = False  # vLLM's: the answer starts with the last message's content when it is the assistant's
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -186,6 +187,13 @@ def _message_text(message: Message, where: str) -> str:
                               "messages")
         texts.append(part.text)
     return "\n".join(texts)  # how vLLM flattens text parts for a string-content chat template
+
+
+def chat_echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the text an answer starts with, the last message's content when that message
+    is the assistant's (the answer's role), else nothing."""
+    last = req.messages[-1] if req.echo and req.messages else None
+    return _message_text(last, f"messages[{len(req.messages) - 1}]") if last and last.role == "assistant" else ""
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:

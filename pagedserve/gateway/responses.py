@@ -159,7 +159,7 @@ class ChunkBuilder:
     def __init__(self, chat: bool, request_id: str, model: str, created: int, n: int,
                  logprobs: bool, echo: bool = False, tools: ToolOutput | None = None,
                  prompt_logprobs: bool = False, reasoning: Reasoning | None = None,
-                 token_ids: bool = False) -> None:
+                 token_ids: bool = False, chat_echo: str = "") -> None:
         self.chat, self.request_id, self.model, self.created = chat, request_id, model, created
         self.n, self.logprobs, self.echo, self.prompt_logprobs = n, logprobs, echo, prompt_logprobs
         self.tools, self.parsers, self.called = tools, {}, set()  # tool calls: a parser per sample
@@ -175,6 +175,7 @@ class ChunkBuilder:
         self.usage = UsageTracker()
         self.offsets: dict[int, CompletionLogprobs] = {}
         self.token_ids = token_ids
+        self.chat_echo = chat_echo  # vLLM's chat echo: each sample's content starts with it
         self.prompt_ids: list[int] = []
         self.ids_pending: set[int] = set()  # completions: samples whose prompt ids are still to go out
 
@@ -258,6 +259,8 @@ class ChunkBuilder:
             if self.token_ids:
                 for chunk in chunks:
                     chunk["prompt_token_ids"] = self.prompt_ids
+            if self.chat_echo:
+                chunks += [self._chunk([self._choice(i, self.chat_echo, None, None)]) for i in range(self.n)]
             return chunks
         if self.token_ids:
             self.ids_pending = set(range(self.n))

@@ -29,7 +29,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "structural_tag": _OFF,
     "chat_template": _OFF, "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "documents": _OFF,
     "mm_processor_kwargs": _OFF, "kv_transfer_params": _OFF, "vllm_xargs": _OFF,
-    "echo": _OFF,  # chat's echo (completions declares its own)
     "functions": _OFF, "function_call": _OFF,  # OpenAI's legacy function calling
 }
 # Keys of vLLM's structured_outputs object: the constraint kinds, then options (value that is "off").

@@ -340,3 +340,23 @@ def test_allowed_token_ids_and_bad_words_decode_as_transformers_masked(client, h
         r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert words in r.json()["error"]["message"]
+
+
+def test_chat_echo_starts_the_answer_with_the_assistants_message(client, http):
+    """vLLM's chat echo: continuing an assistant message, the answer's content starts with it (whole
+    and streamed, every sample); after a user message there is nothing to echo."""
+    partial = CHAT + [{"role": "assistant", "content": "It is"}]
+    params = {"model": "", "messages": partial, "max_tokens": 6, "temperature": 0, "n": 2}
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    plain = client.chat.completions.create(**params, extra_body=options)
+    echoed = client.chat.completions.create(**params, extra_body={**options, "echo": True})
+    assert [c.message.content for c in echoed.choices] == ["It is" + c.message.content for c in plain.choices]
+    texts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**params, stream=True, extra_body={**options, "echo": True}):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert [texts[i] for i in range(2)] == [c.message.content for c in echoed.choices]
+    user_last = client.chat.completions.create(model="", messages=CHAT, max_tokens=4, temperature=0,
+                                               extra_body={"echo": True})
+    assert user_last.choices[0].message.content == client.chat.completions.create(
+        model="", messages=CHAT, max_tokens=4, temperature=0).choices[0].message.content
