@@ -170,6 +170,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     prompt_logprobs: int | None = None  # vLLM's: the response's "prompt_logprobs" (the templated prompt)
     echo: bool = False  # vLLM's: the answer starts with the last message's content when it is the assistant's
+    documents: list[dict[str, str]] | None = None  # vLLM's: the chat template's `documents` (RAG templates)
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -358,8 +359,9 @@ def chat_to_generate(req: ChatCompletionRequest) -> generate_pb2.GenerateRequest
 
 
 def fill_template_options(req: ChatCompletionRequest, chat: generate_pb2.ChatMessages) -> None:
-    """add_generation_prompt, continue_final_message and chat_template_kwargs (checked by the
-    tokenizer, which renders the template: model_files/chat_templates.py)."""
+    """add_generation_prompt, continue_final_message, chat_template_kwargs and documents (a template
+    variable, as vLLM passes it; checked by the tokenizer, which renders the template:
+    model_files/chat_templates.py)."""
     if req.chat_template is not None:
         raise bad_request("chat_template per request is not supported: the server's template is set with "
                           "--chat-template", "chat_template")
@@ -368,8 +370,13 @@ def fill_template_options(req: ChatCompletionRequest, chat: generate_pb2.ChatMes
                           "(set add_generation_prompt to false to continue the last message)", "continue_final_message")
     chat.add_generation_prompt = req.add_generation_prompt
     chat.continue_final_message = req.continue_final_message
-    if req.chat_template_kwargs:
-        chat.chat_template_kwargs = json.dumps(req.chat_template_kwargs)
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.documents is not None:
+        if "documents" in kwargs:
+            raise bad_request("documents is set twice: as a field and in chat_template_kwargs", "documents")
+        kwargs["documents"] = req.documents
+    if kwargs:
+        chat.chat_template_kwargs = json.dumps(kwargs)
 
 
 def include_usage(req: _SamplingFields) -> bool:

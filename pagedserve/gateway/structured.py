@@ -27,7 +27,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "logits_processors": _OFF,
     "guided_whitespace_pattern": _OFF, "guided_decoding_backend": (*_OFF, "auto", "guidance", "llguidance"),
     "structural_tag": _OFF,
-    "chat_template": _OFF, "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "documents": _OFF,
+    "chat_template": _OFF, "chat_template_kwargs": _OFF, "continue_final_message": _OFF,
     "mm_processor_kwargs": _OFF, "kv_transfer_params": _OFF, "vllm_xargs": _OFF,
     "functions": _OFF, "function_call": _OFF,  # OpenAI's legacy function calling
 }

@@ -21,7 +21,8 @@ from tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
-TEMPLATE = ("{% for m in messages %}[{{ m.role }}{% if shout %}!{% endif %}] {{ m.content }}\n{% endfor %}"
+TEMPLATE = ("{% for d in documents or [] %}[doc {{ d.title }}] {{ d.text }}\n{% endfor %}"
+            "{% for m in messages %}[{{ m.role }}{% if shout %}!{% endif %}] {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")
 CHAT = [{"role": "user", "content": "What is 2+2?"}]
 
@@ -360,3 +361,16 @@ def test_chat_echo_starts_the_answer_with_the_assistants_message(client, http):
                                                extra_body={"echo": True})
     assert user_last.choices[0].message.content == client.chat.completions.create(
         model="", messages=CHAT, max_tokens=4, temperature=0).choices[0].message.content
+
+
+def test_documents_reach_the_chat_template(client, http):
+    """vLLM's documents: the template's `documents` variable (RAG templates render them); set twice
+    (also in chat_template_kwargs) is a 400 naming it."""
+    docs = [{"title": "a", "text": "Paris is in France."}, {"title": "b", "text": "Berlin is in Germany."}]
+    out = client.chat.completions.create(model="", messages=CHAT, max_tokens=2, temperature=0,
+                                         extra_body={"documents": docs, "return_token_ids": True})
+    text = http.post("/detokenize", json={"tokens": out.prompt_token_ids}).json()["prompt"]
+    assert text == "[doc a] Paris is in France.\n[doc b] Berlin is in Germany.\n[user] What is 2+2?\n[assistant] "
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "documents": docs,
+                                                 "chat_template_kwargs": {"documents": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
