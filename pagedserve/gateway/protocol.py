@@ -370,13 +370,12 @@ def fill_template_options(req: ChatCompletionRequest, chat: generate_pb2.ChatMes
                           "(set add_generation_prompt to false to continue the last message)", "continue_final_message")
     chat.add_generation_prompt = req.add_generation_prompt
     chat.continue_final_message = req.continue_final_message
-    kwargs = dict(req.chat_template_kwargs or {})
+    if req.chat_template_kwargs:
+        chat.chat_template_kwargs = json.dumps(req.chat_template_kwargs)
     if req.documents is not None:
-        if "documents" in kwargs:
+        if "documents" in (req.chat_template_kwargs or {}):
             raise bad_request("documents is set twice: as a field and in chat_template_kwargs", "documents")
-        kwargs["documents"] = req.documents
-    if kwargs:
-        chat.chat_template_kwargs = json.dumps(kwargs)
+        chat.documents = json.dumps(req.documents)
 
 
 def include_usage(req: _SamplingFields) -> bool:

@@ -21,12 +21,15 @@ from pagedserve.common.grpc_util import StatusError
 from pagedserve.v1 import generate_pb2
 
 MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
+MAX_DOCUMENTS_BYTES = 1 << 20  # a RAG request's documents (the gateway's body limit is as much)
 
 
 def template_kwargs(chat: generate_pb2.ChatMessages) -> dict | None:
-    """The chat's chat_template_kwargs (a JSON object on the wire), or None."""
+    """The chat's chat_template_kwargs (a JSON object on the wire), with its documents (a JSON list,
+    vLLM's `documents` variable), or None."""
+    documents = _documents(chat.documents) if chat.documents else None
     if not chat.chat_template_kwargs:
-        return None
+        return None if documents is None else {"documents": documents}
     if len(chat.chat_template_kwargs) > MAX_TEMPLATE_KWARGS_BYTES:
         raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
                           f"chat_template_kwargs has {len(chat.chat_template_kwargs)} bytes (at most "
@@ -37,6 +40,24 @@ def template_kwargs(chat: generate_pb2.ChatMessages) -> dict | None:
         raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"chat_template_kwargs is not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "chat_template_kwargs must be a JSON object")
+    if documents is not None:
+        if "documents" in value:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                              "documents is set twice: as a field and in chat_template_kwargs")
+        value["documents"] = documents
+    return value
+
+
+def _documents(text: str) -> list:
+    if len(text) > MAX_DOCUMENTS_BYTES:
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"documents has {len(text)} bytes (at most {MAX_DOCUMENTS_BYTES})")
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"documents is not JSON: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(d, dict) for d in value):
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "documents must be a JSON list of objects")
     return value
 
 

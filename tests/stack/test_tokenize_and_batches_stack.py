@@ -374,3 +374,8 @@ def test_documents_reach_the_chat_template(client, http):
     r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "documents": docs,
                                                  "chat_template_kwargs": {"documents": []}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
+    # More than chat_template_kwargs may carry (64 KiB): a RAG request's documents, read to its context's end
+    many = [{"title": str(i), "text": "Paged attention keeps the KV cache in blocks. " * 20} for i in range(100)]
+    out = client.chat.completions.create(model="", messages=CHAT, max_tokens=2, temperature=0,
+                                         extra_body={"documents": many, "truncate_prompt_tokens": 1000})
+    assert out.usage.prompt_tokens == 1000
