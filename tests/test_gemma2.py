@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.sampling_params import SamplingParams
 from test_gemma3 import GROUP_BLOCK_BYTES, LENGTHS, MAX_NEW, PROMPTS, run
-from tiny_models import build_tiny_model, hf_greedy, make_engine
+from tiny_models import build_tiny_model, check_logprobs_equal_transformers, hf_greedy, make_engine
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +50,10 @@ def test_layers_backends_and_kv_groups(gemma):
 
 
 def test_logprobs_equal_transformers_and_the_caps_show(gemma, tmp_path):
-    import transformers
     folder, _ = gemma
     prompt = PROMPTS[4]
+    out = check_logprobs_equal_transformers(folder, prompt)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
-    with make_engine(folder) as engine:
-        out = engine.generate([prompt], params)[0][0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = torch.log_softmax(model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1], dim=-1)
-    for step, sample in enumerate(out.logprobs):
-        assert sample.logprob == pytest.approx(ref[step, sample.token_id].item(), abs=1e-4)
-        assert [lp for _, lp in sample.top_logprobs] == pytest.approx(ref[step].topk(2).values.tolist(), abs=1e-4)
     # Without either cap (the same weights) the answer is another one: the caps are exercised.
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         other = tmp_path / cap

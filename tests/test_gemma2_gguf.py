@@ -4,8 +4,6 @@ loader's, and greedy tokens equal transformers' on prompts past the window, whol
 
 from __future__ import annotations
 
-import gguf
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -13,8 +11,7 @@ import transformers
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.model_files.gguf_loader import gguf_to_hf_config, prepare_gguf_folder
 from pagedserve.worker.gguf_weights import iter_gguf_weights
-from test_gemma3_gguf import LAYER_NAMES, WINDOW
-from test_gguf_loader import _tiny_vocab
+from test_gemma3_gguf import WINDOW, write_gemma_gguf
 from tiny_models import make_engine
 
 HEAD_DIM = 256  # llama.cpp scales queries by head_dim ** -0.5; transformers' GGUF config keeps 256
@@ -30,39 +27,11 @@ def write_tiny_gemma2_gguf(path) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.5 if "norm" in name else 0.02 if "embed" in name else 0.2)
-    w = gguf.GGUFWriter(path, "gemma2")
-    w.add_name("tiny gemma2")
-    for add, value in ((w.add_block_count, 4), (w.add_context_length, 256), (w.add_embedding_length, 64),
-                       (w.add_feed_forward_length, 96), (w.add_head_count, 4), (w.add_head_count_kv, 2),
-                       (w.add_key_length, HEAD_DIM), (w.add_value_length, HEAD_DIM), (w.add_rope_freq_base, 10000.0),
-                       (w.add_sliding_window, WINDOW), (w.add_layer_norm_rms_eps, 1e-6),
-                       (w.add_attn_logit_softcapping, 50.0), (w.add_final_logit_softcapping, 30.0)):
-        add(value)
-    tokens, types = _tiny_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{i}.{LAYER_NAMES[module]}.{kind}"
-        else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
-        if "norm" in name:
-            t = t + 1  # llama.cpp's convert_hf_to_gguf.py stores Gemma norms as 1 + w
-        w.add_tensor(gname, t.numpy().astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gemma_gguf(path, "gemma2", model, {
+        "block_count": 4, "context_length": 256, "embedding_length": 64, "feed_forward_length": 96,
+        "head_count": 4, "head_count_kv": 2, "key_length": HEAD_DIM, "value_length": HEAD_DIM,
+        "rope_freq_base": 10000.0, "sliding_window": WINDOW, "layer_norm_rms_eps": 1e-6,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
 
 
 @pytest.fixture(scope="module")

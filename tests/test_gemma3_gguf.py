@@ -39,19 +39,19 @@ def write_tiny_gemma3_gguf(path: Path) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.5 if "norm" in name else 0.02 if "embed" in name else 0.2)
-    w = gguf.GGUFWriter(path, "gemma3")
-    w.add_name("tiny gemma3")
-    w.add_block_count(6)
-    w.add_context_length(256)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(96)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_key_length(16)
-    w.add_value_length(16)
-    w.add_rope_freq_base(1_000_000.0)
-    w.add_sliding_window(WINDOW)
-    w.add_layer_norm_rms_eps(1e-6)
+    write_gemma_gguf(path, "gemma3", model, {
+        "block_count": 6, "context_length": 256, "embedding_length": 64, "feed_forward_length": 96,
+        "head_count": 4, "head_count_kv": 2, "key_length": 16, "value_length": 16, "rope_freq_base": 1_000_000.0,
+        "sliding_window": WINDOW, "layer_norm_rms_eps": 1e-6})
+
+
+def write_gemma_gguf(path: Path, arch: str, model, settings: dict) -> None:
+    """model as llama.cpp's convert_hf_to_gguf.py writes a Gemma: settings by GGUFWriter.add_<name>,
+    the tiny vocabulary of test_gguf_loader, its tensor names, norms stored as 1 + w."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"tiny {arch}")
+    for name, value in settings.items():
+        getattr(w, f"add_{name}")(value)
     tokens, types = _tiny_vocab()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")

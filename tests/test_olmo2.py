@@ -6,11 +6,9 @@ logprobs to 1e-4; KV heads that would be replicated across ranks are refused by 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from pagedserve.common.sampling_params import SamplingParams
 from test_qwen3_phi3 import LENGTHS, MAX_NEW, PROMPTS, run
-from tiny_models import build_tiny_model, hf_greedy, make_engine
+from tiny_models import build_tiny_model, check_logprobs_equal_transformers, hf_greedy, make_engine
 
 
 @pytest.fixture(scope="module")
@@ -29,17 +27,8 @@ def test_greedy_tokens_equal_transformers(olmo, overrides):
 
 
 def test_logprobs_equal_transformers(olmo):
-    import transformers
     folder, _ = olmo
-    prompt = PROMPTS[3]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
-    with make_engine(folder) as engine:
-        out = engine.generate([prompt], params)[0][0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = torch.log_softmax(model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1], dim=-1)
-    for step, sample in enumerate(out.logprobs):
-        assert sample.logprob == pytest.approx(ref[step, sample.token_id].item(), abs=1e-4)
+    check_logprobs_equal_transformers(folder, PROMPTS[3])
 
 
 def test_replicated_kv_heads_are_refused(tmp_path):

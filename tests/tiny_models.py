@@ -148,3 +148,23 @@ def make_engine(model: Path, tokenizer=NO_TOKENIZER, **overrides):
     cfg = dict(model=str(model), dtype="float32", quantization="none", progress=False, kv_cache_memory="64MiB")
     cfg.update(overrides)
     return LLMEngine(EngineConfig(**cfg), tokenizer=tokenizer)
+
+
+def check_logprobs_equal_transformers(folder: Path, prompt: list[int], steps: int = 4, top: int = 2, **overrides):
+    """The engine's greedy logprobs (the sampled token's and the top `top`) over `steps` tokens equal
+    transformers' log_softmax on the same weights to 1e-4 (what greedy tokens alone cannot show: a
+    scale or a cap on the logits); returns the engine's sample."""
+    import pytest
+    import transformers
+
+    from pagedserve.common.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=top)
+    with make_engine(folder, **overrides) as engine:
+        out = engine.generate([prompt], params)[0][0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1], dim=-1)
+    for step, sample in enumerate(out.logprobs):
+        assert sample.logprob == pytest.approx(ref[step, sample.token_id].item(), abs=1e-4)
+        assert [lp for _, lp in sample.top_logprobs] == pytest.approx(ref[step].topk(top).values.tolist(), abs=1e-4)
+    return out

@@ -17,12 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.common.model_config import ModelConfig, layer_types
+from pagedserve.common.model_config import ModelConfig
 from pagedserve.worker.attention import AttentionBackend, AttentionMetadata, SoftcapAttention
-from pagedserve.worker.models.gemma3 import GeGLUMLP, Gemma3DecoderLayer, Gemma3ForCausalLM, GemmaRMSNorm, inv_freq
+from pagedserve.worker.models.gemma3 import GeGLUMLP, Gemma3DecoderLayer, Gemma3ForCausalLM, inv_freq
 from pagedserve.worker.models.llama import LlamaAttention
-from pagedserve.worker.parallel import VocabParallelEmbedding
-from pagedserve.worker.platform import current_platform
 from pagedserve.worker.sliding_window import SlidingWindowAttention
 
 
@@ -43,27 +41,15 @@ class Gemma2Attention(LlamaAttention):
 
 
 class Gemma2ForCausalLM(Gemma3ForCausalLM):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
-        nn.Module.__init__(self)
-        self.cfg = cfg
-        self.ops = current_platform().ops
-        hf = cfg.hf
-        self.layer_types = layer_types({**hf, "model_type": "gemma2", "num_hidden_layers": cfg.num_hidden_layers})
+    def make_layers(self, backend: AttentionBackend) -> list[nn.Module]:
+        cfg, hf = self.cfg, self.cfg.hf  # self.layer_types: every second layer local unless config.json says
         window, cap = hf.get("sliding_window"), hf.get("attn_logit_softcapping")
         # One backend for each kind of layer (a windowed one builds the step's windowed mask once).
         full_backend = SoftcapAttention(cap) if cap else backend
         local_backend = SlidingWindowAttention(window, cap or 0.0) if window else full_backend
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, Gemma2Attention(cfg, local_backend if t == "sliding_attention" else full_backend),
-                               GeGLUMLP(cfg.hidden_size, cfg.intermediate_size))
-            for t in self.layer_types)
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.softcap = hf.get("final_logit_softcapping")
-        self.init_rope(max_positions)
-        self.requires_grad_(False)
-        self._fused_norms = False
+        return [Gemma3DecoderLayer(cfg, Gemma2Attention(cfg, local_backend if local else full_backend),
+                                   GeGLUMLP(cfg.hidden_size, cfg.intermediate_size))
+                for local in (t == "sliding_attention" for t in self.layer_types)]
 
     def init_rope(self, max_positions: int) -> None:
         hf = self.cfg.hf

@@ -112,20 +112,22 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.ops = current_platform().ops
         hf = cfg.hf
         self.layer_types = layer_types({**hf, "num_hidden_layers": cfg.num_hidden_layers})
-        window = hf.get("sliding_window")
-        # One windowed backend for all local layers (it builds the step's windowed mask once).
-        local_backend = SlidingWindowAttention(window) if window else backend
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, Gemma3Attention(cfg, local_backend if local else backend, local),
-                               GeGLUMLP(cfg.hidden_size, cfg.intermediate_size))
-            for local in (t == "sliding_attention" for t in self.layer_types))
+        self.layers = nn.ModuleList(self.make_layers(backend))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.softcap = hf.get("final_logit_softcapping")
         self.init_rope(max_positions)
         self.requires_grad_(False)
         self._fused_norms = False
+
+    def make_layers(self, backend: AttentionBackend) -> list[nn.Module]:
+        cfg, window = self.cfg, self.cfg.hf.get("sliding_window")
+        # One windowed backend for all local layers (it builds the step's windowed mask once).
+        local_backend = SlidingWindowAttention(window) if window else backend
+        return [Gemma3DecoderLayer(cfg, Gemma3Attention(cfg, local_backend if local else backend, local),
+                                   GeGLUMLP(cfg.hidden_size, cfg.intermediate_size))
+                for local in (t == "sliding_attention" for t in self.layer_types)]
 
     @property
     def sliding_window(self) -> int | None:
