@@ -20,6 +20,7 @@ _LAZY = {
     "RequestOutput": "pagedserve.common.offline_types",
     "CompletionOutput": "pagedserve.common.offline_types",
     "PoolingParams": "pagedserve.common.offline_types",
+    "BeamSearchParams": "pagedserve.common.beam_search",
 }
 
 __all__ = sorted(_LAZY)

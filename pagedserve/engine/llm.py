@@ -25,6 +25,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedserve.common import settings
+from pagedserve.common.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedserve.common.offline_types import RequestOutput, SamplingParams
 from pagedserve.common.sampling_params import SamplingParams as EngineSamplingParams
 from pagedserve.engine import embeddings
@@ -127,6 +128,39 @@ class LLM:
             prompts = [prompts]
         encoded = [encode_prompt(self.tokenizer, p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         return self._run(encoded, per_prompt(self._params(sampling_params), len(encoded)), use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search (common/beam_search.py): one BeamSearchOutput per prompt, its best
+        beam_width beams best first, each beam's tokens and text the prompt's and the output's (vLLM's).
+        Every step runs all prompts' live beams as one batch of one-token requests."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        encoded = [encode_prompt(self.tokenizer, p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        self._check(encoded)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        eos = eos if eos is not None else next(iter(self.engine.eos_token_ids), None)
+        searches = [BeamSearch(ids, params, eos) for _, ids in encoded]
+        step = EngineSamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature,
+                                    ignore_eos=True)
+        bar = tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm)
+        while active := [s for s in searches if not s.done]:
+            beams = [beam for s in active for beam in s.live]
+            outs = self._run([(None, beam.tokens) for beam in beams], [step] * len(beams), False)
+            firsts = iter(out.outputs[0].logprobs[0] for out in outs)
+            for search in active:
+                search.step([[(t.token_id, t.logprob), *t.top_logprobs] for t in
+                             itertools.islice(firsts, len(search.live))])
+            bar.update(1)
+        bar.close()
+        results = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                beam.text = self.tokenizer.decode(beam.tokens)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def _params(self, sampling_params):
         return self.get_default_sampling_params() if sampling_params is None else sampling_params
