@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend, as_request_error
-from pagedserve.gateway.completion_call import SSE_HEADERS, CompletionCall
+from pagedserve.gateway.completion_call import CompletionCall
+from pagedserve.gateway.sse import SSE_HEADERS
 from pagedserve.common.request_checks import prompt_chars_problem
 from pagedserve.gateway.protocol import ChatCompletionRequest, RequestError, bad_request, chat_to_generate
 from pagedserve.gateway.sse import DONE, CancellingStream

@@ -28,7 +28,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.gateway.backend import Backend, as_request_error
-from pagedserve.gateway.completion_call import SSE_HEADERS, CompletionCall
+from pagedserve.gateway.completion_call import CompletionCall
+from pagedserve.gateway.sse import SSE_HEADERS
 from pagedserve.gateway.protocol import (CompletionRequest, RequestError, bad_request, completion_to_generate)
 from pagedserve.gateway.responses import usage_dict
 from pagedserve.gateway.sse import DONE, CancellingStream, sse_event

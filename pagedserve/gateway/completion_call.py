@@ -47,13 +47,13 @@ from pagedserve.gateway.logprobs import show_ids_as_tokens, vllm_prompt_logprobs
 from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning
 from pagedserve.gateway.tools import ToolOutput, chat_tools
 from pagedserve.gateway.background import spawn, watch_disconnect
-from pagedserve.gateway.sse import DONE, CancellingStream, Cursor, ResumeSkip, sse_event
+from pagedserve.gateway.beam_call import check_beam_request, run_beam_search
+from pagedserve.gateway.sse import DONE, SSE_HEADERS, CancellingStream, Cursor, ResumeSkip, sse_event
 
 # The tokenizer keeps a stream's request running this long after its caller vanished without
 # aborting it (this gateway died), so that the client can resume it from another gateway.
 RESUME_GRACE_METADATA = "pagedserve-resume-grace"
 SHUTDOWN_MESSAGE = "the server is shutting down: the request was aborted after --shutdown-timeout"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -148,6 +148,13 @@ class CompletionCall:
         if problem:
             raise RequestError(400, problem, problem.split()[0])
         client_id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        beams = check_beam_request(body)
+        if beams is not None:  # vLLM's use_beam_search: steps of one-token requests (beam_call.py)
+            if self.request.headers.get("idempotency-key"):
+                raise RequestError(400, "Idempotency-Key is not supported with use_beam_search", "use_beam_search")
+            self.client_id, self.created = client_id, int(self.received)
+            self.model = gen.params.lora_name or gen.model or info.model
+            return await run_beam_search(self, gen, beams, info, timeout)
         key = self.request.headers.get("idempotency-key")
         if key:
             # A retried POST (same owner, same body) attaches to the first one's generation and

@@ -121,6 +121,9 @@ class _SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool | None = None
     # vLLM's: only the prompt's last k tokens are read (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = None
+    # vLLM's beam search (gateway/beam_call.py): n beams, scored by cum logprob / length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # vLLM's: only these tokens may be generated / these words never are
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

@@ -33,7 +33,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from pagedserve.gateway.backend import Backend, as_request_error
-from pagedserve.gateway.completion_call import SSE_HEADERS, CompletionCall
+from pagedserve.gateway.completion_call import CompletionCall
+from pagedserve.gateway.sse import SSE_HEADERS
 from pagedserve.gateway.owners import SINGLE_TENANT
 from pagedserve.gateway.protocol import ChatCompletionRequest, RequestError, bad_request
 from pagedserve.gateway.response_records import records

@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from pagedserve.v1 import generate_pb2
 
 DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no cache or proxy buffering of a stream
 
 
 # json.dumps with any option builds a new encoder per call; one shared encoder writes the same

@@ -22,7 +22,7 @@ from pagedserve.v1 import common_pb2
 # (it is supported), so a field that becomes supported only has to be declared.
 _OFF = (None, False, "", [], {})
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "use_beam_search": _OFF, "length_penalty": (*_OFF, 1, 1.0), "early_stopping": _OFF,
+    "early_stopping": _OFF,
     "spaces_between_special_tokens": (*_OFF, True), "prompt_logprobs": _OFF,
     "logits_processors": _OFF,
     "guided_whitespace_pattern": _OFF, "guided_decoding_backend": (*_OFF, "auto", "guidance", "llguidance"),

@@ -201,6 +201,8 @@ class TokenizerService:
     async def model_info(self) -> generate_pb2.ModelInfo:
         info = generate_pb2.ModelInfo(model=self.served_model_name, aliases=self.served_aliases,
                                       vocab_size=len(self.tokenizer))
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            info.eos_token_id = self.tokenizer.eos_token_id
         try:
             if self.router is not None:
                 await self.router.refresh()

@@ -6,8 +6,9 @@ answers the same. And /v1/completions with a list of prompts (strings or token-i
 choices of one batched request equal those of one request per prompt, indexed prompt i sample j
 at i * n + j, streamed or not, usage summed. vLLM's return_token_ids (the prompt's ids as the
 model read them, the output's as transformers' greedy decoding of the same weights gives them,
-whole or chunk by chunk), return_tokens_as_token_ids, truncate_prompt_tokens, allowed_token_ids and
-bad_words."""
+whole or chunk by chunk), return_tokens_as_token_ids, truncate_prompt_tokens, allowed_token_ids,
+bad_words, chat echo, documents, and use_beam_search (the beams of vLLM's algorithm written out over
+transformers' logprobs, test_beam_search.py)."""
 
 from __future__ import annotations
 
@@ -205,16 +206,20 @@ def test_a_prompt_refused_downstream_cancels_the_others(http, stack):
 
 # ---- vLLM's return_token_ids and return_tokens_as_token_ids ------------------------------------
 @pytest.fixture(scope="module")
-def greedy(folder):
-    """Transformers' greedy continuation of prompt ids on the served weights (float32, EOS ignored),
-    with vLLM's allowed_token_ids and bad-word sequences applied when given (test_bad_words.py)."""
+def hf_model(folder):
     import torch
     import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def greedy(hf_model):
+    """Transformers' greedy continuation of prompt ids on the served weights (float32, EOS ignored),
+    with vLLM's allowed_token_ids and bad-word sequences applied when given (test_bad_words.py)."""
     from test_bad_words import masked_greedy
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
 
     def run(ids: list[int], steps: int, **masks) -> list[int]:
-        return masked_greedy(model, ids, steps, **masks)
+        return masked_greedy(hf_model, ids, steps, **masks)
     return run
 
 
@@ -379,3 +384,38 @@ def test_documents_reach_the_chat_template(client, http):
     out = client.chat.completions.create(model="", messages=CHAT, max_tokens=2, temperature=0,
                                          extra_body={"documents": many, "truncate_prompt_tokens": 1000})
     assert out.usage.prompt_tokens == 1000
+
+
+def test_use_beam_search_answers_the_best_beams(client, http, tok, hf_model):
+    from test_beam_search import reference
+    prompt = tok.encode(PROMPTS[1])
+    eos = tok.eos_token_id
+    # (no EOS comes among these random weights' candidates, so every beam is as long as the others and
+    # length_penalty cannot reorder them here: test_beam_search.py covers EOS and the penalty)
+    for n, penalty in ((3, 1.0), (2, 0.5)):
+        want = reference(hf_model, prompt, n, 5, eos, penalty)
+        texts = [http.post("/detokenize", json={"tokens": [t for t in tokens[len(prompt):] if t != eos]})
+                 .json()["prompt"] for tokens, _ in want]
+        out = client.completions.create(model="", prompt=prompt, n=n, max_tokens=5, temperature=0,
+                                        extra_body={"use_beam_search": True, "length_penalty": penalty})
+        assert [c.text for c in out.choices] == texts and [c.index for c in out.choices] == list(range(n))
+        assert out.usage.prompt_tokens == len(prompt)
+        assert out.usage.completion_tokens == sum(len(tokens) - len(prompt) for tokens, _ in want)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model="", prompt=prompt, n=3, max_tokens=5, temperature=0, stream=True,
+                                           extra_body={"use_beam_search": True}):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in client.completions.create(
+        model="", prompt=prompt, n=3, max_tokens=5, temperature=0, extra_body={"use_beam_search": True}).choices]
+    # a chat: the template's prompt, then the same search
+    templated = http.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    want = reference(hf_model, templated, 2, 4, eos)
+    chat = client.chat.completions.create(model="", messages=CHAT, n=2, max_tokens=4, temperature=0,
+                                          extra_body={"use_beam_search": True})
+    assert [c.message.content for c in chat.choices] == [
+        http.post("/detokenize", json={"tokens": [t for t in tokens[len(templated):] if t != eos]}).json()["prompt"]
+        for tokens, _ in want]
+    for body, param in (({"logprobs": 2}, "logprobs"), ({"n": 11}, "n"), ({"stop": ["x"]}, "stop")):
+        r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "use_beam_search": True, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
