@@ -73,7 +73,7 @@ def test_no_constraint_leaves_the_field_unset():
     ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
     ({"guided_whitespace_pattern": " +"}, "guided_whitespace_pattern", "not supported"),
     ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "not supported"),
-    ({"use_beam_search": True}, "use_beam_search", "not supported"),
+    ({"early_stopping": True}, "early_stopping", "not supported"),
     ({"logits_processors": ["my.Processor"]}, "logits_processors", "not supported"),
     ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
     ({"bad_words": ["ok", "\t"]}, "bad_words", "bad_words[1] must be a word"),
