@@ -21,6 +21,7 @@ import grpc
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.common.beam_search import BeamSearch, BeamSearchParams
+from pagedserve.gateway.background import watch_disconnect
 from pagedserve.gateway.backend import rpc_error
 from pagedserve.gateway.generation import forward_as
 from pagedserve.gateway.protocol import RequestError
@@ -140,10 +141,21 @@ async def run_beam_search(call, gen: generate_pb2.GenerateRequest, params: BeamS
     """The answer of a CompletionCall that asked for a beam search (after its admission checks)."""
     beam = BeamCall(call, gen, params, info)
     call.backend.inflight.add(call)
+    search = asyncio.ensure_future(beam.search(timeout))
+    # a client that leaves ends the search (its step requests are cancelled with it)
+    watcher = asyncio.create_task(watch_disconnect(call.request.receive, search.cancel))
     try:
-        best, prompt_len, eos = await beam.search(timeout)
+        best, prompt_len, eos = await asyncio.wait_for(search, timeout)  # the request's timeout: the whole search
         texts = await beam.texts(best, prompt_len, eos)
+    except asyncio.TimeoutError:
+        raise RequestError(504, "the request's timeout passed: the beam search was stopped", "timeout", "timeout",
+                           "timeout") from None
+    except asyncio.CancelledError:
+        if search.cancelled() and not watcher.done():
+            raise
+        raise RequestError(499, "client closed the request", type="client_closed") from None
     finally:
+        watcher.cancel()
         call.finished = True
         call.end()
     usage = usage_dict(prompt_len, sum(len(b.tokens) - prompt_len for b in best))

@@ -416,6 +416,10 @@ def test_use_beam_search_answers_the_best_beams(client, http, tok, hf_model):
     assert [c.message.content for c in chat.choices] == [
         http.post("/detokenize", json={"tokens": [t for t in tokens[len(templated):] if t != eos]}).json()["prompt"]
         for tokens, _ in want]
+    # pagedserve's timeout bounds the whole search
+    r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 200, "n": 4, "use_beam_search": True,
+                                           "timeout": 0.05})
+    assert r.status_code == 504 and r.json()["error"]["param"] == "timeout", r.text
     for body, param in (({"logprobs": 2}, "logprobs"), ({"n": 11}, "n"), ({"stop": ["x"]}, "stop")):
         r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "use_beam_search": True, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
