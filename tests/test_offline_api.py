@@ -107,6 +107,19 @@ def test_bad_words_and_allowed_token_ids_as_vllms_sampling_params(llm, model):
         greedy(8, bad_words=[""])
 
 
+def test_truncate_prompt_tokens_reads_the_prompts_end(llm, model):
+    tok = llm.get_tokenizer()
+    ids = tok.encode(PROMPTS[2])
+    out = llm.generate(PROMPTS[2], greedy(6, truncate_prompt_tokens=5))[0]
+    assert out.prompt_token_ids == ids[-5:] and out.outputs[0].token_ids == hf_greedy(model, [ids[-5:]], 6)[0]
+    assert llm.generate(PROMPTS[0], greedy(2, truncate_prompt_tokens=-1))[0].prompt_token_ids == tok.encode(PROMPTS[0])
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            greedy(2, truncate_prompt_tokens=bad)
+    with pytest.raises(ValueError, match="greater than the model's maximum context"):
+        llm.generate(PROMPTS[0], greedy(2, truncate_prompt_tokens=10**6))
+
+
 def test_seeded_sampling_with_n_is_reproducible(llm):
     from pagedserve import SamplingParams
     params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True, logprobs=0)

@@ -25,6 +25,7 @@ class SamplingParams(EngineSamplingParams):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     bad_words: list[str] | None = None  # never generated (common/bad_words.py)
+    truncate_prompt_tokens: int | None = None  # only the prompt's last k tokens are read (-1: the context)
 
     def validate(self) -> None:
         EngineSamplingParams.validate(self)
@@ -36,6 +37,9 @@ class SamplingParams(EngineSamplingParams):
                 or not all(isinstance(s, str) and s for s in self.stop)):
             raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, "
                              f"got {self.stop!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k == -1 or k >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (the context) or a positive number, got {k!r}")
         if self.bad_words is not None and not (isinstance(self.bad_words, list)
                                                and all(isinstance(w, str) and w.strip() for w in self.bad_words)):
             raise ValueError(f"bad_words must be a list of words (non-blank strings), got {self.bad_words!r}")

@@ -97,6 +97,20 @@ def per_prompt(params, count: int) -> list[EngineSamplingParams]:
     return [as_params(params)] * count
 
 
+def truncated(text: str | None, ids: list[int], params, max_model_len: int) -> tuple[str | None, list[int]]:
+    """vLLM's SamplingParams.truncate_prompt_tokens: the prompt's last k tokens (-1: the context's
+    worth); the RequestOutput keeps the prompt's text as given."""
+    k = getattr(params, "truncate_prompt_tokens", None)
+    if k is None:
+        return text, ids
+    if k == -1 or k > max_model_len:
+        if k != -1:
+            raise ValueError(f"truncate_prompt_tokens={k} is greater than the model's maximum context length of "
+                             f"{max_model_len} tokens")
+        k = max_model_len
+    return text, ids[-k:]
+
+
 class LLM:
     """An engine in this process, used like vLLM's `LLM`."""
 
@@ -213,6 +227,7 @@ class LLM:
     def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[EngineSamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
+        encoded = [truncated(text, ids, p, engine.max_model_len) for (text, ids), p in zip(encoded, params)]
         self._check(encoded)
         requests = {str(next(self._ids)): (text, ids, p) for (text, ids), p in zip(encoded, params)}
         tracked = {rid: TextRequest(rid, text, ids, p, self.tokenizer) for rid, (text, ids, p) in requests.items()}
