@@ -9,7 +9,8 @@ or streamed as one chunk a choice (vLLM streams a beam search the same way). Fie
 not read (logprobs, stop strings, tools, structured outputs, echo) are refused by name.
 
 Threads: the serving event loop. The call (completion_call.CompletionCall) holds the request's
-admission and tokens in flight from the first step to the answer; each step's requests are internal
+admission and tokens in flight from the first step to the answer (the gateway's drain waits for it;
+past --shutdown-timeout it takes no further step and answers 503); each step's requests are internal
 (their ids: the call's, then the step and the beam).
 """
 
@@ -113,6 +114,9 @@ class BeamCall:
         search = BeamSearch(prompt, params, eos)
         search.step([candidates])
         while not search.done:
+            if call.shutdown:  # the drain gave up waiting (--shutdown-timeout): no more steps
+                raise RequestError(503, "the server is shutting down: the beam search was stopped after "
+                                   "--shutdown-timeout", type="service_unavailable", code="server_shutdown")
             requests = []
             for beam in search.live:
                 request = generate_pb2.GenerateRequest()

@@ -180,6 +180,29 @@ def test_shutdown_timeout_aborts_the_rest_and_frees_blocks(stack, tmp_path):
 
 
 @pytest.mark.slow
+def test_shutdown_timeout_stops_a_beam_search(stack, tmp_path):
+    """A beam search is a run of steps at the gateway: past --shutdown-timeout it takes no further one
+    and answers 503 server_shutdown; the gateway exits and no block is left held."""
+    gw, url = extra_gateway(stack, tmp_path, "--shutdown-timeout", "0.5")
+    replies: list = []
+    body = {**LONG, "stream": False, "max_tokens": 400, "n": 4, "use_beam_search": True}
+    try:
+        thread = threading.Thread(target=lambda: replies.append(
+            httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=120)))
+        thread.start()
+        time.sleep(2.0)  # a few steps in (400 steps of 4 beams take far longer)
+        gw.signal(signal.SIGTERM)
+        thread.join(60)
+        (reply,) = replies
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "server_shutdown", reply.text
+        assert gw.proc.wait(30) == 0
+        stats = wait_until_idle(stack)
+        assert stats.num_running == 0 and stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    finally:
+        gw.stop()
+
+
+@pytest.mark.slow
 def test_limits_on_a_real_stack(stack, tmp_path):
     gw, url = extra_gateway(stack, tmp_path, "--max-tokens-in-flight", "900", "--max-body-bytes", "4096")
     try:
