@@ -86,6 +86,11 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
                   **overrides}
         cfg = transformers.Gemma3TextConfig(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
         model = transformers.Gemma3ForCausalLM(cfg)
+    elif arch == "cohere":
+        # q/k norms per head on, a logit scale away from 1 (Command-R's 0.0625 would flatten these logits)
+        common = {**common, **dict(use_qk_norm=True, logit_scale=0.5, layer_norm_eps=1e-5), **overrides}
+        cfg = transformers.CohereConfig(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
+        model = transformers.CohereForCausalLM(cfg)
     elif arch == "olmo2":
         common = {**common, **overrides}
         cfg = transformers.Olmo2Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
@@ -108,7 +113,7 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
                 param.normal_(0.0, 0.1)
             elif arch in ("gemma2", "gemma3") and "norm" in name:  # zero-centred (1 + w) norms: vary them too
                 param.normal_(0.0, 0.5)
-            elif arch == "olmo2" and "norm" in name:  # its q/k norms' weights span all heads: vary them
+            elif arch in ("olmo2", "cohere") and "norm" in name:  # q/k norms' weights: vary them
                 param.normal_(1.0, 0.3)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's load-balancing bias

@@ -13,7 +13,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                            "Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
                            "SmolLM3ForCausalLM", "GraniteForCausalLM", "Gemma2ForCausalLM",
-                           "Olmo2ForCausalLM")
+                           "Olmo2ForCausalLM", "CohereForCausalLM")
 # Models whose layers interleave sliding-window and full attention (layer_types), in KV groups.
 INTERLEAVED_WINDOW_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")

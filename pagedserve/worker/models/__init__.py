@@ -20,6 +20,7 @@ _MODELS = {
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
 }
 
 
