@@ -13,9 +13,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                            "Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
                            "SmolLM3ForCausalLM", "GraniteForCausalLM", "Gemma2ForCausalLM",
-                           "Olmo2ForCausalLM", "CohereForCausalLM")
+                           "Olmo2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
 # Models whose layers interleave sliding-window and full attention (layer_types), in KV groups.
-INTERLEAVED_WINDOW_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+INTERLEAVED_WINDOW_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Cohere2ForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
@@ -29,7 +29,7 @@ class KVLayout:
 
 
 def layer_types(hf: dict) -> list[str]:
-    """Gemma 2 and 3: 'sliding_attention' or 'full_attention' per layer, from config.json
+    """Gemma 2 and 3, Cohere2: 'sliding_attention' or 'full_attention' per layer, from config.json
     (`layer_types`, or every `sliding_window_pattern`-th layer global: Gemma 3's default 6, Gemma 2's
     every second layer)."""
     n = hf["num_hidden_layers"]

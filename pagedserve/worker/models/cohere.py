@@ -11,7 +11,10 @@ CohereForCausalLM computes it: the Llama projections and SiLU MLP with
 - with `use_qk_norm`, a LayerNorm over each query and key head with a weight per head (reordered
   the same way; under tensor parallelism each rank holds its heads' rows);
 - the logits times `logit_scale`; tied embeddings by default.
-Cohere2 (Command R7B: sliding-window layers and NoPE full layers) is another architecture, not this.
+
+Cohere2ForCausalLM (Command R7B) is the same layer with local and global layers interleaved (three
+local to one global unless `layer_types` says): local layers attend through SlidingWindowAttention
+in their own KV group and take rotary; global layers take none (NoPE), as transformers' Cohere2.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.common.model_config import ModelConfig
+from pagedserve.common.model_config import ModelConfig, layer_types
 from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
 from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM
 from pagedserve.worker.parallel import Shard, copy_checked, head_shards, mark_loader, new_param, tp_group
+from pagedserve.worker.sliding_window import SlidingWindowAttention
 
 
 def halves_order(head_dim: int) -> torch.Tensor:
@@ -73,7 +77,8 @@ class CohereAttention(LlamaAttention):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rotary(q, k, rope)
+        if self.use_rope:
+            q, k = ops.rotary(q, k, rope)
         attn = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return ops.linear(attn.reshape(num_tokens, -1), self.o_proj)
 
@@ -101,6 +106,14 @@ class CohereForCausalLM(LlamaForCausalLM):
     def make_attention(self, layer_index: int, backend: AttentionBackend) -> nn.Module:
         return CohereAttention(self.cfg, backend)
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rope(positions, hidden.dtype)
+        for i, layer in enumerate(self.layers):  # meta: one for all layers, or per layer (Cohere2's KV groups)
+            hidden = layer(hidden, rope, kv_caches[i], meta[i] if isinstance(meta, list) else meta)
+        return self.norm(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) * self.logit_scale
 
@@ -119,3 +132,17 @@ class CohereForCausalLM(LlamaForCausalLM):
                     w = w.full()[:, order]
                 yield name, w
         super().load_weights(reordered())
+
+
+class Cohere2ForCausalLM(CohereForCausalLM):
+    def make_attention(self, layer_index: int, backend: AttentionBackend) -> nn.Module:
+        hf = self.cfg.hf
+        local = layer_types({**hf, "num_hidden_layers": self.cfg.num_hidden_layers})[layer_index] == "sliding_attention"
+        window = hf.get("sliding_window")
+        if local and window:
+            if getattr(self, "_local_backend", None) is None:  # one for all local layers: one windowed mask a step
+                self._local_backend = SlidingWindowAttention(window)
+            backend = self._local_backend
+        attention = CohereAttention(self.cfg, backend)
+        attention.use_rope = local
+        return attention
