@@ -96,6 +96,11 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
         common = {**common, **dict(num_hidden_layers=4, sliding_window=8, logit_scale=0.5), **overrides}
         cfg = transformers.Cohere2Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
         model = transformers.Cohere2ForCausalLM(cfg)
+    elif arch == "starcoder2":
+        common = {k: v for k, v in common.items() if k != "rms_norm_eps"}
+        common = {**common, **dict(norm_epsilon=1e-5, use_bias=True), **overrides}
+        cfg = transformers.Starcoder2Config(tie_word_embeddings=common.pop("tie_word_embeddings", True), **common)
+        model = transformers.Starcoder2ForCausalLM(cfg)
     elif arch == "olmo2":
         common = {**common, **overrides}
         cfg = transformers.Olmo2Config(tie_word_embeddings=common.pop("tie_word_embeddings", False), **common)
@@ -118,7 +123,7 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
                 param.normal_(0.0, 0.1)
             elif arch in ("gemma2", "gemma3") and "norm" in name:  # zero-centred (1 + w) norms: vary them too
                 param.normal_(0.0, 0.5)
-            elif arch in ("olmo2", "cohere", "cohere2") and "norm" in name:  # q/k norms' weights: vary them
+            elif arch in ("olmo2", "cohere", "cohere2", "starcoder2") and "norm" in name:  # vary the norms too
                 param.normal_(1.0, 0.3)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's load-balancing bias

@@ -13,7 +13,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                            "Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
                            "SmolLM3ForCausalLM", "GraniteForCausalLM", "Gemma2ForCausalLM",
-                           "Olmo2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
+                           "Olmo2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM")
+# Architectures whose transformers config ties the LM head to the embeddings when config.json is silent.
+TIED_BY_DEFAULT = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "CohereForCausalLM",
+                   "Cohere2ForCausalLM", "Starcoder2ForCausalLM")
 # Models whose layers interleave sliding-window and full attention (layer_types), in KV groups.
 INTERLEAVED_WINDOW_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Cohere2ForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -158,14 +161,15 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in TIED_BY_DEFAULT)),
             attention_bias=(arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-                            or bool(cfg.get("attention_bias", False))),
+                            or bool(cfg.get("attention_bias", False))
+                            or (arch == "Starcoder2ForCausalLM" and bool(cfg.get("use_bias", True)))),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            # Phi-3 has no use_sliding_window switch: a sliding_window there is always applied.
-            sliding_window=(cfg.get("sliding_window") if cfg.get("use_sliding_window") or arch == "Phi3ForCausalLM"
-                            else None),
+            # Phi-3 and Starcoder2 have no use_sliding_window switch: a sliding_window there is always applied.
+            sliding_window=(cfg.get("sliding_window") if cfg.get("use_sliding_window")
+                            or arch in ("Phi3ForCausalLM", "Starcoder2ForCausalLM") else None),
             hf=dict(cfg),
         )
 
