@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.common.messages import SampledToken
+from pagedserve.common.request_checks import truncation_problem
 from pagedserve.common.sampling_params import SamplingParams as EngineSamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -38,8 +39,12 @@ class SamplingParams(EngineSamplingParams):
             raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, "
                              f"got {self.stop!r}")
         k = self.truncate_prompt_tokens
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k == -1 or k >= 1)):
-            raise ValueError(f"truncate_prompt_tokens must be -1 (the context) or a positive number, got {k!r}")
+        if k is not None:  # the range here; against the context when the engine knows it (llm.truncated)
+            if not isinstance(k, int) or isinstance(k, bool):
+                raise ValueError(f"truncate_prompt_tokens must be an integer, got {k!r}")
+            problem = truncation_problem(k, max(k, 1))
+            if problem:
+                raise ValueError(problem)
         if self.bad_words is not None and not (isinstance(self.bad_words, list)
                                                and all(isinstance(w, str) and w.strip() for w in self.bad_words)):
             raise ValueError(f"bad_words must be a list of words (non-blank strings), got {self.bad_words!r}")

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from pagedserve.common import settings
 from pagedserve.common.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from pagedserve.common.request_checks import truncation_problem
 from pagedserve.common.offline_types import RequestOutput, SamplingParams
 from pagedserve.common.sampling_params import SamplingParams as EngineSamplingParams
 from pagedserve.engine import embeddings
@@ -103,12 +104,10 @@ def truncated(text: str | None, ids: list[int], params, max_model_len: int) -> t
     k = getattr(params, "truncate_prompt_tokens", None)
     if k is None:
         return text, ids
-    if k == -1 or k > max_model_len:
-        if k != -1:
-            raise ValueError(f"truncate_prompt_tokens={k} is greater than the model's maximum context length of "
-                             f"{max_model_len} tokens")
-        k = max_model_len
-    return text, ids[-k:]
+    problem = truncation_problem(k, max_model_len)
+    if problem:
+        raise ValueError(problem)
+    return text, ids[-(max_model_len if k == -1 else k):]
 
 
 class LLM:
