@@ -71,10 +71,7 @@ class CohereAttention(LlamaAttention):
 
     def forward(self, hidden, rope, kv_cache, meta: AttentionMetadata):
         num_tokens, ops = hidden.shape[0], self.ops
-        q, k, v = ops.linear(hidden, self.qkv_proj).split(self.split, dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(hidden)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:

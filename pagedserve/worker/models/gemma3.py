@@ -73,10 +73,8 @@ class Gemma3Attention(LlamaAttention):
 
     def forward(self, hidden, ropes, kv_cache, meta: AttentionMetadata):
         num_tokens, ops = hidden.shape[0], self.ops
-        q, k, v = ops.linear(hidden, self.qkv_proj).split(self.split, dim=-1)
-        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(hidden)
+        q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rotary(q, k, ropes[self.is_local])
         attn = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return ops.linear(attn.reshape(num_tokens, -1), self.o_proj)

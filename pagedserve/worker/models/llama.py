@@ -74,12 +74,16 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.use_rope = True  # False: a NoPE layer (SmolLM3's), its queries and keys take no rotary
 
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, head_dim], k and v [tokens, kv heads, head_dim]: this rank's heads, one matmul."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.ops.linear(hidden, self.qkv_proj).split(self.split, dim=-1)
+        return (q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads, self.head_dim))
+
     def forward(self, hidden, rope, kv_cache, meta: AttentionMetadata):
         num_tokens, ops = hidden.shape[0], self.ops
-        q, k, v = ops.linear(hidden, self.qkv_proj).split(self.split, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(hidden)
         if self.use_rope:
             q, k = ops.rotary(q, k, rope)
         attn = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
