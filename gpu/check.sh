@@ -17,7 +17,7 @@ echo "env: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=cs
 line() { echo "$1 rc=$2 $3s :: $(tail -3 "$4" | tr '\n' ' ' | cut -c1-300)" >> "$S"; }
 if want tests; then  # each GPU test in its own process: one CUDA fault poisons only its own context
   t0=$(date +%s)
-  python3 -m pytest -q --collect-only -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_fused_ops.py tests/test_triton_seeded_draws.py tests/test_triton_nucleus.py tests/test_deepseek.py 2>/dev/null | grep "::" > /tmp/ids
+  python3 -m pytest -q --collect-only -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_window_softcap.py tests/test_triton_fused_ops.py tests/test_triton_seeded_draws.py tests/test_triton_nucleus.py tests/test_deepseek.py 2>/dev/null | grep "::" > /tmp/ids
   xargs -a /tmp/ids -P 12 -I{} sh -c 'timeout 120 python3 -m pytest -q -x -p no:cacheprovider "{}" > /tmp/one.$$.log 2>&1; rc=$?; if [ $rc = 0 ]; then echo "PASS {}"; else echo "FAIL(rc=$rc) {}"; grep -E "^E |Error" /tmp/one.$$.log | head -4 | cut -c1-240; fi' > "$OUT/tests.log" 2>&1
   echo "tests $(( $(date +%s) - t0 ))s: $(grep -c ^PASS "$OUT/tests.log") pass, $(grep -c ^FAIL "$OUT/tests.log") fail (rc=124: timed out at 120 s)" >> "$S"
 fi

@@ -10,18 +10,23 @@ import torch
 import torch.nn.functional as F
 
 
-def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence from a paged cache [num_blocks, block_size, KVH, D]
-    through its block table row: [length, KVH, D]."""
+def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int, first: int = 0) -> torch.Tensor:
+    """Tokens first..length - 1 of one sequence from a paged cache [num_blocks, block_size, KVH, D]
+    through its block table row: [length - first, KVH, D]."""
     block_size = cache.shape[1]
-    pos = torch.arange(length, device=cache.device)
+    pos = torch.arange(first, length, device=cache.device)
     return cache[block_table[pos // block_size].long(), pos % block_size]
 
 
-def _causal_allowed(seq_len: int, q_len: int, device) -> torch.Tensor:
-    """[q_len, seq_len] bool: the step's i-th new token sits at seq_len - q_len + i and sees 0..itself."""
+def _causal_allowed(seq_len: int, q_len: int, device, window: int = 0, first: int = 0) -> torch.Tensor:
+    """[q_len, seq_len - first] bool over keys first..seq_len - 1: the step's i-th new token sits at
+    seq_len - q_len + i and sees 0..itself, or with a window only its last `window` keys."""
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-    return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+    keys = torch.arange(first, seq_len, device=device)[None, :]
+    allowed = keys <= q_pos[:, None]
+    if window:
+        allowed &= keys > q_pos[:, None] - window
+    return allowed
 
 
 def _sequences(seq_lens: torch.Tensor, query_start_loc: torch.Tensor):
@@ -40,7 +45,8 @@ def _out_buffer(out, shape, like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None):
+def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, *,
+                    window: int = 0, softcap: float = 0.0):
     """Causal attention of the step's tokens over a paged KV cache.
 
     query [T, H, D]; k_cache [num_blocks, block_size, KVH, D]; v_cache [num_blocks, block_size, KVH, Dv];
@@ -48,16 +54,21 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
     own K/V already written); query_start_loc [S+1] int32 (sequence s owns query rows
     query_start_loc[s]:query_start_loc[s+1]); H % KVH == 0 and head h reads kv head h // (H // KVH).
     Returns [T, H, Dv] in query's dtype (written into `out` when given); softmax in float32.
+    window > 0: the token at position p sees keys p - window + 1 .. p only (table entries before the step's
+    first query's window are never read); softcap > 0: scaled scores become softcap * tanh(score / softcap).
     """
     num_tokens, heads, _ = query.shape
     group = heads // k_cache.shape[2]
     out = _out_buffer(out, (num_tokens, heads, v_cache.shape[-1]), query)
     for s, start, q_len, seq_len in _sequences(seq_lens, query_start_loc):
-        k = _gather_paged(k_cache, block_tables[s], seq_len).float().repeat_interleave(group, dim=1)
-        v = _gather_paged(v_cache, block_tables[s], seq_len).float().repeat_interleave(group, dim=1)
+        first = max(0, seq_len - q_len - window + 1) if window else 0
+        k = _gather_paged(k_cache, block_tables[s], seq_len, first).float().repeat_interleave(group, dim=1)
+        v = _gather_paged(v_cache, block_tables[s], seq_len, first).float().repeat_interleave(group, dim=1)
         q = query[start:start + q_len].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        scores = scores.masked_fill(~_causal_allowed(seq_len, q_len, query.device), float("-inf"))
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~_causal_allowed(seq_len, q_len, query.device, window, first), float("-inf"))
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(out.dtype)
     return out
 

@@ -119,6 +119,15 @@ class AttentionBackend(abc.ABC):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor: ...
 
+    def variant(self, *, window: int = 0, softcap: float = 0.0) -> AttentionBackend:
+        """A backend of this one's kind for layers with a sliding window of `window` keys and/or their scaled
+        scores soft-capped at `softcap` (0: none): a model asks its backend for one per kind of layer (so it
+        never names a device's backend), and its layers of that kind share it (it builds its step's metadata
+        once). Without either: this backend itself."""
+        if window or softcap:
+            raise ValueError(f"{type(self).__name__} has no sliding window or score soft-capping")
+        return self
+
 
 class TorchAttentionBackend(AttentionBackend):
     """Plain torch ops, for the CPU. Decodes run as two batched matmuls over grouped heads with a
@@ -132,6 +141,13 @@ class TorchAttentionBackend(AttentionBackend):
     # (0: none; SoftcapAttention sets it)
     softcap = 0.0
     _built_mask: tuple[AttentionMetadata, torch.Tensor] | None = None  # (the step's metadata, its mask)
+
+    def variant(self, *, window: int = 0, softcap: float = 0.0) -> AttentionBackend:
+        """Torch ops for either option (the compiled CPU kernels have neither)."""
+        if window:
+            from pagedserve.worker.sliding_window import SlidingWindowAttention
+            return SlidingWindowAttention(window, softcap)
+        return SoftcapAttention(softcap) if softcap else self
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         self._write_kv(key, value, k_cache, v_cache, meta)
@@ -289,11 +305,15 @@ class TritonAttentionBackend(AttentionBackend):
     The step's metadata is converted once per step (all layers share it), and so are the kernels' tile maps.
     A mixed step's single-query sequences take the decode kernel and the others the prefill/mixed kernel
     (attention_choice.py), whose grids are upper bounds over the step's tokens and sequences: for a packed
-    step (a mixed-step graph's) shapes alone decide everything it launches."""
+    step (a mixed-step graph's) shapes alone decide everything it launches. A variant with a sliding window or
+    score soft-capping (Gemma 2 and 3, Cohere 2) passes them to every kernel."""
 
     graph_support = GraphSupport.MIXED  # kernel_metadata converts any step on the device, packed steps too
 
-    def __init__(self) -> None:
+    def __init__(self, window: int = 0, softcap: float = 0.0) -> None:
+        if window < 0 or softcap < 0:
+            raise ValueError(f"window and softcap must be >= 0 (0: none), got {window} and {softcap}")
+        self.window, self.softcap = int(window), float(softcap)
         self._meta: AttentionMetadata | None = None
         self._converted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._step_cache: dict = {}  # what the kernels build once a step (their tile maps): renewed with meta
@@ -313,30 +333,39 @@ class TritonAttentionBackend(AttentionBackend):
             k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
             v_cache.view(-1, num_kv_heads, v_cache.shape[3]).index_copy_(0, meta.slot_mapping, value)
         if self._meta is not meta:
-            self._converted = kernel_metadata(meta, k_cache.shape[1], k_cache.device)
+            self._converted = kernel_metadata(meta, k_cache.shape[1], k_cache.device, self.window)
             self._meta, self._step_cache = meta, {}
             # whether some sequence has one query (None: a packed step's split is made on the device)
             self._singles = None if meta.packed is not None else \
                 bool(meta.num_decodes) or any(p.query_len == 1 for p in meta.prefills)
         return paged_attention(query, k_cache, v_cache, *self._converted, scale, step_cache=self._step_cache,
-                               packed=meta.packed is not None, singles=self._singles)
+                               packed=meta.packed is not None, singles=self._singles, window=self.window,
+                               softcap=self.softcap)
+
+    def variant(self, *, window: int = 0, softcap: float = 0.0) -> AttentionBackend:
+        return TritonAttentionBackend(window, softcap) if window or softcap else self
 
 
-def kernel_metadata(meta: AttentionMetadata, block_size: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kernel_metadata(meta: AttentionMetadata, block_size: int, device: torch.device,
+                    window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(block_tables int32 [S, max_blocks], seq_lens int32 [S], query_start_loc int32 [S + 1]) for
     the decodes then the prefills of `meta`. Rows are zero-padded to cover every sequence's length,
     so a table shorter than its sequence (the runner's profiling step) still reads valid blocks.
     A pure decode step and a packed one convert on the device alone (no host data): they can be captured in
-    a graph."""
+    a graph. A windowed layout's decode rows (meta.decode_windowed: each starts at the block holding the
+    window's first key) are handed over as sequences shortened by the blocks they skip: the kernels' window
+    relates a query's and its keys' positions only, which the shift keeps."""
     if meta.packed is not None:
         packed = meta.packed
         return tuple(t.to(device=device, dtype=torch.int32)
                      for t in (packed.block_tables, packed.seq_lens, packed.query_start_loc))
     decodes = meta.num_decodes
+    decode_lens = meta.decode_seq_lens
+    if decodes and meta.decode_windowed:
+        decode_lens = decode_lens - torch.clamp(decode_lens - window, min=0) // block_size * block_size
     if not meta.prefills:
         return (meta.decode_block_tables.to(device=device, dtype=torch.int32),
-                meta.decode_seq_lens.to(device=device, dtype=torch.int32),
+                decode_lens.to(device=device, dtype=torch.int32),
                 torch.arange(decodes + 1, dtype=torch.int32, device=device))
     # A mixed or prefill step: a fixed number of device ops whatever the number of sequences (no loop over
     # them, no host read), from the packed prefills.
@@ -351,5 +380,5 @@ def kernel_metadata(meta: AttentionMetadata, block_size: int,
     starts[decodes + 1:] = chunks[:, 0] + chunks[:, 1]
     if decodes:
         tables[:decodes, :meta.decode_block_tables.shape[1]] = meta.decode_block_tables
-        seq_lens[:decodes] = meta.decode_seq_lens
+        seq_lens[:decodes] = decode_lens
     return tables, seq_lens, starts

@@ -9,7 +9,12 @@ kernel and FlashAttention's Triton kernels do: the earlier load of K transposed 
 gave wrong float16 results on an H200 at head dim 40 with GQA, where the MLA kernel, loading as here,
 was right. Every address a kernel forms stays inside its tensor even in masked-off lanes (rows past a
 sequence's queries, key positions past its length), so a mask the compiler mishandles cannot fault. Softmax is online
-(running max and sum, rescaling the accumulator), in the log2 domain, in float32."""
+(running max and sum, rescaling the accumulator), in the log2 domain, in float32.
+
+Two options of the layers that have them, each a compile-time switch (no cost where off): a sliding window of
+`window` keys (a query at position p sees keys p - window + 1 .. p, Gemma's and Cohere 2's local layers; the loops
+start at the window's first key, so blocks wholly before it, which the block manager may have released, are never
+read) and Gemma 2's soft-capping of the scaled scores (cap * tanh(score / cap), before the mask)."""
 
 from __future__ import annotations
 
@@ -35,6 +40,24 @@ def paged_offsets(table_row_ptr, pos, mask, PAGE: tl.constexpr, stride_block, st
 
 
 @triton.jit
+def log2_scores(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """Scores in the log2 domain from the raw dot products qk: qk * qk_scale, or soft-capped, where score_args
+    made qk_scale = scale / cap and softcap = cap * log2(e): cap * tanh(qk * scale / cap) * log2(e), with
+    tanh(x) = 1 - 2 / (e^2x + 1) (exact at both ends: e^2x overflows to inf, or reaches 0)."""
+    s = qk * qk_scale
+    if SOFTCAP:
+        s = softcap * (1.0 - 2.0 / (tl.exp2(s * 2.8853900817779268) + 1.0))
+    return s
+
+
+def score_args(scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, softcap) as the kernels take them (log2_scores)."""
+    if softcap:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 0.0
+
+
+@triton.jit
 def online_softmax_step(s, m_i, l_i):
     """One tile of online softmax over log2-domain scores s [M, N] (masked keys at -inf): returns the
     tile's unnormalized probabilities, the factor to rescale the accumulator by, and the new max/sum."""
@@ -45,14 +68,16 @@ def online_softmax_step(s, m_i, l_i):
 
 
 @triton.jit(do_not_specialize=["stride_table"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, qk_scale,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, qk_scale, softcap, window,
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    stride_ot, stride_oh, stride_table,
                    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   PRECISION: tl.constexpr, SINGLES_ONLY: tl.constexpr):
+                   PRECISION: tl.constexpr, SINGLES_ONLY: tl.constexpr, SOFTCAP: tl.constexpr,
+                   WINDOWED: tl.constexpr):
     """Program (sequence, kv head): the GROUP query heads sharing that kv head, as the M rows of one
-    tile padded to BLOCK_H >= 16, attend to the whole sequence (a decode token sees every cached key).
+    tile padded to BLOCK_H >= 16, attend to the whole sequence (a decode token sees every cached key; with
+    a window, the last `window` of them).
     SINGLES_ONLY (a mixed step: paged_mixed_attention): a sequence whose step has other than exactly one
     query is left to the prefill kernel."""
     seq = tl.program_id(0)
@@ -73,12 +98,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr
     m_i = tl.full([BLOCK_H], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    lo = 0
+    if WINDOWED:  # the decoded token sits at seq_len - 1
+        lo = tl.maximum(seq_len - window, 0)
+    for start in range(lo, seq_len, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         n_mask = pos < seq_len
         k_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_kb, stride_ks) + kv_head * stride_kh
         k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=n_mask[:, None] & (d[None, :] < D), other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = log2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, softcap, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         v_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_vb, stride_vs) + kv_head * stride_vh
@@ -91,15 +119,18 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr
 
 @triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr,
-                    qk_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    qk_scale, softcap, window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
+                    stride_vs, stride_vh,
                     stride_ot, stride_oh, stride_table,
                     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    PRECISION: tl.constexpr, CAUSAL_SPLIT: tl.constexpr):
+                    PRECISION: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
+                    WINDOWED: tl.constexpr):
     """Program (head, query tile): BLOCK_M consecutive new tokens of one sequence attend causally.
     Query i of a sequence with q_len new tokens sits at position seq_len - q_len + i. CAUSAL_SPLIT: the key
     tiles every row sees whole run in a loop without masks first (a launch parameter: the tuner says
-    whether it pays on a GPU; float32 spills with it on Hopper)."""
+    whether it pays on a GPU; float32 spills with it on Hopper; never with a window, where no tile is whole).
+    WINDOWED: query p also sees no key before p - window + 1; the keys start at the tile's first row's first."""
     head = tl.program_id(0)
     tile = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -128,7 +159,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_pt
     # the tile's last query sees keys up to context + m0 + BLOCK_M - 1: stop there
     end = tl.minimum(seq_len, context + m0 + BLOCK_M)
     first = 0
-    if CAUSAL_SPLIT:
+    if WINDOWED:
+        first = tl.maximum(context + m0 - window + 1, 0)
+    if CAUSAL_SPLIT and not WINDOWED:
         # FlashAttention-2's split: every row of the tile sees every key before context + m0 + 1 (its first
         # row's own position; rows past the queries are never stored), so whole key tiles there need no
         # mask at all; the masked loop below starts where they end
@@ -139,7 +172,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_pt
             slot = (pos % PAGE).to(tl.int64)
             k = tl.load(k_ptr + (block * stride_kb + slot * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
                         mask=d[None, :] < D, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = log2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, softcap, SOFTCAP)
             p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
             v = tl.load(v_ptr + (block * stride_vb + slot * stride_vs + kv_head * stride_vh)[:, None] + dv[None, :],
                         mask=dv[None, :] < DV, other=0.0)
@@ -149,8 +182,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_pt
         n_mask = pos < end
         k_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_kb, stride_ks) + kv_head * stride_kh
         k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=n_mask[:, None] & (d[None, :] < D), other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        s = log2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, softcap, SOFTCAP)
+        seen = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            seen = seen & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         v_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_vb, stride_vs) + kv_head * stride_vh
         v = tl.load(v_ptr + v_off[:, None] + dv[None, :], mask=n_mask[:, None] & (dv[None, :] < DV), other=0.0)
@@ -202,6 +238,18 @@ def _common_args(query, k_cache, v_cache, out, block_tables):
             block_tables.stride(0))
 
 
+def layer_args(scale: float, window: int, softcap: float) -> tuple[float, float, int]:
+    """(qk_scale, softcap, window): the kernels' runtime arguments for a layer's scale and options."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: none), got {window}")
+    return (*score_args(scale, softcap), int(window))
+
+
+def layer_constexprs(window: int, softcap: float) -> dict:
+    """The kernels' switches for a layer's options (each compiled in only where on)."""
+    return dict(SOFTCAP=bool(softcap), WINDOWED=bool(window))
+
+
 def _constexprs(query, k_cache, v_cache):
     heads, dim = query.shape[1:]
     dv = v_cache.shape[-1]
@@ -211,7 +259,7 @@ def _constexprs(query, k_cache, v_cache):
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
                            *, block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None):
+                           num_stages: int | None = None, window: int = 0, softcap: float = 0.0):
     """paged_attention (see pagedserve.kernels.reference) for a pure decode step: every sequence has exactly one
     new token, so T == S. Grid (S, KVH); each program handles the kv head's whole GQA group."""
     out = _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
@@ -222,21 +270,22 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, quer
     consts = _constexprs(query, k_cache, v_cache)
     p = launch_params("decode", query, k_cache, v_cache, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     _decode_kernel[(num_seqs, kv_heads)](
-        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2E,
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, *layer_args(scale, window, softcap),
         *_common_args(query, k_cache, v_cache, out, block_tables),
         BLOCK_H=pow2_tile(consts["GROUP"]), BLOCK_N=p["block_n"], num_warps=p["num_warps"],
-        num_stages=p["num_stages"], SINGLES_ONLY=False, **consts)
+        num_stages=p["num_stages"], SINGLES_ONLY=False, **consts, **layer_constexprs(window, softcap))
     return out
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
                             *, block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                             num_stages: int | None = None, causal_split: int | None = None,
-                            step_cache: dict | None = None, skip_singles: bool = False):
+                            step_cache: dict | None = None, skip_singles: bool = False, window: int = 0,
+                            softcap: float = 0.0):
     """paged_attention (see pagedserve.kernels.reference) for any step, decode and prefill tokens mixed, causal.
     Grid (H, query tiles): tiles of block_m rows never straddle two sequences (tile_map, once a step given
     the step's `step_cache`: step_tiles). skip_singles: sequences with exactly one query get no tile (the
-    decode kernel takes them: paged_mixed_attention)."""
+    decode kernel takes them: paged_mixed_attention). A window turns the causal split off."""
     out = _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     num_tokens, heads = query.shape[:2]
     if num_tokens == 0:
@@ -245,15 +294,16 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, que
                       num_stages=num_stages, causal_split=causal_split)
     tile_seq, tile_start, num_tiles = step_tiles(step_cache, query_start_loc, num_tokens, p["block_m"], skip_singles)
     _prefill_kernel[(heads, num_tiles)](
-        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_seq, tile_start, scale * LOG2E,
-        *_common_args(query, k_cache, v_cache, out, block_tables),
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_seq, tile_start,
+        *layer_args(scale, window, softcap), *_common_args(query, k_cache, v_cache, out, block_tables),
         BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], num_warps=p["num_warps"], num_stages=p["num_stages"],
-        CAUSAL_SPLIT=bool(p["causal_split"]), **_constexprs(query, k_cache, v_cache))
+        CAUSAL_SPLIT=bool(p["causal_split"]) and not window, **_constexprs(query, k_cache, v_cache),
+        **layer_constexprs(window, softcap))
     return out
 
 
 def paged_mixed_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, *,
-                          step_cache: dict | None = None):
+                          step_cache: dict | None = None, window: int = 0, softcap: float = 0.0):
     """paged_attention (see pagedserve.kernels.reference) for a step of decodes beside prefill chunks, in two
     launches that split its sequences by their number of queries on the device: the decode kernel over every
     sequence (grid (S, KVH); a program whose sequence has other than one query returns at once) and the
@@ -268,22 +318,23 @@ def paged_mixed_attention(query, k_cache, v_cache, block_tables, seq_lens, query
     consts = _constexprs(query, k_cache, v_cache)
     p = launch_params("decode", query, k_cache, v_cache)
     _decode_kernel[(num_seqs, kv_heads)](
-        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2E,
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, *layer_args(scale, window, softcap),
         *_common_args(query, k_cache, v_cache, out, block_tables),
         BLOCK_H=pow2_tile(consts["GROUP"]), BLOCK_N=p["block_n"], num_warps=p["num_warps"],
-        num_stages=p["num_stages"], SINGLES_ONLY=True, **consts)
+        num_stages=p["num_stages"], SINGLES_ONLY=True, **consts, **layer_constexprs(window, softcap))
     return paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                                   step_cache=step_cache, skip_singles=True)
+                                   step_cache=step_cache, skip_singles=True, window=window, softcap=softcap)
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, *,
-                    step_cache: dict | None = None):
+                    step_cache: dict | None = None, window: int = 0, softcap: float = 0.0):
     """Causal attention of a step's tokens over the paged KV cache; contract in
     pagedserve.kernels.reference.paged_attention.
 
     Every sequence must have at least one new token; then T == S means a pure decode step, which takes
     the decode kernel (decided from shapes alone: no device sync)."""
     if query.shape[0] == seq_lens.shape[0]:
-        return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+        return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                                      window=window, softcap=softcap)
     return paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                                   step_cache=step_cache)
+                                   step_cache=step_cache, window=window, softcap=softcap)

@@ -20,33 +20,37 @@ import triton.language as tl
 
 from pagedserve.kernels.triton import next_pow2, pow2_tile
 from pagedserve.kernels.triton.paged_attention import (
-    LOG2E,
     NEG_BIG,
     _check,
     _common_args,
     _constexprs,
     launch_params,
+    layer_args,
+    layer_constexprs,
+    log2_scores,
     online_softmax_step,
     paged_offsets,
 )
 
 
 @triton.jit(do_not_specialize=["stride_table", "chunk"])
-def _split_kernel(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, qk_scale,
+def _split_kernel(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, qk_scale, softcap, window,
                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   stride_ot, stride_oh, stride_table, chunk, num_splits, num_heads,
                   GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr):
     """Program (sequence, kv head, split): the GROUP query heads of that kv head against key positions
-    [split * chunk, min(seq_len, (split + 1) * chunk)). Writes acc [S, splits, H, DV] and (max, sum)
-    [S, splits, H, 2] rows of its heads."""
+    [split * chunk, min(seq_len, (split + 1) * chunk)) (with a window, from seq_len - window on). Writes
+    acc [S, splits, H, DV] and (max, sum) [S, splits, H, 2] rows of its heads."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = split * chunk
     hi = tl.minimum(seq_len, lo + chunk)
+    if WINDOWED:
+        lo = tl.maximum(lo, seq_len - window)
     row = tl.load(qsl_ptr + seq).to(tl.int64)
     hh = tl.arange(0, BLOCK_H)
     h_mask = hh < GROUP
@@ -64,7 +68,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, tables_ptr, seq_lens_ptr
         n_mask = pos < hi
         k_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_kb, stride_ks) + kv_head * stride_kh
         k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=n_mask[:, None] & (d[None, :] < D), other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = log2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, softcap, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         v_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_vb, stride_vs) + kv_head * stride_vh
@@ -107,7 +111,8 @@ def split_plan(max_len: int, block_n: int, num_splits: int | None = None, target
 
 def paged_split_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                  out=None, *, num_splits: int | None = None, block_n: int | None = None,
-                                 num_warps: int | None = None, num_stages: int | None = None):
+                                 num_warps: int | None = None, num_stages: int | None = None, window: int = 0,
+                                 softcap: float = 0.0):
     """paged_attention for a pure decode step (T == S), the KV length split across programs; arguments and
     result as pagedserve.kernels.triton.paged_attention.paged_decode_attention."""
     out = _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
@@ -123,10 +128,10 @@ def paged_split_decode_attention(query, k_cache, v_cache, block_tables, seq_lens
     acc = torch.empty(num_seqs, splits, heads, dv, dtype=torch.float32, device=query.device)
     ml = torch.empty(num_seqs, splits, heads, 2, dtype=torch.float32, device=query.device)
     _split_kernel[(num_seqs, k_cache.shape[2], splits)](
-        query, k_cache, v_cache, acc, ml, block_tables, seq_lens, query_start_loc, scale * LOG2E,
+        query, k_cache, v_cache, acc, ml, block_tables, seq_lens, query_start_loc, *layer_args(scale, window, softcap),
         *_common_args(query, k_cache, v_cache, out, block_tables), chunk, splits, heads,
         BLOCK_H=pow2_tile(consts["GROUP"]), BLOCK_N=p["block_n"], num_warps=p["num_warps"],
-        num_stages=p["num_stages"], **consts)
+        num_stages=p["num_stages"], **consts, **layer_constexprs(window, softcap))
     _combine_kernel[(num_seqs, heads)](acc, ml, out, query_start_loc, splits, heads, out.stride(0), out.stride(1),
                                        DV=dv, BLOCK_S=max(2, next_pow2(splits)),
                                        BLOCK_DV=consts["BLOCK_DV"])

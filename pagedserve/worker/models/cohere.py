@@ -13,7 +13,7 @@ CohereForCausalLM computes it: the Llama projections and SiLU MLP with
 - the logits times `logit_scale`; tied embeddings by default.
 
 Cohere2ForCausalLM (Command R7B) is the same layer with local and global layers interleaved (three
-local to one global unless `layer_types` says): local layers attend through SlidingWindowAttention
+local to one global unless `layer_types` says): local layers attend through the backend's windowed variant
 in their own KV group and take rotary; global layers take none (NoPE), as transformers' Cohere2.
 """
 
@@ -26,7 +26,6 @@ from pagedserve.common.model_config import ModelConfig, layer_types
 from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
 from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM
 from pagedserve.worker.parallel import Shard, copy_checked, head_shards, mark_loader, new_param, tp_group
-from pagedserve.worker.sliding_window import SlidingWindowAttention
 
 
 def halves_order(head_dim: int) -> torch.Tensor:
@@ -138,7 +137,7 @@ class Cohere2ForCausalLM(CohereForCausalLM):
         window = hf.get("sliding_window")
         if local and window:
             if getattr(self, "_local_backend", None) is None:  # one for all local layers: one windowed mask a step
-                self._local_backend = SlidingWindowAttention(window)
+                self._local_backend = backend.variant(window=window)
             backend = self._local_backend
         attention = CohereAttention(self.cfg, backend)
         attention.use_rope = local

@@ -4,8 +4,8 @@ local and global layers interleaved) with Gemma 2's differences:
 
 - no q/k norms; one rope base for every layer (`rope_theta`);
 - attention logits soft-capped (`attn_logit_softcapping`: cap * tanh(scores / cap), before the
-  mask) in every layer: the torch backends with a softcap (attention.SoftcapAttention, and
-  SlidingWindowAttention's for the local layers), since no compiled kernel here caps;
+  mask) in every layer: the backend's variant with a softcap (AttentionBackend.variant: on the CPU the
+  torch ops, whose compiled kernels do not cap; on CUDA the Triton kernels), windowed too for the local layers;
 - final logits soft-capped (`final_logit_softcapping`), as Gemma 3 may;
 - the local layers are every second one from the first unless `layer_types` says otherwise.
 
@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 from pagedserve.common.model_config import ModelConfig
-from pagedserve.worker.attention import AttentionBackend, AttentionMetadata, SoftcapAttention
+from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
 from pagedserve.worker.models.gemma3 import GeGLUMLP, Gemma3DecoderLayer, Gemma3ForCausalLM, inv_freq
 from pagedserve.worker.models.llama import LlamaAttention
-from pagedserve.worker.sliding_window import SlidingWindowAttention
 
 
 class Gemma2Attention(LlamaAttention):
@@ -42,8 +41,8 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
         cfg, hf = self.cfg, self.cfg.hf  # self.layer_types: every second layer local unless config.json says
         window, cap = hf.get("sliding_window"), hf.get("attn_logit_softcapping")
         # One backend for each kind of layer (a windowed one builds the step's windowed mask once).
-        full_backend = SoftcapAttention(cap) if cap else backend
-        local_backend = SlidingWindowAttention(window, cap or 0.0) if window else full_backend
+        full_backend = backend.variant(softcap=cap or 0.0)
+        local_backend = backend.variant(window=window, softcap=cap or 0.0) if window else full_backend
         return [Gemma3DecoderLayer(cfg, Gemma2Attention(cfg, local_backend if local else full_backend),
                                    GeGLUMLP(cfg.hidden_size, cfg.intermediate_size))
                 for local in (t == "sliding_attention" for t in self.layer_types)]

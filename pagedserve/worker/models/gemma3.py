@@ -1,8 +1,9 @@
 """Gemma 3 (text) over a paged KV cache: the Llama skeleton with Gemma's differences.
 
 - layers interleave local (sliding-window) and global attention (`layer_types`, or every
-  `sliding_window_pattern`-th layer global); local layers attend through SlidingWindowAttention
-  and use their own rope base (`rope_local_base_freq`, 10k), global layers the model's (1M);
+  `sliding_window_pattern`-th layer global); local layers attend through the backend's windowed
+  variant (AttentionBackend.variant) and use their own rope base (`rope_local_base_freq`, 10k),
+  global layers the model's (1M);
 - RMSNorm weights are zero-centred, applied as (1 + w), with the product taken in float32 before
   the cast (transformers' Gemma3RMSNorm); q and k are RMS-normed per head before rope;
 - four norms per layer (input, post-attention, pre- and post-feedforward);
@@ -22,7 +23,6 @@ from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
 from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from pagedserve.worker.parallel import VocabParallelEmbedding
 from pagedserve.worker.platform import current_platform
-from pagedserve.worker.sliding_window import SlidingWindowAttention
 
 
 def rope_params(hf: dict) -> dict[str, dict]:
@@ -122,7 +122,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def make_layers(self, backend: AttentionBackend) -> list[nn.Module]:
         cfg, window = self.cfg, self.cfg.hf.get("sliding_window")
         # One windowed backend for all local layers (it builds the step's windowed mask once).
-        local_backend = SlidingWindowAttention(window) if window else backend
+        local_backend = backend.variant(window=window or 0)
         return [Gemma3DecoderLayer(cfg, Gemma3Attention(cfg, local_backend if local else backend, local),
                                    GeGLUMLP(cfg.hidden_size, cfg.intermediate_size))
                 for local in (t == "sliding_attention" for t in self.layer_types)]

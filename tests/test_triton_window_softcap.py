@@ -1,0 +1,223 @@
+"""The Triton paged attention kernels with a sliding window and Gemma 2's score soft-capping (what Gemma 2 and 3
+and Command R7B's layers run on CUDA), against the torch reference, the reference against naive dense attention,
+the worker's Triton backend variants against the torch backends the models used to take everywhere, and a Gemma 2
+engine on the Triton backend against transformers' greedy tokens. Without CUDA the kernels run under the Triton
+interpreter; with CUDA natively (gpu/check.sh runs this file on the GPU).
+
+Table entries wholly before the window's first key are garbage block ids here (the block manager gives such
+entries back: a kernel must never read them), as are the entries past each sequence's end."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from triton_device import triton_device  # sets up the interpreter before triton.language is imported
+
+DEVICE = triton_device()
+
+from pagedserve.kernels import reference  # noqa: E402
+from pagedserve.kernels.triton import attention_choice  # noqa: E402
+from pagedserve.kernels.triton import paged_attention as tpa  # noqa: E402
+from pagedserve.kernels.triton import split_decode as tsd  # noqa: E402
+from test_triton_kernels import (  # noqa: E402
+    GARBAGE,
+    MIXED_LONG,
+    MIXED_SINGLES,
+    TOL,
+    attention_step,
+    dense_pages,
+    randn,
+    rel_err,
+)
+
+# chunks with context past the window, a decode far past it, one inside it, a chunk from 0 crossing it
+STEP = ([20, 0, 33, 3, 41], [9, 18, 1, 1, 6])
+DECODES = ([0, 16, 45, 7, 70], [1, 1, 1, 1, 1])
+
+
+def windowed_step(ctx_lens, q_lens, window, dtype, seed=0, heads=8, kv_heads=2, dim=40, dim_v=24, page=8):
+    """attention_step's inputs with every table entry wholly before the step's first query's window made
+    garbage: nothing may read it."""
+    query, k_cache, v_cache, tables, seq_lens, qsl, scale = attention_step(
+        ctx_lens, q_lens, heads, kv_heads, dim, dim_v, page, dtype, seed)
+    for s, context in enumerate(ctx_lens):
+        first_key = max(0, context - window + 1)
+        tables[s, :first_key // page] = GARBAGE
+    return query, k_cache, v_cache, tables, seq_lens, qsl, scale
+
+
+def test_reference_matches_naive_dense_attention():
+    """The reference's window and cap against attention written out over whole pages, per head."""
+    window, cap = 6, 1.5
+    query, k_cache, v_cache, tables, seq_lens, qsl, scale = attention_step(*STEP, 4, 2, 24, 24, 8, torch.float32)
+    got = reference.paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, scale, window=window,
+                                    softcap=cap)
+    for s, (context, q_len) in enumerate(zip(*STEP)):
+        total, rows = context + q_len, slice(int(qsl[s]), int(qsl[s + 1]))
+        k = dense_pages(k_cache, tables[s], total).repeat_interleave(2, dim=1)
+        v = dense_pages(v_cache, tables[s], total).repeat_interleave(2, dim=1)
+        for h in range(4):
+            scores = query[rows, h] @ k[:, h].T * scale
+            scores = cap * torch.tanh(scores / cap)
+            q_pos = torch.arange(context, total, device=DEVICE)[:, None]
+            k_pos = torch.arange(total, device=DEVICE)[None, :]
+            scores = scores.masked_fill((k_pos > q_pos) | (k_pos <= q_pos - window), float("-inf"))
+            assert torch.allclose(got[rows, h], scores.softmax(-1) @ v[:, h], atol=1e-5)
+    plain = reference.paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, scale)
+    assert rel_err(plain, got) > 0.1  # the options change the answer on these inputs
+
+
+@pytest.mark.parametrize("dtype, tile", [(torch.float32, 16), (torch.float16, 16), (torch.float32, 32),
+                                         (torch.float16, 64)])
+@pytest.mark.parametrize("window, cap", [(5, 0.0), (16, 0.0), (0, 2.0), (7, 1.5)])
+def test_prefill_and_mixed_kernels(dtype, tile, window, cap, monkeypatch):
+    """The prefill kernel (every sequence's tiles), the mixed pair (decode kernel for the one-query sequences)
+    and the dispatcher, at the interpreter's tiles and the GPU's; a causal split asked for is dropped under
+    a window (no key tile is whole for every row)."""
+    from pagedserve.kernels.triton import tuning
+    real_resolve = tuning.resolve
+    monkeypatch.setattr(tpa, "resolve", lambda kernel, key, device, default, given: real_resolve(
+        kernel, key, device, {**default, **{k: tile for k in ("block_m", "block_n") if k in default}}, given))
+    for ctx_lens, q_lens in (STEP, MIXED_SINGLES):
+        args = windowed_step(ctx_lens, q_lens, window or 10**9, dtype, seed=2)
+        want = reference.paged_attention(*args, window=window, softcap=cap)
+        opts = dict(window=window, softcap=cap)
+        assert rel_err(tpa.paged_prefill_attention(*args, **opts), want) < TOL[dtype]
+        assert rel_err(tpa.paged_prefill_attention(*args, causal_split=1, **opts), want) < TOL[dtype]
+        assert rel_err(tpa.paged_mixed_attention(*args, **opts), want) < TOL[dtype]
+        assert rel_err(attention_choice.paged_attention(*args, **opts), want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window, cap", [(5, 0.0), (24, 0.0), (9, 1.5), (0, 1.0)])
+def test_decode_kernels(dtype, window, cap):
+    """A pure decode step through the plain decode kernel and flash-decoding's split (runs wholly before the
+    window do no work), and the mixed kernel on it."""
+    args = windowed_step(*DECODES, window or 10**9, dtype, seed=3)
+    want = reference.paged_attention(*args, window=window, softcap=cap)
+    opts = dict(window=window, softcap=cap)
+    assert rel_err(tpa.paged_decode_attention(*args, **opts), want) < TOL[dtype]
+    for splits in (1, 3, 7):
+        assert rel_err(tsd.paged_split_decode_attention(*args, num_splits=splits, **opts), want) < TOL[dtype]
+    assert rel_err(attention_choice.paged_attention(*args, sms=10**6, **opts), want) < TOL[dtype]
+    assert rel_err(tpa.paged_prefill_attention(*args, **opts), want) < TOL[dtype]
+
+
+def test_without_options_the_kernels_answer_as_before():
+    """window 0 and softcap 0 are the plain kernels: the reference's plain attention."""
+    args = attention_step(*MIXED_LONG, 8, 2, 40, 24, 16, torch.float32, seed=1)
+    want = reference.paged_attention(*args)
+    assert rel_err(tpa.paged_attention(*args, window=0, softcap=0.0), want) < TOL[torch.float32]
+    with pytest.raises(ValueError, match="window"):
+        tpa.paged_attention(*args, window=-1)
+
+
+# ------------------------------------------------------------------------------------------ the worker
+
+
+def _worker_step(window: int, windowed_layout: bool, prefills=((3, 6), (12, 5), (0, 11)), decode_lens=(5, 14, 23),
+                 page=4, heads=4, kv_heads=2, dim=16, seed=5):
+    """(query, key, value, caches, meta) of one step as the model runner lays a sliding KV group out: decodes
+    then prefill chunks; with windowed_layout each decode row starts at the block holding its window's first key
+    (input_batch.layout_step's decode_windowed), and every table entry wholly before a sequence's window is
+    garbage; without it the decode rows start at block 0 and those entries name a null block, as the block
+    manager's do (the torch backend gathers whole rows)."""
+    from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
+
+    gen = torch.Generator().manual_seed(seed)
+    totals = list(decode_lens) + [c + q for c, q in prefills]
+    counts = [math.ceil(n / page) for n in totals]
+    num_blocks = sum(counts) + 1
+    perm = torch.randperm(num_blocks, generator=gen)
+    released = GARBAGE if windowed_layout else int(perm[-1])  # the last block: nobody's
+    tables, used = [], 0
+    for s, count in enumerate(counts):
+        row = perm[used:used + count].clone()
+        used += count
+        first_query = totals[s] - 1 if s < len(decode_lens) else prefills[s - len(decode_lens)][0]
+        row[:max(0, first_query - window + 1) // page] = released
+        tables.append(row.to(DEVICE))
+    positions = [n - 1 for n in decode_lens] + [p for c, q in prefills for p in range(c, c + q)]
+    owners = [s for s in range(len(decode_lens))] + [len(decode_lens) + i for i, (_, q) in enumerate(prefills)
+                                                     for _ in range(q)]
+    slots = torch.stack([tables[s][p // page] * page + p % page for s, p in zip(owners, positions)])
+    num_decodes = len(decode_lens)
+    rows = []
+    for s, n in enumerate(decode_lens):
+        first = max(0, n - window) // page if windowed_layout else 0
+        rows.append(tables[s][first:])
+    width = max(len(r) for r in rows)
+    decode_tables = torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows])
+    seqs, start = [], num_decodes
+    for row, (context, count) in enumerate(prefills, start=num_decodes):
+        seqs.append(PrefillSeq(start, count, context, tables[row]))
+        start += count
+    meta = AttentionMetadata(slots, num_decodes, decode_tables, torch.tensor(decode_lens, device=DEVICE), None, seqs,
+                             decode_windowed=windowed_layout)
+    query, key, value = (randn(gen, len(positions), h, dim) for h in (heads, kv_heads, kv_heads))
+    caches = randn(gen, num_blocks, page, kv_heads, dim), randn(gen, num_blocks, page, kv_heads, dim)
+    return query, key, value, caches, meta
+
+
+@pytest.mark.parametrize("windowed_layout", [True, False])
+@pytest.mark.parametrize("prefills", [((3, 6), (12, 5), (0, 11)), ()])
+def test_worker_triton_variant_equals_the_torch_variant(windowed_layout, prefills):
+    """TritonAttentionBackend's windowed, capped variant (CUDA's) against the torch backend's (the CPU's) on a
+    sliding group's mixed and pure-decode steps, in both decode layouts; the KV writes equal too."""
+    from pagedserve.worker.attention import TorchAttentionBackend, TritonAttentionBackend
+
+    window, cap = 6, 1.5
+    query, key, value, caches, meta = _worker_step(window, windowed_layout, prefills)
+    runs = []
+    for backend in (TorchAttentionBackend().variant(window=window, softcap=cap),
+                    TritonAttentionBackend().variant(window=window, softcap=cap)):
+        k_cache, v_cache = (c.clone() for c in caches)
+        runs.append((backend.forward(query, key, value, k_cache, v_cache, meta, 0.3), k_cache, v_cache))
+    (want, k_want, v_want), (got, k_got, v_got) = runs
+    assert rel_err(got, want) < TOL[torch.float32]
+    assert torch.equal(k_want, k_got) and torch.equal(v_want, v_got)
+    plain = TritonAttentionBackend().variant(window=window).forward(query, key, value, *caches, meta, 0.3)
+    assert rel_err(plain, want) > 0.01  # the cap reached the kernels
+
+
+def test_each_backend_gives_its_own_kind_of_variant():
+    from pagedserve.worker.attention import (CpuKernelAttentionBackend, SoftcapAttention, TorchAttentionBackend,
+                                             TritonAttentionBackend)
+    from pagedserve.worker.sliding_window import SlidingWindowAttention
+
+    torch_backend = TorchAttentionBackend()
+    assert torch_backend.variant() is torch_backend
+    capped = torch_backend.variant(softcap=2.0)
+    assert type(capped) is SoftcapAttention and capped.softcap == 2.0
+    local = CpuKernelAttentionBackend(ops=None).variant(window=8, softcap=1.5)
+    assert type(local) is SlidingWindowAttention and (local.window, local.softcap) == (8, 1.5)
+    triton_backend = TritonAttentionBackend()
+    assert triton_backend.variant() is triton_backend
+    local = triton_backend.variant(window=8, softcap=1.5)
+    assert type(local) is TritonAttentionBackend and (local.window, local.softcap) == (8, 1.5)
+    with pytest.raises(ValueError, match="window and softcap"):
+        TritonAttentionBackend(window=-1)
+
+
+def test_gemma2_on_the_triton_backend_equals_transformers(tmp_path, monkeypatch):
+    """A Gemma 2 engine (window 8, score cap 1.5 in every layer) whose platform gives the Triton backend (CUDA's;
+    interpreted here): every layer takes its Triton variant, and greedy tokens equal transformers' with chunked
+    prefill (windowed decodes beside chunks in the local KV group)."""
+    from pagedserve.worker.attention import TritonAttentionBackend
+    from pagedserve.worker.platform import CpuPlatform
+    from test_gemma3 import LENGTHS, MAX_NEW, PROMPTS, run
+    from tiny_models import build_tiny_model, hf_greedy, make_engine
+
+    folder = build_tiny_model(tmp_path, "gemma2")
+    prompts = [p for p, n in zip(PROMPTS, LENGTHS) if n in (9, 28, 44)]
+    expected = hf_greedy(folder, prompts, MAX_NEW)
+    monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self: TritonAttentionBackend())
+    with make_engine(folder, device=DEVICE, max_num_batched_tokens=16, enforce_eager=True) as engine:
+        backends = [layer.self_attn.backend for layer in engine.runner.model.layers]
+        got = run(engine, prompts)
+    assert all(type(b) is TritonAttentionBackend for b in backends)
+    assert [(b.window, b.softcap) for b in backends] == [(8, 1.5), (0, 1.5)] * 2
+    assert got == expected
