@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_ops
-from pagedserve.worker.attention import (AttentionMetadata, CpuKernelAttentionBackend, PrefillSeq,
-                                       TorchAttentionBackend)
+from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
+from pagedserve.worker.torch_attention import CpuKernelAttentionBackend, TorchAttentionBackend
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 32, 4
 

@@ -36,7 +36,7 @@ def test_logprobs_equal_transformers(cohere):
 
 
 def test_cohere2_local_layers_window_and_take_rotary(tmp_path):
-    from pagedserve.worker.sliding_window import SlidingWindowAttention
+    from pagedserve.worker.torch_attention import SlidingWindowAttention
     folder = build_tiny_model(tmp_path / "r7b", "cohere2")
     with make_engine(folder) as engine:
         layers = engine.runner.model.layers

@@ -35,8 +35,7 @@ def test_greedy_tokens_equal_transformers(gemma, overrides):
 
 
 def test_layers_backends_and_kv_groups(gemma):
-    from pagedserve.worker.attention import SoftcapAttention
-    from pagedserve.worker.sliding_window import SlidingWindowAttention
+    from pagedserve.worker.torch_attention import SlidingWindowAttention, SoftcapAttention
     folder, _ = gemma
     with make_engine(folder) as engine:
         backends = [layer.self_attn.backend for layer in engine.runner.model.layers]

@@ -41,7 +41,7 @@ def gemma(tmp_path_factory):
 
 
 def test_batch_matches_transformers(gemma):
-    from pagedserve.worker.sliding_window import SlidingWindowAttention
+    from pagedserve.worker.torch_attention import SlidingWindowAttention
     folder, expected = gemma
     engine = make_engine(folder)
     assert run(engine) == expected
@@ -175,7 +175,7 @@ def dense_windowed(q, k, v, window, scale):
                          ids=["one_prefill", "chunks_then_decodes", "decodes"])
 def test_sliding_window_backend_equals_dense(chunks, windowed):
     from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
-    from pagedserve.worker.sliding_window import SlidingWindowAttention
+    from pagedserve.worker.torch_attention import SlidingWindowAttention
 
     torch.manual_seed(0)
     window, bs, n, heads, kv_heads, dim = 6, 4, sum(chunks), 4, 2, 8

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_ops
-from pagedserve.worker.attention import CpuKernelAttentionBackend, TorchAttentionBackend, TritonAttentionBackend
+from pagedserve.worker.attention import TritonAttentionBackend
+from pagedserve.worker.torch_attention import CpuKernelAttentionBackend, TorchAttentionBackend
 from pagedserve.worker.device_memory import MemoryReading, kv_budget
 from pagedserve.worker.mla_attention import TorchMLABackend, TritonMLABackend
 from pagedserve.worker.moe import GroupedTorchMoE, TritonMoE

@@ -535,7 +535,8 @@ def test_worker_triton_backend_equals_the_torch_backend(monkeypatch):
     """The worker's TritonAttentionBackend (what CUDA uses) against its TorchAttentionBackend on one
     mixed step: two decodes, a prefill chunk with cached context and a fresh prompt, scattered blocks;
     the kernel's tile map is built once a step, whatever the number of layers."""
-    from pagedserve.worker.attention import AttentionMetadata, PrefillSeq, TorchAttentionBackend, TritonAttentionBackend
+    from pagedserve.worker.attention import AttentionMetadata, PrefillSeq, TritonAttentionBackend
+    from pagedserve.worker.torch_attention import TorchAttentionBackend
 
     gen = torch.Generator().manual_seed(5)
     page, heads, kv_heads, dim, num_blocks = 4, 4, 2, 16, 40
@@ -587,8 +588,8 @@ def test_worker_triton_backend_equals_the_torch_backend(monkeypatch):
 
 def test_worker_triton_backend_on_a_pure_decode_step():
     """A decode-only step converts its metadata on the device alone (what a captured graph replays)."""
-    from pagedserve.worker.attention import AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend, \
-        kernel_metadata
+    from pagedserve.worker.attention import AttentionMetadata, TritonAttentionBackend, kernel_metadata
+    from pagedserve.worker.torch_attention import TorchAttentionBackend
 
     gen = torch.Generator().manual_seed(6)
     page, heads, kv_heads, dim, num_blocks, lens = 4, 4, 2, 16, 12, [5, 9, 1]

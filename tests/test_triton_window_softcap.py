@@ -167,7 +167,8 @@ def _worker_step(window: int, windowed_layout: bool, prefills=((3, 6), (12, 5), 
 def test_worker_triton_variant_equals_the_torch_variant(windowed_layout, prefills):
     """TritonAttentionBackend's windowed, capped variant (CUDA's) against the torch backend's (the CPU's) on a
     sliding group's mixed and pure-decode steps, in both decode layouts; the KV writes equal too."""
-    from pagedserve.worker.attention import TorchAttentionBackend, TritonAttentionBackend
+    from pagedserve.worker.attention import TritonAttentionBackend
+    from pagedserve.worker.torch_attention import TorchAttentionBackend
 
     window, cap = 6, 1.5
     query, key, value, caches, meta = _worker_step(window, windowed_layout, prefills)
@@ -184,9 +185,9 @@ def test_worker_triton_variant_equals_the_torch_variant(windowed_layout, prefill
 
 
 def test_each_backend_gives_its_own_kind_of_variant():
-    from pagedserve.worker.attention import (CpuKernelAttentionBackend, SoftcapAttention, TorchAttentionBackend,
-                                             TritonAttentionBackend)
-    from pagedserve.worker.sliding_window import SlidingWindowAttention
+    from pagedserve.worker.attention import TritonAttentionBackend
+    from pagedserve.worker.torch_attention import (CpuKernelAttentionBackend, SlidingWindowAttention, SoftcapAttention,
+                                                   TorchAttentionBackend)
 
     torch_backend = TorchAttentionBackend()
     assert torch_backend.variant() is torch_backend

@@ -26,16 +26,12 @@ import torch
 
 from pagedserve.kernels.cpu_ops import cpu_has_fast_bf16
 from pagedserve.worker import parallel
-from pagedserve.worker.attention import (
-    AttentionBackend,
-    CpuKernelAttentionBackend,
-    TorchAttentionBackend,
-    TritonAttentionBackend,
-)
+from pagedserve.worker.attention import AttentionBackend, TritonAttentionBackend
 from pagedserve.worker.device_memory import MemoryReading, kv_budget
 from pagedserve.worker.mla_attention import MLAAttentionBackend, TorchMLABackend, TritonMLABackend
 from pagedserve.worker.moe import GroupedTorchMoE, MoEBackend, TritonMoE
 from pagedserve.worker.ops import CpuKernelOps, CudaOps, NativeOps
+from pagedserve.worker.torch_attention import CpuKernelAttentionBackend, TorchAttentionBackend
 
 log = logging.getLogger("pagedserve")
 
