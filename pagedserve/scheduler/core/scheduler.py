@@ -5,7 +5,8 @@ partial prefills, then swapped-out requests, then waiting ones — all against m
 max_num_batched_tokens; except that a prefill with more than a chunk to go leaves a step now and then
 to the short prompts at the head of the waiting queue (short_first.py). When blocks run out the
 lowest-priority (latest-arrived) running request is preempted, by recompute or by swapping its blocks
-to the host pool.
+to the host pool. The step being built, and what fits in it (a waiting request admitted, a swapped
+one brought back, a row's proposals), is step_draft.py; this module orders the step and preempts.
 
 Async scheduling (schedule(ahead=True), vLLM's): while one step runs on the worker, the next is
 scheduled as if each request that step samples already had its token (Request.num_pending_samples):
@@ -37,23 +38,21 @@ request's updates of that step), never with the other samples'.
 from __future__ import annotations
 
 import bisect
-import time
 from collections.abc import Sequence
 
 from pagedserve.common.request_checks import prompt_tokens_problem
 from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.common.stop_rules import at_length, samples_any
-from pagedserve.common.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData, SampledToken,
-                                        SchedulerOutput)
-from pagedserve.scheduler.core.block_manager import Allocation, cdiv
+from pagedserve.common.messages import ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
 from pagedserve.scheduler.core.config import SchedulerConfig
-from pagedserve.scheduler.core.kv_groups import blocks_for_sequence, make_block_manager, step_entry
+from pagedserve.scheduler.core.kv_groups import blocks_for_sequence, make_block_manager
 from pagedserve.scheduler.core.results import (RequestUpdate, append_sample, first_prompt_logprobs, fork_children,
                                                pooled_vector)
 from pagedserve.scheduler.core.request import Request, RequestNotServable, RequestStatus, sample_ids
 from pagedserve.scheduler.core.sample_ids import SampleIds
 from pagedserve.scheduler.core.short_first import is_short, yielding_prefills
 from pagedserve.scheduler.core.speculation import Speculation
+from pagedserve.scheduler.core.step_draft import StepDraft
 from pagedserve.scheduler.core.step_stats import StepStats, count_step
 
 
@@ -61,7 +60,6 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.speculation = Speculation(speculative) if speculative is not None else None
-        self._speculate = False  # this step may carry proposals (schedule() decides)
         self.block_manager = make_block_manager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching,
                                                 config.num_cpu_blocks, config.kv_group_windows)
         self.waiting: list[Request] = []  # sorted by Request.sort_key
@@ -77,7 +75,7 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self.last_step = StepStats()
-        self._wait_reason: str | None = None
+        self._draft: StepDraft | None = None  # the step schedule() is building (step_draft.py)
         # An ahead step left work that only a step after the results can do (a preemption to
         # free blocks, a swap-in): the caller should schedule the next step synchronously.
         self.needs_sync = False
@@ -180,14 +178,11 @@ class Scheduler:
         self.needs_sync = False
         out = SchedulerOutput(self.step_id, [], [], {}, finished_req_ids=self._dropped_ids)
         self._dropped_ids = []
-        self._budget = self.config.max_num_batched_tokens
-        self._entries: dict[str, NewRequestData | CachedRequestData] = {}
-        self._copies: dict[str, list[tuple[int, int]]] = {}
-        self._decode_ids: set[str] = set()
-        self._wait_reason = None
         preemptions_before = self.num_preemptions
-        self._speculate = (self.speculation is not None and not ahead
-                           and self.speculation.begin_step(self.requests, len(self.running)))
+        speculate = (self.speculation is not None and not ahead
+                     and self.speculation.begin_step(self.requests, len(self.running)))
+        draft = self._draft = StepDraft(self.config, self.block_manager, self.waiting, self.running, self.swapped,
+                                        self._key, self.step_id, self.speculation if speculate else None)
 
         decodes, prefills = [], []
         for r in self.running:
@@ -205,13 +200,13 @@ class Scheduler:
             prefills = [r for r in prefills if r not in yielding]
         preempted = self._schedule_all(decodes + prefills, out, ahead)
 
-        queues = [(self.swapped, self._swap_in), (self.waiting, self._admit)]
+        queues = [(self.swapped, draft.swap_in), (self.waiting, draft.admit)]
         if ahead:
             self.needs_sync |= bool(self.swapped)
             queues = queues[1:]
         admitted = 0
         for queue, admit in queues:
-            while queue and self._budget > 0 and not preempted:
+            while queue and draft.budget > 0 and not preempted:
                 req = queue[0]
                 if yielding and not is_short(req, cap):
                     break  # the step is the short prompts' (short_first.py)
@@ -234,18 +229,18 @@ class Scheduler:
             self.step_id -= 1
             self._dropped_ids = out.finished_req_ids + self._dropped_ids
             return None
-        self.last_step = count_step(out, self._decode_ids, len(self.waiting), self.num_preemptions - preemptions_before,
-                                    preempted, self._budget, self._wait_reason)
-        for entry in self._entries.values():
+        self.last_step = count_step(out, draft.decode_ids, len(self.waiting), self.num_preemptions - preemptions_before,
+                                    preempted, draft.budget, draft.wait_reason)
+        for entry in draft.entries.values():
             (out.new_requests if isinstance(entry, NewRequestData) else out.cached_requests).append(entry)
-        out.blocks_to_copy = [pair for pairs in self._copies.values() for pair in pairs]
+        out.blocks_to_copy = [pair for pairs in draft.copies.values() for pair in pairs]
         return out
 
     def _schedule_all(self, reqs: list[Request], out: SchedulerOutput, ahead: bool) -> bool:
         """Schedule running requests in order while the budget lasts; True if one was preempted."""
         preempted = False
         for req in reqs:
-            if self._budget == 0:
+            if self._draft.budget == 0:
                 break
             if req.status is RequestStatus.RUNNING:
                 try:
@@ -351,9 +346,9 @@ class Scheduler:
         if out is not None:
             for r in self.groups.get(req.group_id) or [req]:
                 if r.request_id in out.num_scheduled_tokens:
-                    self._budget += out.num_scheduled_tokens.pop(r.request_id)
-                    self._copies.pop(r.request_id, None)
-                    if isinstance(self._entries.pop(r.request_id, None), NewRequestData):
+                    self._draft.budget += out.num_scheduled_tokens.pop(r.request_id)
+                    self._draft.copies.pop(r.request_id, None)
+                    if isinstance(self._draft.entries.pop(r.request_id, None), NewRequestData):
                         r.sent_to_worker = False  # the worker never hears of it
         if not self.abort(req.group_id) and not req.status.finished:
             self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -361,28 +356,6 @@ class Scheduler:
         if out is not None:  # what it held on the worker is dropped by this same step
             out.finished_req_ids.extend(self._dropped_ids)
             self._dropped_ids.clear()
-
-    def _num_seqs_after(self, req: Request) -> int:
-        # Samples that running requests will fork on their first token count already.
-        pending = sum(len(r.child_req_ids) for r in self.running)
-        return len(self.running) + pending + 1 + len(req.child_req_ids)
-
-    def _lora_fits(self, req: Request) -> bool:
-        """Whether req's adapter (if any) is running already or one more fits --max-loras."""
-        name = req.params.lora_name
-        if not name:
-            return True
-        running = {r.params.lora_name for r in self.running if r.params.lora_name}
-        if name in running or len(running) < self.config.max_loras:
-            return True
-        self._wait_reason = "seq_budget"
-        return False
-
-    def _chunk(self, num_remaining: int) -> int:
-        cap = self.config.long_prefill_token_threshold
-        if cap and self.config.enable_chunked_prefill:
-            num_remaining = min(num_remaining, cap)
-        return min(num_remaining, self._budget)
 
     def _waits_for_result(self, req: Request) -> bool:
         """An ahead step leaves out a request whose next token depends on what the running step
@@ -399,18 +372,18 @@ class Scheduler:
     def _schedule_ahead(self, req: Request, out: SchedulerOutput) -> None:
         """Schedule a running request in an ahead step: no preemption. Out of blocks, it waits,
         and needs_sync asks for the next step after the results, where preemption can free some."""
-        num_new = self._chunk(req.num_unscheduled_tokens)
+        num_new = self._draft.chunk(req.num_unscheduled_tokens)
         result = self.block_manager.allocate(req.request_id, req.num_scheduled_tokens, num_new)
         if result is None:
             self.needs_sync = True
             return
-        self._record(req, num_new, result, out)
+        self._draft.record(req, num_new, result, out)
 
     def _schedule_running(self, req: Request, out: SchedulerOutput) -> bool:
         """Schedule a running request, preempting others if blocks run out. False if anything
         was preempted."""
-        num_new = self._chunk(req.num_unscheduled_tokens)
-        spec = self._proposals(req, num_new)
+        num_new = self._draft.chunk(req.num_unscheduled_tokens)
+        spec = self._draft.proposals(req, num_new)
         preempted = False
         while True:
             result = self.block_manager.allocate(req.request_id, req.num_scheduled_tokens, num_new + len(spec))
@@ -431,7 +404,7 @@ class Scheduler:
             preempted = True
             if victim is req:
                 return False
-        self._record(req, num_new + len(spec), result, out, spec=spec)
+        self._draft.record(req, num_new + len(spec), result, out, spec=spec)
         return not preempted
 
     def waits_for_speculation(self) -> bool:
@@ -449,33 +422,6 @@ class Scheduler:
         return any(spec.propose(r, budget, max_len, self.step_id + 1) for r in self.running
                    if r.status is RequestStatus.RUNNING)
 
-    def _proposals(self, req: Request, num_new: int) -> list[int]:
-        if not self._speculate or num_new != 1 or req.num_unscheduled_tokens != 1:
-            return []
-        return self.speculation.propose(req, self._budget - 1, self.config.max_model_len, self.step_id)
-
-    def _record(self, req: Request, num_new: int, alloc: Allocation, out: SchedulerOutput,
-                whole_table: bool = False, spec: list[int] = ()) -> None:
-        out.num_scheduled_tokens[req.request_id] = num_new
-        self._budget -= num_new
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.monotonic()
-            req.first_step = self.step_id
-        self._entries[req.request_id] = step_entry(self.block_manager, req, alloc, whole_table)
-        if spec:
-            out.spec_token_ids[req.request_id] = spec
-            req.num_spec_tokens = len(spec)
-        if (num_new - len(spec) == 1 and req.num_unscheduled_tokens == 1
-                and req.num_output_tokens + req.num_pending_samples):
-            self._decode_ids.add(req.request_id)  # the next token after a sampled one (StepStats)
-        req.num_inflight_tokens += num_new
-        if req.num_unscheduled_tokens <= 0 and samples_any(req.params):  # < 0: the row's proposals
-            req.num_pending_samples += 1  # the worker samples where the known tokens end
-        if not req.sent_to_worker:
-            req.sent_to_worker = True
-        elif alloc.replaced:
-            self._copies[req.request_id] = [(src, dst) for _, _, src, dst in alloc.replaced]
-
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         victim.num_preemptions += 1
@@ -486,9 +432,9 @@ class Scheduler:
         # A victim scheduled earlier in this step gives its tokens back.
         copied_this_step = False
         if victim.request_id in out.num_scheduled_tokens:
-            self._budget += out.num_scheduled_tokens.pop(victim.request_id)
-            entry = self._entries.pop(victim.request_id, None)
-            copied_this_step = self._copies.pop(victim.request_id, None) is not None
+            self._draft.budget += out.num_scheduled_tokens.pop(victim.request_id)
+            entry = self._draft.entries.pop(victim.request_id, None)
+            copied_this_step = self._draft.copies.pop(victim.request_id, None) is not None
             if isinstance(entry, NewRequestData):
                 victim.sent_to_worker = False
         bm = self.block_manager
@@ -506,63 +452,6 @@ class Scheduler:
             out.finished_req_ids.append(victim.request_id)
             victim.sent_to_worker = False
         bisect.insort(self.waiting, victim, key=self._key)
-
-    def _swap_in(self, req: Request, out: SchedulerOutput) -> bool:
-        bm = self.block_manager
-        if self._num_seqs_after(req) > self.config.max_num_seqs:
-            self._wait_reason = "seq_budget"
-            return False
-        if not self._lora_fits(req):
-            return False
-        num_new = self._chunk(req.num_tokens - req.num_computed_tokens)
-        total = req.num_computed_tokens + num_new
-        extra = max(0, cdiv(total, bm.block_size) - len(bm.cpu_tables[req.request_id]))
-        if not bm.can_swap_in(req.request_id, extra):
-            self._wait_reason = "no_blocks"
-            return False
-        out.blocks_to_swap_in.extend(bm.swap_in(req.request_id))
-        result = bm.allocate(req.request_id, req.num_computed_tokens, num_new)
-        assert result is not None, "swap-in reserved the blocks it needs"
-        self.swapped.remove(req)
-        req.status = RequestStatus.RUNNING
-        bisect.insort(self.running, req, key=self._key)
-        self._record(req, num_new, result, out, whole_table=True)
-        return True
-
-    def _admit(self, req: Request, out: SchedulerOutput) -> bool:
-        cfg, bm = self.config, self.block_manager
-        if self._num_seqs_after(req) > cfg.max_num_seqs:
-            self._wait_reason = "seq_budget"
-            return False
-        if not self._lora_fits(req):
-            return False
-        # A cached prefix computes no logits or hidden states: a request that reads them (prompt
-        # logprobs, mean/cls pooling) takes no hits (as vLLM does); it still fills the cache for others.
-        hits = (bm.find_cached_prefix(req.request_id, req.token_ids, req.params.prefix_salt)
-                if req.params.takes_prefix_hits else [])
-        num_computed = len(hits) * cfg.block_size
-        num_new = req.num_tokens - num_computed
-        # Unchunked prefill waits for a step with room, unless no step could ever hold it
-        # (a request resumed after preemption carries its outputs too): then it goes in chunks.
-        if not cfg.enable_chunked_prefill and self._budget < num_new <= cfg.max_num_batched_tokens:
-            self._wait_reason = "token_budget"
-            return False
-        num_new = self._chunk(num_new)
-        # The watermark keeps headroom for running decodes; with none running it would only
-        # keep a prompt that needs the whole pool out forever.
-        result = bm.allocate(req.request_id, num_computed, num_new, hits, reserve_watermark=bool(self.running))
-        if result is None:
-            self._wait_reason = "no_blocks"
-            return False
-        bm.record_prefix_query(req.num_tokens, num_computed)
-        if req.num_preemptions == 0:
-            req.num_cached_tokens = num_computed
-        self.waiting.remove(req)
-        req.num_computed_tokens = num_computed
-        req.status = RequestStatus.RUNNING
-        bisect.insort(self.running, req, key=self._key)
-        self._record(req, num_new, result, out)
-        return True
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         queue = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,

@@ -1,0 +1,149 @@
+"""The step Scheduler.schedule() is building (StepDraft, one per step): the token budget it has
+left, each scheduled request's entry (new or cached) and copy-on-write pairs, which rows are decodes
+(StepStats), why the waiting queue stopped; and what fits in it: a waiting request admitted
+(admit: its prefix cache hits, the unchunked prefill that waits for room, the KV watermark), a
+swapped one brought back (swap_in), each against max_num_seqs, --max-loras and the free blocks,
+and a decode row's speculative proposals (proposals). The Scheduler decides the order, preempts
+and fails; this records what it scheduled (record).
+
+Threads: the scheduler's only. A draft lives for one schedule() call; it holds the Scheduler's
+queues and block manager (the same objects, not copies) and moves requests between them.
+
+Invariants: budget is max_num_batched_tokens less the tokens of every request in the step's
+num_scheduled_tokens (whatever the Scheduler takes back out of the step, it gives back here);
+a request admitted or swapped in is in running, sorted by the queues' key, and has its entry.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+
+from pagedserve.common.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.common.stop_rules import samples_any
+from pagedserve.scheduler.core.block_manager import Allocation, BlockManager, cdiv
+from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.core.kv_groups import step_entry
+from pagedserve.scheduler.core.request import Request, RequestStatus
+from pagedserve.scheduler.core.speculation import Speculation
+
+
+class StepDraft:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, waiting: list[Request],
+                 running: list[Request], swapped: list[Request], key: Callable, step_id: int,
+                 speculation: Speculation | None) -> None:
+        """speculation: None unless this step may carry proposals (schedule() decides)."""
+        self.config, self.block_manager, self.step_id, self.speculation = config, block_manager, step_id, speculation
+        self.waiting, self.running, self.swapped, self._key = waiting, running, swapped, key  # sorted by key
+        self.budget = config.max_num_batched_tokens
+        self.entries: dict[str, NewRequestData | CachedRequestData] = {}
+        self.copies: dict[str, list[tuple[int, int]]] = {}
+        self.decode_ids: set[str] = set()
+        self.wait_reason: str | None = None
+
+    def chunk(self, num_remaining: int) -> int:
+        cap = self.config.long_prefill_token_threshold
+        if cap and self.config.enable_chunked_prefill:
+            num_remaining = min(num_remaining, cap)
+        return min(num_remaining, self.budget)
+
+    def _num_seqs_after(self, req: Request) -> int:
+        # Samples that running requests will fork on their first token count already.
+        pending = sum(len(r.child_req_ids) for r in self.running)
+        return len(self.running) + pending + 1 + len(req.child_req_ids)
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether req's adapter (if any) is running already or one more fits --max-loras."""
+        name = req.params.lora_name
+        if not name:
+            return True
+        running = {r.params.lora_name for r in self.running if r.params.lora_name}
+        if name in running or len(running) < self.config.max_loras:
+            return True
+        self.wait_reason = "seq_budget"
+        return False
+
+    def admit(self, req: Request, out: SchedulerOutput) -> bool:
+        cfg, bm = self.config, self.block_manager
+        if self._num_seqs_after(req) > cfg.max_num_seqs:
+            self.wait_reason = "seq_budget"
+            return False
+        if not self._lora_fits(req):
+            return False
+        # A cached prefix computes no logits or hidden states: a request that reads them (prompt
+        # logprobs, mean/cls pooling) takes no hits (as vLLM does); it still fills the cache for others.
+        hits = (bm.find_cached_prefix(req.request_id, req.token_ids, req.params.prefix_salt)
+                if req.params.takes_prefix_hits else [])
+        num_computed = len(hits) * cfg.block_size
+        num_new = req.num_tokens - num_computed
+        # Unchunked prefill waits for a step with room, unless no step could ever hold it
+        # (a request resumed after preemption carries its outputs too): then it goes in chunks.
+        if not cfg.enable_chunked_prefill and self.budget < num_new <= cfg.max_num_batched_tokens:
+            self.wait_reason = "token_budget"
+            return False
+        num_new = self.chunk(num_new)
+        # The watermark keeps headroom for running decodes; with none running it would only
+        # keep a prompt that needs the whole pool out forever.
+        result = bm.allocate(req.request_id, num_computed, num_new, hits, reserve_watermark=bool(self.running))
+        if result is None:
+            self.wait_reason = "no_blocks"
+            return False
+        bm.record_prefix_query(req.num_tokens, num_computed)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_computed
+        self.waiting.remove(req)
+        req.num_computed_tokens = num_computed
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=self._key)
+        self.record(req, num_new, result, out)
+        return True
+
+    def swap_in(self, req: Request, out: SchedulerOutput) -> bool:
+        bm = self.block_manager
+        if self._num_seqs_after(req) > self.config.max_num_seqs:
+            self.wait_reason = "seq_budget"
+            return False
+        if not self._lora_fits(req):
+            return False
+        num_new = self.chunk(req.num_tokens - req.num_computed_tokens)
+        total = req.num_computed_tokens + num_new
+        extra = max(0, cdiv(total, bm.block_size) - len(bm.cpu_tables[req.request_id]))
+        if not bm.can_swap_in(req.request_id, extra):
+            self.wait_reason = "no_blocks"
+            return False
+        out.blocks_to_swap_in.extend(bm.swap_in(req.request_id))
+        result = bm.allocate(req.request_id, req.num_computed_tokens, num_new)
+        assert result is not None, "swap-in reserved the blocks it needs"
+        self.swapped.remove(req)
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=self._key)
+        self.record(req, num_new, result, out, whole_table=True)
+        return True
+
+    def proposals(self, req: Request, num_new: int) -> list[int]:
+        if self.speculation is None or num_new != 1 or req.num_unscheduled_tokens != 1:
+            return []
+        return self.speculation.propose(req, self.budget - 1, self.config.max_model_len, self.step_id)
+
+    def record(self, req: Request, num_new: int, alloc: Allocation, out: SchedulerOutput,
+               whole_table: bool = False, spec: list[int] = ()) -> None:
+        out.num_scheduled_tokens[req.request_id] = num_new
+        self.budget -= num_new
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+            req.first_step = self.step_id
+        self.entries[req.request_id] = step_entry(self.block_manager, req, alloc, whole_table)
+        if spec:
+            out.spec_token_ids[req.request_id] = spec
+            req.num_spec_tokens = len(spec)
+        if (num_new - len(spec) == 1 and req.num_unscheduled_tokens == 1
+                and req.num_output_tokens + req.num_pending_samples):
+            self.decode_ids.add(req.request_id)  # the next token after a sampled one (StepStats)
+        req.num_inflight_tokens += num_new
+        if req.num_unscheduled_tokens <= 0 and samples_any(req.params):  # < 0: the row's proposals
+            req.num_pending_samples += 1  # the worker samples where the known tokens end
+        if not req.sent_to_worker:
+            req.sent_to_worker = True
+        elif alloc.replaced:
+            self.copies[req.request_id] = [(src, dst) for _, _, src, dst in alloc.replaced]
