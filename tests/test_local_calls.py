@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from pagedserve.common.grpc_util import free_port
-from pagedserve.common.local_calls import LocalCallServer, LocalOrGrpcCall, LocalSocketPath, Method
+from pagedserve.common.local_call_server import LocalCallServer, Method
+from pagedserve.common.local_calls import LocalOrGrpcCall, LocalSocketPath
 from pagedserve.common.step_frames import frame
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 

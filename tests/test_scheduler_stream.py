@@ -12,7 +12,8 @@ import pytest
 from fake_workers import expected, started_service
 
 from pagedserve.common.grpc_util import free_port
-from pagedserve.common.local_calls import LocalCallServer, LocalOrGrpcCall, LocalSocketPath, Method
+from pagedserve.common.local_call_server import LocalCallServer, Method
+from pagedserve.common.local_calls import LocalOrGrpcCall, LocalSocketPath
 from pagedserve.scheduler.server import SchedulerServicer
 from pagedserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 

@@ -21,7 +21,7 @@ from pagedserve.common.grpc_util import (
     add_health_and_reflection,
     set_serving,
 )
-from pagedserve.common.local_calls import LocalCallServer, Method
+from pagedserve.common.local_call_server import LocalCallServer, Method
 from pagedserve.common.store import open_store
 from pagedserve.v1 import common_pb2, generate_pb2, scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.scheduler.service import SchedulerService, ServiceConfig

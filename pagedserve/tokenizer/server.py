@@ -12,7 +12,7 @@ import uvloop
 
 from pagedserve.common.grpc_util import (SERVER_OPTIONS, MalformedRequestInterceptor, StatusError,
                                          add_health_and_reflection, add_internal_port, set_serving)
-from pagedserve.common.local_calls import LocalCallServer, Method
+from pagedserve.common.local_call_server import LocalCallServer, Method
 from pagedserve.common.sampling_defaults import read_defaults
 from pagedserve.tokenizer.service import TokenizerService, load_tokenizer
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
