@@ -12,7 +12,7 @@ import sys
 from pagedserve.common.config_file import expand_config
 from pagedserve.common.engine_args import add_engine_args
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.common.settings import apply_env_defaults
+from pagedserve.common.settings_cli import apply_env_defaults
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens",
                  "stop_token_ids", "n", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty")

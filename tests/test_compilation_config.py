@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from pagedserve.common.compilation import GraphPlan, graph_plan
-from pagedserve.common.settings import add_settings
+from pagedserve.common.settings_cli import add_settings
 
 
 @pytest.mark.parametrize("config,plan", [

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from pagedserve.common.settings import argv_for, defaults
+from pagedserve.common.settings import defaults
+from pagedserve.common.settings_cli import argv_for
 from pagedserve.worker.main import apply_omp_wait_policy
 
 

@@ -12,8 +12,9 @@ import sys
 import pytest
 
 from pagedserve.common import settings
-from pagedserve.common.settings import (SERVICES, SETTINGS, Setting, add_settings, apply_env_defaults, argv_for,
-                                        handed_on_env, secret_env, settings_of, shared, step_budgets)
+from pagedserve.common.setting_spec import SERVICES, Setting
+from pagedserve.common.settings import SETTINGS, settings_of, shared, step_budgets
+from pagedserve.common.settings_cli import add_settings, apply_env_defaults, argv_for, handed_on_env, secret_env
 
 COMMANDS = ("serve", "worker", "scheduler", "tokenizer", "gateway")
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.common.settings import argv_for, defaults
+from pagedserve.common.settings import defaults
+from pagedserve.common.settings_cli import argv_for
 from pagedserve.kernels import cpu_ops
 from pagedserve.worker.main import apply_cpu_kernel_threads
 

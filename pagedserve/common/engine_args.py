@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.common.settings import add_settings
+from pagedserve.common.settings_cli import add_settings
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """Every setting of pagedserve, declared once (in the manner of vLLM's EngineArgs).
 
-A Setting is one command-line flag: its type, default, help, the environment variable that also
+A Setting (setting_spec.py) is one command-line flag: its type, default, help, the environment variable that also
 sets it (PAGEDSERVE_ and the flag's name in capitals, dashes as underscores: --max-num-seqs is
 PAGEDSERVE_MAX_NUM_SEQS; the command line wins) and the services that take it:
 
@@ -8,9 +8,9 @@ PAGEDSERVE_MAX_NUM_SEQS; the command line wins) and the services that take it:
     serve       the launcher, which hands each child the settings they both take (argv_for)
     worker, scheduler, tokenizer, gateway     each service alone
 
-SETTINGS is the one table. Every parser takes its slice with add_settings(parser, service); the
+SETTINGS is the one table, here. Every parser takes its slice with add_settings(parser, service); the
 launcher builds its children's command lines with argv_for and their secrets' environment with
-secret_env; compose sets the same variables. A flag that means different things to different
+secret_env (both settings_cli.py); compose sets the same variables. A flag that means different things to different
 services (--port: 8000 on the gateway, 50060 on the scheduler) is declared once per meaning.
 
 Invariants (checked at import): a service never takes two settings of one name; every service
@@ -21,19 +21,14 @@ import-linter contract), since every service process builds its parser from this
 
 from __future__ import annotations
 
-import argparse
-import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.common.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 from pagedserve.common.replicas import (DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TTL_S,
                                         DEFAULT_PUBLISHED_BLOCKS)
+from pagedserve.common.setting_spec import SERVICES, Setting
 from pagedserve.common.store import DEFAULT_PREFIX, DEFAULT_RETENTION_S, DEFAULT_TTL_S
 
-SERVICES = ("engine", "serve", "worker", "scheduler", "tokenizer", "gateway")
-ENV_PREFIX = "PAGEDSERVE_"
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORTS = {"http": 8000, "grpc": 50051, "tokenizer": 50052, "scheduler": 50060, "worker": 50061}
 
@@ -61,72 +56,6 @@ def step_budgets(max_num_batched_tokens: int | None, long_prefill_token_threshol
 
 
 # ---- the declaration ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Setting:
-    flag: str  # "--max-num-seqs"
-    services: frozenset[str]  # which of SERVICES take it (written as one space-separated string)
-    type: type = str  # int, float, str; bool: a switch (store_true)
-    default: Any = None
-    help: str = ""
-    choices: tuple | None = None
-    default_text: str | None = None  # how --help states a default the table leaves None (computed later)
-    group: str = ""  # its section of --help ("" or the service's own name: the main one)
-    many: bool = False  # repeatable; the value is a list
-    several: bool = False  # with many: one flag may take several values (vLLM's nargs="+": --served-model-name a b)
-    secret: bool = False  # the launcher hands it on by environment, never on a command line `ps` shows
-    # vLLM's spellings of the same setting, so that a vLLM command line starts: other names of the flag
-    # ("-tp"), and for a switch the names that turn it off ("--enable-prefix-caching" of --no-prefix-caching)
-    aliases: tuple[str, ...] = ()
-    opposites: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if isinstance(self.services, str):
-            object.__setattr__(self, "services", frozenset(self.services.split()))
-        unknown = self.services - set(SERVICES)
-        if unknown or not self.services:
-            raise ValueError(f"{self.flag}: unknown services {sorted(unknown)}")
-        if self.choices is not None and self.default is not None and self.default not in self.choices:
-            raise ValueError(f"{self.flag}: default {self.default!r} is not among {self.choices}")
-        if self.opposites and (self.type is not bool or self.default):
-            raise ValueError(f"{self.flag}: only a switch that is off by default has opposites")
-
-    @property
-    def dest(self) -> str:
-        return self.flag.removeprefix("--").replace("-", "_")
-
-    @property
-    def env(self) -> str:
-        return env_name(self.dest)
-
-    def help_text(self, with_env: bool) -> str:
-        text = self.help.replace("%", "%%")
-        if self.secret:
-            default = "none"
-        elif self.type is bool:
-            default = "off"
-        elif self.default is None or self.default == "":
-            default = self.default_text or ("unset" if self.default is None else "empty")
-        else:
-            default = "%(default)s"  # argparse's: the variable's value when one is set
-        env = ""
-        if with_env:
-            env = f"; env {self.env}" + ("=1" if self.type is bool else ", comma-separated" if self.many else "")
-        return f"{text} (default: {default}{env})" if text else f"(default: {default}{env})"
-
-
-def env_name(dest: str) -> str:
-    return ENV_PREFIX + dest.upper()
-
-
-def parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{text!r} is not a boolean (1/0, true/false, yes/no, on/off)")
-
-
 def _settings() -> tuple[Setting, ...]:
     S = Setting
     ports = DEFAULT_PORTS
@@ -442,96 +371,3 @@ def _check_table() -> None:
 
 
 _check_table()
-
-
-# ---- parsers -----------------------------------------------------------------------------------
-ENV_EPILOG = (f"Every flag --some-flag is also read from the environment variable {ENV_PREFIX}SOME_FLAG "
-              "(the command line wins).")
-
-
-def add_settings(parser: argparse.ArgumentParser, service: str, with_env: bool = True) -> None:
-    """Add the service's flags to parser, grouped as the table says; with_env: --help names each
-    flag's variable (the caller then calls apply_env_defaults, as pagedserve.cli does)."""
-    groups: dict[str, Any] = {}
-    for s in settings_of(service):
-        title = "" if s.group in ("", service) else s.group
-        if title and title not in groups:
-            groups[title] = parser.add_argument_group(title)
-        target = groups[title] if title else parser
-        kwargs: dict[str, Any] = {"default": s.default, "help": s.help_text(with_env)}
-        if s.type is bool:
-            kwargs["action"] = "store_true"
-        else:
-            kwargs.update(type=s.type, choices=s.choices, action="append" if s.many else "store")
-            if s.several:
-                kwargs.update(action="extend", nargs="+")
-        target.add_argument(s.flag, *s.aliases, **kwargs)
-        if s.opposites:
-            target.add_argument(*s.opposites, dest=s.dest, action="store_false", default=s.default,
-                                help=f"vLLM's: the default (not {s.flag})")
-    if with_env and not parser.epilog:
-        parser.epilog = ENV_EPILOG
-
-
-def apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str] = os.environ) -> None:
-    """Every flag --some-flag also reads PAGEDSERVE_SOME_FLAG (the command line wins): the variable
-    becomes the flag's default. A value the flag would refuse raises ValueError naming both."""
-    for action in parser._actions:
-        if not action.option_strings or action.dest == "help" or isinstance(action, argparse._StoreFalseAction):
-            continue  # (a switch's opposite, e.g. --enable-prefix-caching, reads no variable of its own)
-        name = env_name(action.dest)
-        value = environ.get(name)
-        if value is None:
-            continue
-        try:
-            action.default = _env_value(action, value)
-        except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
-            raise ValueError(f"{name}={value!r} is not a valid {action.option_strings[0]} ({exc})") from None
-
-
-def _env_value(action: argparse.Action, text: str) -> Any:
-    if isinstance(action, argparse._StoreTrueAction):
-        return parse_bool(text)
-    value = action.type(text) if action.type is not None else text
-    if action.choices is not None and value not in action.choices:
-        raise ValueError(f"not one of {', '.join(map(str, action.choices))}")
-    return [value] if isinstance(action, argparse._AppendAction) else value
-
-
-# ---- handing settings on (the launcher) -----------------------------------------------------------
-def argv_for(service: str, values: Mapping[str, Any], source: str = "serve", skip: Iterable[str] = ()) -> list[str]:
-    """The flags that give `service` the values `source` holds for the settings both take, in table
-    order: each value that differs from the default (None: the service's default). Secrets never
-    (see secret_env), nor the dests in skip (those the caller sets itself)."""
-    skip = set(skip)
-    out: list[str] = []
-    for s in shared(source, service):
-        value = values.get(s.dest, s.default)
-        if s.secret or s.dest in skip or value is None or value == s.default:
-            continue
-        if s.type is bool:
-            if value:
-                out.append(s.flag)
-        elif s.many:
-            for item in value:
-                out += [s.flag, str(item)]
-        else:
-            out += [s.flag, str(value)]
-    return out
-
-
-def handed_on_env(service: str, source: str = "serve", skip: Iterable[str] = ()) -> set[str]:
-    """The variables of the settings argv_for hands on: the child's values are the source's, so a
-    variable left in the child's environment would only stand in for a default argv_for omitted."""
-    skip = set(skip)
-    return {s.env for s in shared(source, service) if not s.secret and s.dest not in skip}
-
-
-def secret_env(service: str, values: Mapping[str, Any], source: str = "serve") -> dict[str, str]:
-    """The secrets `source` hands `service`, as its environment variables (lists comma-joined)."""
-    out = {}
-    for s in shared(source, service):
-        value = values.get(s.dest)
-        if s.secret and value:
-            out[s.env] = ",".join(value) if isinstance(value, (list, tuple)) else str(value)
-    return out

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedserve.common.settings import LOOPBACK, argv_for, env_name, handed_on_env, secret_env, settings_of, shared
+from pagedserve.common.setting_spec import env_name
+from pagedserve.common.settings import LOOPBACK, settings_of, shared
+from pagedserve.common.settings_cli import argv_for, handed_on_env, secret_env
 
 # Settings `serve` shares with a child that the launcher sets itself (service_argvs).
 WIRED = frozenset({"host", "port", "grpc_port", "tensor_parallel_size"})

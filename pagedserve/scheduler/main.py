@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.common.settings import add_settings
+from pagedserve.common.settings_cli import add_settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

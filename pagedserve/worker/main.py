@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import MutableMapping
 
-from pagedserve.common.settings import add_settings
+from pagedserve.common.settings_cli import add_settings
 
 log = logging.getLogger("pagedserve.worker")
 
