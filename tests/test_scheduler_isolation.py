@@ -297,7 +297,7 @@ def test_an_abort_of_a_sample_that_does_not_exist_changes_nothing(service):
 
 
 def test_a_failed_step_ends_every_request_with_its_record(service, monkeypatch):
-    """What _fail_all is for: a step that failed as a whole (the forward pass raised, not a rank
+    """What RequestEndings.fail_all is for: a step that failed as a whole (the forward pass raised, not a rank
     that went away). Every request in flight ends with INTERNAL and its record finished, so that a
     restarted scheduler does not run them again; the engine serves on."""
     monkeypatch.setattr(service.workers, "receive", _failing_once(service.workers.receive, after_calls=3))

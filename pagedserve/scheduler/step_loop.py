@@ -11,11 +11,10 @@ Threads: every method here runs on the step-loop thread, the only one that touch
 other threads hand it work through `post` (callables run between two steps). The live groups'
 lock guards each group's subscriber list, which the gRPC event loop also reads.
 
-A bad request fails alone: an exception in one request's admission, its scheduling or results
-(the Scheduler reports those through take_failed), its publishing, replay or abort ends that
-request (_fail_group: its subscribers get INTERNAL, its blocks are freed, its record is finished)
-and nothing else. _fail_all is only for a step that failed as a whole (e.g. the forward pass),
-where no single request can be blamed. No command's exception ends the step-loop thread.
+A bad request fails alone: an exception in one request's admission, its scheduling or results,
+its publishing, replay or abort ends that request and nothing else; how a request is aborted,
+refused or failed is request_endings.py (`endings`). No command's exception ends the step-loop
+thread.
 
 Its interface, for the service that owns it (service.py): `start()`, `stop()`, `post(command)`,
 `admit(group)`, `replay(group, subscriber)`, `abort(request_id, index)`, `is_alive()` and
@@ -39,12 +38,13 @@ import grpc
 from pagedserve.common.grpc_util import StatusError
 from pagedserve.common.messages import SchedulerOutput
 from pagedserve.common.store import RecordWrite
-from pagedserve.scheduler.core.request import Request, RequestIdInUse, RequestNotServable
+from pagedserve.scheduler.core.request import Request, RequestIdInUse
 from pagedserve.scheduler.core.scheduler import Scheduler
 from pagedserve.scheduler.core.step_stats import StepStats
 from pagedserve.scheduler.health import Health
 from pagedserve.scheduler.records import GroupState, LiveGroups, RecordWriter
 from pagedserve.scheduler.recovery import Recovery
+from pagedserve.scheduler.request_endings import RequestEndings
 from pagedserve.scheduler.stats_log import StatsLog
 from pagedserve.scheduler.stats_recorder import MAX_PREFILL_CHUNKS_KEPT, StatsRecorder
 from pagedserve.scheduler.subscriptions import Delivery, Subscription
@@ -84,6 +84,7 @@ class StepLoop:
         self.eos_token_ids, self.async_scheduling = eos_token_ids, async_scheduling
         self.readmitted, self.orphan_deadline = readmitted, time.monotonic() + orphan_timeout_s
         self.stats_log = stats_log
+        self.endings = RequestEndings(scheduler, live, writer, recorder)  # aborts and failures, on this thread
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # callables run on the step-loop thread
         self.pending_admissions = 0  # admitted (event loop), not yet handed to the Scheduler
         self.inflight: deque[InFlightStep] = deque()  # sent, results not yet taken in
@@ -117,7 +118,7 @@ class StepLoop:
         self.commands.put(lambda: self._replay(group, sub))
 
     def abort(self, request_id: str, index: int | None) -> None:
-        self.commands.put(lambda: self._abort(request_id, index))
+        self.commands.put(lambda: self.endings.abort(request_id, index))
 
     # ---- on the step-loop thread --------------------------------------------------------------
     def _loop(self) -> None:
@@ -136,7 +137,7 @@ class StepLoop:
                 self.recovery.recover_workers(str(exc))
             except Exception as exc:  # noqa: BLE001 - keep serving; the requests in flight fail loudly
                 log.exception("step failed")
-                self._fail_all(StatusError(grpc.StatusCode.INTERNAL, f"the engine step failed: {exc}"))
+                self.endings.fail_all(StatusError(grpc.StatusCode.INTERNAL, f"the engine step failed: {exc}"))
 
     def _abort_orphans(self) -> None:
         """Requests re-admitted after a restart whose clients went down with the old scheduler:
@@ -145,7 +146,7 @@ class StepLoop:
                    and not g.subscribers and not g.done]
         self.readmitted = []
         for request_id in orphans:
-            self._abort(request_id, None)
+            self.endings.abort(request_id, None)
         if orphans:
             log.info("aborted %d re-admitted request(s) that no client re-attached to", len(orphans))
 
@@ -182,19 +183,19 @@ class StepLoop:
         try:
             self.scheduler.add_request(req)
         except RequestIdInUse as exc:
-            self._end_group(group, StatusError(grpc.StatusCode.ALREADY_EXISTS, str(exc)))
+            self.endings.end_group(group, StatusError(grpc.StatusCode.ALREADY_EXISTS, str(exc)))
             return
         except ValueError as exc:
-            self._end_group(group, StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+            self.endings.end_group(group, StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
             return
         except Exception as exc:  # noqa: BLE001 - this request fails alone
-            self._fail_group(group, exc, stored=False)
+            self.endings.fail_group(group, exc, stored=False)
             return
         try:
             self.recorder.totals.prompt_tokens += len(group.prompt_token_ids)
             self.writer.submit([RecordWrite(group.group_id, group.creation_fields(), created=True)], [])
         except Exception as exc:  # noqa: BLE001 - this request fails alone
-            self._fail_group(group, exc, stored=False)
+            self.endings.fail_group(group, exc, stored=False)
 
     def _replay(self, group: GroupState, sub: Subscription) -> None:
         try:
@@ -239,13 +240,13 @@ class StepLoop:
             if ahead is not None:
                 self._send_step(ahead)
             elif self.scheduler.failed:
-                self._end_failed()
+                self.endings.end_failed()
         self._take_results(self.inflight.popleft())
 
     def _send_step(self, sched: SchedulerOutput) -> None:
         started = time.perf_counter()
         if self.scheduler.failed:
-            self._end_failed()
+            self.endings.end_failed()
         now = time.time()
         requests = self.scheduler.requests
         wants_logprobs = set()
@@ -297,7 +298,7 @@ class StepLoop:
                 group.spec_accepted_tokens += max(0, len(result.sampled.get(req_id) or ()) - 1)
         updates = self.scheduler.update(sched, result)
         if self.scheduler.failed:
-            self._end_failed()
+            self.endings.end_failed()
         self._publish(updates)
         self.recorder.step(sched.step_id, step.scheduled_at, step.schedule_s + time.perf_counter() - started,
                            step.stats, self.scheduler)
@@ -355,91 +356,9 @@ class StepLoop:
                 group.finish_reasons[i] = ""
             if group in done:
                 done.remove(group)
-            self._fail_group(group, exc)
+            self.endings.fail_group(group, exc)
         for group, write, _ in changed.values():
             if "timings" in write.fields:
                 write.fields["timings"] = json.dumps(group.timings_snapshot())
                 write.ttl_samples = group.n
         self.writer.submit([w for _, w, _ in changed.values()], [(g, d) for g, _, d in changed.values()], done)
-
-    def _abort(self, request_id: str, index: int | None) -> None:
-        group = self.live.get(request_id)
-        if group is None or group.done:
-            return
-        try:
-            self._abort_group(group, index)
-        except Exception as exc:  # noqa: BLE001 - this request fails alone
-            self._fail_group(group, exc)
-
-    def _abort_group(self, group: GroupState, index: int | None) -> None:
-        request_id = group.group_id
-        for req in self.scheduler.groups.get(request_id, ()):
-            if index is None or req.sample_index == index:
-                group.ended_samples.setdefault(req.sample_index, req)
-        if not self.scheduler.abort(request_id, index) and index is not None:
-            return
-        now = time.time()
-        deliveries = []
-        for i in range(group.n) if index is None else [index]:
-            if not group.finish_reasons[i]:
-                group.finish_reasons[i] = "abort"
-                deliveries.append(Delivery(i, 0, [], finish_reason="abort"))
-        write = RecordWrite(request_id, {"finish_reasons": json.dumps(group.finish_reasons)})
-        if all(group.finish_reasons):
-            group.timings["finished"] = now
-            group.done = True
-            write.fields.update(status="finished", timings=json.dumps(group.timings_snapshot()))
-            write.finished = True
-            write.ttl_samples = group.n
-            self.recorder.remember(group)  # ended by abort: not counted as finished
-        for delivery in deliveries:
-            delivery.timings = group.timings_snapshot()
-        self.writer.submit([write], [(group, deliveries)], [group] if group.done else [])
-
-    def _end_group(self, group: GroupState, error: StatusError) -> None:
-        group.done = True
-        self.live.push_error(group, error)
-        self.writer.submit([], [], [group])
-
-    def _end_failed(self) -> None:
-        """The requests whose own bookkeeping raised in the Scheduler (aborted there already)."""
-        for group_id, exc in self.scheduler.take_failed():
-            group = self.live.get(group_id)
-            if group is not None and not group.done:
-                refused = None
-                if isinstance(exc, RequestNotServable):  # the request's own doing: a 400 naming why
-                    log.warning("request %s refused by the worker: %s", group_id, exc)
-                    refused = StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                self._fail_group(group, exc, error=refused)
-
-    def _fail_group(self, group: GroupState, exc: Exception, stored: bool = True,
-                    error: StatusError | None = None) -> None:
-        """An exception in this request's own work: it ends alone. Its blocks are freed, its
-        subscribers get INTERNAL (or error; the exception goes to the log, not to the client), its
-        record (stored: one was written) is finished with the unfinished samples 'abort' and the error."""
-        if error is None:
-            log.error("request %s failed in the scheduler; it alone is ended", group.group_id, exc_info=exc)
-        try:
-            self.scheduler.abort(group.group_id)  # no-op when the Scheduler ended it already
-        except Exception:  # noqa: BLE001 - its state may be what broke; the others go on regardless
-            log.exception("request %s: freeing it failed too", group.group_id)
-        group.finish_reasons = [r or "abort" for r in group.finish_reasons]
-        group.timings["finished"] = time.time()
-        error = error or StatusError(grpc.StatusCode.INTERNAL, f"request {group.group_id!r} failed in the "
-                                     "scheduler (the scheduler's log says why); other requests are not affected")
-        writes = []
-        if stored:  # the error kept with it: a later attach (a resume) is told the same
-            writes.append(RecordWrite(group.group_id, {
-                "status": "finished", "finish_reasons": json.dumps(group.finish_reasons),
-                "timings": json.dumps(group.timings_snapshot()), "error": error.details,
-                "error_code": error.code.name}, finished=True, ttl_samples=group.n))
-        group.done = True
-        self.live.push_error(group, error)
-        self.writer.submit(writes, [], [group])
-
-    def _fail_all(self, error: StatusError) -> None:
-        """The step failed as a whole: every request ends with error, its record finished (those
-        admitted have one) so that a restarted scheduler does not run them again for nobody."""
-        for group in list(self.live.groups.values()):
-            if not group.done:  # (_fail_group frees it; an exception there cannot end this loop)
-                self._fail_group(group, error, group.group_id in self.scheduler.groups, error)
