@@ -1,8 +1,8 @@
-"""The block tool-call parsers (pagedserve/gateway/block_tool_parsers.py: mistral, deepseek_v3,
-qwen3_coder, pythonic), in the formats their models write: whole text, and every split of it
-streamed (test_tool_parsers.check_stream_matches), which must give the same content and calls;
-malformed blocks are content; parallel_tool_calls=false keeps the first call; every parser streams
-a call's arguments in fragments before its block ends."""
+"""The block tool-call parsers (pagedserve/gateway/block_tool_parsers.py: mistral, deepseek_v3;
+typed_tool_parsers.py: qwen3_coder, pythonic), in the formats their models write: whole text, and
+every split of it streamed (test_tool_parsers.check_stream_matches), which must give the same
+content and calls; malformed blocks are content; parallel_tool_calls=false keeps the first call;
+every parser streams a call's arguments in fragments before its block ends."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from pagedserve.gateway.block_tool_parsers import (DeepSeekV3Parser, MistralParser, PythonicParser,
-                                                   Qwen3CoderParser)
+from pagedserve.gateway.block_tool_parsers import DeepSeekV3Parser, MistralParser
 from pagedserve.gateway.tool_parsers import assemble
 from pagedserve.gateway.tools import ToolOutput, stream_deltas
+from pagedserve.gateway.typed_tool_parsers import PythonicParser, Qwen3CoderParser
 from test_tool_parsers import calls_of, check_stream_matches
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
