@@ -1,7 +1,7 @@
 """One REST completions or chat call (or a resumed stream), from admission to its end:
 `CompletionCall` checks and forwards the request to the tokenizer's Generate stream, waits for
 it to be accepted (errors until then are plain HTTP errors), then answers with SSE (`stream`) or
-one JSON body collected to the end.
+one JSON body collected to the end (completion_answer.py).
 
 Lifecycle and its invariants:
   - accepted: the tokenizer's first message came; the call is in backend.inflight (the drain
@@ -20,17 +20,15 @@ background tasks (spawn), kept referenced until done.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import grpc
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pagedserve.common import request_checks as checks
 from pagedserve.v1 import common_pb2, generate_pb2
@@ -40,20 +38,19 @@ from pagedserve.gateway.generation import admit_first, forward_as, output_budget
 from pagedserve.gateway.metrics import RequestTracker
 from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_echo_text,
-                                         chat_to_generate, completion_to_generate, embedding_to_generate, error_body,
+                                         chat_to_generate, completion_to_generate, embedding_to_generate,
                                          include_event_ids, continuous_usage, include_usage)
 from pagedserve.gateway.reasoning import END as REASONING_END, request_parser
-from pagedserve.gateway.logprobs import show_ids_as_tokens, vllm_prompt_logprobs
-from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning
+from pagedserve.gateway.responses import Reasoning
 from pagedserve.gateway.tools import ToolOutput, chat_tools
-from pagedserve.gateway.background import spawn, watch_disconnect
+from pagedserve.gateway.background import spawn
 from pagedserve.gateway.beam_call import check_beam_request, run_beam_search
-from pagedserve.gateway.sse import DONE, SSE_HEADERS, CancellingStream, Cursor, ResumeSkip, sse_event
+from pagedserve.gateway.completion_answer import respond
+from pagedserve.gateway.sse import Cursor, ResumeSkip
 
 # The tokenizer keeps a stream's request running this long after its caller vanished without
 # aborting it (this gateway died), so that the client can resume it from another gateway.
 RESUME_GRACE_METADATA = "pagedserve-resume-grace"
-SHUTDOWN_MESSAGE = "the server is shutting down: the request was aborted after --shutdown-timeout"
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -201,7 +198,7 @@ class CompletionCall:
                 "skip_special_tokens": gen.skip_special_tokens,
                 "tools": self.tools.state() if self.tools else None,
                 "reasoning": [self.reasoning.parser] if self.reasoning else None})
-        return await self._respond(first)
+        return await respond(self, first)
 
     async def resume(self, request_id: str, last_event_id: str | None, after: str | None) -> Response:
         """GET /v1/requests/{id}/stream: replay the request from the start through the tokenizer
@@ -255,7 +252,7 @@ class CompletionCall:
             skip = ResumeSkip(backend.tokenizer, tokens, chars, done, gen.skip_special_tokens)
         self.call = backend.tokenizer.Generate(gen, metadata=self._metadata())
         first = await self._first()
-        return await self._respond(first, skip)
+        return await respond(self, first, skip)
 
     async def _first(self) -> generate_pb2.GenerateResponse:
         try:
@@ -273,14 +270,6 @@ class CompletionCall:
                                type="server_error")
         self.backend.inflight.add(self)
         return first
-
-    async def _respond(self, first, skip: ResumeSkip | None = None) -> Response:
-        if self.raw:
-            return self._stream(first, skip) if self.stream else await self._collect(first)
-        headers = {"x-request-id": self.client_id}
-        if self.stream:
-            return CancellingStream(self._stream(first, skip), self._closed, {**headers, **SSE_HEADERS})
-        return JSONResponse(await self._collect(first), headers=headers)
 
     def end(self, cancelled: bool = False) -> None:
         """Once: the request leaves this gateway's books."""
@@ -310,123 +299,6 @@ class CompletionCall:
     def _disconnected(self) -> None:
         self.client_gone = True
         self.call.cancel()
-
-    async def _read(self) -> generate_pb2.GenerateResponse | None:
-        msg = await self.call.read()
-        if msg is grpc.aio.EOF:
-            return None
-        if self.tracker is not None:
-            self.tracker.on_message(msg)
-        if self.ids_as_tokens:
-            show_ids_as_tokens(msg.logprobs)
-            if self.echo:  # an echo's logprobs list the prompt's entries first
-                show_ids_as_tokens(msg.prompt_logprobs)
-        return msg
-
-    async def _stream(self, first: generate_pb2.GenerateResponse, skip: ResumeSkip | None = None) -> AsyncIterator[str]:
-        builder = ChunkBuilder(self.chat, self.client_id, self.model, self.created, self.n, self.logprobs,
-                               echo=self.echo and skip is None, tools=self.tools,
-                               prompt_logprobs=getattr(self.body, "prompt_logprobs", None) is not None,
-                               reasoning=self.reasoning, token_ids=self.token_ids,
-                               chat_echo=self.chat_echo if skip is None else "")
-        cursor = Cursor(self.n)
-        usage, tracker = self.usage, self.tracker
-
-        def event(chunk: dict) -> str:
-            if self.continuous_usage:
-                builder.with_usage([chunk])
-            if self.raw:
-                return chunk
-            return sse_event(chunk, cursor.event_id() if self.event_ids else None)
-        try:
-            chunks = builder.add(first)
-            if skip is None:  # a resumed stream's client has had the role (chat) or echo chunks
-                for chunk in chunks:
-                    yield event(chunk)
-            while (msg := await self._read()) is not None:
-                cursor.grow(msg.index)
-                send = await skip.apply(msg, cursor) if skip is not None else msg
-                cursor.advance(msg)
-                if skip is not None:
-                    builder.skip_text(msg.index, msg.text[:len(msg.text) - len(send.text if send else "")])
-                if send is None:
-                    builder.usage.add(msg)
-                    continue
-                chunks = builder.add(send)
-                if send.text and chunks and tracker is not None:
-                    tracker.streamed()
-                if self.timings and not usage and chunks and msg.finish_reason and tracker is not None \
-                        and tracker.all_finished(self.n):
-                    chunks[-1]["timings"] = tracker.timings_object()
-                for chunk in chunks:
-                    yield event(chunk)
-            if usage:
-                chunk = builder.usage_chunk()
-                if self.timings and tracker is not None:
-                    chunk["timings"] = tracker.timings_object()
-                yield event(chunk)
-            if self.shutdown:
-                error = error_body(SHUTDOWN_MESSAGE, "service_unavailable", None, "server_shutdown")
-                yield error if self.raw else sse_event(error)
-            self.finished = True
-            yield DONE
-        except grpc.RpcError as exc:
-            # Headers are gone: report in-band, as vLLM does (the openai client raises on it).
-            self.finished = True
-            error = rpc_error(exc)
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                error.message = f"the request's timeout passed: it was aborted ({error.message})"
-                spawn(self.backend.abort(self.request_id))
-            body = error_body(error.message, error.type, error.param, error.code)
-            yield body if self.raw else sse_event(body)
-            yield DONE
-        finally:
-            self.call.cancel()
-            self.end(cancelled=not self.finished)
-
-    async def _collect(self, first: generate_pb2.GenerateResponse) -> dict:
-        collector = Collector(self.n)
-        collector.add(first)
-        watcher = asyncio.create_task(watch_disconnect(self.request.receive, self._disconnected))
-        try:
-            while (msg := await self._read()) is not None:
-                collector.add(msg)
-        except (grpc.RpcError, asyncio.CancelledError) as exc:
-            self.end(cancelled=self.client_gone)
-            if self.client_gone:
-                # Nobody is listening; answer something short rather than raise into the server.
-                raise RequestError(499, "client closed the request", type="client_closed") from None
-            if isinstance(exc, grpc.RpcError):
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    spawn(self.backend.abort(self.request_id))
-                    raise RequestError(504, "the request's timeout passed: it was aborted", "timeout", "timeout",
-                                       "timeout") from exc
-                raise rpc_error(exc) from exc
-            raise
-        finally:
-            watcher.cancel()
-            self.call.cancel()
-        tracker = self.tracker
-        out_timings = tracker.timings_object() if self.timings and tracker is not None else None
-        self.end()
-        if self.pooling is not None:
-            return {"embedding": collector.embedding, "prompt_tokens": collector.usage.prompt_tokens,
-                    "finish_reason": collector.samples[0].finish_reason}
-        body = self.body
-        if self.chat:
-            out = collector.chat(self.client_id, self.model, self.created, bool(body.logprobs), self.tools,
-                                 self.reasoning, self.token_ids)
-            if self.chat_echo:
-                for choice in out["choices"]:
-                    choice["message"]["content"] = self.chat_echo + (choice["message"]["content"] or "")
-            if body.prompt_logprobs is not None:  # vLLM's: one list for the request, beside the choices
-                out["prompt_logprobs"] = vllm_prompt_logprobs(collector.prompt_logprobs)
-        else:
-            out = collector.completion(self.client_id, self.model, self.created, body.logprobs is not None,
-                                       body.echo, body.prompt_logprobs is not None, self.token_ids)
-        if out_timings is not None:
-            out["timings"] = out_timings
-        return out
 
 
 async def run_completion(backend: Backend, request: Request, chat: bool,
