@@ -1,4 +1,4 @@
-"""The Responses API's mapping (pagedserve/gateway/responses_api.py) without services: input items
+"""The Responses API's mapping (pagedserve/gateway/responses_api.py, responses_output.py) without services: input items
 onto chat messages, refused fields, a chat answer onto output items and the conversation that a
 previous_response_id continues, and a chunk stream onto the typed events in order."""
 
@@ -9,7 +9,8 @@ import json
 import pytest
 
 from pagedserve.gateway.protocol import RequestError
-from pagedserve.gateway.responses_api import EventBuilder, Shell, output_messages, response_output, to_chat
+from pagedserve.gateway.responses_api import to_chat
+from pagedserve.gateway.responses_output import EventBuilder, Shell, output_messages, response_output
 
 
 def test_input_items_onto_the_chat_request():
