@@ -142,7 +142,7 @@ class StackStandIn:
 def test_bench_services_keeps_one_side_resident_on_a_gpu(tiny_llama, exclusive):
     import weakref
 
-    from pagedserve.bench.services import Sides, pair_order
+    from pagedserve.bench.sides import Sides, pair_order
     from tiny_models import make_engine
     events, built = [], []
 
@@ -172,7 +172,7 @@ def test_bench_services_keeps_one_side_resident_on_a_gpu(tiny_llama, exclusive):
 def test_released_engine_frees_its_tensors(tiny_llama):
     import weakref
 
-    from pagedserve.bench.services import Sides, free_device_memory
+    from pagedserve.bench.sides import Sides, free_device_memory
     from tiny_models import make_engine
     sides = Sides(lambda: make_engine(tiny_llama), lambda: StackStandIn([]), exclusive=True)
     weight = weakref.ref(next(sides.engine().runner.model.parameters()))

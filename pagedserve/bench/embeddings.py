@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from pagedserve.bench.services import Sides, on_gpu, pair_order, start_services
+from pagedserve.bench.sides import Sides, on_gpu, pair_order, start_services
 from pagedserve.bench.throughput import build_engine, cpu_name, load_tokenizer
 from pagedserve.common.engine_args import add_engine_args
 

@@ -91,7 +91,7 @@ def run_accuracy(args) -> dict:
     import httpx
 
     from pagedserve.bench.serve import run_serve_bench
-    from pagedserve.bench.services import scheduler_stats, start_services
+    from pagedserve.bench.sides import scheduler_stats, start_services
     from pagedserve.model_files.default_model import resolve_model
     from pagedserve.planner.cost_model import Profile
     from pagedserve.planner.html_report import write_html
