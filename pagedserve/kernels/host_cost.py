@@ -50,7 +50,7 @@ def launches_intercepted():
 def layer_calls(decodes: int, prefill: int, seed: int = 0) -> dict:
     """One layer's wrapper calls for a step of `decodes` decode rows (context 128) and one `prefill`-token
     chunk (context 0), as closures over inputs made once; attention as the Triton backend calls it."""
-    from pagedserve.kernels import bench
+    from pagedserve.kernels import bench_cases
     from pagedserve.kernels.triton import attention_choice, fused_ops
 
     gen = torch.Generator().manual_seed(seed)
@@ -62,9 +62,9 @@ def layer_calls(decodes: int, prefill: int, seed: int = 0) -> dict:
     cos, sin = torch.randn(4096, 64), torch.randn(4096, 64)
     positions = torch.arange(tokens) % 4096
     gate_up = torch.randn(tokens, 2 * 8192, generator=gen).to(bf16)
-    case = bench.attention_case("prefill attention", [128] * decodes + ([0] if prefill else []),
-                                [1] * decodes + ([prefill] if prefill else []), 32, 8, 64, 16, bf16, "cpu",
-                                bench.TritonKernels())
+    case = bench_cases.attention_case("prefill attention", [128] * decodes + ([0] if prefill else []),
+                                      [1] * decodes + ([prefill] if prefill else []), 32, 8, 64, 16, bf16, "cpu",
+                                      bench_cases.TritonKernels())
     k_cache, v_cache = case.args[1:3]
     slots = torch.arange(tokens)
     step_cache: dict = {}  # the backends' cache of one step's tile map (step_tiles): built by the first layer

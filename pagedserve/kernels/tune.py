@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels import bench
+from pagedserve.kernels import bench, bench_cases
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Space:
     axes: dict[str, tuple]
 
 
-def space(case: bench.Case, interpreted: bool) -> Space:
+def space(case: bench_cases.Case, interpreted: bool) -> Space:
     from pagedserve.kernels.triton import fused_moe, mla_attention, paged_attention
 
     a = case.args
@@ -73,13 +73,13 @@ def tuning_cases(device, tk):
     serves), then the attention shapes of the GPU kit's 1B Llama (32 heads, 8 kv heads, head dim 64): a
     batch of decodes, one stream's decode (the split kernel: a decode graph's tables are max_model_len
     wide) and a prefill."""
-    for case in bench.gpu_cases(device, tk):
+    for case in bench_cases.gpu_cases(device, tk):
         if not (case.kernel == "decode attention" and case.shape.startswith("S=1 ")):
             yield case
     dt = torch.bfloat16
-    yield bench.attention_case("decode attention", [1024] * 64, [1] * 64, 32, 8, 64, 16, dt, device, tk)
-    yield bench.attention_case("split decode attention", [2048], [1], 32, 8, 64, 16, dt, device, tk)
-    yield bench.attention_case("prefill attention", [0] * 4, [1024] * 4, 32, 8, 64, 16, dt, device, tk)
+    yield bench_cases.attention_case("decode attention", [1024] * 64, [1] * 64, 32, 8, 64, 16, dt, device, tk)
+    yield bench_cases.attention_case("split decode attention", [2048], [1], 32, 8, 64, 16, dt, device, tk)
+    yield bench_cases.attention_case("prefill attention", [0] * 4, [1024] * 4, 32, 8, 64, 16, dt, device, tk)
 
 
 @dataclass
@@ -98,7 +98,7 @@ class CaseFailed(RuntimeError):
     """The wrapper's own configuration failed or was wrong: nothing to tune from (the others go on)."""
 
 
-def tune_case(case: bench.Case, sp: Space, args, cuda: bool, deadline: float) -> Result:
+def tune_case(case: bench_cases.Case, sp: Space, args, cuda: bool, deadline: float) -> Result:
     """Coordinate descent from the wrapper's own choice: each parameter in turn takes each of its values with
     the others held, a change kept when it is at least 3% faster, rounds repeated until one changes nothing
     or the deadline passes. A candidate that fails to compile or run, or gives a wrong result, is passed
@@ -139,7 +139,7 @@ def _neighbours(config: dict, axes: dict) -> list[dict]:
     return [{**config, p: v} for p, values in axes.items() for v in values if v != config[p]]
 
 
-def precompile(case: bench.Case, configs: list[dict], workers: int = 16) -> None:
+def precompile(case: bench_cases.Case, configs: list[dict], workers: int = 16) -> None:
     """Compile the kernels each config launches, in parallel threads, without launching them: each wrapper
     runs with its launches turned into Triton's warmup (compile only) under Triton's AsyncCompileMode. A
     compile that fails is left for the timed call to meet (and pass over). Where this Triton lacks the mode,
@@ -168,7 +168,7 @@ def precompile(case: bench.Case, configs: list[dict], workers: int = 16) -> None
         KernelInterface.__getitem__ = launch
 
 
-def _time(case: bench.Case, config: dict, want, tol: float, args, cuda: bool, kernel: str) -> float | None:
+def _time(case: bench_cases.Case, config: dict, want, tol: float, args, cuda: bool, kernel: str) -> float | None:
     def call():
         return case.triton_fn(*case.args, **config)
 
@@ -226,8 +226,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     cuda = not args.interpret
     device = "cuda" if cuda else "cpu"
-    tk = bench.TritonKernels()
-    cases = list(tuning_cases(device, tk) if cuda else bench.tiny_cases(device, tk))
+    tk = bench_cases.TritonKernels()
+    cases = list(tuning_cases(device, tk) if cuda else bench_cases.tiny_cases(device, tk))
     only = {k for k in args.only.split(",") if k}
     chosen, keys = [], set()
     for case in cases:  # a shape key is tuned at its first case (the bench's small-batch MLA shares one)
