@@ -28,7 +28,9 @@ def test_bucket_is_the_smallest_that_holds_the_batch():
     assert bucket_for(33, sizes) is None
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2_moe"])  # a dense model and a MoE one
+# a dense model, a MoE one, and one with two KV groups (Gemma 2: local layers with a window of 8 tokens beside
+# global ones, the scores capped): its graphs read each group's slots and tables
+@pytest.fixture(scope="module", params=["llama", "qwen2_moe", "gemma2"])
 def model(request, tmp_path_factory):
     folder = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     rng = np.random.default_rng(0)
@@ -60,8 +62,13 @@ def test_greedy_tokens_with_graphs_equal_transformers(model):
     def recording(step):
         out = prepare(step)
         if runner._graph_size is not None:
-            graphed.append([t.data_ptr() for t in (out[0], out[1], out[2].slot_mapping, out[2].decode_seq_lens,
-                                                   out[2].decode_block_tables)])
+            groups = out[2] if isinstance(out[2], list) else [out[2]]
+            groups = list({id(m): m for m in groups}.values())  # each group's once, in layer order
+            groups.sort(key=lambda m: m.slot_mapping.data_ptr())
+            ptrs = [out[0], out[1], groups[0].slot_mapping, groups[0].decode_seq_lens, groups[0].decode_block_tables]
+            for meta in groups[1:]:
+                ptrs += [meta.slot_mapping, meta.decode_block_tables]
+            graphed.append([t.data_ptr() for t in ptrs])
         return out
 
     runner._prepare = recording

@@ -70,9 +70,8 @@ def test_reference_matches_naive_dense_attention():
     assert rel_err(plain, got) > 0.1  # the options change the answer on these inputs
 
 
-@pytest.mark.parametrize("dtype, tile", [(torch.float32, 16), (torch.float16, 16), (torch.float32, 32),
-                                         (torch.float16, 64)])
-@pytest.mark.parametrize("window, cap", [(5, 0.0), (16, 0.0), (0, 2.0), (7, 1.5)])
+@pytest.mark.parametrize("dtype, tile", [(torch.float32, 16), (torch.float16, 16), (torch.float16, 64)])
+@pytest.mark.parametrize("window, cap", [(16, 0.0), (0, 2.0), (7, 1.5)])
 def test_prefill_and_mixed_kernels(dtype, tile, window, cap, monkeypatch):
     """The prefill kernel (every sequence's tiles), the mixed pair (decode kernel for the one-query sequences)
     and the dispatcher, at the interpreter's tiles and the GPU's; a causal split asked for is dropped under
@@ -206,7 +205,9 @@ def test_each_backend_gives_its_own_kind_of_variant():
 def test_gemma2_on_the_triton_backend_equals_transformers(tmp_path, monkeypatch):
     """A Gemma 2 engine (window 8, score cap 1.5 in every layer) whose platform gives the Triton backend (CUDA's;
     interpreted here): every layer takes its Triton variant, and greedy tokens equal transformers' with chunked
-    prefill (windowed decodes beside chunks in the local KV group)."""
+    prefill (windowed decodes beside chunks in the local KV group), and with decode graphs (the stand-in: each
+    KV group's rows whole from block 0, the local layers' kernels starting at the window)."""
+    from pagedserve.worker.graph_runner import StandInGraph
     from pagedserve.worker.attention import TritonAttentionBackend
     from pagedserve.worker.platform import CpuPlatform
     from test_gemma3 import LENGTHS, MAX_NEW, PROMPTS, run
@@ -222,3 +223,8 @@ def test_gemma2_on_the_triton_backend_equals_transformers(tmp_path, monkeypatch)
     assert all(type(b) is TritonAttentionBackend for b in backends)
     assert [(b.window, b.softcap) for b in backends] == [(8, 1.5), (0, 1.5)] * 2
     assert got == expected
+    with make_engine(folder, device=DEVICE, max_num_seqs=4, enforce_eager=True) as engine:
+        engine.runner.enable_decode_graphs(4, StandInGraph)
+        assert run(engine, prompts[:2]) == expected[:2]
+        graphs = engine.runner.decode_graphs
+        assert graphs.groups == 2 and sum(g.replays for g in graphs.graphs.values()) > 0

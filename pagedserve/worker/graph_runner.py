@@ -25,10 +25,13 @@ Graphs are captured after the KV cache is allocated: on a GPU all of them at onc
 SGLang capture at start-up, over an idle step: padding only; the largest size first, so that the smaller graphs
 reuse the memory the largest took in the runners' one pool), else lazily on the first step that needs a bucket;
 they are dropped (re-captured on next use) when the cache or the input batch's buffer is re-allocated (the buffer
-grows when a step outgrows it: rarely after warm-up): a graph holds their addresses. Steps with sliding-window or
-hybrid KV groups, tables wider than max_blocks, more sequences than the largest bucket or more tokens than the
-largest token size run eagerly, and so does every step of a model whose attention backend cannot be captured
-(its `graph_support`: the model runner asks before it builds these runners).
+grows when a step outgrows it: rarely after warm-up): a graph holds their addresses. A model with several KV groups
+(sliding-window layers beside global ones: Gemma 2 and 3, Command R7B) has decode graphs whose region holds each
+group's slots and tables (every row whole from block 0: a windowed backend starts at its window itself), and no
+mixed-step graphs (their packed layout is one group's). Steps with tables wider than max_blocks, more sequences
+than the largest bucket or more tokens than the largest token size run eagerly, and so does every step of a model
+whose attention backend cannot be captured (its `graph_support`: the model runner asks before it builds these
+runners).
 
 Threads: used only from the worker's torch thread (the model runner's), like the model itself."""
 
@@ -40,8 +43,8 @@ from typing import Callable
 import torch
 
 from pagedserve.worker.attention import AttentionMetadata, PackedSeqs
-from pagedserve.worker.input_batch import (InputBatch, graph_region, layout_graph_decode, layout_graph_mixed,
-                                            mixed_region, mixed_region_size)
+from pagedserve.worker.input_batch import (InputBatch, graph_region, graph_region_size, layout_graph_decode,
+                                            layout_graph_mixed, mixed_region, mixed_region_size)
 
 log = logging.getLogger(__name__)
 
@@ -165,14 +168,21 @@ class DecodeGraphRunner:
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
                  max_num_seqs: int, max_blocks: int, batch: InputBatch,
-                 graph_factory: Callable[[], object]) -> None:
+                 graph_factory: Callable[[], object], groups: int = 1,
+                 per_layer: Callable[[list[AttentionMetadata]], object] | None = None) -> None:
+        """groups: the model's KV groups; with several, per_layer maps the groups' metadata to what the
+        model takes (the model runner's: each layer its group's)."""
         self.forward = forward
         self.sizes = capture_sizes(max_num_seqs)
         self.rows = self.sizes[-1]
         self.max_blocks = max_blocks
         self.batch = batch
         self.graph_factory = graph_factory
-        self.captured = BucketGraphs(batch, graph_factory, lambda: graph_region(batch, self.rows, max_blocks),
+        self.groups = groups
+        self.per_layer = per_layer
+        if groups > 1 and per_layer is None:
+            raise ValueError("several KV groups need per_layer")
+        self.captured = BucketGraphs(batch, graph_factory, lambda: graph_region(batch, self.rows, max_blocks, groups),
                                      "decode")
 
     @property
@@ -191,7 +201,7 @@ class DecodeGraphRunner:
     @property
     def region_size(self) -> int:
         """Values of the input buffer the graphs read (graph_region)."""
-        return 4 * self.rows + self.rows * self.max_blocks
+        return graph_region_size(self.rows, self.max_blocks, self.groups)
 
     def bucket(self, num_decodes: int) -> int | None:
         """The capture size a pure-decode step of num_decodes sequences runs at, or None (eagerly)."""
@@ -200,8 +210,12 @@ class DecodeGraphRunner:
     def layout(self, decodes: list, size: int, block_size: int, tables=None):
         """A pure-decode step written where the graphs read it (input_batch.layout_graph_decode; tables: the
         states' block-table rows): (input_ids, positions, metadata) of `size` rows, or None when a table is
-        wider than the graphs' tables."""
-        return layout_graph_decode(self.batch, decodes, size, self.rows, self.max_blocks, block_size, tables)
+        wider than the graphs' tables. With several KV groups the metadata is per_layer's."""
+        laid = layout_graph_decode(self.batch, decodes, size, self.rows, self.max_blocks, block_size, tables,
+                                   self.groups)
+        if laid is None or self.groups == 1:
+            return laid
+        return laid[0], laid[1], self.per_layer(laid[2])
 
     def run(self, size: int) -> torch.Tensor:
         """The hidden states [size, hidden] of the step `layout` wrote (the rows past its batch are
@@ -216,9 +230,11 @@ class DecodeGraphRunner:
             self.run(size)
 
     def _forward_bucket(self, inputs: tuple[torch.Tensor, ...], size: int) -> torch.Tensor:
-        input_ids, positions, slots, seq_lens, tables = (t[:size] for t in inputs)
-        meta = AttentionMetadata(slots, size, tables, seq_lens, None, [])
-        return self.forward(input_ids, positions, meta)
+        input_ids, positions, slots, seq_lens, tables, *others = (t[:size] for t in inputs)
+        metas = [AttentionMetadata(slots, size, tables, seq_lens, None, [])]
+        metas += [AttentionMetadata(group_slots, size, group_tables, seq_lens, None, [])
+                  for group_slots, group_tables in zip(others[::2], others[1::2])]
+        return self.forward(input_ids, positions, metas[0] if self.groups == 1 else self.per_layer(metas))
 
 
 class MixedGraphRunner:

@@ -202,55 +202,84 @@ def _group_layout(batch: InputBatch, decodes, prefills, positions: np.ndarray, g
     return _GroupLayout(slots_at, tables_at, width, bool(window), prefill_at, seqs)
 
 
-def graph_region(batch: InputBatch, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+def graph_region_size(rows: int, width: int, groups: int = 1) -> int:
+    """Values of the input buffer a decode graph region takes (graph_region)."""
+    return (3 + groups) * rows + rows * groups * width
+
+
+def graph_region(batch: InputBatch, rows: int, width: int, groups: int = 1) -> tuple[torch.Tensor, ...]:
     """The decode graphs' inputs, views at fixed offsets of the batch's device buffer: (input_ids [rows],
-    positions [rows], slot_mapping [rows], seq_lens [rows], block_tables [rows, width]). layout_graph_decode
-    writes a step there; a graph captured on these views reads each step's inputs where the one upload put
-    them. Valid until the batch reallocates (batch.allocations changes); the batch must hold the region
-    (a step laid out by layout_graph_decode made it)."""
-    if batch.capacity < 4 * rows + rows * width:
+    positions [rows], slot_mapping [rows], seq_lens [rows], block_tables [rows, width]) of the first KV group,
+    then (slot_mapping, block_tables) of each other group. The groups' tables interleave by row ([rows, groups,
+    width]): a bucket of `size` rows reads the region's first size rows of every group, so a step uploads only
+    those. layout_graph_decode writes a step there; a graph captured on these views reads each step's inputs
+    where the one upload put them. Valid until the batch reallocates (batch.allocations changes); the batch
+    must hold the region (a step laid out by layout_graph_decode made it)."""
+    if batch.capacity < graph_region_size(rows, width, groups):
         raise ValueError(f"the input batch holds {batch.capacity} values, the graph region needs more")
-    return (*(batch.view(k * rows, rows) for k in range(4)), batch.view(4 * rows, rows, width))
+    tables = batch.view((3 + groups) * rows, rows, groups, width)
+    slots = [batch.view(2 * rows, rows)] + [batch.view((3 + g) * rows, rows) for g in range(1, groups)]
+    views = [batch.view(0, rows), batch.view(rows, rows), slots[0], batch.view(3 * rows, rows), tables[:, 0]]
+    for g in range(1, groups):
+        views += [slots[g], tables[:, g]]
+    return tuple(views)
 
 
 def layout_graph_decode(batch: InputBatch, decodes: list, size: int, rows: int, width: int, block_size: int,
-                        tables: BlockTables | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None:
-    """A pure-decode step of one full-attention KV group laid out in graph_region's places, padded to `size`
-    rows (a decode graph's bucket): rows past the batch repeat row 0 exactly (its token, position, slot,
-    length and table, so a padding row writes only row 0's slot), tables zero past the longest row's blocks.
-    Returns (input_ids, positions, metadata) of `size` rows, or None when a table needs more than `width`
-    blocks (the step is laid out by layout_step instead). Uploads 4 * rows + size * width values. tables:
-    as layout_step's (columns past a sequence's blocks are not read).
+                        tables: BlockTables | None = None, groups: int = 1
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata]] | None:
+    """A pure-decode step laid out in graph_region's places, padded to `size` rows (a decode graph's bucket):
+    rows past the batch repeat row 0 exactly (its token, position, slots, length and tables, so a padding row
+    writes only row 0's slots), tables zero past the longest row's blocks. Returns (input_ids, positions,
+    metadata) of `size` rows: one AttentionMetadata, or with several KV groups a list of each group's, every
+    group's rows whole from block 0 (a sliding group's too: its backend starts at the window itself, and the
+    released entries before it are never read); or None when a table needs more than `width` blocks (the
+    step is laid out by layout_step instead). Uploads (3 + groups) * rows + size * groups * width values.
+    tables: as layout_step's (columns past a sequence's blocks are not read).
     No decodes (a graph captured ahead of any step): every row reads and writes slot 0 of block 0, length 1."""
     bs, batch_size = block_size, len(decodes)
     pos = np.fromiter((s.num_computed_tokens for s, _ in decodes), dtype=np.int64, count=batch_size)
     if batch_size and int(pos.max()) // bs >= width:
         return None
-    batch.begin(4 * rows + rows * width)
-    columns = [batch.take(rows)[1] for _ in range(4)]
-    ids, positions, slots, lens = (c[:size] for c in columns)
-    tables_at, flat = batch.take(size * width)
-    step_tables = flat.reshape(size, width)
-    if batch_size:  # the columns the longest row reads; zeros after them
-        need = int(pos.max()) // bs + 1
-        gather(tables, step_tables[:batch_size, :need], [s for s, _ in decodes], 0)
-        step_tables[:batch_size, need:] = 0
+    batch.begin(graph_region_size(rows, width, groups))
+    columns = [batch.take(rows) for _ in range(3 + groups)]  # ids, positions, slots 0, lens, slots 1..
+    ids, positions, _, lens = (c[1][:size] for c in columns[:4])
+    slots = [columns[2]] + columns[4:]
+    tables_at, flat = batch.take(size * groups * width)
+    step_tables = flat.reshape(size, groups, width)
     ids[:batch_size] = [s.token_ids[s.num_computed_tokens] for s, _ in decodes]
     positions[:batch_size] = pos
     lens[:batch_size] = pos + 1
-    slots[:batch_size] = step_tables[np.arange(batch_size), pos // bs] * bs + pos % bs
     if not batch_size:
-        for column in (ids, positions, slots, step_tables):
+        for column in (ids, positions):
             column.fill(0)
         lens.fill(1)
-    for column in (ids, positions, slots, lens):
+    for column in (ids, positions, lens):
         column[batch_size:] = column[0]
-    step_tables[batch_size:] = step_tables[0]
+    metas = []
+    device_tables = batch.view(tables_at, size, groups, width)
+    for g, (slots_at, group_slots) in enumerate(slots):
+        _decode_rows(decodes, pos, step_tables[:, g], group_slots[:size], g, bs, tables)
+        metas.append(AttentionMetadata(batch.view(slots_at, size), size, device_tables[:, g],
+                                       batch.view(3 * rows, size), None, []))
     batch.upload()
-    meta = AttentionMetadata(batch.view(2 * rows, size), size, batch.view(tables_at, size, width),
-                             batch.view(3 * rows, size), None, [])
-    return batch.view(0, size), batch.view(rows, size), meta
+    return batch.view(0, size), batch.view(rows, size), metas[0] if groups == 1 else metas
+
+
+def _decode_rows(decodes: list, pos: np.ndarray, step_tables: np.ndarray, slots: np.ndarray, group: int, bs: int,
+                 tables: BlockTables | None) -> None:
+    """One KV group's tables and slots of a graph's decode step (layout_graph_decode), padding rows included."""
+    batch_size = len(decodes)
+    if batch_size:  # the columns the longest row reads; zeros after them
+        need = int(pos.max()) // bs + 1
+        gather(tables, step_tables[:batch_size, :need], [s for s, _ in decodes], group)
+        step_tables[:batch_size, need:] = 0
+        slots[:batch_size] = step_tables[np.arange(batch_size), pos // bs] * bs + pos % bs
+    else:
+        step_tables.fill(0)
+        slots.fill(0)
+    slots[batch_size:] = slots[0]
+    step_tables[batch_size:] = step_tables[0]
 
 
 def mixed_region_size(tokens: int, seqs: int, width: int) -> int:

@@ -144,13 +144,12 @@ class ModelRunner:
     def enable_decode_graphs(self, max_num_seqs: int, graph_factory, max_num_batched_tokens: int = 0) -> None:
         """Pure-decode steps replay graphs (graph_runner.py): graph_factory() makes a CudaGraph on a GPU or a
         StandInGraph on the CPU (tests). With max_num_batched_tokens, the other steps too, up to that many
-        tokens, where every attention backend says MIXED and the model reads no layout on the host. A model
-        whose KV groups differ per layer, or with an attention backend whose graph_support is short of
-        PURE_DECODE, keeps running eagerly."""
+        tokens, where every attention backend says MIXED, the model reads no layout on the host and has one KV
+        group (a model with several has decode graphs only, each layer given its group's metadata). A model with
+        an attention backend whose graph_support is short of PURE_DECODE keeps running eagerly."""
         from pagedserve.worker.attention import AttentionBackend, GraphSupport
         from pagedserve.worker.mla_attention import MLAAttentionBackend
-        if self.config.kv_groups().hybrid:
-            return
+        groups = self.kv.groups
         backends = {type(m.backend) for m in self.model.modules()
                     if isinstance(getattr(m, "backend", None), (AttentionBackend, MLAAttentionBackend))}
         if any(b.graph_support < GraphSupport.PURE_DECODE for b in backends):
@@ -159,9 +158,10 @@ class ModelRunner:
             return
         forward = lambda ids, positions, meta: self.model(ids, positions, self.kv.model_caches(), meta)  # noqa: E731
         max_blocks = -(-self.max_model_len // self.block_size)
-        self.decode_graphs = DecodeGraphRunner(forward, max_num_seqs, max_blocks, self.input_batch, graph_factory)
+        self.decode_graphs = DecodeGraphRunner(forward, max_num_seqs, max_blocks, self.input_batch, graph_factory,
+                                               len(groups.layers) if groups.hybrid else 1, self._per_layer)
         self.mixed_graphs = None
-        if not max_num_batched_tokens or self.model.reads_layout_on_host \
+        if not max_num_batched_tokens or self.model.reads_layout_on_host or groups.hybrid \
                 or any(b.graph_support < GraphSupport.MIXED for b in backends):
             return
         output = torch.empty(max_num_batched_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
