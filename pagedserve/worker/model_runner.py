@@ -18,6 +18,7 @@ from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.stop_rules import samples_any
 from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
 from pagedserve.worker.cpu_linear import pack_model
+from pagedserve.worker import graph_setup
 from pagedserve.worker.graph_runner import CudaGraph, DecodeGraphRunner, GraphCaptureError, MixedGraphRunner
 from pagedserve.worker.input_batch import InputBatch, layout_step
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
@@ -142,58 +143,16 @@ class ModelRunner:
         self.capture_graphs()
 
     def enable_decode_graphs(self, max_num_seqs: int, graph_factory, max_num_batched_tokens: int = 0) -> None:
-        """Pure-decode steps replay graphs (graph_runner.py): graph_factory() makes a CudaGraph on a GPU or a
-        StandInGraph on the CPU (tests). With max_num_batched_tokens, the other steps too, up to that many
-        tokens, where every attention backend says MIXED, the model reads no layout on the host and has one KV
-        group (a model with several has decode graphs only, each layer given its group's metadata). A model with
-        an attention backend whose graph_support is short of PURE_DECODE keeps running eagerly."""
-        from pagedserve.worker.attention import AttentionBackend, GraphSupport
-        from pagedserve.worker.mla_attention import MLAAttentionBackend
-        groups = self.kv.groups
-        backends = {type(m.backend) for m in self.model.modules()
-                    if isinstance(getattr(m, "backend", None), (AttentionBackend, MLAAttentionBackend))}
-        if any(b.graph_support < GraphSupport.PURE_DECODE for b in backends):
-            log.info("decode steps run eagerly: attention backend(s) %s cannot be captured",
-                     sorted(b.__name__ for b in backends if b.graph_support < GraphSupport.PURE_DECODE))
-            return
-        forward = lambda ids, positions, meta: self.model(ids, positions, self.kv.model_caches(), meta)  # noqa: E731
-        max_blocks = -(-self.max_model_len // self.block_size)
-        self.decode_graphs = DecodeGraphRunner(forward, max_num_seqs, max_blocks, self.input_batch, graph_factory,
-                                               len(groups.layers) if groups.hybrid else 1, self._per_layer)
-        self.mixed_graphs = None
-        if not max_num_batched_tokens or self.model.reads_layout_on_host or groups.hybrid \
-                or any(b.graph_support < GraphSupport.MIXED for b in backends):
-            return
-        output = torch.empty(max_num_batched_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        self.mixed_graphs = MixedGraphRunner(forward, max_num_seqs, max_num_batched_tokens, max_blocks,
-                                             self.input_batch, graph_factory, output)
+        """Steps replay graphs from now on, where the model and its backends allow (graph_setup.graph_runners):
+        graph_factory() makes a CudaGraph on a GPU or a StandInGraph on the CPU (tests)."""
+        self.decode_graphs, self.mixed_graphs = graph_setup.graph_runners(self, max_num_seqs, graph_factory,
+                                                                          max_num_batched_tokens)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """Capture every graph now, over idle steps (before the cache holds anything: a decode graph's idle
-        step writes slot 0 of block 0). A runner whose capture fails is dropped: its steps run eagerly. The
-        input buffer first grows to hold every graph's region: growing between two captures would drop the
-        graphs captured before (they read the old buffer)."""
-        runners = [g for g in (self.decode_graphs, self.mixed_graphs) if g is not None]
-        if not runners:
-            return
-        self.input_batch.begin(max(g.region_size for g in runners))
-        start, cuda = time.perf_counter(), self.device.type == "cuda"
-        reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
+        """Capture every graph now (graph_setup.capture_all); a runner whose capture fails is dropped."""
         with using_group(self.tp):
-            for name in ("mixed_graphs", "decode_graphs"):  # the largest step first: the rest reuse its pool
-                graphs = getattr(self, name)
-                if graphs is None:
-                    continue
-                try:
-                    graphs.capture_all(self.block_size)
-                except GraphCaptureError as exc:
-                    log.warning("%s; those steps run eagerly (--enforce-eager says so up front)", exc)
-                    setattr(self, name, None)
-        grown = (torch.cuda.memory_reserved(self.device) - reserved) / 2**30 if cuda else 0.0
-        log.info("graphs captured in %.1f s: %d decode sizes, %d mixed-step sizes (the device's reserved memory "
-                 "+%.2f GiB)", time.perf_counter() - start, len(self.decode_graphs.graphs) if self.decode_graphs else 0,
-                 len(self.mixed_graphs.graphs) if self.mixed_graphs else 0, grown)
+            self.decode_graphs, self.mixed_graphs = graph_setup.capture_all(self)
 
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
         """CUDA: run the largest step the budget allows (one prompt of num_tokens, no cache yet), then sample
