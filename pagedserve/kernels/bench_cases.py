@@ -57,26 +57,40 @@ def step(ctx_lens: list[int], q_lens: list[int], device):
     return seq_lens, qsl
 
 
-def attended_keys(ctx_lens: list[int], q_lens: list[int]) -> int:
-    """Sum over the step's queries of the keys each attends to (causal)."""
-    return sum(q * c + q * (q + 1) // 2 for c, q in zip(ctx_lens, q_lens))
+def attended_keys(ctx_lens: list[int], q_lens: list[int], window: int = 0) -> int:
+    """Sum over the step's queries of the keys each attends to (causal; with a window, at most that many)."""
+    if not window:
+        return sum(q * c + q * (q + 1) // 2 for c, q in zip(ctx_lens, q_lens))
+    return sum(min(pos + 1, window) for c, q in zip(ctx_lens, q_lens) for pos in range(c, c + q))
 
 
-def attention_case(name, ctx_lens, q_lens, heads, kv_heads, dim, page, dtype, device, tk):
+def read_keys(ctx_lens: list[int], q_lens: list[int], window: int = 0) -> int:
+    """Cached positions the step must read: every sequence's, or with a window those its first query sees on."""
+    if not window:
+        return sum(c + q for c, q in zip(ctx_lens, q_lens))
+    return sum(c + q - max(0, c - window + 1) for c, q in zip(ctx_lens, q_lens))
+
+
+def attention_case(name, ctx_lens, q_lens, heads, kv_heads, dim, page, dtype, device, tk, window=0, softcap=0.0):
+    """A paged attention row; window / softcap: a local layer's (Gemma's), passed to both implementations."""
     seq_lens, qsl = step(ctx_lens, q_lens, device)
     tables, num_blocks = paged_layout(seq_lens.tolist(), page, device)
     query = torch.randn(sum(q_lens), heads, dim, dtype=dtype, device=device)
     k_cache = torch.randn(num_blocks, page, kv_heads, dim, dtype=dtype, device=device)
     v_cache = torch.randn(num_blocks, page, kv_heads, dim, dtype=dtype, device=device)
     size = dtype.itemsize
-    cached = sum(c + q for c, q in zip(ctx_lens, q_lens))
-    traffic = cached * kv_heads * 2 * dim * size + 2 * query.numel() * size + tables.numel() * 4
+    traffic = (read_keys(ctx_lens, q_lens, window) * kv_heads * 2 * dim * size + 2 * query.numel() * size
+               + tables.numel() * 4)
     fn = {"decode": tk.paged_decode_attention, "split": tk.paged_split_decode_attention}.get(
         name.split()[0], tk.paged_prefill_attention)
+    ref = reference.paged_attention
     shape = (f"S={len(q_lens)} q={max(q_lens)} ctx={max(ctx_lens)} H={heads} KVH={kv_heads} D={dim} "
              f"page={page} {str(dtype).removeprefix('torch.')}")
+    if window or softcap:
+        fn, ref = (functools.partial(f, window=window, softcap=softcap) for f in (fn, ref))
+        shape += f" window={window} cap={softcap:g}"
     return Case(name, shape, (query, k_cache, v_cache, tables, seq_lens, qsl, dim ** -0.5), fn,
-                reference.paged_attention, traffic, 2 * heads * attended_keys(ctx_lens, q_lens) * 2 * dim)
+                ref, traffic, 2 * heads * attended_keys(ctx_lens, q_lens, window) * 2 * dim)
 
 
 def mla_case(batch, context, heads, rank, rope, page, dtype, device, tk, q_len=1):
@@ -156,6 +170,11 @@ def gpu_cases(device, tk, moe_tokens=(16, 256, 2048), batch=64, context=2048, ex
     yield causal_split
     yield from mixed_cases(dict(ctx=[200] * 190 + [100] * 4, q=[1] * 190 + [150] * 4, heads=32, kv_heads=8,
                                 dim=64, page=16, dtype=dt), device, tk)
+    # a local layer of Gemma 3 1B (4 heads, 1 kv head of 256, a window of 512) over contexts past its window:
+    # the kernels read the window's keys only; and Gemma 2 2B's capped scores (8 heads, 4 kv heads of 256)
+    yield attention_case("decode attention", [context] * batch, [1] * batch, 4, 1, 256, 16, dt, device, tk, 512)
+    yield attention_case("prefill attention", [1024] * 4, [512] * 4, 4, 1, 256, 16, dt, device, tk, 512)
+    yield attention_case("decode attention", [context] * batch, [1] * batch, 8, 4, 256, 16, dt, device, tk, 0, 50.0)
     yield mla_case(batch, context, 128, 512, 64, 16, dt, device, tk)
     # a small batch over a long context: too few (head block, sequence) programs, so the keys split into runs
     yield mla_case(4, 4 * context, 128, 512, 64, 16, dt, device, tk)
@@ -185,6 +204,8 @@ def tiny_cases(device, tk):
     yield causal_split
     yield from mixed_cases(dict(ctx=[40, 7, 16, 3], q=[1, 1, 20, 1], heads=8, kv_heads=2, dim=32, page=16, dtype=dt),
                            device, tk)
+    yield attention_case("decode attention", [40, 7, 0], [1, 1, 1], 8, 2, 32, 16, dt, device, tk, 8, 2.0)
+    yield attention_case("prefill attention", [16, 0], [20, 5], 4, 2, 32, 16, dt, device, tk, 8, 2.0)
     yield mla_case(2, 40, 4, 32, 16, 16, dt, device, tk)
     yield moe_case(5, 4, 2, 32, 24, dt, device, tk)
     yield nucleus_case(3, 300, device, tk)
