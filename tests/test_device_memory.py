@@ -172,11 +172,11 @@ def test_the_module_imports_no_torch():
     assert out.strip() == "False"
 
 
-# ---- the tensor-parallel ranks' devices (worker/parallel.py, worker/local_ranks.py) ---------------
+# ---- the tensor-parallel ranks' devices (worker/process_group.py, worker/local_ranks.py) ----------
 def test_each_tensor_parallel_rank_takes_its_own_gpu_and_nccl():
     import torch
 
-    from pagedserve.worker.parallel import dist_backend, rank_torch_device
+    from pagedserve.worker.process_group import dist_backend, rank_torch_device
     cuda = torch.device("cuda")
     assert [str(rank_torch_device(cuda, r, device_count=2, env={})) for r in (0, 1)] == ["cuda:0", "cuda:1"]
     # an index the caller had is not every rank's: each takes its local rank's
@@ -190,7 +190,7 @@ def test_each_tensor_parallel_rank_takes_its_own_gpu_and_nccl():
 def test_a_cuda_rank_needs_an_indexed_device():
     import torch
 
-    from pagedserve.worker.parallel import init_tensor_parallel
+    from pagedserve.worker.process_group import init_tensor_parallel
     # what the H200 raised inside torch.cuda.set_device; now refused by name before it
     with pytest.raises(ValueError, match=r"rank 1: a CUDA device without an index"):
         init_tensor_parallel(1, 2, "tcp://127.0.0.1:1", torch.device("cuda"))

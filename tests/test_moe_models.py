@@ -169,6 +169,7 @@ def test_moe_block_costs_one_all_reduce(moe_case, monkeypatch, num_tokens):
     import pagedserve.worker.models.qwen2_moe as qwen_mod
     import pagedserve.worker.moe as moe_mod
     import pagedserve.worker.parallel as parallel_mod
+    import pagedserve.worker.process_group as process_group_mod
     folder, _ = moe_case
     cfg = ModelConfig.from_folder(folder)
     calls = []
@@ -176,7 +177,7 @@ def test_moe_block_costs_one_all_reduce(moe_case, monkeypatch, num_tokens):
     def counting(x):
         calls.append(tuple(x.shape))
         return x
-    for mod in (qwen_mod, moe_mod, parallel_mod):
+    for mod in (qwen_mod, moe_mod, parallel_mod, process_group_mod):
         monkeypatch.setattr(mod, "all_reduce", counting)
     from pagedserve.worker.models import model_class
     from pagedserve.worker.platform import platform_for

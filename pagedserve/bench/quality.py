@@ -107,7 +107,7 @@ def window_logits(runner, windows: list[list[int]]):
     import numpy as np
     import torch
 
-    from pagedserve.worker.parallel import using_group
+    from pagedserve.worker.process_group import using_group
 
     ctx, num_groups = len(windows[0]), len(runner.kv.groups.layers)
     per_window = -(-ctx // runner.block_size) * num_groups

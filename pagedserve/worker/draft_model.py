@@ -49,7 +49,7 @@ import torch
 
 from pagedserve.worker.input_batch import layout_step
 from pagedserve.worker.kv_cache import bytes_per_block
-from pagedserve.worker.parallel import using_group
+from pagedserve.worker.process_group import using_group
 from pagedserve.worker.request_states import RequestState
 
 

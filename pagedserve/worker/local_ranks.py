@@ -2,7 +2,7 @@
 the engine's process, ranks 1..N-1 are spawned processes that receive every call by a
 torch.distributed broadcast from rank 0. (The services send each rank its step over gRPC.)
 
-Every rank is on this host: rank r takes cuda:<r> on CUDA (parallel.rank_torch_device, whatever
+Every rank is on this host: rank r takes cuda:<r> on CUDA (process_group.rank_torch_device, whatever
 LOCAL_RANK this process was given) and the ranks talk over NCCL; on the CPU over gloo. The calls
 themselves go over gloo on CUDA too (a group of their own): over NCCL a follower would read each
 message through its GPU's stream, behind the step it still runs, and could not begin the next step
@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from pagedserve.worker.parallel import close_tensor_parallel, dist_backend, init_tensor_parallel, rank_torch_device
+from pagedserve.worker.process_group import close_tensor_parallel, dist_backend, init_tensor_parallel, rank_torch_device
 
 log = logging.getLogger(__name__)
 

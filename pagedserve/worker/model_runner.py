@@ -24,7 +24,7 @@ from pagedserve.worker.input_batch import InputBatch, layout_step
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.models import model_class
 from pagedserve.worker import pooling, prompt_logprobs, spec_verify, step_overlap
-from pagedserve.worker.parallel import TPGroup, broadcast_from_rank0, tp_group, using_group
+from pagedserve.worker.process_group import TPGroup, broadcast_from_rank0, tp_group, using_group
 from pagedserve.worker.platform import platform_for
 from pagedserve.worker.request_states import RequestState, RequestStates
 from pagedserve.worker.step_overlap import StepInFlight

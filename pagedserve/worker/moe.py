@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.worker.parallel import mark_loader, new_param, all_reduce, copy_checked, even_shard
+from pagedserve.worker.parallel import mark_loader, new_param, copy_checked, even_shard
+from pagedserve.worker.process_group import all_reduce
 
 
 # ---- routing --------------------------------------------------------------------------------

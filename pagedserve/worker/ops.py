@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.worker import parallel
+from pagedserve.worker import parallel, process_group
 
 SMALL_M = 8  # up to this many rows the CPU kernel's streaming matmul beats MKL (2-3x at 1-8 rows)
 
@@ -136,7 +136,7 @@ class CpuKernelOps(NativeOps):
         if use_small_m(x, layer):
             out = self.kernels.small_m_linear(x.contiguous(), layer.weight)
             if isinstance(layer, parallel.RowParallelLinear) and layer.reduce:
-                parallel.all_reduce(out)
+                process_group.all_reduce(out)
             return out if layer.bias is None else out + layer.bias
         return layer(x)
 
@@ -152,7 +152,7 @@ class CpuKernelOps(NativeOps):
                      if self.kernels.lora_delta_available(dtype == torch.bfloat16))
 
     def logits(self, hidden, head):
-        if use_small_m(hidden, head) and parallel.tp_group().world_size == 1:
+        if use_small_m(hidden, head) and process_group.tp_group().world_size == 1:
             return self.kernels.small_m_linear(hidden.contiguous(), head.weight)
         return head.logits(hidden)
 

@@ -1,4 +1,5 @@
-"""Tensor parallelism (Megatron style): the worker ranks' process group and the sharded layers.
+"""Tensor parallelism (Megatron style): the sharded layers (the ranks' process group and its
+collectives: process_group.py).
 
 Every rank holds a slice of each big weight. A column-parallel linear keeps some output rows and
 needs no communication; the row-parallel linear after it keeps the matching input columns and
@@ -12,118 +13,16 @@ only the rows or columns it keeps (see weights.LazyWeight).
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.worker.cpu_linear import packed_linear
-from pagedserve.worker.device_memory import rank_device, visible_devices
 from pagedserve.worker.embedding_table import EmbeddingTable
+from pagedserve.worker.process_group import TPGroup, all_gather_last_dim, all_reduce, tp_group
 from pagedserve.worker.quantized import DEQUANTIZE_ABOVE, QuantizedTensor
-
-
-@dataclass(slots=True)
-class TPGroup:
-    rank: int = 0
-    world_size: int = 1
-    group: object = None  # the torch.distributed group; None on a single rank
-
-
-_tp = TPGroup()
-
-
-def tp_group() -> TPGroup:
-    return _tp
-
-
-@contextlib.contextmanager
-def using_group(group: TPGroup):
-    """Make `group` the current one while a model built under it runs: one process may hold a
-    single-rank engine beside a tensor-parallel one (bench tp), and the layers' collectives must
-    follow the engine that is stepping."""
-    global _tp
-    previous, _tp = _tp, group
-    try:
-        yield group
-    finally:
-        _tp = previous
-
-
-def dist_backend(device: torch.device) -> str:
-    """The collectives' backend between ranks: NCCL between GPUs, gloo between CPU processes."""
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def rank_torch_device(device: torch.device, local: int, device_count: int | None = None,
-                      env: Mapping[str, str] | None = None) -> torch.device:
-    """The device a rank with this local rank (its index among the ranks on this host) takes:
-    `cuda:<local>` for a CUDA device (device_memory.rank_device: the index counts the devices
-    CUDA_VISIBLE_DEVICES shows), the CPU as it is. device_count and env default to torch's count
-    and this process's environment."""
-    if device.type != "cuda":
-        return device
-    env = os.environ if env is None else env
-    count = torch.cuda.device_count() if device_count is None else device_count
-    return torch.device(rank_device("cuda", local, count, visible_devices(env)))
-
-
-def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, device: torch.device,
-                         timeout_s: float = 600.0) -> TPGroup:
-    """Join the ranks' process group (gloo on CPU, NCCL on CUDA). A no-op for one rank. A CUDA
-    device must name its index (rank_torch_device): it becomes this process's current device,
-    which NCCL's communicator is bound to."""
-    global _tp
-    if device.type == "cuda":
-        if device.index is None:
-            raise ValueError(f"rank {rank}: a CUDA device without an index ({device}); take rank_torch_device's")
-        torch.cuda.set_device(device)
-    if world_size == 1:
-        _tp = TPGroup()
-        return _tp
-    if not 0 <= rank < world_size:
-        raise ValueError(f"--rank {rank} is outside the tensor-parallel group of size {world_size}")
-    if init_method is None:
-        raise ValueError("tensor parallelism needs a rendezvous address (--dist-init-addr host:port)")
-    if not dist.is_initialized():
-        dist.init_process_group(dist_backend(device), init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    _tp = TPGroup(rank, world_size, dist.group.WORLD)
-    return _tp
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _tp.world_size > 1:
-        dist.all_reduce(x, group=_tp.group)
-    return x
-
-
-def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
-    if _tp.world_size > 1:
-        dist.broadcast(x, src=0, group=_tp.group)
-    return x
-
-
-def close_tensor_parallel() -> None:
-    """Leave the process group, so that a later engine in this process can form a new one."""
-    global _tp
-    if _tp.world_size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
-    _tp = TPGroup()
-
-
-def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    if _tp.world_size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(_tp.world_size)]
-    dist.all_gather(parts, x.contiguous(), group=_tp.group)
-    return torch.cat(parts, dim=-1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +33,7 @@ class Shard:
 
 
 def even_shard(full_size: int, tp: TPGroup | None = None) -> Shard:
-    tp = tp or _tp
+    tp = tp or tp_group()
     if full_size % tp.world_size:
         raise ValueError(f"a dimension of {full_size} does not split evenly across "
                          f"--tensor-parallel-size {tp.world_size}")
@@ -145,7 +44,7 @@ def even_shard(full_size: int, tp: TPGroup | None = None) -> Shard:
 def head_shards(num_heads: int, num_kv_heads: int, head_dim: int, tp: TPGroup | None = None) -> tuple[Shard, Shard]:
     """(query rows, kv rows) this rank keeps. KV heads are replicated when there are fewer than
     ranks: rank r keeps the KV head that its query heads are grouped with."""
-    tp = tp or _tp
+    tp = tp or tp_group()
     if num_heads % tp.world_size:
         raise ValueError(f"{num_heads} attention heads do not split across --tensor-parallel-size {tp.world_size}")
     if num_kv_heads >= tp.world_size and num_kv_heads % tp.world_size:
@@ -262,7 +161,7 @@ class VocabParallelEmbedding(EmbeddingTable):
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        tp = _tp
+        tp = tp_group()
         self.vocab_size = vocab_size
         self.rows_per_rank = -(-vocab_size // tp.world_size)
         self.start = tp.rank * self.rows_per_rank
@@ -285,7 +184,7 @@ class VocabParallelEmbedding(EmbeddingTable):
         return F.embedding(ids, self.weight) if self.quant is None else self.quant.rows(ids, self.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if _tp.world_size == 1:
+        if tp_group().world_size == 1:
             return self._lookup(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.num_rows)

@@ -4,7 +4,7 @@ a worker in one place, a CPU and a CUDA implementation, chosen once from the dev
 A Platform owns
   - the device and dtype choice (pick_device, pick_dtype: the CLI's --device / --dtype),
   - the attention, MLA and MoE backends a model built on it uses,
-  - the distributed backend and each rank's device (parallel.dist_backend / rank_torch_device),
+  - the distributed backend and each rank's device (process_group.dist_backend / rank_torch_device),
   - the memory reading and KV budget (measure_memory, kv_budget; device_memory's arithmetic),
   - the ops bundle the models call (pagedserve.worker.ops): models never learn the device.
 
@@ -25,7 +25,7 @@ from functools import cache
 import torch
 
 from pagedserve.kernels.cpu_ops import cpu_has_fast_bf16
-from pagedserve.worker import parallel
+from pagedserve.worker import process_group
 from pagedserve.worker.attention import AttentionBackend, TritonAttentionBackend
 from pagedserve.worker.device_memory import MemoryReading, kv_budget
 from pagedserve.worker.mla_attention import MLAAttentionBackend, TorchMLABackend, TritonMLABackend
@@ -68,11 +68,11 @@ class Platform:
         raise NotImplementedError
 
     def dist_backend(self) -> str:
-        return parallel.dist_backend(torch.device(self.device_type))
+        return process_group.dist_backend(torch.device(self.device_type))
 
     def rank_device(self, local_rank: int, device_count: int | None = None,
                     env: Mapping[str, str] | None = None) -> torch.device:
-        return parallel.rank_torch_device(torch.device(self.device_type), local_rank, device_count, env)
+        return process_group.rank_torch_device(torch.device(self.device_type), local_rank, device_count, env)
 
     def measure_memory(self, runner, max_num_batched_tokens: int) -> MemoryReading | None:
         """The memory reading the KV budget is computed from; None where the pool has a fixed size."""

@@ -124,7 +124,7 @@ class WorkerService:
 
     def _load(self) -> None:
         from pagedserve.worker.model_setup import load_runner, seed_rngs, size_kv_cache
-        from pagedserve.worker.parallel import init_tensor_parallel
+        from pagedserve.worker.process_group import init_tensor_parallel
         started = time.monotonic()
         # Every rank blocks here until all have joined the group, then loads only its shard.
         init_tensor_parallel(self.rank, self.world_size, self.dist_init_method, self.device)

@@ -16,7 +16,7 @@ import torch
 from pagedserve.common.messages import SampledToken
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.worker import spec_verify
-from pagedserve.worker.parallel import broadcast_from_rank0, tp_group
+from pagedserve.worker.process_group import broadcast_from_rank0, tp_group
 from pagedserve.worker.penalty_counts import PenaltyCounts
 from pagedserve.worker.request_states import RequestState
 from pagedserve.worker.sampler import PendingSample, RowSampling, Sampler, SamplerOutput, plain_argmax, to_device

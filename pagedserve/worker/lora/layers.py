@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.worker import parallel
+from pagedserve.worker import parallel, process_group
 from pagedserve.worker.lora.packed import PackedStacks, packable
 
 
@@ -81,7 +81,7 @@ class LoraLayer:
         rows = x.reshape(-1, self.in_features)
         v = rows @ self.a[:k].view(k * num_parts * r, self.in_features).t()
         if self.reduced:
-            parallel.all_reduce(v)
+            process_group.all_reduce(v)
         v = v.view(-1, k, num_parts, r).mul_(batch.mask.view(-1, k, 1, 1))
         flat = out.view(-1, out.shape[-1])
         for part, (offset, size) in enumerate(self.parts):
@@ -111,7 +111,7 @@ class LoraLayer:
         v = kernels.sgmv_shrink(rows if rows.stride(-1) == 1 else rows.contiguous(),
                                 self.a[:k].view(k, num_parts * r, self.in_features), batch.row_slots)
         if self.reduced:
-            parallel.all_reduce(v)
+            process_group.all_reduce(v)
         flat = out.view(-1, out.shape[-1])
         for part, (offset, size) in enumerate(self.parts):
             kernels.sgmv_expand_(flat, v, self.b_t[part][:k * r].view(k, r, size), batch.row_slots, part * r, offset)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.worker import parallel
+from pagedserve.worker import process_group
 
 MAX_COLUMNS = 1024  # the kernel's bound on C (its per-tile buffer)
 
@@ -29,7 +29,7 @@ def packable(layer, dtype: torch.dtype) -> bool:
     """Whether the kernel takes this layer: float32 or bfloat16 (an even input size), shrink
     columns within MAX_COLUMNS, and no all-reduce between shrink and expand (a reduced
     row-parallel layer's shrink is a partial sum over more than one rank)."""
-    if (layer.reduced and parallel.tp_group().world_size > 1) or dtype not in (torch.float32, torch.bfloat16):
+    if (layer.reduced and process_group.tp_group().world_size > 1) or dtype not in (torch.float32, torch.bfloat16):
         return False
     w = 2 if dtype == torch.bfloat16 else 1
     return layer.in_features % w == 0 and len(layer.parts) * _round_up(layer.rank, w) <= MAX_COLUMNS

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedserve.common.lora import PEFT_PREFIX, AdapterSpec, LoraError
-from pagedserve.worker import parallel
+from pagedserve.worker import parallel, process_group
 
 # layer name -> part -> (A [r, in_shard], scaled B [out_shard, r])
 AdapterWeights = dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]
@@ -82,7 +82,7 @@ def load_adapter(model: nn.Module, spec: AdapterSpec, dtype: torch.dtype) -> Ada
 
 def _shard(layer: nn.Module, part: int, a: torch.Tensor, b: torch.Tensor, name: str, module: str):
     """(A, B) cut to this rank's shard of layer's part, their shapes checked against the model's."""
-    in_features, ranks = layer.weight.shape[1], parallel.tp_group().world_size
+    in_features, ranks = layer.weight.shape[1], process_group.tp_group().world_size
     if isinstance(layer, parallel.ColumnParallelLinear):
         shard = layer.shards[part]
         fits, ok = (f"?x{in_features}", b.shape[0] >= shard.start + shard.size and a.shape[1] == in_features)

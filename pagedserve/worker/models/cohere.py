@@ -25,7 +25,8 @@ from torch import nn
 from pagedserve.common.model_config import ModelConfig, layer_types
 from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
 from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM
-from pagedserve.worker.parallel import Shard, copy_checked, head_shards, mark_loader, new_param, tp_group
+from pagedserve.worker.parallel import Shard, copy_checked, head_shards, mark_loader, new_param
+from pagedserve.worker.process_group import tp_group
 
 
 def halves_order(head_dim: int) -> torch.Tensor:

@@ -36,11 +36,10 @@ from pagedserve.worker.parallel import (
     ReplicatedLinear,
     RowParallelLinear,
     Shard,
-    all_reduce,
     copy_checked,
     mark_loader,
-    tp_group,
 )
+from pagedserve.worker.process_group import all_reduce, tp_group
 from pagedserve.worker.platform import current_platform
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps

@@ -21,8 +21,8 @@ from pagedserve.worker.parallel import (
     even_shard,
     head_shards,
     load_model_weights,
-    tp_group,
 )
+from pagedserve.worker.process_group import tp_group
 from pagedserve.worker.platform import current_platform
 
 

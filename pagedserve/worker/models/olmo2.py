@@ -20,7 +20,8 @@ from torch import nn
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
 from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM
-from pagedserve.worker.parallel import Shard, all_reduce, copy_checked, head_shards, mark_loader, new_param, tp_group
+from pagedserve.worker.parallel import Shard, copy_checked, head_shards, mark_loader, new_param
+from pagedserve.worker.process_group import all_reduce, tp_group
 
 
 class Olmo2RMSNorm(nn.Module):

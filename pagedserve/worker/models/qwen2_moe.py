@@ -21,7 +21,8 @@ from pagedserve.worker.attention import AttentionBackend
 from pagedserve.worker.models.llama import MERGED_PROJECTIONS, LlamaAttention, LlamaMLP
 from pagedserve.worker.models.mixtral import MoEForCausalLM
 from pagedserve.worker.moe import FusedMoE, MoEBackend, softmax_topk
-from pagedserve.worker.parallel import ReplicatedLinear, all_reduce
+from pagedserve.worker.parallel import ReplicatedLinear
+from pagedserve.worker.process_group import all_reduce
 from pagedserve.worker.platform import current_platform
 
 
