@@ -9,7 +9,6 @@ entries back: a kernel must never read them), as are the entries past each seque
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from pagedserve.kernels import reference  # noqa: E402
 from pagedserve.kernels.triton import attention_choice  # noqa: E402
 from pagedserve.kernels.triton import paged_attention as tpa  # noqa: E402
 from pagedserve.kernels.triton import split_decode as tsd  # noqa: E402
+from window_steps import window_step  # noqa: E402
 from test_triton_kernels import (  # noqa: E402
     GARBAGE,
     MIXED_LONG,
@@ -29,7 +29,6 @@ from test_triton_kernels import (  # noqa: E402
     TOL,
     attention_step,
     dense_pages,
-    randn,
     rel_err,
 )
 
@@ -117,50 +116,6 @@ def test_without_options_the_kernels_answer_as_before():
 # ------------------------------------------------------------------------------------------ the worker
 
 
-def _worker_step(window: int, windowed_layout: bool, prefills=((3, 6), (12, 5), (0, 11)), decode_lens=(5, 14, 23),
-                 page=4, heads=4, kv_heads=2, dim=16, seed=5):
-    """(query, key, value, caches, meta) of one step as the model runner lays a sliding KV group out: decodes
-    then prefill chunks; with windowed_layout each decode row starts at the block holding its window's first key
-    (input_batch.layout_step's decode_windowed), and every table entry wholly before a sequence's window is
-    garbage; without it the decode rows start at block 0 and those entries name a null block, as the block
-    manager's do (the torch backend gathers whole rows)."""
-    from pagedserve.worker.attention import AttentionMetadata, PrefillSeq
-
-    gen = torch.Generator().manual_seed(seed)
-    totals = list(decode_lens) + [c + q for c, q in prefills]
-    counts = [math.ceil(n / page) for n in totals]
-    num_blocks = sum(counts) + 1
-    perm = torch.randperm(num_blocks, generator=gen)
-    released = GARBAGE if windowed_layout else int(perm[-1])  # the last block: nobody's
-    tables, used = [], 0
-    for s, count in enumerate(counts):
-        row = perm[used:used + count].clone()
-        used += count
-        first_query = totals[s] - 1 if s < len(decode_lens) else prefills[s - len(decode_lens)][0]
-        row[:max(0, first_query - window + 1) // page] = released
-        tables.append(row.to(DEVICE))
-    positions = [n - 1 for n in decode_lens] + [p for c, q in prefills for p in range(c, c + q)]
-    owners = [s for s in range(len(decode_lens))] + [len(decode_lens) + i for i, (_, q) in enumerate(prefills)
-                                                     for _ in range(q)]
-    slots = torch.stack([tables[s][p // page] * page + p % page for s, p in zip(owners, positions)])
-    num_decodes = len(decode_lens)
-    rows = []
-    for s, n in enumerate(decode_lens):
-        first = max(0, n - window) // page if windowed_layout else 0
-        rows.append(tables[s][first:])
-    width = max(len(r) for r in rows)
-    decode_tables = torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows])
-    seqs, start = [], num_decodes
-    for row, (context, count) in enumerate(prefills, start=num_decodes):
-        seqs.append(PrefillSeq(start, count, context, tables[row]))
-        start += count
-    meta = AttentionMetadata(slots, num_decodes, decode_tables, torch.tensor(decode_lens, device=DEVICE), None, seqs,
-                             decode_windowed=windowed_layout)
-    query, key, value = (randn(gen, len(positions), h, dim) for h in (heads, kv_heads, kv_heads))
-    caches = randn(gen, num_blocks, page, kv_heads, dim), randn(gen, num_blocks, page, kv_heads, dim)
-    return query, key, value, caches, meta
-
-
 @pytest.mark.parametrize("windowed_layout", [True, False])
 @pytest.mark.parametrize("prefills", [((3, 6), (12, 5), (0, 11)), ()])
 def test_worker_triton_variant_equals_the_torch_variant(windowed_layout, prefills):
@@ -170,7 +125,8 @@ def test_worker_triton_variant_equals_the_torch_variant(windowed_layout, prefill
     from pagedserve.worker.torch_attention import TorchAttentionBackend
 
     window, cap = 6, 1.5
-    query, key, value, caches, meta = _worker_step(window, windowed_layout, prefills)
+    query, key, value, caches, meta = window_step(window, windowed_layout, prefills, DEVICE,
+                                                  released="garbage" if windowed_layout else "null")
     runs = []
     for backend in (TorchAttentionBackend().variant(window=window, softcap=cap),
                     TritonAttentionBackend().variant(window=window, softcap=cap)):

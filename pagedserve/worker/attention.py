@@ -179,23 +179,29 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionBackend(window, softcap) if window or softcap else self
 
 
+def windowed_decode_lens(meta: AttentionMetadata, block_size: int, window: int) -> torch.Tensor:
+    """meta's decode lengths as the kernels take them: a windowed layout's rows (meta.decode_windowed) start at
+    the block holding the window's first key, so each sequence is handed over shortened by the blocks its row
+    skips (a kernel's window relates a query's and its keys' positions only, which the shift keeps)."""
+    lens = meta.decode_seq_lens
+    if meta.decode_windowed:
+        lens = lens - torch.clamp(lens - window, min=0) // block_size * block_size
+    return lens
+
+
 def kernel_metadata(meta: AttentionMetadata, block_size: int, device: torch.device,
                     window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(block_tables int32 [S, max_blocks], seq_lens int32 [S], query_start_loc int32 [S + 1]) for
     the decodes then the prefills of `meta`. Rows are zero-padded to cover every sequence's length,
     so a table shorter than its sequence (the runner's profiling step) still reads valid blocks.
     A pure decode step and a packed one convert on the device alone (no host data): they can be captured in
-    a graph. A windowed layout's decode rows (meta.decode_windowed: each starts at the block holding the
-    window's first key) are handed over as sequences shortened by the blocks they skip: the kernels' window
-    relates a query's and its keys' positions only, which the shift keeps."""
+    a graph. A windowed layout's decode rows are handed over shortened (windowed_decode_lens)."""
     if meta.packed is not None:
         packed = meta.packed
         return tuple(t.to(device=device, dtype=torch.int32)
                      for t in (packed.block_tables, packed.seq_lens, packed.query_start_loc))
     decodes = meta.num_decodes
-    decode_lens = meta.decode_seq_lens
-    if decodes and meta.decode_windowed:
-        decode_lens = decode_lens - torch.clamp(decode_lens - window, min=0) // block_size * block_size
+    decode_lens = windowed_decode_lens(meta, block_size, window) if decodes else None
     if not meta.prefills:
         return (meta.decode_block_tables.to(device=device, dtype=torch.int32),
                 decode_lens.to(device=device, dtype=torch.int32),

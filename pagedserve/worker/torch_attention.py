@@ -9,7 +9,8 @@ it builds once a step (the decode mask, the prefill kernel's layout) is kept wit
 Sliding windows. A query at position p sees keys at positions p - window + 1 .. p (transformers'
 `sliding_window_overlay`: kv_idx > q_idx - window). The backend is the torch one with that band
 applied on top of the causal mask; it reads only the blocks that hold keys inside some query's
-window (prefill) or masks the rest (decode), so entries of a block table that lie wholly before
+window (prefill) or masks the rest (decode; the compiled decode kernel, where given, starts at the
+window's first key), so entries of a block table that lie wholly before
 the window are never relied on — the block manager releases them (their entries point at the null
 block, or at a block since given to another sequence: read only under the mask; docs/sliding_window.md).
 
@@ -30,16 +31,20 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.worker.attention import (AttentionBackend, AttentionMetadata, GraphSupport, PrefillSeq, decode_mask,
-                                         packed_prefills)
+                                         packed_prefills, windowed_decode_lens)
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Plain torch ops, for the CPU. Decodes run as two batched matmuls over grouped heads with a
     float32 softmax (torch's CPU SDPA is many times slower for one bf16 query); prefills go one
     sequence at a time through SDPA. The decode mask is built once per step from the sequence lengths
-    (on the device: a decode step can be captured)."""
+    (on the device: a decode step can be captured). Given the compiled CPU kernels (`ops`:
+    CpuKernelAttentionBackend and its variants), decodes and KV writes go through them instead, a
+    window and a cap included."""
 
     graph_support = GraphSupport.PURE_DECODE
+    HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the sizes pagedserve/kernels/cpu/head_dims.h compiles in
+    ops = None  # the compiled CPU kernels, or None
     window = 0  # sliding_window.SlidingWindowAttention's, in tokens
     # Gemma 2's attn_logit_softcapping: scaled scores become cap * tanh(scores / cap) before the mask
     # (0: none; SoftcapAttention sets it)
@@ -47,10 +52,11 @@ class TorchAttentionBackend(AttentionBackend):
     _built_mask: tuple[AttentionMetadata, torch.Tensor] | None = None  # (the step's metadata, its mask)
 
     def variant(self, *, window: int = 0, softcap: float = 0.0) -> AttentionBackend:
-        """Torch ops for either option (the compiled CPU kernels have neither)."""
+        """Torch ops for either option, with this backend's kernels for decodes and KV writes (the prefill kernel
+        has neither option)."""
         if window:
-            return SlidingWindowAttention(window, softcap)
-        return SoftcapAttention(softcap) if softcap else self
+            return SlidingWindowAttention(window, softcap, self.ops)
+        return SoftcapAttention(softcap, self.ops) if softcap else self
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         self._write_kv(key, value, k_cache, v_cache, meta)
@@ -66,6 +72,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _write_kv(self, key, value, k_cache, v_cache, meta) -> None:
         """The step's new K/V rows into the cache at meta.slot_mapping."""
+        if self.ops is not None and key.stride(-1) == 1 and key.stride(-2) == key.shape[-1] \
+                and value.stride(-1) == 1 and value.stride(-2) == value.shape[-1] and k_cache.is_contiguous():
+            self.ops.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+            return
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
@@ -77,6 +87,10 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = self._prefill(query[rows], key[rows], value[rows], k_cache, v_cache, seq, scale)
 
     def _decode(self, query, k_cache, v_cache, meta, scale):
+        if self.ops is not None and query.shape[-1] in self.HEAD_DIMS:  # each cached row read once, no gather
+            return self.ops.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables.contiguous(),
+                                                   windowed_decode_lens(meta, k_cache.shape[1], self.window), scale,
+                                                   self.window, self.softcap)
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -144,12 +158,14 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class SoftcapAttention(TorchAttentionBackend):
-    """The torch backend with Gemma 2's attention logit soft-capping (every step, decode and prefill)."""
+    """The torch backend with Gemma 2's attention logit soft-capping (every step, decode and prefill); ops: the
+    compiled CPU kernels for its decodes and KV writes, or None."""
 
-    def __init__(self, softcap: float) -> None:
+    def __init__(self, softcap: float, ops=None) -> None:
         if not softcap > 0:
             raise ValueError(f"attention softcap must be positive, got {softcap}")
         self.softcap = float(softcap)
+        self.ops = ops
 
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
@@ -159,7 +175,6 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     layout (block tables and (row start, rows, context) per chunk) is built once per step and
     shared by every layer: the layers of a step get the same metadata object."""
 
-    HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the sizes pagedserve/kernels/cpu/head_dims.h compiles in
     PREFILL_DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, ops) -> None:
@@ -169,19 +184,6 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         # query heads per kv head it takes (48 with AVX-512, 24 with AVX2): more go through SDPA
         self.prefill_max_group = int(getattr(ops, "prefill_attention_max_group", lambda: 0)())
         self._layout: tuple[AttentionMetadata, int, torch.Tensor, torch.Tensor] | None = None
-
-    def _write_kv(self, key, value, k_cache, v_cache, meta) -> None:
-        if key.stride(-1) == 1 and key.stride(-2) == key.shape[-1] and value.stride(-1) == 1 \
-                and value.stride(-2) == value.shape[-1] and k_cache.is_contiguous():
-            self.ops.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
-        else:
-            super()._write_kv(key, value, k_cache, v_cache, meta)
-
-    def _decode(self, query, k_cache, v_cache, meta, scale):
-        if query.shape[-1] not in self.HEAD_DIMS:
-            return super()._decode(query, k_cache, v_cache, meta, scale)
-        return self.ops.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
-                                               meta.decode_seq_lens, scale)
 
     def _prefills(self, query, key, value, k_cache, v_cache, meta, scale, out) -> None:
         if not (self.prefill_kernel and query.shape[-1] in self.HEAD_DIMS and query.dtype in self.PREFILL_DTYPES
@@ -201,11 +203,15 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
 
 class SlidingWindowAttention(TorchAttentionBackend):
-    def __init__(self, window: int, softcap: float = 0.0) -> None:
+    """The torch backend with a sliding window (the module docstring); softcap: Gemma 2's score cap (0: none);
+    ops: the compiled CPU kernels for its decodes and KV writes, or None."""
+
+    def __init__(self, window: int, softcap: float = 0.0, ops=None) -> None:
         if window < 1:
             raise ValueError(f"sliding window must be at least 1 token, got {window}")
         self.window = window
         self.softcap = float(softcap or 0.0)  # Gemma 2's attention logit soft-capping (TorchAttentionBackend)
+        self.ops = ops
         self._meta: AttentionMetadata | None = None
         self._windowed: AttentionMetadata | None = None
         self._mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (decode mask, windowed)

@@ -4,7 +4,7 @@
 namespace pagedserve {
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale);
+                                  const at::Tensor& seq_lens, double scale, int64_t window, double softcap);
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const at::Tensor& chunks, double scale, at::Tensor& out);
 bool prefill_attention_available();
@@ -53,7 +53,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("seeded_race_candidates", &pagedserve::seeded_race_candidates,
         "the tokens that can win each seeded row's exponential race, (counts [rows], index [C], u [C] float64)");
   m.def("paged_decode_attention", &pagedserve::paged_decode_attention,
-        "decode attention over a paged KV cache (query [B,H,D], caches [N,bs,KVH,D])");
+        "decode attention over a paged KV cache (query [B,H,D], caches [N,bs,KVH,D]); window: the last keys a "
+        "token sees (0: all), softcap: scaled scores capped at cap * tanh(s / cap) (0: none)",
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("write_kv_cache", &pagedserve::write_kv_cache,
         "the step's new key and value rows [T,KVH,D] into k_cache / v_cache [N,bs,KVH,D] at flat slots [T]");
   m.def("paged_prefill_attention", &pagedserve::paged_prefill_attention,

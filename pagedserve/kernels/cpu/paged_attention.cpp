@@ -2,6 +2,9 @@
 //
 // Plain torch needs a gather of every sequence's blocks plus a transpose before its matmuls: on
 // a 2-core CPU that copying cost 6x the attention arithmetic. This reads each cached K/V row once.
+// A layer's options: a sliding window (the decoded token sees its last `window` keys only: the
+// loops start at the window's first, so released blocks before it are never read) and Gemma 2's
+// soft-capping of the scaled scores (cap * tanh(score / cap), before the softmax).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -41,6 +44,15 @@ DecodeLayout<scalar_t> decode_layout(const at::Tensor& query, const at::Tensor& 
           seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>()};
 }
 
+// The first cached position a decode of a sequence of len tokens attends to (0 without a window).
+inline int64_t window_first(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
+
+// Scaled scores soft-capped in place: cap * tanh(s / cap) (nothing when cap is 0).
+inline void cap_scores(float* s, int64_t n, float cap) {
+  if (cap > 0.f)
+    for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+}
+
 // A sequence's work in parallel_grain.h's unit, on the batch's mean length: 2 x len x heads x D
 // float multiply-adds, ~4 of the int8 kernels' each.
 inline int64_t mean_seq_work(const int64_t* lens, int64_t num_seqs, int64_t heads_x_dim) {
@@ -53,7 +65,7 @@ inline int64_t mean_seq_work(const int64_t* lens, int64_t num_seqs, int64_t head
 template <int D, typename scalar_t>
 void decode_fixed(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
-                  double scale) {
+                  double scale, int64_t window, double softcap) {
   constexpr int NV = D / kLanes;
   const auto [num_seqs, num_heads, block_size, num_kv_heads, group, max_blocks, block_stride, token_stride,
               head_stride, q, kc, vc, tables, lens, o] =
@@ -66,47 +78,46 @@ void decode_fixed(const at::Tensor& query, const at::Tensor& k_cache, const at::
     std::vector<vfloat> qv(num_heads * NV), acc(num_heads * NV);
     std::vector<float> scores, qrow(D), row(D);
     for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t len = lens[seq];
+      const int64_t first = window_first(lens[seq], window), len = lens[seq] - first;
       const int64_t* table = tables + seq * max_blocks;
       scores.resize(num_heads * len);
       for (int64_t h = 0; h < num_heads; ++h) {
         const float* src = as_float(q + (seq * num_heads + h) * D, qrow.data(), D);
         for (int i = 0; i < NV; ++i) qv[h * NV + i] = load_v(src + i * kLanes) * fscale;
       }
-      for (int64_t start = 0; start < len; start += block_size) {
-        const scalar_t* kblock = kc + table[start / block_size] * block_stride;
-        const int64_t rows = std::min(block_size, len - start);
-        for (int64_t j = 0; j < rows; ++j) {
-          for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-            const float* krow = as_float(kblock + j * token_stride + kvh * head_stride, row.data(), D);
-            vfloat kv[NV];
-            for (int i = 0; i < NV; ++i) kv[i] = load_v(krow + i * kLanes);
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t h = kvh * group + g;
-              const vfloat* qh = qv.data() + h * NV;
-              vfloat dot = qh[0] * kv[0];
-              for (int i = 1; i < NV; ++i) dot += qh[i] * kv[i];
-              scores[h * len + start + j] = hsum(dot);
-            }
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t pos = first + t;
+        const scalar_t* krows = kc + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          const float* krow = as_float(krows + kvh * head_stride, row.data(), D);
+          vfloat kv[NV];
+          for (int i = 0; i < NV; ++i) kv[i] = load_v(krow + i * kLanes);
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kvh * group + g;
+            const vfloat* qh = qv.data() + h * NV;
+            vfloat dot = qh[0] * kv[0];
+            for (int i = 1; i < NV; ++i) dot += qh[i] * kv[i];
+            scores[h * len + t] = hsum(dot);
           }
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) softmax_inplace(scores.data() + h * len, len);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        cap_scores(scores.data() + h * len, len, static_cast<float>(softcap));
+        softmax_inplace(scores.data() + h * len, len);
+      }
       for (auto& a : acc) a = vfloat{};
-      for (int64_t start = 0; start < len; start += block_size) {
-        const scalar_t* vblock = vc + table[start / block_size] * block_stride;
-        const int64_t rows = std::min(block_size, len - start);
-        for (int64_t j = 0; j < rows; ++j) {
-          for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-            const float* vrow = as_float(vblock + j * token_stride + kvh * head_stride, row.data(), D);
-            vfloat vv[NV];
-            for (int i = 0; i < NV; ++i) vv[i] = load_v(vrow + i * kLanes);
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t h = kvh * group + g;
-              const float p = scores[h * len + start + j];
-              vfloat* a = acc.data() + h * NV;
-              for (int i = 0; i < NV; ++i) a[i] += p * vv[i];
-            }
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t pos = first + t;
+        const scalar_t* vrows = vc + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          const float* vrow = as_float(vrows + kvh * head_stride, row.data(), D);
+          vfloat vv[NV];
+          for (int i = 0; i < NV; ++i) vv[i] = load_v(vrow + i * kLanes);
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kvh * group + g;
+            const float p = scores[h * len + t];
+            vfloat* a = acc.data() + h * NV;
+            for (int i = 0; i < NV; ++i) a[i] += p * vv[i];
           }
         }
       }
@@ -204,7 +215,8 @@ inline void value_tile(const scalar_t* vbase, const int64_t* rows, int64_t t0, i
 // every query head of their group. Threads over sequences as there.
 template <int D, typename scalar_t>
 void decode_avx512(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale) {
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
+                   int64_t window, double softcap) {
   constexpr int NV = D / 16;
   const auto [num_seqs, num_heads, block_size, num_kv_heads, group, max_blocks, block_stride, token_stride,
               head_stride, q, kc, vc, tables, lens, o] =
@@ -217,10 +229,14 @@ void decode_avx512(const at::Tensor& query, const at::Tensor& k_cache, const at:
     std::vector<__m512> acc(num_heads * NV);
     std::vector<int64_t> rows;  // each key's row in the pool (element offset, kv head 0)
     for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t len = lens[seq], padded = (len + 15) & ~int64_t{15};
+      const int64_t first = window_first(lens[seq], window), len = lens[seq] - first;
+      const int64_t padded = (len + 15) & ~int64_t{15};
       const int64_t* table = tables + seq * max_blocks;
       rows.resize(len);
-      for (int64_t t = 0; t < len; ++t) rows[t] = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t pos = first + t;
+        rows[t] = table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+      }
       scores.resize(num_heads * padded);
       for (int64_t h = 0; h < num_heads; ++h) qrows[h].set(q + (seq * num_heads + h) * D);
       // Token rows (every kv head) front to back: one sequential stream through each block.
@@ -241,7 +257,10 @@ void decode_avx512(const at::Tensor& query, const at::Tensor& k_cache, const at:
           _mm512_storeu_ps(scores.data() + h * padded + t0, _mm512_mul_ps(sum16(dots), vscale));
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) softmax_inplace(scores.data() + h * padded, len);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        cap_scores(scores.data() + h * padded, len, static_cast<float>(softcap));
+        softmax_inplace(scores.data() + h * padded, len);
+      }
       for (auto& a : acc) a = _mm512_setzero_ps();
       // bfloat16 values a tile of 16 tokens at a time: the tile's rows stay in L1 while each group
       // of up to kValueHeads query heads runs over them with its accumulators in registers (token
@@ -314,7 +333,8 @@ inline __m256 sum8(const __m256* v) {
 // decode_fixed's 50-52 (16 tokens ahead: 43-45; 64: 32-35; docs/performance.md).
 template <int D>
 void decode_avx2(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale) {
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
+                 int64_t window, double softcap) {
   constexpr int NV = D / 8;
   const auto [num_seqs, num_heads, block_size, num_kv_heads, group, max_blocks, block_stride, token_stride,
               head_stride, q, kc, vc, tables, lens, o] =
@@ -326,10 +346,14 @@ void decode_avx2(const at::Tensor& query, const at::Tensor& k_cache, const at::T
     std::vector<float> scores;
     std::vector<int64_t> rows;  // each key's row in the pool (element offset, kv head 0)
     for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t len = lens[seq], padded = (len + 7) & ~int64_t{7};
+      const int64_t first = window_first(lens[seq], window), len = lens[seq] - first;
+      const int64_t padded = (len + 7) & ~int64_t{7};
       const int64_t* table = tables + seq * max_blocks;
       rows.resize(len);
-      for (int64_t t = 0; t < len; ++t) rows[t] = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t pos = first + t;
+        rows[t] = table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+      }
       scores.resize(num_heads * padded);
       for (int64_t h = 0; h < num_heads; ++h)
         for (int i = 0; i < NV; ++i) qv[h * NV + i] = _mm256_loadu_ps(q + (seq * num_heads + h) * D + 8 * i);
@@ -352,7 +376,10 @@ void decode_avx2(const at::Tensor& query, const at::Tensor& k_cache, const at::T
           _mm256_storeu_ps(scores.data() + h * padded + t0, _mm256_mul_ps(sum8(dots), vscale));
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) softmax_inplace(scores.data() + h * padded, len);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        cap_scores(scores.data() + h * padded, len, static_cast<float>(softcap));
+        softmax_inplace(scores.data() + h * padded, len);
+      }
       for (auto& a : acc) a = _mm256_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
         if (t + 32 < len)  // value rows 32 tokens ahead
@@ -378,25 +405,27 @@ void decode_avx2(const at::Tensor& query, const at::Tensor& k_cache, const at::T
 // that is the widest; decode_fixed otherwise.
 template <int D, typename scalar_t>
 void decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale) {
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
+            int64_t window, double softcap) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
-    decode_avx512<D, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale);
+    decode_avx512<D, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale, window, softcap);
     return;
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<scalar_t, float> && D % 8 == 0) {
-    decode_avx2<D>(query, k_cache, v_cache, block_tables, seq_lens, out, scale);
+    decode_avx2<D>(query, k_cache, v_cache, block_tables, seq_lens, out, scale, window, softcap);
     return;
   }
 #endif
-  decode_fixed<D, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale);
+  decode_fixed<D, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale, window, softcap);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                      const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                     const at::Tensor& seq_lens, double scale) {
+                                     const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [seqs, heads, dim] tensor");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1, "k_cache must be [blocks, block_size, kv_heads, dim]");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(), "v_cache must match k_cache");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables: contiguous int64");
@@ -407,7 +436,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   auto out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     with_head_dim(query.size(2), [&](auto d) {
-      decode<decltype(d)::value, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale);
+      decode<decltype(d)::value, scalar_t>(query, k_cache, v_cache, block_tables, seq_lens, out, scale, window,
+                                           softcap);
     });
   });
   return out;

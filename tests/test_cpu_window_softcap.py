@@ -1,0 +1,100 @@
+"""The compiled CPU decode kernel (pagedserve/kernels/cpu/paged_attention.cpp) with a sliding window and Gemma 2's
+score soft-capping, against the torch reference (kernels/reference.py); and the compiled backend's variants (what
+Gemma 2 and 3 and Command R7B's layers run on the CPU) against the torch ones, whose greedy tokens
+tests/test_gemma2.py, test_gemma3.py and test_cohere.py hold to transformers'. Table entries wholly before a
+window name a block of NaNs where nothing may read it: a kernel that did would answer NaN."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedserve.kernels import cpu_ops, reference
+from window_steps import window_step
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def decode_step(lens, heads, kv_heads, dim, page, window, dtype, seed=0):
+    """A pure decode step over scattered blocks, the entries before each window naming a block of NaNs."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [math.ceil(n / page) for n in lens]
+    num_blocks = sum(counts) + 1
+    perm = torch.randperm(num_blocks, generator=gen)
+    poisoned = int(perm[-1])
+    tables = torch.full((len(lens), max(counts)), poisoned, dtype=torch.long)
+    used = 0
+    for s, (n, count) in enumerate(zip(lens, counts)):
+        tables[s, :count] = perm[used:used + count]
+        used += count
+        if window:
+            tables[s, :max(0, n - window) // page] = poisoned
+    query = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    caches = [torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to(dtype) for _ in range(2)]
+    for cache in caches:
+        cache[poisoned] = float("nan")
+    return query, *caches, tables, torch.tensor(lens), dim ** -0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, dim, page", [(4, 1, 256, 16), (8, 2, 64, 4), (6, 6, 32, 8)])
+@pytest.mark.parametrize("window, cap", [(7, 0.0), (40, 0.0), (0, 1.5), (9, 2.0)])
+def test_decode_kernel_equals_the_reference(dtype, heads, kv_heads, dim, page, window, cap):
+    """Sequences shorter than the window, ending on a block edge past it, and far past it; the reference reads
+    the window's keys only (the kernel does too: the NaN blocks before it stay unread)."""
+    ops = cpu_ops.load()
+    query, k_cache, v_cache, tables, lens, scale = decode_step([3, 16, 41, 70, 129], heads, kv_heads, dim, page,
+                                                               window, dtype)
+    got = ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale, window, cap)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    want = reference.paged_attention(query, k_cache, v_cache, tables, lens.int(), qsl, scale, window=window,
+                                     softcap=cap)
+    assert not got.isnan().any()
+    assert (got.float() - want.float()).abs().max() < TOL[dtype] * max(1.0, want.float().abs().max().item())
+
+
+def test_decode_kernel_without_options_and_bad_ones():
+    ops = cpu_ops.load()
+    query, k_cache, v_cache, tables, lens, scale = decode_step([5, 33], 4, 2, 64, 8, 0, torch.float32)
+    plain = ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
+    assert torch.equal(plain, ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale, 0, 0.0))
+    qsl = torch.arange(3, dtype=torch.int32)
+    want = reference.paged_attention(query, k_cache, v_cache, tables, lens.int(), qsl, scale)
+    assert (plain - want).abs().max() < 1e-5
+    with pytest.raises(RuntimeError, match="window and softcap"):
+        ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale, -1, 0.0)
+
+
+@pytest.mark.parametrize("windowed_layout", [True, False])
+@pytest.mark.parametrize("prefills", [((3, 6), (12, 5), (0, 11)), ()])
+@pytest.mark.parametrize("window, cap", [(6, 1.5), (6, 0.0), (0, 1.5)])
+def test_compiled_variants_equal_the_torch_variants(windowed_layout, prefills, window, cap):
+    """CpuKernelAttentionBackend's variants (the kernels' decodes and KV writes, torch's windowed or capped
+    prefills) against the torch backend's on a sliding group's mixed and pure-decode steps, both decode
+    layouts (the windowed one's rows shortened for the kernel)."""
+    from pagedserve.worker.torch_attention import CpuKernelAttentionBackend, TorchAttentionBackend
+
+    ops = cpu_ops.load()
+    compiled = CpuKernelAttentionBackend(ops).variant(window=window, softcap=cap)
+    assert compiled.ops is ops and (compiled.window, compiled.softcap) == (window, cap)
+    query, key, value, caches, meta = window_step(window or 10**6, windowed_layout, prefills, decode_lens=(5, 14, 23),
+                                                  dim=64, released="nan" if windowed_layout else "null")
+    runs = []
+    for backend in (TorchAttentionBackend().variant(window=window, softcap=cap), compiled):
+        k_cache, v_cache = (c.clone() for c in caches)
+        runs.append((backend.forward(query, key, value, k_cache, v_cache, meta, 0.3), k_cache, v_cache))
+    (want, k_want, v_want), (got, k_got, v_got) = runs
+    assert not want.isnan().any() and (got - want).abs().max() < 1e-5
+    assert torch.equal(k_want.nan_to_num(), k_got.nan_to_num()) and torch.equal(v_want.nan_to_num(), v_got.nan_to_num())
+
+
+def test_the_cpu_platform_gives_compiled_variants():
+    from pagedserve.worker.platform import platform_for
+    from pagedserve.worker.torch_attention import SlidingWindowAttention, SoftcapAttention
+
+    backend = platform_for(torch.device("cpu")).attention_backend()
+    local, capped = backend.variant(window=512, softcap=50.0), backend.variant(softcap=50.0)
+    assert type(local) is SlidingWindowAttention and type(capped) is SoftcapAttention
+    assert local.ops is not None and local.ops is capped.ops is backend.ops
