@@ -1,4 +1,4 @@
-"""The compiled CPU decode kernel (pagedserve/kernels/cpu/paged_attention.cpp) with a sliding window and Gemma 2's
+"""The compiled CPU attention kernels (pagedserve/kernels/cpu: decode and prefill) with a sliding window and Gemma 2's
 score soft-capping, against the torch reference (kernels/reference.py); and the compiled backend's variants (what
 Gemma 2 and 3 and Command R7B's layers run on the CPU) against the torch ones, whose greedy tokens
 tests/test_gemma2.py, test_gemma3.py and test_cohere.py hold to transformers'. Table entries wholly before a
@@ -55,6 +55,48 @@ def test_decode_kernel_equals_the_reference(dtype, heads, kv_heads, dim, page, w
     assert (got.float() - want.float()).abs().max() < TOL[dtype] * max(1.0, want.float().abs().max().item())
 
 
+def prefill_step(ctx_lens, q_lens, heads, kv_heads, dim, page, window, dtype, seed=1):
+    """A step of prefill chunks (the kernel's layout: chunks int64 [P, 3] = row start, rows, context) over
+    scattered blocks, the entries before each chunk's first query's window naming a block of NaNs."""
+    gen = torch.Generator().manual_seed(seed)
+    totals = [c + q for c, q in zip(ctx_lens, q_lens)]
+    counts = [math.ceil(n / page) for n in totals]
+    num_blocks = sum(counts) + 1
+    perm = torch.randperm(num_blocks, generator=gen)
+    poisoned = int(perm[-1])
+    tables = torch.full((len(totals), max(counts)), poisoned, dtype=torch.long)
+    used = 0
+    for s, (context, count) in enumerate(zip(ctx_lens, counts)):
+        tables[s, :count] = perm[used:used + count]
+        used += count
+        if window:
+            tables[s, :max(0, context - window + 1) // page] = poisoned
+    starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    chunks = torch.tensor([(starts[i], q, c) for i, (c, q) in enumerate(zip(ctx_lens, q_lens))])
+    query = torch.randn(starts[-1], heads, dim, generator=gen).to(dtype)
+    caches = [torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to(dtype) for _ in range(2)]
+    for cache in caches:
+        cache[poisoned] = float("nan")
+    lens, starts = torch.tensor(totals, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
+    return query, *caches, tables, chunks, lens, starts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, dim, page", [(4, 1, 256, 16), (8, 2, 64, 4), (6, 6, 32, 8)])
+@pytest.mark.parametrize("window, cap", [(7, 0.0), (40, 0.0), (0, 1.5), (9, 2.0)])
+def test_prefill_kernel_equals_the_reference(dtype, heads, kv_heads, dim, page, window, cap):
+    """Chunks with context past the window, from 0 across it, long enough for several work items a kv head."""
+    ops = cpu_ops.load()
+    query, k_cache, v_cache, tables, chunks, lens, starts = prefill_step([20, 0, 45, 3], [9, 70, 5, 2], heads,
+                                                                         kv_heads, dim, page, window, dtype)
+    out = torch.zeros_like(query)
+    ops.paged_prefill_attention(query, k_cache, v_cache, tables, chunks, dim ** -0.5, out, window, cap)
+    want = reference.paged_attention(query, k_cache, v_cache, tables, lens, starts, dim ** -0.5, window=window,
+                                     softcap=cap)
+    assert not out.isnan().any()
+    assert (out.float() - want.float()).abs().max() < TOL[dtype] * max(1.0, want.float().abs().max().item())
+
+
 def test_decode_kernel_without_options_and_bad_ones():
     ops = cpu_ops.load()
     query, k_cache, v_cache, tables, lens, scale = decode_step([5, 33], 4, 2, 64, 8, 0, torch.float32)
@@ -65,6 +107,9 @@ def test_decode_kernel_without_options_and_bad_ones():
     assert (plain - want).abs().max() < 1e-5
     with pytest.raises(RuntimeError, match="window and softcap"):
         ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale, -1, 0.0)
+    with pytest.raises(RuntimeError, match="window and softcap"):
+        ops.paged_prefill_attention(query, k_cache, v_cache, tables, torch.tensor([[0, 2, 0], [2, 0, 0]])[:2], scale,
+                                    torch.empty_like(query), 0, -1.0)
 
 
 @pytest.mark.parametrize("windowed_layout", [True, False])
@@ -92,9 +137,10 @@ def test_compiled_variants_equal_the_torch_variants(windowed_layout, prefills, w
 
 def test_the_cpu_platform_gives_compiled_variants():
     from pagedserve.worker.platform import platform_for
-    from pagedserve.worker.torch_attention import SlidingWindowAttention, SoftcapAttention
+    from pagedserve.worker.torch_attention import CpuKernelAttentionBackend
 
     backend = platform_for(torch.device("cpu")).attention_backend()
     local, capped = backend.variant(window=512, softcap=50.0), backend.variant(softcap=50.0)
-    assert type(local) is SlidingWindowAttention and type(capped) is SoftcapAttention
-    assert local.ops is not None and local.ops is capped.ops is backend.ops
+    assert type(backend) is type(local) is type(capped) is CpuKernelAttentionBackend
+    assert (local.window, local.softcap, capped.window, capped.softcap) == (512, 50.0, 0, 50.0)
+    assert local.ops is capped.ops is backend.ops

@@ -148,8 +148,12 @@ def test_each_backend_gives_its_own_kind_of_variant():
     assert torch_backend.variant() is torch_backend
     capped = torch_backend.variant(softcap=2.0)
     assert type(capped) is SoftcapAttention and capped.softcap == 2.0
-    local = CpuKernelAttentionBackend(ops=None).variant(window=8, softcap=1.5)
+    local = torch_backend.variant(window=8, softcap=1.5)
     assert type(local) is SlidingWindowAttention and (local.window, local.softcap) == (8, 1.5)
+    compiled = CpuKernelAttentionBackend(ops=None)
+    local = compiled.variant(window=8, softcap=1.5)
+    assert type(local) is CpuKernelAttentionBackend and (local.window, local.softcap) == (8, 1.5)
+    assert compiled.variant() is compiled
     triton_backend = TritonAttentionBackend()
     assert triton_backend.variant() is triton_backend
     local = triton_backend.variant(window=8, softcap=1.5)

@@ -38,25 +38,22 @@ class TorchAttentionBackend(AttentionBackend):
     """Plain torch ops, for the CPU. Decodes run as two batched matmuls over grouped heads with a
     float32 softmax (torch's CPU SDPA is many times slower for one bf16 query); prefills go one
     sequence at a time through SDPA. The decode mask is built once per step from the sequence lengths
-    (on the device: a decode step can be captured). Given the compiled CPU kernels (`ops`:
-    CpuKernelAttentionBackend and its variants), decodes and KV writes go through them instead, a
-    window and a cap included."""
+    (on the device: a decode step can be captured). With a window (SlidingWindowAttention's, or a
+    CpuKernelAttentionBackend variant's), a prefill past it reads only the blocks from its first query's
+    window on."""
 
     graph_support = GraphSupport.PURE_DECODE
-    HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the sizes pagedserve/kernels/cpu/head_dims.h compiles in
-    ops = None  # the compiled CPU kernels, or None
-    window = 0  # sliding_window.SlidingWindowAttention's, in tokens
+    window = 0  # a sliding window, in tokens (0: none)
     # Gemma 2's attn_logit_softcapping: scaled scores become cap * tanh(scores / cap) before the mask
     # (0: none; SoftcapAttention sets it)
     softcap = 0.0
     _built_mask: tuple[AttentionMetadata, torch.Tensor] | None = None  # (the step's metadata, its mask)
 
     def variant(self, *, window: int = 0, softcap: float = 0.0) -> AttentionBackend:
-        """Torch ops for either option, with this backend's kernels for decodes and KV writes (the prefill kernel
-        has neither option)."""
+        """Torch ops for either option."""
         if window:
-            return SlidingWindowAttention(window, softcap, self.ops)
-        return SoftcapAttention(softcap, self.ops) if softcap else self
+            return SlidingWindowAttention(window, softcap)
+        return SoftcapAttention(softcap) if softcap else self
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         self._write_kv(key, value, k_cache, v_cache, meta)
@@ -72,10 +69,6 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _write_kv(self, key, value, k_cache, v_cache, meta) -> None:
         """The step's new K/V rows into the cache at meta.slot_mapping."""
-        if self.ops is not None and key.stride(-1) == 1 and key.stride(-2) == key.shape[-1] \
-                and value.stride(-1) == 1 and value.stride(-2) == value.shape[-1] and k_cache.is_contiguous():
-            self.ops.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
-            return
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
@@ -87,10 +80,6 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = self._prefill(query[rows], key[rows], value[rows], k_cache, v_cache, seq, scale)
 
     def _decode(self, query, k_cache, v_cache, meta, scale):
-        if self.ops is not None and query.shape[-1] in self.HEAD_DIMS:  # each cached row read once, no gather
-            return self.ops.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables.contiguous(),
-                                                   windowed_decode_lens(meta, k_cache.shape[1], self.window), scale,
-                                                   self.window, self.softcap)
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -116,6 +105,8 @@ class TorchAttentionBackend(AttentionBackend):
         return cached[1]
 
     def _prefill(self, query, key, value, k_cache, v_cache, seq: PrefillSeq, scale):
+        if self.window and seq.context_len + seq.query_len > self.window:  # some query is old enough to lose a key
+            return self._windowed_prefill(query, key, value, k_cache, v_cache, seq, scale)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         if seq.context_len == 0:
             keys, values, mask, causal = key, value, None, True
@@ -133,6 +124,28 @@ class TorchAttentionBackend(AttentionBackend):
             # (tests/test_bf16_text.py) on an AVX2-only EPYC.
             query, keys, values = query.float(), keys.float(), values.float()
         return self._attend(query, keys, values, mask, causal, scale).to(dtype)
+
+    def _windowed_prefill(self, query, key, value, k_cache, v_cache, seq: PrefillSeq, scale):
+        """A chunk past the window: only the blocks from its first query's window on, the band on top of the
+        causal mask."""
+        total = seq.context_len + seq.query_len
+        num_kv_heads, head_dim, block_size = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
+        # The earliest key any of this step's queries sees, and the block that holds it.
+        first = max(0, seq.context_len - self.window + 1)
+        if seq.context_len == 0:
+            keys, values = key, value
+        else:
+            first_block = first // block_size
+            skip = first_block * block_size
+            blocks = seq.block_ids[first_block:-(-total // block_size)]
+            keys = k_cache[blocks].view(-1, num_kv_heads, head_dim)[first - skip:total - skip]
+            values = v_cache[blocks].view(-1, num_kv_heads, head_dim)[first - skip:total - skip]
+        if seq.context_len == 0:
+            first = 0
+        key_pos = torch.arange(first, total, device=query.device)
+        query_pos = torch.arange(seq.context_len, total, device=query.device)
+        mask = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - self.window)
+        return self._attend(query, keys, values, mask, False, scale)
 
     def _attend(self, query, keys, values, mask, causal: bool, scale: float) -> torch.Tensor:
         """One sequence's attention: query [T, H, D] over keys and values [S, KVH, D] (mask [T, S],
@@ -158,14 +171,12 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class SoftcapAttention(TorchAttentionBackend):
-    """The torch backend with Gemma 2's attention logit soft-capping (every step, decode and prefill); ops: the
-    compiled CPU kernels for its decodes and KV writes, or None."""
+    """The torch backend with Gemma 2's attention logit soft-capping (every step, decode and prefill)."""
 
-    def __init__(self, softcap: float, ops=None) -> None:
+    def __init__(self, softcap: float) -> None:
         if not softcap > 0:
             raise ValueError(f"attention softcap must be positive, got {softcap}")
         self.softcap = float(softcap)
-        self.ops = ops
 
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
@@ -173,24 +184,47 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     gather; all of a step's prefill chunks go through one call (AVX-512, or AVX2 with FMA; float32
     and bfloat16), else one sequence at a time through SDPA as the torch backend does. The prefill kernel's
     layout (block tables and (row start, rows, context) per chunk) is built once per step and
-    shared by every layer: the layers of a step get the same metadata object."""
+    shared by every layer: the layers of a step get the same metadata object. Its variants (window, softcap)
+    pass both options to the kernels; what the kernels do not take (a head dim, a group too wide) runs
+    through the torch ops with the options too."""
 
+    HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the sizes pagedserve/kernels/cpu/head_dims.h compiles in
     PREFILL_DTYPES = (torch.float32, torch.bfloat16)
 
-    def __init__(self, ops) -> None:
+    def __init__(self, ops, window: int = 0, softcap: float = 0.0) -> None:
+        if window < 0 or softcap < 0:
+            raise ValueError(f"window and softcap must be >= 0 (0: none), got {window} and {softcap}")
         self.ops = ops
+        self.window, self.softcap = int(window), float(softcap)
         self.prefill_kernel = bool(getattr(ops, "prefill_attention_available", lambda: False)()) \
             and not os.environ.get("PAGEDSERVE_NO_PREFILL_KERNEL")
         # query heads per kv head it takes (48 with AVX-512, 24 with AVX2): more go through SDPA
         self.prefill_max_group = int(getattr(ops, "prefill_attention_max_group", lambda: 0)())
         self._layout: tuple[AttentionMetadata, int, torch.Tensor, torch.Tensor] | None = None
 
+    def variant(self, *, window: int = 0, softcap: float = 0.0) -> AttentionBackend:
+        return CpuKernelAttentionBackend(self.ops, window, softcap) if window or softcap else self
+
+    def _write_kv(self, key, value, k_cache, v_cache, meta) -> None:
+        if key.stride(-1) == 1 and key.stride(-2) == key.shape[-1] and value.stride(-1) == 1 \
+                and value.stride(-2) == value.shape[-1] and k_cache.is_contiguous():
+            self.ops.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        else:
+            super()._write_kv(key, value, k_cache, v_cache, meta)
+
+    def _decode(self, query, k_cache, v_cache, meta, scale):
+        if query.shape[-1] not in self.HEAD_DIMS:
+            return super()._decode(query, k_cache, v_cache, meta, scale)
+        return self.ops.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables.contiguous(),
+                                               windowed_decode_lens(meta, k_cache.shape[1], self.window), scale,
+                                               self.window, self.softcap)
+
     def _prefills(self, query, key, value, k_cache, v_cache, meta, scale, out) -> None:
         if not (self.prefill_kernel and query.shape[-1] in self.HEAD_DIMS and query.dtype in self.PREFILL_DTYPES
                 and query.stride(-1) == 1 and query.shape[1] // k_cache.shape[2] <= self.prefill_max_group):
             return super()._prefills(query, key, value, k_cache, v_cache, meta, scale, out)
         tables, chunks = self._prefill_layout(meta, k_cache.shape[1])
-        self.ops.paged_prefill_attention(query, k_cache, v_cache, tables, chunks, scale, out)
+        self.ops.paged_prefill_attention(query, k_cache, v_cache, tables, chunks, scale, out, self.window, self.softcap)
 
     def _prefill_layout(self, meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block_tables int64 [P, width], chunks int64 [P, 3]) for meta's prefills, zero-padded: the layout's
@@ -203,15 +237,13 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
 
 class SlidingWindowAttention(TorchAttentionBackend):
-    """The torch backend with a sliding window (the module docstring); softcap: Gemma 2's score cap (0: none);
-    ops: the compiled CPU kernels for its decodes and KV writes, or None."""
+    """The torch backend with a sliding window (the module docstring); softcap: Gemma 2's score cap (0: none)."""
 
-    def __init__(self, window: int, softcap: float = 0.0, ops=None) -> None:
+    def __init__(self, window: int, softcap: float = 0.0) -> None:
         if window < 1:
             raise ValueError(f"sliding window must be at least 1 token, got {window}")
         self.window = window
         self.softcap = float(softcap or 0.0)  # Gemma 2's attention logit soft-capping (TorchAttentionBackend)
-        self.ops = ops
         self._meta: AttentionMetadata | None = None
         self._windowed: AttentionMetadata | None = None
         self._mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (decode mask, windowed)
@@ -239,25 +271,3 @@ class SlidingWindowAttention(TorchAttentionBackend):
             windowed = dataclasses.replace(meta, decode_mask=self._mask[1])
         self._meta, self._windowed = meta, windowed
         return windowed
-
-    def _prefill(self, query, key, value, k_cache, v_cache, seq: PrefillSeq, scale):
-        total = seq.context_len + seq.query_len
-        if total <= self.window:  # no query here is old enough to lose a key
-            return super()._prefill(query, key, value, k_cache, v_cache, seq, scale)
-        num_kv_heads, head_dim, block_size = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
-        # The earliest key any of this step's queries sees, and the block that holds it.
-        first = max(0, seq.context_len - self.window + 1)
-        if seq.context_len == 0:
-            keys, values = key, value
-        else:
-            first_block = first // block_size
-            skip = first_block * block_size
-            blocks = seq.block_ids[first_block:-(-total // block_size)]
-            keys = k_cache[blocks].view(-1, num_kv_heads, head_dim)[first - skip:total - skip]
-            values = v_cache[blocks].view(-1, num_kv_heads, head_dim)[first - skip:total - skip]
-        if seq.context_len == 0:
-            first = 0
-        key_pos = torch.arange(first, total, device=query.device)
-        query_pos = torch.arange(seq.context_len, total, device=query.device)
-        mask = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - self.window)
-        return self._attend(query, keys, values, mask, False, scale)

@@ -15,7 +15,10 @@
 //   - O^T [D][rows] += V^T P^T the same way, with V's scalars broadcast.
 // Causality: a row at position p sees keys 0..p; the key tiles stop at the item's last row, and a
 // mask zeroes what a row must not see inside the last tiles. Key rows past the item's last
-// position are never read (they may hold anything, NaN included).
+// position are never read (they may hold anything, NaN included). With a sliding window a row sees
+// keys p - window + 1..p: the tiles start at the item's first row's first key (key rows before it
+// are never read: their blocks may have been given back) and every tile is masked. Gemma 2's
+// soft-cap turns each scaled score s into cap * tanh(s / cap) before the softmax.
 //
 // float32 arithmetic for float32 and bfloat16 caches alike (bfloat16 is widened on load).
 // One body for AVX-512 (16 lanes, 32 registers) and AVX2 with FMA (8 lanes, 16 registers): the
@@ -70,6 +73,7 @@ inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
 inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
 inline M mask_le(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
 inline M mask_all() { return 0xFFFF; }
+inline M mask_and(M a, M b) { return a & b; }
 inline M mask_none() { return 0; }
 inline V max_where(M m, V a, V b) { return _mm512_mask_max_ps(a, m, a, b); }  // m ? max(a, b) : a
 inline V zero_unless(M m, V a) { return _mm512_maskz_mov_ps(m, a); }
@@ -94,6 +98,7 @@ inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
 inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
 inline M mask_le(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
 inline M mask_all() { return _mm256_castsi256_ps(_mm256_set1_epi32(-1)); }
+inline M mask_and(M a, M b) { return _mm256_and_ps(a, b); }
 inline M mask_none() { return _mm256_setzero_ps(); }
 inline V max_where(M m, V a, V b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
 inline V zero_unless(M m, V a) { return _mm256_and_ps(m, a); }
@@ -119,6 +124,19 @@ inline V vexp(V x) {
 constexpr int kKeys = 16;         // keys per tile
 constexpr int kMaxRows = 3 * W;   // query rows per work item: 3 vectors
 constexpr int kPass = W / 2;      // keys per score pass, head-dim elements per accumulate pass
+
+// A layer's options: its sliding window (0: none) and score soft-cap (0: none).
+struct Options {
+  int64_t window;
+  float cap;
+};
+
+// cap * tanh(s / cap) for each of n score vectors, as cap * (1 - 2 / (e^(2s / cap) + 1)).
+inline void cap_tile(V* s, int n, float cap) {
+  const V two_over_cap = vset1(2.f / cap), one = vset1(1.f), two = vset1(2.f), vcap = vset1(cap);
+  for (int i = 0; i < n; ++i)
+    s[i] = vmul(vcap, vsub(one, vdiv(two, vadd(vexp(vmul(s[i], two_over_cap)), one))));
+}
 
 struct Item {
   int64_t chunk, kv_head, row0;  // row0: the first of the item's tokens, counted within the chunk
@@ -165,7 +183,8 @@ inline void accumulate_tile(float* ot, const float* values, const V* p, const V*
 }
 
 template <int D, int RV, typename scalar_t>
-void run_item(const Item& item, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+void run_item(const Item& item, const Options& opt, const at::Tensor& query, const at::Tensor& k_cache,
+              const at::Tensor& v_cache,
               const int64_t* tables, int64_t max_blocks, const int64_t* info, float scale, at::Tensor& out,
               float* buffers) {
   const int64_t heads = query.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
@@ -195,17 +214,21 @@ void run_item(const Item& item, const at::Tensor& query, const at::Tensor& k_cac
   for (int d = 0; d < D; ++d)
     for (int v = 0; v < RV; ++v) vstore(ot + d * kMaxRows + W * v, vzero());
 
-  V row_max[RV], row_sum[RV], pos[RV];
+  V row_max[RV], row_sum[RV], pos[RV], low[RV];
   for (int v = 0; v < RV; ++v) {
-    row_max[v] = vset1(-std::numeric_limits<float>::infinity());
+    // finite: under a window a row may see no key of the first tiles, and exp(max - max) must stay 1
+    row_max[v] = vset1(-1e30f);
     row_sum[v] = vzero();
     pos[v] = vload(position + W * v);
+    low[v] = vsub(pos[v], vset1(static_cast<float>(opt.window - 1)));  // a windowed row's first key
   }
   const int64_t last_token = item.row0 + (item.rows - 1) / group;
   const int64_t num_keys = context + last_token + 1;  // the last row sees keys 0..num_keys-1
-  const int64_t first_masked = context + item.row0 + 1;  // keys from here on are hidden from some row
+  // keys from here on are hidden from some row (under a window, all of them)
+  const int64_t first_masked = opt.window > 0 ? 0 : context + item.row0 + 1;
+  const int64_t first_key = opt.window > 0 ? std::max<int64_t>(0, context + item.row0 - opt.window + 1) : 0;
   V s[kKeys * RV];
-  for (int64_t t0 = 0; t0 < num_keys; t0 += kKeys) {
+  for (int64_t t0 = first_key; t0 < num_keys; t0 += kKeys) {
     const int n = static_cast<int>(std::min<int64_t>(kKeys, num_keys - t0));
     for (int j = 0; j < n; ++j) {
       const int64_t t = t0 + j;
@@ -218,6 +241,7 @@ void run_item(const Item& item, const at::Tensor& query, const at::Tensor& k_cac
       std::fill(values + j * D, values + (j + 1) * D, 0.f);
     }
     scores_tile<D, RV>(qt, keys, s);
+    if (opt.cap > 0.f) cap_tile(s, kKeys * RV, opt.cap);
     const bool masked = t0 + kKeys > first_masked;
     M visible[kKeys][RV];
     V tile_max[RV];
@@ -225,13 +249,14 @@ void run_item(const Item& item, const at::Tensor& query, const at::Tensor& k_cac
     for (int j = 0; j < kKeys; ++j) {
       const V key_pos = vset1(static_cast<float>(t0 + j));
       for (int v = 0; v < RV; ++v) {
-        visible[j][v] = j < n ? (masked ? mask_le(key_pos, pos[v]) : mask_all()) : mask_none();
+        M seen = masked ? mask_le(key_pos, pos[v]) : mask_all();
+        if (opt.window > 0) seen = mask_and(seen, mask_le(low[v], key_pos));
+        visible[j][v] = j < n ? seen : mask_none();
         tile_max[v] = max_where(visible[j][v], tile_max[v], s[j * RV + v]);
       }
     }
     V corr[RV];
     for (int v = 0; v < RV; ++v) {
-      // Every row sees key 0 in the first tile, so the running max is finite from then on.
       corr[v] = vexp(vsub(row_max[v], tile_max[v]));
       row_sum[v] = vmul(row_sum[v], corr[v]);
       row_max[v] = tile_max[v];
@@ -257,7 +282,8 @@ void run_item(const Item& item, const at::Tensor& query, const at::Tensor& k_cac
 
 template <int D, typename scalar_t>
 void prefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-             const at::Tensor& block_tables, const at::Tensor& chunks, double scale, at::Tensor& out) {
+             const at::Tensor& block_tables, const at::Tensor& chunks, double scale, const Options& opt,
+             at::Tensor& out) {
   const int64_t num_chunks = chunks.size(0), kv_heads = k_cache.size(2), group = query.size(1) / kv_heads;
   const int64_t* info = chunks.data_ptr<int64_t>();
   const int64_t tokens_per_item = std::max<int64_t>(1, kMaxRows / group);
@@ -267,7 +293,8 @@ void prefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tenso
     const int64_t len = info[c * 3 + 1], context = info[c * 3 + 2];
     for (int64_t r0 = 0; r0 < len; r0 += tokens_per_item) {
       const int64_t tokens = std::min(tokens_per_item, len - r0);
-      const double cost = static_cast<double>(tokens * group) * (context + r0 + tokens) + 64.0 * tokens * group;
+      const int64_t keys = opt.window > 0 ? std::min(context + r0 + tokens, opt.window + tokens - 1) : context + r0 + tokens;
+      const double cost = static_cast<double>(tokens * group) * keys + 64.0 * tokens * group;
       for (int64_t h = 0; h < kv_heads; ++h) items.push_back({c, h, r0, tokens * group, cost});
       total += cost * kv_heads;
     }
@@ -282,9 +309,9 @@ void prefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tenso
   auto work = [&](std::vector<float>& buffers, size_t n) {
     const Item& item = items[n];
     switch ((item.rows + W - 1) / W) {
-      case 1: run_item<D, 1, scalar_t>(item, query, k_cache, v_cache, tables, max_blocks, info, fscale, out, buffers.data()); break;
-      case 2: run_item<D, 2, scalar_t>(item, query, k_cache, v_cache, tables, max_blocks, info, fscale, out, buffers.data()); break;
-      default: run_item<D, 3, scalar_t>(item, query, k_cache, v_cache, tables, max_blocks, info, fscale, out, buffers.data());
+      case 1: run_item<D, 1, scalar_t>(item, opt, query, k_cache, v_cache, tables, max_blocks, info, fscale, out, buffers.data()); break;
+      case 2: run_item<D, 2, scalar_t>(item, opt, query, k_cache, v_cache, tables, max_blocks, info, fscale, out, buffers.data()); break;
+      default: run_item<D, 3, scalar_t>(item, opt, query, k_cache, v_cache, tables, max_blocks, info, fscale, out, buffers.data());
     }
   };
   const int64_t threads = parallel ? std::min<int64_t>(at::get_num_threads(), items.size()) : 1;
@@ -315,12 +342,15 @@ int64_t prefill_attention_max_group() {
 }
 
 // out[rows of each chunk] = causal attention of those query rows over the chunk's sequence: its
-// context_len cached tokens and its own new tokens (already written to the cache). chunks is
+// context_len cached tokens and its own new tokens (already written to the cache); window > 0: a
+// row sees its last `window` keys only; softcap > 0: scaled scores capped at softcap * tanh(s / softcap). chunks is
 // int64 [P, 3] = (first row in query/out, number of rows, context_len); block_tables int64
 // [P, max_blocks] covering context_len + rows tokens. Rows of out outside the chunks are untouched.
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                             const at::Tensor& block_tables, const at::Tensor& chunks, double scale, at::Tensor& out) {
+                             const at::Tensor& block_tables, const at::Tensor& chunks, double scale, at::Tensor& out,
+                             int64_t window, double softcap) {
   TORCH_CHECK(prefill_attention_available(), "paged_prefill_attention needs AVX-512, or AVX2 with FMA");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, dim] with unit dim stride");
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == query.scalar_type(),
               "out must be a contiguous tensor shaped and typed as query");
@@ -340,7 +370,8 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "paged_prefill_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
       with_head_dim(query.size(2), [&](auto d) {
-        prefill<decltype(d)::value, scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale, out);
+        prefill<decltype(d)::value, scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale,
+                                              Options{window, static_cast<float>(softcap)}, out);
       });
     } else {
       TORCH_CHECK(false, "paged_prefill_attention: float32 or bfloat16 only, got ", query.scalar_type());
