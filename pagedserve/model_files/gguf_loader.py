@@ -24,6 +24,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from pagedserve.model_files.gguf_arch_configs import CONFIG_HOOKS, DEFAULT_LAYER_NAMES, GLOBAL_NAMES, LAYER_NAMES
+
 log = logging.getLogger(__name__)
 
 # GGUF architecture -> (HF architecture, HF model_type, Q/K rows stored in llama.cpp rotary order)
@@ -32,6 +34,10 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
+    "command-r": ("CohereForCausalLM", "cohere", False),  # llama.cpp's rotary on interleaved pairs, as HF's
+    "cohere2": ("Cohere2ForCausalLM", "cohere2", False),
+    "starcoder2": ("Starcoder2ForCausalLM", "starcoder2", False),
 }
 # Chat templates shipped for GGUF architectures whose files usually carry none (templates/*.jinja).
 BUILTIN_CHAT_TEMPLATES = {"gemma2": "gemma3.jinja", "gemma3": "gemma3.jinja"}  # Gemma 2's turns are Gemma 3's
@@ -42,31 +48,6 @@ _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
 _STRING, _ARRAY, _FLOAT32 = 8, 9, 6
 _CHUNK_BLOCKS = 1 << 14
 
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-# Gemma 3 norms by llama.cpp's names: ffn_norm is the pre-feedforward norm there, and llama.cpp
-# stores every norm weight as (1 + w), which worker/gguf_weights.py turns back into HF's w.
-_GEMMA3_NAMES = {**_LAYER_NAMES,
-                 "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-                 "post_attention_norm.weight": "post_attention_layernorm.weight",
-                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-                 "attn_q_norm.weight": "self_attn.q_norm.weight",
-                 "attn_k_norm.weight": "self_attn.k_norm.weight"}
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
-                 "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -229,57 +210,13 @@ def hf_config(g: GGUFFile) -> dict:
         if original := key("rope.scaling.original_context_length"):
             cfg["rope_scaling"]["original_max_position_embeddings"] = original
         cfg["rope_parameters"].update(cfg["rope_scaling"])
-    if arch == "gemma3":
-        _gemma3_config(g, cfg, key)
-    elif arch == "gemma2":
-        _gemma2_config(g, cfg, key)
+    if hook := CONFIG_HOOKS.get(arch):
+        hook(g, cfg, key)
     if "rope_freqs.weight" in g.tensors:
         # Llama 3.x GGUFs bake the llama3 rope scaling into a tensor; transformers ignores it too,
         # which only matters beyond the original context length.
         log.warning("%s: ignoring rope_freqs.weight (llama3 rope scaling is not reconstructed)", g.path)
     return cfg
-
-
-def _gemma3_config(g: GGUFFile, cfg: dict, key) -> None:
-    """What a Gemma 3 GGUF leaves to convention (llama.cpp hard-codes these; transformers takes
-    Gemma3TextConfig's defaults): every 6th layer global, local rope base 10k, queries scaled by
-    query_pre_attn_scalar = head_dim, GeGLU; chat turns end with <end_of_turn>."""
-    window, layers = key("attention.sliding_window"), cfg["num_hidden_layers"]
-    cfg.update({
-        "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": window,
-        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
-        "query_pre_attn_scalar": 256,  # transformers' default; 256 = head_dim for the sizes up to 12B
-        "rope_local_base_freq": 10000.0,
-        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                            "full_attention": dict(cfg["rope_parameters"])},
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
-    })
-    _end_of_turn(g, cfg)
-
-
-def _end_of_turn(g: GGUFFile, cfg: dict) -> None:
-    """Gemma's chat turns end with <end_of_turn> (a stop id) where the file names no eot token."""
-    tokens = g.fields.get("tokenizer.ggml.tokens") or []
-    if "<end_of_turn>" in tokens and not g.fields.get("tokenizer.ggml.eot_token_id"):
-        cfg["eot_token_id"] = tokens.index("<end_of_turn>")
-
-
-def _gemma2_config(g: GGUFFile, cfg: dict, key) -> None:
-    """What a Gemma 2 GGUF leaves to convention, as llama.cpp reads it: every second layer local from
-    the first, GeGLU, the soft-caps (Gemma2Config's 50 and 30 when the file has none), queries
-    scaled by head_dim ** -0.5, except the 27B (46 layers) by (hidden / heads) ** -0.5."""
-    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
-    cfg.update({
-        "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": key("attention.sliding_window", 4096),
-        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-        "query_pre_attn_scalar": hidden // heads if layers == 46 else cfg["head_dim"],
-        "attn_logit_softcapping": key("attn_logit_softcapping", 50.0),
-        "final_logit_softcapping": key("final_logit_softcapping", 30.0),
-    })
-    _end_of_turn(g, cfg)
 
 
 def gguf_to_hf_config(gguf_path: str | Path) -> dict:
@@ -289,9 +226,23 @@ def gguf_to_hf_config(gguf_path: str | Path) -> dict:
 
 def hf_name(name: str, arch: str = "llama") -> str | None:
     if m := _BLOCK.fullmatch(name):
-        suffix = (_GEMMA3_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES).get(m[2])
+        suffix = LAYER_NAMES.get(arch, DEFAULT_LAYER_NAMES).get(m[2])
         return f"model.layers.{m[1]}.{suffix}" if suffix else None
-    return _GLOBAL_NAMES.get(name)
+    return GLOBAL_NAMES.get(name)
+
+
+def _gguf_tokenizer(folder: Path):
+    """transformers' tokenizer for folder/model.gguf. Where its GGUF loader does not know the architecture
+    (olmo2, command-r, cohere2: AutoTokenizer reads the model's config first and refuses them), the
+    same tokenizer built from the file's metadata by its generic fast-tokenizer class."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file="model.gguf")
+    except ValueError as exc:
+        if "is not supported" not in str(exc):
+            raise
+        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file="model.gguf")
 
 
 def is_prepared_folder(folder: str | Path) -> bool:
@@ -315,10 +266,8 @@ def prepare_gguf_folder(gguf_path: str | Path, out_dir: str | Path) -> Path:
             os.link(gguf_path, tmp / "model.gguf")
         except OSError:  # other filesystem, or no hard links
             shutil.copyfile(gguf_path, tmp / "model.gguf")
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file="model.gguf")
         arch = gguf_arch(g)
+        tokenizer = _gguf_tokenizer(tmp)
         if not getattr(tokenizer, "chat_template", None) and arch in BUILTIN_CHAT_TEMPLATES:
             template = Path(__file__).parent / "templates" / BUILTIN_CHAT_TEMPLATES[arch]
             tokenizer.chat_template = template.read_text(encoding="utf-8")

@@ -7,7 +7,9 @@ CohereForCausalLM computes it: the Llama projections and SiLU MLP with
 - rotary on interleaved pairs of each head's dimensions (GPT-J's layout): the q and k projections'
   rows are reordered at load, each head's even dimensions then its odd ones, so the rotary of the
   ops bundle (halves) computes it exactly (q . k is the same sum in any order of the dimensions
-  that both share; v and the output are untouched);
+  that both share; v and the output are untouched). A GGUF (llama.cpp's command-r and cohere2,
+  whose rotary also takes interleaved pairs) holds them in HF's order too; kept quantized, its rows
+  move as whole rows of blocks;
 - with `use_qk_norm`, a LayerNorm over each query and key head with a weight per head (reordered
   the same way; under tensor parallelism each rank holds its heads' rows);
 - the logits times `logit_scale`; tied embeddings by default.
@@ -27,6 +29,7 @@ from pagedserve.worker.attention import AttentionBackend, AttentionMetadata
 from pagedserve.worker.models.llama import LlamaAttention, LlamaForCausalLM
 from pagedserve.worker.parallel import Shard, copy_checked, head_shards, mark_loader, new_param
 from pagedserve.worker.process_group import tp_group
+from pagedserve.worker.quantized import QuantizedTensor
 
 
 def halves_order(head_dim: int) -> torch.Tensor:
@@ -124,7 +127,9 @@ class CohereForCausalLM(LlamaForCausalLM):
                 if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
                     heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
                     full = w.full()
-                    w = full.reshape(heads, cfg.head_dim, *full.shape[1:])[:, order].reshape(full.shape)
+                    rows = torch.arange(heads * cfg.head_dim).reshape(heads, cfg.head_dim)[:, order].reshape(-1)
+                    # a GGUF's weight kept quantized (QuantizedTensor): whole rows of blocks move intact
+                    w = full.permute_rows(rows) if isinstance(full, QuantizedTensor) else full[rows]
                 elif name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
                     w = w.full()[:, order]
                 yield name, w
