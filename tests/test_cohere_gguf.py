@@ -1,0 +1,95 @@
+"""Tiny random Command-R (with and without per-head q/k norms) and Command R7B written as GGUFs the
+way llama.cpp's converter writes them (tests/gguf_convert: llama.cpp's command-r and cohere2 names and
+keys, logit_scale, the LayerNorm epsilon, cohere2's sliding window and rope dimension count, q/k rows
+not permuted: llama.cpp's rotary for both takes interleaved pairs, as HF's). transformers' GGUF loader
+does not read them, so the reference is the HF model each file was written from: our config and
+weights equal it, and greedy tokens through the prepared folder equal transformers' in float32, whole
+and chunked (Command R7B's three local layers of a window of 8 to one NoPE global layer, from
+llama.cpp's fixed pattern); kept quantized (the CPU kernels' blocks), the reordered q/k rows agree
+with the same file dequantized."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gguf_convert import convert_to_gguf
+from pagedserve.kernels import cpu_ops
+from pagedserve.model_files.gguf_loader import gguf_to_hf_config, prepare_gguf_folder
+from pagedserve.worker.gguf_weights import iter_gguf_weights
+from test_quantized_model import agreement, requantize_gguf, top1
+from test_qwen3_phi3 import LENGTHS, MAX_NEW, PROMPTS, run
+from tiny_models import build_tiny_model, hf_greedy, make_engine
+
+NONE = gguf.RopeScalingType.NONE
+# case: (tiny_models arch, its overrides, llama.cpp arch, what that converter class adds)
+CASES = {
+    "qk_norm": ("cohere", {}, "command-r", dict(logit_scale=0.5, rope_scaling_type=NONE)),
+    "plain": ("cohere", {"use_qk_norm": False}, "command-r", dict(logit_scale=0.5, rope_scaling_type=NONE)),
+    "cohere2": ("cohere2", {}, "cohere2", dict(logit_scale=0.5, sliding_window=8, vocab_size=256,
+                                               rope_dimension_count=16, rope_scaling_type=NONE)),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def cohere(request, tmp_path_factory):
+    arch, overrides, gguf_arch, keys = CASES[request.param]
+    root = tmp_path_factory.mktemp(f"cohere-gguf-{request.param}")
+    folder = build_tiny_model(root / "hf", arch, **overrides)
+    convert_to_gguf(folder, root / "tiny.gguf", gguf_arch, **keys)
+    return folder, root / "tiny.gguf"
+
+
+def test_config_and_weights_equal_the_hf_model(cohere):
+    folder, path = cohere
+    hf, cfg = json.loads((folder / "config.json").read_text()), gguf_to_hf_config(path)
+    assert cfg["architectures"] == hf["architectures"] and cfg["model_type"] == hf["model_type"]
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "layer_norm_eps", "logit_scale", "max_position_embeddings",
+                 "tie_word_embeddings", "attention_bias", "hidden_act", "rope_parameters"):
+        assert cfg[name] == hf[name], name
+    assert cfg["use_qk_norm"] == hf.get("use_qk_norm", False)
+    if hf["model_type"] == "cohere2":
+        assert cfg["layer_types"] == hf["layer_types"] and cfg["sliding_window"] == hf["sliding_window"] == 8
+    expected = load_file(folder / "model.safetensors")
+    got = dict(iter_gguf_weights(path, torch.float32))
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_prepared_folder_serves_like_transformers(cohere, tmp_path):
+    folder, path = cohere
+    prepared = prepare_gguf_folder(path, tmp_path / "prepared")
+    expected = hf_greedy(folder, PROMPTS, MAX_NEW)
+    for overrides in ({}, {"max_num_batched_tokens": 16}):
+        with make_engine(prepared, **overrides) as engine:
+            if overrides == {} and "cohere2" in path.parent.name:
+                assert engine.runner.config.kv_groups().windows == (0, 8, 8, 8)
+                assert [layer.self_attn.use_rope for layer in engine.runner.model.layers] == [True] * 3 + [False]
+            got = run(engine)
+        for length, ours, theirs in zip(LENGTHS, got, expected):
+            assert ours == theirs, f"prompt of {length} tokens, {overrides}"
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="no C++ compiler for the CPU kernels here")
+def test_quantized_rows_agree_with_dequantized(cohere, tmp_path):
+    _, path = cohere
+    folder = tmp_path / "model"
+    folder.mkdir()
+    Q = gguf.GGMLQuantizationType
+    requantize_gguf(path, folder / "model.gguf", {"attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q8_0,
+                                                  "attn_output": Q.Q8_0, "ffn_gate": Q.Q8_0, "ffn_up": Q.Q8_0,
+                                                  "ffn_down": Q.Q8_0})
+    (folder / "config.json").write_text(json.dumps(gguf_to_hf_config(folder / "model.gguf")))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, 40).tolist() for _ in range(3)]
+    with make_engine(folder, quantization="auto") as quant, make_engine(folder) as plain:
+        assert quant.runner.quantization == "gguf" and "Q8_0" in quant.runner.weights_description
+        # a wrong row order would agree about 1/256 of the time
+        assert agreement(top1(quant, prompts), top1(plain, prompts)) >= 0.9
