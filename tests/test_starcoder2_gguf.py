@@ -1,0 +1,84 @@
+"""A tiny random StarCoder2 written as a GGUF the way llama.cpp's converter writes one (tests/gguf_convert:
+llama.cpp's starcoder2 names, LayerNorm weights and biases, biases on every projection and on ffn_up
+and ffn_down, the LayerNorm epsilon key, no sliding window), tied and untied: our config and weights
+equal transformers' GGUF loader's (rope_theta excepted: its starcoder2 mapping reads no rope.freq_base,
+so it is checked against the HF model the file was written from), greedy tokens through the prepared
+folder equal transformers' Starcoder2ForCausalLM on that HF model in float32, whole and chunked, and
+kept quantized the weights agree with the same file dequantized."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from gguf_convert import convert_to_gguf
+from pagedserve.kernels import cpu_ops
+from pagedserve.model_files.gguf_loader import gguf_to_hf_config, prepare_gguf_folder
+from pagedserve.worker.gguf_weights import iter_gguf_weights
+from test_quantized_model import agreement, requantize_gguf, top1
+from test_qwen3_phi3 import LENGTHS, MAX_NEW, PROMPTS, run
+from tiny_models import build_tiny_model, hf_greedy, make_engine
+
+ROPE = {"rope_type": "default", "rope_theta": 100000.0}  # StarCoder2-15B's base, away from the default
+CASES = {"tied": {}, "untied": {"tie_word_embeddings": False}}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def starcoder(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"starcoder2-gguf-{request.param}")
+    folder = build_tiny_model(root / "hf", "starcoder2", rope_parameters=ROPE, **CASES[request.param])
+    convert_to_gguf(folder, root / "tiny.gguf", "starcoder2")
+    return folder, root / "tiny.gguf"
+
+
+def test_config_and_weights_equal_transformers(starcoder):
+    folder, path = starcoder
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+    cfg, ref = gguf_to_hf_config(path), reference.config
+    assert cfg["architectures"] == ["Starcoder2ForCausalLM"]
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "use_bias", "hidden_act",
+                 "sliding_window"):
+        assert cfg[name] == getattr(ref, name), name
+    # the file's float32 epsilon: ours reads as the intended 1e-05, transformers' as float32's nearest
+    assert np.float32(cfg["norm_epsilon"]) == np.float32(ref.norm_epsilon)
+    assert cfg["rope_parameters"] == json.loads((folder / "config.json").read_text())["rope_parameters"] == ROPE
+    tied = cfg["tie_word_embeddings"]
+    expected = {k: v for k, v in reference.state_dict().items() if not (tied and k == "lm_head.weight")}
+    got = dict(iter_gguf_weights(path, torch.float32))
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_prepared_folder_serves_like_transformers(starcoder, tmp_path):
+    folder, path = starcoder
+    prepared = prepare_gguf_folder(path, tmp_path / "prepared")
+    expected = hf_greedy(folder, PROMPTS, MAX_NEW)
+    for overrides in ({}, {"max_num_batched_tokens": 16}):
+        with make_engine(prepared, **overrides) as engine:
+            got = run(engine)
+        for length, ours, theirs in zip(LENGTHS, got, expected):
+            assert ours == theirs, f"prompt of {length} tokens, {overrides}"
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="no C++ compiler for the CPU kernels here")
+def test_quantized_weights_agree_with_dequantized(starcoder, tmp_path):
+    _, path = starcoder
+    folder = tmp_path / "model"
+    folder.mkdir()
+    Q = gguf.GGMLQuantizationType
+    requantize_gguf(path, folder / "model.gguf", {"attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q8_0,
+                                                  "attn_output": Q.Q8_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q8_0})
+    (folder / "config.json").write_text(json.dumps(gguf_to_hf_config(folder / "model.gguf")))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, 40).tolist() for _ in range(3)]
+    with make_engine(folder, quantization="auto") as quant, make_engine(folder) as plain:
+        assert quant.runner.quantization == "gguf" and "Q8_0" in quant.runner.weights_description
+        assert agreement(top1(quant, prompts), top1(plain, prompts)) >= 0.9
