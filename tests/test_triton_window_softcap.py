@@ -165,8 +165,8 @@ def test_each_backend_gives_its_own_kind_of_variant():
 def test_gemma2_on_the_triton_backend_equals_transformers(tmp_path, monkeypatch):
     """A Gemma 2 engine (window 8, score cap 1.5 in every layer) whose platform gives the Triton backend (CUDA's;
     interpreted here): every layer takes its Triton variant, and greedy tokens equal transformers' with chunked
-    prefill (windowed decodes beside chunks in the local KV group), and with decode graphs (the stand-in: each
-    KV group's rows whole from block 0, the local layers' kernels starting at the window)."""
+    prefill (windowed decodes beside chunks in the local KV group), and with decode and mixed-step graphs (the
+    stand-in: each KV group's rows whole from block 0, the local layers' kernels starting at the window)."""
     from pagedserve.worker.graph_runner import StandInGraph
     from pagedserve.worker.attention import TritonAttentionBackend
     from pagedserve.worker.platform import CpuPlatform
@@ -183,8 +183,8 @@ def test_gemma2_on_the_triton_backend_equals_transformers(tmp_path, monkeypatch)
     assert all(type(b) is TritonAttentionBackend for b in backends)
     assert [(b.window, b.softcap) for b in backends] == [(8, 1.5), (0, 1.5)] * 2
     assert got == expected
-    with make_engine(folder, device=DEVICE, max_num_seqs=4, enforce_eager=True) as engine:
-        engine.runner.enable_decode_graphs(4, StandInGraph)
+    with make_engine(folder, device=DEVICE, max_num_seqs=4, max_num_batched_tokens=16, enforce_eager=True) as engine:
+        engine.runner.enable_decode_graphs(4, StandInGraph, 16)  # mixed-step graphs too: every step from a graph
         assert run(engine, prompts[:2]) == expected[:2]
-        graphs = engine.runner.decode_graphs
-        assert graphs.groups == 2 and sum(g.replays for g in graphs.graphs.values()) > 0
+        for graphs in (engine.runner.decode_graphs, engine.runner.mixed_graphs):
+            assert graphs.groups == 2 and sum(g.replays for g in graphs.graphs.values()) > 0

@@ -26,9 +26,9 @@ SGLang capture at start-up, over an idle step: padding only; the largest size fi
 reuse the memory the largest took in the runners' one pool), else lazily on the first step that needs a bucket;
 they are dropped (re-captured on next use) when the cache or the input batch's buffer is re-allocated (the buffer
 grows when a step outgrows it: rarely after warm-up): a graph holds their addresses. A model with several KV groups
-(sliding-window layers beside global ones: Gemma 2 and 3, Command R7B) has decode graphs whose region holds each
-group's slots and tables (every row whole from block 0: a windowed backend starts at its window itself), and no
-mixed-step graphs (their packed layout is one group's). Steps with tables wider than max_blocks, more sequences
+(sliding-window layers beside global ones: Gemma 2 and 3, Command R7B) has graphs whose regions hold each group's
+slots and tables (every row whole from block 0: a windowed backend starts at its window itself), each layer given
+its group's metadata. Steps with tables wider than max_blocks, more sequences
 than the largest bucket or more tokens than the largest token size run eagerly, and so does every step of a model
 whose attention backend cannot be captured (its `graph_support`: the model runner asks before it builds these
 runners).
@@ -243,7 +243,9 @@ class MixedGraphRunner:
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
                  max_num_seqs: int, max_tokens: int, max_blocks: int, batch: InputBatch,
-                 graph_factory: Callable[[], object], output: torch.Tensor) -> None:
+                 graph_factory: Callable[[], object], output: torch.Tensor, groups: int = 1,
+                 per_layer: Callable[[list[AttentionMetadata]], object] | None = None) -> None:
+        """groups, per_layer: as DecodeGraphRunner's."""
         self.forward = forward
         self.sizes = mixed_capture_sizes(max_tokens)
         self.tokens = self.sizes[-1]
@@ -251,8 +253,12 @@ class MixedGraphRunner:
         self.max_blocks = max_blocks
         self.batch = batch
         self.output = output
+        self.groups, self.per_layer = groups, per_layer
+        if groups > 1 and per_layer is None:
+            raise ValueError("several KV groups need per_layer")
         self.captured = BucketGraphs(batch, graph_factory,
-                                     lambda: mixed_region(batch, self.tokens, self.seqs, max_blocks), "mixed-step")
+                                     lambda: mixed_region(batch, self.tokens, self.seqs, max_blocks, groups),
+                                     "mixed-step")
 
     @property
     def graphs(self) -> dict[int, object]:
@@ -264,7 +270,7 @@ class MixedGraphRunner:
     @property
     def region_size(self) -> int:
         """Values of the input buffer the graphs read (mixed_region)."""
-        return mixed_region_size(self.tokens, self.seqs, self.max_blocks)
+        return mixed_region_size(self.tokens, self.seqs, self.max_blocks, self.groups)
 
     def bucket(self, num_tokens: int, num_seqs: int) -> int | None:
         """The token size a step of num_tokens tokens over num_seqs sequences runs at, or None (eagerly)."""
@@ -274,9 +280,12 @@ class MixedGraphRunner:
 
     def layout(self, decodes: list, prefills: list, num_tokens: int, size: int, block_size: int, tables=None):
         """The step written where the graphs read it (input_batch.layout_graph_mixed; tables: the states'
-        block-table rows), or None (eagerly)."""
-        return layout_graph_mixed(self.batch, decodes, prefills, num_tokens, size, self.tokens, self.seqs,
-                                  self.max_blocks, block_size, tables)
+        block-table rows), or None (eagerly). With several KV groups the metadata is per_layer's."""
+        laid = layout_graph_mixed(self.batch, decodes, prefills, num_tokens, size, self.tokens, self.seqs,
+                                  self.max_blocks, block_size, tables, self.groups)
+        if laid is None or self.groups == 1:
+            return laid
+        return laid[0], laid[1], self.per_layer(laid[2])
 
     def run(self, size: int) -> torch.Tensor:
         """The hidden states [size, hidden] of the step `layout` wrote (tokens past the step's are padding)."""
@@ -291,8 +300,11 @@ class MixedGraphRunner:
 
     def _forward_bucket(self, inputs: tuple[torch.Tensor, ...], size: int) -> torch.Tensor:
         input_ids, positions, slots = (t[:size] for t in inputs[:3])
-        seq_lens, query_start_loc, tables = inputs[3:]
-        meta = AttentionMetadata(slots, 0, None, None, None, [], packed=PackedSeqs(query_start_loc, seq_lens, tables))
+        seq_lens, query_start_loc, tables, *others = inputs[3:]
+        group_views = [(slots, tables), *zip((t[:size] for t in others[::2]), others[1::2])]
+        metas = [AttentionMetadata(group_slots, 0, None, None, None, [],
+                                   packed=PackedSeqs(query_start_loc, seq_lens, group_tables))
+                 for group_slots, group_tables in group_views]
         out = self.output[:size]
-        out.copy_(self.forward(input_ids, positions, meta))
+        out.copy_(self.forward(input_ids, positions, metas[0] if self.groups == 1 else self.per_layer(metas)))
         return out

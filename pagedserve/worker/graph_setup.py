@@ -1,8 +1,7 @@
 """Which of a model runner's steps replay graphs, and their capture (graph_runner.py has the runners): a model
 whose attention backends can be captured gets decode graphs; mixed-step graphs too where every backend says
-MIXED, the model reads no layout on the host and it has one KV group (a model with several has decode graphs
-only, each layer given its group's metadata). Functions of the model runner (worker/model_runner.py), which
-keeps the runners they return.
+MIXED and the model reads no layout on the host. With several KV groups, each layer is given its group's
+metadata. Functions of the model runner (worker/model_runner.py), which keeps the runners they return.
 
 Threads: the model runner's torch thread only."""
 
@@ -34,14 +33,15 @@ def graph_runners(runner, max_num_seqs: int, graph_factory,
         return None, None
     forward = lambda ids, positions, meta: runner.model(ids, positions, runner.kv.model_caches(), meta)  # noqa: E731
     max_blocks = -(-runner.max_model_len // runner.block_size)
-    decode = DecodeGraphRunner(forward, max_num_seqs, max_blocks, runner.input_batch, graph_factory,
-                               len(groups.layers) if groups.hybrid else 1, runner._per_layer)
-    if not max_num_batched_tokens or runner.model.reads_layout_on_host or groups.hybrid \
+    num_groups = len(groups.layers) if groups.hybrid else 1
+    decode = DecodeGraphRunner(forward, max_num_seqs, max_blocks, runner.input_batch, graph_factory, num_groups,
+                               runner._per_layer)
+    if not max_num_batched_tokens or runner.model.reads_layout_on_host \
             or any(b.graph_support < GraphSupport.MIXED for b in backends):
         return decode, None
     output = torch.empty(max_num_batched_tokens, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
     return decode, MixedGraphRunner(forward, max_num_seqs, max_num_batched_tokens, max_blocks, runner.input_batch,
-                                    graph_factory, output)
+                                    graph_factory, output, num_groups, runner._per_layer)
 
 
 def capture_all(runner) -> tuple[DecodeGraphRunner | None, MixedGraphRunner | None]:

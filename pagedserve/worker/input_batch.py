@@ -282,19 +282,25 @@ def _decode_rows(decodes: list, pos: np.ndarray, step_tables: np.ndarray, slots:
     step_tables[batch_size:] = step_tables[0]
 
 
-def mixed_region_size(tokens: int, seqs: int, width: int) -> int:
-    return 3 * tokens + 2 * seqs + 1 + seqs * width
+def mixed_region_size(tokens: int, seqs: int, width: int, groups: int = 1) -> int:
+    return (2 + groups) * tokens + 2 * seqs + 1 + seqs * groups * width
 
 
-def mixed_region(batch: InputBatch, tokens: int, seqs: int, width: int) -> tuple[torch.Tensor, ...]:
+def mixed_region(batch: InputBatch, tokens: int, seqs: int, width: int, groups: int = 1) -> tuple[torch.Tensor, ...]:
     """The mixed-step graphs' inputs, views at fixed offsets of the batch's device buffer: (input_ids [tokens],
     positions [tokens], slot_mapping [tokens], seq_lens [seqs], query_start_loc [seqs + 1], block_tables
-    [seqs, width]); layout_graph_mixed writes a step there. Valid until the batch reallocates."""
-    if batch.capacity < mixed_region_size(tokens, seqs, width):
+    [seqs, width]) of the first KV group, then (slot_mapping, block_tables) of each other group (the tables
+    interleaved by row, [seqs, groups, width], as graph_region's); layout_graph_mixed writes a step there.
+    Valid until the batch reallocates."""
+    if batch.capacity < mixed_region_size(tokens, seqs, width, groups):
         raise ValueError(f"the input batch holds {batch.capacity} values, the mixed graph region needs more")
     t, s = tokens, seqs
-    return (batch.view(0, t), batch.view(t, t), batch.view(2 * t, t), batch.view(3 * t, s),
-            batch.view(3 * t + s, s + 1), batch.view(3 * t + 2 * s + 1, s, width))
+    tables = batch.view((2 + groups) * t + 2 * s + 1, s, groups, width)
+    views = [batch.view(0, t), batch.view(t, t), batch.view(2 * t, t), batch.view(3 * t, s),
+             batch.view(3 * t + s, s + 1), tables[:, 0]]
+    for g in range(1, groups):
+        views += [batch.view((2 + g) * t + 2 * s + 1, t), tables[:, g]]
+    return tuple(views)
 
 
 def padding_runs(pad: int, spare: int, span: int) -> list[int] | None:
@@ -305,17 +311,18 @@ def padding_runs(pad: int, spare: int, span: int) -> list[int] | None:
 
 
 def layout_graph_mixed(batch: InputBatch, decodes: list, prefills: list, num_tokens: int, size: int, tokens: int,
-                       seqs: int, width: int, block_size: int, tables: BlockTables | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None:
-    """A step of one full-attention KV group (decodes first, then prefill chunks, as layout_step orders them)
-    laid out packed in mixed_region's places (`tokens` by `seqs` rows of `width` blocks), padded to `size`
-    tokens: the padding tokens (id 0, position 0, slot -1: their K/V are not written) form sequences of their
-    own after the step's (context 0, tables all block 0, at most width * block_size tokens each); the rows
-    after those have no query and length 0. Returns (input_ids, positions, metadata) of `size` tokens whose
-    metadata is packed (attention.PackedSeqs), or None when the rows, a table's width or the padding do
-    not fit (the step is laid out by layout_step instead). Uploads the region up to the last table row used.
-    No decodes and no prefills (a graph captured ahead of any step): every token is padding. tables: as
-    layout_step's (columns past a sequence's blocks are not read)."""
+                       seqs: int, width: int, block_size: int, tables: BlockTables | None = None, groups: int = 1
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata]] | None:
+    """A step (decodes first, then prefill chunks, as layout_step orders them) laid out packed in mixed_region's
+    places (`tokens` by `seqs` rows of `width` blocks), padded to `size` tokens: the padding tokens (id 0,
+    position 0, slot -1: their K/V are not written) form sequences of their own after the step's (context 0,
+    tables all block 0, at most width * block_size tokens each); the rows after those have no query and length
+    0. Returns (input_ids, positions, metadata) of `size` tokens whose metadata is packed
+    (attention.PackedSeqs): one AttentionMetadata, or with several KV groups a list of each group's (its slots
+    and tables, every row whole from block 0, as layout_graph_decode's); or None when the rows, a table's width
+    or the padding do not fit (the step is laid out by layout_step instead). Uploads the region up to the last
+    table row used. No decodes and no prefills (a graph captured ahead of any step): every token is padding.
+    tables: as layout_step's (columns past a sequence's blocks are not read)."""
     bs, scheduled = block_size, [*decodes, *prefills]
     num_real, pad = len(scheduled), size - num_tokens
     counts = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=num_real)
@@ -324,26 +331,28 @@ def layout_graph_mixed(batch: InputBatch, decodes: list, prefills: list, num_tok
     if runs is None or (num_real and int(ends.max()) > width * bs) or size > tokens:
         return None
     used_rows = num_real + len(runs)
-    batch.begin(mixed_region_size(tokens, seqs, width))
+    batch.begin(mixed_region_size(tokens, seqs, width, groups))
     ids_at, ids = batch.take(tokens)
     pos_at, positions = batch.take(tokens)
-    slots_at, slots = batch.take(tokens)
+    slots = [batch.take(tokens)]
     lens_at, lens = batch.take(seqs)
     qsl_at, qsl = batch.take(seqs + 1)
-    tables_at, flat = batch.take(used_rows * width)
-    step_tables = flat.reshape(used_rows, width)
+    slots += [batch.take(tokens) for _ in range(1, groups)]
+    tables_at, flat = batch.take(used_rows * groups * width)
+    step_tables = flat.reshape(used_rows, groups, width)
     need = -(-int(ends.max()) // bs) if num_real else 0  # the columns the longest sequence reads
-    if num_real:
-        gather(tables, step_tables[:num_real, :need], [s for s, _ in scheduled], 0)
-    step_tables[:num_real, need:] = 0
     step_tables[num_real:] = 0
     _write_tokens(decodes, prefills, ids, positions)
     ids[num_tokens:size] = 0
     positions[num_tokens:size] = 0
     rows_of_tokens = np.repeat(np.arange(num_real), counts)
     pos = positions[:num_tokens]
-    slots[:num_tokens] = step_tables[rows_of_tokens, pos // bs] * bs + pos % bs
-    slots[num_tokens:size] = -1
+    for g, (_, group_slots) in enumerate(slots):
+        if num_real:
+            gather(tables, step_tables[:num_real, g, :need], [s for s, _ in scheduled], g)
+        step_tables[:num_real, g, need:] = 0
+        group_slots[:num_tokens] = step_tables[rows_of_tokens, g, pos // bs] * bs + pos % bs
+        group_slots[num_tokens:size] = -1
     lens[:num_real] = ends
     lens[num_real:used_rows] = runs
     lens[used_rows:] = 0
@@ -351,6 +360,8 @@ def layout_graph_mixed(batch: InputBatch, decodes: list, prefills: list, num_tok
     np.cumsum(np.concatenate([counts, np.asarray(runs, dtype=np.int64)]), out=qsl[1:used_rows + 1])
     qsl[used_rows + 1:] = size
     batch.upload()
-    meta = AttentionMetadata(batch.view(slots_at, size), 0, None, None, None, [], packed=PackedSeqs(
-        batch.view(qsl_at, seqs + 1), batch.view(lens_at, seqs), batch.view(tables_at, seqs, width)))
-    return batch.view(ids_at, size), batch.view(pos_at, size), meta
+    device_tables = batch.view(tables_at, seqs, groups, width)
+    metas = [AttentionMetadata(batch.view(slots_at, size), 0, None, None, None, [], packed=PackedSeqs(
+        batch.view(qsl_at, seqs + 1), batch.view(lens_at, seqs), device_tables[:, g]))
+        for g, (slots_at, _) in enumerate(slots)]
+    return batch.view(ids_at, size), batch.view(pos_at, size), metas[0] if groups == 1 else metas
