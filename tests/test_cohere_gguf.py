@@ -15,16 +15,14 @@ import json
 import gguf
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
 
+from gguf_checks import check_serves_like_transformers, check_weights_equal
 from gguf_convert import convert_to_gguf
 from pagedserve.kernels import cpu_ops
-from pagedserve.model_files.gguf_loader import gguf_to_hf_config, prepare_gguf_folder
-from pagedserve.worker.gguf_weights import iter_gguf_weights
+from pagedserve.model_files.gguf_loader import gguf_to_hf_config
 from test_quantized_model import agreement, requantize_gguf, top1
-from test_qwen3_phi3 import LENGTHS, MAX_NEW, PROMPTS, run
-from tiny_models import build_tiny_model, hf_greedy, make_engine
+from tiny_models import build_tiny_model, make_engine
 
 NONE = gguf.RopeScalingType.NONE
 # case: (tiny_models arch, its overrides, llama.cpp arch, what that converter class adds)
@@ -57,24 +55,18 @@ def test_config_and_weights_equal_the_hf_model(cohere):
     if hf["model_type"] == "cohere2":
         assert cfg["layer_types"] == hf["layer_types"] and cfg["sliding_window"] == hf["sliding_window"] == 8
     expected = load_file(folder / "model.safetensors")
-    got = dict(iter_gguf_weights(path, torch.float32))
-    assert got.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert torch.equal(got[name], tensor), name
+    check_weights_equal(path, expected)
 
 
 def test_prepared_folder_serves_like_transformers(cohere, tmp_path):
     folder, path = cohere
-    prepared = prepare_gguf_folder(path, tmp_path / "prepared")
-    expected = hf_greedy(folder, PROMPTS, MAX_NEW)
-    for overrides in ({}, {"max_num_batched_tokens": 16}):
-        with make_engine(prepared, **overrides) as engine:
-            if overrides == {} and "cohere2" in path.parent.name:
-                assert engine.runner.config.kv_groups().windows == (0, 8, 8, 8)
-                assert [layer.self_attn.use_rope for layer in engine.runner.model.layers] == [True] * 3 + [False]
-            got = run(engine)
-        for length, ours, theirs in zip(LENGTHS, got, expected):
-            assert ours == theirs, f"prompt of {length} tokens, {overrides}"
+
+    def inspect(engine):
+        if "cohere2" in path.parent.name:
+            assert engine.runner.config.kv_groups().windows == (0, 8, 8, 8)
+            assert [layer.self_attn.use_rope for layer in engine.runner.model.layers] == [True] * 3 + [False]
+
+    check_serves_like_transformers(folder, path, tmp_path, inspect)
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="no C++ compiler for the CPU kernels here")

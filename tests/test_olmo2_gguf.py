@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
+from gguf_checks import check_serves_like_transformers, check_weights_equal
 from gguf_convert import convert_to_gguf
-from pagedserve.model_files.gguf_loader import gguf_to_hf_config, prepare_gguf_folder
-from pagedserve.worker.gguf_weights import iter_gguf_weights
-from test_qwen3_phi3 import LENGTHS, MAX_NEW, PROMPTS, run
-from tiny_models import build_tiny_model, hf_greedy, make_engine
+from pagedserve.model_files.gguf_loader import gguf_to_hf_config
+from tiny_models import build_tiny_model
 
 ROPE = {"rope_type": "default", "rope_theta": 500000.0}  # OLMo 2's base, away from the default
 
@@ -40,21 +38,12 @@ def test_config_and_weights_equal_the_hf_model(olmo):
         assert cfg[name] == hf[name], name
     assert cfg["rope_parameters"] == ROPE
     expected = load_file(folder / "model.safetensors")
-    got = dict(iter_gguf_weights(path, torch.float32))
-    assert got.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert torch.equal(got[name], tensor), name
+    check_weights_equal(path, expected)
 
 
 def test_prepared_folder_serves_like_transformers(olmo, tmp_path):
     folder, path = olmo
-    prepared = prepare_gguf_folder(path, tmp_path / "prepared")
-    expected = hf_greedy(folder, PROMPTS, MAX_NEW)
-    for overrides in ({}, {"max_num_batched_tokens": 16}):
-        with make_engine(prepared, **overrides) as engine:
-            got = run(engine)
-        for length, ours, theirs in zip(LENGTHS, got, expected):
-            assert ours == theirs, f"prompt of {length} tokens, {overrides}"
+    check_serves_like_transformers(folder, path, tmp_path)
 
 
 def test_olmo3_sliding_window_is_refused(olmo, tmp_path):

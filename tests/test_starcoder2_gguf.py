@@ -16,13 +16,12 @@ import pytest
 import torch
 import transformers
 
+from gguf_checks import check_serves_like_transformers, check_weights_equal
 from gguf_convert import convert_to_gguf
 from pagedserve.kernels import cpu_ops
-from pagedserve.model_files.gguf_loader import gguf_to_hf_config, prepare_gguf_folder
-from pagedserve.worker.gguf_weights import iter_gguf_weights
+from pagedserve.model_files.gguf_loader import gguf_to_hf_config
 from test_quantized_model import agreement, requantize_gguf, top1
-from test_qwen3_phi3 import LENGTHS, MAX_NEW, PROMPTS, run
-from tiny_models import build_tiny_model, hf_greedy, make_engine
+from tiny_models import build_tiny_model, make_engine
 
 ROPE = {"rope_type": "default", "rope_theta": 100000.0}  # StarCoder2-15B's base, away from the default
 CASES = {"tied": {}, "untied": {"tie_word_embeddings": False}}
@@ -51,21 +50,12 @@ def test_config_and_weights_equal_transformers(starcoder):
     assert cfg["rope_parameters"] == json.loads((folder / "config.json").read_text())["rope_parameters"] == ROPE
     tied = cfg["tie_word_embeddings"]
     expected = {k: v for k, v in reference.state_dict().items() if not (tied and k == "lm_head.weight")}
-    got = dict(iter_gguf_weights(path, torch.float32))
-    assert got.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert torch.equal(got[name], tensor), name
+    check_weights_equal(path, expected)
 
 
 def test_prepared_folder_serves_like_transformers(starcoder, tmp_path):
     folder, path = starcoder
-    prepared = prepare_gguf_folder(path, tmp_path / "prepared")
-    expected = hf_greedy(folder, PROMPTS, MAX_NEW)
-    for overrides in ({}, {"max_num_batched_tokens": 16}):
-        with make_engine(prepared, **overrides) as engine:
-            got = run(engine)
-        for length, ours, theirs in zip(LENGTHS, got, expected):
-            assert ours == theirs, f"prompt of {length} tokens, {overrides}"
+    check_serves_like_transformers(folder, path, tmp_path)
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="no C++ compiler for the CPU kernels here")
