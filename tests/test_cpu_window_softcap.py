@@ -17,25 +17,33 @@ from window_steps import window_step
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-def decode_step(lens, heads, kv_heads, dim, page, window, dtype, seed=0):
-    """A pure decode step over scattered blocks, the entries before each window naming a block of NaNs."""
+def poisoned_step(ctx_lens, q_lens, heads, kv_heads, dim, page, window, dtype, seed):
+    """(query, k_cache, v_cache, tables) of a step over scattered blocks: sequence s has ctx_lens[s] cached
+    tokens and q_lens[s] queries, its table entries before its first query's window (and past its end) naming a
+    block of NaNs."""
     gen = torch.Generator().manual_seed(seed)
-    counts = [math.ceil(n / page) for n in lens]
+    counts = [math.ceil((c + q) / page) for c, q in zip(ctx_lens, q_lens)]
     num_blocks = sum(counts) + 1
     perm = torch.randperm(num_blocks, generator=gen)
     poisoned = int(perm[-1])
-    tables = torch.full((len(lens), max(counts)), poisoned, dtype=torch.long)
+    tables = torch.full((len(counts), max(counts)), poisoned, dtype=torch.long)
     used = 0
-    for s, (n, count) in enumerate(zip(lens, counts)):
+    for s, (context, count) in enumerate(zip(ctx_lens, counts)):
         tables[s, :count] = perm[used:used + count]
         used += count
         if window:
-            tables[s, :max(0, n - window) // page] = poisoned
-    query = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+            tables[s, :max(0, context - window + 1) // page] = poisoned
+    query = torch.randn(sum(q_lens), heads, dim, generator=gen).to(dtype)
     caches = [torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to(dtype) for _ in range(2)]
     for cache in caches:
         cache[poisoned] = float("nan")
-    return query, *caches, tables, torch.tensor(lens), dim ** -0.5
+    return query, *caches, tables
+
+
+def decode_step(lens, heads, kv_heads, dim, page, window, dtype, seed=0):
+    """A pure decode step: (query, k_cache, v_cache, tables, seq_lens, scale)."""
+    args = poisoned_step([n - 1 for n in lens], [1] * len(lens), heads, kv_heads, dim, page, window, dtype, seed)
+    return *args, torch.tensor(lens), dim ** -0.5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -56,29 +64,13 @@ def test_decode_kernel_equals_the_reference(dtype, heads, kv_heads, dim, page, w
 
 
 def prefill_step(ctx_lens, q_lens, heads, kv_heads, dim, page, window, dtype, seed=1):
-    """A step of prefill chunks (the kernel's layout: chunks int64 [P, 3] = row start, rows, context) over
-    scattered blocks, the entries before each chunk's first query's window naming a block of NaNs."""
-    gen = torch.Generator().manual_seed(seed)
-    totals = [c + q for c, q in zip(ctx_lens, q_lens)]
-    counts = [math.ceil(n / page) for n in totals]
-    num_blocks = sum(counts) + 1
-    perm = torch.randperm(num_blocks, generator=gen)
-    poisoned = int(perm[-1])
-    tables = torch.full((len(totals), max(counts)), poisoned, dtype=torch.long)
-    used = 0
-    for s, (context, count) in enumerate(zip(ctx_lens, counts)):
-        tables[s, :count] = perm[used:used + count]
-        used += count
-        if window:
-            tables[s, :max(0, context - window + 1) // page] = poisoned
+    """A step of prefill chunks in the kernel's layout (chunks int64 [P, 3] = row start, rows, context):
+    (query, k_cache, v_cache, tables, chunks, seq_lens, query_start_loc)."""
+    query, k_cache, v_cache, tables = poisoned_step(ctx_lens, q_lens, heads, kv_heads, dim, page, window, dtype, seed)
     starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
     chunks = torch.tensor([(starts[i], q, c) for i, (c, q) in enumerate(zip(ctx_lens, q_lens))])
-    query = torch.randn(starts[-1], heads, dim, generator=gen).to(dtype)
-    caches = [torch.randn(num_blocks, page, kv_heads, dim, generator=gen).to(dtype) for _ in range(2)]
-    for cache in caches:
-        cache[poisoned] = float("nan")
-    lens, starts = torch.tensor(totals, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
-    return query, *caches, tables, chunks, lens, starts
+    lens = torch.tensor([c + q for c, q in zip(ctx_lens, q_lens)], dtype=torch.int32)
+    return query, k_cache, v_cache, tables, chunks, lens, torch.tensor(starts, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
