@@ -69,7 +69,7 @@ def test_reference_matches_naive_dense_attention():
     assert rel_err(plain, got) > 0.1  # the options change the answer on these inputs
 
 
-@pytest.mark.parametrize("dtype, tile", [(torch.float32, 16), (torch.float16, 16), (torch.float16, 64)])
+@pytest.mark.parametrize("dtype, tile", [(torch.float32, 16), (torch.float16, 64)])
 @pytest.mark.parametrize("window, cap", [(16, 0.0), (0, 2.0), (7, 1.5)])
 def test_prefill_and_mixed_kernels(dtype, tile, window, cap, monkeypatch):
     """The prefill kernel (every sequence's tiles), the mixed pair (decode kernel for the one-query sequences)
@@ -174,7 +174,7 @@ def test_gemma2_on_the_triton_backend_equals_transformers(tmp_path, monkeypatch)
     from tiny_models import build_tiny_model, hf_greedy, make_engine
 
     folder = build_tiny_model(tmp_path, "gemma2")
-    prompts = [p for p, n in zip(PROMPTS, LENGTHS) if n in (9, 28, 44)]
+    prompts = [p for p, n in zip(PROMPTS, LENGTHS) if n in (9, 44)]
     expected = hf_greedy(folder, prompts, MAX_NEW)
     monkeypatch.setattr(CpuPlatform, "attention_backend", lambda self: TritonAttentionBackend())
     with make_engine(folder, device=DEVICE, max_num_batched_tokens=16, enforce_eager=True) as engine:
@@ -185,6 +185,6 @@ def test_gemma2_on_the_triton_backend_equals_transformers(tmp_path, monkeypatch)
     assert got == expected
     with make_engine(folder, device=DEVICE, max_num_seqs=4, max_num_batched_tokens=16, enforce_eager=True) as engine:
         engine.runner.enable_decode_graphs(4, StandInGraph, 16)  # mixed-step graphs too: every step from a graph
-        assert run(engine, prompts[:2]) == expected[:2]
+        assert run(engine, prompts) == expected
         for graphs in (engine.runner.decode_graphs, engine.runner.mixed_graphs):
             assert graphs.groups == 2 and sum(g.replays for g in graphs.graphs.values()) > 0
