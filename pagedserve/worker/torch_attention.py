@@ -201,6 +201,7 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         # query heads per kv head it takes (48 with AVX-512, 24 with AVX2): more go through SDPA
         self.prefill_max_group = int(getattr(ops, "prefill_attention_max_group", lambda: 0)())
         self._layout: tuple[AttentionMetadata, int, torch.Tensor, torch.Tensor] | None = None
+        self._lens: tuple[AttentionMetadata, torch.Tensor] | None = None  # (metadata, the kernel's decode lengths)
 
     def variant(self, *, window: int = 0, softcap: float = 0.0) -> AttentionBackend:
         return CpuKernelAttentionBackend(self.ops, window, softcap) if window or softcap else self
@@ -215,9 +216,10 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     def _decode(self, query, k_cache, v_cache, meta, scale):
         if query.shape[-1] not in self.HEAD_DIMS:
             return super()._decode(query, k_cache, v_cache, meta, scale)
+        if self._lens is None or self._lens[0] is not meta:  # once a step (a group's layers run one after another)
+            self._lens = (meta, windowed_decode_lens(meta, k_cache.shape[1], self.window))
         return self.ops.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables.contiguous(),
-                                               windowed_decode_lens(meta, k_cache.shape[1], self.window), scale,
-                                               self.window, self.softcap)
+                                               self._lens[1], scale, self.window, self.softcap)
 
     def _prefills(self, query, key, value, k_cache, v_cache, meta, scale, out) -> None:
         if not (self.prefill_kernel and query.shape[-1] in self.HEAD_DIMS and query.dtype in self.PREFILL_DTYPES
