@@ -71,6 +71,51 @@ def test_json_schema_output_validates(engine):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+# Two tool calls behind one trigger; the trigger's one token is pushed by logit_bias, so the random
+# model writes it at once in free text and again after every call's end.
+COUNT = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+         "required": ["n"], "additionalProperties": False}
+FLAG = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"], "additionalProperties": False}
+TAG = {"structures": [{"begin": "<count>", "schema": COUNT, "end": "</count>"},
+                      {"begin": "<flag>", "schema": FLAG, "end": "</flag>"}], "triggers": ["<"]}
+CALL = re.compile(r"<(count|flag)>(.*?)</\1>")
+
+
+def check_tagged(text: str, accepted_prefix) -> int:
+    """The calls in a structural-tag text (each body valid under its structure's schema; no trigger
+    in the free text between them); the whole text is a prefix the grammar still accepts (the last
+    call may be cut by max_tokens). Returns the count."""
+    calls = list(CALL.finditer(text))
+    for call in calls:
+        jsonschema.validate(json.loads(call.group(2)), COUNT if call.group(1) == "count" else FLAG)
+    assert "<" not in CALL.sub("", text[:calls[-1].end()] if calls else ""), text
+    assert accepted_prefix(text), text
+    return len(calls)
+
+
+def test_structural_tag_calls_follow_their_schemas(engine):
+    import llguidance.hf
+
+    from pagedserve.common import structured_output
+    spec = StructuredOutput(structural_tag=structured_output.structural_tag_text(TAG))
+    trigger = engine.tokenizer.encode("<", add_special_tokens=False)
+    assert len(trigger) == 1
+    ll = llguidance.hf.from_tokenizer(engine.tokenizer)
+
+    def accepted_prefix(text):
+        matcher = llguidance.LLMatcher(ll, structured_output.grammar_text(spec))
+        return matcher.consume_tokens(ll.tokenize_str(text)) and not matcher.is_error()
+
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=60, logit_bias={trigger[0]: 100.0},
+                            structured_output=spec)
+    got = texts(engine, engine.generate(prompts(2, seed=6), params))
+    counts = [check_tagged(text, accepted_prefix) for text, _ in got]
+    assert min(counts) >= 3, got
+    assert {m.group(1) for text, _ in got for m in CALL.finditer(text)} == {"count", "flag"}, got
+    free = SamplingParams(temperature=1.0, seed=7, max_tokens=12, logit_bias={trigger[0]: 100.0})
+    assert texts(engine, engine.generate(prompts(1, seed=6), free))[0][0] == "<" * 12  # the bias alone
+
+
 def test_constraint_holds_across_recompute_preemption(model):
     """A pool too small for the batch preempts requests mid-output; each is re-sent with its tokens
     so far and its matcher is rebuilt from them."""

@@ -12,6 +12,11 @@ from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
     completion_to_generate
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+# vLLM's structural tag (its response_format form and, as JSON, structured_outputs.structural_tag)
+TAG = {"structures": [{"begin": "<function=add>", "schema": SCHEMA, "end": "</function>"},
+                      {"begin": "<function=now>", "end": "</function>"}], "triggers": ["<function="]}
+TAG_HELD = {"structures": [{"begin": "<function=add>", "schema": SCHEMA, "end": "</function>"},
+                           {"begin": "<function=now>", "schema": {}, "end": "</function>"}], "triggers": ["<function="]}
 
 
 def chat(**fields):
@@ -44,6 +49,9 @@ def refused(build, **fields) -> RequestError:
     ({"guided_regex": "a|b"}, {"regex": "a|b"}),
     ({"guided_choice": ["x", "y"]}, {"choice": ["x", "y"]}),
     ({"guided_grammar": 'start: "x"'}, {"grammar": 'start: "x"'}),
+    ({"response_format": {"type": "structural_tag", **TAG}}, {"structural_tag": TAG_HELD}),
+    ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, {"structural_tag": TAG_HELD}),
+    ({"structural_tag": json.dumps(TAG)}, {"structural_tag": TAG_HELD}),
 ])
 def test_constraints_become_one_structured_output(build, fields, expect):
     params = wire.params_from_proto(build(**fields).params)
@@ -51,7 +59,7 @@ def test_constraints_become_one_structured_output(build, fields, expect):
     assert spec is not None and len(spec.kinds()) == 1
     for name, value in expect.items():
         got = getattr(spec, name)
-        assert (json.loads(got) if name == "json_schema" else got) == value
+        assert (json.loads(got) if name in ("json_schema", "structural_tag") else got) == value
 
 
 def test_no_constraint_leaves_the_field_unset():
@@ -71,6 +79,17 @@ def test_no_constraint_leaves_the_field_unset():
     ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " *"}}, "structured_outputs", "whitespace_pattern"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "only one"),
     ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}}, "response_format",
+     "structures and triggers (vLLM's form), not format"),
+    ({"response_format": {"type": "structural_tag", **TAG, "triggers": ["<tool>"]}}, "response_format",
+     "structures[0].begin '<function=add>' does not start with any of the triggers"),
+    ({"response_format": {"type": "structural_tag", **TAG, "triggers": []}}, "response_format",
+     "triggers must be a non-empty list"),
+    ({"structured_outputs": {"structural_tag": '{"structures": [], "triggers": ["<"]}'}}, "structured_outputs",
+     "structures must be a non-empty list"),
+    ({"structural_tag": '{"structures": [{"begin": "<a>", "schema": {"type": "bogus"}, "end": ""}], '
+                        '"triggers": ["<"]}'}, "structural_tag", "bogus"),
+    ({"structural_tag": "{oops"}, "structural_tag", "not valid JSON"),
     ({"guided_whitespace_pattern": " +"}, "guided_whitespace_pattern", "not supported"),
     ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "not supported"),
     ({"early_stopping": True}, "early_stopping", "not supported"),
@@ -81,6 +100,20 @@ def test_no_constraint_leaves_the_field_unset():
 def test_bad_constraints_and_unsupported_extensions_are_400_naming_the_field(fields, param, words):
     error = refused(chat, **fields)
     assert error.param == param and words in error.message, error.message
+
+
+@pytest.mark.parametrize("fields", [{"guided_regex": "a+"}, {"guided_json": SCHEMA}, {"guided_choice": ["a"]},
+                                    {"structural_tag": json.dumps(TAG)}, {"structured_outputs": {"regex": "a"}},
+                                    {"response_format": {"type": "structural_tag", **TAG}}])
+def test_a_beam_search_refuses_every_structured_output(fields):
+    """Each beam step is a one-token request over the beam's text: a grammar there would restart
+    at every step, so a constraint with use_beam_search is a 400 naming it."""
+    from pagedserve.gateway.beam_call import check_beam_request
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                                 "use_beam_search": True, **fields})
+    with pytest.raises(RequestError) as info:
+        check_beam_request(body)
+    assert info.value.param == next(iter(fields)), info.value.message
 
 
 def test_off_values_of_unsupported_extensions_and_unknown_fields_pass():

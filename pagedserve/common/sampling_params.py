@@ -55,6 +55,9 @@ def size_problem(logit_bias_entries: int, stop_token_ids: int) -> str | None:
     return None
 
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
 @dataclass(slots=True)
 class StructuredOutput:
     """A constraint on the generated text (the proto's StructuredOutput): exactly one field set.
@@ -68,9 +71,12 @@ class StructuredOutput:
     # With a reasoning parser: the text ending the reasoning ("</think>"); the constraint starts
     # after it (vLLM's behaviour). Not a kind: it qualifies the one kind set.
     reasoning_end: str = ""
+    # vLLM's structural tag, as JSON: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}:
+    # free text, and after a trigger one of the structures (its begin, JSON under its schema, its end).
+    structural_tag: str = ""
 
     def kinds(self) -> list[str]:
-        return [name for name in ("json_schema", "json_object", "regex", "choice", "grammar") if getattr(self, name)]
+        return [name for name in STRUCTURED_KINDS if getattr(self, name)]
 
     def key(self) -> str:
         """The spec as one string: the cache key of its compiled grammar."""
@@ -234,8 +240,8 @@ class SamplingParams:
             bad("lora_name", "a string of at most 128 characters")
         if self.structured_output is not None and len(self.structured_output.kinds()) != 1:
             kinds = self.structured_output.kinds()
-            raise ValueError("structured_output must set exactly one of json_schema, json_object, regex, choice, "
-                             f"grammar; got {', '.join(kinds) if kinds else 'none'}")
+            raise ValueError(f"structured_output must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                             f"got {', '.join(kinds) if kinds else 'none'}")
 
         if self.pooling is not None:
             if self.pooling.type not in POOLING_TYPES:

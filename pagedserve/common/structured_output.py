@@ -55,10 +55,66 @@ def _grammar_for_key(key: str) -> str:
             return llguidance.grammar_from("choice", choices)
         if kind == "grammar":
             return llguidance.grammar_from("grammar", value)  # Lark, or GBNF converted to Lark
+        if kind == "structural_tag":
+            return _structural_tag_grammar(value)
     except ValueError as exc:
         message = str(exc)
         raise ValueError(message if message.startswith(kind) else f"{kind}: {message}") from None
     raise ValueError(f"unknown structured output kind {kind!r}")
+
+
+def structural_tag_text(value: object) -> str:
+    """vLLM's structural tag ({"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]},
+    as an object or its JSON) in the one form StructuredOutput.structural_tag holds; raises
+    ValueError naming what is wrong. Every structure's begin starts with a trigger (the text that
+    switches from free text to the structure); a structure without a schema takes any JSON value."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"structural_tag is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"structural_tag must be an object, got {type(value).__name__}")
+    unknown = sorted(set(value) - {"type", "structures", "triggers"})
+    if unknown:
+        raise ValueError(f"structural_tag takes structures and triggers (vLLM's form), not {', '.join(unknown)}")
+    triggers, structures = value.get("triggers"), value.get("structures")
+    if not isinstance(triggers, list) or not triggers or any(not isinstance(t, str) or not t for t in triggers):
+        raise ValueError("structural_tag.triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structural_tag.structures must be a non-empty list of {begin, schema, end}")
+    out = []
+    for i, item in enumerate(structures):
+        where = f"structural_tag.structures[{i}]"
+        if not isinstance(item, dict) or set(item) - {"begin", "schema", "end"}:
+            raise ValueError(f"{where} must be an object of begin, schema and end")
+        begin, end, schema = item.get("begin"), item.get("end"), item.get("schema")
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise ValueError(f"{where}: begin and end must be strings")
+        if not any(begin.startswith(t) for t in triggers):
+            raise ValueError(f"{where}.begin {begin!r} does not start with any of the triggers {triggers!r}")
+        if schema is not None and not isinstance(schema, (dict, bool)):
+            raise ValueError(f"{where}.schema must be a JSON Schema object, got {type(schema).__name__}")
+        out.append({"begin": begin, "schema": {} if schema is None else schema, "end": end})
+    return json.dumps({"structures": out, "triggers": triggers})
+
+
+def _structural_tag_grammar(text: str) -> str:
+    """The structures as llguidance's StructTag grammar: free text, a trigger (matched as text, not
+    as a special token) opens its structure, JSON under the structure's schema in the same compact
+    form as json_schema's, then the end, then free text again."""
+    import llguidance
+
+    spec = json.loads(structural_tag_text(text))
+    tags = []
+    for item in spec["structures"]:
+        schema = item["schema"]
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        schema = {**schema, "x-guidance": {**_JSON_DEFAULTS, **schema.get("x-guidance", {})}}
+        trigger = max((t for t in spec["triggers"] if item["begin"].startswith(t)), key=len)
+        tags.append(llguidance.StructTag(trigger=trigger, begin=item["begin"], grammar=schema, end=item["end"]))
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)
 
 
 @functools.lru_cache(maxsize=256)

@@ -38,7 +38,7 @@ def params_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int = 
 
 def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
     return StructuredOutput(msg.json_schema, msg.json_object, msg.regex, list(msg.choice), msg.grammar,
-                            msg.reasoning_end)
+                            msg.reasoning_end, msg.structural_tag)
 
 
 def params_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | None = None) -> common_pb2.SamplingParams:
@@ -68,6 +68,7 @@ def params_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | Non
         msg.structured_output.choice[:] = so.choice
         msg.structured_output.grammar = so.grammar
         msg.structured_output.reasoning_end = so.reasoning_end
+        msg.structured_output.structural_tag = so.structural_tag
     if params.logit_bias:
         msg.logit_bias.update(params.logit_bias)
     if params.prompt_logprobs is not None:

@@ -33,7 +33,9 @@ from pagedserve.v1 import generate_pb2
 # Request fields a beam search does not read, with what each means off: sent otherwise, a 400.
 REFUSED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (False,), "stop": (None, [], ""),
            "stop_token_ids": (None, []), "tools": (None, []), "response_format": (None,),
-           "structured_outputs": (None,), "prompt_logprobs": (None,), "min_tokens": (0,),
+           "structured_outputs": (None,), "structural_tag": (None,), "guided_json": (None,),
+           "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+           "prompt_logprobs": (None,), "min_tokens": (0,),
            "logit_bias": (None, {}), "bad_words": (None, []), "allowed_token_ids": (None,), "seed": (None,),
            "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
            "repetition_penalty": (None, 1, 1.0)}

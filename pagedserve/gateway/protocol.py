@@ -115,6 +115,7 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structural_tag: str | None = None
     # vLLM's: the prompt's and each choice's token ids in the response (responses.py), and logprob
     # tokens as "token_id:<id>" (unset: the server's --return-tokens-as-token-ids).
     return_token_ids: bool | None = None

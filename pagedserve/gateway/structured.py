@@ -26,16 +26,15 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "spaces_between_special_tokens": (*_OFF, True), "prompt_logprobs": _OFF,
     "logits_processors": _OFF,
     "guided_whitespace_pattern": _OFF, "guided_decoding_backend": (*_OFF, "auto", "guidance", "llguidance"),
-    "structural_tag": _OFF,
     "chat_template": _OFF, "chat_template_kwargs": _OFF, "continue_final_message": _OFF,
     "mm_processor_kwargs": _OFF, "kv_transfer_params": _OFF, "vllm_xargs": _OFF,
     "functions": _OFF, "function_call": _OFF,  # OpenAI's legacy function calling
 }
 # Keys of vLLM's structured_outputs object: the constraint kinds, then options (value that is "off").
 _SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-             "json_object": "json_object"}
+             "json_object": "json_object", "structural_tag": "structural_tag"}
 _SO_OPTIONS_OFF = {"disable_fallback": _OFF, "disable_any_whitespace": _OFF, "disable_additional_properties": _OFF,
-                   "whitespace_pattern": _OFF, "structural_tag": _OFF, "backend": (*_OFF, "auto", "guidance"),
+                   "whitespace_pattern": _OFF, "backend": (*_OFF, "auto", "guidance"),
                    "_backend": _OFF, "_backend_was_auto": _OFF}
 
 
@@ -80,7 +79,17 @@ def _from_response_format(rf: dict) -> tuple[str, StructuredOutput | None]:
                        "response_format")
         schema = spec.get("schema", spec.get("json_schema"))
         return "response_format", StructuredOutput(json_schema=_schema_text(schema, "response_format.json_schema"))
-    raise _bad(f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format")
+    if kind == "structural_tag":
+        return "response_format", _structural_tag(rf, "response_format")
+    raise _bad(f"response_format type must be text, json_object, json_schema or structural_tag, got {kind!r}",
+               "response_format")
+
+
+def _structural_tag(value: Any, param: str) -> StructuredOutput:
+    try:
+        return StructuredOutput(structural_tag=structured_output.structural_tag_text(value))
+    except ValueError as exc:
+        raise _bad(f"{param}: {exc}", param) from None
 
 
 def _from_structured_outputs(so: dict) -> StructuredOutput:
@@ -104,6 +113,8 @@ def _guided(kind: str, value: Any, where: str) -> StructuredOutput:
         return StructuredOutput(json_schema=_schema_text(value, where))
     if kind == "json_object":
         return StructuredOutput(json_object=True)
+    if kind == "structural_tag":
+        return _structural_tag(value, param)
     if kind == "choice":
         if not isinstance(value, list) or not value or any(not isinstance(c, str) or not c for c in value):
             raise _bad(f"{where} must be a non-empty list of non-empty strings", param)
@@ -127,6 +138,8 @@ def structured_output_of(req: Any) -> StructuredOutput | None:
         value = getattr(req, f"guided_{kind}")
         if value is not None:
             found.append((f"guided_{kind}", _guided(kind, value, f"guided_{kind}")))
+    if req.structural_tag is not None:  # vLLM's older top-level field: the tag as a JSON string
+        found.append(("structural_tag", _structural_tag(req.structural_tag, "structural_tag")))
     if not found:
         return None
     if len(found) > 1:
@@ -148,6 +161,7 @@ def fill(req: Any, params: common_pb2.SamplingParams) -> None:
         out.SetInParent()
         out.json_schema, out.json_object, out.regex, out.grammar = (spec.json_schema, spec.json_object,
                                                                     spec.regex, spec.grammar)
+        out.structural_tag = spec.structural_tag
         out.choice[:] = spec.choice
     for key, bias in (req.logit_bias or {}).items():
         try:

@@ -171,6 +171,31 @@ def test_logit_bias_forces_and_bans_a_token(stack, client, model_name, ll_tokeni
     assert "logit_bias token id 999999" in str(info.value)
 
 
+def test_structural_tag_through_chat_and_the_public_grpc(stack, client, model_name, ll_tokenizer):
+    """vLLM's response_format {"type": "structural_tag"}: free text until the trigger (its one token
+    pushed by logit_bias), then the structure's begin, JSON under its schema, its end."""
+    from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    tag = {"structures": [{"begin": "<call>", "schema": schema, "end": "</call>"}], "triggers": ["<"]}
+    trigger = ll_tokenizer.tokenize_str("<")
+    assert len(trigger) == 1
+    spec = StructuredOutput(structural_tag=structured_output.structural_tag_text(tag))
+    out = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=40, temperature=1.0, seed=3,
+                                         logit_bias={str(trigger[0]): 100},
+                                         response_format={"type": "structural_tag", **tag})
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stream = generate_pb2_grpc.GenerationStub(channel).Generate(generate_pb2.GenerateRequest(
+            prompt="Count:", params=common_pb2.SamplingParams(
+                temperature=1.0, seed=4, max_tokens=40, logit_bias={trigger[0]: 100.0},
+                structured_output=common_pb2.StructuredOutput(structural_tag=json.dumps(tag)))), timeout=120)
+        grpc_text = "".join(m.text for m in stream)
+    for text in (out.choices[0].message.content, grpc_text):
+        calls = re.findall(r"<call>(.*?)</call>", text)
+        assert len(calls) >= 3 and all(jsonschema.validate(json.loads(c), schema) is None for c in calls), text
+        assert accepted_prefix(ll_tokenizer, spec, text), text
+
+
 def test_public_grpc_refuses_a_bad_grammar(stack):
     from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
     params = common_pb2.SamplingParams(max_tokens=4, structured_output=common_pb2.StructuredOutput(regex="(ab"))
