@@ -1,5 +1,6 @@
 """The scheduler's side of KV groups (common/model_config.KVGroups): how many blocks a prompt needs
-when sliding groups drop what leaves their window, and the step delta of one request (group 0's
+when sliding groups drop what leaves their window (and so whether a prompt can ever run here:
+prompt_problem), and the step delta of one request (group 0's
 table in the messages' original fields, groups 1.. in their `group_*` fields). No torch; called
 from the step loop's thread only.
 """
@@ -9,13 +10,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedserve.common.messages import CachedRequestData, NewRequestData
+from pagedserve.common.request_checks import prompt_tokens_problem
 from pagedserve.scheduler.core.block_manager import Allocation, BlockManager, cdiv
+from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.core.request import Request
 
 
 def make_block_manager(num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool, num_cpu_blocks: int,
                        windows: Sequence[int]) -> BlockManager:
     return BlockManager(num_gpu_blocks, block_size, enable_prefix_caching, num_cpu_blocks, windows=windows)
+
+
+def prompt_problem(config: SchedulerConfig, num_total_blocks: int, num_prompt_tokens: int) -> str | None:
+    """Why a prompt of that many tokens can never run under config (too long for the context,
+    more blocks than the whole pool, more than a step's tokens unchunked); None when it can."""
+    problem = prompt_tokens_problem(num_prompt_tokens, config.max_model_len)
+    if problem:
+        return problem
+    chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else num_prompt_tokens + 1
+    need = blocks_for_sequence(config.kv_group_windows, config.block_size, num_prompt_tokens + 1, chunk)
+    if need > num_total_blocks:
+        return (f"the prompt needs {need} KV blocks of {config.block_size} tokens, but the "
+                f"whole KV pool has {num_total_blocks}; raise --kv-cache-memory")
+    if not config.enable_chunked_prefill and num_prompt_tokens > config.max_num_batched_tokens:
+        return (f"the prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}) with chunked prefill disabled")
+    return None
 
 
 def blocks_for_sequence(windows: Sequence[int], block_size: int, num_tokens: int, max_chunk: int) -> int:

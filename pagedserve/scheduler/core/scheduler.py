@@ -6,7 +6,8 @@ max_num_batched_tokens; except that a prefill with more than a chunk to go leave
 to the short prompts at the head of the waiting queue (short_first.py). When blocks run out the
 lowest-priority (latest-arrived) running request is preempted, by recompute or by swapping its blocks
 to the host pool. The step being built, and what fits in it (a waiting request admitted, a swapped
-one brought back, a row's proposals), is step_draft.py; this module orders the step and preempts.
+one brought back, a row's proposals, a victim preempted), is step_draft.py; this module orders the
+step and picks whom to preempt.
 
 Async scheduling (schedule(ahead=True), vLLM's): while one step runs on the worker, the next is
 scheduled as if each request that step samples already had its token (Request.num_pending_samples):
@@ -22,12 +23,9 @@ No two live requests share a sample id (sample_ids.py). update() takes a step's 
 they make of each request — sampled tokens, forks of n > 1, stop rules, prompt logprobs, pooled
 vectors — is results.py; counting what a step did (StepStats, waiting reasons) is step_stats.py.
 
-Speculative decoding (speculative: set; speculation.py): a decode row of a synchronous step may
-carry proposals, budgeted as 1 + k tokens of the step and k more KV slots (dropped first when
-blocks run short, before anything is preempted); update() takes back the rejected ones
-(num_computed_tokens counts the accepted only; the blocks stay the request's, written over by
-its next tokens, and go back to the pool with it) and runs the kept tokens one by one through
-the stop rules, stopping at the first that ends the sample.
+Speculative decoding (speculative: set): a decode row of a synchronous step may carry proposals
+(speculation.py, which also says how update() takes back the rejected ones); they are dropped
+first when blocks run short, before anything is preempted.
 
 Invariants: `sample_ids` holds exactly the sample ids of every group in `groups`; a request
 finished or failed in update() or by _fail is in no queue and holds no blocks when it returns;
@@ -40,19 +38,18 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from pagedserve.common.request_checks import prompt_tokens_problem
 from pagedserve.common.speculative import SpeculativeConfig
-from pagedserve.common.stop_rules import at_length, samples_any
-from pagedserve.common.messages import ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
+from pagedserve.common.stop_rules import samples_any
+from pagedserve.common.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
 from pagedserve.scheduler.core.config import SchedulerConfig
-from pagedserve.scheduler.core.kv_groups import blocks_for_sequence, make_block_manager
+from pagedserve.scheduler.core.kv_groups import make_block_manager, prompt_problem
 from pagedserve.scheduler.core.results import (RequestUpdate, append_sample, first_prompt_logprobs, fork_children,
                                                pooled_vector)
 from pagedserve.scheduler.core.request import Request, RequestNotServable, RequestStatus, sample_ids
 from pagedserve.scheduler.core.sample_ids import SampleIds
-from pagedserve.scheduler.core.short_first import is_short, yielding_prefills
+from pagedserve.scheduler.core.short_first import yielding_prefills
 from pagedserve.scheduler.core.speculation import Speculation
-from pagedserve.scheduler.core.step_draft import StepDraft
+from pagedserve.scheduler.core.step_draft import StepDraft, waits_for_result
 from pagedserve.scheduler.core.step_stats import StepStats, count_step
 
 
@@ -81,19 +78,11 @@ class Scheduler:
         self.needs_sync = False
 
     # ---- admission and abort -------------------------------------------------------------
-    def check_prompt(self, num_prompt_tokens: int, max_tokens: int = 1) -> None:
-        cfg = self.config
-        problem = prompt_tokens_problem(num_prompt_tokens, cfg.max_model_len)
+    def check_prompt(self, num_prompt_tokens: int) -> None:
+        """ValueError when a prompt of that many tokens can never run here (kv_groups.prompt_problem)."""
+        problem = prompt_problem(self.config, self.block_manager.num_total_blocks, num_prompt_tokens)
         if problem:
             raise ValueError(problem)
-        chunk = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else num_prompt_tokens + 1
-        need = blocks_for_sequence(cfg.kv_group_windows, cfg.block_size, num_prompt_tokens + 1, chunk)
-        if need > self.block_manager.num_total_blocks:
-            raise ValueError(f"the prompt needs {need} KV blocks of {cfg.block_size} tokens, but the "
-                             f"whole KV pool has {self.block_manager.num_total_blocks}; raise --kv-cache-memory")
-        if not cfg.enable_chunked_prefill and num_prompt_tokens > cfg.max_num_batched_tokens:
-            raise ValueError(f"the prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
-                             f"({cfg.max_num_batched_tokens}) with chunked prefill disabled")
 
     def add_request(self, request: Request) -> None:
         """Queue a new request; raises ValueError (RequestIdInUse for a taken id) and changes nothing."""
@@ -178,7 +167,6 @@ class Scheduler:
         self.needs_sync = False
         out = SchedulerOutput(self.step_id, [], [], {}, finished_req_ids=self._dropped_ids)
         self._dropped_ids = []
-        preemptions_before = self.num_preemptions
         speculate = (self.speculation is not None and not ahead
                      and self.speculation.begin_step(self.requests, len(self.running)))
         draft = self._draft = StepDraft(self.config, self.block_manager, self.waiting, self.running, self.swapped,
@@ -192,7 +180,7 @@ class Scheduler:
             elif unscheduled > 1:
                 prefills.append(r)
         if ahead:
-            decodes = [r for r in decodes if not self._waits_for_result(r)]
+            decodes = [r for r in decodes if not waits_for_result(r, self.config.max_model_len)]
         cfg = self.config
         cap = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill and cfg.short_prompts_first else 0
         yielding = [] if self.swapped else yielding_prefills(prefills, self.waiting, cap, self.step_id)
@@ -204,20 +192,7 @@ class Scheduler:
         if ahead:
             self.needs_sync |= bool(self.swapped)
             queues = queues[1:]
-        admitted = 0
-        for queue, admit in queues:
-            while queue and draft.budget > 0 and not preempted:
-                req = queue[0]
-                if yielding and not is_short(req, cap):
-                    break  # the step is the short prompts' (short_first.py)
-                try:
-                    if not admit(req, out):
-                        break
-                    admitted += 1
-                except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
-                    self._fail(req, exc, out)
-                    if queue and queue[0] is req:
-                        break  # could not even be taken out: leave the queue for the next step
+        admitted = 0 if preempted else draft.take_from(queues, cap if yielding else None, out, self._fail)
         if yielding and admitted:
             for req in yielding:
                 req.yielded_step = self.step_id
@@ -229,11 +204,10 @@ class Scheduler:
             self.step_id -= 1
             self._dropped_ids = out.finished_req_ids + self._dropped_ids
             return None
-        self.last_step = count_step(out, draft.decode_ids, len(self.waiting), self.num_preemptions - preemptions_before,
+        self.num_preemptions += draft.num_preempted
+        self.last_step = count_step(out, draft.decode_ids, len(self.waiting), draft.num_preempted,
                                     preempted, draft.budget, draft.wait_reason)
-        for entry in draft.entries.values():
-            (out.new_requests if isinstance(entry, NewRequestData) else out.cached_requests).append(entry)
-        out.blocks_to_copy = [pair for pairs in draft.copies.values() for pair in pairs]
+        draft.close(out)
         return out
 
     def _schedule_all(self, reqs: list[Request], out: SchedulerOutput, ahead: bool) -> bool:
@@ -294,11 +268,11 @@ class Scheduler:
                         continue
                     samples = None
                 if samples and spec is not None:
-                    updates.append(self._append_run(req, samples))
+                    updates.append(self._append(req, samples))
                 elif samples:  # sample 0 (with the prompt logprobs) ahead of its forks
                     children = self._fork(req, samples[1:]) if len(samples) > 1 or req.child_req_ids else ()
-                    updates.append(self._append(req, samples[0]))
-                    updates.extend(self._append(child, None) for child in children)
+                    updates.append(self._append(req, samples[:1]))
+                    updates.extend(self._append(child, [None]) for child in children)
             except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
                 # The worker forked the samples itself when it sampled: it must drop those too.
                 self._fail(req, exc, worker_forked=req.child_req_ids if samples else ())
@@ -317,21 +291,21 @@ class Scheduler:
         parent.child_req_ids = []
         return children
 
-    def _append(self, req: Request, sample: SampledToken | None) -> RequestUpdate:
-        update, stop = append_sample(req, sample, self.config.max_model_len)
-        if stop is not None:
-            self._finish(req, stop)
-        return update
-
-    def _append_run(self, req: Request, samples: list[SampledToken]) -> RequestUpdate:
-        """A verified row's tokens, in order, until one ends the sample (the rest are cut)."""
-        update = self._append(req, samples[0])
-        for sample in samples[1:]:
+    def _append(self, req: Request, samples: Sequence[SampledToken | None]) -> RequestUpdate:
+        """The step's tokens of req (a verified row's several, in order), until one ends the sample
+        (the rest are cut). [None]: a fork, whose token fork_children gave it."""
+        update = None
+        for sample in samples:
+            more, stop = append_sample(req, sample, self.config.max_model_len)
+            if stop is not None:
+                self._finish(req, stop)
+            if update is None:
+                update = more
+            else:
+                update.new_tokens += more.new_tokens
+                update.finished = more.finished
             if update.finished:
                 break
-            more = self._append(req, sample)
-            update.new_tokens += more.new_tokens
-            update.finished = more.finished
         return update
 
     # ---- one request's fault -------------------------------------------------------------
@@ -345,29 +319,13 @@ class Scheduler:
         unregistered = [i for i in worker_forked if i not in self.requests]
         if out is not None:
             for r in self.groups.get(req.group_id) or [req]:
-                if r.request_id in out.num_scheduled_tokens:
-                    self._draft.budget += out.num_scheduled_tokens.pop(r.request_id)
-                    self._draft.copies.pop(r.request_id, None)
-                    if isinstance(self._draft.entries.pop(r.request_id, None), NewRequestData):
-                        r.sent_to_worker = False  # the worker never hears of it
+                self._draft.take_back(r, out)
         if not self.abort(req.group_id) and not req.status.finished:
             self._finish(req, RequestStatus.FINISHED_ABORTED)
         self._dropped_ids.extend(unregistered)
         if out is not None:  # what it held on the worker is dropped by this same step
             out.finished_req_ids.extend(self._dropped_ids)
             self._dropped_ids.clear()
-
-    def _waits_for_result(self, req: Request) -> bool:
-        """An ahead step leaves out a request whose next token depends on what the running step
-        samples for it beyond the token itself: its n samples fork there, or that token ends it by
-        length (known now; running on would be past max_tokens, or past the model's context)."""
-        if req.num_spec_tokens:
-            return True  # how many tokens its step keeps is known only from its results
-        if not req.num_pending_samples:
-            return False
-        num_output = req.num_output_tokens + req.num_pending_samples
-        return bool(req.child_req_ids) or at_length(num_output, req.num_prompt_tokens, req.params,
-                                                    self.config.max_model_len)
 
     def _schedule_ahead(self, req: Request, out: SchedulerOutput) -> None:
         """Schedule a running request in an ahead step: no preemption. Out of blocks, it waits,
@@ -400,7 +358,7 @@ class Scheduler:
                 self._dropped_ids.clear()
                 self._cut_short.append(req)
                 return False
-            self._preempt(victim, out)
+            self._draft.preempt(victim, out)
             preempted = True
             if victim is req:
                 return False
@@ -409,49 +367,9 @@ class Scheduler:
 
     def waits_for_speculation(self) -> bool:
         """Whether the step after the running one should wait for its results instead of going
-        ahead: speculation is on and a running request would get proposals now. An ahead step
-        carries none, and once steps go ahead each next one goes ahead too: speculation would stay
-        off for as long as the steps are short (a serve stream at one request kept ~1 proposal in 6)."""
-        spec = self.speculation
-        if spec is None:
-            return False
-        limit = spec.config.disable_by_batch_size
-        if limit and len(self.running) >= limit:
-            return False
-        budget, max_len = self.config.max_num_batched_tokens - 1, self.config.max_model_len
-        return any(spec.propose(r, budget, max_len, self.step_id + 1) for r in self.running
-                   if r.status is RequestStatus.RUNNING)
-
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
-        self.running.remove(victim)
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
-        # (Only synchronous steps preempt: nothing else of the victim's is in flight.)
-        victim.num_inflight_tokens = victim.num_pending_samples = victim.num_spec_tokens = 0
-        out.spec_token_ids.pop(victim.request_id, None)
-        # A victim scheduled earlier in this step gives its tokens back.
-        copied_this_step = False
-        if victim.request_id in out.num_scheduled_tokens:
-            self._draft.budget += out.num_scheduled_tokens.pop(victim.request_id)
-            entry = self._draft.entries.pop(victim.request_id, None)
-            copied_this_step = self._draft.copies.pop(victim.request_id, None) is not None
-            if isinstance(entry, NewRequestData):
-                victim.sent_to_worker = False
-        bm = self.block_manager
-        # A copy-on-write block made this step holds nothing yet: swapping it would lose the copy.
-        if (self.config.preemption_mode == "swap" and victim.sent_to_worker and not copied_this_step
-                and bm.can_swap_out(victim.request_id)):
-            out.blocks_to_swap_out.extend(bm.swap_out(victim.request_id))
-            victim.status = RequestStatus.SWAPPED
-            bisect.insort(self.swapped, victim, key=self._key)
-            return
-        bm.free(victim.request_id)
-        victim.num_computed_tokens = 0
-        victim.status = RequestStatus.WAITING
-        if victim.sent_to_worker:
-            out.finished_req_ids.append(victim.request_id)
-            victim.sent_to_worker = False
-        bisect.insort(self.waiting, victim, key=self._key)
+        ahead (Speculation.wants_next_step)."""
+        return self.speculation is not None and self.speculation.wants_next_step(self.running, self.config,
+                                                                                 self.step_id + 1)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         queue = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,

@@ -15,7 +15,13 @@ for the worker to fill in. Everything else (budgets, rollback, counters, backoff
 Not speculated: rows with structured outputs (the worker's grammar would have to check each
 proposal: speculation is off for such rows), rows that fork n samples on this step, and any
 row of an ahead step (async scheduling: its token ids lag the worker's by the pending samples;
-a row with proposals in flight is left out of ahead steps, Scheduler._waits_for_result).
+a row with proposals in flight is left out of ahead steps, step_draft.waits_for_result).
+
+In the step: a row's proposals are budgeted as 1 + k tokens of the step and k more KV slots
+(Scheduler: dropped first when blocks run short, before anything is preempted). Scheduler.update()
+takes back the rejected ones (settle: num_computed_tokens counts the accepted only; the blocks stay
+the request's, written over by its next tokens, and go back to the pool with it) and runs the kept
+tokens one by one through the stop rules, stopping at the first that ends the sample.
 
 Turning itself down, globally: a step with disable_by_batch_size running requests or more carries
 no proposals (vLLM's rule of that name): on a CPU a batch's verification tokens are not free. Per
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.scheduler.core.ngram_proposer import TokenArrays, propose_ngram
-from pagedserve.scheduler.core.request import Request
+from pagedserve.scheduler.core.request import Request, RequestStatus
 
 
 DRAFT_PLACEHOLDER = 0  # a proposal the worker's draft model fills in (method draft_model)
@@ -77,6 +83,18 @@ class Speculation:
             self.backoff = {i: b for i, b in self.backoff.items() if i in live}
         limit = self.config.disable_by_batch_size
         return not limit or num_running < limit
+
+    def wants_next_step(self, running: list[Request], config, step_id: int) -> bool:
+        """Whether step `step_id` should wait for the running step's results instead of going ahead
+        (async scheduling): a running request would get proposals in it. An ahead step carries none,
+        and once steps go ahead each next one goes ahead too: speculation would stay off for as long
+        as the steps are short (a serve stream at one request kept ~1 proposal in 6).
+        config: the scheduler's (SchedulerConfig)."""
+        limit = self.config.disable_by_batch_size
+        if limit and len(running) >= limit:
+            return False
+        budget, max_len = config.max_num_batched_tokens - 1, config.max_model_len
+        return any(self.propose(r, budget, max_len, step_id) for r in running if r.status is RequestStatus.RUNNING)
 
     def propose(self, req: Request, budget: int, max_model_len: int, step_id: int) -> list[int]:
         """The proposals to verify in this step's row of `req` (a decode), [] for none."""

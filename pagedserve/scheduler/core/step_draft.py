@@ -3,8 +3,9 @@ left, each scheduled request's entry (new or cached) and copy-on-write pairs, wh
 (StepStats), why the waiting queue stopped; and what fits in it: a waiting request admitted
 (admit: its prefix cache hits, the unchunked prefill that waits for room, the KV watermark), a
 swapped one brought back (swap_in), each against max_num_seqs, --max-loras and the free blocks,
-and a decode row's speculative proposals (proposals). The Scheduler decides the order, preempts
-and fails; this records what it scheduled (record).
+and a decode row's speculative proposals (proposals); a running request preempted to make room
+(preempt: swapped out or back to waiting). The Scheduler decides the order, whom to preempt and
+what fails; this records what it scheduled (record).
 
 Threads: the scheduler's only. A draft lives for one schedule() call; it holds the Scheduler's
 queues and block manager (the same objects, not copies) and moves requests between them.
@@ -21,12 +22,25 @@ import time
 from collections.abc import Callable
 
 from pagedserve.common.messages import CachedRequestData, NewRequestData, SchedulerOutput
-from pagedserve.common.stop_rules import samples_any
+from pagedserve.common.stop_rules import at_length, samples_any
 from pagedserve.scheduler.core.block_manager import Allocation, BlockManager, cdiv
 from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.core.kv_groups import step_entry
 from pagedserve.scheduler.core.request import Request, RequestStatus
+from pagedserve.scheduler.core.short_first import is_short
 from pagedserve.scheduler.core.speculation import Speculation
+
+
+def waits_for_result(req: Request, max_model_len: int) -> bool:
+    """An ahead step leaves out a request whose next token depends on what the running step
+    samples for it beyond the token itself: its n samples fork there, or that token ends it by
+    length (known now; running on would be past max_tokens, or past the model's context)."""
+    if req.num_spec_tokens:
+        return True  # how many tokens its step keeps is known only from its results
+    if not req.num_pending_samples:
+        return False
+    num_output = req.num_output_tokens + req.num_pending_samples
+    return bool(req.child_req_ids) or at_length(num_output, req.num_prompt_tokens, req.params, max_model_len)
 
 
 class StepDraft:
@@ -41,6 +55,7 @@ class StepDraft:
         self.copies: dict[str, list[tuple[int, int]]] = {}
         self.decode_ids: set[str] = set()
         self.wait_reason: str | None = None
+        self.num_preempted = 0
 
     def chunk(self, num_remaining: int) -> int:
         cap = self.config.long_prefill_token_threshold
@@ -120,6 +135,71 @@ class StepDraft:
         bisect.insort(self.running, req, key=self._key)
         self.record(req, num_new, result, out, whole_table=True)
         return True
+
+    def take_from(self, queues: list[tuple[list[Request], Callable]], short_cap: int | None, out: SchedulerOutput,
+                  fail: Callable) -> int:
+        """Bring requests in from the heads of queues (each with its way in: admit or swap_in) while
+        the budget lasts and each fits; short_cap: the step is the short prompts' (short_first.py),
+        only prompts of at most that many tokens come in. A request whose way in raises is handed
+        to fail(req, exc, out) and fails alone. Returns how many came in."""
+        admitted = 0
+        for queue, take in queues:
+            while queue and self.budget > 0:
+                req = queue[0]
+                if short_cap is not None and not is_short(req, short_cap):
+                    break
+                try:
+                    if not take(req, out):
+                        break
+                    admitted += 1
+                except Exception as exc:  # noqa: BLE001 - it fails alone (Scheduler.take_failed)
+                    fail(req, exc, out)
+                    if queue and queue[0] is req:
+                        break  # could not even be taken out: leave the queue for the next step
+        return admitted
+
+    def close(self, out: SchedulerOutput) -> None:
+        """The step's entries (new and cached requests) and copy-on-write pairs into out."""
+        for entry in self.entries.values():
+            (out.new_requests if isinstance(entry, NewRequestData) else out.cached_requests).append(entry)
+        out.blocks_to_copy = [pair for pairs in self.copies.values() for pair in pairs]
+
+    def take_back(self, req: Request, out: SchedulerOutput) -> bool:
+        """Take req out of the step (preempted or failed after it was scheduled): its tokens back to
+        the budget, its entry and copies dropped (a new request's: the worker never hears of it).
+        True when the step had made a copy-on-write block for it."""
+        if req.request_id not in out.num_scheduled_tokens:
+            return False
+        self.budget += out.num_scheduled_tokens.pop(req.request_id)
+        if isinstance(self.entries.pop(req.request_id, None), NewRequestData):
+            req.sent_to_worker = False
+        return self.copies.pop(req.request_id, None) is not None
+
+    def preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        """Make room: the victim leaves running (and this step, if it was in it), swapped out to the
+        host pool (--preemption-mode swap, where it can) or back to waiting to run by recompute."""
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        self.num_preempted += 1
+        # (Only synchronous steps preempt: nothing else of the victim's is in flight.)
+        victim.num_inflight_tokens = victim.num_pending_samples = victim.num_spec_tokens = 0
+        out.spec_token_ids.pop(victim.request_id, None)
+        copied_this_step = self.take_back(victim, out)
+        bm = self.block_manager
+        # A copy-on-write block made this step holds nothing yet: swapping it would lose the copy.
+        if (self.config.preemption_mode == "swap" and victim.sent_to_worker and not copied_this_step
+                and bm.can_swap_out(victim.request_id)):
+            out.blocks_to_swap_out.extend(bm.swap_out(victim.request_id))
+            victim.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, victim, key=self._key)
+            return
+        bm.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        if victim.sent_to_worker:
+            out.finished_req_ids.append(victim.request_id)
+            victim.sent_to_worker = False
+        bisect.insort(self.waiting, victim, key=self._key)
 
     def proposals(self, req: Request, num_new: int) -> list[int]:
         if self.speculation is None or num_new != 1 or req.num_unscheduled_tokens != 1:
