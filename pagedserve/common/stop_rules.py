@@ -3,8 +3,8 @@ stop_token_ids, once min_tokens are out) or by length (max_tokens out, or the mo
 full); and whether a request samples at all (max_tokens 0: the prompt only).
 
 Plain functions on counts, no state, no threads. Callers: the scheduler core as it takes a
-step's tokens (scheduler/core/results.py) and as it plans ahead steps (Scheduler._waits_for_result,
-Scheduler._record), the record writer on re-admission (scheduler/records.sample_finish_reason),
+step's tokens (scheduler/core/results.py) and as it plans ahead steps (step_draft.waits_for_result,
+StepDraft.record), the record writer on re-admission (scheduler/records.sample_finish_reason),
 and the worker's model runner, which samples only for a request that samples at all. It lives
 in common because the worker and the scheduler are sibling layers that never import each other.
 """
