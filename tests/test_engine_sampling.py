@@ -152,3 +152,22 @@ def test_plain_greedy_batches_skip_the_per_row_settings(tiny_llama, monkeypatch)
         assert not plain_greedy(state), change
     state.params, state.child_req_ids = plain, ["x-1"]
     assert not plain_greedy(state)
+
+
+def test_max_logprobs_bounds_a_request_and_minus_one_is_the_vocabulary(engine):
+    """--max-logprobs (vLLM's): 20 by default; -1 lets a request ask for the whole vocabulary (every
+    token's logprob, which then sum to 1), never more."""
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=r"logprobs 21 is more than this server allows \(--max-logprobs: at most 20"):
+        engine.generate([prompts(1)[0]], SamplingParams(max_tokens=1, logprobs=21))
+    with pytest.raises(ValueError, match="prompt_logprobs 21"):
+        engine.generate([prompts(1)[0]], SamplingParams(max_tokens=1, prompt_logprobs=21))
+    engine.config.max_logprobs = -1
+    try:
+        (sample,) = engine.generate([prompts(1)[0]], SamplingParams(max_tokens=1, logprobs=vocab))[0]
+        with pytest.raises(ValueError, match=f"at most {vocab}"):
+            engine.generate([prompts(1)[0]], SamplingParams(max_tokens=1, logprobs=vocab + 1))
+    finally:
+        engine.config.max_logprobs = 20
+    top = sample.logprobs[0].top_logprobs
+    assert len(top) == vocab and abs(sum(np.exp(lp) for _, lp in top) - 1.0) < 1e-4

@@ -119,7 +119,7 @@ def test_positions_are_kept_once():
     assert PromptLogprobs(1, []).start == 1
 
 
-@pytest.mark.parametrize("bad", [dict(prompt_logprobs=21), dict(prompt_logprobs=-1), dict(max_tokens=0, n=2),
+@pytest.mark.parametrize("bad", [dict(logprobs=-1), dict(prompt_logprobs=-1), dict(max_tokens=0, n=2),
                                  dict(max_tokens=-1)])
 def test_bounds(bad):
     with pytest.raises(ValueError, match=next(iter(bad)) if "n" not in bad else "n=1"):

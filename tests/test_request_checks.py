@@ -57,3 +57,18 @@ def test_tokens_in_flight_estimate():
     assert tokens_in_flight(10, 1, None, unset_output=90, max_output=100) == 100  # admission: up to the context
     assert tokens_in_flight(10, 1, 500, unset_output=90, max_output=100) == 110
     assert tokens_in_flight(10, 0, 5, unset_output=0, cached_tokens=10) == 1 + 5  # at least 1 and n >= 1
+
+
+def test_logprobs_against_the_servers_bound():
+    from pagedserve.common.sampling_params import SamplingParams
+    from pagedserve.v1 import common_pb2, generate_pb2
+    assert checks.logprobs_limit(20, 32000) == 20 and checks.logprobs_limit(-1, 32000) == 32000
+    assert checks.logprobs_limit(50, 40) == 40  # never past the vocabulary
+    assert checks.logprobs_problem(SamplingParams(logprobs=20, prompt_logprobs=20), 20) is None
+    assert checks.logprobs_problem(SamplingParams(logprobs=3, prompt_logprobs=21), 20).startswith("prompt_logprobs 21")
+    assert checks.logprobs_problem(common_pb2.SamplingParams(logprobs=21), 20).startswith("logprobs 21")
+    assert checks.logprobs_problem(common_pb2.SamplingParams(), 0) is None  # unset fields ask for nothing
+    info = generate_pb2.ModelInfo()
+    assert checks.served_logprobs_limit(info) == 20
+    info.max_logprobs = 0
+    assert checks.served_logprobs_limit(info) == 0

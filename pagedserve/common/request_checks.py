@@ -1,5 +1,6 @@
 """The request checks against the served model, written once: a prompt's length and max_tokens
-against the context, and token ids (prompt, logit_bias) against the vocabulary.
+against the context, token ids (prompt, logit_bias) against the vocabulary, and how many logprobs
+a request asks for against the server's --max-logprobs.
 
 Every function is pure and answers the problem as a message (None when there is none); the
 caller wraps it in its own error (the gateway's HTTP 400 naming the field, gRPC's
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+
+from pagedserve.common.sampling_params import MAX_LOGPROBS
 
 # No tokenizer makes a token of more characters than this on real text; a prompt of more than
 # max_model_len times it cannot fit the context, and is refused before anyone tokenizes it.
@@ -97,6 +100,27 @@ def params_vocab_problem(params, vocab_size: int) -> str | None:
         bad = next((t for t in getattr(word, "ids", word) if t >= vocab_size), None)
         if bad is not None:
             return f"bad_words token id {bad} is outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def logprobs_limit(max_logprobs: int, vocab_size: int) -> int:
+    """The most logprobs a request may ask for: --max-logprobs (vLLM's; -1: the vocabulary), never
+    more than the vocabulary holds."""
+    return vocab_size if max_logprobs < 0 else min(max_logprobs, vocab_size)
+
+
+def served_logprobs_limit(info) -> int:
+    """The limit a ModelInfo (generate.proto) states, for the gateway; unset: vLLM's default."""
+    return info.max_logprobs if info.HasField("max_logprobs") else MAX_LOGPROBS
+
+
+def logprobs_problem(params, limit: int) -> str | None:
+    """logprobs or prompt_logprobs past the limit (logprobs_limit), as a message starting with the
+    field's name. params: a SamplingParams or its proto (an unset field reads 0 there)."""
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name)
+        if asked is not None and asked > limit:
+            return f"{name} {asked} is more than this server allows (--max-logprobs: at most {limit})"
     return None
 
 

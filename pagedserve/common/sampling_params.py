@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, asdict
 from pagedserve.common.prefix_hashes import prefix_salt
 
 # Bounds a server applies to every request; a request outside them is refused at once.
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # --max-logprobs' default (vLLM's); the server's own bound: request_checks.logprobs_problem
 MAX_N = 16
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for each bias: [-100, 100]
 MAX_CACHE_SALT = 256  # characters of vLLM's cache_salt
@@ -214,12 +214,12 @@ class SamplingParams:
             raise ValueError(f"max_tokens 0 (the prompt only) needs n=1, got n={self.n}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
+        # (their upper bound is the server's --max-logprobs: request_checks.logprobs_problem)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            bad("logprobs", "an integer >= 0")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            bad("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
+                                                 or self.prompt_logprobs < 0):
+            bad("prompt_logprobs", "an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "an integer")
         too_many = size_problem(len(self.logit_bias or ()), len(self.stop_token_ids))

@@ -26,6 +26,7 @@ from typing import Any
 from pagedserve.common.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 from pagedserve.common.replicas import (DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TTL_S,
                                         DEFAULT_PUBLISHED_BLOCKS)
+from pagedserve.common.sampling_params import MAX_LOGPROBS
 from pagedserve.common.setting_spec import SERVICES, Setting
 from pagedserve.common.store import DEFAULT_PREFIX, DEFAULT_RETENTION_S, DEFAULT_TTL_S
 
@@ -177,6 +178,9 @@ def _settings() -> tuple[Setting, ...]:
           "share of the GPU's memory the worker may use (weights, activations, KV pool)", group="engine"),
         S("--swap-space", "engine serve scheduler", default="1GiB", help="host pool for --preemption-mode swap",
           group="engine"),
+        S("--max-logprobs", "engine serve scheduler", int, MAX_LOGPROBS, group="engine",
+          help="most logprobs (and prompt logprobs) one request may ask for (vLLM's; -1: the vocabulary); "
+          "more is a 400 naming the field"),
         S("--max-num-seqs", "engine serve scheduler worker", int, 128, "most sequences in one step",
           group="engine"),  # the worker: the largest decode batch it captures a CUDA graph for
         S("--enforce-eager", "engine serve worker", bool, False, "run every step eagerly: no CUDA graphs "

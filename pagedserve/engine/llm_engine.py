@@ -14,7 +14,7 @@ from pagedserve.common import settings, structured_output
 from pagedserve.common.gc_heap import frozen_heap
 from pagedserve.common.lora import LoraError, LoraRequest, parse_lora_modules, read_adapter
 from pagedserve.common.messages import SampledToken
-from pagedserve.common.request_checks import params_vocab_problem
+from pagedserve.common.request_checks import logprobs_limit, logprobs_problem, params_vocab_problem
 from pagedserve.common.sampling_defaults import read_defaults
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.compilation import graph_plan
@@ -52,6 +52,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _DEFAULTS["max_num_batched_tokens"]
     long_prefill_token_threshold: int | None = _DEFAULTS["long_prefill_token_threshold"]
     max_model_len: int | None = _DEFAULTS["max_model_len"]
+    max_logprobs: int = _DEFAULTS["max_logprobs"]  # vLLM's; -1: the vocabulary
     preemption_mode: str = _DEFAULTS["preemption_mode"]
     policy: str = _DEFAULTS["scheduling_policy"]
     enable_prefix_caching: bool = not _DEFAULTS["no_prefix_caching"]
@@ -242,7 +243,8 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        problem = params_vocab_problem(params, vocab)
+        problem = params_vocab_problem(params, vocab) or logprobs_problem(
+            params, logprobs_limit(self.config.max_logprobs, vocab))
         if problem:
             raise ValueError(problem)
         if params.structured_output is not None:

@@ -141,7 +141,10 @@ class CompletionCall:
         problem = checks.prompt_chars_problem(gen, info.max_model_len)
         if problem:
             raise RequestError(400, problem, "messages" if self.chat else "prompt", code="context_length_exceeded")
-        problem = checks.params_vocab_problem(gen.params, info.vocab_size)
+        problem = (checks.params_vocab_problem(gen.params, info.vocab_size)
+                   or checks.logprobs_problem(gen.params, checks.served_logprobs_limit(info)))
+        if problem and self.chat and problem.startswith("logprobs "):  # a chat asks by top_logprobs
+            problem = "top_" + problem
         if problem:
             raise RequestError(400, problem, problem.split()[0])
         client_id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex

@@ -75,7 +75,8 @@ def request_problem(request: generate_pb2.GenerateRequest, info: generate_pb2.Mo
             structured_output.check(params.structured_output)
     except ValueError as exc:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    problem = checks.params_vocab_problem(params, info.vocab_size)
+    problem = (checks.params_vocab_problem(params, info.vocab_size)
+               or checks.logprobs_problem(params, checks.served_logprobs_limit(info)))
     return None if problem is None else (grpc.StatusCode.INVALID_ARGUMENT, problem)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from pagedserve.common.sampling_params import MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams, size_problem
+from pagedserve.common.sampling_params import MAX_BAD_WORDS, SamplingParams, size_problem
 from pagedserve.gateway import structured
 from pagedserve.gateway.errors import RequestError, bad_request, error_body, internal_error  # noqa: F401 (their home)
 from pagedserve.gateway.tools import history_fields
@@ -346,9 +346,8 @@ def chat_to_generate(req: ChatCompletionRequest) -> generate_pb2.GenerateRequest
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-                              "top_logprobs")
+        if req.top_logprobs < 0:  # (the upper bound is the server's --max-logprobs: completion_call)
+            raise bad_request(f"top_logprobs must be an integer >= 0, got {req.top_logprobs}", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     # max_completion_tokens replaced max_tokens in OpenAI's chat API; the newer one wins.
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -195,8 +195,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetModelInfo(self, request, context):
         service = self.service
         info = service.info
-        return generate_pb2.ModelInfo(model=service.model_name(), max_model_len=service.max_model_len,
-                                      vocab_size=info.vocab_size if info else 0, ready=service.ready)
+        reply = generate_pb2.ModelInfo(model=service.model_name(), max_model_len=service.max_model_len,
+                                       vocab_size=info.vocab_size if info else 0, ready=service.ready)
+        if info:
+            reply.max_logprobs = service.max_logprobs
+        return reply
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:

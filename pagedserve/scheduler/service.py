@@ -33,7 +33,7 @@ from pagedserve.common import request_checks as checks
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import StatusError
 from pagedserve.common import structured_output
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.common.settings import step_budgets
 from pagedserve.common.speculative import parse_speculative_config
 from pagedserve.common.store import RequestStore, StoredRequest
@@ -63,6 +63,7 @@ class ServiceConfig:
     max_num_batched_tokens: int | None = None  # None: 512 on CPU workers, 2048 on CUDA
     long_prefill_token_threshold: int | None = None
     max_model_len: int | None = None
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs (-1: the vocabulary)
     preemption_mode: str = "recompute"
     policy: str = "fcfs"
     enable_prefix_caching: bool = True
@@ -86,6 +87,7 @@ class SchedulerService:
         self.config, self.workers, self.store = config, workers, store
         self.info: worker_pb2.WorkerInfo | None = None
         self.max_model_len = 0
+        self.max_logprobs = 0  # the bound --max-logprobs makes, once the workers say the vocabulary
         self.stopping = threading.Event()
         self.live = LiveGroups()  # live requests, until their last tokens are published
         self.writer = RecordWriter(store, self.live.lock, self.live.forget)
@@ -113,6 +115,7 @@ class SchedulerService:
         cfg = self.config
         self.info = self.workers.connect(cfg.worker_timeout_s)
         self.max_model_len = min(self.info.max_model_len, cfg.max_model_len or self.info.max_model_len)
+        self.max_logprobs = checks.logprobs_limit(cfg.max_logprobs, self.info.vocab_size)
         budget, long_prefill = step_budgets(cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold,
                                             self.info.device)
         profile = worker_pb2.ProfileRequest(
@@ -200,7 +203,8 @@ class SchedulerService:
             self.scheduler.check_prompt(len(prompt))
             if params.n > self.config.max_num_seqs:
                 raise ValueError(f"n={params.n} is more than max_num_seqs ({self.config.max_num_seqs})")
-            problem = checks.params_vocab_problem(params, vocab)
+            problem = (checks.params_vocab_problem(params, vocab)
+                       or checks.logprobs_problem(params, self.max_logprobs))
             if problem:
                 raise ValueError(problem)
             if params.structured_output is not None:

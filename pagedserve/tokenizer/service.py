@@ -209,6 +209,8 @@ class TokenizerService:
             theirs = await self.any_scheduler().GetModelInfo(generate_pb2.ModelInfoRequest(),
                                                              timeout=MODEL_INFO_TIMEOUT_S)
             info.max_model_len, info.ready = theirs.max_model_len, theirs.ready
+            if theirs.HasField("max_logprobs"):
+                info.max_logprobs = theirs.max_logprobs
         except grpc.aio.AioRpcError as exc:
             log.info("scheduler GetModelInfo failed (%s): reporting not ready", exc.code().name)
         return info

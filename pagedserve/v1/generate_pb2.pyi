@@ -204,20 +204,22 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "ready", "aliases", "eos_token_id")
+    __slots__ = ("model", "max_model_len", "vocab_size", "ready", "aliases", "eos_token_id", "max_logprobs")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
     ready: bool
     aliases: _containers.RepeatedScalarFieldContainer[str]
     eos_token_id: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., ready: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ..., eos_token_id: _Optional[int] = ...) -> None: ...
+    max_logprobs: int
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., ready: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ..., eos_token_id: _Optional[int] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
 
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")

@@ -1,7 +1,7 @@
 """Prompt logprobs through every service on the default model in float32, against transformers'
 forward pass over the same weights: completions' echo + logprobs (the legacy logprobs object over
 prompt then completion), vLLM's prompt_logprobs, max_tokens 0, streaming, a prompt the prefix
-cache holds, prefill in chunks (max_num_batched_tokens 8); then lm-evaluation-harness's
+cache holds, prefill in chunks (max_num_batched_tokens 8), vLLM's --max-logprobs (30 here); then lm-evaluation-harness's
 `local-completions` on a small local loglikelihood task, whose accuracy must be transformers'."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ TEXT = "The capital of France is Paris, and the capital of Germany is Berlin. Bo
 
 @pytest.fixture(scope="module")
 def stack(default_model_path, launch_stack):
-    return launch_stack(default_model_path, kv_cache_memory="64MiB", max_num_batched_tokens=8)
+    return launch_stack(default_model_path, kv_cache_memory="64MiB", max_num_batched_tokens=8, max_logprobs=30)
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +119,35 @@ def test_vllm_prompt_logprobs_and_streaming_echo(client, model_name, hf):
     assert tokens == whole.choices[0].logprobs.tokens and len(tokens) == len(ids) + 3
     assert logprobs[0] is None and max(abs(a - b) for a, b in zip(logprobs[1:len(ids)], want)) < 1e-3
     assert offsets == whole.choices[0].logprobs.text_offset
+
+
+def test_max_logprobs_bounds_every_way_of_asking(stack, client, model_name, hf):
+    """--max-logprobs 30 (the scheduler's setting; the gateway reads it from the model info): 30 top
+    logprobs come back and equal transformers' top 30; 31 is a 400 naming the field on chat,
+    completions and prompt logprobs, and INVALID_ARGUMENT on the gRPC API."""
+    import grpc
+    import openai
+
+    from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+    tokenizer, model = hf
+    messages = [{"role": "user", "content": TEXT}]
+    out = client.completions.create(model=model_name, prompt=TEXT, max_tokens=1, temperature=0, logprobs=30)
+    (top,) = out.choices[0].logprobs.top_logprobs
+    want = log_dist(model, tokenizer(TEXT)["input_ids"])[-1].topk(30).values.tolist()
+    assert len(top) == 30 and max(abs(got - w) for got, w in zip(sorted(top.values(), reverse=True), want)) < 1e-3
+    for call, field in ((lambda: client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=1, logprobs=True, top_logprobs=31), "top_logprobs"),
+            (lambda: client.completions.create(model=model_name, prompt=TEXT, max_tokens=1, logprobs=31), "logprobs"),
+            (lambda: client.completions.create(model=model_name, prompt=TEXT, max_tokens=1,
+                                               extra_body={"prompt_logprobs": 31}), "prompt_logprobs")):
+        with pytest.raises(openai.BadRequestError) as info:
+            call()
+        error = info.value.body
+        assert error["param"] == field and "at most 30" in error["message"], error
+    with grpc.insecure_channel(stack.grpc_address) as channel, pytest.raises(grpc.RpcError) as refused:
+        list(generate_pb2_grpc.GenerationStub(channel).Generate(generate_pb2.GenerateRequest(
+            prompt=TEXT, params=common_pb2.SamplingParams(max_tokens=1, logprobs=31)), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs 31" in refused.value.details()
 
 
 def test_a_one_token_prompt_is_echoed_with_its_entry(client, model_name, hf):
