@@ -46,7 +46,10 @@ def load():
     from torch.utils.cpp_extension import load as load_extension
 
     text = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    digest = hashlib.sha256(text + cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
+    # torch's path too: two environments' build commands differ (their include paths), so sharing one
+    # folder each would take the other's build for a stale one and rebuild it, under the folder's lock.
+    digest = hashlib.sha256(text + cpu_flags().encode() + torch.__version__.encode()
+                            + torch.__file__.encode()).hexdigest()[:12]
     name = f"pagedserve_cpu_{digest}"
     build_dir = Path(os.environ.get("PAGEDSERVE_DATA_DIR", Path.home() / ".cache" / "pagedserve")) / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
