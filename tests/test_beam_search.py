@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.common.beam_search import BeamSearch, BeamSearchParams, beam_score
+from pagedserve.common.beam_search import BeamSearch, BeamSearchParams, beam_score, beam_width_problem
 
 EOS = 2
 
@@ -35,9 +35,11 @@ def test_length_penalty_and_ignore_eos():
     search = BeamSearch([1], BeamSearchParams(beam_width=1, max_tokens=1, ignore_eos=True), EOS)
     search.step([[(EOS, -0.1), (4, -0.2)]])
     assert [b.tokens for b in search.live] == [[1, EOS]] and not search.completed
-    for bad in (dict(beam_width=0), dict(beam_width=11), dict(max_tokens=0)):
+    for bad in (dict(beam_width=0), dict(beam_width=1.5), dict(max_tokens=0)):
         with pytest.raises(ValueError):
             BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **bad})
+    assert beam_width_problem(10, 20) is None and beam_width_problem(16, 32) is None
+    assert "at most 10 beams" in beam_width_problem(11, 20)
 
 
 def reference(model, prompt: list[int], width: int, steps: int, eos: int, penalty: float = 1.0):
@@ -75,6 +77,8 @@ def test_offline_beam_search_equals_the_algorithm_over_transformers(default_mode
         tok = llm.get_tokenizer()
         outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
                                BeamSearchParams(beam_width=width, max_tokens=5, length_penalty=penalty))
+        with pytest.raises(ValueError, match="--max-logprobs: at most 20"):  # 2 x 11 logprobs a step
+            llm.beam_search([{"prompt_token_ids": prompts[0]}], BeamSearchParams(beam_width=11, max_tokens=2))
     for prompt, out in zip(prompts, outs):
         want = reference(model, prompt, width, 5, tok.eos_token_id, penalty)
         assert [b.tokens for b in out.sequences] == [tokens for tokens, _ in want]

@@ -112,8 +112,18 @@ def test_a_beam_search_refuses_every_structured_output(fields):
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "n": 2,
                                                  "use_beam_search": True, **fields})
     with pytest.raises(RequestError) as info:
-        check_beam_request(body)
+        check_beam_request(body, 20)
     assert info.value.param == next(iter(fields)), info.value.message
+
+
+def test_the_beam_width_is_bounded_by_max_logprobs():
+    from pagedserve.gateway.beam_call import check_beam_request
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "n": 12,
+                                                 "use_beam_search": True})
+    with pytest.raises(RequestError) as info:
+        check_beam_request(body, 20)
+    assert info.value.param == "n" and "at most 10 beams" in info.value.message
+    assert check_beam_request(body, 24).beam_width == 12
 
 
 def test_off_values_of_unsupported_extensions_and_unknown_fields_pass():

@@ -16,9 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.common.sampling_params import MAX_LOGPROBS
 
-MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each step asks for 2 x beam_width logprobs
+def beam_width_problem(beam_width: int, max_logprobs: int) -> str | None:
+    """Each step asks for 2 x beam_width logprobs (vLLM's search), so the server's --max-logprobs
+    (request_checks.logprobs_limit) bounds the width: the problem as a message, or None."""
+    if 2 * beam_width > max_logprobs:
+        return (f"a beam width of {beam_width} asks for {2 * beam_width} logprobs a step, more than this server "
+                f"allows (--max-logprobs: at most {max_logprobs}): at most {max_logprobs // 2} beams")
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +37,8 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
-            raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}] (each step asks for "
-                             f"2 x beam_width logprobs, at most {MAX_LOGPROBS}), got {self.beam_width!r}")
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:  # (its bound: beam_width_problem)
+            raise ValueError(f"beam_width must be a positive integer, got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not self.temperature >= 0:

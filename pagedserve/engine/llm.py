@@ -25,8 +25,8 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedserve.common import settings
-from pagedserve.common.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from pagedserve.common.request_checks import truncation_problem
+from pagedserve.common.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, beam_width_problem
+from pagedserve.common.request_checks import logprobs_limit, truncation_problem
 from pagedserve.common.offline_types import RequestOutput, SamplingParams
 from pagedserve.common.sampling_params import SamplingParams as EngineSamplingParams
 from pagedserve.engine import embeddings
@@ -150,6 +150,10 @@ class LLM:
             prompts = [prompts]
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        problem = beam_width_problem(params.beam_width, logprobs_limit(self.engine.config.max_logprobs,
+                                                                      self.engine.model_config.vocab_size))
+        if problem:
+            raise ValueError(problem)
         encoded = [encode_prompt(self.tokenizer, p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         self._check(encoded)
         eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -21,7 +21,7 @@ import asyncio
 import grpc
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedserve.common.beam_search import BeamSearch, BeamSearchParams
+from pagedserve.common.beam_search import BeamSearch, BeamSearchParams, beam_width_problem
 from pagedserve.gateway.background import watch_disconnect
 from pagedserve.gateway.backend import rpc_error
 from pagedserve.gateway.generation import forward_as
@@ -41,15 +41,18 @@ REFUSED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (Fal
            "repetition_penalty": (None, 1, 1.0)}
 
 
-def check_beam_request(body) -> BeamSearchParams | None:
+def check_beam_request(body, max_logprobs: int) -> BeamSearchParams | None:
     """The search's parameters when the body asks for one (n beams), else None; 400 naming a field
-    the search would not honour."""
+    the search would not honour, or n past what the server's --max-logprobs (max_logprobs) allows."""
     if not getattr(body, "use_beam_search", False):
         return None
     for name, off in REFUSED.items():
         value = getattr(body, name, None)
         if not any(value is v or (type(value) is type(v) and value == v) for v in off):
             raise RequestError(400, f"{name} is not supported with use_beam_search", name)
+    problem = beam_width_problem(body.n, max_logprobs)
+    if problem:
+        raise RequestError(400, problem, "n")
     try:
         return BeamSearchParams(beam_width=body.n, max_tokens=1 << 30, ignore_eos=body.ignore_eos,
                                 temperature=body.temperature or 0.0, length_penalty=body.length_penalty)

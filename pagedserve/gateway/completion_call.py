@@ -148,7 +148,7 @@ class CompletionCall:
         if problem:
             raise RequestError(400, problem, problem.split()[0])
         client_id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
-        beams = check_beam_request(body)
+        beams = check_beam_request(body, checks.served_logprobs_limit(info))
         if beams is not None:  # vLLM's use_beam_search: steps of one-token requests (beam_call.py)
             if self.request.headers.get("idempotency-key"):
                 raise RequestError(400, "Idempotency-Key is not supported with use_beam_search", "use_beam_search")
