@@ -52,6 +52,12 @@ def refused(build, **fields) -> RequestError:
     ({"response_format": {"type": "structural_tag", **TAG}}, {"structural_tag": TAG_HELD}),
     ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, {"structural_tag": TAG_HELD}),
     ({"structural_tag": json.dumps(TAG)}, {"structural_tag": TAG_HELD}),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True, "disable_fallback": True}},
+     {"json_schema": SCHEMA}),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"properties": {
+        "type": "object", "properties": {}}}, "additionalProperties": True}, "disable_additional_properties": True}},
+     {"json_schema": {"type": "object", "properties": {"properties": {
+         "type": "object", "properties": {}, "additionalProperties": False}}, "additionalProperties": True}}),
 ])
 def test_constraints_become_one_structured_output(build, fields, expect):
     params = wire.params_from_proto(build(**fields).params)

@@ -33,7 +33,10 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 # Keys of vLLM's structured_outputs object: the constraint kinds, then options (value that is "off").
 _SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
              "json_object": "json_object", "structural_tag": "structural_tag"}
-_SO_OPTIONS_OFF = {"disable_fallback": _OFF, "disable_any_whitespace": _OFF, "disable_additional_properties": _OFF,
+# disable_fallback: one grammar engine, nothing to fall back to; disable_any_whitespace: JSON is always
+# compact here (common/structured_output.py); disable_additional_properties: applied below.
+_SO_OPTIONS_OFF = {"disable_fallback": (*_OFF, True), "disable_any_whitespace": (*_OFF, True),
+                   "disable_additional_properties": (*_OFF, True),
                    "whitespace_pattern": _OFF, "backend": (*_OFF, "auto", "guidance"),
                    "_backend": _OFF, "_backend_was_auto": _OFF}
 
@@ -104,7 +107,28 @@ def _from_structured_outputs(so: dict) -> StructuredOutput:
     if len(kinds) != 1:
         raise _bad(f"structured_outputs must set exactly one of {', '.join(_SO_KINDS)}, got "
                    f"{', '.join(kinds) or 'none'}", "structured_outputs")
-    return _guided(kinds[0], so[kinds[0]], f"structured_outputs.{kinds[0]}")
+    spec = _guided(kinds[0], so[kinds[0]], f"structured_outputs.{kinds[0]}")
+    if so.get("disable_additional_properties") and spec.json_schema:
+        spec.json_schema = json.dumps(_closed_objects(json.loads(spec.json_schema)))
+    return spec
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+
+
+def _closed_objects(schema: Any) -> Any:
+    """vLLM's disable_additional_properties: every object schema that lists properties and says
+    nothing of others gets additionalProperties false (the schema's other keys as they are)."""
+    if isinstance(schema, list):
+        return [_closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: {name: _closed_objects(sub) for name, sub in value.items()}
+           if key in _SCHEMA_MAPS and isinstance(value, dict) else _closed_objects(value)
+           for key, value in schema.items()}
+    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _guided(kind: str, value: Any, where: str) -> StructuredOutput:
