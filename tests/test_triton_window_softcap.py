@@ -98,10 +98,23 @@ def test_decode_kernels(dtype, window, cap):
     want = reference.paged_attention(*args, window=window, softcap=cap)
     opts = dict(window=window, softcap=cap)
     assert rel_err(tpa.paged_decode_attention(*args, **opts), want) < TOL[dtype]
-    for splits in (1, 3, 7):
+    tables, page = args[3], args[1].shape[1]
+    assert tsd.decode_span(tables, page, window) == (min(window, tables.shape[1] * page) if window
+                                                     else tables.shape[1] * page)
+    for splits in (1, 3, 7):  # under a window of 24 the runs share the window: two of them at 16 positions
         assert rel_err(tsd.paged_split_decode_attention(*args, num_splits=splits, **opts), want) < TOL[dtype]
     assert rel_err(attention_choice.paged_attention(*args, sms=10**6, **opts), want) < TOL[dtype]
     assert rel_err(tpa.paged_prefill_attention(*args, **opts), want) < TOL[dtype]
+
+
+def test_a_windowed_layer_splits_over_its_window_only():
+    """Flash-decoding's rule and plan read a sliding layer's window, not its table: a 512-key window over
+    a 32K table is one plain decode program per (sequence, kv head); a 4K window splits into 8 runs."""
+    tables = torch.zeros(1, 2048, dtype=torch.int32)  # 32K positions at 16 a block
+    assert attention_choice.use_split_decode(1, 1, tsd.decode_span(tables, 16), 132)
+    assert not attention_choice.use_split_decode(1, 1, tsd.decode_span(tables, 16, window=512), 132)
+    assert tsd.split_plan(tsd.decode_span(tables, 16, window=4096), 64) == (8, 512)
+    assert tsd.split_plan(tsd.decode_span(tables, 16), 64) == (32, 1024)
 
 
 def test_without_options_the_kernels_answer_as_before():

@@ -6,9 +6,9 @@ decode graph captures the choice with the kernel).
   takes those and the prefill/mixed kernel the others (paged_mixed_attention: two launches, the split made on
   the device); when none has (a prefill step, as the eager layout knows), the prefill/mixed kernel alone;
 - a pure decode step (T == S) whose plain decode kernel would run fewer programs (S x kv heads) than the
-  GPU has multiprocessors, over block tables spanning at least SPLIT_MIN_LEN positions: flash-decoding
-  (split_decode.py), which adds up to 32 programs per (sequence, kv head) along the KV length and one
-  small combine kernel;
+  GPU has multiprocessors, over block tables (a sliding window: over its window) spanning at least
+  SPLIT_MIN_LEN positions: flash-decoding (split_decode.py), which adds up to 32 programs per (sequence,
+  kv head) along the KV length and one small combine kernel;
 - any other pure decode step: the plain decode kernel (enough programs to fill the GPU already).
 
 The thresholds come from the kernels' shapes, not from a measurement: no GPU has yet timed where the split
@@ -25,7 +25,7 @@ from functools import cache
 import torch
 
 from pagedserve.kernels.triton import paged_attention as plain
-from pagedserve.kernels.triton.split_decode import paged_split_decode_attention
+from pagedserve.kernels.triton.split_decode import decode_span, paged_split_decode_attention
 
 SPLIT_MIN_LEN = 1024  # table span (positions) from which a split has at least two runs of 512 to spread
 
@@ -57,7 +57,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
     num_seqs = seq_lens.shape[0]
     if query.shape[0] == num_seqs and not packed:
         sms = multiprocessors(query.device) if sms is None else sms
-        if use_split_decode(num_seqs, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], sms):
+        if use_split_decode(num_seqs, k_cache.shape[2], decode_span(block_tables, k_cache.shape[1], window), sms):
             return paged_split_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                                 scale, out, window=window, softcap=softcap)
         return plain.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,

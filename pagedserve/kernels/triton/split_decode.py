@@ -7,10 +7,10 @@ into `num_splits` runs of `chunk` consecutive key positions; a program computes 
 output and its softmax max and sum (float32, log2 domain) into scratch buffers, and a second kernel
 combines a sequence's runs per head: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
 
-The split is decided from shapes alone (the block table's width bounds every sequence's length): no host
-sync, so a decode graph can capture it. Runs past a sequence's end do no work and store max = -1e30,
-sum = 0, which the combine weighs by 0. Not yet chosen by paged_attention: that needs a GPU to measure
-where it pays (kernels.bench)."""
+The split is decided from shapes alone (the block table's width bounds every sequence's length, a sliding
+window every layer's reach): no host sync, so a decode graph can capture it. Runs past a sequence's end do
+no work and store max = -1e30, sum = 0, which the combine weighs by 0. paged_attention chooses it by the
+rule in attention_choice.py; where it pays is for a GPU to measure (kernels.bench)."""
 
 from __future__ import annotations
 
@@ -41,16 +41,17 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, tables_ptr, seq_lens_ptr
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr):
     """Program (sequence, kv head, split): the GROUP query heads of that kv head against key positions
-    [split * chunk, min(seq_len, (split + 1) * chunk)) (with a window, from seq_len - window on). Writes
-    acc [S, splits, H, DV] and (max, sum) [S, splits, H, 2] rows of its heads."""
+    [split * chunk, min(seq_len, (split + 1) * chunk)); with a window the runs start at the window's first
+    key (seq_len - window), so the splits share the window alone (decode_span). Writes acc [S, splits, H, DV]
+    and (max, sum) [S, splits, H, 2] rows of its heads."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = split * chunk
-    hi = tl.minimum(seq_len, lo + chunk)
     if WINDOWED:
-        lo = tl.maximum(lo, seq_len - window)
+        lo += tl.maximum(seq_len - window, 0)
+    hi = tl.minimum(seq_len, lo + chunk)
     row = tl.load(qsl_ptr + seq).to(tl.int64)
     hh = tl.arange(0, BLOCK_H)
     h_mask = hh < GROUP
@@ -100,6 +101,13 @@ def _combine_kernel(acc_ptr, ml_ptr, o_ptr, qsl_ptr, num_splits, num_heads, stri
     tl.store(o_ptr + row * stride_ot + head * stride_oh + dv, out.to(o_ptr.dtype.element_ty), mask=dv < DV)
 
 
+def decode_span(block_tables: torch.Tensor, page: int, window: int = 0) -> int:
+    """The most key positions one sequence's decode reads: its table's span, or under a window the window
+    (the split kernel's runs start at the window's first key)."""
+    span = block_tables.shape[1] * page
+    return min(span, window) if window else span
+
+
 def split_plan(max_len: int, block_n: int, num_splits: int | None = None, target: int = 512) -> tuple[int, int]:
     """(num_splits, chunk): runs of `target` positions by default (at most 32 of them), each a multiple of
     block_n; chunk * num_splits covers max_len."""
@@ -123,7 +131,7 @@ def paged_split_decode_attention(query, k_cache, v_cache, block_tables, seq_lens
     consts = _constexprs(query, k_cache, v_cache)
     p = launch_params("split decode", query, k_cache, v_cache, block_n=block_n, num_warps=num_warps,
                       num_stages=num_stages)
-    splits, chunk = split_plan(block_tables.shape[1] * k_cache.shape[1], p["block_n"], num_splits)
+    splits, chunk = split_plan(decode_span(block_tables, k_cache.shape[1], window), p["block_n"], num_splits)
     dv = v_cache.shape[-1]
     acc = torch.empty(num_seqs, splits, heads, dv, dtype=torch.float32, device=query.device)
     ml = torch.empty(num_seqs, splits, heads, 2, dtype=torch.float32, device=query.device)
