@@ -116,6 +116,22 @@ def test_structural_tag_calls_follow_their_schemas(engine):
     assert texts(engine, engine.generate(prompts(1, seed=6), free))[0][0] == "<" * 12  # the bias alone
 
 
+def test_a_structural_tag_trigger_that_is_a_special_token_is_that_token(engine):
+    """vLLM's rule: a trigger written as a special token of the vocabulary (<|im_start|> here) is matched
+    as that token, which a model writes as one id (never as its text: text lexemes exclude special tokens)."""
+    from pagedserve.common import structured_output
+    special = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tag = {"structures": [{"begin": "<|im_start|>count", "schema": COUNT, "end": "."}], "triggers": ["<|im_start|>"]}
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, logit_bias={special: 100.0},
+                            structured_output=StructuredOutput(structural_tag=structured_output.structural_tag_text(tag)))
+    (sample,) = engine.generate(prompts(1, seed=8), params)[0]
+    text = engine.tokenizer.decode(sample.token_ids, skip_special_tokens=False)
+    calls = re.findall(r"<\|im_start\|>count(\{.*?\})\.", text)
+    assert len(calls) >= 3 and sample.token_ids.count(special) >= 3, text
+    for call in calls:
+        jsonschema.validate(json.loads(call), COUNT)
+
+
 def test_constraint_holds_across_recompute_preemption(model):
     """A pool too small for the batch preempts requests mid-output; each is re-sent with its tokens
     so far and its matcher is rebuilt from them."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 
 from pagedserve.common.sampling_params import StructuredOutput
 
@@ -25,13 +26,19 @@ _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def grammar_text(spec: StructuredOutput) -> str:
-    """llguidance's grammar for the spec; raises ValueError naming the field and the problem."""
-    return _grammar_for_key(spec.key())
+def grammar_text(spec: StructuredOutput, special_tokens: Mapping[str, int] | None = None) -> str:
+    """llguidance's grammar for the spec; raises ValueError naming the field and the problem.
+    special_tokens (the worker's: a special token's text -> id): a structural tag's trigger that is one
+    of them is matched as that token, as a model writes it; without them every trigger is text."""
+    special = ()
+    if spec.structural_tag and special_tokens:
+        triggers = json.loads(spec.structural_tag)["triggers"]
+        special = tuple(sorted((t, special_tokens[t]) for t in set(triggers) if t in special_tokens))
+    return _grammar_for_key(spec.key(), special)
 
 
 @functools.lru_cache(maxsize=256)
-def _grammar_for_key(key: str) -> str:
+def _grammar_for_key(key: str, special: tuple[tuple[str, int], ...] = ()) -> str:
     import llguidance
 
     kind, _, value = key.partition(":")
@@ -56,7 +63,7 @@ def _grammar_for_key(key: str) -> str:
         if kind == "grammar":
             return llguidance.grammar_from("grammar", value)  # Lark, or GBNF converted to Lark
         if kind == "structural_tag":
-            return _structural_tag_grammar(value)
+            return _structural_tag_grammar(value, dict(special))
     except ValueError as exc:
         message = str(exc)
         raise ValueError(message if message.startswith(kind) else f"{kind}: {message}") from None
@@ -99,22 +106,28 @@ def structural_tag_text(value: object) -> str:
     return json.dumps({"structures": out, "triggers": triggers})
 
 
-def _structural_tag_grammar(text: str) -> str:
-    """The structures as llguidance's StructTag grammar: free text, a trigger (matched as text, not
-    as a special token) opens its structure, JSON under the structure's schema in the same compact
-    form as json_schema's, then the end, then free text again."""
-    import llguidance
-
+def _structural_tag_grammar(text: str, special: dict[str, int]) -> str:
+    """The structures as one Lark grammar (llguidance's dialect, the shape of its StructTag grammar): free
+    text, then any number of structures each opened by its trigger (a lazy lexeme: the first place the
+    text holds it; a trigger among `special` is that token, by id) and followed by the rest of its begin,
+    JSON under its schema in the same compact form as json_schema's, and its end; then free text."""
     spec = json.loads(structural_tag_text(text))
-    tags = []
-    for item in spec["structures"]:
+    lines = []
+    for i, item in enumerate(spec["structures"]):
         schema = item["schema"]
         if isinstance(schema, bool):
             schema = {} if schema else {"not": {}}
         schema = {**schema, "x-guidance": {**_JSON_DEFAULTS, **schema.get("x-guidance", {})}}
         trigger = max((t for t in spec["triggers"] if item["begin"].startswith(t)), key=len)
-        tags.append(llguidance.StructTag(trigger=trigger, begin=item["begin"], grammar=schema, end=item["end"]))
-    return llguidance.StructTag.to_grammar(tags, assume_special=False)
+        rest, end = item["begin"][len(trigger):], item["end"]
+        body = " ".join(part for part in (rest and json.dumps(rest), "%json " + json.dumps(schema),
+                                          end and json.dumps(end)) if part)
+        if trigger in special:
+            lines.append(f"tag_{i}: TAG_TEXT <[{special[trigger]}]> {body}")
+        else:
+            lines += [f"tag_{i}_trigger[lazy]: TAG_TEXT {json.dumps(trigger)}", f"tag_{i}: tag_{i}_trigger {body}"]
+    tags = " | ".join(f"tag_{i}" for i in range(len(spec["structures"])))
+    return "\n".join(["%llguidance {}", f"start: ({tags})* TAG_TEXT", "TAG_TEXT: /(.|\\n)*/", *lines]) + "\n"
 
 
 @functools.lru_cache(maxsize=256)

@@ -78,6 +78,7 @@ class GrammarMatchers:
         self._executor = None
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._hf = None  # the HF tokenizer (encodes the reasoning end markers)
+        self._special: dict[str, int] = {}  # its special tokens' texts -> ids (a structural tag's triggers)
         self._end_ids: dict[str, list[int]] = {}
         self.mask_time_s = 0.0  # filling the bitmasks, summed over steps (the sampler times applying them)
         self.mask_steps = 0  # steps that had at least one constrained row
@@ -93,6 +94,7 @@ class GrammarMatchers:
                 raise ValueError(f"structured outputs need the model's tokenizer.json, and {self.tokenizer_folder} "
                                  "has none")
             hf = self._hf = load_tokenizer(self.tokenizer_folder)
+            self._special = {t.content: i for i, t in hf.added_tokens_decoder.items() if t.special}
             # The logits' width, or the tokenizer's when it has more (added) tokens than the model
             # head: the bitmask is sized by the tokenizer and cut to the logits when applied.
             self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=max(self.vocab_size, len(hf)),
@@ -150,7 +152,8 @@ class GrammarMatchers:
         key = spec.key()
         fresh = self._cache.get(key)
         if fresh is None:
-            fresh = llguidance.LLMatcher(self._ll_tokenizer(), structured_output.grammar_text(spec), log_level=0)
+            tokenizer = self._ll_tokenizer()
+            fresh = llguidance.LLMatcher(tokenizer, structured_output.grammar_text(spec, self._special), log_level=0)
             if fresh.is_error():
                 log.warning("grammar %s failed to compile against the tokenizer: %s", key[:80], fresh.get_error())
             self._cache[key] = fresh
