@@ -4,15 +4,15 @@ fields), `logit_bias`; and the vLLM/OpenAI extension fields that pagedserve does
 which are refused by name instead of being dropped like unknown fields.
 
 Everything here runs before anything is sent downstream (400 naming the field). Pure functions;
-the grammar check itself is pagedserve.common.structured_output's (cached per spec).
+vLLM's fields are read by pagedserve.common.vllm_structured (shared with the offline API), the
+grammar check itself is pagedserve.common.structured_output's (cached per spec).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from pagedserve.common import structured_output
+from pagedserve.common import structured_output, vllm_structured
 from pagedserve.common.sampling_params import LOGIT_BIAS_LIMIT, StructuredOutput
 from pagedserve.gateway.errors import bad_request
 from pagedserve.v1 import common_pb2
@@ -20,7 +20,7 @@ from pagedserve.v1 import common_pb2
 # vLLM's (and OpenAI's legacy) request fields that pagedserve does not implement, with the values
 # that mean "off" and are accepted silently. A field a request model declares is not checked here
 # (it is supported), so a field that becomes supported only has to be declared.
-_OFF = (None, False, "", [], {})
+_OFF = vllm_structured.OFF
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "early_stopping": _OFF,
     "spaces_between_special_tokens": (*_OFF, True), "prompt_logprobs": _OFF,
@@ -30,23 +30,10 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "mm_processor_kwargs": _OFF, "kv_transfer_params": _OFF, "vllm_xargs": _OFF,
     "functions": _OFF, "function_call": _OFF,  # OpenAI's legacy function calling
 }
-# Keys of vLLM's structured_outputs object: the constraint kinds, then options (value that is "off").
-_SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-             "json_object": "json_object", "structural_tag": "structural_tag"}
-# disable_fallback: one grammar engine, nothing to fall back to; disable_any_whitespace: JSON is always
-# compact here (common/structured_output.py); disable_additional_properties: applied below.
-_SO_OPTIONS_OFF = {"disable_fallback": (*_OFF, True), "disable_any_whitespace": (*_OFF, True),
-                   "disable_additional_properties": (*_OFF, True),
-                   "whitespace_pattern": _OFF, "backend": (*_OFF, "auto", "guidance"),
-                   "_backend": _OFF, "_backend_was_auto": _OFF}
 
 
 def _bad(message: str, param: str):
     return bad_request(message, param)
-
-
-def _is_off(value: Any, off: tuple) -> bool:
-    return any(value is v or (type(value) is type(v) and value == v) for v in off)
 
 
 def check_unsupported(data: Any, declared: set[str]) -> None:
@@ -54,19 +41,8 @@ def check_unsupported(data: Any, declared: set[str]) -> None:
     if not isinstance(data, dict):
         return
     for name, off in UNSUPPORTED_FIELDS.items():
-        if name in data and name not in declared and not _is_off(data[name], off):
+        if name in data and name not in declared and not vllm_structured.is_off(data[name], off):
             raise _bad(f"{name} is not supported by this server (got {data[name]!r}); leave it out", name)
-
-
-def _schema_text(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise _bad(f"{where} is not valid JSON: {exc}", where.split(".")[0]) from None
-    if not isinstance(value, (dict, bool)):
-        raise _bad(f"{where} must be a JSON Schema object, got {type(value).__name__}", where.split(".")[0])
-    return json.dumps(value)
 
 
 def _from_response_format(rf: dict) -> tuple[str, StructuredOutput | None]:
@@ -81,7 +57,8 @@ def _from_response_format(rf: dict) -> tuple[str, StructuredOutput | None]:
             raise _bad("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
                        "response_format")
         schema = spec.get("schema", spec.get("json_schema"))
-        return "response_format", StructuredOutput(json_schema=_schema_text(schema, "response_format.json_schema"))
+        return "response_format", _vllm(lambda: StructuredOutput(
+            json_schema=vllm_structured.schema_text(schema, "response_format.json_schema")))
     if kind == "structural_tag":
         return "response_format", _structural_tag(rf, "response_format")
     raise _bad(f"response_format type must be text, json_object, json_schema or structural_tag, got {kind!r}",
@@ -89,63 +66,16 @@ def _from_response_format(rf: dict) -> tuple[str, StructuredOutput | None]:
 
 
 def _structural_tag(value: Any, param: str) -> StructuredOutput:
+    return _vllm(vllm_structured.guided, "structural_tag", value, param)
+
+
+def _vllm(convert, *args) -> StructuredOutput:
+    """A vllm_structured conversion; its ValueError as a 400 naming the field (the path's first part)."""
     try:
-        return StructuredOutput(structural_tag=structured_output.structural_tag_text(value))
+        return convert(*args)
     except ValueError as exc:
-        raise _bad(f"{param}: {exc}", param) from None
-
-
-def _from_structured_outputs(so: dict) -> StructuredOutput:
-    for key, value in so.items():
-        if key in _SO_OPTIONS_OFF and not _is_off(value, _SO_OPTIONS_OFF[key]):
-            raise _bad(f"structured_outputs.{key} is not supported by this server (got {value!r})",
-                       "structured_outputs")
-        if key not in _SO_OPTIONS_OFF and key not in _SO_KINDS:
-            raise _bad(f"structured_outputs.{key} is not a known field; use one of {', '.join(_SO_KINDS)}",
-                       "structured_outputs")
-    kinds = [k for k in _SO_KINDS if k in so and not _is_off(so[k], _OFF)]
-    if len(kinds) != 1:
-        raise _bad(f"structured_outputs must set exactly one of {', '.join(_SO_KINDS)}, got "
-                   f"{', '.join(kinds) or 'none'}", "structured_outputs")
-    spec = _guided(kinds[0], so[kinds[0]], f"structured_outputs.{kinds[0]}")
-    if so.get("disable_additional_properties") and spec.json_schema:
-        spec.json_schema = json.dumps(_closed_objects(json.loads(spec.json_schema)))
-    return spec
-
-
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
-
-
-def _closed_objects(schema: Any) -> Any:
-    """vLLM's disable_additional_properties: every object schema that lists properties and says
-    nothing of others gets additionalProperties false (the schema's other keys as they are)."""
-    if isinstance(schema, list):
-        return [_closed_objects(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: {name: _closed_objects(sub) for name, sub in value.items()}
-           if key in _SCHEMA_MAPS and isinstance(value, dict) else _closed_objects(value)
-           for key, value in schema.items()}
-    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
-def _guided(kind: str, value: Any, where: str) -> StructuredOutput:
-    param = where.split(".")[0]
-    if kind == "json":
-        return StructuredOutput(json_schema=_schema_text(value, where))
-    if kind == "json_object":
-        return StructuredOutput(json_object=True)
-    if kind == "structural_tag":
-        return _structural_tag(value, param)
-    if kind == "choice":
-        if not isinstance(value, list) or not value or any(not isinstance(c, str) or not c for c in value):
-            raise _bad(f"{where} must be a non-empty list of non-empty strings", param)
-        return StructuredOutput(choice=list(value))
-    if not isinstance(value, str) or not value:
-        raise _bad(f"{where} must be a non-empty string", param)
-    return StructuredOutput(**{_SO_KINDS[kind]: value})
+        message = str(exc)
+        raise _bad(message, message.split()[0].split(".")[0].rstrip(":")) from None
 
 
 def structured_output_of(req: Any) -> StructuredOutput | None:
@@ -157,11 +87,11 @@ def structured_output_of(req: Any) -> StructuredOutput | None:
         if spec is not None:
             found.append((where, spec))
     if req.structured_outputs:
-        found.append(("structured_outputs", _from_structured_outputs(req.structured_outputs)))
+        found.append(("structured_outputs", _vllm(vllm_structured.from_structured_outputs, req.structured_outputs)))
     for kind in ("json", "regex", "choice", "grammar"):
         value = getattr(req, f"guided_{kind}")
         if value is not None:
-            found.append((f"guided_{kind}", _guided(kind, value, f"guided_{kind}")))
+            found.append((f"guided_{kind}", _vllm(vllm_structured.guided, kind, value, f"guided_{kind}")))
     if req.structural_tag is not None:  # vLLM's older top-level field: the tag as a JSON string
         found.append(("structural_tag", _structural_tag(req.structural_tag, "structural_tag")))
     if not found:
