@@ -21,6 +21,8 @@ _LAZY = {
     "CompletionOutput": "pagedserve.common.offline_types",
     "PoolingParams": "pagedserve.common.offline_types",
     "BeamSearchParams": "pagedserve.common.beam_search",
+    "StructuredOutputsParams": "pagedserve.common.offline_types",
+    "GuidedDecodingParams": "pagedserve.common.offline_types",
 }
 
 __all__ = sorted(_LAZY)

@@ -107,6 +107,31 @@ def test_bad_words_and_allowed_token_ids_as_vllms_sampling_params(llm, model):
         greedy(8, bad_words=[""])
 
 
+def test_structured_outputs_as_vllms_sampling_params(llm):
+    """vLLM's SamplingParams(structured_outputs=StructuredOutputsParams(...)) and its older
+    guided_decoding=GuidedDecodingParams(...): the constraint holds on a random model's samples."""
+    import re
+
+    from pagedserve import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    params = [SamplingParams(temperature=1.0, seed=1, max_tokens=12, n=3,
+                             structured_outputs=StructuredOutputsParams(regex=r"(yes|no)-[0-9]")),
+              SamplingParams(temperature=1.0, seed=2, max_tokens=8,
+                             guided_decoding=GuidedDecodingParams(choice=["left", "right"])),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=30, structured_outputs=StructuredOutputsParams(
+                  json=schema, disable_additional_properties=True, disable_any_whitespace=True))]
+    outs = llm.generate(PROMPTS, params)
+    assert all(re.fullmatch(r"(yes|no)-[0-9]", o.text) for o in outs[0].outputs), outs[0].outputs
+    assert outs[1].outputs[0].text in ("left", "right")
+    assert json.loads(outs[2].outputs[0].text) in ({"ok": True}, {"ok": False})
+    for bad, words in ((dict(regex="a", choice=["b"]), "exactly one of"), (dict(whitespace_pattern=" "), "whitespace"),
+                       (dict(json="{oops"), "structured_outputs.json is not valid JSON")):
+        with pytest.raises(ValueError, match=words):
+            SamplingParams(structured_outputs=StructuredOutputsParams(**bad))
+    with pytest.raises(ValueError, match="regex is invalid"):  # compiled when the request is added
+        llm.generate(PROMPTS[0], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a")))
+
+
 def test_truncate_prompt_tokens_reads_the_prompts_end(llm, model):
     tok = llm.get_tokenizer()
     ids = tok.encode(PROMPTS[2])

@@ -14,8 +14,35 @@ from dataclasses import dataclass, field
 from pagedserve.common.messages import SampledToken
 from pagedserve.common.request_checks import truncation_problem
 from pagedserve.common.sampling_params import SamplingParams as EngineSamplingParams
+from pagedserve.common.sampling_params import StructuredOutput
+from pagedserve.common.vllm_structured import from_structured_outputs
 
 MAX_STOP_STRINGS = 16
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams (GuidedDecodingParams, its older name): exactly one constraint,
+    json (a JSON Schema, a dict or its text), regex, choice, grammar (Lark or GBNF), json_object, or
+    structural_tag (its JSON); and vLLM's options, read as the servers read them
+    (common/vllm_structured.py)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    backend: str | None = None
+
+    def to_spec(self, where: str) -> StructuredOutput:
+        return from_structured_outputs({name: getattr(self, name) for name in self.__slots__}, where)
+
+
+GuidedDecodingParams = StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -27,8 +54,21 @@ class SamplingParams(EngineSamplingParams):
     skip_special_tokens: bool = True
     bad_words: list[str] | None = None  # never generated (common/bad_words.py)
     truncate_prompt_tokens: int | None = None  # only the prompt's last k tokens are read (-1: the context)
+    # vLLM's names for the constraint (the engine's own field: structured_output); either one sets it
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
 
     def validate(self) -> None:
+        for name in ("structured_outputs", "guided_decoding"):
+            given = getattr(self, name)
+            if given is None:
+                continue
+            if not isinstance(given, StructuredOutputsParams):
+                raise ValueError(f"{name} must be a StructuredOutputsParams, got {type(given).__name__}")
+            spec = given.to_spec(name)
+            if self.structured_output is not None and self.structured_output != spec:
+                raise ValueError(f"{name} and another constraint are both set: one constraint per request")
+            self.structured_output = spec
         EngineSamplingParams.validate(self)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
