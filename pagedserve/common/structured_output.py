@@ -44,12 +44,7 @@ def _grammar_for_key(key: str, special: tuple[tuple[str, int], ...] = ()) -> str
     kind, _, value = key.partition(":")
     try:
         if kind == "json_schema":
-            try:
-                schema = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"json_schema is not valid JSON: {exc}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+            schema_text(value, "json_schema")  # the checks only: what compiles is the text as given
             return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_DEFAULTS)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(_JSON_OBJECT_SCHEMA, defaults=_JSON_DEFAULTS)
@@ -68,6 +63,19 @@ def _grammar_for_key(key: str, special: tuple[tuple[str, int], ...] = ()) -> str
         message = str(exc)
         raise ValueError(message if message.startswith(kind) else f"{kind}: {message}") from None
     raise ValueError(f"unknown structured output kind {kind!r}")
+
+
+def schema_text(value: object, where: str) -> str:
+    """A JSON Schema (an object, or its JSON text) as JSON text; ValueError naming `where` when it is
+    not one."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(value, (dict, bool)):
+        raise ValueError(f"{where} must be a JSON Schema object, got {type(value).__name__}")
+    return json.dumps(value)
 
 
 def structural_tag_text(value: object) -> str:

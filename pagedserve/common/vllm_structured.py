@@ -33,22 +33,10 @@ def is_off(value: Any, off: tuple = OFF) -> bool:
     return any(value is v or (type(value) is type(v) and value == v) for v in off)
 
 
-def schema_text(value: Any, where: str) -> str:
-    """A JSON Schema (an object, or its JSON text) as JSON text."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where} is not valid JSON: {exc}") from None
-    if not isinstance(value, (dict, bool)):
-        raise ValueError(f"{where} must be a JSON Schema object, got {type(value).__name__}")
-    return json.dumps(value)
-
-
 def guided(kind: str, value: Any, where: str) -> StructuredOutput:
     """One constraint of a KINDS kind, its value checked (not compiled)."""
     if kind == "json":
-        return StructuredOutput(json_schema=schema_text(value, where))
+        return StructuredOutput(json_schema=structured_output.schema_text(value, where))
     if kind == "json_object":
         return StructuredOutput(json_object=True)
     if kind == "structural_tag":

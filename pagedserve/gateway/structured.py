@@ -58,7 +58,7 @@ def _from_response_format(rf: dict) -> tuple[str, StructuredOutput | None]:
                        "response_format")
         schema = spec.get("schema", spec.get("json_schema"))
         return "response_format", _vllm(lambda: StructuredOutput(
-            json_schema=vllm_structured.schema_text(schema, "response_format.json_schema")))
+            json_schema=structured_output.schema_text(schema, "response_format.json_schema")))
     if kind == "structural_tag":
         return "response_format", _structural_tag(rf, "response_format")
     raise _bad(f"response_format type must be text, json_object, json_schema or structural_tag, got {kind!r}",
