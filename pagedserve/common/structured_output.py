@@ -23,6 +23,10 @@ from pagedserve.common.sampling_params import StructuredOutput
 
 # Any JSON object: what response_format {"type": "json_object"} asks for.
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# llguidance's grammar size (symbols) bound here (its own default is 500,000): a JSON schema of ~2,000
+# properties; the worst such grammar took the worker ~0.6 s to compile on the 2-core test CPU, a
+# 10,000-property one (~0.5 MB) ~10 s.
+GRAMMAR_SYMBOLS = 20_000
 _JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -138,13 +142,25 @@ def _structural_tag_grammar(text: str, special: dict[str, int]) -> str:
     return "\n".join(["%llguidance {}", f"start: ({tags})* TAG_TEXT", "TAG_TEXT: /(.|\\n)*/", *lines]) + "\n"
 
 
+@functools.cache
+def parser_limits():
+    """llguidance's limits for every grammar here, checked and compiled alike: GRAMMAR_SYMBOLS bounds
+    what a new grammar costs the worker, which builds its matcher on the step thread (all its streams
+    wait)."""
+    import llguidance
+    return llguidance.LLParserLimits(max_grammar_size=GRAMMAR_SYMBOLS)
+
+
 @functools.lru_cache(maxsize=256)
 def _check_key(key: str) -> None:
     import llguidance
 
-    error = llguidance.LLMatcher.validate_grammar(_grammar_for_key(key))
+    error = llguidance.LLMatcher.validate_grammar(_grammar_for_key(key), limits=parser_limits())
     if error:
         kind = key.partition(":")[0]
+        if "grammar size" in error:
+            raise ValueError(f"{kind} is too large: its grammar has more than {GRAMMAR_SYMBOLS} symbols (about 2,000 "
+                             "object properties), pagedserve's bound on what one request's grammar may cost to compile")
         raise ValueError(f"{kind} is invalid: {error.strip()}")
 
 

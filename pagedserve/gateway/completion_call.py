@@ -20,6 +20,7 @@ background tasks (spawn), kept referenced until done.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import math
@@ -42,6 +43,7 @@ from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionReques
                                          include_event_ids, continuous_usage, include_usage)
 from pagedserve.gateway.reasoning import END as REASONING_END, request_parser
 from pagedserve.gateway.responses import Reasoning
+from pagedserve.gateway.structured import compiles_a_grammar
 from pagedserve.gateway.tools import ToolOutput, chat_tools
 from pagedserve.gateway.background import spawn
 from pagedserve.gateway.beam_call import check_beam_request, run_beam_search
@@ -111,6 +113,11 @@ class CompletionCall:
             raise RequestError(400, f"timeout must be a positive number of seconds, got {timeout!r}", "timeout")
         return float(timeout)
 
+    def _mapped(self, body) -> tuple[generate_pb2.GenerateRequest, ToolOutput | None]:
+        """The body as a GenerateRequest and its tools' reading; 400 (RequestError) when it is bad."""
+        gen = chat_to_generate(body) if self.chat else completion_to_generate(body)
+        return gen, chat_tools(body, gen, self.backend.tool_call_parser) if self.chat else None
+
     async def start(self) -> Response:
         body, backend = self.body, self.backend
         backend.admission.check_n(body.n)
@@ -119,10 +126,11 @@ class CompletionCall:
         info = await backend.served_model(body.model)
         if self.pooling is not None:
             gen = embedding_to_generate(body.prompt, self.pooling, body.priority)
+        elif compiles_a_grammar(body):  # (seconds for a large schema: never on the streams' event loop)
+            gen, self.tools = await asyncio.to_thread(self._mapped, body)
         else:
-            gen = chat_to_generate(body) if self.chat else completion_to_generate(body)
+            gen, self.tools = self._mapped(body)
         if self.chat:
-            self.tools = chat_tools(body, gen, backend.tool_call_parser)
             if backend.reasoning_parser:
                 self.reasoning = Reasoning(request_parser(backend.reasoning_parser, body.chat_template_kwargs))
                 if self.reasoning.parser and gen.params.HasField("structured_output"):

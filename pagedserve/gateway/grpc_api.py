@@ -17,6 +17,8 @@ the stream); a tokens-in-flight reservation is released then too.
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 import uuid
 from urllib.parse import unquote
@@ -117,7 +119,10 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         info = await self._model_info(context)
         if checks.other_model(request.model, info):
             await self.backend.loras.sync(request.model)
-        problem = request_problem(request, info, self.backend.loras)
+        if request.params.HasField("structured_output"):  # compiles a grammar: off the event loop
+            problem = await asyncio.to_thread(request_problem, request, info, self.backend.loras)
+        else:
+            problem = request_problem(request, info, self.backend.loras)
         if problem is not None:
             await context.abort(*problem)
 

@@ -78,6 +78,17 @@ def _vllm(convert, *args) -> StructuredOutput:
         raise _bad(message, message.split()[0].split(".")[0].rstrip(":")) from None
 
 
+_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "structural_tag", "tools")
+
+
+def compiles_a_grammar(req: Any) -> bool:
+    """Whether mapping the request may compile a grammar (a constraint, or tools whose tool_choice
+    forces one): up to seconds of llguidance for a large schema, which releases the GIL, so the
+    gateway maps such a request on a worker thread, off the event loop every stream shares."""
+    return any(getattr(req, name, None) for name in _CONSTRAINT_FIELDS)
+
+
 def structured_output_of(req: Any) -> StructuredOutput | None:
     """The one constraint the request asks for (None: free text); 400 when it asks for two or
     when the spec does not compile."""

@@ -66,6 +66,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Generate(self, request, context):
         outbox = Outbox(asyncio.get_running_loop())
         try:
+            await self.service.check_grammar(request)
             sub, group = self.service.submit(request, outbox)
         except StatusError as exc:
             await context.abort(exc.code, exc.details)
@@ -139,6 +140,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             try:
                 if msg.tag in live:
                     raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"tag {msg.tag} is already in use")
+                await self.service.check_grammar(msg)
                 sub, group = self.service.submit(msg, outbox, msg.tag)
             except StatusError as exc:
                 outbox.post_here([(None, error_message(msg.tag, msg.request_id, exc))])

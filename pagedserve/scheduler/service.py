@@ -189,6 +189,20 @@ class SchedulerService:
         self.step_loop.admit(group)
         return sub, group
 
+    async def check_grammar(self, msg) -> None:
+        """A request's grammar checked on a worker thread (seconds for a large one; llguidance releases
+        the GIL), so that submit()'s own check on the event loop, which every stream shares, finds it
+        cached. StatusError INVALID_ARGUMENT when it does not compile."""
+        if not msg.params.HasField("structured_output"):
+            return
+        spec = wire.structured_output_from_proto(msg.params.structured_output)
+        if len(spec.kinds()) != 1:
+            return  # submit's validation names the problem
+        try:
+            await asyncio.to_thread(structured_output.check, spec)
+        except ValueError as exc:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
     def _validate(self, request_id: str, msg: scheduler_pb2.ScheduleRequest) -> GroupState:
         prompt = list(msg.prompt_token_ids)
         vocab = self.info.vocab_size

@@ -153,7 +153,8 @@ class GrammarMatchers:
         fresh = self._cache.get(key)
         if fresh is None:
             tokenizer = self._ll_tokenizer()
-            fresh = llguidance.LLMatcher(tokenizer, structured_output.grammar_text(spec, self._special), log_level=0)
+            fresh = llguidance.LLMatcher(tokenizer, structured_output.grammar_text(spec, self._special), log_level=0,
+                                         limits=structured_output.parser_limits())
             if fresh.is_error():
                 log.warning("grammar %s failed to compile against the tokenizer: %s", key[:80], fresh.get_error())
             self._cache[key] = fresh

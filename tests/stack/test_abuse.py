@@ -235,3 +235,47 @@ def test_prompt_logprobs_are_bounded_and_do_not_hold_back_other_streams(stack, h
 
     latency_ratio(http, Attack(stack.http_url, logprobs, 1, processes=1), 8.0,
                   "row 3, n=16 x 900 prompt tokens x prompt_logprobs 20")
+
+
+def big_schema(tag: str, properties: int) -> dict:
+    """A JSON schema of `properties` patterned strings (10,000: ~0.5 MB, under --max-body-bytes); `tag`
+    makes each one new to the caches."""
+    return {"type": "object", "properties": {f"{tag}{i}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1}}}q"}
+                                             for i in range(properties)}}
+
+
+def test_a_large_schema_is_refused_and_a_fitting_one_compiles_off_the_streams_loop(stack, http):
+    """Row 10: a ~0.5 MB JSON schema (10,000 properties) took llguidance ~2.4 s to check on the gateway's
+    event loop, as long again on the scheduler's, and ~10 s to compile on the worker's step thread: a key
+    sending a new one each time stalled every stream. Now a grammar past 20,000 symbols (about 2,000
+    properties) is 400 naming the field and the bound, and the checks of one within it run on worker
+    threads (llguidance releases the GIL): /health answers throughout an attack of such schemas.
+    (max_tokens 0 with echo: the prompt only, the worker builds no matcher.)"""
+    import itertools
+    import os
+
+    def body(tag: str, properties: int) -> dict:
+        return {"prompt": "hi", "max_tokens": 0, "echo": True, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "big", "schema": big_schema(tag, properties)}}}
+
+    refused = http.post("/v1/completions", headers=auth(K1), json=body("huge", 10_000))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format", refused.text[:300]
+    assert "more than 20000 symbols" in refused.text, refused.text[:300]
+    counter = itertools.count()
+
+    async def send(client: httpx.AsyncClient) -> None:
+        r = await client.post("/v1/completions", headers=auth(K1), json=body(f"p{os.getpid()}x{next(counter)}x", 1_900))
+        assert r.status_code == 200, r.text[:300]
+
+    waits = []
+    with Attack(stack.http_url, send, 1, processes=1) as attack:
+        for _ in range(10):
+            started = time.monotonic()
+            assert http.get("/health").status_code == 200
+            waits.append(time.monotonic() - started)
+            time.sleep(0.3)
+        sent = attack.sent
+    print(f"\nrow 10: /health under 1,900-property schemas: longest {max(waits):.3f} s, median "
+          f"{sorted(waits)[len(waits) // 2]:.3f} s ({sent} schemas checked meanwhile)")
+    assert max(waits) < 1.0, waits
+    assert sent >= 1
