@@ -13,16 +13,14 @@ from __future__ import annotations
 import json
 
 import gguf
-import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from gguf_checks import check_serves_like_transformers, check_weights_equal
+from gguf_checks import check_q8_rows_agree_with_dequantized, check_serves_like_transformers, check_weights_equal
 from gguf_convert import convert_to_gguf
 from pagedserve.kernels import cpu_ops
 from pagedserve.model_files.gguf_loader import gguf_to_hf_config
-from test_quantized_model import agreement, requantize_gguf, top1
-from tiny_models import build_tiny_model, make_engine
+from tiny_models import build_tiny_model
 
 NONE = gguf.RopeScalingType.NONE
 # case: (tiny_models arch, its overrides, llama.cpp arch, what that converter class adds)
@@ -72,16 +70,5 @@ def test_prepared_folder_serves_like_transformers(cohere, tmp_path):
 @pytest.mark.skipif(cpu_ops.load() is None, reason="no C++ compiler for the CPU kernels here")
 def test_quantized_rows_agree_with_dequantized(cohere, tmp_path):
     _, path = cohere
-    folder = tmp_path / "model"
-    folder.mkdir()
-    Q = gguf.GGMLQuantizationType
-    requantize_gguf(path, folder / "model.gguf", {"attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q8_0,
-                                                  "attn_output": Q.Q8_0, "ffn_gate": Q.Q8_0, "ffn_up": Q.Q8_0,
-                                                  "ffn_down": Q.Q8_0})
-    (folder / "config.json").write_text(json.dumps(gguf_to_hf_config(folder / "model.gguf")))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 256, 40).tolist() for _ in range(3)]
-    with make_engine(folder, quantization="auto") as quant, make_engine(folder) as plain:
-        assert quant.runner.quantization == "gguf" and "Q8_0" in quant.runner.weights_description
-        # a wrong row order would agree about 1/256 of the time
-        assert agreement(top1(quant, prompts), top1(plain, prompts)) >= 0.9
+    check_q8_rows_agree_with_dequantized(path, tmp_path, ["attn_q", "attn_k", "attn_v", "attn_output",
+                                                          "ffn_gate", "ffn_up", "ffn_down"])

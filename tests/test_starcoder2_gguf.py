@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import json
 
-import gguf
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from gguf_checks import check_serves_like_transformers, check_weights_equal
+from gguf_checks import check_q8_rows_agree_with_dequantized, check_serves_like_transformers, check_weights_equal
 from gguf_convert import convert_to_gguf
 from pagedserve.kernels import cpu_ops
 from pagedserve.model_files.gguf_loader import gguf_to_hf_config
-from test_quantized_model import agreement, requantize_gguf, top1
-from tiny_models import build_tiny_model, make_engine
+from tiny_models import build_tiny_model
 
 ROPE = {"rope_type": "default", "rope_theta": 100000.0}  # StarCoder2-15B's base, away from the default
 CASES = {"tied": {}, "untied": {"tie_word_embeddings": False}}
@@ -61,14 +59,5 @@ def test_prepared_folder_serves_like_transformers(starcoder, tmp_path):
 @pytest.mark.skipif(cpu_ops.load() is None, reason="no C++ compiler for the CPU kernels here")
 def test_quantized_weights_agree_with_dequantized(starcoder, tmp_path):
     _, path = starcoder
-    folder = tmp_path / "model"
-    folder.mkdir()
-    Q = gguf.GGMLQuantizationType
-    requantize_gguf(path, folder / "model.gguf", {"attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q8_0,
-                                                  "attn_output": Q.Q8_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q8_0})
-    (folder / "config.json").write_text(json.dumps(gguf_to_hf_config(folder / "model.gguf")))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 256, 40).tolist() for _ in range(3)]
-    with make_engine(folder, quantization="auto") as quant, make_engine(folder) as plain:
-        assert quant.runner.quantization == "gguf" and "Q8_0" in quant.runner.weights_description
-        assert agreement(top1(quant, prompts), top1(plain, prompts)) >= 0.9
+    check_q8_rows_agree_with_dequantized(path, tmp_path, ["attn_q", "attn_k", "attn_v", "attn_output",
+                                                          "ffn_up", "ffn_down"])
