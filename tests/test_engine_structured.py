@@ -93,11 +93,19 @@ def check_tagged(text: str, accepted_prefix) -> int:
     return len(calls)
 
 
-def test_structural_tag_calls_follow_their_schemas(engine):
+# the same calls in xgrammar's format (vLLM's newer form; what each format allows: test_structural_format.py)
+FORMAT = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<"], "at_least_one": True,
+                                               "tags": [
+    {"begin": f"<{name}>", "content": {"type": "json_schema", "json_schema": schema}, "end": f"</{name}>"}
+    for name, schema in (("count", COUNT), ("flag", FLAG))]}}
+
+
+@pytest.mark.parametrize("tag", [TAG, FORMAT], ids=["structures", "format"])
+def test_structural_tag_calls_follow_their_schemas(engine, tag):
     import llguidance.hf
 
     from pagedserve.common import structured_output
-    spec = StructuredOutput(structural_tag=structured_output.structural_tag_text(TAG))
+    spec = StructuredOutput(structural_tag=structured_output.structural_tag_text(tag))
     trigger = engine.tokenizer.encode("<", add_special_tokens=False)
     assert len(trigger) == 1
     ll = llguidance.hf.from_tokenizer(engine.tokenizer)

@@ -17,6 +17,13 @@ TAG = {"structures": [{"begin": "<function=add>", "schema": SCHEMA, "end": "</fu
                       {"begin": "<function=now>", "end": "</function>"}], "triggers": ["<function="]}
 TAG_HELD = {"structures": [{"begin": "<function=add>", "schema": SCHEMA, "end": "</function>"},
                            {"begin": "<function=now>", "schema": {}, "end": "</function>"}], "triggers": ["<function="]}
+# the same calls in xgrammar's format (vLLM's newer form), and as it is held (the defaults filled in)
+FORMAT = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<function="], "tags": [
+    {"begin": "<function=add>", "content": {"type": "json_schema", "json_schema": SCHEMA}, "end": "</function>"}]}}
+FORMAT_HELD = {"type": "structural_tag", "format": {
+    "type": "triggered_tags", "tags": [{"type": "tag", "begin": "<function=add>", "content": {
+        "type": "json_schema", "json_schema": SCHEMA}, "end": "</function>"}],
+    "at_least_one": False, "stop_after_first": False, "triggers": ["<function="]}}
 
 
 def chat(**fields):
@@ -52,6 +59,8 @@ def refused(build, **fields) -> RequestError:
     ({"response_format": {"type": "structural_tag", **TAG}}, {"structural_tag": TAG_HELD}),
     ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, {"structural_tag": TAG_HELD}),
     ({"structural_tag": json.dumps(TAG)}, {"structural_tag": TAG_HELD}),
+    ({"response_format": FORMAT}, {"structural_tag": FORMAT_HELD}),
+    ({"structured_outputs": {"structural_tag": json.dumps(FORMAT)}}, {"structural_tag": FORMAT_HELD}),
     ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True, "disable_fallback": True}},
      {"json_schema": SCHEMA}),
     ({"structured_outputs": {"json": {"type": "object", "properties": {"properties": {
@@ -86,7 +95,9 @@ def test_no_constraint_leaves_the_field_unset():
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "only one"),
     ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
     ({"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}}, "response_format",
-     "structures and triggers (vLLM's form), not format"),
+     "structural_tag.format: a triggered_tags format needs tags, triggers"),
+    ({"structured_outputs": {"structural_tag": {"format": {"type": "qwen_xml_parameter", "json_schema": {}}}}},
+     "structured_outputs", "qwen_xml_parameter is not supported"),
     ({"response_format": {"type": "structural_tag", **TAG, "triggers": ["<tool>"]}}, "response_format",
      "structures[0].begin '<function=add>' does not start with any of the triggers"),
     ({"response_format": {"type": "structural_tag", **TAG, "triggers": []}}, "response_format",

@@ -19,6 +19,7 @@ import functools
 import json
 from collections.abc import Mapping
 
+from pagedserve.common import structural_format
 from pagedserve.common.sampling_params import StructuredOutput
 
 # Any JSON object: what response_format {"type": "json_object"} asks for.
@@ -27,7 +28,7 @@ _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # properties; the worst such grammar took the worker ~0.6 s to compile on the 2-core test CPU, a
 # 10,000-property one (~0.5 MB) ~10 s.
 GRAMMAR_SYMBOLS = 20_000
-_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_DEFAULTS = structural_format.JSON_DEFAULTS
 
 
 def grammar_text(spec: StructuredOutput, special_tokens: Mapping[str, int] | None = None) -> str:
@@ -36,8 +37,9 @@ def grammar_text(spec: StructuredOutput, special_tokens: Mapping[str, int] | Non
     of them is matched as that token, as a model writes it; without them every trigger is text."""
     special = ()
     if spec.structural_tag and special_tokens:
-        triggers = json.loads(spec.structural_tag)["triggers"]
-        special = tuple(sorted((t, special_tokens[t]) for t in set(triggers) if t in special_tokens))
+        tag = json.loads(spec.structural_tag)
+        triggers = structural_format.triggers(tag) if "format" in tag else set(tag["triggers"])
+        special = tuple(sorted((t, special_tokens[t]) for t in triggers if t in special_tokens))
     return _grammar_for_key(spec.key(), special)
 
 
@@ -94,6 +96,8 @@ def structural_tag_text(value: object) -> str:
             raise ValueError(f"structural_tag is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError(f"structural_tag must be an object, got {type(value).__name__}")
+    if "format" in value:  # xgrammar's formats (vLLM's newer form)
+        return json.dumps(structural_format.checked(value))
     unknown = sorted(set(value) - {"type", "structures", "triggers"})
     if unknown:
         raise ValueError(f"structural_tag takes structures and triggers (vLLM's form), not {', '.join(unknown)}")
@@ -119,27 +123,12 @@ def structural_tag_text(value: object) -> str:
 
 
 def _structural_tag_grammar(text: str, special: dict[str, int]) -> str:
-    """The structures as one Lark grammar (llguidance's dialect, the shape of its StructTag grammar): free
-    text, then any number of structures each opened by its trigger (a lazy lexeme: the first place the
-    text holds it; a trigger among `special` is that token, by id) and followed by the rest of its begin,
-    JSON under its schema in the same compact form as json_schema's, and its end; then free text."""
-    spec = json.loads(structural_tag_text(text))
-    lines = []
-    for i, item in enumerate(spec["structures"]):
-        schema = item["schema"]
-        if isinstance(schema, bool):
-            schema = {} if schema else {"not": {}}
-        schema = {**schema, "x-guidance": {**_JSON_DEFAULTS, **schema.get("x-guidance", {})}}
-        trigger = max((t for t in spec["triggers"] if item["begin"].startswith(t)), key=len)
-        rest, end = item["begin"][len(trigger):], item["end"]
-        body = " ".join(part for part in (rest and json.dumps(rest), "%json " + json.dumps(schema),
-                                          end and json.dumps(end)) if part)
-        if trigger in special:
-            lines.append(f"tag_{i}: TAG_TEXT <[{special[trigger]}]> {body}")
-        else:
-            lines += [f"tag_{i}_trigger[lazy]: TAG_TEXT {json.dumps(trigger)}", f"tag_{i}: tag_{i}_trigger {body}"]
-    tags = " | ".join(f"tag_{i}" for i in range(len(spec["structures"])))
-    return "\n".join(["%llguidance {}", f"start: ({tags})* TAG_TEXT", "TAG_TEXT: /(.|\\n)*/", *lines]) + "\n"
+    """Either form as one grammar (common/structural_format.py): the older one is the triggered_tags
+    format of its structures (free text, then any number of structures each opened by its trigger);
+    a trigger among `special` is that token, by id."""
+    tag = json.loads(structural_tag_text(text))
+    fmt = tag if "format" in tag else structural_format.from_structures(tag["structures"], tag["triggers"])
+    return structural_format.grammar(fmt, special)
 
 
 @functools.cache

@@ -173,11 +173,14 @@ def test_logit_bias_forces_and_bans_a_token(stack, client, model_name, ll_tokeni
 
 def test_structural_tag_through_chat_and_the_public_grpc(stack, client, model_name, ll_tokenizer):
     """vLLM's response_format {"type": "structural_tag"}: free text until the trigger (its one token
-    pushed by logit_bias), then the structure's begin, JSON under its schema, its end."""
+    pushed by logit_bias), then the structure's begin, JSON under its schema, its end. The gRPC API
+    gets the same calls in xgrammar's format (vLLM's newer form)."""
     from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["n"], "additionalProperties": False}
     tag = {"structures": [{"begin": "<call>", "schema": schema, "end": "</call>"}], "triggers": ["<"]}
+    fmt = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<"], "tags": [
+        {"begin": "<call>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</call>"}]}}
     trigger = ll_tokenizer.tokenize_str("<")
     assert len(trigger) == 1
     spec = StructuredOutput(structural_tag=structured_output.structural_tag_text(tag))
@@ -188,7 +191,7 @@ def test_structural_tag_through_chat_and_the_public_grpc(stack, client, model_na
         stream = generate_pb2_grpc.GenerationStub(channel).Generate(generate_pb2.GenerateRequest(
             prompt="Count:", params=common_pb2.SamplingParams(
                 temperature=1.0, seed=4, max_tokens=40, logit_bias={trigger[0]: 100.0},
-                structured_output=common_pb2.StructuredOutput(structural_tag=json.dumps(tag)))), timeout=120)
+                structured_output=common_pb2.StructuredOutput(structural_tag=json.dumps(fmt)))), timeout=120)
         grpc_text = "".join(m.text for m in stream)
     for text in (out.choices[0].message.content, grpc_text):
         calls = re.findall(r"<call>(.*?)</call>", text)
