@@ -199,6 +199,10 @@ def test_idempotency_key_reuses_the_request_id(stack, client):
 def test_models_health_metrics_and_request_status(stack, client):
     model, alias = client.models.list().data  # --served-model-name's names, the first first (vLLM's list)
     assert (model.id, alias.id, alias.root) == (MODEL, ALIAS, MODEL) and model.model_extra["max_model_len"] == 128
+    assert client.models.retrieve(ALIAS) == alias  # OpenAI's retrieve: one entry of the list
+    with pytest.raises(openai.NotFoundError, match="The model 'gpt-4' does not exist") as info:
+        client.models.retrieve("gpt-4")
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
     r = httpx.get(stack.url + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
     for ping in (httpx.get(stack.url + "/ping"), httpx.post(stack.url + "/ping")):  # vLLM's, open as /health

@@ -188,15 +188,25 @@ def build_app(backend: Backend) -> FastAPI:
     async def detokenize(request: Request) -> dict:
         return await tokenization.detokenize(backend, await request.body())  # bounded before it is parsed
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    async def model_cards() -> list[dict]:
         info = await backend.model_info()
         await backend.loras.sync()
-        return {"object": "list", "data": [
-            *({"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": info.model,
-               "parent": None, "max_model_len": info.max_model_len, "ready": info.ready}
-              for name in (info.model, *info.aliases)),  # --served-model-name's names, as vLLM lists them
-            *backend.loras.model_cards(info.model, info.max_model_len, info.ready)]}
+        return [*({"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": info.model,
+                   "parent": None, "max_model_len": info.max_model_len, "ready": info.ready}
+                  for name in (info.model, *info.aliases)),  # --served-model-name's names, as vLLM lists them
+                *backend.loras.model_cards(info.model, info.max_model_len, info.ready)]
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": await model_cards()}
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str) -> dict:
+        """OpenAI's retrieve (`client.models.retrieve`): one entry of /v1/models, or 404 as OpenAI says it."""
+        for card in await model_cards():
+            if card["id"] == model:
+                return card
+        raise RequestError(404, f"The model '{model}' does not exist", "model", code="model_not_found")
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:

@@ -45,6 +45,8 @@ def endpoint_label(path: str) -> str:
         return path
     if path.startswith("/v1/responses/"):
         return "/v1/responses/{id}"
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
     return "/v1/requests/{id}" if path.startswith("/v1/requests/") else "other"
 
 
