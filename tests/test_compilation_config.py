@@ -33,7 +33,31 @@ def test_the_largest_step_a_graph_captures():
     assert GraphPlan(False, False).graph_tokens(256, 2048) == 0
 
 
+def test_vllms_capture_sizes():
+    """cudagraph_capture_sizes: those sizes, ascending, each past the limit taken as the limit (decode steps:
+    --max-num-seqs rows; the other steps: the token budget); max_cudagraph_capture_size bounds them, or the
+    default sizes."""
+    plan = graph_plan('{"cudagraph_capture_sizes": [16, 1, 2, 4, 8, 512, 8]}')
+    assert plan.sizes == (1, 2, 4, 8, 16, 512)
+    assert plan.decode_sizes(256) == [1, 2, 4, 8, 16, 256] and plan.mixed_sizes(2048) == [1, 2, 4, 8, 16, 512]
+    assert plan.graph_tokens(256, 2048) == 512
+    bounded = graph_plan('{"max_cudagraph_capture_size": 64}')
+    assert bounded.decode_sizes(256) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert bounded.mixed_sizes(2048) == [16, 32, 48, 64] and bounded.graph_tokens(256, 2048) == 64
+    assert graph_plan('{"max_capture_size": 4}').decode_sizes(8) == [1, 2, 4]  # vLLM's older name
+    both = graph_plan('{"cudagraph_capture_sizes": [1, 8, 32], "max_cudagraph_capture_size": 8}')
+    assert both.decode_sizes(256) == [1, 8] and both.graph_tokens(256, 2048) == 8
+    decode_only = graph_plan('{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2]}')
+    assert decode_only.mixed_sizes(2048) == [] and decode_only.graph_tokens(256, 2048) == 2
+    assert graph_plan('{"cudagraph_capture_sizes": [4]}', enforce_eager=True).decode_sizes(8) == []
+
+
 @pytest.mark.parametrize("config,message", [
+    ('{"cudagraph_capture_sizes": []}', "cudagraph_capture_sizes must be a non-empty list of positive integers"),
+    ('{"cudagraph_capture_sizes": [1, 0]}', "cudagraph_capture_sizes must be"),
+    ('{"cudagraph_capture_sizes": [true]}', "cudagraph_capture_sizes must be"),
+    ('{"max_cudagraph_capture_size": -1}', "max_cudagraph_capture_size must be a positive integer"),
+    ('{"max_cudagraph_capture_size": 8, "max_capture_size": 16}', "differ"),
     ("{not json", "must be a JSON object"),
     ("[1]", "must be a JSON object"),
     ('{"cudagraph_mode": "PIECEWISE"}', "cudagraph_mode must be one of FULL_AND_PIECEWISE, FULL, FULL_DECODE_ONLY"),

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve.common.compilation import capture_sizes, graph_plan
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.worker.graph_runner import StandInGraph, bucket_for, capture_sizes
+from pagedserve.worker.graph_runner import StandInGraph, bucket_for
 from tiny_models import build_tiny_model, hf_greedy, make_engine
 
 
@@ -113,6 +114,19 @@ def test_steps_a_bucket_cannot_hold_run_eagerly(model):
     engine.runner.enable_decode_graphs(2, StandInGraph)  # buckets 1 and 2 only
     assert generate(engine, prompts, lengths) == expected
     assert sorted(engine.runner.decode_graphs.graphs) == [1, 2]
+
+
+@pytest.mark.parametrize("config, buckets", [
+    ('{"cudagraph_capture_sizes": [3, 1, 64]}', [1, 3, 8]),  # 64 is past --max-num-seqs: taken as 8
+    ('{"max_cudagraph_capture_size": 2}', [1, 2]),  # the default sizes up to 2: larger batches run eagerly
+])
+def test_the_configured_capture_sizes_are_the_buckets(model, config, buckets):
+    """vLLM's --compilation-config keys: batches of 5 and 4 pad to 8, 3 and 2 to 3, 1 is 1 (or 1, 2 and eager)."""
+    folder, prompts, lengths, expected = model
+    engine = make_engine(folder, max_num_seqs=8)
+    engine.runner.enable_decode_graphs(8, StandInGraph, plan=graph_plan(config))
+    assert generate(engine, prompts, lengths) == expected
+    assert sorted(engine.runner.decode_graphs.graphs) == buckets
 
 
 class FailingGraph(StandInGraph):

@@ -20,7 +20,8 @@ from triton_device import triton_device
 DEVICE = triton_device()  # before anything imports triton.language
 
 from pagedserve.common.sampling_params import SamplingParams  # noqa: E402
-from pagedserve.worker.graph_runner import (StandInGraph, bucket_for, mixed_capture_sizes)  # noqa: E402
+from pagedserve.common.compilation import graph_plan, mixed_capture_sizes  # noqa: E402
+from pagedserve.worker.graph_runner import StandInGraph, bucket_for  # noqa: E402
 from pagedserve.worker.input_batch import InputBatch, padding_runs  # noqa: E402
 from tiny_models import build_tiny_model, hf_greedy, make_engine  # noqa: E402
 
@@ -192,6 +193,19 @@ def test_steps_past_the_largest_size_run_eagerly(model):
     engine.runner.enable_decode_graphs(4, StandInGraph, 16)  # sizes [16]: larger mixed steps run eagerly
     assert generate(engine, prompts, lengths) == expected
     assert sorted(engine.runner.mixed_graphs.graphs) == [16]
+
+
+def test_the_configured_capture_sizes_are_the_mixed_steps_token_sizes(model):
+    """vLLM's cudagraph_capture_sizes are token counts for these steps: a step pads to the next of them, one
+    past the token budget is the budget, a step past every size runs eagerly."""
+    folder, prompts, lengths, expected = model
+    engine = triton_engine(folder, graphs=False)
+    engine.runner.enable_decode_graphs(4, StandInGraph, BUDGET,
+                                       graph_plan('{"cudagraph_capture_sizes": [1, 2, 4, 24, 4096]}'))
+    assert generate(engine, prompts, lengths) == expected
+    mixed = engine.runner.mixed_graphs
+    assert mixed.sizes == [1, 2, 4, 24, BUDGET] and mixed.graphs and set(mixed.graphs) <= set(mixed.sizes)
+    assert sorted(engine.runner.decode_graphs.graphs) <= [1, 2, 4]
 
 
 def test_reallocated_cache_recaptures_mixed_graphs(model):

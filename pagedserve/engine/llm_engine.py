@@ -162,7 +162,7 @@ class LLMEngine:
             for name, path in parse_lora_modules(config.lora_modules).items():
                 self.add_lora(LoraRequest(name, 0, path))
         self._on_all_ranks("use_decode_graphs", config.max_num_seqs, not graphs.decode,
-                           config.max_num_batched_tokens if graphs.mixed else 0)
+                           config.max_num_batched_tokens if graphs.mixed else 0, graphs)
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_len,

@@ -42,6 +42,7 @@ from typing import Callable
 
 import torch
 
+from pagedserve.common.compilation import capture_sizes, mixed_capture_sizes
 from pagedserve.worker.attention import AttentionMetadata, PackedSeqs
 from pagedserve.worker.input_batch import (InputBatch, graph_region, graph_region_size, layout_graph_decode,
                                             layout_graph_mixed, mixed_region, mixed_region_size)
@@ -53,21 +54,10 @@ class GraphCaptureError(RuntimeError):
     """A bucket's graph could not be captured (the caller runs that step, and the ones after, eagerly)."""
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """vLLM's batch sizes to capture: 1, 2, 4, then every 8 from 8, up to max_num_seqs (always included)."""
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
-    return sizes + [max_num_seqs]
-
-
-def mixed_capture_sizes(max_tokens: int) -> list[int]:
-    """The token counts a mixed step is padded to: every 16 up to 256, every 64 up to 1024, every 128 beyond,
-    up to max_tokens (always included). Coarser as steps grow: a step's padding stays under ~1/8 of it."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    steps = [*range(16, 257, 16), *range(320, 1025, 64), *range(1152, max_tokens, 128)]
-    return [s for s in steps if s < max_tokens] + [max_tokens]
+def _checked_sizes(sizes: list[int], limit: int, what: str) -> list[int]:
+    if sizes != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] > limit:
+        raise ValueError(f"capture sizes must ascend from >= 1 to at most {limit} {what}, got {sizes}")
+    return list(sizes)
 
 
 def bucket_for(batch: int, sizes: list[int]) -> int | None:
@@ -169,11 +159,13 @@ class DecodeGraphRunner:
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
                  max_num_seqs: int, max_blocks: int, batch: InputBatch,
                  graph_factory: Callable[[], object], groups: int = 1,
-                 per_layer: Callable[[list[AttentionMetadata]], object] | None = None) -> None:
+                 per_layer: Callable[[list[AttentionMetadata]], object] | None = None,
+                 sizes: list[int] | None = None) -> None:
         """groups: the model's KV groups; with several, per_layer maps the groups' metadata to what the
-        model takes (the model runner's: each layer its group's)."""
+        model takes (the model runner's: each layer its group's). sizes: the row counts to capture
+        (GraphPlan.decode_sizes; default capture_sizes(max_num_seqs)), none above max_num_seqs."""
         self.forward = forward
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = _checked_sizes(sizes, max_num_seqs, "rows") if sizes else capture_sizes(max_num_seqs)
         self.rows = self.sizes[-1]
         self.max_blocks = max_blocks
         self.batch = batch
@@ -244,10 +236,12 @@ class MixedGraphRunner:
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
                  max_num_seqs: int, max_tokens: int, max_blocks: int, batch: InputBatch,
                  graph_factory: Callable[[], object], output: torch.Tensor, groups: int = 1,
-                 per_layer: Callable[[list[AttentionMetadata]], object] | None = None) -> None:
-        """groups, per_layer: as DecodeGraphRunner's."""
+                 per_layer: Callable[[list[AttentionMetadata]], object] | None = None,
+                 sizes: list[int] | None = None) -> None:
+        """groups, per_layer: as DecodeGraphRunner's. sizes: the token counts to capture
+        (GraphPlan.mixed_sizes; default mixed_capture_sizes(max_tokens)), none above max_tokens."""
         self.forward = forward
-        self.sizes = mixed_capture_sizes(max_tokens)
+        self.sizes = _checked_sizes(sizes, max_tokens, "tokens") if sizes else mixed_capture_sizes(max_tokens)
         self.tokens = self.sizes[-1]
         self.seqs = max_num_seqs + 1  # room for a padding sequence beside a full batch
         self.max_blocks = max_blocks

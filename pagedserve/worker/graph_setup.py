@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from pagedserve.common.compilation import GraphPlan
 from pagedserve.worker.attention import AttentionBackend, GraphSupport
 from pagedserve.worker.graph_runner import DecodeGraphRunner, GraphCaptureError, MixedGraphRunner
 from pagedserve.worker.mla_attention import MLAAttentionBackend
@@ -19,11 +20,16 @@ from pagedserve.worker.mla_attention import MLAAttentionBackend
 log = logging.getLogger("pagedserve.worker.model_runner")
 
 
-def graph_runners(runner, max_num_seqs: int, graph_factory,
-                  max_num_batched_tokens: int = 0) -> tuple[DecodeGraphRunner | None, MixedGraphRunner | None]:
+def graph_runners(runner, max_num_seqs: int, graph_factory, max_num_batched_tokens: int = 0,
+                  plan: GraphPlan | None = None) -> tuple[DecodeGraphRunner | None, MixedGraphRunner | None]:
     """(decode graphs, mixed-step graphs) for the runner's model: pure-decode steps of up to max_num_seqs
     sequences, and with max_num_batched_tokens the other steps up to that many tokens, as the module docstring
-    says; None for what runs eagerly (a backend whose graph_support is short of PURE_DECODE: everything)."""
+    says, at the sizes plan gives (--compilation-config; default: every size); None for what runs eagerly (a
+    backend whose graph_support is short of PURE_DECODE: everything; a plan with no size for them)."""
+    plan = plan or GraphPlan(True, True)
+    decode_sizes, mixed_sizes = plan.decode_sizes(max_num_seqs), plan.mixed_sizes(max_num_batched_tokens)
+    if not decode_sizes:
+        return None, None
     groups = runner.kv.groups
     backends = {type(m.backend) for m in runner.model.modules()
                 if isinstance(getattr(m, "backend", None), (AttentionBackend, MLAAttentionBackend))}
@@ -35,13 +41,13 @@ def graph_runners(runner, max_num_seqs: int, graph_factory,
     max_blocks = -(-runner.max_model_len // runner.block_size)
     num_groups = len(groups.layers) if groups.hybrid else 1
     decode = DecodeGraphRunner(forward, max_num_seqs, max_blocks, runner.input_batch, graph_factory, num_groups,
-                               runner._per_layer)
-    if not max_num_batched_tokens or runner.model.reads_layout_on_host \
+                               runner._per_layer, decode_sizes)
+    if not mixed_sizes or runner.model.reads_layout_on_host \
             or any(b.graph_support < GraphSupport.MIXED for b in backends):
         return decode, None
     output = torch.empty(max_num_batched_tokens, runner.config.hidden_size, dtype=runner.dtype, device=runner.device)
     return decode, MixedGraphRunner(forward, max_num_seqs, max_num_batched_tokens, max_blocks, runner.input_batch,
-                                    graph_factory, output, num_groups, runner._per_layer)
+                                    graph_factory, output, num_groups, runner._per_layer, mixed_sizes)
 
 
 def capture_all(runner) -> tuple[DecodeGraphRunner | None, MixedGraphRunner | None]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedserve.common.compilation import GraphPlan
 from pagedserve.common.messages import ModelRunnerOutput, SchedulerOutput
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.stop_rules import samples_any
@@ -131,22 +132,25 @@ class ModelRunner:
         if self.drafter is not None:  # the same block ids address the draft's cache
             self.drafter.allocate(num_blocks, num_host_blocks)
 
-    def use_decode_graphs(self, max_num_seqs: int, enforce_eager: bool, max_num_batched_tokens: int = 0) -> None:
+    def use_decode_graphs(self, max_num_seqs: int, enforce_eager: bool, max_num_batched_tokens: int = 0,
+                          plan: GraphPlan | None = None) -> None:
         """On CUDA, unless enforce_eager: decode steps of up to max_num_seqs sequences and other steps of up to
-        max_num_batched_tokens tokens replay CUDA graphs (one memory pool for all of them), every graph
-        captured now (again after the cache is re-allocated). The CPU runs every step eagerly."""
+        max_num_batched_tokens tokens replay CUDA graphs (one memory pool for all of them) at plan's sizes
+        (--compilation-config), every graph captured now (again after the cache is re-allocated). The CPU runs
+        every step eagerly."""
         if self.device.type != "cuda" or enforce_eager or self.lora is not None:
             return
         if self.decode_graphs is None:
             pool = torch.cuda.graph_pool_handle()
-            self.enable_decode_graphs(max_num_seqs, lambda: CudaGraph(pool), max_num_batched_tokens)
+            self.enable_decode_graphs(max_num_seqs, lambda: CudaGraph(pool), max_num_batched_tokens, plan)
         self.capture_graphs()
 
-    def enable_decode_graphs(self, max_num_seqs: int, graph_factory, max_num_batched_tokens: int = 0) -> None:
+    def enable_decode_graphs(self, max_num_seqs: int, graph_factory, max_num_batched_tokens: int = 0,
+                             plan: GraphPlan | None = None) -> None:
         """Steps replay graphs from now on, where the model and its backends allow (graph_setup.graph_runners):
         graph_factory() makes a CudaGraph on a GPU or a StandInGraph on the CPU (tests)."""
         self.decode_graphs, self.mixed_graphs = graph_setup.graph_runners(self, max_num_seqs, graph_factory,
-                                                                          max_num_batched_tokens)
+                                                                          max_num_batched_tokens, plan)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:

@@ -177,7 +177,7 @@ class WorkerService:
             self.runner.forget_requests()
             self.runner.allocate_kv_cache(request.num_gpu_blocks, request.num_cpu_blocks)
             self.runner.use_decode_graphs(self.max_num_seqs, not self.graphs.decode,
-                                          self.kv.max_num_batched_tokens if self.graphs.mixed else 0)
+                                          self.kv.max_num_batched_tokens if self.graphs.mixed else 0, self.graphs)
             self.session_id = request.session_id
         log.info("session %s: KV pool of %d blocks of %d tokens (%d host blocks)", request.session_id or "-",
                  request.num_gpu_blocks, self.runner.block_size, request.num_cpu_blocks)
