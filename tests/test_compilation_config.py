@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from pagedserve.common.compilation import GraphPlan, graph_plan
+from pagedserve.common.compilation import GraphPlan, graph_plan, with_flags
 from pagedserve.common.settings_cli import add_settings
 
 
@@ -76,6 +76,35 @@ def test_the_flag_is_vllms(service):
     args = parser.parse_args(["--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY"}'])
     assert graph_plan(args.compilation_config) == GraphPlan(True, False)
     assert parser.parse_args([]).compilation_config is None
+
+
+@pytest.mark.parametrize("service", ["engine", "serve", "worker"])
+def test_vllms_capture_size_flags(service):
+    """--cudagraph-capture-sizes (vLLM's older --cuda-graph-sizes) and --max-cudagraph-capture-size go into the
+    compilation config; one that says otherwise than the config is refused naming both."""
+    from pagedserve.common.settings_cli import argv_for
+    parser = argparse.ArgumentParser()
+    add_settings(parser, service)
+    args = parser.parse_args(["--cuda-graph-sizes", "1", "2", "--cudagraph-capture-sizes", "8",
+                              "--max-cudagraph-capture-size", "64"])
+    config = with_flags(args.compilation_config, args.cudagraph_capture_sizes, args.max_cudagraph_capture_size)
+    assert graph_plan(config) == GraphPlan(True, True, (1, 2, 8), 64)
+    assert with_flags('{"cudagraph_mode": "NONE"}', None, None) == '{"cudagraph_mode": "NONE"}'
+    assert graph_plan(with_flags('{"cudagraph_mode": "FULL_DECODE_ONLY"}', [4], None)) == GraphPlan(True, False, (4,))
+    with pytest.raises(ValueError, match="--max-cudagraph-capture-size 8 and --compilation-config's"):
+        with_flags('{"max_cudagraph_capture_size": 16}', None, 8)
+    if service == "worker":  # what `serve` hands its worker
+        sizes = [part for size in (1, 2, 8) for part in ("--cudagraph-capture-sizes", str(size))]
+        assert argv_for("worker", vars(args)) == [*sizes, "--max-cudagraph-capture-size", "64"]
+
+
+def test_the_engine_takes_the_flags():
+    from pagedserve.cli import build_parser
+    from pagedserve.engine.llm_engine import engine_config_from_args
+    args = build_parser().parse_args(["bench", "throughput", "--cudagraph-capture-sizes", "1", "4",
+                                      "--max-cudagraph-capture-size", "4"])
+    config = engine_config_from_args(args, progress=False)  # what LLMEngine reads its graph plan from
+    assert graph_plan(config.compilation_config, config.enforce_eager) == GraphPlan(True, True, (1, 4), 4)
 
 
 def test_the_engine_refuses_a_bad_one_before_loading(tiny_llama):

@@ -76,19 +76,8 @@ class GraphPlan:
 
 
 def graph_plan(compilation_config: str | dict | None, enforce_eager: bool = False) -> GraphPlan:
-    """What replays graphs on CUDA: --compilation-config's cudagraph_mode, all off with --enforce-eager."""
-    if compilation_config is None or compilation_config == "":
-        config = {}
-    elif isinstance(compilation_config, dict):
-        config = compilation_config
-    else:
-        try:
-            config = json.loads(compilation_config)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--compilation-config must be a JSON object: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError("--compilation-config must be a JSON object, e.g. "
-                         "'{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'")
+    """What replays graphs on CUDA, at which sizes: --compilation-config's KEYS, all off with --enforce-eager."""
+    config = _config(compilation_config)
     unknown = sorted(set(config) - set(KEYS))
     if unknown:
         raise ValueError(f"--compilation-config: {', '.join(unknown)} not supported (pagedserve reads "
@@ -102,8 +91,39 @@ def graph_plan(compilation_config: str | dict | None, enforce_eager: bool = Fals
     return GraphPlan(decode, mixed, _capture_sizes(config.get("cudagraph_capture_sizes")), _max_size(config))
 
 
+def with_flags(compilation_config: str | dict | None, capture_sizes: list[int] | None,
+               max_capture_size: int | None) -> str | dict | None:
+    """--compilation-config with vLLM's --cudagraph-capture-sizes (--cuda-graph-sizes) and
+    --max-cudagraph-capture-size written into it; a flag that says otherwise than the config is a ValueError."""
+    flags = {k: v for k, v in (("cudagraph_capture_sizes", capture_sizes),
+                               ("max_cudagraph_capture_size", max_capture_size)) if v}
+    if not flags:
+        return compilation_config
+    config = _config(compilation_config)
+    for key, value in flags.items():
+        if config.get(key) not in (None, value):
+            raise ValueError(f"--{key.replace('_', '-')} {value} and --compilation-config's {key} "
+                             f"{config[key]} differ: give one")
+    return {**config, **flags}
+
+
 def _positive(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _config(compilation_config: str | dict | None) -> dict:
+    if compilation_config is None or compilation_config == "":
+        return {}
+    if isinstance(compilation_config, dict):
+        return compilation_config
+    try:
+        config = json.loads(compilation_config)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--compilation-config must be a JSON object: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError("--compilation-config must be a JSON object, e.g. "
+                         "'{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'")
+    return config
 
 
 def _capture_sizes(sizes) -> tuple[int, ...]:

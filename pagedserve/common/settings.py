@@ -189,6 +189,13 @@ def _settings() -> tuple[Setting, ...]:
           help="which steps replay CUDA graphs, as vLLM takes it: a JSON object with cudagraph_mode "
           "FULL_AND_PIECEWISE or FULL (decode and mixed steps, captured whole), FULL_DECODE_ONLY or NONE",
           default_text='{"cudagraph_mode": "FULL_AND_PIECEWISE"}'),
+        S("--cudagraph-capture-sizes", "engine serve worker", int, many=True, several=True, group="engine",
+          aliases=("--cuda-graph-sizes",), help="vLLM's: the sizes CUDA graphs are captured at (decode steps: rows; "
+          "mixed steps: tokens), as --compilation-config's cudagraph_capture_sizes",
+          default_text="1, 2, 4, then every 8 up to --max-num-seqs"),
+        S("--max-cudagraph-capture-size", "engine serve worker", int, None, group="engine",
+          help="vLLM's: the default capture sizes up to this one, as --compilation-config's max_cudagraph_capture_size",
+          default_text="no bound"),
         S("--max-num-batched-tokens", "engine serve scheduler worker", int, None,
           "token budget of one step, prefill chunks and decodes together",
           default_text=f"{CPU_MAX_NUM_BATCHED_TOKENS} on CPU, {CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA", group="engine"),

@@ -17,7 +17,7 @@ from pagedserve.common.messages import SampledToken
 from pagedserve.common.request_checks import logprobs_limit, logprobs_problem, params_vocab_problem
 from pagedserve.common.sampling_defaults import read_defaults
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.common.compilation import graph_plan
+from pagedserve.common.compilation import graph_plan, with_flags
 from pagedserve.common.speculative import parse_speculative_config
 from pagedserve.model_files.draft_check import check_draft_model
 from pagedserve.scheduler.core.request import Request
@@ -108,7 +108,9 @@ def engine_config_from_args(args: argparse.Namespace, progress: bool = True) -> 
     the others renamed here."""
     values = vars(args)
     same = {name: values[name] for name in EngineConfig.__dataclass_fields__ if name in values}
-    return EngineConfig(**{**same, "policy": args.scheduling_policy,
+    compilation = with_flags(values.get("compilation_config"), values.get("cudagraph_capture_sizes"),
+                             values.get("max_cudagraph_capture_size"))
+    return EngineConfig(**{**same, "compilation_config": compilation, "policy": args.scheduling_policy,
                            "enable_prefix_caching": not args.no_prefix_caching,
                            "enable_chunked_prefill": not args.no_chunked_prefill, "progress": progress,
                            "async_scheduling": False if getattr(args, "no_async_scheduling", False) else None})

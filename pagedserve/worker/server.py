@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pagedserve.common import wire
+from pagedserve.common.compilation import with_flags
 from pagedserve.common.gc_heap import freeze_startup_heap
 from pagedserve.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, add_internal_port, set_serving
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
@@ -59,7 +60,7 @@ class WorkerService:
                  dist_init_method: str | None = None, tokenizer: str | None = None,
                  quantization: str = "auto", kv: KVSettings | None = None, max_num_seqs: int | None = None,
                  enforce_eager: bool = False, lora: tuple[int, int, int] | None = None,
-                 speculative_config: str | None = None, compilation_config: str | None = None,
+                 speculative_config: str | None = None, compilation_config: str | dict | None = None,
                  seed: int | None = None) -> None:
         import dataclasses
 
@@ -300,7 +301,9 @@ def serve(args: argparse.Namespace) -> int:
                             args.tensor_parallel_size, dist_init_method(args.dist_init_addr), args.tokenizer,
                             args.quantization, kv_settings(args), args.max_num_seqs, args.enforce_eager,
                             (args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
-                            if args.enable_lora else None, args.speculative_config, args.compilation_config,
+                            if args.enable_lora else None, args.speculative_config,
+                            with_flags(args.compilation_config, args.cudagraph_capture_sizes,
+                                       args.max_cudagraph_capture_size),
                             args.seed)
     ready = threading.Event()
     # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
