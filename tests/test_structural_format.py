@@ -113,6 +113,27 @@ def test_a_trigger_that_is_a_special_token_is_that_token_at_the_worker(tokenizer
     assert "<[" not in structured_output.grammar_text(spec)
 
 
+def test_special_tokens_in_begins_ends_and_strings_are_those_tokens_at_the_worker(tokenizers):
+    """Phi-4-mini's `<|tool_call|>...<|/tool_call|>`, DeepSeek's call markers: a begin or end that holds a
+    special token is written as its id (as text the model could never close the tag)."""
+    hf = tokenizers[0]
+    special = {t.content: i for i, t in hf.added_tokens_decoder.items() if t.special}
+    start, end = special["<|im_start|>"], special["<|im_end|>"]
+    spec = held({"type": "sequence", "elements": [
+        {"type": "tag", "begin": "<|im_start|>think\n", "content": {"type": "any_text"}, "end": "<|im_end|>"},
+        {"type": "tags_with_separator", "separator": "<|im_start|>", "at_least_one": True,
+         "tags": [tag("<f=a>", "</f><|im_end|>")]}]})
+
+    def ids(text):
+        return hf.encode(text, add_special_tokens=False)
+    one = [*ids('<f=a>{"n": 1}</f>'), end]
+    text = [start, *ids("think\nit has </f> in it"), end, *one, start, *one]
+    matcher, taken = matcher_after(tokenizers, spec, text, special)
+    assert taken and matcher.is_accepting(), matcher.get_error()
+    as_text = hf.encode("<|im_start|>think\nx", add_special_tokens=False, split_special_tokens=True)
+    assert not matcher_after(tokenizers, spec, as_text, special)[1]  # its text is not it
+
+
 def test_the_older_form_is_its_triggered_tags_format(tokenizers):
     older = {"structures": [{"begin": "<f=a>", "schema": N["json_schema"], "end": "</f>"},
                             {"begin": "<f=b>", "end": "</f>"}], "triggers": ["<f="]}

@@ -11,11 +11,14 @@ A format is a tree of nodes, each a piece of the output:
 - `tag` {begin, content, end}: the begin text, the content, the end text. Its content `any_text`
   ends at the first end text (a lazy lexeme): a reasoning block `<think>...</think>`;
 - `triggered_tags` {triggers, tags, at_least_one, stop_after_first}: free text until a trigger (a
-  prefix of some tags' begin; a special token of the vocabulary is matched as that token, by id,
-  as vLLM does), then that tag, then free text again; at_least_one: the output starts with a tag;
-  stop_after_first: nothing after the first tag;
+  prefix of some tags' begin), then that tag, then free text again; at_least_one: the output starts
+  with a tag; stop_after_first: nothing after the first tag;
 - `tags_with_separator` {tags, separator, at_least_one, stop_after_first}: tags joined by the
   separator, nothing else.
+In every text the format writes (a trigger, a begin, an end, a separator, a const string), a special
+token of the vocabulary (`<|python_tag|>`, `<|im_end|>`) is that token, by id, at the worker, which
+knows the tokenizer (a model writes it as one id, and text never matches one); the gateway checks the
+grammar with them as text.
 xgrammar's `qwen_xml_parameter` is refused by name. Unknown fields are refused (400 naming the
 path) rather than dropped. Pure functions, no tokenizer.
 """
@@ -139,14 +142,15 @@ def _fields(kind: str, node: dict, where: str, depth: int) -> dict:
     return {**out, "triggers": triggers}
 
 
-def triggers(fmt: dict) -> set[str]:
-    """Every trigger of the format's triggered_tags nodes (the worker matches those that are special
-    tokens as their ids)."""
+def literals(fmt: dict) -> set[str]:
+    """Every text the format writes as given (triggers, begins, ends, separators, const strings): the
+    worker matches the special tokens among them as their ids."""
     found: set[str] = set()
     stack = [fmt["format"]]
     while stack:
         node = stack.pop()
         found.update(node.get("triggers", ()))
+        found.update(node[k] for k in ("begin", "end", "separator", "value") if node.get(k))
         stack += node.get("elements", []) + node.get("tags", []) + ([node["content"]] if "content" in node else [])
     return found
 
@@ -180,6 +184,9 @@ class _Writer:
 
     def __init__(self, special: dict[str, int]) -> None:
         self.special = special
+        # the special tokens' texts, longest first: a literal holding one is that token there, by id
+        self._split = re.compile("(" + "|".join(map(re.escape, sorted(special, key=len, reverse=True))) + ")") \
+            if special else None
         self.lines: list[str] = []
         self.sides: list[dict] = []
         self.count = 0
@@ -187,6 +194,17 @@ class _Writer:
     def _name(self) -> str:
         self.count += 1
         return f"n{self.count}"
+
+    def _text(self, text: str) -> str:
+        """A literal as Lark: its special tokens' texts as those tokens (a model writes them as one id; text
+        lexemes never hold them), the rest as strings."""
+        if self._split is None or not text:
+            return _literal(text)
+        pieces = [p for p in self._split.split(text) if p]
+        return " ".join(f"<[{self.special[p]}]>" if p in self.special else _literal(p) for p in pieces)
+
+    def _starts_special(self, text: str) -> bool:
+        return self._split is not None and self._split.match(text) is not None
 
     def _define(self, body: str, lazy: bool = False) -> str:
         name = self._name()
@@ -204,7 +222,7 @@ class _Writer:
     def rule(self, node: dict) -> str:
         kind = node["type"]
         if kind == "const_string":
-            return self._define(_literal(node["value"]))
+            return self._define(self._text(node["value"]))
         if kind == "json_schema":
             schema = node["json_schema"]
             if isinstance(schema, bool):
@@ -244,23 +262,26 @@ class _Writer:
         elif after_text:
             head = self._define(f"TEXT {_literal(trigger)}", lazy=True)
         else:
-            head = _literal(trigger)
-        return f"{head} {_literal(rest)}" if rest else head
+            head = self._text(trigger)
+        return f"{head} {self._text(rest)}" if rest else head
 
     def _tag(self, node: dict, begin: str | None = None) -> str:
         """begin content end; `begin` (a triggered tag's, _begin) replaces the literal."""
-        head = begin if begin is not None else _literal(node["begin"])
+        head = begin if begin is not None else self._text(node["begin"])
         content, end = node["content"], node["end"]
         if content["type"] == "any_text" and end:  # the text up to the first end
-            body = self._define(f"{self._any_text(content['excluded_str'])} {_literal(end)}", lazy=True)
+            text = self._any_text(content["excluded_str"])
+            if self._starts_special(end):  # a special token ends the text by itself
+                return self._define(f"{head} {text} {self._text(end)}")
+            body = self._define(f"{text} {_literal(end)}", lazy=True)
             return self._define(f"{head} {body}")
-        return self._define(f"{head} {self.rule(content)} {_literal(end)}")
+        return self._define(f"{head} {self.rule(content)} {self._text(end)}")
 
     def _separated(self, node: dict) -> str:
         one = self._define(" | ".join(self._tag(t) for t in node["tags"]))
         if node["stop_after_first"]:
             return self._define(one if node["at_least_one"] else f"{one}?")
-        many = f"{one} ({_literal(node['separator'])} {one})*"
+        many = f"{one} ({self._text(node['separator'])} {one})*"
         return self._define(many if node["at_least_one"] else f"({many})?")
 
     def _triggered(self, node: dict) -> str:

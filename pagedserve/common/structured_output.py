@@ -33,13 +33,14 @@ _JSON_DEFAULTS = structural_format.JSON_DEFAULTS
 
 def grammar_text(spec: StructuredOutput, special_tokens: Mapping[str, int] | None = None) -> str:
     """llguidance's grammar for the spec; raises ValueError naming the field and the problem.
-    special_tokens (the worker's: a special token's text -> id): a structural tag's trigger that is one
-    of them is matched as that token, as a model writes it; without them every trigger is text."""
+    special_tokens (the worker's: a special token's text -> id): in a structural tag's texts each of them is
+    matched as that token, as a model writes it; without them every text is text."""
     special = ()
     if spec.structural_tag and special_tokens:
         tag = json.loads(spec.structural_tag)
-        triggers = structural_format.triggers(tag) if "format" in tag else set(tag["triggers"])
-        special = tuple(sorted((t, special_tokens[t]) for t in triggers if t in special_tokens))
+        texts = structural_format.literals(tag if "format" in tag else
+                                           structural_format.from_structures(tag["structures"], tag["triggers"]))
+        special = tuple(sorted((t, i) for t, i in special_tokens.items() if any(t in text for text in texts)))
     return _grammar_for_key(spec.key(), special)
 
 
