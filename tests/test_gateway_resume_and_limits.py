@@ -15,7 +15,7 @@ import pytest
 from pagedserve.v1 import generate_pb2
 from pagedserve.gateway.app import Cursor, _Skip, build_app
 from pagedserve.gateway.backend import Backend
-from pagedserve.gateway.limits import Limits, RateLimiter, TokenBucket, parse_rate_limit
+from pagedserve.gateway.limits import Limits, RateLimiter, TokenBucket, parse_origins, parse_rate_limit
 from pagedserve.gateway.server import api_keys, drain
 
 KEY = "sk-reliability"
@@ -121,6 +121,21 @@ def test_gate_limits_in_process():
             r = await http.options("/v1/models", headers={"Origin": "https://ok.example",
                                                           "Access-Control-Request-Method": "GET"})
             assert r.headers["access-control-allow-origin"] == "https://ok.example"
+    asyncio.run(main())
+
+
+def test_cors_origins_as_a_list_or_vllms_json_and_the_docs_switch():
+    assert parse_origins("https://a.example, https://b.example") == ["https://a.example", "https://b.example"]
+    assert parse_origins('["https://a.example", "*"]') == ["https://a.example", "*"]  # vLLM's --allowed-origins
+    assert parse_origins("") == [] and parse_origins(None) == []
+    with pytest.raises(ValueError, match="JSON list"):
+        parse_origins('["https://a.example", 3]')
+
+    async def main():
+        for docs in (True, False):  # --disable-fastapi-docs (vLLM's): no description at all
+            async with _client(Backend("a", "b", limits=Limits(api_docs=docs))) as http:
+                r = await http.get("/openapi.json")
+                assert r.status_code == (200 if docs else 404)
     asyncio.run(main())
 
 

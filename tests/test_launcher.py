@@ -112,12 +112,14 @@ def test_every_gateway_setting_reaches_the_gateway_and_keys_go_by_environment(mo
     keys.write_text("# ours\nsk-file\n")
     cfg = serve_config("--api-key", "sk-1", "--api-key", "sk-2", "--api-key-file", str(keys), "--rate-limit", "5:10",
                        "--max-tokens-in-flight", "4096", "--max-body-bytes", "2048", "--max-n", "3",
-                       "--cors-origins", "https://a.example", "--resume-grace", "7", "--shutdown-timeout", "4")
+                       "--allowed-origins", '["https://a.example"]', "--resume-grace", "7", "--shutdown-timeout", "4",
+                       "--disable-fastapi-docs", "--uvicorn-log-level", "info")
     argvs = service_argvs(cfg, Ports([1], 2, 3))
     g = parse(argvs["gateway"])
     assert (g.api_key_file, g.rate_limit, g.max_tokens_in_flight, g.max_body_bytes, g.max_n) == (
         str(keys), "5:10", 4096, 2048, 3)
-    assert (g.cors_origins, g.resume_grace, g.shutdown_timeout) == ("https://a.example", 7.0, 4.0)
+    assert (g.cors_origins, g.resume_grace, g.shutdown_timeout) == ('["https://a.example"]', 7.0, 4.0)
+    assert (g.disable_fastapi_docs, g.uvicorn_log_level) == (True, "info")  # vLLM's flags
     assert g.api_key is None and "sk-" not in " ".join(arg for argv in argvs.values() for arg in argv)
     assert service_env(cfg, "gateway", {})["PAGEDSERVE_API_KEY"] == "sk-1,sk-2"  # every key, none on a command line
     for name in ("worker0", "scheduler", "tokenizer"):

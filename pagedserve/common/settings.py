@@ -305,8 +305,14 @@ def _settings() -> tuple[Setting, ...]:
           "`KEY min_priority=N` lets that key's requests set priority down to N (lower runs earlier; "
           "an ordinary key's floor is 0, an operator key has none)",
           group="gateway"),
-        S("--cors-origins", "serve gateway", default="",
-          help="comma-separated origins allowed by CORS ('*' for any); empty: CORS off", group="gateway"),
+        S("--cors-origins", "serve gateway", default="", aliases=("--allowed-origins",),
+          help="comma-separated origins allowed by CORS ('*' for any), or vLLM's JSON list ('[\"https://a\"]'); "
+          "empty: CORS off", group="gateway"),
+        S("--disable-fastapi-docs", "serve gateway", bool, False, group="gateway",
+          help="serve no /docs, /redoc or /openapi.json (vLLM's; they want the operator key anyway)"),
+        S("--uvicorn-log-level", "serve gateway", default="warning", group="gateway",
+          choices=("critical", "error", "warning", "info", "debug", "trace"),
+          help="the HTTP server's log level (vLLM's flag; its default there is info)"),
         S("--max-body-bytes", "serve gateway", int, 1 << 20, "larger request bodies get 413 (0: no limit)",
           group="gateway"),
         S("--max-n", "serve gateway", int, 16, "the largest n (samples per request)", group="gateway"),

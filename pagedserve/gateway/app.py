@@ -105,7 +105,9 @@ def build_app(backend: Backend) -> FastAPI:
         yield
         await backend.close()
 
-    app = FastAPI(title="pagedserve", version="0.1.0", lifespan=lifespan)
+    docs = backend.limits.api_docs  # off: --disable-fastapi-docs (vLLM's)
+    app = FastAPI(title="pagedserve", version="0.1.0", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.backend = backend
     app.add_middleware(HttpGate, backend=backend)
     if backend.limits.cors_origins:  # off unless --cors-origins; outermost, so preflights need no key

@@ -5,6 +5,7 @@ the per-key rate of every gateway of a deployment together, kept in Redis."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import time
@@ -28,6 +29,21 @@ class Limits:
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     resume_grace_s: float = DEFAULT_RESUME_GRACE_S  # 0: a stream dies with its gateway
     cors_origins: list[str] = field(default_factory=list)
+    api_docs: bool = True  # /docs, /redoc, /openapi.json (for the operator key); False: --disable-fastapi-docs
+
+
+def parse_origins(text: str | None) -> list[str]:
+    """--cors-origins: comma-separated origins, or vLLM's --allowed-origins JSON list ('["https://a"]')."""
+    text = (text or "").strip()
+    if text.startswith("["):
+        try:
+            origins = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--cors-origins {text!r} is not a JSON list: {exc}") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ValueError(f"--cors-origins {text!r}: want a JSON list of strings")
+        return [o.strip() for o in origins if o.strip()]
+    return [o.strip() for o in text.split(",") if o.strip()]
 
 
 def parse_rate_limit(text: str | None) -> tuple[float, float] | None:

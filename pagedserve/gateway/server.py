@@ -26,7 +26,7 @@ from pagedserve.gateway.lora_adapters import LoraAdapters, SharedAdapters
 from pagedserve.gateway.app import build_app
 from pagedserve.gateway.backend import Backend
 from pagedserve.gateway.grpc_api import SERVICE_NAME, GenerationService
-from pagedserve.gateway.limits import Limits, parse_rate_limit
+from pagedserve.gateway.limits import Limits, parse_origins, parse_rate_limit
 from pagedserve.gateway.owners import parse_key_line
 
 log = logging.getLogger("pagedserve.gateway")
@@ -110,7 +110,8 @@ def limits_from_args(args) -> Limits:
                   rate_limit=parse_rate_limit(getattr(args, "rate_limit", None)),
                   shutdown_timeout_s=getattr(args, "shutdown_timeout", defaults.shutdown_timeout_s),
                   resume_grace_s=getattr(args, "resume_grace", defaults.resume_grace_s),
-                  cors_origins=[o.strip() for o in (getattr(args, "cors_origins", "") or "").split(",") if o.strip()])
+                  cors_origins=parse_origins(getattr(args, "cors_origins", "")),
+                  api_docs=not getattr(args, "disable_fastapi_docs", False))
 
 
 async def drain(backend: Backend, timeout_s: float) -> int:
@@ -206,7 +207,8 @@ async def _serve(args) -> int:
         return 1
     await grpc_server.start()
 
-    http = _Uvicorn(uvicorn.Config(build_app(backend), host=args.host, port=args.port, log_level="warning",
+    http = _Uvicorn(uvicorn.Config(build_app(backend), host=args.host, port=args.port,
+                                   log_level=getattr(args, "uvicorn_log_level", "warning"),
                                    timeout_graceful_shutdown=DRAIN_FLUSH_S, http=HeaderTimeoutH11,
                                    timeout_keep_alive=HEADER_TIMEOUT_S, limit_concurrency=LIMIT_CONCURRENCY))
     stop = asyncio.Event()
