@@ -132,6 +132,10 @@ def test_special_tokens_in_begins_ends_and_strings_are_those_tokens_at_the_worke
     assert taken and matcher.is_accepting(), matcher.get_error()
     as_text = hf.encode("<|im_start|>think\nx", add_special_tokens=False, split_special_tokens=True)
     assert not matcher_after(tokenizers, spec, as_text, special)[1]  # its text is not it
+    # an end with text before its special token: the text must end with that text, wherever else it appears
+    spec = held({"type": "tag", "begin": "<r>", "content": {"type": "any_text"}, "end": "\n<|im_end|>"})
+    assert matcher_after(tokenizers, spec, [*ids("<r>a\nb\n"), end], special)[0].is_accepting()
+    assert not matcher_after(tokenizers, spec, [*ids("<r>a\nb"), end], special)[1]
 
 
 def test_the_older_form_is_its_triggered_tags_format(tokenizers):

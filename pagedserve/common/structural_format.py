@@ -157,7 +157,7 @@ def literals(fmt: dict) -> set[str]:
 
 def grammar(fmt: dict, special: dict[str, int]) -> str:
     """The checked format as llguidance's grammar: Lark text, or (with `grammar` nodes, each a side
-    grammar) llguidance's JSON of several grammars. special: trigger text -> token id."""
+    grammar) llguidance's JSON of several grammars. special: special token text -> id (the worker's)."""
     writer = _Writer(special)
     start = writer.rule(fmt["format"])
     main = "\n".join(["%llguidance {}", f"start: {start}", f"TEXT: /{_TEXT}/", *writer.lines]) + "\n"
@@ -180,7 +180,7 @@ def _one_line(pattern: str) -> str:
 
 
 class _Writer:
-    """Lark rules for a format tree: each node a rule named by a counter (n0, n1, ...)."""
+    """Lark rules for a format tree: each node a rule named by a counter (n1, n2, ...)."""
 
     def __init__(self, special: dict[str, int]) -> None:
         self.special = special
@@ -203,20 +203,25 @@ class _Writer:
         pieces = [p for p in self._split.split(text) if p]
         return " ".join(f"<[{self.special[p]}]>" if p in self.special else _literal(p) for p in pieces)
 
-    def _starts_special(self, text: str) -> bool:
-        return self._split is not None and self._split.match(text) is not None
+    def _first_special(self, text: str) -> int:
+        """Where the first special token's text starts in text (-1: none)."""
+        found = self._split.search(text) if self._split is not None else None
+        return found.start() if found else -1
 
     def _define(self, body: str, lazy: bool = False) -> str:
         name = self._name()
         self.lines.append(f"{name}{'[lazy]' if lazy else ''}: {body}")
         return name
 
-    def _any_text(self, excluded: list[str]) -> str:
-        if not excluded:
+    def _any_text(self, excluded: list[str], ending: str = "") -> str:
+        """A text lexeme: any text without the excluded strings, ending with `ending`."""
+        if not excluded and not ending:
             return "TEXT"
         name = self._name().upper()
-        words = "|".join(_escaped(s) for s in excluded)
-        self.lines.append(f"{name}: /{_TEXT}/ & ~/{_TEXT}({words}){_TEXT}/")
+        text = f"/{_TEXT}{_escaped(ending)}/"
+        if excluded:
+            text += f" & ~/{_TEXT}({'|'.join(_escaped(s) for s in excluded)}){_TEXT}/"
+        self.lines.append(f"{name}: {text}")
         return name
 
     def rule(self, node: dict) -> str:
@@ -270,10 +275,12 @@ class _Writer:
         head = begin if begin is not None else self._text(node["begin"])
         content, end = node["content"], node["end"]
         if content["type"] == "any_text" and end:  # the text up to the first end
-            text = self._any_text(content["excluded_str"])
-            if self._starts_special(end):  # a special token ends the text by itself
-                return self._define(f"{head} {text} {self._text(end)}")
-            body = self._define(f"{text} {_literal(end)}", lazy=True)
+            at = self._first_special(end)
+            if at >= 0:  # a special token ends the text by itself (text never holds one); the text ends with
+                # what the end has before it
+                text = self._any_text(content["excluded_str"], end[:at])
+                return self._define(f"{head} {text} {self._text(end[at:])}")
+            body = self._define(f"{self._any_text(content['excluded_str'])} {_literal(end)}", lazy=True)
             return self._define(f"{head} {body}")
         return self._define(f"{head} {self.rule(content)} {self._text(end)}")
 
