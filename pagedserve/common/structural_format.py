@@ -1,7 +1,7 @@
 """xgrammar's structural tag formats (`{"type": "structural_tag", "format": {...}}`, vLLM's newer form
 of the structural tag) checked, and written as one llguidance grammar. vLLM's older form
 (`{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`) is the `triggered_tags` format of
-its structures (xgrammar's own reading), so both forms are compiled here.
+its structures (xgrammar's own reading), so both forms are checked (held_text) and compiled here.
 
 A format is a tree of nodes, each a piece of the output:
 - `const_string` {value}: that text; `json_schema` {json_schema}: JSON under the schema, compact as
@@ -41,6 +41,51 @@ _TEXT = r"(.|\n)*"
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 # the JSON a json_schema node writes: compact, as common/structured_output's json_schema
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def held_text(value: object) -> str:
+    """vLLM's structural tag, either form (the older {"structures": [{"begin", "schema", "end"}, ...],
+    "triggers": [...]}, or {"type": "structural_tag", "format": ...}), as an object or its JSON, in the one
+    form StructuredOutput.structural_tag holds; raises ValueError naming what is wrong. Every structure's
+    begin starts with a trigger (the text that switches from free text to the structure); a structure
+    without a schema takes any JSON value."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"structural_tag is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"structural_tag must be an object, got {type(value).__name__}")
+    if "format" in value:  # xgrammar's formats (vLLM's newer form)
+        return json.dumps(checked(value))
+    unknown = sorted(set(value) - {"type", "structures", "triggers"})
+    if unknown:
+        raise ValueError(f"structural_tag takes structures and triggers (vLLM's form), not {', '.join(unknown)}")
+    triggers, structures = value.get("triggers"), value.get("structures")
+    if not isinstance(triggers, list) or not triggers or any(not isinstance(t, str) or not t for t in triggers):
+        raise ValueError("structural_tag.triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structural_tag.structures must be a non-empty list of {begin, schema, end}")
+    out = []
+    for i, item in enumerate(structures):
+        where = f"structural_tag.structures[{i}]"
+        if not isinstance(item, dict) or set(item) - {"begin", "schema", "end"}:
+            raise ValueError(f"{where} must be an object of begin, schema and end")
+        begin, end, schema = item.get("begin"), item.get("end"), item.get("schema")
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise ValueError(f"{where}: begin and end must be strings")
+        if not any(begin.startswith(t) for t in triggers):
+            raise ValueError(f"{where}.begin {begin!r} does not start with any of the triggers {triggers!r}")
+        if schema is not None and not isinstance(schema, (dict, bool)):
+            raise ValueError(f"{where}.schema must be a JSON Schema object, got {type(schema).__name__}")
+        out.append({"begin": begin, "schema": {} if schema is None else schema, "end": end})
+    return json.dumps({"structures": out, "triggers": triggers})
+
+
+def as_format(text: str) -> dict:
+    """A held structural tag (held_text's) as a format: the older form as its triggered_tags format."""
+    tag = json.loads(text)
+    return tag if "format" in tag else from_structures(tag["structures"], tag["triggers"])
 
 
 def checked(value: Any, where: str = "structural_tag") -> dict:

@@ -29,6 +29,8 @@ _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # 10,000-property one (~0.5 MB) ~10 s.
 GRAMMAR_SYMBOLS = 20_000
 _JSON_DEFAULTS = structural_format.JSON_DEFAULTS
+# vLLM's structural tag, either form, as StructuredOutput.structural_tag holds it (its home: structural_format)
+structural_tag_text = structural_format.held_text
 
 
 def grammar_text(spec: StructuredOutput, special_tokens: Mapping[str, int] | None = None) -> str:
@@ -37,9 +39,7 @@ def grammar_text(spec: StructuredOutput, special_tokens: Mapping[str, int] | Non
     matched as that token, as a model writes it; without them every text is text."""
     special = ()
     if spec.structural_tag and special_tokens:
-        tag = json.loads(spec.structural_tag)
-        texts = structural_format.literals(tag if "format" in tag else
-                                           structural_format.from_structures(tag["structures"], tag["triggers"]))
+        texts = structural_format.literals(structural_format.as_format(spec.structural_tag))
         special = tuple(sorted((t, i) for t, i in special_tokens.items() if any(t in text for text in texts)))
     return _grammar_for_key(spec.key(), special)
 
@@ -85,51 +85,9 @@ def schema_text(value: object, where: str) -> str:
     return json.dumps(value)
 
 
-def structural_tag_text(value: object) -> str:
-    """vLLM's structural tag ({"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]},
-    as an object or its JSON) in the one form StructuredOutput.structural_tag holds; raises
-    ValueError naming what is wrong. Every structure's begin starts with a trigger (the text that
-    switches from free text to the structure); a structure without a schema takes any JSON value."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"structural_tag is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"structural_tag must be an object, got {type(value).__name__}")
-    if "format" in value:  # xgrammar's formats (vLLM's newer form)
-        return json.dumps(structural_format.checked(value))
-    unknown = sorted(set(value) - {"type", "structures", "triggers"})
-    if unknown:
-        raise ValueError(f"structural_tag takes structures and triggers (vLLM's form), not {', '.join(unknown)}")
-    triggers, structures = value.get("triggers"), value.get("structures")
-    if not isinstance(triggers, list) or not triggers or any(not isinstance(t, str) or not t for t in triggers):
-        raise ValueError("structural_tag.triggers must be a non-empty list of non-empty strings")
-    if not isinstance(structures, list) or not structures:
-        raise ValueError("structural_tag.structures must be a non-empty list of {begin, schema, end}")
-    out = []
-    for i, item in enumerate(structures):
-        where = f"structural_tag.structures[{i}]"
-        if not isinstance(item, dict) or set(item) - {"begin", "schema", "end"}:
-            raise ValueError(f"{where} must be an object of begin, schema and end")
-        begin, end, schema = item.get("begin"), item.get("end"), item.get("schema")
-        if not isinstance(begin, str) or not isinstance(end, str):
-            raise ValueError(f"{where}: begin and end must be strings")
-        if not any(begin.startswith(t) for t in triggers):
-            raise ValueError(f"{where}.begin {begin!r} does not start with any of the triggers {triggers!r}")
-        if schema is not None and not isinstance(schema, (dict, bool)):
-            raise ValueError(f"{where}.schema must be a JSON Schema object, got {type(schema).__name__}")
-        out.append({"begin": begin, "schema": {} if schema is None else schema, "end": end})
-    return json.dumps({"structures": out, "triggers": triggers})
-
-
 def _structural_tag_grammar(text: str, special: dict[str, int]) -> str:
-    """Either form as one grammar (common/structural_format.py): the older one is the triggered_tags
-    format of its structures (free text, then any number of structures each opened by its trigger);
-    a trigger among `special` is that token, by id."""
-    tag = json.loads(structural_tag_text(text))
-    fmt = tag if "format" in tag else structural_format.from_structures(tag["structures"], tag["triggers"])
-    return structural_format.grammar(fmt, special)
+    """Either form as one grammar (common/structural_format.py); a text among `special` is that token, by id."""
+    return structural_format.grammar(structural_format.as_format(structural_tag_text(text)), special)
 
 
 @functools.cache
