@@ -85,10 +85,18 @@ def test_vllms_capture_size_flags(service):
     from pagedserve.common.settings_cli import argv_for
     parser = argparse.ArgumentParser()
     add_settings(parser, service)
-    args = parser.parse_args(["--cuda-graph-sizes", "1", "2", "--cudagraph-capture-sizes", "8",
+    args = parser.parse_args(["--cudagraph-capture-sizes", "1", "2", "--cudagraph-capture-sizes", "8",
                               "--max-cudagraph-capture-size", "64"])
-    config = with_flags(args.compilation_config, args.cudagraph_capture_sizes, args.max_cudagraph_capture_size)
+    config = with_flags(args.compilation_config, args.cudagraph_capture_sizes, args.max_cudagraph_capture_size,
+                        args.cuda_graph_sizes)
     assert graph_plan(config) == GraphPlan(True, True, (1, 2, 8), 64)
+    # the older flag as vLLM's command lines meant it: one value the largest size, several the sizes
+    older = parser.parse_args(["--cuda-graph-sizes", "512"])
+    assert with_flags(None, older.cudagraph_capture_sizes, older.max_cudagraph_capture_size,
+                      older.cuda_graph_sizes) == {"max_cudagraph_capture_size": 512}
+    assert with_flags(None, None, None, [1, 8, 64]) == {"cudagraph_capture_sizes": [1, 8, 64]}
+    with pytest.raises(ValueError, match="--cuda-graph-sizes \\[64\\] and --max-cudagraph-capture-size differ"):
+        with_flags(None, None, 32, [64])
     assert with_flags('{"cudagraph_mode": "NONE"}', None, None) == '{"cudagraph_mode": "NONE"}'
     assert graph_plan(with_flags('{"cudagraph_mode": "FULL_DECODE_ONLY"}', [4], None)) == GraphPlan(True, False, (4,))
     with pytest.raises(ValueError, match="--max-cudagraph-capture-size 8 and --compilation-config's"):

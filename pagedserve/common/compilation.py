@@ -92,9 +92,19 @@ def graph_plan(compilation_config: str | dict | None, enforce_eager: bool = Fals
 
 
 def with_flags(compilation_config: str | dict | None, capture_sizes: list[int] | None,
-               max_capture_size: int | None) -> str | dict | None:
-    """--compilation-config with vLLM's --cudagraph-capture-sizes (--cuda-graph-sizes) and
-    --max-cudagraph-capture-size written into it; a flag that says otherwise than the config is a ValueError."""
+               max_capture_size: int | None, cuda_graph_sizes: list[int] | None = None) -> str | dict | None:
+    """--compilation-config with vLLM's --cudagraph-capture-sizes and --max-cudagraph-capture-size written into
+    it, and its older --cuda-graph-sizes as its command lines meant it (one value: the largest size; several:
+    the sizes); a flag that says otherwise than the config or another flag is a ValueError."""
+    if cuda_graph_sizes:
+        older = {"cudagraph_capture_sizes": cuda_graph_sizes} if len(cuda_graph_sizes) > 1 else \
+            {"max_cudagraph_capture_size": cuda_graph_sizes[0]}
+        (key, value), = older.items()
+        if {"cudagraph_capture_sizes": capture_sizes, "max_cudagraph_capture_size": max_capture_size}[key] \
+                not in (None, value):
+            raise ValueError(f"--cuda-graph-sizes {cuda_graph_sizes} and --{key.replace('_', '-')} differ: give one")
+        capture_sizes, max_capture_size = older.get("cudagraph_capture_sizes", capture_sizes), \
+            older.get("max_cudagraph_capture_size", max_capture_size)
     flags = {k: v for k, v in (("cudagraph_capture_sizes", capture_sizes),
                                ("max_cudagraph_capture_size", max_capture_size)) if v}
     if not flags:

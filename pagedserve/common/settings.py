@@ -190,9 +190,11 @@ def _settings() -> tuple[Setting, ...]:
           "FULL_AND_PIECEWISE or FULL (decode and mixed steps, captured whole), FULL_DECODE_ONLY or NONE",
           default_text='{"cudagraph_mode": "FULL_AND_PIECEWISE"}'),
         S("--cudagraph-capture-sizes", "engine serve worker", int, many=True, several=True, group="engine",
-          aliases=("--cuda-graph-sizes",), help="vLLM's: the sizes CUDA graphs are captured at (decode steps: rows; "
-          "mixed steps: tokens), as --compilation-config's cudagraph_capture_sizes",
-          default_text="1, 2, 4, then every 8 up to --max-num-seqs"),
+          help="vLLM's: the sizes CUDA graphs are captured at (decode steps: rows; mixed steps: tokens), as "
+          "--compilation-config's cudagraph_capture_sizes", default_text="1, 2, 4, then every 8 up to --max-num-seqs"),
+        S("--cuda-graph-sizes", "engine serve worker", int, many=True, several=True, group="engine",
+          help="vLLM's older flag, as its command lines meant it: one value is --max-cudagraph-capture-size, "
+          "several are --cudagraph-capture-sizes", default_text="unset"),
         S("--max-cudagraph-capture-size", "engine serve worker", int, None, group="engine",
           help="vLLM's: the default capture sizes up to this one, as --compilation-config's max_cudagraph_capture_size",
           default_text="no bound"),

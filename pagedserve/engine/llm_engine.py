@@ -109,7 +109,7 @@ def engine_config_from_args(args: argparse.Namespace, progress: bool = True) -> 
     values = vars(args)
     same = {name: values[name] for name in EngineConfig.__dataclass_fields__ if name in values}
     compilation = with_flags(values.get("compilation_config"), values.get("cudagraph_capture_sizes"),
-                             values.get("max_cudagraph_capture_size"))
+                             values.get("max_cudagraph_capture_size"), values.get("cuda_graph_sizes"))
     return EngineConfig(**{**same, "compilation_config": compilation, "policy": args.scheduling_policy,
                            "enable_prefix_caching": not args.no_prefix_caching,
                            "enable_chunked_prefill": not args.no_chunked_prefill, "progress": progress,

@@ -303,7 +303,7 @@ def serve(args: argparse.Namespace) -> int:
                             (args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
                             if args.enable_lora else None, args.speculative_config,
                             with_flags(args.compilation_config, args.cudagraph_capture_sizes,
-                                       args.max_cudagraph_capture_size),
+                                       args.max_cudagraph_capture_size, args.cuda_graph_sizes),
                             args.seed)
     ready = threading.Event()
     # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
