@@ -85,7 +85,8 @@ class FakeWorkerGroup:
                    if s.num_computed_tokens == len(s.token_ids)}
         self.requests.commit(sampled)
         return ModelRunnerOutput(out.step_id, {r: [SampledToken(t) for t in ts] for r, ts in sampled.items()},
-                                 prompt_logprobs={r: p for r, p in prompt.items() if p.tokens})
+                                 prompt_logprobs={r: p for r, p in prompt.items() if p.tokens},
+                                 grammars_ready=[g.key() for g in out.grammars])  # compiles nothing
 
     def close_streams(self) -> None:
         self.sent.clear()

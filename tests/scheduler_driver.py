@@ -185,7 +185,8 @@ class FakeWorker:
             for child_id in self.requests[req_id].child_req_ids:
                 self.keys.pop(child_id, None)
         self.requests.commit(sampled)
-        return ModelRunnerOutput(out.step_id, {r: [SampledToken(t) for t in tokens] for r, tokens in sampled.items()})
+        return ModelRunnerOutput(out.step_id, {r: [SampledToken(t) for t in tokens] for r, tokens in sampled.items()},
+                                 grammars_ready=[g.key() for g in out.grammars])  # compiles nothing
 
 
 @dataclass

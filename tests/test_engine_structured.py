@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import numpy as np
@@ -171,3 +172,48 @@ def test_two_tensor_parallel_ranks_give_the_same_constrained_samples(model, engi
     assert two == one
     for text, reason in texts(engine, engine.generate(batch, params)):
         assert reason == "stop" and re.fullmatch(REGEX, text), text
+
+
+def test_grammars_compile_ahead_and_no_step_waits_for_one(model):
+    """The scheduler asks for each grammar when its request arrives and holds the request until the
+    worker has compiled it in the background (scheduler/core/grammar_wait.py): no step thread waits
+    for a compile, and the constraints hold as before."""
+    from transformers import AutoTokenizer
+    fresh = make_engine(model, tokenizer=AutoTokenizer.from_pretrained(model))  # nothing compiled yet
+    regex = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=16, structured_output=StructuredOutput(regex=REGEX))
+    schema = SamplingParams(temperature=1.0, seed=6, max_tokens=80,
+                            structured_output=StructuredOutput(json_schema=json.dumps(SCHEMA)))
+    free = SamplingParams(temperature=1.0, seed=5, max_tokens=8)
+    got = texts(fresh, fresh.generate(prompts(4, seed=7), [regex, schema, free, regex]))
+    assert fresh.runner.grammars.stalls == 0
+    for text, reason in got[:2] + got[4:]:
+        assert reason == "stop" and re.fullmatch(REGEX, text), text
+    assert got[2][1] == "length" or jsonschema.validate(json.loads(got[2][0]), SCHEMA) is None
+
+
+def test_a_grammar_not_asked_ahead_compiles_at_its_first_sample(model, tmp_path):
+    from pagedserve.worker.structured_output import FAILED, GrammarMatchers
+    spec = StructuredOutput(regex=REGEX)
+    ahead = GrammarMatchers(model, 32000, (2,))
+    ahead.compile_ahead([spec, spec])
+    assert compiled(ahead) == [spec.key()] and ahead.take_ready() == []
+    ahead.new_matcher(spec, [])
+    assert ahead.stalls == 0
+    ahead.compile_ahead([spec])  # in the cache already: named at once
+    assert ahead.take_ready() == [spec.key()] and ahead.stalls == 0
+    inline = GrammarMatchers(model, 32000, (2,))
+    assert inline.new_matcher(spec, []) is not FAILED and inline.stalls == 1
+    # A grammar that cannot compile (no tokenizer.json) is named all the same; its sequences then end.
+    broken = GrammarMatchers(tmp_path, 32000, (2,))
+    broken.compile_ahead([spec])
+    assert compiled(broken) == [spec.key()] and broken.new_matcher(spec, []) is FAILED
+
+
+def compiled(grammars, within_s: float = 60.0) -> list[str]:
+    """The keys of the first compiles to end (the worker's poll, as a step with no rows waits)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        ready = grammars.take_ready(wait_s=0.5)
+        if ready:
+            return ready
+    return []

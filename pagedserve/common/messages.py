@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.sampling_params import SamplingParams, StructuredOutput
 
 
 @dataclass(slots=True)
@@ -55,6 +55,9 @@ class SchedulerOutput:
     # row runs 1 + k tokens (num_scheduled_tokens counts them): its last known token, then the k
     # proposals; the worker samples every position and returns the accepted prefix + one token.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Grammars the worker compiles in the background (vLLM's WAITING_FOR_FSM), each sent once: the
+    # requests that need one wait, unscheduled, until a result lists it (ModelRunnerOutput.grammars_ready).
+    grammars: list[StructuredOutput] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -92,3 +95,6 @@ class ModelRunnerOutput:
     # Requests the worker could not run this step, with why (a LoRA adapter that did not load): it
     # computed nothing for them, and the scheduler fails each one alone.
     failed: dict[str, str] = field(default_factory=dict)
+    # Keys (StructuredOutput.key()) of the SchedulerOutput.grammars whose compile has ended since the
+    # last result, compiled or failed (a failed one ends its requests at their first sample, as before).
+    grammars_ready: list[str] = field(default_factory=list)

@@ -93,8 +93,8 @@ def _structural_tag_grammar(text: str, special: dict[str, int]) -> str:
 @functools.cache
 def parser_limits():
     """llguidance's limits for every grammar here, checked and compiled alike: GRAMMAR_SYMBOLS bounds
-    what a new grammar costs the worker, which builds its matcher on the step thread (all its streams
-    wait)."""
+    what a new grammar costs the worker to compile (on a background thread, while its request waits,
+    but on the cores its steps run on)."""
     import llguidance
     return llguidance.LLParserLimits(max_grammar_size=GRAMMAR_SYMBOLS)
 

@@ -41,6 +41,17 @@ def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> Structured
                             msg.reasoning_end, msg.structural_tag)
 
 
+def structured_output_to_proto(so: StructuredOutput, msg: common_pb2.StructuredOutput) -> None:
+    msg.SetInParent()
+    msg.json_schema = so.json_schema
+    msg.json_object = so.json_object
+    msg.regex = so.regex
+    msg.choice[:] = so.choice
+    msg.grammar = so.grammar
+    msg.reasoning_end = so.reasoning_end
+    msg.structural_tag = so.structural_tag
+
+
 def params_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | None = None) -> common_pb2.SamplingParams:
     msg = out if out is not None else common_pb2.SamplingParams()
     msg.n = params.n
@@ -59,16 +70,8 @@ def params_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | Non
     msg.ignore_eos = params.ignore_eos
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
-    so = params.structured_output
-    if so is not None:
-        msg.structured_output.SetInParent()
-        msg.structured_output.json_schema = so.json_schema
-        msg.structured_output.json_object = so.json_object
-        msg.structured_output.regex = so.regex
-        msg.structured_output.choice[:] = so.choice
-        msg.structured_output.grammar = so.grammar
-        msg.structured_output.reasoning_end = so.reasoning_end
-        msg.structured_output.structural_tag = so.structural_tag
+    if params.structured_output is not None:
+        structured_output_to_proto(params.structured_output, msg.structured_output)
     if params.logit_bias:
         msg.logit_bias.update(params.logit_bias)
     if params.prompt_logprobs is not None:
@@ -137,6 +140,8 @@ def step_to_proto(step: SchedulerOutput, session_id: str = "") -> worker_pb2.Ste
             field.add(src=src, dst=dst)
     for req_id, proposals in step.spec_token_ids.items():
         msg.spec_tokens.add(req_id=req_id, token_ids=proposals)
+    for spec in step.grammars:
+        structured_output_to_proto(spec, msg.grammars.add())
     return msg
 
 
@@ -162,7 +167,8 @@ def step_from_proto(msg: worker_pb2.StepRequest) -> SchedulerOutput:
         blocks_to_copy=[(p.src, p.dst) for p in msg.blocks_to_copy],
         blocks_to_swap_out=[(p.src, p.dst) for p in msg.blocks_to_swap_out],
         blocks_to_swap_in=[(p.src, p.dst) for p in msg.blocks_to_swap_in],
-        spec_token_ids={entry.req_id: list(entry.token_ids) for entry in msg.spec_tokens})
+        spec_token_ids={entry.req_id: list(entry.token_ids) for entry in msg.spec_tokens},
+        grammars=[structured_output_from_proto(spec) for spec in msg.grammars])
 
 
 def result_to_proto(result: ModelRunnerOutput, worker_time_s: float = 0.0) -> worker_pb2.StepResult:
@@ -179,6 +185,7 @@ def result_to_proto(result: ModelRunnerOutput, worker_time_s: float = 0.0) -> wo
     for req_id, data in result.pooled.items():
         msg.pooled.add(req_id=req_id, data=data)
     msg.failed.update(result.failed)
+    msg.grammars_ready[:] = result.grammars_ready
     return msg
 
 
@@ -191,7 +198,8 @@ def result_from_proto(msg: worker_pb2.StepResult, wants_logprobs: set[str] | Non
     prompt = {entry.req_id: PromptLogprobs(entry.start, [token_from_proto(t, True) for t in entry.tokens])
               for entry in msg.prompt_logprobs}
     return ModelRunnerOutput(msg.step_id, sampled, msg.forward_time_s, msg.sample_time_s, prompt,
-                             {entry.req_id: entry.data for entry in msg.pooled}, dict(msg.failed))
+                             {entry.req_id: entry.data for entry in msg.pooled}, dict(msg.failed),
+                             list(msg.grammars_ready))
 
 
 # ---- timings --------------------------------------------------------------------------------

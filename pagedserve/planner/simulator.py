@@ -158,7 +158,8 @@ class Simulator:
             if stats.waiting and stats.waiting_reason:
                 waiting_time[stats.waiting_reason] += stats.waiting * duration
             now += duration
-            for update in scheduler.update(out, ModelRunnerOutput(out.step_id, sampled)):
+            for update in scheduler.update(out, ModelRunnerOutput(out.step_id, sampled,
+                                                                       grammars_ready=[g.key() for g in out.grammars])):
                 index = int(update.request.group_id[1:])
                 timeline = timelines[index]
                 timeline.token_s.extend(now for _ in update.new_tokens)

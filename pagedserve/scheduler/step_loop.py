@@ -284,7 +284,11 @@ class StepLoop:
             for group in step.completing:
                 group.timings.setdefault("prefill_end", returned)
         step_worker_time = self.last_worker_step_s = result.forward_time_s + result.sample_time_s
-        self.recorder.worker_step(step_worker_time + overhead, overhead, step_worker_time)
+        # A step that ran nothing is the poll while only requests waiting for their grammars are left
+        # (scheduler/core/grammar_wait.py): not a step of the stats.
+        ran = bool(sched.num_scheduled_tokens)
+        if ran:
+            self.recorder.worker_step(step_worker_time + overhead, overhead, step_worker_time)
         requests = self.scheduler.requests
         for req_id in sched.num_scheduled_tokens:
             req = requests.get(req_id)
@@ -300,8 +304,9 @@ class StepLoop:
         if self.scheduler.failed:
             self.endings.end_failed()
         self._publish(updates)
-        self.recorder.step(sched.step_id, step.scheduled_at, step.schedule_s + time.perf_counter() - started,
-                           step.stats, self.scheduler)
+        if ran:
+            self.recorder.step(sched.step_id, step.scheduled_at, step.schedule_s + time.perf_counter() - started,
+                               step.stats, self.scheduler)
         if self.stats_log is not None:
             self.stats_log.maybe_log(self.recorder.totals, self.scheduler, self.pending_admissions)
 

@@ -146,7 +146,7 @@ class BlockPair(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "session_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "blocks_to_copy", "blocks_to_swap_out", "blocks_to_swap_in", "spec_tokens")
+    __slots__ = ("step_id", "session_id", "new_requests", "cached_requests", "scheduled_req_ids", "num_scheduled_tokens", "finished_req_ids", "blocks_to_copy", "blocks_to_swap_out", "blocks_to_swap_in", "spec_tokens", "grammars")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class StepRequest(_message.Message):
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     SPEC_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMARS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     session_id: str
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
@@ -169,7 +170,8 @@ class StepRequest(_message.Message):
     blocks_to_swap_out: _containers.RepeatedCompositeFieldContainer[BlockPair]
     blocks_to_swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
     spec_tokens: _containers.RepeatedCompositeFieldContainer[SpecTokens]
-    def __init__(self, step_id: _Optional[int] = ..., session_id: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., spec_tokens: _Optional[_Iterable[_Union[SpecTokens, _Mapping]]] = ...) -> None: ...
+    grammars: _containers.RepeatedCompositeFieldContainer[_common_pb2.StructuredOutput]
+    def __init__(self, step_id: _Optional[int] = ..., session_id: _Optional[str] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled_req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., spec_tokens: _Optional[_Iterable[_Union[SpecTokens, _Mapping]]] = ..., grammars: _Optional[_Iterable[_Union[_common_pb2.StructuredOutput, _Mapping]]] = ...) -> None: ...
 
 class SpecTokens(_message.Message):
     __slots__ = ("req_id", "token_ids")
@@ -206,7 +208,7 @@ class PooledOutput(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "forward_time_s", "sample_time_s", "worker_time_s", "prompt_logprobs", "pooled", "failed")
+    __slots__ = ("step_id", "sampled", "forward_time_s", "sample_time_s", "worker_time_s", "prompt_logprobs", "pooled", "failed", "grammars_ready")
     class FailedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +224,7 @@ class StepResult(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    GRAMMARS_READY_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledTokens]
     forward_time_s: float
@@ -230,4 +233,5 @@ class StepResult(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     pooled: _containers.RepeatedCompositeFieldContainer[PooledOutput]
     failed: _containers.ScalarMap[str, str]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledTokens, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., sample_time_s: _Optional[float] = ..., worker_time_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ..., failed: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    grammars_ready: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledTokens, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., sample_time_s: _Optional[float] = ..., worker_time_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ..., failed: _Optional[_Mapping[str, str]] = ..., grammars_ready: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -31,7 +31,7 @@ from pagedserve.worker.request_states import RequestState, RequestStates
 from pagedserve.worker.step_overlap import StepInFlight
 from pagedserve.worker.sampler import Sampler, to_device
 from pagedserve.worker.step_sampling import StepSampling
-from pagedserve.worker.structured_output import GrammarMatchers
+from pagedserve.worker.structured_output import IDLE_WAIT_S, GrammarMatchers
 from pagedserve.worker import quantized
 from pagedserve.worker.weights import iter_lazy_weights, weight_files
 
@@ -290,7 +290,12 @@ class ModelRunner:
             step = dataclasses.replace(step, num_scheduled_tokens={
                 r: n for r, n in step.num_scheduled_tokens.items() if r not in failed})
         result = ModelRunnerOutput(step.step_id, {}, failed=failed)
-        if not step.num_scheduled_tokens:
+        samples_here = tp_group().rank == 0  # only rank 0 samples, so only it compiles grammars
+        if step.grammars and samples_here:
+            self.grammars.compile_ahead(step.grammars)
+        if not step.num_scheduled_tokens:  # (while only requests waiting for grammars are left: the poll)
+            if samples_here:
+                result.grammars_ready = self.grammars.take_ready(wait_s=IDLE_WAIT_S)
             return self._track(StepInFlight(result, None, []))
         held = step_overlap.hold_places(before, step, self.requests) if before is not None else {}
         t0 = time.perf_counter()
@@ -369,6 +374,8 @@ class ModelRunner:
                 result.sampled = handle.pending.result()
             result.sample_time_s += time.perf_counter() - t2
         self.requests.commit({req_id: [t.token_id for t in tokens] for req_id, tokens in result.sampled.items()})
+        if tp_group().rank == 0:
+            result.grammars_ready += self.grammars.take_ready()
         return result
 
     def _draft(self, step: SchedulerOutput) -> None:

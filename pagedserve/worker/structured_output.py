@@ -5,6 +5,12 @@ step's token bitmask for the rows that sample under a grammar.
   that never sees one never pays it).
 - Compiled grammars are cached by spec (an LRU keyed by StructuredOutput.key()): a cached
   matcher is never advanced, each sequence starts from a deep copy of it.
+- The scheduler asks for a request's grammar when the request arrives (SchedulerOutput.grammars) and
+  holds the request until a step result lists it ready (scheduler/core/grammar_wait.py): `compile_ahead`
+  compiles it on a background thread (llguidance releases the GIL), `take_ready` puts what has
+  compiled into the cache and names it. A sequence whose grammar is not in the cache when it first
+  samples (a spec dropped from the cache, a worker that never got the ask) compiles it there, on the
+  step thread, as before.
 - A sequence's matcher lives in its RequestState and is built lazily, the first time the
   sequence samples, by consuming its output tokens so far. That one rule covers a new request
   (no outputs), the samples 2..n forked after the first token, a request re-sent after a
@@ -17,15 +23,18 @@ step's token bitmask for the rows that sample under a grammar.
 - Only tensor-parallel rank 0 samples, so only rank 0 builds matchers; the other ranks get the
   token ids from rank 0 and never consult a grammar.
 
-Single-threaded: the model runner's step (llguidance's executor fills the rows in parallel
-inside one call).
+Threads: the model runner's step thread calls everything here (llguidance's executor fills the rows
+in parallel inside one call); the one compile thread runs only `_compile`, and builds the tokenizer
+under its lock. The cache and the futures are the step thread's.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +51,9 @@ FAILED = "failed"  # a RequestState.matcher that could not be built: the row may
 # A RequestState.matcher while the sequence is still in its reasoning (spec.reasoning_end not yet
 # written): the row samples unconstrained; its matcher is built on the step after the end.
 REASONING = "reasoning"
+# How long a step with nothing to run waits for a compile to end before it answers: the scheduler's
+# poll while only requests waiting for their grammars are left.
+IDLE_WAIT_S = 0.01
 
 
 @dataclass(slots=True)
@@ -80,10 +92,21 @@ class GrammarMatchers:
         self._hf = None  # the HF tokenizer (encodes the reasoning end markers)
         self._special: dict[str, int] = {}  # its special tokens' texts -> ids (a structural tag's triggers)
         self._end_ids: dict[str, list[int]] = {}
+        self._tokenizer_lock = threading.Lock()
+        self._compiling: dict[str, futures.Future] = {}  # key -> the compile thread's matcher
+        self._pool: futures.ThreadPoolExecutor | None = None
+        self._unreported: list[str] = []  # compiles ended, not yet named by take_ready
+        # Times the step thread waited for a grammar: compiled one (none asked ahead, or dropped from
+        # the cache), or waited for its compile ahead (the scheduler held none of its requests back).
+        self.stalls = 0
         self.mask_time_s = 0.0  # filling the bitmasks, summed over steps (the sampler times applying them)
         self.mask_steps = 0  # steps that had at least one constrained row
 
     def _ll_tokenizer(self):
+        with self._tokenizer_lock:
+            return self._built_tokenizer()
+
+    def _built_tokenizer(self):
         if self._tokenizer is None:
             import llguidance
             import llguidance.hf
@@ -147,25 +170,74 @@ class GrammarMatchers:
             return FAILED
 
     def _new_matcher(self, spec: StructuredOutput, output_token_ids: list[int]):
-        import llguidance
-
         key = spec.key()
         fresh = self._cache.get(key)
+        if fresh is None and key in self._compiling:  # asked ahead, not ready yet: wait for that compile
+            self.stalls += 1
+            futures.wait([self._compiling[key]])
+            self._collect()
+            fresh = self._cache.get(key)
         if fresh is None:
-            tokenizer = self._ll_tokenizer()
-            fresh = llguidance.LLMatcher(tokenizer, structured_output.grammar_text(spec, self._special), log_level=0,
-                                         limits=structured_output.parser_limits())
-            if fresh.is_error():
-                log.warning("grammar %s failed to compile against the tokenizer: %s", key[:80], fresh.get_error())
-            self._cache[key] = fresh
-            if len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self.stalls += 1
+            fresh = self._compile(spec)
+            self._keep(key, fresh)
         else:
             self._cache.move_to_end(key)
         matcher = fresh.deep_copy()
         if output_token_ids and not matcher.consume_tokens(output_token_ids):
             log.warning("rebuilding a grammar matcher: the tokens so far do not match it (%s)", matcher.get_error())
         return matcher
+
+    def _compile(self, spec: StructuredOutput):
+        """A fresh matcher of the spec's grammar (any thread); raises when it cannot be built."""
+        import llguidance
+
+        tokenizer = self._ll_tokenizer()
+        fresh = llguidance.LLMatcher(tokenizer, structured_output.grammar_text(spec, self._special), log_level=0,
+                                     limits=structured_output.parser_limits())
+        if fresh.is_error():
+            log.warning("grammar %s failed to compile against the tokenizer: %s", spec.key()[:80], fresh.get_error())
+        return fresh
+
+    def _keep(self, key: str, fresh) -> None:
+        self._cache[key] = fresh
+        self._cache.move_to_end(key)
+        if len(self._cache) > GRAMMAR_CACHE_SIZE:
+            self._cache.popitem(last=False)
+
+    def compile_ahead(self, specs: list[StructuredOutput]) -> None:
+        """Start compiling the grammars a step asks for (SchedulerOutput.grammars) in the background;
+        one already cached or compiling is not compiled again (take_ready names it all the same)."""
+        for spec in specs:
+            key = spec.key()
+            if key in self._compiling:
+                continue
+            if self._pool is None:
+                self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+            if key in self._cache:
+                done = self._compiling[key] = futures.Future()
+                done.set_result(self._cache[key])
+            else:
+                self._compiling[key] = self._pool.submit(self._compile, spec)
+
+    def take_ready(self, wait_s: float = 0.0) -> list[str]:
+        """The keys whose compile has ended since the last call (ModelRunnerOutput.grammars_ready), their
+        matchers now in the cache; a compile that raised is named too (its requests get FAILED matchers
+        when they first sample, which end them). wait_s: with none ended yet, wait that long for one."""
+        if wait_s and self._compiling and not self._unreported and not any(f.done() for f in self._compiling.values()):
+            futures.wait(self._compiling.values(), timeout=wait_s, return_when=futures.FIRST_COMPLETED)
+        self._collect()
+        ready, self._unreported = self._unreported, []
+        return ready
+
+    def _collect(self) -> None:
+        """The ended compiles' matchers into the cache, their keys to report."""
+        for key in [key for key, f in self._compiling.items() if f.done()]:
+            try:
+                self._keep(key, self._compiling.pop(key).result())
+            except Exception:  # noqa: BLE001 - e.g. no tokenizer.json: the matcher fails at its first sample
+                log.exception("cannot compile the grammar %s ahead", key[:80])
+            self._unreported.append(key)
 
     def fill(self, matchers: list, row_of: list[int]) -> torch.Tensor:
         """One bitmask row per batch row: row_of[r] is the index into matchers of row r's matcher

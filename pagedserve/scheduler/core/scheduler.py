@@ -21,7 +21,8 @@ that request's whole group (aborted, its blocks freed) and is reported by take_f
 step goes on for the others (_fail: whatever the step being built had given it is taken back).
 No two live requests share a sample id (sample_ids.py). update() takes a step's results in: what
 they make of each request — sampled tokens, forks of n > 1, stop rules, prompt logprobs, pooled
-vectors — is results.py; counting what a step did (StepStats, waiting reasons) is step_stats.py.
+vectors — is results.py; counting what a step did (StepStats, waiting reasons) is step_stats.py. A
+structured request waits, passed over by admission, until the worker has compiled its grammar (grammar_wait.py).
 
 Speculative decoding (speculative: set): a decode row of a synchronous step may carry proposals
 (speculation.py, which also says how update() takes back the rejected ones); they are dropped
@@ -42,6 +43,7 @@ from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.common.stop_rules import samples_any
 from pagedserve.common.messages import ModelRunnerOutput, SampledToken, SchedulerOutput
 from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.core.grammar_wait import GrammarWait
 from pagedserve.scheduler.core.kv_groups import make_block_manager, prompt_problem
 from pagedserve.scheduler.core.results import (RequestUpdate, append_sample, first_prompt_logprobs, fork_children,
                                                pooled_vector)
@@ -73,6 +75,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.last_step = StepStats()
         self._draft: StepDraft | None = None  # the step schedule() is building (step_draft.py)
+        self.grammar_wait = GrammarWait()  # waiting requests whose grammar the worker compiles
         # An ahead step left work that only a step after the results can do (a preemption to
         # free blocks, a swap-in): the caller should schedule the next step synchronously.
         self.needs_sync = False
@@ -99,6 +102,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.groups[request.group_id] = [request]
         bisect.insort(self.waiting, request, key=self._key)
+        self.grammar_wait.holds(request.params.structured_output)  # asked for now, compiled while it queues
 
     def add_resumed_group(self, requests: list[Request]) -> None:
         """Re-admit the unfinished samples of one request (after a restart) to run by recompute.
@@ -154,6 +158,7 @@ class Scheduler:
             bisect.insort(self.waiting, req, key=self._key)
         self.num_preemptions += len(moved)
         self._dropped_ids = []  # the new session knows no request
+        self.grammar_wait.forget()  # nor any grammar
         return len(moved)
 
     def has_unfinished(self) -> bool:
@@ -192,17 +197,20 @@ class Scheduler:
         if ahead:
             self.needs_sync |= bool(self.swapped)
             queues = queues[1:]
-        admitted = 0 if preempted else draft.take_from(queues, cap if yielding else None, out, self._fail)
+        held = lambda r: self.grammar_wait.holds(r.params.structured_output)  # noqa: E731
+        admitted = 0 if preempted else draft.take_from(queues, cap if yielding else None, out, self._fail, held)
         if yielding and admitted:
             for req in yielding:
                 req.yielded_step = self.step_id
         elif yielding:  # no short prompt could come in: the long ones run after all
             preempted |= self._schedule_all(yielding, out, ahead)
 
+        out.grammars = self.grammar_wait.take_asks()
         if ahead and not out.num_scheduled_tokens:
-            # Nothing could run ahead: no step. Its drops go with the next one.
+            # Nothing could run ahead: no step. Its drops and asks go with the next one.
             self.step_id -= 1
             self._dropped_ids = out.finished_req_ids + self._dropped_ids
+            self.grammar_wait.put_back(out.grammars)
             return None
         self.num_preemptions += draft.num_preempted
         self.last_step = count_step(out, draft.decode_ids, len(self.waiting), draft.num_preempted,
@@ -230,6 +238,7 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         updates = [RequestUpdate(req, [], True) for req in self._cut_short]
         self._cut_short = []
+        self.grammar_wait.ready(result.grammars_ready)
         for req_id, num_tokens in sched.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None or req.status is not RequestStatus.RUNNING:

@@ -137,15 +137,20 @@ class StepDraft:
         return True
 
     def take_from(self, queues: list[tuple[list[Request], Callable]], short_cap: int | None, out: SchedulerOutput,
-                  fail: Callable) -> int:
+                  fail: Callable, held: Callable[[Request], bool] = lambda req: False) -> int:
         """Bring requests in from the heads of queues (each with its way in: admit or swap_in) while
         the budget lasts and each fits; short_cap: the step is the short prompts' (short_first.py),
-        only prompts of at most that many tokens come in. A request whose way in raises is handed
-        to fail(req, exc, out) and fails alone. Returns how many came in."""
+        only prompts of at most that many tokens come in. A request held(req) (its grammar is being
+        compiled: grammar_wait.py) is passed over, keeping its place. A request whose way in raises
+        is handed to fail(req, exc, out) and fails alone. Returns how many came in."""
         admitted = 0
         for queue, take in queues:
-            while queue and self.budget > 0:
-                req = queue[0]
+            at = 0  # the queue's requests before this one are held
+            while at < len(queue) and self.budget > 0:
+                req = queue[at]
+                if held(req):
+                    at += 1
+                    continue
                 if short_cap is not None and not is_short(req, short_cap):
                     break
                 try:
@@ -154,7 +159,7 @@ class StepDraft:
                     admitted += 1
                 except Exception as exc:  # noqa: BLE001 - it fails alone (Scheduler.take_failed)
                     fail(req, exc, out)
-                    if queue and queue[0] is req:
+                    if at < len(queue) and queue[at] is req:
                         break  # could not even be taken out: leave the queue for the next step
         return admitted
 
