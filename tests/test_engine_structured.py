@@ -217,3 +217,17 @@ def compiled(grammars, within_s: float = 60.0) -> list[str]:
         if ready:
             return ready
     return []
+
+
+def test_a_schema_of_many_optional_properties_holds(engine):
+    """800 optional properties: ~3,200 parser items at the first key, past llguidance's default row bound
+    (the matcher failed there: '{"' and eos, said "stop"); structured_output.MAX_ITEMS_IN_ROW lets it run."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(800)},
+              "required": ["p799"]}  # (else a random model closes it at once)
+    params = SamplingParams(n=3, temperature=1.0, seed=8, max_tokens=60,
+                            structured_output=StructuredOutput(json_schema=json.dumps(schema)))
+    got = texts(engine, engine.generate(prompts(1, seed=9), params))
+    for text, reason in got:
+        assert reason in ("stop", "length") and re.match(r'\{("p\d+": -?\d+(, )?)*', text), text
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), schema)

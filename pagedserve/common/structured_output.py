@@ -28,6 +28,12 @@ _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # properties; the worst such grammar took the worker ~0.6 s to compile on the 2-core test CPU, a
 # 10,000-property one (~0.5 MB) ~10 s.
 GRAMMAR_SYMBOLS = 20_000
+# llguidance's bound on the Earley items of one row (its default is 2,000). An object's optional
+# properties are alternatives at each of its positions, ~4 items each: at the default, a schema of 500
+# or more optional properties compiled but its matcher failed at the first key ('{"', then only eos:
+# a broken text that said "stop"). Every grammar within GRAMMAR_SYMBOLS fits this; the worst such
+# schema (2,000 optional properties) costs ~12 ms of mask a token (~75 ms at its widest) on the 2-core CPU.
+MAX_ITEMS_IN_ROW = GRAMMAR_SYMBOLS
 _JSON_DEFAULTS = structural_format.JSON_DEFAULTS
 # vLLM's structural tag, either form, as StructuredOutput.structural_tag holds it (its home: structural_format)
 structural_tag_text = structural_format.held_text
@@ -96,7 +102,9 @@ def parser_limits():
     what a new grammar costs the worker to compile (on a background thread, while its request waits,
     but on the cores its steps run on)."""
     import llguidance
-    return llguidance.LLParserLimits(max_grammar_size=GRAMMAR_SYMBOLS)
+    # verbose_errors off: a matcher's error would carry the whole grammar (a tenant's schema) into the log.
+    return llguidance.LLParserLimits(max_grammar_size=GRAMMAR_SYMBOLS, max_items_in_row=MAX_ITEMS_IN_ROW,
+                                     verbose_errors=False)
 
 
 @functools.lru_cache(maxsize=256)
