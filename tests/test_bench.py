@@ -85,6 +85,13 @@ def test_bench_structured_tiny_model(tmp_path, default_model_path):
     assert json.loads(out.read_text())["ratio"] == result["ratio"] > 0
     assert result["num_constrained"] == 1 and result["runs"]["plain"][0]["mask_steps"] == 0
     assert result["runs"]["schema"][0]["mask_steps"] > 0 and result["mask_ms_per_step"] > 0
+    args = parser.parse_args(["bench", "structured", "--model", str(model), "--dtype", "float32", "--device", "cpu",
+                              "--json", str(out), "--new-schema-properties", "40", "--streams", "2", "--rounds", "2",
+                              "--kv-cache-memory", "8MiB"])
+    result = args.func(args)
+    assert json.loads(out.read_text())["ttft_ms"] == result["ttft_ms"] > 0
+    assert len(result["rounds"]) == 2 and result["grammar_stalls"] == 0  # compiled ahead, while the request waited
+    assert all(r["step_ms_max_after"] >= r["step_ms_median_before"] > 0 for r in result["rounds"])
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])

@@ -31,6 +31,10 @@ def add_structured_parser(bench_sub) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3, help="A/B pairs, alternating (default 3)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON here")
+    p.add_argument("--new-schema-properties", type=int, default=0, metavar="P",
+                   help="instead: a new JSON schema of P properties arrives while --streams streams decode; the "
+                        "largest step after it, and its first token (bench/new_schema.py)")
+    p.add_argument("--streams", type=int, default=8, help="with --new-schema-properties (default 8)")
     add_engine_args(p)
     p.set_defaults(func=run_structured)
 
@@ -63,6 +67,13 @@ def run_structured(args) -> dict:
     args.no_prefix_caching = True  # every run prefills its prompts: rounds after the first would hit the cache
     model_path = resolve_model(args.model)
     engine = build_engine(args, model_path, load_tokenizer(model_path))
+    if args.new_schema_properties:
+        from pagedserve.bench.new_schema import run_new_schema
+        result = run_new_schema(engine, args)
+        engine.close()
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return result
     work = make_workload(args.num_prompts, engine.model_config.vocab_size)
     # Warm-up, untimed: the model, and the LLTokenizer and the schema's compiled grammar.
     spec = StructuredOutput(json_schema=json.dumps(SCHEMA))
