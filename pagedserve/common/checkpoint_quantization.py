@@ -1,16 +1,37 @@
-"""Checkpoints quantized by a method we cannot load (AWQ, GPTQ, FP8, bitsandbytes, ...) are refused
-when config.json is read, before any weight is: without this they fail much later with
+"""Checkpoints quantized by a method we cannot load (AWQ, GPTQ, bitsandbytes, 4-bit compressed-tensors,
+...) are refused when config.json is read, before any weight is: without this they fail much later with
 "unexpected weight 'model.layers.0.self_attn.q_proj.qweight'", which names neither cause nor cure.
 
+8-bit weights with scales load, dequantized to the serving dtype as they are read (worker/scaled_weights.py):
+FP8 (`fp8`: per tensor, or DeepSeek-V3's and Qwen3's 128x128 blocks with `weight_scale_inv`; `fbgemm_fp8`:
+per output channel) and compressed-tensors' 8-bit symmetric float or int weights (`float-quantized`,
+`naive-quantized`, `int-quantized`: per tensor, channel, group or block). The activations' quantization
+(dynamic or static `input_scale`) and an FP8 KV cache's scales are not applied: the layers compute in the
+serving dtype, as transformers does on the dequantized weights. `scaled_weights` says how a checkpoint's
+scales broadcast.
+
 Torch-free: ModelConfig.from_hf_dict runs it, so the worker, the engine and `serve`'s pre-flight
-check all stop on it with the same message. What we do load quantized is GGUF (its own block
+check all stop on it with the same message. What we also load quantized is GGUF (its own block
 formats) and, for unquantized HF checkpoints, weight-only int8 on request (--quantization).
 """
 
 from __future__ import annotations
 
-SUPPORTED_QUANTIZATION = ("none (unquantized safetensors), GGUF files (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), "
-                          "int8 (--quantization int8 on an unquantized checkpoint)")
+from dataclasses import dataclass
+
+SUPPORTED_QUANTIZATION = ("none (unquantized safetensors), 8-bit weights with scales dequantized at load (fp8, "
+                          "fbgemm_fp8, compressed-tensors 8-bit float or int), GGUF files (Q4_0, Q4_1, Q8_0, Q4_K, "
+                          "Q6_K), int8 (--quantization int8 on an unquantized checkpoint)")
+_COMPRESSED_8BIT_FORMATS = ("float-quantized", "naive-quantized", "int-quantized")
+
+
+@dataclass(frozen=True, slots=True)
+class ScaledWeights:
+    """How a checkpoint's 8-bit weights' scales broadcast: a scale of shape [ceil(out / block[0]),
+    ceil(in / block[1])] covers blocks of that size; a one-element scale the whole matrix, one of
+    [out] or [out, 1] each row, whatever `block` says."""
+    method: str
+    block: tuple[int, int] | None = None  # None: per tensor or per output channel (the scale's shape says)
 
 # quant_method as HF writes it -> the name users know it by.
 _KNOWN = {"awq": "AWQ", "gptq": "GPTQ", "fp8": "FP8", "fbgemm_fp8": "FP8 (fbgemm)", "bitsandbytes": "bitsandbytes",
@@ -24,9 +45,18 @@ class UnsupportedQuantization(ValueError):
     """config.json names a quantization method pagedserve cannot load."""
 
 
+def _weights_schemes(qc: dict) -> list[dict]:
+    """compressed-tensors' weight schemes, one a config group."""
+    groups = qc.get("config_groups") or {}
+    return [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+
+
 def _details(qc: dict) -> str:
-    bits = qc.get("bits") or qc.get("w_bit") or (4 if qc.get("load_in_4bit") else 8 if qc.get("load_in_8bit") else None)
-    group = qc.get("group_size") or qc.get("q_group_size")
+    schemes = _weights_schemes(qc)
+    first = schemes[0] if schemes else {}
+    bits = (qc.get("bits") or qc.get("w_bit") or first.get("num_bits")
+            or (4 if qc.get("load_in_4bit") else 8 if qc.get("load_in_8bit") else None))
+    group = qc.get("group_size") or qc.get("q_group_size") or first.get("group_size")
     parts = [f"{bits}-bit"] if bits else []
     if group:
         parts.append(f"group size {group}")
@@ -46,11 +76,53 @@ def quantization_method(hf_config: dict) -> str | None:
     return str(method or "unknown").lower()
 
 
+def scaled_weights(hf_config: dict) -> ScaledWeights | None:
+    """How to dequantize the checkpoint's 8-bit weights, or None when it has none we load (unquantized,
+    or a method check_quantization refuses)."""
+    method = quantization_method(hf_config)
+    qc = hf_config.get("quantization_config")
+    if method in ("fp8", "fbgemm_fp8"):
+        block = qc.get("weight_block_size")
+        return ScaledWeights(method, _block(block)) if block is None or _block(block) else None
+    if method != "compressed-tensors" or qc.get("format") not in _COMPRESSED_8BIT_FORMATS:
+        return None
+    schemes = _weights_schemes(qc)
+    if not schemes or any(w.get("num_bits") != 8 or w.get("type") not in ("float", "int")
+                          or w.get("symmetric") is False or w.get("dynamic") for w in schemes):
+        return None
+    blocks = {_scheme_block(w) for w in schemes}
+    if len(blocks) != 1 or False in blocks:
+        return None
+    return ScaledWeights(method, blocks.pop())
+
+
+def _block(value) -> tuple[int, int] | None:
+    if isinstance(value, str):  # compressed-tensors' older "128x128"
+        value = value.lower().split("x")
+    try:
+        rows, cols = (int(v) for v in value)
+    except (TypeError, ValueError):
+        return None
+    return (rows, cols) if rows > 0 and cols > 0 else None
+
+
+def _scheme_block(weights: dict):
+    """A compressed-tensors weight scheme's block (None: per tensor or channel), False when unknown."""
+    strategy = weights.get("strategy")
+    if strategy in ("tensor", "channel"):
+        return None
+    if strategy == "group" and isinstance(weights.get("group_size"), int) and weights["group_size"] > 0:
+        return (1, weights["group_size"])
+    if strategy == "block":
+        return _block(weights.get("block_structure")) or False
+    return False
+
+
 def check_quantization(hf_config: dict, where: str = "the model") -> None:
     """Raise UnsupportedQuantization naming the method and what is supported, if config.json has a
-    quantization_config."""
+    quantization_config that scaled_weights cannot load."""
     method = quantization_method(hf_config)
-    if method is None:
+    if method is None or scaled_weights(hf_config) is not None:
         return
     name = _KNOWN.get(method, method)
     qc = hf_config["quantization_config"]

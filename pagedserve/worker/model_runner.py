@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pagedserve.common.compilation import GraphPlan
+from pagedserve.common.checkpoint_quantization import scaled_weights
 from pagedserve.common.messages import ModelRunnerOutput, SchedulerOutput
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.stop_rules import samples_any
@@ -68,6 +69,9 @@ class ModelRunner:
         # what the log line naming the model says about its weights
         self.weights_description = "float" if not formats else "quantized on the CPU kernels (" + ", ".join(
             f"{count} {name}" for name, count in sorted(formats.items())) + " matrices)"
+        scaled = scaled_weights(model_config.hf)
+        if scaled is not None:
+            self.weights_description += f", dequantized at load from the checkpoint's 8-bit {scaled.method} weights"
         pack_model(model, device, dtype)
         self.model = model.eval()
         self.kv: KVCache | None = None

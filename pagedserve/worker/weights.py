@@ -1,7 +1,11 @@
-"""Read a model folder's weights as HF-named tensors: *.safetensors (sharded too) or model.gguf."""
+"""Read a model folder's weights as HF-named tensors: *.safetensors (sharded too) or model.gguf. A checkpoint
+of 8-bit weights with scales (FP8, compressed-tensors: config.json's quantization_config) is dequantized as
+it is read (scaled_weights.py); its scale tensors are not yielded."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,7 +13,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from pagedserve.common.checkpoint_quantization import scaled_weights
 from pagedserve.worker.quantized import QuantizedTensor
+from pagedserve.worker.scaled_weights import ScaledSource, scale_name, unused
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -38,6 +44,8 @@ class LazyWeight:
             return self._source.narrow(dim, start, length)
         if isinstance(self._source, torch.Tensor):
             return self._source.narrow(dim, start, length).to(self.dtype)
+        if isinstance(self._source, ScaledSource):
+            return self._source.read(dim, start, length, self.dtype)
         handle, name = self._source
         index = (slice(None),) * dim + (slice(start, start + length),)
         return handle.get_slice(name)[index].to(self.dtype)
@@ -47,6 +55,8 @@ class LazyWeight:
             return self._source
         if isinstance(self._source, torch.Tensor):
             return self._source.to(self.dtype)
+        if isinstance(self._source, ScaledSource):
+            return self._source.read(0, 0, self.shape[0], self.dtype)
         handle, name = self._source
         return handle.get_tensor(name).to(self.dtype)
 
@@ -63,6 +73,11 @@ def iter_lazy_weights(folder: str | Path, dtype: torch.dtype, progress: bool = T
                                  disable=not progress, leave=False):
             yield name, LazyWeight(tensor, tensor.shape, dtype)
         return
+    config = folder / "config.json"
+    scheme = scaled_weights(json.loads(config.read_text())) if config.is_file() else None
+    if scheme is not None:
+        yield from _scaled_checkpoint(files, dtype, scheme, progress)
+        return
     for path in tqdm(files, desc="loading weights", unit="file", disable=not progress or len(files) < 2):
         try:
             with safe_open(path, framework="pt") as f:
@@ -70,6 +85,34 @@ def iter_lazy_weights(folder: str | Path, dtype: torch.dtype, progress: bool = T
                     yield name, LazyWeight((f, name), f.get_slice(name).get_shape(), dtype)
         except (SafetensorError, OSError) as exc:
             raise ValueError(f"cannot read weight file {path}: {exc}") from exc
+
+
+EIGHT_BIT = ("F8_E4M3", "F8_E5M2", "I8")
+
+
+def _scaled_checkpoint(files: list[Path], dtype: torch.dtype, scheme, progress: bool):
+    """Every file open at once: a weight's scale may be stored in another shard."""
+    with contextlib.ExitStack() as stack:
+        where = {}
+        for path in files:
+            try:
+                handle = stack.enter_context(safe_open(path, framework="pt"))
+            except (SafetensorError, OSError) as exc:
+                raise ValueError(f"cannot read weight file {path}: {exc}") from exc
+            where.update((name, handle) for name in handle.keys())
+        for name in tqdm(list(where), desc="loading weights", unit="tensor", disable=not progress, leave=False):
+            if unused(name):
+                continue
+            handle = where[name]
+            stored = handle.get_slice(name)
+            shape = stored.get_shape()
+            scale = scale_name(name, where)
+            if scale is None and stored.get_dtype() in EIGHT_BIT:
+                raise ValueError(f"{name} is stored in 8 bits ({stored.get_dtype()}) with no scale beside it "
+                                 "(.weight_scale or .weight_scale_inv)")
+            source = (handle, name) if scale is None else ScaledSource((handle, name), (where[scale], scale), scheme,
+                                                                       shape)
+            yield name, LazyWeight(source, shape, dtype)
 
 
 def iter_weights(folder: str | Path, dtype: torch.dtype, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

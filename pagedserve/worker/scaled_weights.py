@@ -1,0 +1,78 @@
+"""8-bit checkpoint weights with scales (FP8, compressed-tensors' 8-bit float or int), dequantized to the
+serving dtype as they are read: weight = stored.float() * scale, the scale broadcast per tensor, per
+output channel or per block (common/checkpoint_quantization.ScaledWeights). A tensor-parallel rank reads
+only its rows or columns of the 8-bit tensor, and the scales that cover them.
+
+The scale tensors of a weight `X.weight` are `X.weight_scale` or `X.weight_scale_inv` (DeepSeek's name for
+the same multiplier); activation scales (`X.input_scale`, `X.input_scale_ub`) and an FP8 KV cache's
+(`k_scale`, `v_scale`) are not used here: the layers compute in the serving dtype. `unused` names them
+so the loader skips them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.common.checkpoint_quantization import ScaledWeights
+
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
+UNUSED_SUFFIXES = SCALE_SUFFIXES + (".input_scale", ".input_scale_ub", ".k_scale", ".v_scale",
+                                    ".weight_zero_point", ".input_zero_point")
+
+
+def unused(name: str) -> bool:
+    """A scale tensor: read with its weight (or not at all), never loaded as a parameter."""
+    return name.endswith(UNUSED_SUFFIXES)
+
+
+def scale_name(weight_name: str, names) -> str | None:
+    """The scale of weight_name among the checkpoint's names, if it is stored scaled."""
+    if not weight_name.endswith(".weight"):
+        return None
+    return next((n for n in (weight_name + s[len(".weight"):] for s in SCALE_SUFFIXES) if n in names), None)
+
+
+class ScaledSource:
+    """A LazyWeight's source: the 8-bit tensor and its scale, in the checkpoint (read on demand)."""
+
+    __slots__ = ("weight", "scale", "scheme", "shape")
+
+    def __init__(self, weight, scale, scheme: ScaledWeights, shape: tuple[int, ...]) -> None:
+        """weight, scale: (safe_open handle, name) pairs."""
+        self.weight, self.scale, self.scheme, self.shape = weight, scale, scheme, tuple(shape)
+
+    def read(self, dim: int, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, start + length), dequantized to dtype."""
+        handle, name = self.weight
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        stored = handle.get_slice(name)[index]
+        handle, name = self.scale
+        scale = handle.get_tensor(name)
+        window = [(0, self.shape[0]), (0, self.shape[1] if len(self.shape) > 1 else 1)]
+        window[dim] = (start, start + length)
+        return dequantize(stored, scale, self.scheme.block, self.shape, window).to(dtype)
+
+
+def dequantize(stored: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, shape: tuple[int, ...],
+               window: list[tuple[int, int]]) -> torch.Tensor:
+    """stored (the rows and columns `window` of a matrix of `shape`) times its scale, in float32."""
+    values = stored.to(torch.float32)
+    scale = scale.to(torch.float32)
+    if scale.numel() == 1:
+        return values * scale.reshape(())
+    if len(shape) != 2:
+        raise ValueError(f"a scale of shape {tuple(scale.shape)} for a weight of shape {shape}: only matrices "
+                         "have per-channel or block scales")
+    rows, cols = shape
+    blocks = None if block is None else (-(-rows // block[0]), -(-cols // block[1]))
+    if blocks is None or tuple(scale.shape) != blocks:
+        if scale.numel() != rows or (scale.dim() == 2 and scale.shape[1] != 1):
+            expected = f"1, {rows} (a channel each)" + (f" or {blocks} (blocks of {block[0]}x{block[1]})" if blocks
+                                                       else "")
+            raise ValueError(f"a scale of shape {tuple(scale.shape)} for a weight of shape {shape}: expected "
+                             f"{expected}")
+        block, scale = (1, cols), scale.reshape(rows, 1)
+    (r0, r1), (c0, c1) = window
+    row_blocks = torch.arange(r0, r1) // block[0]
+    col_blocks = torch.arange(c0, c1) // block[1]
+    return values * scale[row_blocks][:, col_blocks]
