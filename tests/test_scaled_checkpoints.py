@@ -1,8 +1,9 @@
-"""Checkpoints of 8-bit weights with scales (FP8 as DeepSeek-V3 and Qwen3 ship it, fbgemm's, and
-compressed-tensors' 8-bit float or int) load, dequantized as they are read (worker/scaled_weights.py):
-greedy tokens and logprobs equal transformers' on the dequantized weights in float32, per tensor, per
-channel and per block (blocks that do not divide the matrix, and scales in another shard), on one rank
-and two. 4-bit and asymmetric schemes are still refused, naming the method."""
+"""Checkpoints of weights stored in 8 bits or fewer with scales (FP8 as DeepSeek-V3 and Qwen3 ship it,
+fbgemm's, compressed-tensors' 8-bit float or int and packed int such as W4A16) load, dequantized as they are
+read (worker/scaled_weights.py): greedy tokens and logprobs equal transformers' in float32, on the
+dequantized weights (checkpoints written here: blocks that do not divide the matrix, scales in another
+shard) or reading the checkpoint itself (written by compressed-tensors), on one rank and two. Asymmetric
+and unpacked 4-bit schemes are still refused, naming the method."""
 
 from __future__ import annotations
 
@@ -113,6 +114,83 @@ def test_greedy_tokens_and_logprobs_equal_transformers_on_the_dequantized_weight
         assert sample.logprob == pytest.approx(ref_logprobs[step, sample.token_id].item(), abs=1e-4)
 
 
+# compressed-tensors' own writer, and transformers (with compressed-tensors) as the reader: weight-only schemes,
+# so the reference computes in float32 on the dequantized weights as the engine does.
+CT_SCHEMES = {
+    "w4a16-group32": (dict(num_bits=4, type="int", strategy="group", group_size=32), "pack-quantized"),
+    "w3-channel": (dict(num_bits=3, type="int", strategy="channel"), "pack-quantized"),  # values straddle words
+    "w8a16-channel": (dict(num_bits=8, type="int", strategy="channel"), "int-quantized"),
+    "fp8-channel": (dict(num_bits=8, type="float", strategy="channel"), "float-quantized"),
+    "fp8-block32": (dict(num_bits=8, type="float", strategy="block", block_structure=[32, 32]), "float-quantized"),
+}
+
+
+def ct_checkpoint(tmp_path, name: str) -> object:
+    """A tiny Llama quantized and saved by compressed-tensors (min-max scales, as llm-compressor's observer)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args, fmt = CT_SCHEMES[name]
+    weights = QuantizationArgs(symmetric=True, **args)
+    model = transformers.AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "plain", seed=3),
+                                                              dtype=torch.float32)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            scale, _ = calculate_qparams(*min_max(module.weight.data, weights), weights)
+            module.weight_scale.data = scale.reshape(module.weight_scale.shape).to(module.weight_scale.dtype)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(tmp_path / name)
+    compressor.update_config(tmp_path / name)
+    return tmp_path / name
+
+
+def min_max(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    if args.strategy == "channel":
+        return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    if args.strategy == "group":
+        groups = w.reshape(w.shape[0], -1, args.group_size)
+        return groups.amin(-1), groups.amax(-1)
+    bh, bw = args.block_structure
+    blocks = w.reshape(w.shape[0] // bh, bh, w.shape[1] // bw, bw)
+    return blocks.amin((1, 3)), blocks.amax((1, 3))
+
+
+@pytest.mark.parametrize("name", list(CT_SCHEMES))
+def test_compressed_tensors_checkpoints_equal_transformers_reading_them(tmp_path, name):
+    folder = ct_checkpoint(tmp_path, name)
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["format"] == CT_SCHEMES[name][1]
+    prompt = [5, 17, 99, 3, 42, 8]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    with make_engine(folder) as engine:
+        out = engine.generate([prompt], params)[0][0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+    ref_logprobs = torch.log_softmax(logits, dim=-1)
+    assert out.token_ids == ref_logprobs.argmax(dim=-1).tolist()
+    for step, sample in enumerate(out.logprobs):
+        assert sample.logprob == pytest.approx(ref_logprobs[step, sample.token_id].item(), abs=1e-4)
+    if name == "w4a16-group32":  # two ranks: o_proj's and down_proj's columns come from whole packed rows
+        with make_engine(folder, tensor_parallel_size=2) as two:
+            assert two.generate([prompt], params)[0][0].token_ids == out.token_ids
+
+
+def test_unpack_reads_compressed_tensors_packing():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from pagedserve.worker.scaled_weights import unpack
+    torch.manual_seed(0)
+    for bits in range(2, 9):
+        for cols in (16, 37, 100):
+            values = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (5, cols), dtype=torch.int8)
+            assert torch.equal(unpack(pack_to_int32(values, bits), bits, cols), values), (bits, cols)
+
+
 def test_two_ranks_read_their_rows_and_columns_and_the_scales_that_cover_them(tmp_path):
     folder, _ = scaled_pair(tmp_path, "fp8-block")  # blocks of 32 x 48: a rank's columns start mid-block
     prompt = [7, 1, 64, 200, 13]
@@ -138,10 +216,13 @@ def test_dequantize_reads_a_window_as_the_whole_matrix_would():
 
 
 @pytest.mark.parametrize("qc, named", [
-    (compressed("int", "group", group_size=128) | {"format": "pack-quantized"}, "compressed-tensors"),
+    (compressed("float", "tensor") | {"format": "nvfp4-pack-quantized"}, "compressed-tensors (8-bit)"),
+    ({**compressed("int", "channel"), "config_groups": {"group_0": {"weights": {
+        "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 128}}}},
+     "compressed-tensors (4-bit, group size 128)"),
     ({**compressed("int", "channel"), "config_groups": {"group_0": {"weights": {
         "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}},
-     "compressed-tensors (4-bit, group size 128)"),
+     "compressed-tensors (4-bit, group size 128)"),  # 4 bits, but not packed
     ({**compressed("int", "channel"), "config_groups": {"group_0": {"weights": {
         "num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}}}}, "compressed-tensors (8-bit)"),
     ({"quant_method": "fp8", "weight_block_size": "big"}, "FP8"),

@@ -2,10 +2,11 @@
 ...) are refused when config.json is read, before any weight is: without this they fail much later with
 "unexpected weight 'model.layers.0.self_attn.q_proj.qweight'", which names neither cause nor cure.
 
-8-bit weights with scales load, dequantized to the serving dtype as they are read (worker/scaled_weights.py):
-FP8 (`fp8`: per tensor, or DeepSeek-V3's and Qwen3's 128x128 blocks with `weight_scale_inv`; `fbgemm_fp8`:
-per output channel) and compressed-tensors' 8-bit symmetric float or int weights (`float-quantized`,
-`naive-quantized`, `int-quantized`: per tensor, channel, group or block). The activations' quantization
+Weights stored in 8 bits or fewer with scales load, dequantized to the serving dtype as they are read
+(worker/scaled_weights.py): FP8 (`fp8`: per tensor, or DeepSeek-V3's and Qwen3's 128x128 blocks with
+`weight_scale_inv`; `fbgemm_fp8`: per output channel) and compressed-tensors' symmetric weights: 8-bit float
+or int (`float-quantized`, `naive-quantized`, `int-quantized`) and 2- to 8-bit int packed in int32 words
+(`pack-quantized`: W4A16 and the like), per tensor, channel, group or block. The activations' quantization
 (dynamic or static `input_scale`) and an FP8 KV cache's scales are not applied: the layers compute in the
 serving dtype, as transformers does on the dequantized weights. `scaled_weights` says how a checkpoint's
 scales broadcast.
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_QUANTIZATION = ("none (unquantized safetensors), 8-bit weights with scales dequantized at load (fp8, "
-                          "fbgemm_fp8, compressed-tensors 8-bit float or int), GGUF files (Q4_0, Q4_1, Q8_0, Q4_K, "
-                          "Q6_K), int8 (--quantization int8 on an unquantized checkpoint)")
+SUPPORTED_QUANTIZATION = ("none (unquantized safetensors), scaled weights dequantized at load (fp8, fbgemm_fp8, "
+                          "compressed-tensors symmetric 8-bit float or int and packed 2- to 8-bit int), GGUF files "
+                          "(Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), int8 (--quantization int8 on an unquantized checkpoint)")
 _COMPRESSED_8BIT_FORMATS = ("float-quantized", "naive-quantized", "int-quantized")
+_PACKED_FORMAT = "pack-quantized"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +34,7 @@ class ScaledWeights:
     [out] or [out, 1] each row, whatever `block` says."""
     method: str
     block: tuple[int, int] | None = None  # None: per tensor or per output channel (the scale's shape says)
+    packed_bits: int = 0  # pack-quantized: the bits of each value in the int32 words (X.weight_packed)
 
 # quant_method as HF writes it -> the name users know it by.
 _KNOWN = {"awq": "AWQ", "gptq": "GPTQ", "fp8": "FP8", "fbgemm_fp8": "FP8 (fbgemm)", "bitsandbytes": "bitsandbytes",
@@ -84,16 +87,18 @@ def scaled_weights(hf_config: dict) -> ScaledWeights | None:
     if method in ("fp8", "fbgemm_fp8"):
         block = qc.get("weight_block_size")
         return ScaledWeights(method, _block(block)) if block is None or _block(block) else None
-    if method != "compressed-tensors" or qc.get("format") not in _COMPRESSED_8BIT_FORMATS:
+    packed = qc.get("format") == _PACKED_FORMAT
+    if method != "compressed-tensors" or not (packed or qc.get("format") in _COMPRESSED_8BIT_FORMATS):
         return None
     schemes = _weights_schemes(qc)
-    if not schemes or any(w.get("num_bits") != 8 or w.get("type") not in ("float", "int")
-                          or w.get("symmetric") is False or w.get("dynamic") for w in schemes):
+    bits = {w.get("num_bits") for w in schemes}
+    if not schemes or len(bits) != 1 or any(w.get("type") not in (("int",) if packed else ("float", "int"))
+                                            or w.get("symmetric") is False or w.get("dynamic") for w in schemes):
         return None
     blocks = {_scheme_block(w) for w in schemes}
-    if len(blocks) != 1 or False in blocks:
+    if len(blocks) != 1 or False in blocks or bits.pop() not in (range(2, 9) if packed else (8,)):
         return None
-    return ScaledWeights(method, blocks.pop())
+    return ScaledWeights(method, blocks.pop(), schemes[0]["num_bits"] if packed else 0)
 
 
 def _block(value) -> tuple[int, int] | None:

@@ -1,12 +1,14 @@
-"""8-bit checkpoint weights with scales (FP8, compressed-tensors' 8-bit float or int), dequantized to the
-serving dtype as they are read: weight = stored.float() * scale, the scale broadcast per tensor, per
-output channel or per block (common/checkpoint_quantization.ScaledWeights). A tensor-parallel rank reads
-only its rows or columns of the 8-bit tensor, and the scales that cover them.
+"""Checkpoint weights stored in 8 bits or fewer with scales (FP8, compressed-tensors' 8-bit float or int and
+packed int), dequantized to the serving dtype as they are read: weight = stored.float() * scale, the scale
+broadcast per tensor, per output channel or per block (common/checkpoint_quantization.ScaledWeights). A
+tensor-parallel rank reads only its rows (or, of a packed matrix, whole rows for its columns) and the
+scales that cover them.
 
 The scale tensors of a weight `X.weight` are `X.weight_scale` or `X.weight_scale_inv` (DeepSeek's name for
-the same multiplier); activation scales (`X.input_scale`, `X.input_scale_ub`) and an FP8 KV cache's
-(`k_scale`, `v_scale`) are not used here: the layers compute in the serving dtype. `unused` names them
-so the loader skips them.
+the same multiplier). compressed-tensors' pack-quantized format stores `X.weight_packed` (int32 words, value
+i of a row at bits i*b.. of the row's words, little-endian, plus 2^(b-1)) and `X.weight_shape`. Activation
+scales (`X.input_scale`, `X.input_scale_ub`) and an FP8 KV cache's (`k_scale`, `v_scale`) are not used
+here: the layers compute in the serving dtype. `unused` names them so the loader skips them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pagedserve.common.checkpoint_quantization import ScaledWeights
 
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
 UNUSED_SUFFIXES = SCALE_SUFFIXES + (".input_scale", ".input_scale_ub", ".k_scale", ".v_scale",
-                                    ".weight_zero_point", ".input_zero_point")
+                                    ".weight_zero_point", ".input_zero_point", ".weight_shape")
+PACKED = ".weight_packed"
 
 
 def unused(name: str) -> bool:
@@ -32,6 +35,16 @@ def scale_name(weight_name: str, names) -> str | None:
     return next((n for n in (weight_name + s[len(".weight"):] for s in SCALE_SUFFIXES) if n in names), None)
 
 
+def packed_entry(name: str, where: dict, scheme: ScaledWeights):
+    """(X.weight, its shape, its ScaledSource) for a packed matrix X.weight_packed."""
+    weight = name.removesuffix(PACKED) + ".weight"
+    scale, shape = scale_name(weight, where), weight + "_shape"
+    if scale is None or shape not in where:
+        raise ValueError(f"{name} is packed with no {weight}_scale or {weight}_shape beside it")
+    rows, cols = (int(v) for v in where[shape].get_tensor(shape).tolist())
+    return weight, (rows, cols), ScaledSource((where[name], name), (where[scale], scale), scheme, (rows, cols))
+
+
 class ScaledSource:
     """A LazyWeight's source: the 8-bit tensor and its scale, in the checkpoint (read on demand)."""
 
@@ -44,13 +57,31 @@ class ScaledSource:
     def read(self, dim: int, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) [start, start + length), dequantized to dtype."""
         handle, name = self.weight
-        index = (slice(None),) * dim + (slice(start, start + length),)
-        stored = handle.get_slice(name)[index]
+        if self.scheme.packed_bits:  # whole rows: a column's values share words with its neighbours'
+            rows = (start, start + length) if dim == 0 else (0, self.shape[0])
+            stored = unpack(handle.get_slice(name)[rows[0]:rows[1]], self.scheme.packed_bits, self.shape[1])
+            stored = stored if dim == 0 else stored[:, start:start + length]
+        else:
+            index = (slice(None),) * dim + (slice(start, start + length),)
+            stored = handle.get_slice(name)[index]
         handle, name = self.scale
         scale = handle.get_tensor(name)
         window = [(0, self.shape[0]), (0, self.shape[1] if len(self.shape) > 1 else 1)]
         window[dim] = (start, start + length)
         return dequantize(stored, scale, self.scheme.block, self.shape, window).to(dtype)
+
+
+def unpack(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """[rows, n] int32 words -> [rows, cols] int8 values: value i of a row is bits i*b..i*b+b-1 of the row's
+    words read as one little-endian bit string, stored plus 2^(b-1)."""
+    words = words.to(torch.int64) & 0xFFFFFFFF
+    start = torch.arange(cols) * bits
+    word, shift = start // 32, start % 32
+    value = words[:, word] >> shift
+    spill = shift + bits > 32  # the value's high bits in the next word
+    if bool(spill.any()):
+        value[:, spill] |= words[:, word[spill] + 1] << (32 - shift[spill])
+    return ((value & ((1 << bits) - 1)) - (1 << (bits - 1))).to(torch.int8)
 
 
 def dequantize(stored: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, shape: tuple[int, ...],

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from pagedserve.common.checkpoint_quantization import scaled_weights
 from pagedserve.worker.quantized import QuantizedTensor
-from pagedserve.worker.scaled_weights import ScaledSource, scale_name, unused
+from pagedserve.worker.scaled_weights import PACKED, ScaledSource, packed_entry, scale_name, unused
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -102,6 +102,10 @@ def _scaled_checkpoint(files: list[Path], dtype: torch.dtype, scheme, progress: 
             where.update((name, handle) for name in handle.keys())
         for name in tqdm(list(where), desc="loading weights", unit="tensor", disable=not progress, leave=False):
             if unused(name):
+                continue
+            if scheme.packed_bits and name.endswith(PACKED):
+                weight, shape, source = packed_entry(name, where, scheme)
+                yield weight, LazyWeight(source, shape, dtype)
                 continue
             handle = where[name]
             stored = handle.get_slice(name)
