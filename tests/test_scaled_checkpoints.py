@@ -118,6 +118,8 @@ def test_greedy_tokens_and_logprobs_equal_transformers_on_the_dequantized_weight
 # so the reference computes in float32 on the dequantized weights as the engine does.
 CT_SCHEMES = {
     "w4a16-group32": (dict(num_bits=4, type="int", strategy="group", group_size=32), "pack-quantized"),
+    "w4a16-asymmetric": (dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False),
+                         "pack-quantized"),
     "w3-channel": (dict(num_bits=3, type="int", strategy="channel"), "pack-quantized"),  # values straddle words
     "w8a16-channel": (dict(num_bits=8, type="int", strategy="channel"), "int-quantized"),
     "fp8-channel": (dict(num_bits=8, type="float", strategy="channel"), "float-quantized"),
@@ -125,28 +127,44 @@ CT_SCHEMES = {
 }
 
 
-def ct_checkpoint(tmp_path, name: str) -> object:
-    """A tiny Llama quantized and saved by compressed-tensors (min-max scales, as llm-compressor's observer)."""
+def ct_checkpoint(tmp_path, name: str) -> tuple:
+    """A tiny Llama quantized and saved by compressed-tensors (min-max scales, as llm-compressor's observer),
+    and the reference to read it: the checkpoint itself (transformers decompresses it as it loads), or where
+    transformers cannot load it (asymmetric: it mis-sizes the packed zero points) the weights compressed-tensors
+    decompresses from the same tensors, saved plain."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     args, fmt = CT_SCHEMES[name]
-    weights = QuantizationArgs(symmetric=True, **args)
+    weights = QuantizationArgs(**{"symmetric": True, **args})
     model = transformers.AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "plain", seed=3),
                                                               dtype=torch.float32)
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
     for module in model.modules():
         if hasattr(module, "weight_scale"):
-            scale, _ = calculate_qparams(*min_max(module.weight.data, weights), weights)
+            scale, zero = calculate_qparams(*min_max(module.weight.data, weights), weights)
             module.weight_scale.data = scale.reshape(module.weight_scale.shape).to(module.weight_scale.dtype)
+            if not weights.symmetric:
+                module.weight_zero_point.data = zero.reshape(module.weight_zero_point.shape).to(
+                    module.weight_zero_point.dtype)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(tmp_path / name)
     compressor.update_config(tmp_path / name)
-    return tmp_path / name
+    if weights.symmetric:
+        return tmp_path / name, tmp_path / name
+    compressor.decompress_model(model)
+    plain = load_file(tmp_path / "plain" / "model.safetensors")
+    decompressed = {key: value for key, value in model.state_dict().items() if key in plain}
+    assert decompressed.keys() == plain.keys()
+    reference = tmp_path / f"{name}-decompressed"
+    reference.mkdir()
+    (reference / "config.json").write_text((tmp_path / "plain" / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in decompressed.items()}, reference / "model.safetensors")
+    return tmp_path / name, reference
 
 
 def min_max(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,20 +180,20 @@ def min_max(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("name", list(CT_SCHEMES))
 def test_compressed_tensors_checkpoints_equal_transformers_reading_them(tmp_path, name):
-    folder = ct_checkpoint(tmp_path, name)
+    folder, reference = ct_checkpoint(tmp_path, name)
     assert json.loads((folder / "config.json").read_text())["quantization_config"]["format"] == CT_SCHEMES[name][1]
     prompt = [5, 17, 99, 3, 42, 8]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     with make_engine(folder) as engine:
         out = engine.generate([prompt], params)[0][0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
     ref_logprobs = torch.log_softmax(logits, dim=-1)
     assert out.token_ids == ref_logprobs.argmax(dim=-1).tolist()
     for step, sample in enumerate(out.logprobs):
         assert sample.logprob == pytest.approx(ref_logprobs[step, sample.token_id].item(), abs=1e-4)
-    if name == "w4a16-group32":  # two ranks: o_proj's and down_proj's columns come from whole packed rows
+    if name.startswith("w4a16"):  # two ranks: o_proj's and down_proj's columns come from whole packed rows
         with make_engine(folder, tensor_parallel_size=2) as two:
             assert two.generate([prompt], params)[0][0].token_ids == out.token_ids
 

@@ -1,6 +1,6 @@
 """Checkpoints we cannot load say so before any weight is read: a quantization_config (AWQ, GPTQ,
-asymmetric compressed-tensors, bitsandbytes) names the method and what is supported, in ModelConfig, the engine and
-`serve` (which exits non-zero before starting a service)."""
+asymmetric unpacked compressed-tensors, bitsandbytes) names the method and what is supported, in
+ModelConfig, the engine and `serve` (which exits non-zero before starting a service)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ CONFIGS = {
             "AWQ (4-bit, group size 128)"),
     "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
              "GPTQ (4-bit, group size 32)"),
-    "compressed_int4_asymmetric": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
-        "group_0": {"weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
-                                "group_size": 128}}}}, "compressed-tensors (4-bit, group size 128)"),
+    "compressed_int8_asymmetric": ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {
+        "group_0": {"weights": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "group",
+                                "group_size": 128}}}}, "compressed-tensors (8-bit, group size 128)"),
     "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes (4-bit)"),
     "bitsandbytes_legacy": ({"load_in_8bit": True}, "bitsandbytes (8-bit)"),  # before quant_method existed
 }

@@ -35,6 +35,7 @@ class ScaledWeights:
     method: str
     block: tuple[int, int] | None = None  # None: per tensor or per output channel (the scale's shape says)
     packed_bits: int = 0  # pack-quantized: the bits of each value in the int32 words (X.weight_packed)
+    zero_points: bool = False  # asymmetric (packed only): X.weight_zero_point, laid out as the scale
 
 # quant_method as HF writes it -> the name users know it by.
 _KNOWN = {"awq": "AWQ", "gptq": "GPTQ", "fp8": "FP8", "fbgemm_fp8": "FP8 (fbgemm)", "bitsandbytes": "bitsandbytes",
@@ -92,13 +93,16 @@ def scaled_weights(hf_config: dict) -> ScaledWeights | None:
         return None
     schemes = _weights_schemes(qc)
     bits = {w.get("num_bits") for w in schemes}
-    if not schemes or len(bits) != 1 or any(w.get("type") not in (("int",) if packed else ("float", "int"))
-                                            or w.get("symmetric") is False or w.get("dynamic") for w in schemes):
+    symmetric = {w.get("symmetric") is not False for w in schemes}
+    if not schemes or len(bits) != 1 or len(symmetric) != 1 or any(
+            w.get("type") not in (("int",) if packed else ("float", "int")) or w.get("dynamic") for w in schemes):
         return None
     blocks = {_scheme_block(w) for w in schemes}
-    if len(blocks) != 1 or False in blocks or bits.pop() not in (range(2, 9) if packed else (8,)):
+    zero_points = not symmetric.pop()
+    if len(blocks) != 1 or False in blocks or bits.pop() not in (range(2, 9) if packed else (8,)) or (
+            zero_points and not packed):
         return None
-    return ScaledWeights(method, blocks.pop(), schemes[0]["num_bits"] if packed else 0)
+    return ScaledWeights(method, blocks.pop(), schemes[0]["num_bits"] if packed else 0, zero_points)
 
 
 def _block(value) -> tuple[int, int] | None:

@@ -36,23 +36,27 @@ def scale_name(weight_name: str, names) -> str | None:
 
 
 def packed_entry(name: str, where: dict, scheme: ScaledWeights):
-    """(X.weight, its shape, its ScaledSource) for a packed matrix X.weight_packed."""
+    """(X.weight, its shape, its ScaledSource) for a packed matrix X.weight_packed (with X.weight_zero_point
+    when the scheme is asymmetric)."""
     weight = name.removesuffix(PACKED) + ".weight"
-    scale, shape = scale_name(weight, where), weight + "_shape"
+    scale, shape, zero = scale_name(weight, where), weight + "_shape", weight + "_zero_point"
     if scale is None or shape not in where:
         raise ValueError(f"{name} is packed with no {weight}_scale or {weight}_shape beside it")
+    if scheme.zero_points and zero not in where:
+        raise ValueError(f"{name} is packed asymmetric with no {zero} beside it")
     rows, cols = (int(v) for v in where[shape].get_tensor(shape).tolist())
-    return weight, (rows, cols), ScaledSource((where[name], name), (where[scale], scale), scheme, (rows, cols))
+    return weight, (rows, cols), ScaledSource((where[name], name), (where[scale], scale), scheme, (rows, cols),
+                                              (where[zero], zero) if scheme.zero_points else None)
 
 
 class ScaledSource:
     """A LazyWeight's source: the 8-bit tensor and its scale, in the checkpoint (read on demand)."""
 
-    __slots__ = ("weight", "scale", "scheme", "shape")
+    __slots__ = ("weight", "scale", "scheme", "shape", "zero")
 
-    def __init__(self, weight, scale, scheme: ScaledWeights, shape: tuple[int, ...]) -> None:
-        """weight, scale: (safe_open handle, name) pairs."""
-        self.weight, self.scale, self.scheme, self.shape = weight, scale, scheme, tuple(shape)
+    def __init__(self, weight, scale, scheme: ScaledWeights, shape: tuple[int, ...], zero=None) -> None:
+        """weight, scale, zero (packed zero points, or None): (safe_open handle, name) pairs."""
+        self.weight, self.scale, self.scheme, self.shape, self.zero = weight, scale, scheme, tuple(shape), zero
 
     def read(self, dim: int, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) [start, start + length), dequantized to dtype."""
@@ -66,9 +70,13 @@ class ScaledSource:
             stored = handle.get_slice(name)[index]
         handle, name = self.scale
         scale = handle.get_tensor(name)
+        zero = None
+        if self.zero is not None:  # packed along the rows: [ceil(rows * b / 32), groups] words
+            handle, name = self.zero
+            zero = unpack(handle.get_tensor(name).T, self.scheme.packed_bits, self.shape[0]).T
         window = [(0, self.shape[0]), (0, self.shape[1] if len(self.shape) > 1 else 1)]
         window[dim] = (start, start + length)
-        return dequantize(stored, scale, self.scheme.block, self.shape, window).to(dtype)
+        return dequantize(stored, scale, self.scheme.block, self.shape, window, zero).to(dtype)
 
 
 def unpack(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
@@ -85,8 +93,9 @@ def unpack(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
 
 
 def dequantize(stored: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, shape: tuple[int, ...],
-               window: list[tuple[int, int]]) -> torch.Tensor:
-    """stored (the rows and columns `window` of a matrix of `shape`) times its scale, in float32."""
+               window: list[tuple[int, int]], zero: torch.Tensor | None = None) -> torch.Tensor:
+    """stored (the rows and columns `window` of a matrix of `shape`) less its zero point (laid out as the
+    scale, or None), times its scale, in float32."""
     values = stored.to(torch.float32)
     scale = scale.to(torch.float32)
     if scale.numel() == 1:
@@ -106,4 +115,6 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     (r0, r1), (c0, c1) = window
     row_blocks = torch.arange(r0, r1) // block[0]
     col_blocks = torch.arange(c0, c1) // block[1]
+    if zero is not None:
+        values = values - zero.reshape(scale.shape).to(torch.float32)[row_blocks][:, col_blocks]
     return values * scale[row_blocks][:, col_blocks]
