@@ -258,3 +258,65 @@ def test_an_8_bit_weight_without_its_scale_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"model.layers.0.\S+_proj.weight is stored in 8 bits \(F8_E4M3\) with no "
                                          r"scale beside it"):
         make_engine(folder)
+
+
+@pytest.mark.parametrize("zero_point", [True, False])
+def test_autoawq_checkpoints_equal_compressed_tensors_reading_them(tmp_path, zero_point):
+    """AutoAWQ's GEMM layout (random words, so every nibble and order matters), read by compressed-tensors'
+    AutoAWQConverter and its own dequantize as the reference."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
+
+    group = 32
+    plain = build_tiny_model(tmp_path / "plain", seed=3)
+    tensors = load_file(plain / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    awq = {}
+    for key, w in tensors.items():
+        if not key.endswith("_proj.weight"):
+            awq[key] = w
+            continue
+        module, (rows, cols) = key.removesuffix(".weight"), w.shape
+        awq[module + ".qweight"] = torch.randint(-2 ** 31, 2 ** 31 - 1, (cols, rows // 8), dtype=torch.int32,
+                                                 generator=gen)
+        if zero_point:
+            awq[module + ".qzeros"] = torch.randint(-2 ** 31, 2 ** 31 - 1, (cols // group, rows // 8),
+                                                    dtype=torch.int32, generator=gen)
+        awq[module + ".scales"] = (torch.rand(cols // group, rows, generator=gen) * 0.01 + 0.005).half()
+    converted = AutoAWQConverter(bits=4, group_size=group, zero_point=zero_point).process(dict(awq))
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group, symmetric=not zero_point)
+    reference = {}
+    for key, w in tensors.items():
+        module = key.removesuffix(".weight")
+        if not key.endswith("_proj.weight"):
+            reference[key] = w
+            continue
+        q = unpack_from_int32(converted[module + ".weight_packed"], 4, w.shape)
+        groups = torch.Size([w.shape[0], w.shape[1] // group])
+        zero = (unpack_from_int32(converted[module + ".weight_zero_point"], 4, groups, packed_dim=0)
+                if zero_point else None)
+        scale = converted[module + ".weight_scale"].float()
+        reference[key] = ct_dequantize(q, scale, zero, args, dtype=torch.float32)
+    config = json.loads((plain / "config.json").read_text())
+    folder, ref = tmp_path / "awq", tmp_path / "awq-dequantized"
+    for path, state, cfg in ((folder, awq, {**config, "quantization_config": {
+            "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": zero_point, "version": "gemm"}}),
+                             (ref, reference, config)):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(cfg))
+        save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
+    prompt = [5, 17, 99, 3, 42, 8]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    with make_engine(folder) as engine:
+        out = engine.generate([prompt], params)[0][0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+    ref_logprobs = torch.log_softmax(logits, dim=-1)
+    assert out.token_ids == ref_logprobs.argmax(dim=-1).tolist()
+    for step, sample in enumerate(out.logprobs):
+        assert sample.logprob == pytest.approx(ref_logprobs[step, sample.token_id].item(), abs=1e-4)
+    with make_engine(folder, tensor_parallel_size=2) as two:
+        assert two.generate([prompt], params)[0][0].token_ids == out.token_ids

@@ -17,7 +17,7 @@ from pagedserve.common.model_config import ModelConfig
 LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 CONFIGS = {
-    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
+    "awq_gemv": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv", "zero_point": True},
             "AWQ (4-bit, group size 128)"),
     "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
              "GPTQ (4-bit, group size 32)"),
@@ -66,7 +66,7 @@ def test_the_engine_refuses_it(tmp_path):
         make_engine(quantized_folder(tmp_path, CONFIGS["gptq"][0]))
 
 
-@pytest.mark.parametrize("kind", ["awq", "gptq"])
+@pytest.mark.parametrize("kind", ["awq_gemv", "gptq"])
 def test_serve_exits_non_zero_naming_it(tmp_path, kind):
     qc, named = CONFIGS[kind]
     folder = quantized_folder(tmp_path / kind, qc)

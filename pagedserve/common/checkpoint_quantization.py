@@ -6,7 +6,8 @@ Weights stored in 8 bits or fewer with scales load, dequantized to the serving d
 (worker/scaled_weights.py): FP8 (`fp8`: per tensor, or DeepSeek-V3's and Qwen3's 128x128 blocks with
 `weight_scale_inv`; `fbgemm_fp8`: per output channel) and compressed-tensors' symmetric weights: 8-bit float
 or int (`float-quantized`, `naive-quantized`, `int-quantized`) and 2- to 8-bit int packed in int32 words
-(`pack-quantized`: W4A16 and the like), per tensor, channel, group or block. The activations' quantization
+(`pack-quantized`: W4A16 and the like), per tensor, channel, group or block; and AutoAWQ's 4-bit GEMM
+checkpoints (`awq`, version `gemm`: `qweight`, `qzeros`, `scales`). The activations' quantization
 (dynamic or static `input_scale`) and an FP8 KV cache's scales are not applied: the layers compute in the
 serving dtype, as transformers does on the dequantized weights. `scaled_weights` says how a checkpoint's
 scales broadcast.
@@ -21,8 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_QUANTIZATION = ("none (unquantized safetensors), scaled weights dequantized at load (fp8, fbgemm_fp8, "
-                          "compressed-tensors symmetric 8-bit float or int and packed 2- to 8-bit int), GGUF files "
-                          "(Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), int8 (--quantization int8 on an unquantized checkpoint)")
+                          "compressed-tensors symmetric 8-bit float or int and packed 2- to 8-bit int, AWQ 4-bit "
+                          "GEMM), GGUF files (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), int8 (--quantization int8 on an "
+                          "unquantized checkpoint)")
 _COMPRESSED_8BIT_FORMATS = ("float-quantized", "naive-quantized", "int-quantized")
 _PACKED_FORMAT = "pack-quantized"
 
@@ -36,6 +38,7 @@ class ScaledWeights:
     block: tuple[int, int] | None = None  # None: per tensor or per output channel (the scale's shape says)
     packed_bits: int = 0  # pack-quantized: the bits of each value in the int32 words (X.weight_packed)
     zero_points: bool = False  # asymmetric (packed only): X.weight_zero_point, laid out as the scale
+    awq: bool = False  # AutoAWQ's GEMM layout: X.qweight [in, out / 8], X.qzeros, X.scales [in / group, out]
 
 # quant_method as HF writes it -> the name users know it by.
 _KNOWN = {"awq": "AWQ", "gptq": "GPTQ", "fp8": "FP8", "fbgemm_fp8": "FP8 (fbgemm)", "bitsandbytes": "bitsandbytes",
@@ -88,6 +91,12 @@ def scaled_weights(hf_config: dict) -> ScaledWeights | None:
     if method in ("fp8", "fbgemm_fp8"):
         block = qc.get("weight_block_size")
         return ScaledWeights(method, _block(block)) if block is None or _block(block) else None
+    if method == "awq":
+        group = qc.get("group_size", 128)
+        if qc.get("bits", 4) != 4 or str(qc.get("version", "gemm")).lower() != "gemm" or not (
+                isinstance(group, int) and group > 0):
+            return None
+        return ScaledWeights(method, (1, group), 4, bool(qc.get("zero_point", True)), awq=True)
     packed = qc.get("format") == _PACKED_FORMAT
     if method != "compressed-tensors" or not (packed or qc.get("format") in _COMPRESSED_8BIT_FORMATS):
         return None

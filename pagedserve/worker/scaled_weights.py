@@ -21,6 +21,11 @@ SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
 UNUSED_SUFFIXES = SCALE_SUFFIXES + (".input_scale", ".input_scale_ub", ".k_scale", ".v_scale",
                                     ".weight_zero_point", ".input_zero_point", ".weight_shape")
 PACKED = ".weight_packed"
+AWQ_PACKED = ".qweight"
+AWQ_TENSORS = (".qzeros", ".scales", ".g_idx")  # read with their qweight
+# AutoAWQ interleaves a word's 8 output columns: column 8j + k is at bits 4 * AWQ_REVERSE_ORDER[k] of word j
+# (as compressed-tensors' AutoAWQConverter reads it).
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 def unused(name: str) -> bool:
@@ -33,6 +38,45 @@ def scale_name(weight_name: str, names) -> str | None:
     if not weight_name.endswith(".weight"):
         return None
     return next((n for n in (weight_name + s[len(".weight"):] for s in SCALE_SUFFIXES) if n in names), None)
+
+
+def awq_entry(name: str, where: dict, scheme: ScaledWeights):
+    """(X.weight, its shape [out, in], its AwqSource) for AutoAWQ's X.qweight."""
+    module = name.removesuffix(AWQ_PACKED)
+    needed = [module + ".scales"] + ([module + ".qzeros"] if scheme.zero_points else [])
+    missing = [n for n in needed if n not in where]
+    if missing:
+        raise ValueError(f"{name} has no {' or '.join(missing)} beside it")
+    inputs, words = where[name].get_slice(name).get_shape()
+    zeros = (where[needed[1]], needed[1]) if scheme.zero_points else None
+    shape = (words * 8, inputs)
+    return module + ".weight", shape, AwqSource((where[name], name), (where[needed[0]], needed[0]), zeros, scheme,
+                                                shape)
+
+
+class AwqSource:
+    """AutoAWQ's GEMM layout: dequantized whole (its words pack 8 output columns) and then cut."""
+
+    __slots__ = ("weight", "scale", "zero", "scheme", "shape")
+
+    def __init__(self, weight, scale, zero, scheme: ScaledWeights, shape: tuple[int, int]) -> None:
+        self.weight, self.scale, self.zero, self.scheme, self.shape = weight, scale, zero, scheme, shape
+
+    def read(self, dim: int, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+        q = awq_unpack(self.weight[0].get_tensor(self.weight[1])).T  # [out, in], 0..15
+        scale = self.scale[0].get_tensor(self.scale[1]).T  # [out, groups]
+        zero = awq_unpack(self.zero[0].get_tensor(self.zero[1])).T if self.zero is not None else torch.full_like(
+            scale, 8, dtype=torch.int8)
+        window = [(0, self.shape[0]), (0, self.shape[1])]
+        window[dim] = (start, start + length)
+        (r0, r1), (c0, c1) = window
+        return dequantize(q[r0:r1, c0:c1], scale, self.scheme.block, self.shape, window, zero).to(dtype)
+
+
+def awq_unpack(words: torch.Tensor) -> torch.Tensor:
+    """[rows, n] int32 words of AutoAWQ -> [rows, 8n] int8 values 0..15, in column order."""
+    shifts = 4 * torch.tensor(AWQ_REVERSE_ORDER)
+    return ((words.to(torch.int64)[:, :, None] >> shifts) & 0xF).reshape(words.shape[0], -1).to(torch.int8)
 
 
 def packed_entry(name: str, where: dict, scheme: ScaledWeights):

@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from pagedserve.common.checkpoint_quantization import scaled_weights
 from pagedserve.worker.quantized import QuantizedTensor
-from pagedserve.worker.scaled_weights import PACKED, ScaledSource, packed_entry, scale_name, unused
+from pagedserve.worker.scaled_weights import (AWQ_PACKED, AWQ_TENSORS, PACKED, AwqSource, ScaledSource, awq_entry,
+                                               packed_entry, scale_name, unused)
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -44,7 +45,7 @@ class LazyWeight:
             return self._source.narrow(dim, start, length)
         if isinstance(self._source, torch.Tensor):
             return self._source.narrow(dim, start, length).to(self.dtype)
-        if isinstance(self._source, ScaledSource):
+        if isinstance(self._source, (ScaledSource, AwqSource)):
             return self._source.read(dim, start, length, self.dtype)
         handle, name = self._source
         index = (slice(None),) * dim + (slice(start, start + length),)
@@ -55,7 +56,7 @@ class LazyWeight:
             return self._source
         if isinstance(self._source, torch.Tensor):
             return self._source.to(self.dtype)
-        if isinstance(self._source, ScaledSource):
+        if isinstance(self._source, (ScaledSource, AwqSource)):
             return self._source.read(0, 0, self.shape[0], self.dtype)
         handle, name = self._source
         return handle.get_tensor(name).to(self.dtype)
@@ -103,8 +104,10 @@ def _scaled_checkpoint(files: list[Path], dtype: torch.dtype, scheme, progress: 
         for name in tqdm(list(where), desc="loading weights", unit="tensor", disable=not progress, leave=False):
             if unused(name):
                 continue
-            if scheme.packed_bits and name.endswith(PACKED):
-                weight, shape, source = packed_entry(name, where, scheme)
+            if scheme.awq and name.endswith(AWQ_TENSORS):
+                continue  # read with their qweight
+            if scheme.packed_bits and name.endswith(AWQ_PACKED if scheme.awq else PACKED):
+                weight, shape, source = (awq_entry if scheme.awq else packed_entry)(name, where, scheme)
                 yield weight, LazyWeight(source, shape, dtype)
                 continue
             handle = where[name]
