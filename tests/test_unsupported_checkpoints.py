@@ -56,8 +56,10 @@ def test_an_unknown_method_is_named_as_written(tmp_path):
 
 
 def test_an_unquantized_config_passes():
+    from pagedserve.common.checkpoint_quantization import scaled_weights
     assert ModelConfig.from_hf_dict(dict(LLAMA)).architecture == "LlamaForCausalLM"
     assert ModelConfig.from_hf_dict({**LLAMA, "quantization_config": None}).architecture == "LlamaForCausalLM"
+    assert scaled_weights(dict(LLAMA)) is None and scaled_weights({**LLAMA, "quantization_config": None}) is None
 
 
 def test_the_engine_refuses_it(tmp_path):

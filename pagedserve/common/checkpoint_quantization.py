@@ -88,6 +88,8 @@ def scaled_weights(hf_config: dict) -> ScaledWeights | None:
     or a method check_quantization refuses)."""
     method = quantization_method(hf_config)
     qc = hf_config.get("quantization_config")
+    if method is None or not isinstance(qc, dict):
+        return None
     if method in ("fp8", "fbgemm_fp8"):
         block = qc.get("weight_block_size")
         return ScaledWeights(method, _block(block)) if block is None or _block(block) else None
