@@ -260,10 +260,9 @@ def test_an_8_bit_weight_without_its_scale_is_named(tmp_path):
         make_engine(folder)
 
 
-@pytest.mark.parametrize("zero_point", [True, False])
-def test_autoawq_checkpoints_equal_compressed_tensors_reading_them(tmp_path, zero_point):
-    """AutoAWQ's GEMM layout (random words, so every nibble and order matters), read by compressed-tensors'
-    AutoAWQConverter and its own dequantize as the reference."""
+def awq_checkpoint(tmp_path, zero_point: bool) -> tuple:
+    """AutoAWQ's GEMM layout (random words, so every nibble and order matters), and its reference: the weights
+    compressed-tensors' AutoAWQConverter and dequantize read from it, saved plain."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
     from compressed_tensors.quantization import QuantizationArgs
@@ -307,6 +306,12 @@ def test_autoawq_checkpoints_equal_compressed_tensors_reading_them(tmp_path, zer
         path.mkdir()
         (path / "config.json").write_text(json.dumps(cfg))
         save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
+    return folder, ref
+
+
+@pytest.mark.parametrize("zero_point", [True, False])
+def test_autoawq_checkpoints_equal_compressed_tensors_reading_them(tmp_path, zero_point):
+    folder, ref = awq_checkpoint(tmp_path, zero_point)
     prompt = [5, 17, 99, 3, 42, 8]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     with make_engine(folder) as engine:
@@ -320,3 +325,32 @@ def test_autoawq_checkpoints_equal_compressed_tensors_reading_them(tmp_path, zer
         assert sample.logprob == pytest.approx(ref_logprobs[step, sample.token_id].item(), abs=1e-4)
     with make_engine(folder, tensor_parallel_size=2) as two:
         assert two.generate([prompt], params)[0][0].token_ids == out.token_ids
+
+
+@pytest.mark.parametrize("kind, qtype", [("w4a16-group32", "Q4_0"), ("w4a16-asymmetric", "Q4_1"), ("awq", "Q4_1"),
+                                         ("awq-symmetric", "Q4_0")])
+def test_4_bit_weights_stay_4_bit_blocks_on_the_cpu_kernels(tmp_path, kind, qtype):
+    """By default (--quantization auto) on the CPU, 4-bit weights with a scale per 32 inputs or more are
+    ggml's Q4_0 / Q4_1 blocks (no zero points / zero points) for the kernels: they dequantize to the float
+    load's weights, and the model predicts what the float load does."""
+    from pagedserve.kernels import cpu_ops
+    from pagedserve.worker.weights import iter_lazy_weights
+    from test_quantized_model import agreement, top1
+
+    import numpy as np
+    if kind.startswith("awq"):
+        folder, _ = awq_checkpoint(tmp_path, zero_point=kind == "awq")
+    else:
+        folder, _ = ct_checkpoint(tmp_path, kind)
+    name = "model.layers.1.mlp.down_proj.weight"
+    blocks, weight = (next(w.full() for n, w in iter_lazy_weights(folder, torch.float32, False, keep) if n == name)
+                      for keep in (True, False))
+    assert blocks.qtype.name == qtype
+    # (ggml's d and m are float16: these float32 scales round; a bfloat16 checkpoint's are float16 exactly)
+    assert torch.allclose(blocks.dequantize(cpu_ops.load(), torch.float32), weight, atol=1e-3, rtol=0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, 40).tolist() for _ in range(3)]
+    with make_engine(folder, quantization="auto") as quant, make_engine(folder) as plain:
+        assert quant.runner.quantization == "gguf" and qtype in quant.runner.weights_description
+        assert "kept from the checkpoint's" in quant.runner.weights_description
+        assert agreement(top1(quant, prompts), top1(plain, prompts)) >= 0.9

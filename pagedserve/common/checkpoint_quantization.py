@@ -10,7 +10,8 @@ or int (`float-quantized`, `naive-quantized`, `int-quantized`) and 2- to 8-bit i
 checkpoints (`awq`, version `gemm`: `qweight`, `qzeros`, `scales`). The activations' quantization
 (dynamic or static `input_scale`) and an FP8 KV cache's scales are not applied: the layers compute in the
 serving dtype, as transformers does on the dequantized weights. `scaled_weights` says how a checkpoint's
-scales broadcast.
+scales broadcast; `kept_in_blocks` whether its 4-bit weights are ggml's Q4_0 / Q4_1 blocks, which the CPU
+kernels keep (--quantization auto) rather than dequantize.
 
 Torch-free: ModelConfig.from_hf_dict runs it, so the worker, the engine and `serve`'s pre-flight
 check all stop on it with the same message. What we also load quantized is GGUF (its own block
@@ -114,6 +115,13 @@ def scaled_weights(hf_config: dict) -> ScaledWeights | None:
             zero_points and not packed):
         return None
     return ScaledWeights(method, blocks.pop(), schemes[0]["num_bits"] if packed else 0, zero_points)
+
+
+def kept_in_blocks(scheme: ScaledWeights | None) -> bool:
+    """Whether the CPU kernels can keep the checkpoint's weights as they are stored: 4-bit values with a
+    scale (and zero point) per output row and group of a multiple of 32 inputs are Q4_0 (Q4_1) blocks."""
+    return scheme is not None and scheme.packed_bits == 4 and (
+        scheme.block is None or (scheme.block[0] == 1 and scheme.block[1] % 32 == 0))
 
 
 def _block(value) -> tuple[int, int] | None:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pagedserve.common.compilation import GraphPlan
-from pagedserve.common.checkpoint_quantization import scaled_weights
+from pagedserve.common.checkpoint_quantization import kept_in_blocks, scaled_weights
 from pagedserve.common.messages import ModelRunnerOutput, SchedulerOutput
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.stop_rules import samples_any
@@ -63,15 +63,17 @@ class ModelRunner:
             torch.set_default_dtype(previous_dtype)
         is_gguf = weight_files(Path(model_path))[0].suffix == ".gguf"
         self.requested_quantization = quantization
-        self.quantization = quantized.resolve(quantization, device, is_gguf)
+        scaled = scaled_weights(model_config.hf)
+        # a GGUF's blocks, or a checkpoint's 4-bit weights that are Q4_0 / Q4_1 blocks: kept on the CPU by default
+        self.quantization = quantized.resolve(quantization, device, is_gguf or kept_in_blocks(scaled))
         model.load_weights(iter_lazy_weights(model_path, dtype, progress, keep_quantized=self.quantization == "gguf"))
         formats = quantized.finalize(model, self.quantization) if self.quantization != "none" else {}
         # what the log line naming the model says about its weights
         self.weights_description = "float" if not formats else "quantized on the CPU kernels (" + ", ".join(
             f"{count} {name}" for name, count in sorted(formats.items())) + " matrices)"
-        scaled = scaled_weights(model_config.hf)
         if scaled is not None:
-            self.weights_description += f", dequantized at load from the checkpoint's 8-bit {scaled.method} weights"
+            how = "kept from" if formats else "dequantized at load from"
+            self.weights_description += f", {how} the checkpoint's {scaled.method} weights"
         pack_model(model, device, dtype)
         self.model = model.eval()
         self.kv: KVCache | None = None

@@ -14,8 +14,10 @@ here: the layers compute in the serving dtype. `unused` names them so the loader
 from __future__ import annotations
 
 import torch
+from gguf import GGMLQuantizationType
 
 from pagedserve.common.checkpoint_quantization import ScaledWeights
+from pagedserve.worker.quantized import QuantizedTensor
 
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
 UNUSED_SUFFIXES = SCALE_SUFFIXES + (".input_scale", ".input_scale_ub", ".k_scale", ".v_scale",
@@ -40,7 +42,7 @@ def scale_name(weight_name: str, names) -> str | None:
     return next((n for n in (weight_name + s[len(".weight"):] for s in SCALE_SUFFIXES) if n in names), None)
 
 
-def awq_entry(name: str, where: dict, scheme: ScaledWeights):
+def awq_entry(name: str, where: dict, scheme: ScaledWeights, keep: bool = False):
     """(X.weight, its shape [out, in], its AwqSource) for AutoAWQ's X.qweight."""
     module = name.removesuffix(AWQ_PACKED)
     needed = [module + ".scales"] + ([module + ".qzeros"] if scheme.zero_points else [])
@@ -51,26 +53,52 @@ def awq_entry(name: str, where: dict, scheme: ScaledWeights):
     zeros = (where[needed[1]], needed[1]) if scheme.zero_points else None
     shape = (words * 8, inputs)
     return module + ".weight", shape, AwqSource((where[name], name), (where[needed[0]], needed[0]), zeros, scheme,
-                                                shape)
+                                                shape, keep)
 
 
 class AwqSource:
-    """AutoAWQ's GEMM layout: dequantized whole (its words pack 8 output columns) and then cut."""
+    """AutoAWQ's GEMM layout: dequantized whole (its words pack 8 output columns) and then cut; or, keep
+    (the CPU kernels), as Q4_0 / Q4_1 blocks."""
 
-    __slots__ = ("weight", "scale", "zero", "scheme", "shape")
+    __slots__ = ("weight", "scale", "zero", "scheme", "shape", "keep")
 
-    def __init__(self, weight, scale, zero, scheme: ScaledWeights, shape: tuple[int, int]) -> None:
+    def __init__(self, weight, scale, zero, scheme: ScaledWeights, shape: tuple[int, int], keep: bool = False) -> None:
         self.weight, self.scale, self.zero, self.scheme, self.shape = weight, scale, zero, scheme, shape
+        self.keep = keep and shape[1] % 32 == 0
 
-    def read(self, dim: int, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, dim: int, start: int, length: int, dtype: torch.dtype) -> torch.Tensor | QuantizedTensor:
         q = awq_unpack(self.weight[0].get_tensor(self.weight[1])).T  # [out, in], 0..15
         scale = self.scale[0].get_tensor(self.scale[1]).T  # [out, groups]
         zero = awq_unpack(self.zero[0].get_tensor(self.zero[1])).T if self.zero is not None else torch.full_like(
             scale, 8, dtype=torch.int8)
+        if self.keep:
+            return q4_blocks(q, scale, zero if self.zero is not None else None).narrow(dim, start, length)
         window = [(0, self.shape[0]), (0, self.shape[1])]
         window[dim] = (start, start + length)
         (r0, r1), (c0, c1) = window
         return dequantize(q[r0:r1, c0:c1], scale, self.scheme.block, self.shape, window, zero).to(dtype)
+
+
+def q4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> QuantizedTensor:
+    """[rows, cols] 4-bit values 0..15 with a scale (and a zero point 0..15) per row and group of inputs
+    ([rows, groups], [rows, 1] or one) as ggml's blocks of 32: Q4_0 (d, then value j | value j + 16 << 4
+    a byte; the weight is d * (q - 8)) without zero points, else Q4_1 (d, m = -d * zero, the same bytes;
+    d * q + m)."""
+    rows, cols = q.shape
+    blocks = cols // 32
+    scale = scale.to(torch.float32).reshape(-1, scale.shape[-1] if scale.dim() == 2 else 1).expand(rows, -1)
+    per_block = blocks // scale.shape[1]
+    if per_block * scale.shape[1] != blocks:
+        raise ValueError(f"groups of {cols // scale.shape[1]} inputs are not whole blocks of 32")
+    d = scale.repeat_interleave(per_block, 1).reshape(rows, blocks, 1)
+    values = q.to(torch.uint8).reshape(rows, blocks, 32)
+    parts = [d.to(torch.float16).view(torch.uint8)]
+    if zero is not None:
+        m = -d * zero.to(torch.float32).reshape(rows, -1).repeat_interleave(per_block, 1).reshape(rows, blocks, 1)
+        parts.append(m.to(torch.float16).view(torch.uint8))
+    parts.append(values[..., :16] | (values[..., 16:] << 4))
+    qtype = GGMLQuantizationType.Q4_0 if zero is None else GGMLQuantizationType.Q4_1
+    return QuantizedTensor(torch.cat(parts, dim=-1).reshape(rows, -1).contiguous(), qtype, cols)
 
 
 def awq_unpack(words: torch.Tensor) -> torch.Tensor:
@@ -79,7 +107,7 @@ def awq_unpack(words: torch.Tensor) -> torch.Tensor:
     return ((words.to(torch.int64)[:, :, None] >> shifts) & 0xF).reshape(words.shape[0], -1).to(torch.int8)
 
 
-def packed_entry(name: str, where: dict, scheme: ScaledWeights):
+def packed_entry(name: str, where: dict, scheme: ScaledWeights, keep: bool = False):
     """(X.weight, its shape, its ScaledSource) for a packed matrix X.weight_packed (with X.weight_zero_point
     when the scheme is asymmetric)."""
     weight = name.removesuffix(PACKED) + ".weight"
@@ -90,21 +118,31 @@ def packed_entry(name: str, where: dict, scheme: ScaledWeights):
         raise ValueError(f"{name} is packed asymmetric with no {zero} beside it")
     rows, cols = (int(v) for v in where[shape].get_tensor(shape).tolist())
     return weight, (rows, cols), ScaledSource((where[name], name), (where[scale], scale), scheme, (rows, cols),
-                                              (where[zero], zero) if scheme.zero_points else None)
+                                              (where[zero], zero) if scheme.zero_points else None,
+                                              keep and scheme.packed_bits == 4 and cols % 32 == 0)
 
 
 class ScaledSource:
     """A LazyWeight's source: the 8-bit tensor and its scale, in the checkpoint (read on demand)."""
 
-    __slots__ = ("weight", "scale", "scheme", "shape", "zero")
+    __slots__ = ("weight", "scale", "scheme", "shape", "zero", "keep")
 
-    def __init__(self, weight, scale, scheme: ScaledWeights, shape: tuple[int, ...], zero=None) -> None:
-        """weight, scale, zero (packed zero points, or None): (safe_open handle, name) pairs."""
+    def __init__(self, weight, scale, scheme: ScaledWeights, shape: tuple[int, ...], zero=None,
+                 keep: bool = False) -> None:
+        """weight, scale, zero (packed zero points, or None): (safe_open handle, name) pairs; keep: a packed
+        4-bit matrix read as Q4_0 / Q4_1 blocks (the CPU kernels), not dequantized."""
         self.weight, self.scale, self.scheme, self.shape, self.zero = weight, scale, scheme, tuple(shape), zero
+        self.keep = keep
 
-    def read(self, dim: int, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows (dim 0) or columns (dim 1) [start, start + length), dequantized to dtype."""
+    def read(self, dim: int, start: int, length: int, dtype: torch.dtype) -> torch.Tensor | QuantizedTensor:
+        """Rows (dim 0) or columns (dim 1) [start, start + length), dequantized to dtype (or kept)."""
         handle, name = self.weight
+        if self.keep:
+            q = unpack(handle.get_tensor(name), 4, self.shape[1]).to(torch.int16) + 8
+            zero = None
+            if self.zero is not None:
+                zero = unpack(self.zero[0].get_tensor(self.zero[1]).T, 4, self.shape[0]).T.to(torch.int16) + 8
+            return q4_blocks(q, self.scale[0].get_tensor(self.scale[1]), zero).narrow(dim, start, length)
         if self.scheme.packed_bits:  # whole rows: a column's values share words with its neighbours'
             rows = (start, start + length) if dim == 0 else (0, self.shape[0])
             stored = unpack(handle.get_slice(name)[rows[0]:rows[1]], self.scheme.packed_bits, self.shape[1])

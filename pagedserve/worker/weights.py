@@ -64,7 +64,8 @@ class LazyWeight:
 
 def iter_lazy_weights(folder: str | Path, dtype: torch.dtype, progress: bool = True,
                       keep_quantized: bool = False) -> Iterator[tuple[str, LazyWeight]]:
-    """keep_quantized: a GGUF's weights in the formats the CPU kernels read stay as their blocks."""
+    """keep_quantized: a GGUF's weights in the formats the CPU kernels read stay as their blocks, and so do
+    a checkpoint's 4-bit weights that are such blocks (kept_in_blocks)."""
     folder = Path(folder)
     files = weight_files(folder)
     if files[0].suffix == ".gguf":
@@ -77,7 +78,7 @@ def iter_lazy_weights(folder: str | Path, dtype: torch.dtype, progress: bool = T
     config = folder / "config.json"
     scheme = scaled_weights(json.loads(config.read_text())) if config.is_file() else None
     if scheme is not None:
-        yield from _scaled_checkpoint(files, dtype, scheme, progress)
+        yield from _scaled_checkpoint(files, dtype, scheme, progress, keep_quantized)
         return
     for path in tqdm(files, desc="loading weights", unit="file", disable=not progress or len(files) < 2):
         try:
@@ -91,8 +92,9 @@ def iter_lazy_weights(folder: str | Path, dtype: torch.dtype, progress: bool = T
 EIGHT_BIT = ("F8_E4M3", "F8_E5M2", "I8")
 
 
-def _scaled_checkpoint(files: list[Path], dtype: torch.dtype, scheme, progress: bool):
-    """Every file open at once: a weight's scale may be stored in another shard."""
+def _scaled_checkpoint(files: list[Path], dtype: torch.dtype, scheme, progress: bool, keep: bool):
+    """Every file open at once: a weight's scale may be stored in another shard. keep: 4-bit matrices stay
+    as Q4_0 / Q4_1 blocks (common/checkpoint_quantization.kept_in_blocks)."""
     with contextlib.ExitStack() as stack:
         where = {}
         for path in files:
@@ -107,7 +109,7 @@ def _scaled_checkpoint(files: list[Path], dtype: torch.dtype, scheme, progress: 
             if scheme.awq and name.endswith(AWQ_TENSORS):
                 continue  # read with their qweight
             if scheme.packed_bits and name.endswith(AWQ_PACKED if scheme.awq else PACKED):
-                weight, shape, source = (awq_entry if scheme.awq else packed_entry)(name, where, scheme)
+                weight, shape, source = (awq_entry if scheme.awq else packed_entry)(name, where, scheme, keep)
                 yield weight, LazyWeight(source, shape, dtype)
                 continue
             handle = where[name]
