@@ -260,7 +260,7 @@ def test_an_8_bit_weight_without_its_scale_is_named(tmp_path):
         make_engine(folder)
 
 
-def awq_checkpoint(tmp_path, zero_point: bool) -> tuple:
+def awq_checkpoint(tmp_path, zero_point: bool, arch: str = "llama") -> tuple:
     """AutoAWQ's GEMM layout (random words, so every nibble and order matters), and its reference: the weights
     compressed-tensors' AutoAWQConverter and dequantize read from it, saved plain."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
@@ -269,12 +269,13 @@ def awq_checkpoint(tmp_path, zero_point: bool) -> tuple:
     from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 
     group = 32
-    plain = build_tiny_model(tmp_path / "plain", seed=3)
+    plain = build_tiny_model(tmp_path / "plain", arch, seed=3)
     tensors = load_file(plain / "model.safetensors")
     gen = torch.Generator().manual_seed(1)
     awq = {}
+    quantized = [key for key, w in tensors.items() if key.endswith("_proj.weight") and w.shape[1] % group == 0]
     for key, w in tensors.items():
-        if not key.endswith("_proj.weight"):
+        if key not in quantized:
             awq[key] = w
             continue
         module, (rows, cols) = key.removesuffix(".weight"), w.shape
@@ -289,7 +290,7 @@ def awq_checkpoint(tmp_path, zero_point: bool) -> tuple:
     reference = {}
     for key, w in tensors.items():
         module = key.removesuffix(".weight")
-        if not key.endswith("_proj.weight"):
+        if key not in quantized:
             reference[key] = w
             continue
         q = unpack_from_int32(converted[module + ".weight_packed"], 4, w.shape)
@@ -328,21 +329,23 @@ def test_autoawq_checkpoints_equal_compressed_tensors_reading_them(tmp_path, zer
 
 
 @pytest.mark.parametrize("kind, qtype", [("w4a16-group32", "Q4_0"), ("w4a16-asymmetric", "Q4_1"), ("awq", "Q4_1"),
-                                         ("awq-symmetric", "Q4_0")])
+                                         ("awq-symmetric", "Q4_0"), ("awq-qwen3_moe", "Q4_1")])
 def test_4_bit_weights_stay_4_bit_blocks_on_the_cpu_kernels(tmp_path, kind, qtype):
     """By default (--quantization auto) on the CPU, 4-bit weights with a scale per 32 inputs or more are
     ggml's Q4_0 / Q4_1 blocks (no zero points / zero points) for the kernels: they dequantize to the float
-    load's weights, and the model predicts what the float load does."""
+    load's weights, and the model predicts what the float load does. (A MoE's experts take float weights:
+    their blocks are dequantized into them.)"""
     from pagedserve.kernels import cpu_ops
     from pagedserve.worker.weights import iter_lazy_weights
     from test_quantized_model import agreement, top1
 
     import numpy as np
     if kind.startswith("awq"):
-        folder, _ = awq_checkpoint(tmp_path, zero_point=kind == "awq")
+        folder, _ = awq_checkpoint(tmp_path, zero_point=kind != "awq-symmetric",
+                                   arch="qwen3_moe" if kind.endswith("moe") else "llama")
     else:
         folder, _ = ct_checkpoint(tmp_path, kind)
-    name = "model.layers.1.mlp.down_proj.weight"
+    name = "model.layers.0.mlp.down_proj.weight"
     blocks, weight = (next(w.full() for n, w in iter_lazy_weights(folder, torch.float32, False, keep) if n == name)
                       for keep in (True, False))
     assert blocks.qtype.name == qtype

@@ -284,10 +284,13 @@ def check_shape(expected: tuple, got: tuple) -> None:
                          f"of shape {tuple(expected)}")
 
 
-def copy_checked(dest: torch.Tensor, src: torch.Tensor) -> None:
+def copy_checked(dest: torch.Tensor, src: torch.Tensor | QuantizedTensor) -> None:
     if tuple(dest.shape) != tuple(src.shape):
         raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit a parameter shard "
                          f"of shape {tuple(dest.shape)}")
+    if isinstance(src, QuantizedTensor):  # kept blocks where a float parameter takes them (MoE experts): dequantized
+        from pagedserve.kernels import cpu_ops
+        src = src.dequantize(cpu_ops.load(), dest.dtype)
     dest.copy_(src)
 
 
