@@ -95,23 +95,34 @@ def scaled_pair(tmp_path, name: str, arch: str = "llama") -> tuple:
     return folder, ref
 
 
+PROMPT = [5, 17, 99, 3, 42, 8]
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+
+def check_equals_transformers(folder, reference, ranks: int = 1) -> None:
+    """The engine on `folder`: greedy tokens and logprobs equal transformers' on `reference` in float32, and
+    with ranks=2 two ranks give the same tokens."""
+    with make_engine(folder) as engine:
+        out = engine.generate([PROMPT], PARAMS)[0][0]
+        assert "dequantized at load" in engine.runner.weights_description
+    model = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + out.token_ids])).logits[0, len(PROMPT) - 1:-1]
+    ref_logprobs = torch.log_softmax(logits, dim=-1)
+    assert out.token_ids == ref_logprobs.argmax(dim=-1).tolist()
+    for step, sample in enumerate(out.logprobs):
+        assert sample.logprob == pytest.approx(ref_logprobs[step, sample.token_id].item(), abs=1e-4)
+    if ranks == 2:
+        with make_engine(folder, tensor_parallel_size=2) as two:
+            assert two.generate([PROMPT], PARAMS)[0][0].token_ids == out.token_ids
+
+
 @pytest.mark.parametrize("name, arch", [(name, "llama") for name in SCHEMES] + [
     ("fp8-block", "deepseek_v3"), ("fp8-block", "qwen3_moe")])  # as DeepSeek-V3 and Qwen3's FP8 checkpoints are
 def test_greedy_tokens_and_logprobs_equal_transformers_on_the_dequantized_weights(tmp_path, name, arch):
     folder, ref = scaled_pair(tmp_path, name, arch)
     assert scaled_weights(ModelConfig.from_folder(folder).hf) is not None
-    prompt = [5, 17, 99, 3, 42, 8]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    with make_engine(folder) as engine:
-        out = engine.generate([prompt], params)[0][0]
-        assert "dequantized at load" in engine.runner.weights_description
-    model = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
-    ref_logprobs = torch.log_softmax(logits, dim=-1)
-    assert out.token_ids == ref_logprobs.argmax(dim=-1).tolist()
-    for step, sample in enumerate(out.logprobs):
-        assert sample.logprob == pytest.approx(ref_logprobs[step, sample.token_id].item(), abs=1e-4)
+    check_equals_transformers(folder, ref)
 
 
 # compressed-tensors' own writer, and transformers (with compressed-tensors) as the reader: weight-only schemes,
@@ -182,20 +193,8 @@ def min_max(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
 def test_compressed_tensors_checkpoints_equal_transformers_reading_them(tmp_path, name):
     folder, reference = ct_checkpoint(tmp_path, name)
     assert json.loads((folder / "config.json").read_text())["quantization_config"]["format"] == CT_SCHEMES[name][1]
-    prompt = [5, 17, 99, 3, 42, 8]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    with make_engine(folder) as engine:
-        out = engine.generate([prompt], params)[0][0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
-    ref_logprobs = torch.log_softmax(logits, dim=-1)
-    assert out.token_ids == ref_logprobs.argmax(dim=-1).tolist()
-    for step, sample in enumerate(out.logprobs):
-        assert sample.logprob == pytest.approx(ref_logprobs[step, sample.token_id].item(), abs=1e-4)
-    if name.startswith("w4a16"):  # two ranks: o_proj's and down_proj's columns come from whole packed rows
-        with make_engine(folder, tensor_parallel_size=2) as two:
-            assert two.generate([prompt], params)[0][0].token_ids == out.token_ids
+    # two ranks for W4A16: o_proj's and down_proj's columns come from whole packed rows
+    check_equals_transformers(folder, reference, ranks=2 if name.startswith("w4a16") else 1)
 
 
 def test_unpack_reads_compressed_tensors_packing():
@@ -210,13 +209,8 @@ def test_unpack_reads_compressed_tensors_packing():
 
 
 def test_two_ranks_read_their_rows_and_columns_and_the_scales_that_cover_them(tmp_path):
-    folder, _ = scaled_pair(tmp_path, "fp8-block")  # blocks of 32 x 48: a rank's columns start mid-block
-    prompt = [7, 1, 64, 200, 13]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with make_engine(folder) as one:
-        expected = one.generate([prompt], params)[0][0].token_ids
-    with make_engine(folder, tensor_parallel_size=2) as two:
-        assert two.generate([prompt], params)[0][0].token_ids == expected
+    folder, ref = scaled_pair(tmp_path, "fp8-block")  # blocks of 32 x 48: a rank's columns start mid-block
+    check_equals_transformers(folder, ref, ranks=2)
 
 
 def test_dequantize_reads_a_window_as_the_whole_matrix_would():
@@ -313,19 +307,7 @@ def awq_checkpoint(tmp_path, zero_point: bool, arch: str = "llama") -> tuple:
 @pytest.mark.parametrize("zero_point", [True, False])
 def test_autoawq_checkpoints_equal_compressed_tensors_reading_them(tmp_path, zero_point):
     folder, ref = awq_checkpoint(tmp_path, zero_point)
-    prompt = [5, 17, 99, 3, 42, 8]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    with make_engine(folder) as engine:
-        out = engine.generate([prompt], params)[0][0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
-    ref_logprobs = torch.log_softmax(logits, dim=-1)
-    assert out.token_ids == ref_logprobs.argmax(dim=-1).tolist()
-    for step, sample in enumerate(out.logprobs):
-        assert sample.logprob == pytest.approx(ref_logprobs[step, sample.token_id].item(), abs=1e-4)
-    with make_engine(folder, tensor_parallel_size=2) as two:
-        assert two.generate([prompt], params)[0][0].token_ids == out.token_ids
+    check_equals_transformers(folder, ref, ranks=2)
 
 
 @pytest.mark.parametrize("kind, qtype", [("w4a16-group32", "Q4_0"), ("w4a16-asymmetric", "Q4_1"), ("awq", "Q4_1"),
