@@ -93,19 +93,20 @@ def test_pull_and_list(hub, tiny, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(hub)
     # A prepared named model in the data dir, and a cached repo we could not serve.
     shutil.copytree(tiny, tmp_path / "data" / "models" / "tiny-named")
-    awq = tmp_path / "awq"
-    awq.mkdir()
+    gptq = tmp_path / "gptq"
+    gptq.mkdir()
     config = json.loads((tiny / "config.json").read_text())
-    (awq / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq", "bits": 4}}))
-    fill_hub_cache(hub.parents[2], "tiny-org/tiny-awq", awq)
+    quantized = {**config, "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    (gptq / "config.json").write_text(json.dumps(quantized))
+    fill_hub_cache(hub.parents[2], "tiny-org/tiny-gptq", gptq)
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["NAME", "ARCHITECTURE", "SIZE", "PATH"]
     rows = {line.split()[0]: line for line in lines[1:]}
-    assert set(rows) == {"tiny-named", REPO, "tiny-org/tiny-awq"}
+    assert set(rows) == {"tiny-named", REPO, "tiny-org/tiny-gptq"}
     size_mib = sum(f.stat().st_size for f in tiny.iterdir()) / 2**20
     assert re.fullmatch(rf"{REPO}\s+LlamaForCausalLM\s+{size_mib:.1f} MiB\s+{re.escape(str(hub))}", rows[REPO])
-    assert "(cannot load: the model is quantized with AWQ (4-bit))" in rows["tiny-org/tiny-awq"]
+    assert "(cannot load: the model is quantized with GPTQ (4-bit))" in rows["tiny-org/tiny-gptq"]
     assert resolve_model("tiny-named") == tmp_path / "data" / "models" / "tiny-named"
 
 
