@@ -93,20 +93,20 @@ def test_pull_and_list(hub, tiny, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(hub)
     # A prepared named model in the data dir, and a cached repo we could not serve.
     shutil.copytree(tiny, tmp_path / "data" / "models" / "tiny-named")
-    gptq = tmp_path / "gptq"
-    gptq.mkdir()
+    bnb = tmp_path / "bnb"
+    bnb.mkdir()
     config = json.loads((tiny / "config.json").read_text())
-    quantized = {**config, "quantization_config": {"quant_method": "gptq", "bits": 4}}
-    (gptq / "config.json").write_text(json.dumps(quantized))
-    fill_hub_cache(hub.parents[2], "tiny-org/tiny-gptq", gptq)
+    quantized = {**config, "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}
+    (bnb / "config.json").write_text(json.dumps(quantized))
+    fill_hub_cache(hub.parents[2], "tiny-org/tiny-bnb", bnb)
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["NAME", "ARCHITECTURE", "SIZE", "PATH"]
     rows = {line.split()[0]: line for line in lines[1:]}
-    assert set(rows) == {"tiny-named", REPO, "tiny-org/tiny-gptq"}
+    assert set(rows) == {"tiny-named", REPO, "tiny-org/tiny-bnb"}
     size_mib = sum(f.stat().st_size for f in tiny.iterdir()) / 2**20
     assert re.fullmatch(rf"{REPO}\s+LlamaForCausalLM\s+{size_mib:.1f} MiB\s+{re.escape(str(hub))}", rows[REPO])
-    assert "(cannot load: the model is quantized with GPTQ (4-bit))" in rows["tiny-org/tiny-gptq"]
+    assert "(cannot load: the model is quantized with bitsandbytes (4-bit))" in rows["tiny-org/tiny-bnb"]
     assert resolve_model("tiny-named") == tmp_path / "data" / "models" / "tiny-named"
 
 

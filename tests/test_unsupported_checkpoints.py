@@ -1,5 +1,6 @@
-"""Checkpoints we cannot load say so before any weight is read: a quantization_config (AWQ, GPTQ,
-asymmetric unpacked compressed-tensors, bitsandbytes) names the method and what is supported, in
+"""Checkpoints we cannot load say so before any weight is read: a quantization_config (AWQ's GEMV layout,
+GPTQ in Marlin's format, asymmetric unpacked compressed-tensors, bitsandbytes) names the method and what is
+supported, in
 ModelConfig, the engine and `serve` (which exits non-zero before starting a service)."""
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64,
 CONFIGS = {
     "awq_gemv": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv", "zero_point": True},
             "AWQ (4-bit, group size 128)"),
-    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
-             "GPTQ (4-bit, group size 32)"),
+    "gptq_marlin_format": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True,
+                            "checkpoint_format": "marlin"}, "GPTQ (4-bit, group size 32)"),
     "compressed_int8_asymmetric": ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {
         "group_0": {"weights": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "group",
                                 "group_size": 128}}}}, "compressed-tensors (8-bit, group size 128)"),
@@ -64,11 +65,11 @@ def test_an_unquantized_config_passes():
 
 def test_the_engine_refuses_it(tmp_path):
     from tiny_models import make_engine
-    with pytest.raises(ValueError, match="quantized with GPTQ"):
-        make_engine(quantized_folder(tmp_path, CONFIGS["gptq"][0]))
+    with pytest.raises(ValueError, match="quantized with bitsandbytes"):
+        make_engine(quantized_folder(tmp_path, CONFIGS["bitsandbytes"][0]))
 
 
-@pytest.mark.parametrize("kind", ["awq_gemv", "gptq"])
+@pytest.mark.parametrize("kind", ["awq_gemv", "gptq_marlin_format"])
 def test_serve_exits_non_zero_naming_it(tmp_path, kind):
     qc, named = CONFIGS[kind]
     folder = quantized_folder(tmp_path / kind, qc)

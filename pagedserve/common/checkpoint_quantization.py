@@ -1,4 +1,4 @@
-"""Checkpoints quantized by a method we cannot load (AWQ, GPTQ, bitsandbytes, 4-bit compressed-tensors,
+"""Checkpoints quantized by a method we cannot load (AWQ's GEMV layout, bitsandbytes, GPTQ in Marlin's format,
 ...) are refused when config.json is read, before any weight is: without this they fail much later with
 "unexpected weight 'model.layers.0.self_attn.q_proj.qweight'", which names neither cause nor cure.
 
@@ -6,8 +6,10 @@ Weights stored in 8 bits or fewer with scales load, dequantized to the serving d
 (worker/scaled_weights.py): FP8 (`fp8`: per tensor, or DeepSeek-V3's and Qwen3's 128x128 blocks with
 `weight_scale_inv`; `fbgemm_fp8`: per output channel) and compressed-tensors' symmetric weights: 8-bit float
 or int (`float-quantized`, `naive-quantized`, `int-quantized`) and 2- to 8-bit int packed in int32 words
-(`pack-quantized`: W4A16 and the like), per tensor, channel, group or block; and AutoAWQ's 4-bit GEMM
-checkpoints (`awq`, version `gemm`: `qweight`, `qzeros`, `scales`). The activations' quantization
+(`pack-quantized`: W4A16 and the like), per tensor, channel, group or block; AutoAWQ's 4-bit GEMM
+checkpoints (`awq`, version `gemm`: `qweight`, `qzeros`, `scales`); and GPTQ's (`gptq`, as AutoGPTQ,
+GPTQModel and AutoRound write it: 2- to 8-bit `qweight` packed along the inputs, `qzeros`, `scales`,
+`g_idx`, act order too; `checkpoint_format` `gptq` or `gptq_v2`). The activations' quantization
 (dynamic or static `input_scale`) and an FP8 KV cache's scales are not applied: the layers compute in the
 serving dtype, as transformers does on the dequantized weights. `scaled_weights` says how a checkpoint's
 scales broadcast; `kept_in_blocks` whether its 4-bit weights are ggml's Q4_0 / Q4_1 blocks, which the CPU
@@ -24,8 +26,8 @@ from dataclasses import dataclass
 
 SUPPORTED_QUANTIZATION = ("none (unquantized safetensors), scaled weights dequantized at load (fp8, fbgemm_fp8, "
                           "compressed-tensors symmetric 8-bit float or int and packed 2- to 8-bit int, AWQ 4-bit "
-                          "GEMM), GGUF files (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), int8 (--quantization int8 on an "
-                          "unquantized checkpoint)")
+                          "GEMM, GPTQ 2- to 8-bit), GGUF files (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), int8 (--quantization "
+                          "int8 on an unquantized checkpoint)")
 _COMPRESSED_8BIT_FORMATS = ("float-quantized", "naive-quantized", "int-quantized")
 _PACKED_FORMAT = "pack-quantized"
 
@@ -39,7 +41,11 @@ class ScaledWeights:
     block: tuple[int, int] | None = None  # None: per tensor or per output channel (the scale's shape says)
     packed_bits: int = 0  # pack-quantized: the bits of each value in the int32 words (X.weight_packed)
     zero_points: bool = False  # asymmetric (packed only): X.weight_zero_point, laid out as the scale
-    awq: bool = False  # AutoAWQ's GEMM layout: X.qweight [in, out / 8], X.qzeros, X.scales [in / group, out]
+    # "": compressed-tensors' names (X.weight_packed ...); "awq": AutoAWQ's GEMM layout, X.qweight [in, out / 8],
+    # X.qzeros, X.scales [in / group, out]; "gptq": X.qweight [in * bits / 32, out], X.qzeros, X.scales, X.g_idx
+    layout: str = ""
+    zero_offset: int = 0  # GPTQ: added to a stored zero point (AutoGPTQ's format stores it less one)
+    act_order: bool = False  # GPTQ's desc_act: each input's group is X.g_idx[input], not input // group
 
 # quant_method as HF writes it -> the name users know it by.
 _KNOWN = {"awq": "AWQ", "gptq": "GPTQ", "fp8": "FP8", "fbgemm_fp8": "FP8 (fbgemm)", "bitsandbytes": "bitsandbytes",
@@ -99,7 +105,9 @@ def scaled_weights(hf_config: dict) -> ScaledWeights | None:
         if qc.get("bits", 4) != 4 or str(qc.get("version", "gemm")).lower() != "gemm" or not (
                 isinstance(group, int) and group > 0):
             return None
-        return ScaledWeights(method, (1, group), 4, bool(qc.get("zero_point", True)), awq=True)
+        return ScaledWeights(method, (1, group), 4, bool(qc.get("zero_point", True)), layout="awq")
+    if method == "gptq":
+        return _gptq(qc)
     packed = qc.get("format") == _PACKED_FORMAT
     if method != "compressed-tensors" or not (packed or qc.get("format") in _COMPRESSED_8BIT_FORMATS):
         return None
@@ -117,10 +125,23 @@ def scaled_weights(hf_config: dict) -> ScaledWeights | None:
     return ScaledWeights(method, blocks.pop(), schemes[0]["num_bits"] if packed else 0, zero_points)
 
 
+def _gptq(qc: dict) -> ScaledWeights | None:
+    """GPTQ: a zero point per output and group (AutoGPTQ's format stores it less one, `gptq_v2` as it
+    is), a group of -1 being all the inputs; Marlin's repacked format is not this layout."""
+    bits, group = qc.get("bits", 4), qc.get("group_size", 128)
+    fmt = str(qc.get("checkpoint_format") or "gptq").lower()
+    if bits not in range(2, 9) or fmt not in ("gptq", "gptq_v2") or qc.get("is_marlin_format") or not (
+            isinstance(group, int) and (group > 0 or group == -1)):
+        return None
+    return ScaledWeights("gptq", None if group == -1 else (1, group), bits, True, layout="gptq",
+                         zero_offset=1 if fmt == "gptq" else 0, act_order=bool(qc.get("desc_act")))
+
+
 def kept_in_blocks(scheme: ScaledWeights | None) -> bool:
     """Whether the CPU kernels can keep the checkpoint's weights as they are stored: 4-bit values with a
-    scale (and zero point) per output row and group of a multiple of 32 inputs are Q4_0 (Q4_1) blocks."""
-    return scheme is not None and scheme.packed_bits == 4 and (
+    scale (and zero point) per output row and group of a multiple of 32 inputs are Q4_0 (Q4_1) blocks (not
+    in GPTQ's act order, whose groups are not runs of inputs)."""
+    return scheme is not None and scheme.packed_bits == 4 and not scheme.act_order and (
         scheme.block is None or (scheme.block[0] == 1 and scheme.block[1] % 32 == 0))
 
 

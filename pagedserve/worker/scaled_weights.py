@@ -1,8 +1,8 @@
 """Checkpoint weights stored in 8 bits or fewer with scales (FP8, compressed-tensors' 8-bit float or int and
-packed int), dequantized to the serving dtype as they are read: weight = stored.float() * scale, the scale
-broadcast per tensor, per output channel or per block (common/checkpoint_quantization.ScaledWeights). A
-tensor-parallel rank reads only its rows (or, of a packed matrix, whole rows for its columns) and the
-scales that cover them.
+packed int, AutoAWQ's and GPTQ's packed int), dequantized to the serving dtype as they are read:
+weight = stored.float() * scale, the scale broadcast per tensor, per output channel or per block
+(common/checkpoint_quantization.ScaledWeights). A tensor-parallel rank reads only its rows (or, of a packed
+matrix, whole rows for its columns) and the scales that cover them.
 
 The scale tensors of a weight `X.weight` are `X.weight_scale` or `X.weight_scale_inv` (DeepSeek's name for
 the same multiplier). compressed-tensors' pack-quantized format stores `X.weight_packed` (int32 words, value
@@ -23,7 +23,7 @@ SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
 UNUSED_SUFFIXES = SCALE_SUFFIXES + (".input_scale", ".input_scale_ub", ".k_scale", ".v_scale",
                                     ".weight_zero_point", ".input_zero_point", ".weight_shape")
 PACKED = ".weight_packed"
-AWQ_PACKED = ".qweight"
+AWQ_PACKED = ".qweight"  # AutoAWQ's and GPTQ's name
 AWQ_TENSORS = (".qzeros", ".scales", ".g_idx")  # read with their qweight
 # AutoAWQ interleaves a word's 8 output columns: column 8j + k is at bits 4 * AWQ_REVERSE_ORDER[k] of word j
 # (as compressed-tensors' AutoAWQConverter reads it).
@@ -77,6 +77,64 @@ class AwqSource:
         window[dim] = (start, start + length)
         (r0, r1), (c0, c1) = window
         return dequantize(q[r0:r1, c0:c1], scale, self.scheme.block, self.shape, window, zero).to(dtype)
+
+
+def gptq_entry(name: str, where: dict, scheme: ScaledWeights, keep: bool = False):
+    """(X.weight, its shape [out, in], its GptqSource) for GPTQ's X.qweight."""
+    module = name.removesuffix(AWQ_PACKED)
+    missing = [module + n for n in (".qzeros", ".scales") if module + n not in where]
+    if missing:
+        raise ValueError(f"{name} has no {' or '.join(missing)} beside it")
+    words, outputs = where[name].get_slice(name).get_shape()
+    shape = (outputs, words * 32 // scheme.packed_bits)
+    g_idx = (where[module + ".g_idx"], module + ".g_idx") if module + ".g_idx" in where else None
+    return module + ".weight", shape, GptqSource(
+        (where[name], name), (where[module + ".scales"], module + ".scales"),
+        (where[module + ".qzeros"], module + ".qzeros"), g_idx, scheme, shape, keep and shape[1] % 32 == 0)
+
+
+class GptqSource:
+    """GPTQ's layout: X.qweight [in * b / 32, out] int32, each column its inputs' values as one little-endian
+    bit string; X.qzeros [groups, out * b / 32], each row its outputs' zero points so (less
+    scheme.zero_offset); X.scales [groups, out]; X.g_idx [in], each input's group (in act order a
+    permutation of the runs; absent or in order: input // group). A rank's rows are its columns of the
+    words; its columns need all of them. keep (the CPU kernels): Q4_0 / Q4_1 blocks, when in order."""
+
+    __slots__ = ("weight", "scale", "zero", "g_idx", "scheme", "shape", "keep")
+
+    def __init__(self, weight, scale, zero, g_idx, scheme: ScaledWeights, shape: tuple[int, int],
+                 keep: bool = False) -> None:
+        self.weight, self.scale, self.zero, self.g_idx = weight, scale, zero, g_idx
+        self.scheme, self.shape, self.keep = scheme, shape, keep
+
+    def read(self, dim: int, start: int, length: int, dtype: torch.dtype) -> torch.Tensor | QuantizedTensor:
+        rows, cols = self.shape
+        r0, r1 = (start, start + length) if dim == 0 and not self.keep else (0, rows)
+        bits, half = self.scheme.packed_bits, 1 << (self.scheme.packed_bits - 1)
+        q = unpack(self.weight[0].get_slice(self.weight[1])[:, r0:r1].T, bits, cols).to(torch.int16) + half
+        zero = (unpack(self.zero[0].get_tensor(self.zero[1]), bits, rows)[:, r0:r1].to(torch.int16) + half
+                + self.scheme.zero_offset).T  # [rows, groups]
+        scale = self.scale[0].get_tensor(self.scale[1])[:, r0:r1].T.to(torch.float32)
+        group = self._groups(cols, scale.shape[1])
+        if self.keep and group is None:
+            symmetric = bool((zero == half).all())
+            return q4_blocks(q, scale, None if symmetric else zero).narrow(dim, start, length)
+        if group is None:
+            group = torch.arange(cols) // (cols // scale.shape[1])
+        weight = (q - zero[:, group]).to(torch.float32) * scale[:, group]
+        return (weight if dim == 0 else weight[:, start:start + length]).to(dtype)
+
+    def _groups(self, cols: int, groups: int) -> torch.Tensor | None:
+        """Each input's group from X.g_idx, or None when the groups are runs of cols / groups inputs."""
+        if cols % groups:
+            raise ValueError(f"{self.weight[1]}: {groups} groups of scales for {cols} inputs")
+        in_order = torch.arange(cols) // (cols // groups)
+        if self.g_idx is None:
+            return None
+        group = self.g_idx[0].get_tensor(self.g_idx[1]).to(torch.int64)
+        if group.shape != (cols,) or int(group.min()) < 0 or int(group.max()) >= groups:
+            raise ValueError(f"{self.g_idx[1]} is not a group (0..{groups - 1}) for each of {cols} inputs")
+        return None if torch.equal(group, in_order) else group
 
 
 def q4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> QuantizedTensor:

@@ -1,6 +1,6 @@
 """Read a model folder's weights as HF-named tensors: *.safetensors (sharded too) or model.gguf. A checkpoint
-of 8-bit weights with scales (FP8, compressed-tensors: config.json's quantization_config) is dequantized as
-it is read (scaled_weights.py); its scale tensors are not yielded."""
+of 8-bit or packed weights with scales (FP8, compressed-tensors, AWQ, GPTQ: config.json's
+quantization_config) is dequantized as it is read (scaled_weights.py); its scale tensors are not yielded."""
 
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ from tqdm import tqdm
 
 from pagedserve.common.checkpoint_quantization import scaled_weights
 from pagedserve.worker.quantized import QuantizedTensor
-from pagedserve.worker.scaled_weights import (AWQ_PACKED, AWQ_TENSORS, PACKED, AwqSource, ScaledSource, awq_entry,
-                                               packed_entry, scale_name, unused)
+from pagedserve.worker.scaled_weights import (AWQ_PACKED, AWQ_TENSORS, PACKED, AwqSource, GptqSource, ScaledSource,
+                                               awq_entry, gptq_entry, packed_entry, scale_name, unused)
+
+SOURCES = (ScaledSource, AwqSource, GptqSource)
+# a packed layout -> (its packed tensor's suffix, the entry that reads it with its scales)
+_PACKED_ENTRIES = {"": (PACKED, packed_entry), "awq": (AWQ_PACKED, awq_entry), "gptq": (AWQ_PACKED, gptq_entry)}
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -45,7 +49,7 @@ class LazyWeight:
             return self._source.narrow(dim, start, length)
         if isinstance(self._source, torch.Tensor):
             return self._source.narrow(dim, start, length).to(self.dtype)
-        if isinstance(self._source, (ScaledSource, AwqSource)):
+        if isinstance(self._source, SOURCES):
             return self._source.read(dim, start, length, self.dtype)
         handle, name = self._source
         index = (slice(None),) * dim + (slice(start, start + length),)
@@ -56,7 +60,7 @@ class LazyWeight:
             return self._source
         if isinstance(self._source, torch.Tensor):
             return self._source.to(self.dtype)
-        if isinstance(self._source, (ScaledSource, AwqSource)):
+        if isinstance(self._source, SOURCES):
             return self._source.read(0, 0, self.shape[0], self.dtype)
         handle, name = self._source
         return handle.get_tensor(name).to(self.dtype)
@@ -106,10 +110,11 @@ def _scaled_checkpoint(files: list[Path], dtype: torch.dtype, scheme, progress: 
         for name in tqdm(list(where), desc="loading weights", unit="tensor", disable=not progress, leave=False):
             if unused(name):
                 continue
-            if scheme.awq and name.endswith(AWQ_TENSORS):
+            if scheme.layout and name.endswith(AWQ_TENSORS):
                 continue  # read with their qweight
-            if scheme.packed_bits and name.endswith(AWQ_PACKED if scheme.awq else PACKED):
-                weight, shape, source = (awq_entry if scheme.awq else packed_entry)(name, where, scheme, keep)
+            suffix, entry = _PACKED_ENTRIES[scheme.layout]
+            if scheme.packed_bits and name.endswith(suffix):
+                weight, shape, source = entry(name, where, scheme, keep)
                 yield weight, LazyWeight(source, shape, dtype)
                 continue
             handle = where[name]

@@ -1,0 +1,177 @@
+"""GPTQ checkpoints (quant_method "gptq", as AutoGPTQ, GPTQModel and AutoRound write them) load, dequantized
+as they are read, or on the CPU kernels kept as Q4_0 / Q4_1 blocks (worker/scaled_weights.GptqSource).
+
+The reference reader is AutoRound's torch QuantLinear for GPTQ's layout (auto_round_extension.torch:
+`qlinear_torch_zp`, zero points stored less one, and `qlinear_torch`, stored as they are: `gptq_v2`), with
+its scales in float32 so its dequantized weights are exact: it multiplies the identity, which gives the
+transposed weight; each input's group (g_idx) picks its rows of qzeros and scales. The checkpoints are
+random words (every bit, the 3-bit values that straddle words, the zero points and act order's g_idx
+matter) or written by AutoRound itself (round to nearest, its own config.json). Greedy tokens and logprobs
+equal transformers' on the reference's weights in float32."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedserve.common.checkpoint_quantization import kept_in_blocks, scaled_weights
+from pagedserve.common.model_config import ModelConfig
+from test_scaled_checkpoints import check_equals_transformers
+from tiny_models import build_tiny_model, make_engine
+
+
+def reference_weight(tensors: dict, module: str, bits: int, shape, fmt: str = "gptq") -> torch.Tensor:
+    """[out, in] float32: what AutoRound's QuantLinear for this format reads from the module's tensors.
+    (Its own g_idx path slices the scales by the input size, wrong where out != in: each input gets its
+    group's rows of qzeros and scales instead, a QuantLinear of groups of one input.)"""
+    if fmt == "gptq":
+        from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+    else:
+        from auto_round_extension.torch.qlinear_torch import QuantLinear
+    out, inputs = shape
+    group = tensors[module + ".g_idx"].long()
+    layer = QuantLinear(bits, 1, inputs, out, bias=False)
+    layer.qweight, layer.qzeros = tensors[module + ".qweight"], tensors[module + ".qzeros"][group]
+    layer.scales = tensors[module + ".scales"][group].float()
+    with torch.no_grad():
+        return layer(torch.eye(inputs)).T.contiguous()
+
+
+def random_words(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, cols), dtype=torch.int32, generator=gen)
+
+
+def gptq_checkpoint(tmp_path, bits: int = 4, group: int = 32, act_order: bool = False, fmt: str = "gptq",
+                    arch: str = "llama", symmetric: bool = False) -> tuple:
+    """(a GPTQ checkpoint of random words, the reference's weights saved plain). act_order: each matrix's
+    g_idx a random permutation of its groups' runs; symmetric: every zero point 8, as GPTQ's sym=True."""
+    plain = build_tiny_model(tmp_path / "plain", arch, seed=3)
+    tensors = load_file(plain / "model.safetensors")
+    gen = torch.Generator().manual_seed(bits * 10 + group)
+    stored, reference = {}, {}
+    for key, w in tensors.items():
+        if not key.endswith("_proj.weight") or w.shape[1] % group:
+            stored[key] = reference[key] = w
+            continue
+        module, (out, inputs) = key.removesuffix(".weight"), w.shape
+        groups = inputs // group if group > 0 else 1
+        stored[module + ".qweight"] = random_words(inputs * bits // 32, out, gen)
+        if symmetric:
+            stored_zero = 8 - (1 if fmt == "gptq" else 0)
+            word = sum(stored_zero << (bits * i) for i in range(32 // bits))
+            stored[module + ".qzeros"] = torch.full((groups, out * bits // 32), word, dtype=torch.int64).to(
+                torch.int32)
+        else:
+            stored[module + ".qzeros"] = random_words(groups, out * bits // 32, gen)
+        stored[module + ".scales"] = (torch.rand(groups, out, generator=gen) * 0.01 + 0.005).half()
+        in_order = torch.arange(inputs, dtype=torch.int32) // (group if group > 0 else inputs)
+        stored[module + ".g_idx"] = in_order[torch.randperm(inputs, generator=gen)] if act_order else in_order
+        reference[key] = reference_weight(stored, module, bits, w.shape, fmt)
+    config = json.loads((plain / "config.json").read_text())
+    qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": symmetric,
+          "checkpoint_format": fmt}
+    folder, ref = tmp_path / "gptq", tmp_path / "gptq-dequantized"
+    for path, state, cfg in ((folder, stored, {**config, "quantization_config": qc}), (ref, reference, config)):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(cfg))
+        save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
+    return folder, ref
+
+
+@pytest.mark.parametrize("bits, group, act_order, fmt, ranks", [
+    (4, 32, False, "gptq", 2),  # two ranks: o_proj's and down_proj's columns, gate/up's rows
+    (4, 32, True, "gptq", 2),  # act order: a rank's columns are no run of groups
+    (3, 64, False, "gptq", 1),  # 3-bit values straddle words, in the weights and the zero points
+    (8, -1, True, "gptq", 1),  # one group: a scale per output
+    (2, 16, False, "gptq_v2", 1),  # zero points stored as they are
+])
+def test_gptq_checkpoints_equal_transformers_on_autoround_reading_them(tmp_path, bits, group, act_order, fmt, ranks):
+    folder, ref = gptq_checkpoint(tmp_path, bits, group, act_order, fmt)
+    scheme = scaled_weights(ModelConfig.from_folder(folder).hf)
+    assert (scheme.layout, scheme.packed_bits, scheme.act_order) == ("gptq", bits, act_order)
+    check_equals_transformers(folder, ref, ranks=ranks)
+
+
+def test_a_mixture_of_experts_gptq_checkpoint(tmp_path):
+    """Qwen3-MoE: every expert's matrices are GPTQ modules of their own."""
+    folder, ref = gptq_checkpoint(tmp_path, arch="qwen3_moe", act_order=True)
+    check_equals_transformers(folder, ref)
+
+
+@pytest.fixture(scope="module")
+def autoround_gptq(tmp_path_factory):
+    """A tiny Llama quantized by AutoRound (round to nearest: no calibration data) and saved in its
+    auto_gptq format: the config.json and tensors a GPTQ checkpoint from the hub has."""
+    import transformers
+    from auto_round import AutoRound
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    root = tmp_path_factory.mktemp("autoround")
+    plain = build_tiny_model(root / "plain", seed=3)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1")
+    tokenizer.save_pretrained(plain)  # AutoRound loads the model folder, and its tokenizer from it
+    AutoRound(str(plain), tokenizer, bits=4, group_size=32, sym=True, iters=0, disable_opt_rtn=True).quantize_and_save(
+        str(root / "out"), format="auto_gptq")
+    folder = next((root / "out").glob("*/config.json")).parent
+    tensors = load_file(folder / "model.safetensors")
+    reference = {}
+    for key, w in load_file(plain / "model.safetensors").items():
+        module = key.removesuffix(".weight")
+        reference[key] = reference_weight(tensors, module, 4, w.shape) if module + ".qweight" in tensors else w
+    ref = root / "reference"
+    ref.mkdir()
+    (ref / "config.json").write_text((plain / "config.json").read_text())
+    save_file(reference, ref / "model.safetensors")
+    return folder, ref
+
+
+def test_a_checkpoint_autoround_wrote(autoround_gptq):
+    folder, ref = autoround_gptq
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"]) == ("gptq", 4, 32, True)
+    check_equals_transformers(folder, ref)
+
+
+@pytest.mark.parametrize("kind, qtype", [("asymmetric", "Q4_1"), ("symmetric", "Q4_0"), ("autoround", "Q4_0")])
+def test_4_bit_gptq_stays_4_bit_blocks_on_the_cpu_kernels(tmp_path, autoround_gptq, kind, qtype):
+    """In order (no act order), 4-bit GPTQ weights are Q4_0 blocks when every zero point is 8 (symmetric),
+    else Q4_1: they dequantize to the float load's weights, and the model predicts what it does."""
+    from pagedserve.kernels import cpu_ops
+    from pagedserve.worker.weights import iter_lazy_weights
+    from test_quantized_model import agreement, top1
+
+    import numpy as np
+    folder = autoround_gptq[0] if kind == "autoround" else gptq_checkpoint(
+        tmp_path, symmetric=kind == "symmetric")[0]
+    name = "model.layers.0.mlp.down_proj.weight"
+    blocks, weight = (next(w.full() for n, w in iter_lazy_weights(folder, torch.float32, False, keep) if n == name)
+                      for keep in (True, False))
+    assert blocks.qtype.name == qtype
+    assert torch.allclose(blocks.dequantize(cpu_ops.load(), torch.float32), weight, atol=1e-3, rtol=0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, 40).tolist() for _ in range(3)]
+    with make_engine(folder, quantization="auto") as quant, make_engine(folder) as plain:
+        assert quant.runner.quantization == "gguf" and qtype in quant.runner.weights_description
+        assert agreement(top1(quant, prompts), top1(plain, prompts)) >= 0.9
+
+
+def test_act_order_is_dequantized_even_where_the_kernels_keep_blocks(tmp_path):
+    folder, _ = gptq_checkpoint(tmp_path, act_order=True)
+    assert not kept_in_blocks(scaled_weights(ModelConfig.from_folder(folder).hf))
+    with make_engine(folder, quantization="auto") as engine:
+        assert engine.runner.weights_description.startswith("float, dequantized at load")
+
+
+def test_a_g_idx_that_names_no_group_is_an_error(tmp_path):
+    folder, _ = gptq_checkpoint(tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.g_idx"][5] = 7  # two groups of 32 inputs
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj.g_idx is not a group \(0..1\) for each of "
+                                         "64 inputs"):
+        make_engine(folder)
