@@ -1,5 +1,6 @@
-"""GPTQ checkpoints (quant_method "gptq", as AutoGPTQ, GPTQModel and AutoRound write them) load, dequantized
-as they are read, or on the CPU kernels kept as Q4_0 / Q4_1 blocks (worker/scaled_weights.GptqSource).
+"""GPTQ checkpoints (quant_method "gptq", as AutoGPTQ, GPTQModel and AutoRound write them), and AutoRound's own format
+of the same tensors (quant_method "auto-round"), load, dequantized as they are read, or on the CPU kernels kept as Q4_0
+/ Q4_1 blocks (worker/scaled_weights.GptqSource).
 
 The reference reader is AutoRound's torch QuantLinear for GPTQ's layout (auto_round_extension.torch:
 `qlinear_torch_zp`, zero points stored less one, and `qlinear_torch`, stored as they are: `gptq_v2`), with
@@ -19,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.common.checkpoint_quantization import kept_in_blocks, scaled_weights
 from pagedserve.common.model_config import ModelConfig
-from test_scaled_checkpoints import check_equals_transformers
+from test_scaled_checkpoints import awq_reference, check_equals_transformers
 from tiny_models import build_tiny_model, make_engine
 
 
@@ -32,10 +33,11 @@ def reference_weight(tensors: dict, module: str, bits: int, shape, fmt: str = "g
     else:
         from auto_round_extension.torch.qlinear_torch import QuantLinear
     out, inputs = shape
-    group = tensors[module + ".g_idx"].long()
+    scales = tensors[module + ".scales"]
+    group = tensors.get(module + ".g_idx", torch.arange(inputs) // (inputs // scales.shape[0])).long()
     layer = QuantLinear(bits, 1, inputs, out, bias=False)
     layer.qweight, layer.qzeros = tensors[module + ".qweight"], tensors[module + ".qzeros"][group]
-    layer.scales = tensors[module + ".scales"][group].float()
+    layer.scales = scales[group].float()
     with torch.no_grad():
         return layer(torch.eye(inputs)).T.contiguous()
 
@@ -101,28 +103,31 @@ def test_a_mixture_of_experts_gptq_checkpoint(tmp_path):
     check_equals_transformers(folder, ref)
 
 
-@pytest.fixture(scope="module")
-def autoround_gptq(tmp_path_factory):
-    """A tiny Llama quantized by AutoRound (round to nearest: no calibration data) and saved in its
-    auto_gptq format: the config.json and tensors a GPTQ checkpoint from the hub has."""
+def autoround(root, fmt: str, sym: bool = True, model_free: bool = False) -> tuple:
+    """A tiny Llama quantized by AutoRound (4-bit, groups of 32, round to nearest: no calibration data) and
+    saved in `fmt`, and the reference's weights saved plain: the config.json and tensors a checkpoint of
+    that format from the hub has."""
     import transformers
     from auto_round import AutoRound
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    root = tmp_path_factory.mktemp("autoround")
     plain = build_tiny_model(root / "plain", seed=3)
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1")
     tokenizer.save_pretrained(plain)  # AutoRound loads the model folder, and its tokenizer from it
-    AutoRound(str(plain), tokenizer, bits=4, group_size=32, sym=True, iters=0, disable_opt_rtn=True).quantize_and_save(
-        str(root / "out"), format="auto_gptq")
-    folder = next((root / "out").glob("*/config.json")).parent
-    tensors = load_file(folder / "model.safetensors")
-    reference = {}
-    for key, w in load_file(plain / "model.safetensors").items():
-        module = key.removesuffix(".weight")
-        reference[key] = reference_weight(tensors, module, 4, w.shape) if module + ".qweight" in tensors else w
+    AutoRound(str(plain), tokenizer, bits=4, group_size=32, sym=sym, iters=0, disable_opt_rtn=True,
+              disable_model_free=not model_free).quantize_and_save(str(root / "out"), format=fmt)
+    folder = next((root / "out").glob("**/config.json")).parent
+    packing = json.loads((folder / "config.json").read_text())["quantization_config"].get("packing_format", "")
+    tensors, weights = load_file(folder / "model.safetensors"), load_file(plain / "model.safetensors")
+    if packing == "auto_round:auto_awq":
+        reference = awq_reference(tensors, weights, 32, not sym)
+    else:
+        offset = packing in ("", "auto_round:auto_gptq")
+        reference = {key: reference_weight(tensors, key.removesuffix(".weight"), 4, w.shape,
+                                           "gptq" if offset else "gptq_v2")
+                     if key.removesuffix(".weight") + ".qweight" in tensors else w for key, w in weights.items()}
     ref = root / "reference"
     ref.mkdir()
     (ref / "config.json").write_text((plain / "config.json").read_text())
@@ -130,11 +135,40 @@ def autoround_gptq(tmp_path_factory):
     return folder, ref
 
 
-def test_a_checkpoint_autoround_wrote(autoround_gptq):
+@pytest.fixture(scope="module")
+def autoround_gptq(tmp_path_factory):
+    return autoround(tmp_path_factory.mktemp("autoround"), "auto_gptq")
+
+
+def test_a_gptq_checkpoint_autoround_wrote(autoround_gptq):
     folder, ref = autoround_gptq
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"]) == ("gptq", 4, 32, True)
     check_equals_transformers(folder, ref)
+
+
+@pytest.mark.parametrize("sym, model_free, packing", [
+    (True, False, "auto_round:auto_gptq"), (False, True, "auto_round"), (False, False, "auto_round:auto_awq")])
+def test_autorounds_own_format(tmp_path, sym, model_free, packing):
+    """quant_method auto-round (Intel's checkpoints on the hub): GPTQ's tensors with the zero points stored
+    less one (auto_gptq packing) or as they are (its model-free writer's), or AutoAWQ's tensors."""
+    folder, ref = autoround(tmp_path, "auto_round", sym, model_free)
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["packing_format"]) == ("auto-round", packing)
+    check_equals_transformers(folder, ref, ranks=2)
+
+
+@pytest.mark.parametrize("extra, loads", [
+    ({}, True), ({"lm_head": {"bits": 16, "data_type": "float"}}, True),
+    ({"model.layers.0.mlp.down_proj": {"bits": 4, "group_size": 32}}, True),
+    ({"model.layers.0.mlp.down_proj": {"bits": 8}}, False),  # mixed widths
+    ({"model.layers.0.mlp.down_proj": {"bits": 4, "group_size": 128}}, False)])
+def test_autoround_layers_of_another_width_are_refused(extra, loads):
+    qc = {"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq", "bits": 4, "group_size": 32,
+          "sym": True, "data_type": "int", "extra_config": extra}
+    assert (scaled_weights({"quantization_config": qc}) is not None) == loads
+    for other in ({"data_type": "mx_fp"}, {"packing_format": "auto_round:llm_compressor"}, {"act_bits": 8}):
+        assert scaled_weights({"quantization_config": {**qc, **other}}) is None
 
 
 @pytest.mark.parametrize("kind, qtype", [("asymmetric", "Q4_1"), ("symmetric", "Q4_0"), ("autoround", "Q4_0")])

@@ -254,14 +254,34 @@ def test_an_8_bit_weight_without_its_scale_is_named(tmp_path):
         make_engine(folder)
 
 
-def awq_checkpoint(tmp_path, zero_point: bool, arch: str = "llama") -> tuple:
-    """AutoAWQ's GEMM layout (random words, so every nibble and order matters), and its reference: the weights
-    compressed-tensors' AutoAWQConverter and dequantize read from it, saved plain."""
+def awq_reference(awq: dict, plain: dict, group: int, zero_point: bool) -> dict:
+    """The plain checkpoint's tensors, each weight stored in `awq` (qweight, qzeros, scales) as
+    compressed-tensors' AutoAWQConverter and dequantize read it, in float32."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 
+    converted = AutoAWQConverter(bits=4, group_size=group, zero_point=zero_point).process(dict(awq))
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group, symmetric=not zero_point)
+    reference = {}
+    for key, w in plain.items():
+        module = key.removesuffix(".weight")
+        if module + ".qweight" not in awq:
+            reference[key] = w
+            continue
+        q = unpack_from_int32(converted[module + ".weight_packed"], 4, w.shape)
+        groups = torch.Size([w.shape[0], w.shape[1] // group])
+        zero = (unpack_from_int32(converted[module + ".weight_zero_point"], 4, groups, packed_dim=0)
+                if zero_point else None)
+        scale = converted[module + ".weight_scale"].float()
+        reference[key] = ct_dequantize(q, scale, zero, args, dtype=torch.float32)
+    return reference
+
+
+def awq_checkpoint(tmp_path, zero_point: bool, arch: str = "llama") -> tuple:
+    """AutoAWQ's GEMM layout (random words, so every nibble and order matters), and its reference: the weights
+    compressed-tensors' AutoAWQConverter and dequantize read from it, saved plain."""
     group = 32
     plain = build_tiny_model(tmp_path / "plain", arch, seed=3)
     tensors = load_file(plain / "model.safetensors")
@@ -279,20 +299,7 @@ def awq_checkpoint(tmp_path, zero_point: bool, arch: str = "llama") -> tuple:
             awq[module + ".qzeros"] = torch.randint(-2 ** 31, 2 ** 31 - 1, (cols // group, rows // 8),
                                                     dtype=torch.int32, generator=gen)
         awq[module + ".scales"] = (torch.rand(cols // group, rows, generator=gen) * 0.01 + 0.005).half()
-    converted = AutoAWQConverter(bits=4, group_size=group, zero_point=zero_point).process(dict(awq))
-    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group, symmetric=not zero_point)
-    reference = {}
-    for key, w in tensors.items():
-        module = key.removesuffix(".weight")
-        if key not in quantized:
-            reference[key] = w
-            continue
-        q = unpack_from_int32(converted[module + ".weight_packed"], 4, w.shape)
-        groups = torch.Size([w.shape[0], w.shape[1] // group])
-        zero = (unpack_from_int32(converted[module + ".weight_zero_point"], 4, groups, packed_dim=0)
-                if zero_point else None)
-        scale = converted[module + ".weight_scale"].float()
-        reference[key] = ct_dequantize(q, scale, zero, args, dtype=torch.float32)
+    reference = awq_reference(awq, tensors, group, zero_point)
     config = json.loads((plain / "config.json").read_text())
     folder, ref = tmp_path / "awq", tmp_path / "awq-dequantized"
     for path, state, cfg in ((folder, awq, {**config, "quantization_config": {

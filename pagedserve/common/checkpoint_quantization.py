@@ -9,7 +9,8 @@ or int (`float-quantized`, `naive-quantized`, `int-quantized`) and 2- to 8-bit i
 (`pack-quantized`: W4A16 and the like), per tensor, channel, group or block; AutoAWQ's 4-bit GEMM
 checkpoints (`awq`, version `gemm`: `qweight`, `qzeros`, `scales`); and GPTQ's (`gptq`, as AutoGPTQ,
 GPTQModel and AutoRound write it: 2- to 8-bit `qweight` packed along the inputs, `qzeros`, `scales`,
-`g_idx`, act order too; `checkpoint_format` `gptq` or `gptq_v2`). The activations' quantization
+`g_idx`, act order too; `checkpoint_format` `gptq` or `gptq_v2`; and AutoRound's own `auto-round`
+format of the same tensors). The activations' quantization
 (dynamic or static `input_scale`) and an FP8 KV cache's scales are not applied: the layers compute in the
 serving dtype, as transformers does on the dequantized weights. `scaled_weights` says how a checkpoint's
 scales broadcast; `kept_in_blocks` whether its 4-bit weights are ggml's Q4_0 / Q4_1 blocks, which the CPU
@@ -22,12 +23,12 @@ formats) and, for unquantized HF checkpoints, weight-only int8 on request (--qua
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 SUPPORTED_QUANTIZATION = ("none (unquantized safetensors), scaled weights dequantized at load (fp8, fbgemm_fp8, "
                           "compressed-tensors symmetric 8-bit float or int and packed 2- to 8-bit int, AWQ 4-bit "
-                          "GEMM, GPTQ 2- to 8-bit), GGUF files (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), int8 (--quantization "
-                          "int8 on an unquantized checkpoint)")
+                          "GEMM, GPTQ and AutoRound 2- to 8-bit int), GGUF files (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), "
+                          "int8 (--quantization int8 on an unquantized checkpoint)")
 _COMPRESSED_8BIT_FORMATS = ("float-quantized", "naive-quantized", "int-quantized")
 _PACKED_FORMAT = "pack-quantized"
 
@@ -108,6 +109,8 @@ def scaled_weights(hf_config: dict) -> ScaledWeights | None:
         return ScaledWeights(method, (1, group), 4, bool(qc.get("zero_point", True)), layout="awq")
     if method == "gptq":
         return _gptq(qc)
+    if method in ("auto-round", "intel/auto-round"):
+        return _auto_round(qc)
     packed = qc.get("format") == _PACKED_FORMAT
     if method != "compressed-tensors" or not (packed or qc.get("format") in _COMPRESSED_8BIT_FORMATS):
         return None
@@ -135,6 +138,37 @@ def _gptq(qc: dict) -> ScaledWeights | None:
         return None
     return ScaledWeights("gptq", None if group == -1 else (1, group), bits, True, layout="gptq",
                          zero_offset=1 if fmt == "gptq" else 0, act_order=bool(qc.get("desc_act")))
+
+
+# AutoRound's packing formats -> GPTQ's layout with the zero points' offset (as its own loader reads them),
+# or "awq": AutoAWQ's GEMM layout
+_AUTO_ROUND_PACKINGS = {"auto_round:auto_gptq": 1, "auto_round:gptq": 1, "auto": 1, "auto_round": 0,
+                        "auto_round:gptqmodel": 0, "auto_round:auto_awq": "awq", "auto_round:awq": "awq"}
+
+
+def _auto_round(qc: dict) -> ScaledWeights | None:
+    """AutoRound's own format (quant_method auto-round): GPTQ's tensors (or, packed as auto_awq, AutoAWQ's), integer
+    weights of one width, the zero points' offset by packing_format. Layers it lists in extra_config must be that width
+    too, or float (16 bits and over: stored plain); mixed widths and its float formats (MXFP4, NVFP4, FP8) are not this
+    layout."""
+    packing = str(qc.get("packing_format") or "auto_round:auto_gptq")
+    default = (qc.get("bits", 4), qc.get("group_size", 128), qc.get("sym", True), qc.get("data_type", "int"))
+    layers = [c for c in (qc.get("extra_config") or {}).values() if isinstance(c, dict)]
+
+    def same_or_float(layer: dict) -> bool:
+        own = tuple(layer.get(key, value) for key, value in zip(("bits", "group_size", "sym", "data_type"), default))
+        return own == default or (isinstance(own[0], int) and own[0] >= 16)
+
+    if (packing not in _AUTO_ROUND_PACKINGS or default[3] != "int" or (qc.get("act_bits") or 16) < 16
+            or not all(map(same_or_float, layers))):
+        return None
+    bits, group = default[:2]
+    if _AUTO_ROUND_PACKINGS[packing] == "awq":
+        return ScaledWeights("auto-round", (1, group), 4, not default[2], layout="awq") if bits == 4 and (
+            isinstance(group, int) and group > 0) else None
+    scheme = _gptq({"bits": bits, "group_size": group, "desc_act": False,
+                    "checkpoint_format": "gptq" if _AUTO_ROUND_PACKINGS[packing] else "gptq_v2"})
+    return None if scheme is None else replace(scheme, method="auto-round")
 
 
 def kept_in_blocks(scheme: ScaledWeights | None) -> bool:
