@@ -93,20 +93,20 @@ def test_pull_and_list(hub, tiny, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(hub)
     # A prepared named model in the data dir, and a cached repo we could not serve.
     shutil.copytree(tiny, tmp_path / "data" / "models" / "tiny-named")
-    bnb = tmp_path / "bnb"
-    bnb.mkdir()
+    gemv = tmp_path / "awq-gemv"
+    gemv.mkdir()
     config = json.loads((tiny / "config.json").read_text())
-    quantized = {**config, "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}
-    (bnb / "config.json").write_text(json.dumps(quantized))
-    fill_hub_cache(hub.parents[2], "tiny-org/tiny-bnb", bnb)
+    quantized = {**config, "quantization_config": {"quant_method": "awq", "bits": 4, "version": "gemv"}}
+    (gemv / "config.json").write_text(json.dumps(quantized))
+    fill_hub_cache(hub.parents[2], "tiny-org/tiny-awq-gemv", gemv)
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["NAME", "ARCHITECTURE", "SIZE", "PATH"]
     rows = {line.split()[0]: line for line in lines[1:]}
-    assert set(rows) == {"tiny-named", REPO, "tiny-org/tiny-bnb"}
+    assert set(rows) == {"tiny-named", REPO, "tiny-org/tiny-awq-gemv"}
     size_mib = sum(f.stat().st_size for f in tiny.iterdir()) / 2**20
     assert re.fullmatch(rf"{REPO}\s+LlamaForCausalLM\s+{size_mib:.1f} MiB\s+{re.escape(str(hub))}", rows[REPO])
-    assert "(cannot load: the model is quantized with bitsandbytes (4-bit))" in rows["tiny-org/tiny-bnb"]
+    assert "(cannot load: the model is quantized with AWQ (4-bit))" in rows["tiny-org/tiny-awq-gemv"]
     assert resolve_model("tiny-named") == tmp_path / "data" / "models" / "tiny-named"
 
 

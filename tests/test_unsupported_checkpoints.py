@@ -1,6 +1,6 @@
 """Checkpoints we cannot load say so before any weight is read: a quantization_config (AWQ's GEMV layout,
-GPTQ in Marlin's format, asymmetric unpacked compressed-tensors, bitsandbytes) names the method and what is
-supported, in
+GPTQ in Marlin's format, asymmetric unpacked compressed-tensors, HQQ) names the method and what is supported,
+in
 ModelConfig, the engine and `serve` (which exits non-zero before starting a service)."""
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ CONFIGS = {
     "compressed_int8_asymmetric": ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {
         "group_0": {"weights": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "group",
                                 "group_size": 128}}}}, "compressed-tensors (8-bit, group size 128)"),
-    "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes (4-bit)"),
-    "bitsandbytes_legacy": ({"load_in_8bit": True}, "bitsandbytes (8-bit)"),  # before quant_method existed
+    "bitsandbytes_other_4bit_type": ({"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                      "bnb_4bit_quant_type": "int4"}, "bitsandbytes (4-bit)"),
+    "hqq": ({"quant_method": "hqq", "quant_config": {"weight_quant_params": {"nbits": 4}}}, "HQQ"),
 }
 
 
@@ -65,8 +66,8 @@ def test_an_unquantized_config_passes():
 
 def test_the_engine_refuses_it(tmp_path):
     from tiny_models import make_engine
-    with pytest.raises(ValueError, match="quantized with bitsandbytes"):
-        make_engine(quantized_folder(tmp_path, CONFIGS["bitsandbytes"][0]))
+    with pytest.raises(ValueError, match="quantized with HQQ"):
+        make_engine(quantized_folder(tmp_path, CONFIGS["hqq"][0]))
 
 
 @pytest.mark.parametrize("kind", ["awq_gemv", "gptq_marlin_format"])

@@ -1,4 +1,4 @@
-"""Checkpoints quantized by a method we cannot load (AWQ's GEMV layout, bitsandbytes, GPTQ in Marlin's format,
+"""Checkpoints quantized by a method we cannot load (AWQ's GEMV layout, GPTQ in Marlin's format, HQQ, AQLM,
 ...) are refused when config.json is read, before any weight is: without this they fail much later with
 "unexpected weight 'model.layers.0.self_attn.q_proj.qweight'", which names neither cause nor cure.
 
@@ -10,7 +10,8 @@ or int (`float-quantized`, `naive-quantized`, `int-quantized`) and 2- to 8-bit i
 checkpoints (`awq`, version `gemm`: `qweight`, `qzeros`, `scales`); and GPTQ's (`gptq`, as AutoGPTQ,
 GPTQModel and AutoRound write it: 2- to 8-bit `qweight` packed along the inputs, `qzeros`, `scales`,
 `g_idx`, act order too; `checkpoint_format` `gptq` or `gptq_v2`; and AutoRound's own `auto-round`
-format of the same tensors). The activations' quantization
+format of the same tensors); and bitsandbytes' (transformers' serialization: NF4 or FP4, double quantization too,
+and LLM.int8). The activations' quantization
 (dynamic or static `input_scale`) and an FP8 KV cache's scales are not applied: the layers compute in the
 serving dtype, as transformers does on the dequantized weights. `scaled_weights` says how a checkpoint's
 scales broadcast; `kept_in_blocks` whether its 4-bit weights are ggml's Q4_0 / Q4_1 blocks, which the CPU
@@ -27,8 +28,8 @@ from dataclasses import dataclass, replace
 
 SUPPORTED_QUANTIZATION = ("none (unquantized safetensors), scaled weights dequantized at load (fp8, fbgemm_fp8, "
                           "compressed-tensors symmetric 8-bit float or int and packed 2- to 8-bit int, AWQ 4-bit "
-                          "GEMM, GPTQ and AutoRound 2- to 8-bit int), GGUF files (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), "
-                          "int8 (--quantization int8 on an unquantized checkpoint)")
+                          "GEMM, GPTQ and AutoRound 2- to 8-bit int, bitsandbytes NF4, FP4 and int8), GGUF files "
+                          "(Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), int8 (--quantization int8 on an unquantized checkpoint)")
 _COMPRESSED_8BIT_FORMATS = ("float-quantized", "naive-quantized", "int-quantized")
 _PACKED_FORMAT = "pack-quantized"
 
@@ -43,7 +44,8 @@ class ScaledWeights:
     packed_bits: int = 0  # pack-quantized: the bits of each value in the int32 words (X.weight_packed)
     zero_points: bool = False  # asymmetric (packed only): X.weight_zero_point, laid out as the scale
     # "": compressed-tensors' names (X.weight_packed ...); "awq": AutoAWQ's GEMM layout, X.qweight [in, out / 8],
-    # X.qzeros, X.scales [in / group, out]; "gptq": X.qweight [in * bits / 32, out], X.qzeros, X.scales, X.g_idx
+    # X.qzeros, X.scales [in / group, out]; "gptq": X.qweight [in * bits / 32, out], X.qzeros, X.scales, X.g_idx;
+    # "bitsandbytes": transformers' serialization of its 4-bit (NF4, FP4) and 8-bit layers
     layout: str = ""
     zero_offset: int = 0  # GPTQ: added to a stored zero point (AutoGPTQ's format stores it less one)
     act_order: bool = False  # GPTQ's desc_act: each input's group is X.g_idx[input], not input // group
@@ -109,6 +111,11 @@ def scaled_weights(hf_config: dict) -> ScaledWeights | None:
         return ScaledWeights(method, (1, group), 4, bool(qc.get("zero_point", True)), layout="awq")
     if method == "gptq":
         return _gptq(qc)
+    if method == "bitsandbytes":
+        four = qc.get("load_in_4bit") or qc.get("_load_in_4bit")
+        if four and str(qc.get("bnb_4bit_quant_type", "fp4")).lower() not in ("nf4", "fp4"):
+            return None
+        return ScaledWeights(method, packed_bits=4 if four else 8, layout="bitsandbytes")
     if method in ("auto-round", "intel/auto-round"):
         return _auto_round(qc)
     packed = qc.get("format") == _PACKED_FORMAT
@@ -174,8 +181,9 @@ def _auto_round(qc: dict) -> ScaledWeights | None:
 def kept_in_blocks(scheme: ScaledWeights | None) -> bool:
     """Whether the CPU kernels can keep the checkpoint's weights as they are stored: 4-bit values with a
     scale (and zero point) per output row and group of a multiple of 32 inputs are Q4_0 (Q4_1) blocks (not
-    in GPTQ's act order, whose groups are not runs of inputs)."""
+    in GPTQ's act order, whose groups are not runs of inputs; not bitsandbytes' NF4 or FP4 codes)."""
     return scheme is not None and scheme.packed_bits == 4 and not scheme.act_order and (
+        scheme.layout != "bitsandbytes") and (
         scheme.block is None or (scheme.block[0] == 1 and scheme.block[1] % 32 == 0))
 
 

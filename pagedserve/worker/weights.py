@@ -1,5 +1,5 @@
 """Read a model folder's weights as HF-named tensors: *.safetensors (sharded too) or model.gguf. A checkpoint
-of 8-bit or packed weights with scales (FP8, compressed-tensors, AWQ, GPTQ: config.json's
+of 8-bit or packed weights with scales (FP8, compressed-tensors, AWQ, GPTQ, bitsandbytes: config.json's
 quantization_config) is dequantized as it is read (scaled_weights.py); its scale tensors are not yielded."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from pagedserve.common.checkpoint_quantization import scaled_weights
+from pagedserve.worker import bitsandbytes_weights
 from pagedserve.worker.quantized import QuantizedTensor
 from pagedserve.worker.scaled_weights import (AWQ_PACKED, AWQ_TENSORS, PACKED, AwqSource, GptqSource, ScaledSource,
                                                awq_entry, gptq_entry, packed_entry, scale_name, unused)
 
-SOURCES = (ScaledSource, AwqSource, GptqSource)
+SOURCES = (ScaledSource, AwqSource, GptqSource, bitsandbytes_weights.FourBitSource, bitsandbytes_weights.Int8RowSource)
 # a packed layout -> (its packed tensor's suffix, the entry that reads it with its scales)
 _PACKED_ENTRIES = {"": (PACKED, packed_entry), "awq": (AWQ_PACKED, awq_entry), "gptq": (AWQ_PACKED, gptq_entry)}
 
@@ -108,13 +109,13 @@ def _scaled_checkpoint(files: list[Path], dtype: torch.dtype, scheme, progress: 
                 raise ValueError(f"cannot read weight file {path}: {exc}") from exc
             where.update((name, handle) for name in handle.keys())
         for name in tqdm(list(where), desc="loading weights", unit="tensor", disable=not progress, leave=False):
-            if unused(name):
+            if unused(name) or (scheme.layout == "bitsandbytes" and name.endswith(bitsandbytes_weights.SUFFIXES)):
                 continue
-            if scheme.layout and name.endswith(AWQ_TENSORS):
+            if scheme.layout in ("awq", "gptq") and name.endswith(AWQ_TENSORS):
                 continue  # read with their qweight
-            suffix, entry = _PACKED_ENTRIES[scheme.layout]
-            if scheme.packed_bits and name.endswith(suffix):
-                weight, shape, source = entry(name, where, scheme, keep)
+            found = _packed(name, where, scheme, keep)
+            if found is not None:
+                weight, shape, source = found
                 yield weight, LazyWeight(source, shape, dtype)
                 continue
             handle = where[name]
@@ -127,6 +128,14 @@ def _scaled_checkpoint(files: list[Path], dtype: torch.dtype, scheme, progress: 
             source = (handle, name) if scale is None else ScaledSource((handle, name), (where[scale], scale), scheme,
                                                                        shape)
             yield name, LazyWeight(source, shape, dtype)
+
+
+def _packed(name: str, where: dict, scheme, keep: bool):
+    """(weight name, shape, source) when `name` is a packed tensor of the scheme's layout, else None."""
+    if scheme.layout == "bitsandbytes":
+        return bitsandbytes_weights.bnb_entry(name, where)
+    suffix, entry = _PACKED_ENTRIES[scheme.layout]
+    return entry(name, where, scheme, keep) if scheme.packed_bits and name.endswith(suffix) else None
 
 
 def iter_weights(folder: str | Path, dtype: torch.dtype, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
