@@ -47,18 +47,22 @@ def random_words(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def gptq_checkpoint(tmp_path, bits: int = 4, group: int = 32, act_order: bool = False, fmt: str = "gptq",
-                    arch: str = "llama", symmetric: bool = False) -> tuple:
+                    arch: str = "llama", symmetric: bool = False, dynamic: tuple[dict, object] = ({}, None)) -> tuple:
     """(a GPTQ checkpoint of random words, the reference's weights saved plain). act_order: each matrix's
-    g_idx a random permutation of its groups' runs; symmetric: every zero point 8, as GPTQ's sym=True."""
+    g_idx a random permutation of its groups' runs; symmetric: every zero point 8, as GPTQ's sym=True;
+    dynamic: GPTQModel's overrides for the config, and what they mean: module -> (bits, group), or None
+    where a module is left float."""
     plain = build_tiny_model(tmp_path / "plain", arch, seed=3)
     tensors = load_file(plain / "model.safetensors")
     gen = torch.Generator().manual_seed(bits * 10 + group)
     stored, reference = {}, {}
+    default = (bits, group)
     for key, w in tensors.items():
-        if not key.endswith("_proj.weight") or w.shape[1] % group:
+        module, (out, inputs) = key.removesuffix(".weight"), w.shape if w.dim() == 2 else (0, 0)
+        bits, group = (dynamic[1] or (lambda _: default))(module) or (0, 1)
+        if not key.endswith("_proj.weight") or not bits or w.shape[1] % group:
             stored[key] = reference[key] = w
             continue
-        module, (out, inputs) = key.removesuffix(".weight"), w.shape
         groups = inputs // group if group > 0 else 1
         stored[module + ".qweight"] = random_words(inputs * bits // 32, out, gen)
         if symmetric:
@@ -73,8 +77,8 @@ def gptq_checkpoint(tmp_path, bits: int = 4, group: int = 32, act_order: bool = 
         stored[module + ".g_idx"] = in_order[torch.randperm(inputs, generator=gen)] if act_order else in_order
         reference[key] = reference_weight(stored, module, bits, w.shape, fmt)
     config = json.loads((plain / "config.json").read_text())
-    qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": symmetric,
-          "checkpoint_format": fmt}
+    qc = {"quant_method": "gptq", "bits": default[0], "group_size": default[1], "desc_act": act_order,
+          "sym": symmetric, "checkpoint_format": fmt, **({"dynamic": dynamic[0]} if dynamic[0] else {})}
     folder, ref = tmp_path / "gptq", tmp_path / "gptq-dequantized"
     for path, state, cfg in ((folder, stored, {**config, "quantization_config": qc}), (ref, reference, config)):
         path.mkdir()
@@ -95,6 +99,29 @@ def test_gptq_checkpoints_equal_transformers_on_autoround_reading_them(tmp_path,
     scheme = scaled_weights(ModelConfig.from_folder(folder).hf)
     assert (scheme.layout, scheme.packed_bits, scheme.act_order) == ("gptq", bits, act_order)
     check_equals_transformers(folder, ref, ranks=ranks)
+
+
+def test_gptqmodel_dynamic_overrides_give_a_module_its_own_bits_or_none(tmp_path):
+    """GPTQModel's `dynamic`: a rule (a pattern re.match-ed against the module's name, "+:" optional) gives
+    the modules it matches their own bits and group size, the first that matches deciding; "-:" leaves them
+    float. Two ranks: a rank's rows and columns of an 8-bit and a 2-bit matrix."""
+    dynamic = {r"-:.*layers\.1\.self_attn\.o_proj": {}, r"+:.*down_proj": {"bits": 8, "group_size": 64},
+               r".*layers\.0\.mlp\.up_proj": {"bits": 2}, r".*layers\.0\.mlp\.(up|gate)_proj": {"bits": 3}}
+
+    def meaning(module: str):
+        if module == "model.layers.1.self_attn.o_proj":
+            return None
+        if module.endswith("down_proj"):
+            return 8, 64
+        return {"model.layers.0.mlp.up_proj": (2, 32), "model.layers.0.mlp.gate_proj": (3, 32)}.get(module, (4, 32))
+
+    folder, ref = gptq_checkpoint(tmp_path, dynamic=(dynamic, meaning))
+    stored = load_file(folder / "model.safetensors")
+    assert "model.layers.1.self_attn.o_proj.weight" in stored
+    assert stored["model.layers.0.mlp.up_proj.qweight"].shape[0] == 64 * 2 // 32
+    check_equals_transformers(folder, ref, ranks=2)
+    with make_engine(folder, quantization="auto") as kept:  # the 4-bit matrices as Q4_1 blocks, the others float
+        assert "Q4_1" in kept.runner.weights_description
 
 
 def test_a_mixture_of_experts_gptq_checkpoint(tmp_path):

@@ -24,6 +24,7 @@ formats) and, for unquantized HF checkpoints, weight-only int8 on request (--qua
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 SUPPORTED_QUANTIZATION = ("none (unquantized safetensors), scaled weights dequantized at load (fp8, fbgemm_fp8, "
@@ -49,6 +50,13 @@ class ScaledWeights:
     layout: str = ""
     zero_offset: int = 0  # GPTQ: added to a stored zero point (AutoGPTQ's format stores it less one)
     act_order: bool = False  # GPTQ's desc_act: each input's group is X.g_idx[input], not input // group
+    # GPTQModel's `dynamic` overrides: (pattern, bits) in order, the first whose pattern matches a module's name
+    # (re.match) giving its bits; modules it skips are stored plain
+    module_bits: tuple[tuple[str, int], ...] = ()
+
+    def bits_of(self, module: str) -> int:
+        """The packed bits of a module's weight (`module`: its name without .qweight)."""
+        return next((bits for pattern, bits in self.module_bits if re.match(pattern, module)), self.packed_bits)
 
 # quant_method as HF writes it -> the name users know it by.
 _KNOWN = {"awq": "AWQ", "gptq": "GPTQ", "fp8": "FP8", "fbgemm_fp8": "FP8 (fbgemm)", "bitsandbytes": "bitsandbytes",
@@ -140,11 +148,36 @@ def _gptq(qc: dict) -> ScaledWeights | None:
     is), a group of -1 being all the inputs; Marlin's repacked format is not this layout."""
     bits, group = qc.get("bits", 4), qc.get("group_size", 128)
     fmt = str(qc.get("checkpoint_format") or "gptq").lower()
+    module_bits = _dynamic_bits(qc.get("dynamic") or {}, bits)
     if bits not in range(2, 9) or fmt not in ("gptq", "gptq_v2") or qc.get("is_marlin_format") or not (
-            isinstance(group, int) and (group > 0 or group == -1)):
+            isinstance(group, int) and (group > 0 or group == -1)) or module_bits is None:
         return None
     return ScaledWeights("gptq", None if group == -1 else (1, group), bits, True, layout="gptq",
-                         zero_offset=1 if fmt == "gptq" else 0, act_order=bool(qc.get("desc_act")))
+                         zero_offset=1 if fmt == "gptq" else 0, act_order=bool(qc.get("desc_act")),
+                         module_bits=module_bits)
+
+
+def _dynamic_bits(dynamic, bits: int) -> tuple[tuple[str, int], ...] | None:
+    """GPTQModel's per-module overrides ({"+:pattern" or "pattern": {"bits": ...}, "-:pattern": {}} where
+    "-:" skips a module) as (pattern, bits) for the modules it quantizes, or None when one is malformed.
+    A group size or act order of its own needs no rule: the scales' and g_idx's shapes say."""
+    if not isinstance(dynamic, dict):
+        return None
+    rules = []
+    for key, override in dynamic.items():
+        if not isinstance(key, str) or not isinstance(override, dict):
+            return None
+        if key.startswith("-:"):
+            continue  # skipped modules are stored plain and read so
+        own = override.get("bits", bits)
+        try:
+            re.compile(key.removeprefix("+:"))
+        except re.error:
+            return None
+        if own not in range(2, 9):
+            return None
+        rules.append((key.removeprefix("+:"), own))
+    return tuple(rules)
 
 
 # AutoRound's packing formats -> GPTQ's layout with the zero points' offset (as its own loader reads them),

@@ -86,11 +86,13 @@ def gptq_entry(name: str, where: dict, scheme: ScaledWeights, keep: bool = False
     if missing:
         raise ValueError(f"{name} has no {' or '.join(missing)} beside it")
     words, outputs = where[name].get_slice(name).get_shape()
-    shape = (outputs, words * 32 // scheme.packed_bits)
+    bits = scheme.bits_of(module)
+    shape = (outputs, words * 32 // bits)
     g_idx = (where[module + ".g_idx"], module + ".g_idx") if module + ".g_idx" in where else None
     return module + ".weight", shape, GptqSource(
         (where[name], name), (where[module + ".scales"], module + ".scales"),
-        (where[module + ".qzeros"], module + ".qzeros"), g_idx, scheme, shape, keep and shape[1] % 32 == 0)
+        (where[module + ".qzeros"], module + ".qzeros"), g_idx, scheme, shape, bits,
+        keep and bits == 4 and shape[1] % 32 == 0)
 
 
 class GptqSource:
@@ -98,19 +100,20 @@ class GptqSource:
     bit string; X.qzeros [groups, out * b / 32], each row its outputs' zero points so (less
     scheme.zero_offset); X.scales [groups, out]; X.g_idx [in], each input's group (in act order a
     permutation of the runs; absent or in order: input // group). A rank's rows are its columns of the
-    words; its columns need all of them. keep (the CPU kernels): Q4_0 / Q4_1 blocks, when in order."""
+    words; its columns need all of them. keep (the CPU kernels): Q4_0 / Q4_1 blocks, when in order. b is
+    the module's bits (GPTQModel's dynamic overrides may give it its own)."""
 
-    __slots__ = ("weight", "scale", "zero", "g_idx", "scheme", "shape", "keep")
+    __slots__ = ("weight", "scale", "zero", "g_idx", "scheme", "shape", "bits", "keep")
 
-    def __init__(self, weight, scale, zero, g_idx, scheme: ScaledWeights, shape: tuple[int, int],
+    def __init__(self, weight, scale, zero, g_idx, scheme: ScaledWeights, shape: tuple[int, int], bits: int,
                  keep: bool = False) -> None:
         self.weight, self.scale, self.zero, self.g_idx = weight, scale, zero, g_idx
-        self.scheme, self.shape, self.keep = scheme, shape, keep
+        self.scheme, self.shape, self.bits, self.keep = scheme, shape, bits, keep
 
     def read(self, dim: int, start: int, length: int, dtype: torch.dtype) -> torch.Tensor | QuantizedTensor:
         rows, cols = self.shape
         r0, r1 = (start, start + length) if dim == 0 and not self.keep else (0, rows)
-        bits, half = self.scheme.packed_bits, 1 << (self.scheme.packed_bits - 1)
+        bits, half = self.bits, 1 << (self.bits - 1)
         q = unpack(self.weight[0].get_slice(self.weight[1])[:, r0:r1].T, bits, cols).to(torch.int16) + half
         zero = (unpack(self.zero[0].get_tensor(self.zero[1]), bits, rows)[:, r0:r1].to(torch.int16) + half
                 + self.scheme.zero_offset).T  # [rows, groups]
