@@ -47,12 +47,16 @@ def check_model(model: str | None, speculative_config: str | None = None, max_mo
     """Before any service starts: the model is found (a hub id is downloaded here, once, for every
     rank) and its config.json is one we can serve (an architecture we have, no quantization_config
     we cannot load), so that a bad --model fails in a second with its reason, not as a worker's
-    log tail; so do a bad --speculative-config and its draft model (model_files/draft_check.py)."""
+    log tail; so do a bad --speculative-config and its draft model (model_files/draft_check.py), and a
+    weight file that cannot be read (model_files/weight_check.py)."""
     from pagedserve.common.model_config import ModelConfig
     from pagedserve.common.speculative import parse_speculative_config
     from pagedserve.model_files.default_model import resolve_model
     from pagedserve.model_files.draft_check import check_draft_model
-    target = ModelConfig.from_folder(resolve_model(model))
+    from pagedserve.model_files.weight_check import check_weight_files
+    folder = resolve_model(model)
+    target = ModelConfig.from_folder(folder)
+    check_weight_files(folder)
     check_draft_model(parse_speculative_config(speculative_config), target, max_model_len)
 
 
