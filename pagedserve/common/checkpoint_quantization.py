@@ -254,3 +254,28 @@ def check_quantization(hf_config: dict, where: str = "the model") -> None:
         f"{where} is quantized with {name}{_details(qc) if isinstance(qc, dict) else ''} "
         f"(quantization_config in config.json), which pagedserve cannot load. Supported: {SUPPORTED_QUANTIZATION}. "
         "Use the unquantized (float16/bfloat16) checkpoint of this model, or a GGUF file of it.")
+
+
+# vLLM's --quantization values that name a checkpoint's own method -> the quant_methods its config.json may declare
+CHECKPOINT_METHODS = {"gptq": ("gptq",), "gptq_marlin": ("gptq",), "awq": ("awq",), "awq_marlin": ("awq",),
+                      "fp8": ("fp8", "fbgemm_fp8"), "fbgemm_fp8": ("fbgemm_fp8",), "bitsandbytes": ("bitsandbytes",),
+                      "compressed-tensors": ("compressed-tensors",), "auto-round": ("auto-round", "intel/auto-round"),
+                      "inc": ("auto-round", "intel/auto-round")}
+
+
+def quantization_flag(requested: str, hf_config: dict, where: str = "the model") -> str:
+    """--quantization as the loader takes it (auto, none, int8). vLLM's names of a checkpoint's method (gptq,
+    awq_marlin, fp8, bitsandbytes, ...) say what the checkpoint is, as in vLLM: they mean auto when it is
+    that, and are refused, naming both, when it is not; vLLM quantizes an unquantized checkpoint on the fly
+    for fp8 and bitsandbytes, which pagedserve does not (int8 is its own weight-only scheme)."""
+    if requested not in CHECKPOINT_METHODS:
+        return requested
+    method = quantization_method(hf_config)
+    if method in CHECKPOINT_METHODS[requested]:
+        return "auto"
+    if method is None:
+        raise ValueError(f"--quantization {requested}: {where} has no quantization_config (an unquantized "
+                         "checkpoint); pagedserve does not quantize one to this method as it loads. Use "
+                         f"--quantization int8 (weight-only int8 on the CPU) or a {requested} checkpoint of it")
+    raise ValueError(f"--quantization {requested}: {where} is quantized with {_KNOWN.get(method, method)} "
+                     "(quantization_config in config.json); leave --quantization at auto to load it as it is")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedserve.common.checkpoint_quantization import CHECKPOINT_METHODS
 from pagedserve.common.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 from pagedserve.common.replicas import (DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TTL_S,
                                         DEFAULT_PUBLISHED_BLOCKS)
@@ -143,10 +144,13 @@ def _settings() -> tuple[Setting, ...]:
           help="where the model runs (auto: CUDA when there is one)", group="engine"),
         S("--dtype", "engine serve worker", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
           help="auto: bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32", group="engine"),
-        S("--quantization", "engine serve worker", default="auto", choices=("auto", "none", "int8"),
+        S("--quantization", "engine serve worker", default="auto",
+          choices=("auto", "none", "int8") + tuple(CHECKPOINT_METHODS),
           help="linear weights kept quantized on the CPU: auto = a GGUF's own blocks "
-          "(Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K), float for HF folders; none = dequantize at load (what CUDA "
-          "does today); int8 = weight-only int8 (Q8_0 blocks) for any checkpoint", group="engine"),
+          "(Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K) and a checkpoint's 4-bit blocks, else float; none = dequantize at "
+          "load (what CUDA does today); int8 = weight-only int8 (Q8_0 blocks) for any checkpoint; vLLM's names "
+          "of a checkpoint's method (gptq, awq, fp8, bitsandbytes, ...) are auto when the checkpoint is that, "
+          "else an error", group="engine"),
         S("--omp-wait-policy", "serve worker", default="brief", choices=("brief", "passive", "active", "runtime"),
           help="how the worker's idle OpenMP threads wait for the next parallel region: brief spins across the "
           "gaps inside a step and sleeps between steps (GOMP_SPINCOUNT=20000); passive sleeps at once, so a "

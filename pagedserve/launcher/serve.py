@@ -43,12 +43,15 @@ def _served_model_name(http_url: str, api_key: str | None) -> str | None:
         return None
 
 
-def check_model(model: str | None, speculative_config: str | None = None, max_model_len: int | None = None) -> None:
+def check_model(model: str | None, speculative_config: str | None = None, max_model_len: int | None = None,
+                quantization: str = "auto") -> None:
     """Before any service starts: the model is found (a hub id is downloaded here, once, for every
     rank) and its config.json is one we can serve (an architecture we have, no quantization_config
     we cannot load), so that a bad --model fails in a second with its reason, not as a worker's
     log tail; so do a bad --speculative-config and its draft model (model_files/draft_check.py), and a
-    weight file that cannot be read (model_files/weight_check.py)."""
+    weight file that cannot be read (model_files/weight_check.py), and a --quantization naming a method the
+    checkpoint is not quantized with (common/checkpoint_quantization.quantization_flag)."""
+    from pagedserve.common.checkpoint_quantization import quantization_flag
     from pagedserve.common.model_config import ModelConfig
     from pagedserve.common.speculative import parse_speculative_config
     from pagedserve.model_files.default_model import resolve_model
@@ -56,6 +59,7 @@ def check_model(model: str | None, speculative_config: str | None = None, max_mo
     from pagedserve.model_files.weight_check import check_weight_files
     folder = resolve_model(model)
     target = ModelConfig.from_folder(folder)
+    quantization_flag(quantization, target.hf, f"the model in {folder}")
     check_weight_files(folder)
     check_draft_model(parse_speculative_config(speculative_config), target, max_model_len)
 
@@ -82,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         positional_model(args)
-        check_model(args.model, args.speculative_config, args.max_model_len)
+        check_model(args.model, args.speculative_config, args.max_model_len, args.quantization)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pagedserve.common.compilation import GraphPlan
-from pagedserve.common.checkpoint_quantization import kept_in_blocks, scaled_weights
+from pagedserve.common.checkpoint_quantization import kept_in_blocks, quantization_flag, scaled_weights
 from pagedserve.common.messages import ModelRunnerOutput, SchedulerOutput
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.stop_rules import samples_any
@@ -62,7 +62,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous_dtype)
         is_gguf = weight_files(Path(model_path))[0].suffix == ".gguf"
-        self.requested_quantization = quantization
+        # vLLM's names of a checkpoint's method mean auto, or are refused; a draft model takes the result
+        self.requested_quantization = quantization = quantization_flag(quantization, model_config.hf)
         scaled = scaled_weights(model_config.hf)
         # a GGUF's blocks, or a checkpoint's 4-bit weights that are Q4_0 / Q4_1 blocks: kept on the CPU by default
         self.quantization = quantized.resolve(quantization, device, is_gguf or kept_in_blocks(scaled))
