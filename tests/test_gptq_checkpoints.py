@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.common.checkpoint_quantization import kept_in_blocks, scaled_weights
 from pagedserve.common.model_config import ModelConfig
-from test_scaled_checkpoints import awq_reference, check_equals_transformers
+from test_scaled_checkpoints import awq_reference, check_equals_transformers, check_kept_blocks
 from tiny_models import build_tiny_model, make_engine
 
 
@@ -202,23 +202,9 @@ def test_autoround_layers_of_another_width_are_refused(extra, loads):
 def test_4_bit_gptq_stays_4_bit_blocks_on_the_cpu_kernels(tmp_path, autoround_gptq, kind, qtype):
     """In order (no act order), 4-bit GPTQ weights are Q4_0 blocks when every zero point is 8 (symmetric),
     else Q4_1: they dequantize to the float load's weights, and the model predicts what it does."""
-    from pagedserve.kernels import cpu_ops
-    from pagedserve.worker.weights import iter_lazy_weights
-    from test_quantized_model import agreement, top1
-
-    import numpy as np
     folder = autoround_gptq[0] if kind == "autoround" else gptq_checkpoint(
         tmp_path, symmetric=kind == "symmetric")[0]
-    name = "model.layers.0.mlp.down_proj.weight"
-    blocks, weight = (next(w.full() for n, w in iter_lazy_weights(folder, torch.float32, False, keep) if n == name)
-                      for keep in (True, False))
-    assert blocks.qtype.name == qtype
-    assert torch.allclose(blocks.dequantize(cpu_ops.load(), torch.float32), weight, atol=1e-3, rtol=0)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 256, 40).tolist() for _ in range(3)]
-    with make_engine(folder, quantization="auto") as quant, make_engine(folder) as plain:
-        assert quant.runner.quantization == "gguf" and qtype in quant.runner.weights_description
-        assert agreement(top1(quant, prompts), top1(plain, prompts)) >= 0.9
+    check_kept_blocks(folder, qtype)
 
 
 def test_act_order_is_dequantized_even_where_the_kernels_keep_blocks(tmp_path):

@@ -324,16 +324,22 @@ def test_4_bit_weights_stay_4_bit_blocks_on_the_cpu_kernels(tmp_path, kind, qtyp
     ggml's Q4_0 / Q4_1 blocks (no zero points / zero points) for the kernels: they dequantize to the float
     load's weights, and the model predicts what the float load does. (A MoE's experts take float weights:
     their blocks are dequantized into them.)"""
-    from pagedserve.kernels import cpu_ops
-    from pagedserve.worker.weights import iter_lazy_weights
-    from test_quantized_model import agreement, top1
-
-    import numpy as np
     if kind.startswith("awq"):
         folder, _ = awq_checkpoint(tmp_path, zero_point=kind != "awq-symmetric",
                                    arch="qwen3_moe" if kind.endswith("moe") else "llama")
     else:
         folder, _ = ct_checkpoint(tmp_path, kind)
+    check_kept_blocks(folder, qtype)
+
+
+def check_kept_blocks(folder, qtype: str) -> None:
+    """A 4-bit checkpoint's down_proj read as `qtype` blocks dequantizes to the float load's weight, and
+    the engine on the blocks (--quantization auto) predicts what the float load does."""
+    from pagedserve.kernels import cpu_ops
+    from pagedserve.worker.weights import iter_lazy_weights
+    from test_quantized_model import agreement, top1
+
+    import numpy as np
     name = "model.layers.0.mlp.down_proj.weight"
     blocks, weight = (next(w.full() for n, w in iter_lazy_weights(folder, torch.float32, False, keep) if n == name)
                       for keep in (True, False))
