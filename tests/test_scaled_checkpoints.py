@@ -99,12 +99,13 @@ PROMPT = [5, 17, 99, 3, 42, 8]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 
 
-def check_equals_transformers(folder, reference, ranks: int = 1) -> None:
-    """The engine on `folder`: greedy tokens and logprobs equal transformers' on `reference` in float32, and
-    with ranks=2 two ranks give the same tokens."""
-    with make_engine(folder) as engine:
+def check_equals_transformers(folder, reference, ranks: int = 1, quantization: str = "none",
+                              description: str = "dequantized at load") -> None:
+    """The engine on `folder` (with `quantization`, its weights described so): greedy tokens and logprobs
+    equal transformers' on `reference` in float32, and with ranks=2 two ranks give the same tokens."""
+    with make_engine(folder, quantization=quantization) as engine:
         out = engine.generate([PROMPT], PARAMS)[0][0]
-        assert "dequantized at load" in engine.runner.weights_description
+        assert description in engine.runner.weights_description
     model = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT + out.token_ids])).logits[0, len(PROMPT) - 1:-1]
@@ -113,7 +114,7 @@ def check_equals_transformers(folder, reference, ranks: int = 1) -> None:
     for step, sample in enumerate(out.logprobs):
         assert sample.logprob == pytest.approx(ref_logprobs[step, sample.token_id].item(), abs=1e-4)
     if ranks == 2:
-        with make_engine(folder, tensor_parallel_size=2) as two:
+        with make_engine(folder, tensor_parallel_size=2, quantization=quantization) as two:
             assert two.generate([PROMPT], PARAMS)[0][0].token_ids == out.token_ids
 
 

@@ -507,7 +507,7 @@ def test_bench_interpreted_end_to_end(tmp_path):
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {r["kernel"] for r in rows} == {"decode attention", "split decode attention", "prefill attention",
                                            "prefill causal split", "mixed attention", "mixed split attention",
-                                           "mla decode", "fused moe", "top_p nucleus"}
+                                           "mla decode", "fused moe", "top_p nucleus", "int4 linear"}
     assert all(r["max_rel_err"] < 1e-3 for r in rows), rows
     # the CPU has no host lead to take away: its eager time is the same wall time
     assert all(r["eager_ms"] == r["triton_ms"] > 0 for r in rows), rows
@@ -524,7 +524,8 @@ def test_bench_compiles_every_kernel_for_hopper(tmp_path):
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {r["kernel"] for r in rows} == {"_decode_kernel", "_prefill_kernel", "_mla_kernel", "_grouped_gemm_kernel",
                                            "_silu_and_mul_kernel", "_split_kernel", "_combine_kernel",
-                                           "_align_plan_kernel", "_align_scatter_kernel", "_nucleus_kernel"}
+                                           "_align_plan_kernel", "_align_scatter_kernel", "_nucleus_kernel",
+                                           "_int4_matmul_kernel"}
     assert {r["config"].split()[0] for r in rows} == {"bf16", "fp32", "i32"}  # i32: the MoE align kernels
     assert all(r.get("registers", 0) > 0 for r in rows), "ptxas -v gave no register counts"
     # the prefill kernel's 16-bit tiles reach Hopper's warpgroup MMA (mma.sync peaks far lower there)

@@ -147,8 +147,8 @@ def _settings() -> tuple[Setting, ...]:
         S("--quantization", "engine serve worker", default="auto",
           choices=("auto", "none", "int8") + tuple(CHECKPOINT_METHODS),
           help="linear weights kept quantized on the CPU: auto = a GGUF's own blocks "
-          "(Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K) and a checkpoint's 4-bit blocks, else float; none = dequantize at "
-          "load (what CUDA does today); int8 = weight-only int8 (Q8_0 blocks) for any checkpoint; vLLM's names "
+          "(Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K) and a checkpoint's 4-bit blocks (on CUDA too: the int4 kernel), else "
+          "float; none = dequantize at load; int8 = weight-only int8 (Q8_0 blocks) for any checkpoint; vLLM's names "
           "of a checkpoint's method (gptq, awq, fp8, bitsandbytes, ...) are auto when the checkpoint is that, "
           "else an error", group="engine"),
         S("--omp-wait-policy", "serve worker", default="brief", choices=("brief", "passive", "active", "runtime"),

@@ -123,6 +123,7 @@ def compile_only(arch: int) -> list[dict]:
     from triton.runtime.jit import KernelInterface, create_function_from_signature
 
     import pagedserve.kernels.triton.fused_moe as moe
+    import pagedserve.kernels.triton.int4_matmul as int4
     import pagedserve.kernels.triton.mla_attention as mla
     import pagedserve.kernels.triton.nucleus as nucleus
     import pagedserve.kernels.triton.paged_attention as pa
@@ -141,7 +142,7 @@ def compile_only(arch: int) -> list[dict]:
 
     original_getitem = KernelInterface.__getitem__
     KernelInterface.__getitem__ = lambda self, grid: lambda *a, **kw: record(self, (a, kw))
-    for module in (pa, mla, moe, nucleus):
+    for module in (pa, mla, moe, nucleus, int4):
         module.is_interpreted = lambda t: False  # take the GPU tile sizes
     try:
         tk = TritonKernels()

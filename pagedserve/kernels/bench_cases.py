@@ -135,6 +135,18 @@ def nucleus_case(rows, vocab, device, tk):
                 2 * x.numel() * 4, 0, error=kept_differ)
 
 
+def int4_case(m, n, k, dtype, device, tk):
+    """y = x @ W.T with W [N, K] kept 4-bit (worker/int4_weight.py's layout: groups of 32, float16 scales and
+    offsets) against the torch path a 4-bit weight takes without the kernel: dequantized, then a matmul."""
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 8, n), dtype=torch.int32, device=device)
+    scales = (torch.rand(k // 32, n, device=device) * 0.02 + 0.001).half()
+    offsets = (torch.randn(k // 32, n, device=device) * 0.1).half()
+    traffic = words.numel() * 4 + 2 * scales.numel() * 2 + (m * k + m * n) * dtype.itemsize
+    return Case("int4 linear", f"M={m} N={n} K={k} {str(dtype).removeprefix('torch.')}", (x, words, scales, offsets),
+                tk.int4_linear, reference.int4_linear, traffic, 2 * m * n * k)
+
+
 def kept_differ(got: torch.Tensor, want: torch.Tensor) -> float:
     """The share of tokens kept (not -inf) by one of two masked logits and not by the other."""
     return ((got > -math.inf) != (want > -math.inf)).float().mean().item()
@@ -144,7 +156,8 @@ class TritonKernels:
     """The Triton entry points, imported late: TRITON_INTERPRET must be settled before triton loads them."""
 
     def __init__(self):
-        from pagedserve.kernels.triton import fused_moe, mla_attention, nucleus, paged_attention, split_decode
+        from pagedserve.kernels.triton import (fused_moe, int4_matmul, mla_attention, nucleus, paged_attention,
+                                               split_decode)
         self.paged_decode_attention = paged_attention.paged_decode_attention
         self.paged_split_decode_attention = split_decode.paged_split_decode_attention
         self.paged_prefill_attention = paged_attention.paged_prefill_attention
@@ -152,6 +165,7 @@ class TritonKernels:
         self.paged_mla_attention = mla_attention.paged_mla_attention
         self.fused_moe = fused_moe.fused_moe
         self.nucleus_ = nucleus.nucleus_
+        self.int4_linear = int4_matmul.int4_linear
 
 
 def gpu_cases(device, tk, moe_tokens=(16, 256, 2048), batch=64, context=2048, experts=64):
@@ -181,6 +195,9 @@ def gpu_cases(device, tk, moe_tokens=(16, 256, 2048), batch=64, context=2048, ex
     for tokens in moe_tokens:
         yield moe_case(tokens, experts, 8, 2048, 1408, dt, device, tk)
     yield nucleus_case(4 * batch, 49152, device, tk)  # W1024's sampled step: 256 rows of the 1B's vocabulary
+    # the 1B Llama's gate/up projection kept 4-bit: a decode step of one and of 64 rows, a prefill chunk
+    for rows in (1, 64, 512):
+        yield int4_case(rows, 16384, 2048, dt, device, tk)
 
 
 def mixed_cases(shape: dict, device, tk):
@@ -209,3 +226,4 @@ def tiny_cases(device, tk):
     yield mla_case(2, 40, 4, 32, 16, 16, dt, device, tk)
     yield moe_case(5, 4, 2, 32, 24, dt, device, tk)
     yield nucleus_case(3, 300, device, tk)
+    yield int4_case(5, 48, 64, dt, device, tk)

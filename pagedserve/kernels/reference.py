@@ -169,3 +169,20 @@ def top_p_nucleus(x, rows, top_p):
     gone_sorted = probs.cumsum(-1) - probs >= top_p[:, None]
     out[rows] = sub.masked_fill(torch.zeros_like(gone_sorted).scatter(1, order, gone_sorted), float("-inf"))
     return out
+
+
+def int4_weight(qweight, scales, offsets):
+    """The [N, K] float32 weight of int4_linear's layout: qweight int32 [K / 8, N] (input k at bits 4 * (k % 8)
+    of word k // 8), W[n, k] = q * scales[k // group, n] + offsets[k // group, n]."""
+    shifts = torch.arange(8, device=qweight.device, dtype=torch.int32) * 4
+    q = ((qweight.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF).reshape(-1, qweight.shape[1])  # [K, N]
+    group = q.shape[0] // scales.shape[0]
+    scale = scales.float().repeat_interleave(group, 0)
+    offset = offsets.float().repeat_interleave(group, 0)
+    return (q.float() * scale + offset).t()
+
+
+def int4_linear(x, qweight, scales, offsets, out_dtype=None):
+    """x [M, K] @ W.T, W as int4_weight reads it, cast to x's dtype, products summed in float32."""
+    w = int4_weight(qweight, scales, offsets).to(x.dtype)
+    return (x.float() @ w.float().t()).to(out_dtype or x.dtype)

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from pagedserve.common.compilation import GraphPlan
-from pagedserve.common.checkpoint_quantization import kept_in_blocks, quantization_flag, scaled_weights
 from pagedserve.common.messages import ModelRunnerOutput, SchedulerOutput
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.stop_rules import samples_any
@@ -33,8 +32,7 @@ from pagedserve.worker.step_overlap import StepInFlight
 from pagedserve.worker.sampler import Sampler, to_device
 from pagedserve.worker.step_sampling import StepSampling
 from pagedserve.worker.structured_output import IDLE_WAIT_S, GrammarMatchers
-from pagedserve.worker import quantized
-from pagedserve.worker.weights import iter_lazy_weights, weight_files
+from pagedserve.worker.weight_loading import load_linear_weights
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +59,9 @@ class ModelRunner:
                                                                max_model_len)
         finally:
             torch.set_default_dtype(previous_dtype)
-        is_gguf = weight_files(Path(model_path))[0].suffix == ".gguf"
         # vLLM's names of a checkpoint's method mean auto, or are refused; a draft model takes the result
-        self.requested_quantization = quantization = quantization_flag(quantization, model_config.hf)
-        scaled = scaled_weights(model_config.hf)
-        # a GGUF's blocks, or a checkpoint's 4-bit weights that are Q4_0 / Q4_1 blocks: kept on the CPU by default
-        self.quantization = quantized.resolve(quantization, device, is_gguf or kept_in_blocks(scaled))
-        model.load_weights(iter_lazy_weights(model_path, dtype, progress, keep_quantized=self.quantization == "gguf"))
-        formats = quantized.finalize(model, self.quantization) if self.quantization != "none" else {}
-        # what the log line naming the model says about its weights
-        self.weights_description = "float" if not formats else "quantized on the CPU kernels (" + ", ".join(
-            f"{count} {name}" for name, count in sorted(formats.items())) + " matrices)"
-        if scaled is not None:
-            how = "kept from" if formats else "dequantized at load from"
-            self.weights_description += f", {how} the checkpoint's {scaled.method} weights"
+        self.requested_quantization, self.quantization, self.weights_description = load_linear_weights(
+            model, model_config, model_path, quantization, device, dtype, progress)
         pack_model(model, device, dtype)
         self.model = model.eval()
         self.kv: KVCache | None = None

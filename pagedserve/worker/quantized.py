@@ -240,12 +240,19 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantizedTensor:
     return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), GGMLQuantizationType.Q8_0, cols)
 
 
-def resolve(requested: str, device: torch.device, is_gguf: bool) -> str:
-    """What the load does: "gguf" (keep the file's blocks), "int8" or "none"."""
+def resolve(requested: str, device: torch.device, is_gguf: bool, int4_blocks: bool = False) -> str:
+    """What the load does: "gguf" (keep the file's blocks), "int8", "int4" (a checkpoint's 4-bit blocks in
+    the GPU's int4 kernel: worker/int4_weight.py) or "none". is_gguf: the file's blocks or a checkpoint's
+    4-bit ones can be kept; int4_blocks: the checkpoint's 4-bit ones (not a GGUF's). "int4" by name (the
+    tests, on the CPU: the kernel under the Triton interpreter) is not a --quantization choice."""
+    if requested == "int4":
+        return "int4" if int4_blocks else "none"
     if requested not in CHOICES:
         raise ValueError(f"--quantization must be one of {', '.join(CHOICES)}, got {requested!r}")
     if requested == "none" or (requested == "auto" and not is_gguf):
         return "none"
+    if device.type != "cpu" and requested == "auto" and int4_blocks:
+        return "int4"
     if device.type != "cpu":
         log.warning("--quantization %s: no quantized kernel on %s yet; weights are dequantized at load",
                     requested, device.type)
