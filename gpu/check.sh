@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the project's root: bash .gpu/check.sh [tests] [e2e] [speed] [services] [sampled] [tune]
-# (default: all but sampled and tune). Writes summary.txt (a line per stage) and at most 9 files to $OUT (default: .gpu/out).
+# On the GPU machine, from the project's root: bash .gpu/check.sh [tests] [e2e] [speed] [services] [sampled] [tune] [int4]
+# (default: all but sampled, tune and int4). Writes summary.txt (a line per stage) and at most 9 files to $OUT (default: .gpu/out).
 G="$(cd "$(dirname "$0")" && pwd)"; P="$(cd "$G/.." && pwd)"; M=/tmp/m1b
 OUT="${OUT:-$G/out}"; mkdir -p "$OUT"; S=$OUT/summary.txt
 want() { [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]]; }
@@ -17,7 +17,7 @@ echo "env: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=cs
 line() { echo "$1 rc=$2 $3s :: $(tail -3 "$4" | tr '\n' ' ' | cut -c1-300)" >> "$S"; }
 if want tests; then  # each GPU test in its own process: one CUDA fault poisons only its own context
   t0=$(date +%s)
-  python3 -m pytest -q --collect-only -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_window_softcap.py tests/test_triton_fused_ops.py tests/test_triton_seeded_draws.py tests/test_triton_nucleus.py tests/test_deepseek.py 2>/dev/null | grep "::" > /tmp/ids
+  python3 -m pytest -q --collect-only -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_window_softcap.py tests/test_triton_fused_ops.py tests/test_triton_seeded_draws.py tests/test_triton_nucleus.py tests/test_int4_weights.py tests/test_deepseek.py 2>/dev/null | grep "::" > /tmp/ids
   xargs -a /tmp/ids -P 12 -I{} sh -c 'timeout 120 python3 -m pytest -q -x -p no:cacheprovider "{}" > /tmp/one.$$.log 2>&1; rc=$?; if [ $rc = 0 ]; then echo "PASS {}"; else echo "FAIL(rc=$rc) {}"; grep -E "^E |Error" /tmp/one.$$.log | head -4 | cut -c1-240; fi' > "$OUT/tests.log" 2>&1
   echo "tests $(( $(date +%s) - t0 ))s: $(grep -c ^PASS "$OUT/tests.log") pass, $(grep -c ^FAIL "$OUT/tests.log") fail (rc=124: timed out at 120 s)" >> "$S"
 fi
@@ -29,7 +29,7 @@ if want e2e; then  # the engine on CUDA against transformers on the CPU, tiny mo
     tests/test_sampler.py -rs > "$OUT/e2e.log" 2>&1
   line e2e $? $(( $(date +%s) - t0 )) "$OUT/e2e.log"
 fi
-if want speed || want services || named tune || named sampled; then timeout 60 python3 "$G/make_model.py" $M "$G/tok" > /tmp/model.log 2>&1 || echo "model: $(tail -2 /tmp/model.log)" >> "$S"; fi
+if want speed || want services || named tune || named sampled || named int4; then timeout 60 python3 "$G/make_model.py" $M "$G/tok" > /tmp/model.log 2>&1 || echo "model: $(tail -2 /tmp/model.log)" >> "$S"; fi
 if want speed; then
   t0=$(date +%s); { timeout 150 pagedserve bench throughput --model $M --device cuda --num-prompts 1024 --max-num-seqs 256 \
     --baseline-batch-sizes 256; timeout 60 pagedserve bench latency --model $M --device cuda --input-len 128 --output-len 256
@@ -63,6 +63,13 @@ if named tune; then  # the kernels' launch configs measured here; the table come
       --device cuda --input-len 128 --output-len 256; done > "$OUT/tuned_speed.log" 2>&1
   line tuned_speed $? $(( $(date +%s) - t0 )) "$OUT/tuned_speed.log"
   echo "one stream, untuned / tuned (alternating): $(grep -o 'decode [0-9.]* tok/s' "$OUT/tuned_speed.log" | tr '\n' ' ')" >> "$S"
+fi
+if named int4; then  # the 1B's GPTQ twin on the int4 kernel against the bfloat16 model, one stream, alternating
+  t0=$(date +%s); timeout 60 python3 "$G/make_gptq.py" $M /tmp/m1b-gptq > /tmp/gptq.log 2>&1 || echo "gptq: $(tail -2 /tmp/gptq.log)" >> "$S"
+  for m in /tmp/m1b-gptq $M /tmp/m1b-gptq $M; do echo "model $m"; timeout 60 pagedserve bench latency --model $m --device cuda \
+    --input-len 128 --output-len 256; done > "$OUT/int4.log" 2>&1
+  line int4 $? $(( $(date +%s) - t0 )) "$OUT/int4.log"
+  echo "one stream, GPTQ int4 / bfloat16 (alternating): $(grep -o 'decode [0-9.]* tok/s' "$OUT/int4.log" | tr '\n' ' ')" >> "$S"
 fi
 if want services; then
   t0=$(date +%s); timeout 180 pagedserve bench services --model $M --device cuda --workload w64 --num-prompts 256 \

@@ -7,7 +7,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(git -C "$here" rev-parse --show-toplevel)"; cd "$root"  # a worktree's root too (.git may be a file)
 mkdir -p .gpu/whl .gpu/tok
-cp "$here"/check.sh "$here"/make_model.py "$here"/profile_step.py .gpu/
+cp "$here"/check.sh "$here"/make_model.py "$here"/make_gptq.py "$here"/profile_step.py .gpu/
 py="${PYTHON:-.venv/bin/python}"; [ -x "$py" ] || py=python3
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's pagedserve, installed or not
 # The GPU image has torch, triton, transformers, tokenizers, numpy, safetensors, jinja2, httpx, uvloop, psutil,
