@@ -16,6 +16,7 @@ import uvicorn
 import uvloop
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pagedserve.common import https
 from pagedserve.common.grpc_util import (SERVER_OPTIONS, MalformedRequestInterceptor, add_health_and_reflection,
                                          set_serving)
 from pagedserve.common.replicas import async_reader
@@ -160,6 +161,10 @@ async def _serve(args) -> int:
         limits = limits_from_args(args)
         if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (as vLLM's)")
+        tls = (getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None),
+               getattr(args, "ssl_ca_certs", None), getattr(args, "ssl_cert_reqs", 0) or 0)
+        if https.problem(*tls):
+            raise ValueError(https.problem(*tls))
     except (OSError, ValueError) as exc:
         log.error("bad gateway settings: %s", exc)
         return 2
@@ -210,7 +215,8 @@ async def _serve(args) -> int:
     http = _Uvicorn(uvicorn.Config(build_app(backend), host=args.host, port=args.port,
                                    log_level=getattr(args, "uvicorn_log_level", "warning"),
                                    timeout_graceful_shutdown=DRAIN_FLUSH_S, http=HeaderTimeoutH11,
-                                   timeout_keep_alive=HEADER_TIMEOUT_S, limit_concurrency=LIMIT_CONCURRENCY))
+                                   timeout_keep_alive=HEADER_TIMEOUT_S, limit_concurrency=LIMIT_CONCURRENCY,
+                                   **https.uvicorn_kwargs(*tls)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -219,7 +225,8 @@ async def _serve(args) -> int:
     stop_task = asyncio.create_task(stop.wait())
     await asyncio.sleep(0)
     set_serving(health, [SERVICE_NAME])
-    log.info("OpenAI API at http://%s:%s/v1, gRPC at %s:%s%s", args.host, args.port, args.host, args.grpc_port,
+    log.info("OpenAI API at %s://%s:%s/v1, gRPC at %s:%s%s", https.scheme(tls[1]), args.host, args.port, args.host,
+             args.grpc_port,
              f" ({len(keys)} API key(s) accepted)" if keys else "")
 
     code = 0

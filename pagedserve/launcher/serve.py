@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pagedserve.common import https
 from pagedserve.common.settings_cli import add_settings
 
 
@@ -31,13 +32,13 @@ class _Stop(KeyboardInterrupt):
     """Raised in the main thread by SIGINT or SIGTERM."""
 
 
-def _served_model_name(http_url: str, api_key: str | None) -> str | None:
+def _served_model_name(http_url: str, api_key: str | None, context=None) -> str | None:
     import json
     import urllib.request
     request = urllib.request.Request(http_url + "/v1/models",
                                      headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
-        with urllib.request.urlopen(request, timeout=5) as reply:
+        with urllib.request.urlopen(request, timeout=5, context=context) as reply:
             return json.load(reply)["data"][0]["id"]
     except Exception:  # only for the banner
         return None
@@ -86,6 +87,9 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         positional_model(args)
+        tls_problem = https.problem(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+        if tls_problem:
+            raise ValueError(tls_problem)
         check_model(args.model, args.speculative_config, args.max_model_len, args.quantization)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
@@ -99,7 +103,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"pagedserve serve: {exc}", file=sys.stderr)
             return 1
         key = first_api_key(args.api_key, args.api_key_file)
-        name = _served_model_name(stack.http_url, key) or (args.served_model_name or ["default"])[0]
+        name = _served_model_name(stack.http_url, key, https.probe_context(args.ssl_certfile)) or (
+            args.served_model_name or ["default"])[0]
         print(f"pagedserve: OpenAI API at {stack.http_url}/v1 (model {name}), gRPC at {stack.grpc_address}",
               flush=True)
         print("pagedserve: Ctrl-C stops every service", flush=True)

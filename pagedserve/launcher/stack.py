@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedserve.common import https
 from pagedserve.common.settings import LOOPBACK
 from pagedserve.launcher.redis_server import private_redis, redacted, redis_ping
 from pagedserve.launcher.service_process import ServiceError, ServiceProcess, describe_exit
@@ -46,12 +47,24 @@ def check_port_free(host: str, port: int, what: str) -> None:
             raise ServiceError(f"{what} {host}:{port} is not available: {exc.strerror or exc}") from None
 
 
-def _http_ok(url: str, api_key: str | None, timeout_s: float = 1.0) -> bool:
+def _http_ok(url: str, api_key: str | None, timeout_s: float = 1.0, cfg=None) -> bool:
+    """GET url answers 2xx. Over HTTPS (cfg's --ssl-certfile) unverified; where the gateway requires
+    client certificates (--ssl-cert-reqs 2) the launcher has none to present: its port accepting a
+    connection is the answer."""
     import urllib.error
+    import urllib.parse
     import urllib.request
+    context = https.probe_context(cfg.ssl_certfile) if cfg is not None else None
+    if context is not None and cfg.ssl_cert_reqs == 2:
+        parts = urllib.parse.urlsplit(url)
+        try:
+            with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
+                return True
+        except OSError:
+            return False
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        with urllib.request.urlopen(request, timeout=timeout_s, context=context) as reply:
             return 200 <= reply.status < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -237,12 +250,13 @@ def start_stack(cfg: StackConfig, python: str = sys.executable) -> Stack:
             if name not in schedulers:
                 stack.processes.append(procs[name].start())
             procs[name].wait_healthy(cfg.startup_timeout)
-        stack.addresses = {**health, "http": f"http://{public}:{cfg.port}", "grpc": f"{public}:{cfg.grpc_port}"}
+        stack.addresses = {**health, "http": f"{https.scheme(cfg.ssl_certfile)}://{public}:{cfg.port}",
+                           "grpc": f"{public}:{cfg.grpc_port}"}
         # The gateway's HTTP server may come up a moment after its gRPC health turns SERVING.
         deadline = time.monotonic() + 30
         gateway = procs["gateway"]
         key = first_api_key(cfg.api_key, cfg.api_key_file)
-        while not _http_ok(stack.http_url + "/health", key):
+        while not _http_ok(stack.http_url + "/health", key, cfg=cfg):
             if not gateway.alive():
                 raise gateway.failure("exited")
             if time.monotonic() > deadline:

@@ -70,18 +70,21 @@ def wait_banner(proc: subprocess.Popen, timeout_s: float = 600) -> re.Match:
 
 
 def test_a_service_that_fails_to_start_stops_the_launcher(tmp_path):
-    # config.json passes serve's own check; the weights file is junk, which only the worker reads.
+    # config.json and the weight file's header pass serve's own checks; the tensor in it is none the
+    # model has, which only the worker finds.
+    from safetensors.torch import save_file
+    import torch
     model = tmp_path / "broken-weights"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(dict(
         architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)))
-    (model / "model.safetensors").write_bytes(b"junk")
+    save_file({"junk": torch.zeros(1)}, model / "model.safetensors")
     proc = start_serve(tmp_path, "--model", str(model), "--port", str(free_port()),
                        "--grpc-port", str(free_port()), "--redis-url", "memory")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err
-    assert "worker0" in err and "exit code" in err and "model.safetensors" in err
+    assert "worker0" in err and "exit code" in err and "the checkpoint lacks weights" in err
     assert (tmp_path / "logs" / "worker0.log").exists()
 
 
