@@ -144,13 +144,11 @@ def _settings() -> tuple[Setting, ...]:
           help="where the model runs (auto: CUDA when there is one)", group="engine"),
         S("--dtype", "engine serve worker", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
           help="auto: bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32", group="engine"),
-        S("--quantization", "engine serve worker", default="auto",
-          choices=("auto", "none", "int8") + tuple(CHECKPOINT_METHODS),
-          help="linear weights kept quantized on the CPU: auto = a GGUF's own blocks "
-          "(Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K) and a checkpoint's 4-bit blocks (on CUDA too: the int4 kernel), else "
-          "float; none = dequantize at load; int8 = weight-only int8 (Q8_0 blocks) for any checkpoint; vLLM's names "
-          "of a checkpoint's method (gptq, awq, fp8, bitsandbytes, ...) are auto when the checkpoint is that, "
-          "else an error", group="engine"),
+        S("--quantization", "engine serve worker", default="auto", choices=("auto", "none", "int8") + tuple(
+            CHECKPOINT_METHODS), group="engine", help="auto: a GGUF's blocks (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K) kept "
+          "on the CPU kernels, a checkpoint's 4-bit ones on those or CUDA's int4 kernel, else float; none: "
+          "dequantize at load; int8: weight-only Q8_0 for any checkpoint; vLLM's method names (gptq, awq, fp8, "
+          "bitsandbytes, ...): auto when the checkpoint is that, else an error"),
         S("--omp-wait-policy", "serve worker", default="brief", choices=("brief", "passive", "active", "runtime"),
           help="how the worker's idle OpenMP threads wait for the next parallel region: brief spins across the "
           "gaps inside a step and sleeps between steps (GOMP_SPINCOUNT=20000); passive sleeps at once, so a "
@@ -319,13 +317,12 @@ def _settings() -> tuple[Setting, ...]:
         S("--uvicorn-log-level", "serve gateway", default="warning", group="gateway",
           choices=("critical", "error", "warning", "info", "debug", "trace"),
           help="the HTTP server's log level (vLLM's flag; its default there is info)"),
-        S("--ssl-keyfile", "serve gateway", group="gateway", default_text="plain HTTP",
-          help="the OpenAI API's private key (PEM): with --ssl-certfile the API is served over HTTPS (vLLM's flag)"),
-        S("--ssl-certfile", "serve gateway", group="gateway", help="the OpenAI API's certificate (PEM, its chain)"),
-        S("--ssl-ca-certs", "serve gateway", group="gateway",
-          help="CA certificates (PEM) to verify clients' certificates by (with --ssl-cert-reqs)"),
-        S("--ssl-cert-reqs", "serve gateway", int, 0, group="gateway",
-          help="whether HTTPS clients must present a certificate: 0 no, 1 optional, 2 required (vLLM's)"),
+        S("--ssl-keyfile", "serve gateway", group="gateway", default_text="plain HTTP", help="the API's PEM key: "
+          "with --ssl-certfile (its PEM certificate) the API is HTTPS (vLLM's flags, as the next three)"),
+        S("--ssl-certfile", "serve gateway", group="gateway", help="the API's PEM certificate (chain)"),
+        S("--ssl-ca-certs", "serve gateway", group="gateway", help="PEM CA certificates to verify clients' by"),
+        S("--ssl-cert-reqs", "serve gateway", int, 0, "HTTPS client certificates: 0 no, 1 optional, 2 required",
+          group="gateway"),
         S("--max-body-bytes", "serve gateway", int, 1 << 20, "larger request bodies get 413 (0: no limit)",
           group="gateway"),
         S("--max-n", "serve gateway", int, 16, "the largest n (samples per request)", group="gateway"),
