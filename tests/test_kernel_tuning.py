@@ -84,15 +84,16 @@ def test_the_tuner_end_to_end_under_the_interpreter(tmp_path):
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("kernel") and len(lines) == 6, result.stdout
-    assert [line.split()[0] for line in lines[1:]] == ["decode", "split", "prefill", "mla", "fused"]
+    assert lines[0].startswith("kernel") and len(lines) == 7, result.stdout
+    assert [line.split()[0] for line in lines[1:]] == ["decode", "split", "prefill", "mla", "fused", "int4_linear"]
     table = json.loads(out.read_text())
     assert table["device"] == "interpreter"
     axes = {"decode": {"block_n": (16, 32)}, "split decode": {"block_n": (16, 32)}, "prefill": {"block_n": (16, 32)},
-            "mla": {"heads": (2, 4), "block_n": (16, 32)}, "fused moe": {"block_n": (16, 32)}}  # tune.space's
+            "mla": {"heads": (2, 4), "block_n": (16, 32)}, "fused moe": {"block_n": (16, 32)},
+            "int4_linear": {"block_n": (16, 32)}}  # tune.space's
     keys = {"decode": "float32 G=4 D=32 DV=32 page=16", "split decode": "float32 G=4 D=32 DV=32 page=16",
             "prefill": "float32 G=2 D=32 DV=32 page=16", "mla": "float32 H=4 L=32 R=16 page=16 decode",
-            "fused moe": "float32 E=4 N=48 K=32 k=2 M=5"}
+            "fused moe": "float32 E=4 N=48 K=32 k=2 M=5", "int4_linear": "float32 N=48 K=64 M=5"}
     for kernel, entries in table["kernels"].items():
         assert list(entries) == [keys[kernel]]
         entry = entries[keys[kernel]]

@@ -39,9 +39,16 @@ class Space:
 
 
 def space(case: bench_cases.Case, interpreted: bool) -> Space:
-    from pagedserve.kernels.triton import fused_moe, mla_attention, paged_attention
+    from pagedserve.kernels.triton import fused_moe, int4_matmul, mla_attention, paged_attention
 
     a = case.args
+    if case.kernel == "int4 linear":
+        start = int4_matmul.launch_params(a[0], a[1])
+        rows = a[0].shape[0]
+        axes = dict(block_n=(16, 32)) if interpreted else \
+            dict(block_m=tuple(m for m in (16, 32, 64, 128) if m <= max(16, 2 * rows)), block_n=(32, 64, 128, 256),
+                 block_k=(32, 64, 128, 256), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
+        return Space("int4_linear", f"{int4_matmul.int4_key(a[0], a[1])} M={rows}", start, axes)
     if case.kernel.startswith("mla"):
         decode = case.kernel == "mla decode"
         start = mla_attention.launch_params(a[0], a[1], a[2], decode)

@@ -63,6 +63,24 @@ def _int4_matmul_kernel(x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, s
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+def int4_key(x: torch.Tensor, qweight: torch.Tensor) -> str:
+    """The tuning table's shape key (the batch M is keyed apart: " M=<n>")."""
+    return f"{tuning.dtype_name(x.dtype)} N={qweight.shape[1]} K={qweight.shape[0] * 8}"
+
+
+def launch_params(x: torch.Tensor, qweight: torch.Tensor, **given) -> dict:
+    """Tiles, warps and stages: the caller's > the device's table (by M) > defaults."""
+    m = x.shape[0]
+    if is_interpreted(x):
+        default = {"block_m": pow2_tile(min(m, 16)), "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1}
+    elif x.dtype == torch.float32:  # no 16-bit tensor cores: small tiles keep the registers from spilling
+        default = {"block_m": 16 if m <= 16 else 32, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2}
+    else:
+        default = {"block_m": 16 if m <= 16 else 32 if m <= 64 else 64, "block_n": 64 if m <= 16 else 128,
+                   "block_k": 128 if m <= 16 else 64, "num_warps": 4, "num_stages": 3}
+    return tuning.resolve("int4_linear", int4_key(x, qweight), x.device, default, given, size=m)
+
+
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                 out_dtype: torch.dtype | None = None, block_m: int | None = None, block_n: int | None = None,
                 block_k: int | None = None, num_warps: int | None = None,
@@ -79,21 +97,13 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, of
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    if is_interpreted(x):
-        default = {"block_m": pow2_tile(min(m, 16)), "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1}
-    elif x.dtype == torch.float32:  # no 16-bit tensor cores: small tiles keep the registers from spilling
-        default = {"block_m": 16 if m <= 16 else 32, "block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2}
-    else:
-        default = {"block_m": 16 if m <= 16 else 32 if m <= 64 else 64, "block_n": 64 if m <= 16 else 128,
-                   "block_k": 128 if m <= 16 else 64, "num_warps": 4, "num_stages": 3}
-    p = tuning.resolve("int4_linear", f"{tuning.dtype_name(x.dtype)} N={n} K={k}", x.device, default,
-                       {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps,
-                        "num_stages": num_stages}, size=m)
+    p = launch_params(x, qweight, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                      num_stages=num_stages)
     bk = p["block_k"]
     assert bk % 32 == 0 and (bk % group == 0 or group % bk == 0), (bk, group)
     grid = (triton.cdiv(m, p["block_m"]), triton.cdiv(n, p["block_n"]))
     _int4_matmul_kernel[grid](x, qweight, scales, offsets, y, m, n, k, x.stride(0), y.stride(0),
-                              GROUP_K=group, BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"],
+                              GROUP_K=group, BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=bk,
                               PRECISION=dot_precision(x.dtype), num_warps=p["num_warps"],
                               num_stages=p["num_stages"])
     return y
