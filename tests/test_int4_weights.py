@@ -112,6 +112,12 @@ def test_the_engine_on_the_int4_kernel_equals_transformers(tmp_path, kind, qtype
         description = engine.runner.weights_description
         assert description.startswith("quantized on the int4 kernel (") and qtype in description
         assert "kept from the checkpoint's" in description
+        # 4 bits a weight and 32 bits of scale and offset a group of 32: 5 bits of the float32 load's 32
+        linear = [m for m in engine.runner.model.modules() if isinstance(getattr(m, "quant", None),
+                                                                       int4_weight.Int4Weight)]
+        assert linear and all(sum(m.quant.row_counts) == m.quant.qweight.shape[1] for m in linear)
+        assert sum(m.quant.nbytes for m in linear) * 8 == sum(m.quant.qweight.numel() * 8 for m in linear) * 5
+        assert engine.runner.weight_bytes() > 0
     # two ranks on the dense one: q/k/v and gate/up by output rows, o and down by whole blocks of inputs
     check_equals_transformers(folder, blocks_reference(folder, tmp_path), ranks=1 if kind.startswith("awq") else 2,
                               quantization="int4", description="quantized on the int4 kernel")

@@ -56,13 +56,19 @@ def dequantize_q4(t: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
 class Int4Weight:
     """A linear layer's weight in int4_linear's layout on the device: its parts stacked by outputs."""
 
-    __slots__ = ("qweight", "scales", "offsets", "qtypes")
+    __slots__ = ("qweight", "scales", "offsets", "qtypes", "row_counts")
 
     def __init__(self, parts: list[QuantizedTensor], device: torch.device) -> None:
         converted = [from_q4_blocks(p) for p in parts]
         self.qweight, self.scales, self.offsets = (torch.cat([c[i] for c in converted], dim=1).to(device)
                                                    for i in range(3))
         self.qtypes = [p.qtype for p in parts]
+        self.row_counts = [p.shape[0] for p in parts]  # each part's outputs (a LoRA's slices)
+
+    @property
+    def nbytes(self) -> int:
+        """The device memory the weight takes (words, scales and offsets)."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.offsets))
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                dtype: torch.dtype | None = None) -> torch.Tensor:
