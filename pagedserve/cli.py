@@ -179,7 +179,7 @@ def cmd_download(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     from pagedserve.common.model_config import ModelConfig
     from pagedserve.model_files.local_models import pull
-    folder = pull(args.model)
+    folder = pull(args.model, args.revision)
     print(folder)
     ModelConfig.from_folder(folder)  # fetched, but say now if it cannot be served
     return 0
@@ -249,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="fetch and prepare a model: the default model's name, a Hugging Face hub "
                           "id (org/name) or a .gguf file")
     pull.add_argument("model", metavar="ID|NAME|FILE.gguf")
+    pull.add_argument("--revision", help="a hub id's branch, tag or commit (default: main)")
     pull.set_defaults(func=cmd_pull)
     ls = sub.add_parser("list", help="the models prepared on this machine (name, architecture, size, path)")
     ls.set_defaults(func=cmd_list)

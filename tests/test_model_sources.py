@@ -169,3 +169,46 @@ def test_pull_of_the_default_models_name_prepares_it_as_download_does(default_mo
     assert main(["pull", "smollm2-135m-instruct"]) == 0  # names are matched without case
     assert capsys.readouterr().out.strip() == str(default_model_path)
     assert resolve_model("SmolLM2-135M-Instruct") == resolve_model(None) == default_model_path
+
+
+BRANCH = "gptq-4bit-32g-actorder_True"  # as TheBloke names a variant's branch
+BRANCH_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def add_branch(cache, repo_id: str, folder, branch: str, commit: str):
+    """Another revision of an already cached repo, named by a branch ref (huggingface_hub's layout)."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs" / branch).write_text(commit)
+    for file in folder.iterdir():
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+def test_revision_picks_a_branch_as_vllms_flag_does(hub, tmp_path, capsys):
+    """--revision (engine, serve's every service, `pull`): the branch's snapshot, not main's; the served
+    name stays the id."""
+    from pagedserve.cli import main
+    from pagedserve.launcher.wiring import Ports, StackConfig, service_argvs
+    other = build_tiny_model(tmp_path / "other", "llama", seed=7)
+    branch = add_branch(hub.parents[2], REPO, other, BRANCH, BRANCH_COMMIT)
+    assert resolve_model(REPO) == hub and resolve_model(REPO, BRANCH) == branch
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with make_engine(REPO, revision=BRANCH) as by_branch, make_engine(other) as by_folder:
+        assert by_branch.model_path == branch
+        assert by_branch.generate([[5, 6, 7]], params)[0][0].token_ids == \
+            by_folder.generate([[5, 6, 7]], params)[0][0].token_ids
+    assert main(["pull", REPO, "--revision", BRANCH]) == 0 and capsys.readouterr().out.strip() == str(branch)
+    argvs = service_argvs(StackConfig(model=REPO, revision=BRANCH), Ports([7001], 7010, 7020))
+    for service in ("worker0", "tokenizer"):
+        assert argvs[service][argvs[service].index("--revision") + 1] == BRANCH
+    from pagedserve.tokenizer.service import default_served_name, load_tokenizer
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer in {branch}"):  # the tokenizer service's: the branch's
+        load_tokenizer(REPO, None, BRANCH)
+    assert default_served_name(REPO, branch) == REPO
+    with pytest.raises(HubModelNotFound, match=f"model '{REPO}' at revision 'no-such-branch' is not in the local "
+                                               f".* `pagedserve pull {REPO} --revision no-such-branch`"):
+        resolve_model(REPO, "no-such-branch")

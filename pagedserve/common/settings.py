@@ -74,8 +74,7 @@ def _settings() -> tuple[Setting, ...]:
         S("--worker-addrs", "scheduler", default=f"{LOOPBACK}:{ports['worker']}",
           help="comma-separated host:port of worker ranks 0..N-1"),
         S("--tokenizer-addr", "gateway", default=f"{LOOPBACK}:{ports['tokenizer']}", help="the tokenizer's host:port"),
-        S("--scheduler-addr", "tokenizer gateway", default=f"{LOOPBACK}:{ports['scheduler']}",
-          help="the scheduler's host:port"),
+        S("--scheduler-addr", "tokenizer gateway", default=f"{LOOPBACK}:{ports['scheduler']}", help="the host:port"),
         S("--redis-url", "serve", help="use this Redis (redis://host:port/db, or 'memory': durability off)",
           default_text="a private redis-server if one is on the PATH, else an in-process store"),
         S("--redis-url", "scheduler", help="redis://host:port/db; 'memory': an in-process store",
@@ -140,8 +139,9 @@ def _settings() -> tuple[Setting, ...]:
           help="HF model folder, .gguf file, Hugging Face hub id (org/name; downloaded once into the HF cache) "
           "or a name from `pagedserve list`",
           default_text="SmolLM2-135M-Instruct", group="engine"),
-        S("--device", "engine serve worker", default="auto", choices=("auto", "cpu", "cuda"),
-          help="where the model runs (auto: CUDA when there is one)", group="engine"),
+        S("--revision", "engine serve worker tokenizer", help="a hub id's branch, tag or commit", group="engine"),
+        S("--device", "engine serve worker", default="auto", choices=("auto", "cpu", "cuda"), group="engine",
+          help="where the model runs (auto: CUDA when there is one)"),
         S("--dtype", "engine serve worker", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
           help="auto: bfloat16 on CUDA and on CPUs with avx512_bf16/AMX, else float32", group="engine"),
         S("--quantization", "engine serve worker", default="auto", choices=("auto", "none", "int8") + tuple(

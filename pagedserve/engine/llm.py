@@ -62,7 +62,7 @@ def load_engine(model: str | None, engine_args: dict[str, Any]) -> tuple[LLMEngi
 
     config = engine_config(model, **engine_args)
     chat_template = chat_templates.load_chat_template(config.chat_template)
-    tokenizer = load_tokenizer(config.tokenizer or resolve_model(config.model))
+    tokenizer = load_tokenizer(config.tokenizer or resolve_model(config.model, config.revision))
     engine = LLMEngine(config, tokenizer=tokenizer)
     return engine, tokenizer, chat_template
 

@@ -36,6 +36,7 @@ class EngineConfig:
     """The engine's settings (pagedserve.common.settings, "engine"), as the engine names them."""
     model: str | None = _DEFAULTS["model"]  # HF folder or .gguf; None: the default model
     tokenizer: str | None = _DEFAULTS["tokenizer"]  # folder of the tokenizer files; None: the model's
+    revision: str | None = _DEFAULTS["revision"]  # a hub id's branch, tag or commit; None: main
     chat_template: str | None = _DEFAULTS["chat_template"]  # a file or inline Jinja; None: the model's
     device: str = _DEFAULTS["device"]
     dtype: str = _DEFAULTS["dtype"]
@@ -124,7 +125,7 @@ class LLMEngine:
         self.graphs = graphs = graph_plan(config.compilation_config, config.enforce_eager)
         # The one model setup (worker/model_setup.py), as the worker service runs it.
         place = place_model(config.model, config.device, config.dtype, config.max_model_len, local_rank=0,
-                            tokenizer=tokenizer, tokenizer_name=config.tokenizer)
+                            tokenizer=tokenizer, tokenizer_name=config.tokenizer, revision=config.revision)
         self.model_path, self.model_config, self.tokenizer = place.model_path, place.model_config, place.tokenizer
         # the model's sampling defaults (a bad generation config fails here, before the weights load)
         self.sampling_defaults = read_defaults(place.model_path, config.generation_config,

@@ -45,7 +45,7 @@ def _served_model_name(http_url: str, api_key: str | None, context=None) -> str 
 
 
 def check_model(model: str | None, speculative_config: str | None = None, max_model_len: int | None = None,
-                quantization: str = "auto") -> None:
+                quantization: str = "auto", revision: str | None = None) -> None:
     """Before any service starts: the model is found (a hub id is downloaded here, once, for every
     rank) and its config.json is one we can serve (an architecture we have, no quantization_config
     we cannot load), so that a bad --model fails in a second with its reason, not as a worker's
@@ -58,7 +58,7 @@ def check_model(model: str | None, speculative_config: str | None = None, max_mo
     from pagedserve.model_files.default_model import resolve_model
     from pagedserve.model_files.draft_check import check_draft_model
     from pagedserve.model_files.weight_check import check_weight_files
-    folder = resolve_model(model)
+    folder = resolve_model(model, revision)
     target = ModelConfig.from_folder(folder)
     quantization_flag(quantization, target.hf, f"the model in {folder}")
     check_weight_files(folder)
@@ -90,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
         tls_problem = https.problem(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
         if tls_problem:
             raise ValueError(tls_problem)
-        check_model(args.model, args.speculative_config, args.max_model_len, args.quantization)
+        check_model(args.model, args.speculative_config, args.max_model_len, args.quantization, args.revision)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2

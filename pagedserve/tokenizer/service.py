@@ -48,12 +48,12 @@ def default_served_name(model: str | None, folder: Path) -> str:
     return folder.name
 
 
-def load_tokenizer(model: str | None, tokenizer_folder: str | None = None):
+def load_tokenizer(model: str | None, tokenizer_folder: str | None = None, revision: str | None = None):
     """(HF tokenizer, default served name, the model's vocab_size or None, the model's folder) for a folder
     or .gguf; tokenizer_folder (--tokenizer): where the tokenizer files are, if not with the model."""
     from pagedserve.model_files.default_model import resolve_model
     from pagedserve.model_files.tokenizer_files import load_tokenizer as load_folder_tokenizer
-    folder = resolve_model(model)
+    folder = resolve_model(model, revision)
     tokenizer = load_folder_tokenizer(Path(tokenizer_folder).expanduser() if tokenizer_folder else folder)
     try:
         vocab_size = json.loads((folder / "config.json").read_text()).get("vocab_size")

@@ -75,12 +75,13 @@ class ModelPlace:
 
 
 def place_model(model: str | None, device: str, dtype: str, max_model_len: int | None, local_rank: int = 0,
-                tokenizer=None, tokenizer_name: str | None = None, need_tokenizer: bool = True) -> ModelPlace:
+                tokenizer=None, tokenizer_name: str | None = None, need_tokenizer: bool = True,
+                revision: str | None = None) -> ModelPlace:
     """Resolve the model and decide its place. tokenizer: one the caller has, else loaded from
     tokenizer_name or the model's folder (need_tokenizer False: a model without one still runs,
     with the eos ids of its config files)."""
     from pagedserve.model_files.default_model import resolve_model
-    model_path = Path(resolve_model(model))
+    model_path = Path(resolve_model(model, revision))
     config = ModelConfig.from_folder(model_path)
     where = platform_for(pick_device(device)).rank_device(local_rank)
     if tokenizer is None:

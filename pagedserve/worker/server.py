@@ -61,7 +61,7 @@ class WorkerService:
                  quantization: str = "auto", kv: KVSettings | None = None, max_num_seqs: int | None = None,
                  enforce_eager: bool = False, lora: tuple[int, int, int] | None = None,
                  speculative_config: str | None = None, compilation_config: str | dict | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, revision: str | None = None) -> None:
         import dataclasses
 
         import torch  # noqa: F401 - the worker is the one service that needs it
@@ -83,7 +83,7 @@ class WorkerService:
         self.quantization = quantization
         # the eos ids of config.json and generation_config.json apply without a tokenizer too
         self.place = place_model(model, device, dtype, max_model_len, local_rank(rank, os.environ),
-                                 tokenizer_name=tokenizer, need_tokenizer=False)
+                                 tokenizer_name=tokenizer, need_tokenizer=False, revision=revision)
         self.model_path, self.model_config = self.place.model_path, self.place.model_config
         self.device, self.dtype = self.place.device, self.place.dtype
         self.max_model_len, self.eos_token_ids = self.place.max_model_len, self.place.eos_token_ids
@@ -304,7 +304,7 @@ def serve(args: argparse.Namespace) -> int:
                             if args.enable_lora else None, args.speculative_config,
                             with_flags(args.compilation_config, args.cudagraph_capture_sizes,
                                        args.max_cudagraph_capture_size, args.cuda_graph_sizes),
-                            args.seed)
+                            args.seed, args.revision)
     ready = threading.Event()
     # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
