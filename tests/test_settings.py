@@ -173,7 +173,7 @@ def test_argv_for_hands_on_what_differs_from_the_default():
     assert "PAGEDSERVE_MAX_NUM_SEQS" in handed_on_env("scheduler")
     assert "PAGEDSERVE_API_KEY" not in handed_on_env("gateway")
     assert {s.dest for s in shared("serve", "tokenizer")} == {
-        "model", "served_model_name", "tokenizer", "chat_template", "routing_policy", "service_transport",
+        "model", "revision", "served_model_name", "tokenizer", "chat_template", "routing_policy", "service_transport",
         "generation_config", "override_generation_config"}
 
 
@@ -185,8 +185,10 @@ def test_a_vllm_command_line_starts_serve():
     args = parse(["serve", "/models/llama", "--dtype", "auto", "--max-model-len", "2048", "-tp", "2",
                   "--enable-prefix-caching", "--no-enable-chunked-prefill", "--enable-auto-tool-choice",
                   "--tool-call-parser", "hermes", "--trust-remote-code", "--disable-log-requests",
-                  "--kv-cache-dtype", "auto", "--async-scheduling", "--gpu-memory-utilization", "0.85"])
+                  "--kv-cache-dtype", "auto", "--async-scheduling", "--gpu-memory-utilization", "0.85",
+                  "--quantization", "gptq_marlin", "--revision", "gptq-4bit-32g", "--ssl-cert-reqs", "0"])
     positional_model(args)
+    assert (args.quantization, args.revision, args.ssl_cert_reqs) == ("gptq_marlin", "gptq-4bit-32g", 0)
     assert (args.model, args.tensor_parallel_size, args.max_model_len) == ("/models/llama", 2, 2048)
     assert (args.no_prefix_caching, args.no_chunked_prefill, args.no_async_scheduling) == (False, True, False)
     assert args.tool_call_parser == "hermes" and args.enable_auto_tool_choice
