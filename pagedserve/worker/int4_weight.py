@@ -56,9 +56,12 @@ def dequantize_q4(t: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
 class Int4Weight:
     """A linear layer's weight in int4_linear's layout on the device: its parts stacked by outputs."""
 
-    __slots__ = ("qweight", "scales", "offsets", "qtypes", "row_counts")
+    __slots__ = ("qweight", "scales", "offsets", "qtypes", "row_counts", "_kernel")
 
     def __init__(self, parts: list[QuantizedTensor], device: torch.device) -> None:
+        # imported here, at load (triton's interpreter must be settled first in the tests), not on every call
+        from pagedserve.kernels.triton.int4_matmul import int4_linear
+        self._kernel = int4_linear
         converted = [from_q4_blocks(p) for p in parts]
         self.qweight, self.scales, self.offsets = (torch.cat([c[i] for c in converted], dim=1).to(device)
                                                    for i in range(3))
@@ -72,9 +75,8 @@ class Int4Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                dtype: torch.dtype | None = None) -> torch.Tensor:
-        from pagedserve.kernels.triton.int4_matmul import int4_linear
         lead = x.shape[:-1]
-        out = int4_linear(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.offsets, out_dtype=dtype)
+        out = self._kernel(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.offsets, out_dtype=dtype)
         if bias is not None:
             out += bias
         return out.reshape(*lead, out.shape[-1])
