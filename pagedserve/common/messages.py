@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.common.multimodal import ImageInput
 from pagedserve.common.sampling_params import SamplingParams, StructuredOutput
 
 
@@ -28,6 +29,7 @@ class NewRequestData:
     sample_index: int = 0  # which of the n samples of its prompt this sequence is (seeds differ)
     child_req_ids: list[str] = field(default_factory=list)  # n > 1: ids of samples 1..n-1, forked on first sample
     group_block_ids: list[list[int]] = field(default_factory=list)  # tables of KV groups 1..
+    images: list[ImageInput] = field(default_factory=list)  # a multimodal model's, in prompt order
 
 
 @dataclass(slots=True)

@@ -14,13 +14,17 @@ The salt (SamplingParams.cache_salt) scopes the cache: the gateway sets it to th
 blocks only with requests of the same owner and salt. About 0.7 us a block (16 tokens), against
 0.1 us for hash(): once per full block of a sequence. tests/test_replica_routing.py keeps the
 router's and the block manager's names equal.
+
+Images (common/multimodal.py): every image's placeholders are the same token, so the block that holds
+an image's first placeholder hashes the image's content hash too (`extras`, image_extras); the chain
+carries it to every later block, as vLLM's extra keys do.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 _FIRST, _NEXT = b"\x00", b"\x01"
 
@@ -32,20 +36,30 @@ def prefix_salt(cache_salt: str, lora_name: str = "", lora_path: str = "") -> st
     return f"{cache_salt}\x00lora:{lora_name}@{lora_path}" if lora_name else cache_salt
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: str = "") -> int:
+def image_extras(images, block_size: int) -> dict[int, bytes]:
+    """Block index -> the content hashes of the images whose first placeholder it holds."""
+    extras: dict[int, bytes] = {}
+    for image in images:
+        index = image.offset // block_size
+        extras[index] = extras.get(index, b"") + bytes.fromhex(image.hash)
+    return extras
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: str = "", extra: bytes = b"") -> int:
     """The name of the block token_ids whose parent block is named parent_hash (None: the first
-    block, under salt)."""
+    block, under salt); extra: what else its content depends on (images starting in it)."""
     if parent_hash is None:
         salted = salt.encode()
         head = _FIRST + len(salted).to_bytes(4, "little") + salted
     else:
         head = _NEXT + parent_hash.to_bytes(16, "little")
-    digest = hashlib.sha256(head + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+    tail = b"\x02" + extra if extra else b""
+    digest = hashlib.sha256(head + struct.pack(f"<{len(token_ids)}I", *token_ids) + tail).digest()
     return int.from_bytes(digest[:16], "little")
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None,
-                 salt: str = "") -> list[int]:
+                 salt: str = "", extras: Mapping[int, bytes] | None = None) -> list[int]:
     """The chained hashes of the full blocks of token_ids (at most max_blocks of them)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -55,6 +69,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | No
     out: list[int] = []
     parent = None
     for i in range(count):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], salt)
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], salt,
+                            extras.get(i, b"") if extras else b"")
         out.append(parent)
     return out

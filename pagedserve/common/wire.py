@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pagedserve.common.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, PromptLogprobs, \
     SampledToken, SchedulerOutput
+from pagedserve.common.multimodal import image_from_proto, image_to_proto
 from pagedserve.common.sampling_params import Pooling, SamplingParams, StructuredOutput
 from pagedserve.v1 import common_pb2, worker_pb2
 
@@ -120,6 +121,8 @@ def step_to_proto(step: SchedulerOutput, session_id: str = "") -> worker_pb2.Ste
                                      sample_index=new.sample_index, child_req_ids=new.child_req_ids)
         for ids in new.group_block_ids:
             entry.group_block_ids.add(ids=ids)
+        for image in new.images:
+            image_to_proto(image, entry.images.add())
         params_to_proto(new.params, entry.params)
     for cached in step.cached_requests:
         entry = msg.cached_requests.add(req_id=cached.req_id, new_block_ids=cached.new_block_ids)
@@ -150,7 +153,8 @@ def step_from_proto(msg: worker_pb2.StepRequest) -> SchedulerOutput:
         req_id=new.req_id, token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
         params=params_from_proto(new.params), block_ids=list(new.block_ids),
         num_computed_tokens=new.num_computed_tokens, sample_index=new.sample_index,
-        child_req_ids=list(new.child_req_ids), group_block_ids=[list(t.ids) for t in new.group_block_ids])
+        child_req_ids=list(new.child_req_ids), group_block_ids=[list(t.ids) for t in new.group_block_ids],
+        images=[image_from_proto(image) for image in new.images])
         for new in msg.new_requests]
     cached_requests = [CachedRequestData(
         req_id=c.req_id, new_block_ids=list(c.new_block_ids),

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 from pathlib import Path
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -14,6 +15,7 @@ from pagedserve.common import settings, structured_output
 from pagedserve.common.gc_heap import frozen_heap
 from pagedserve.common.lora import LoraError, LoraRequest, parse_lora_modules, read_adapter
 from pagedserve.common.messages import SampledToken
+from pagedserve.common.multimodal import ImageInput, check_placements
 from pagedserve.common.request_checks import logprobs_limit, logprobs_problem, params_vocab_problem
 from pagedserve.common.sampling_defaults import read_defaults
 from pagedserve.common.sampling_params import SamplingParams
@@ -240,8 +242,12 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, lora_request: LoraRequest | None = None) -> None:
+                    priority: int = 0, lora_request: LoraRequest | None = None,
+                    images: Sequence[ImageInput] = ()) -> None:
+        """images: a multimodal model's, in prompt order, each over its placeholder tokens (common/multimodal.py)."""
         params = self._with_lora(params, lora_request)
+        if images:
+            check_placements(images, len(prompt_token_ids))
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
@@ -253,7 +259,7 @@ class LLMEngine:
         if params.structured_output is not None:
             structured_output.check(params.structured_output)
         self.scheduler.add_request(Request(request_id, list(prompt_token_ids), len(prompt_token_ids),
-                                           params, self.eos_token_ids, priority))
+                                           params, self.eos_token_ids, priority, images=tuple(images)))
 
     def abort(self, request_id: str, sample_index: int | None = None) -> bool:
         """Stop a request (or one of its samples; see Scheduler.abort). False if unknown."""

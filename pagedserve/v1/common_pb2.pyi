@@ -176,3 +176,19 @@ class LocalSocket(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class ImageInput(_message.Message):
+    __slots__ = ("offset", "length", "height", "width", "data", "hash")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    height: int
+    width: int
+    data: bytes
+    hash: str
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., data: _Optional[bytes] = ..., hash: _Optional[str] = ...) -> None: ...

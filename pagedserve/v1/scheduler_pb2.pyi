@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "timings", "attach", "skip_tokens", "tag")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "timings", "attach", "skip_tokens", "tag", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class ScheduleRequest(_message.Message):
     ATTACH_FIELD_NUMBER: _ClassVar[int]
     SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -26,7 +27,8 @@ class ScheduleRequest(_message.Message):
     attach: bool
     skip_tokens: _containers.RepeatedScalarFieldContainer[int]
     tag: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., attach: _Optional[bool] = ..., skip_tokens: _Optional[_Iterable[int]] = ..., tag: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., attach: _Optional[bool] = ..., skip_tokens: _Optional[_Iterable[int]] = ..., tag: _Optional[int] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "accepted", "timings", "n", "tag", "prompt_logprobs", "embedding")
@@ -367,7 +369,7 @@ class GetRequestRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class RequestRecord(_message.Message):
-    __slots__ = ("request_id", "status", "prompt_token_ids", "params", "outputs", "finish_reasons", "timings", "priority")
+    __slots__ = ("request_id", "status", "prompt_token_ids", "params", "outputs", "finish_reasons", "timings", "priority", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +378,7 @@ class RequestRecord(_message.Message):
     FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     status: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -384,4 +387,5 @@ class RequestRecord(_message.Message):
     finish_reasons: _containers.RepeatedScalarFieldContainer[str]
     timings: _common_pb2.Timings
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[_generate_pb2.TokenIds, _Mapping]]] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[_generate_pb2.TokenIds, _Mapping]]] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., priority: _Optional[int] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ...) -> None: ...

@@ -78,7 +78,7 @@ class InitCacheResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "params", "block_ids", "num_computed_tokens", "sample_index", "child_req_ids", "group_block_ids")
+    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "params", "block_ids", "num_computed_tokens", "sample_index", "child_req_ids", "group_block_ids", "images")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class NewRequest(_message.Message):
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     CHILD_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -97,7 +98,8 @@ class NewRequest(_message.Message):
     sample_index: int
     child_req_ids: _containers.RepeatedScalarFieldContainer[str]
     group_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
-    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sample_index: _Optional[int] = ..., child_req_ids: _Optional[_Iterable[str]] = ..., group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageInput]
+    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sample_index: _Optional[int] = ..., child_req_ids: _Optional[_Iterable[str]] = ..., group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageInput, _Mapping]]] = ...) -> None: ...
 
 class BlockIds(_message.Message):
     __slots__ = ("ids",)

@@ -19,7 +19,7 @@ index i names tokens i*bs .. (i+1)*bs - 1 in every group. Single-threaded (the s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pagedserve.common.prefix_hashes import hash_block
@@ -101,14 +101,17 @@ class BlockManager:
         # 128-bit: the group above them keeps the names distinct).
         return block_hash if group == 0 else (group << 128) | block_hash
 
-    def _extend_hashes(self, seq_id: str, token_ids: Sequence[int], num_tokens: int, salt: str = "") -> list[int]:
+    def _extend_hashes(self, seq_id: str, token_ids: Sequence[int], num_tokens: int, salt: str = "",
+                       extras: Mapping[int, bytes] | None = None) -> list[int]:
         hashes = self.block_hashes.setdefault(seq_id, [])
         bs = self.block_size
         for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], salt))
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], salt,
+                                     extras.get(i, b"") if extras else b""))
         return hashes
 
-    def find_cached_prefix(self, seq_id: str, token_ids: Sequence[int], salt: str = "") -> list[KVBlock]:
+    def find_cached_prefix(self, seq_id: str, token_ids: Sequence[int], salt: str = "",
+                           extras: Mapping[int, bytes] | None = None) -> list[KVBlock]:
         """Longest run of cached full blocks at the start of token_ids, leaving at least one
         token to compute (its logits are needed), that every group can serve (a sliding group
         needs only the blocks inside the window of the first token to compute). Returns group 0's
@@ -116,7 +119,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hashes = self._extend_hashes(seq_id, token_ids, max_blocks * self.block_size, salt)
+        hashes = self._extend_hashes(seq_id, token_ids, max_blocks * self.block_size, salt, extras)
         hits: list[KVBlock] = []
         for block_hash in hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
@@ -169,15 +172,15 @@ class BlockManager:
         self.prefix_hits += num_hit_tokens
 
     def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-                          salt: str = "") -> None:
-        """Enter the sequence's blocks whose KV is now fully written into the prefix cache (salt:
-        the request's cache salt, as given to find_cached_prefix)."""
+                          salt: str = "", extras: Mapping[int, bytes] | None = None) -> None:
+        """Enter the sequence's blocks whose KV is now fully written into the prefix cache (salt,
+        extras: the request's cache salt and image hashes, as given to find_cached_prefix)."""
         if not self.enable_prefix_caching or seq_id not in self.tables:
             return
         start = self.num_cached_blocks.get(seq_id, 0)
         if num_computed_tokens // self.block_size <= start:
             return  # no block filled since the last call (most decode steps): nothing to hash or enter
-        hashes = self._extend_hashes(seq_id, token_ids, num_computed_tokens, salt)
+        hashes = self._extend_hashes(seq_id, token_ids, num_computed_tokens, salt, extras)
         # Hashes may run ahead (a prefix lookup names the whole prompt): only blocks whose KV
         # is fully written may be found by others.
         end = min(num_computed_tokens // self.block_size, len(hashes), len(self.tables[seq_id]))

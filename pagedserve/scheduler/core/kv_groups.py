@@ -60,7 +60,8 @@ def step_entry(bm: BlockManager, req: Request, alloc: Allocation,
     if not req.sent_to_worker:
         return NewRequestData(req.request_id, list(req.token_ids), req.num_prompt_tokens, req.params,
                               bm.block_ids(req.request_id), req.num_computed_tokens, req.sample_index,
-                              list(req.child_req_ids), group_block_ids=bm.group_block_ids(req.request_id))
+                              list(req.child_req_ids), group_block_ids=bm.group_block_ids(req.request_id),
+                              images=list(req.images))
     entry = CachedRequestData(req.request_id, alloc.new_block_ids[0], group_new_block_ids=alloc.new_block_ids[1:])
     if whole_table:
         entry.block_ids = bm.block_ids(req.request_id)

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from pagedserve.common.messages import SampledToken
+from pagedserve.common.multimodal import ImageInput
+from pagedserve.common.prefix_hashes import image_extras
 from pagedserve.common.sampling_params import SamplingParams
 
 
@@ -79,10 +81,20 @@ class Request:
     prompt_logprobs: list[SampledToken] = field(default_factory=list)  # positions 1, 2, ... as computed
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    images: tuple[ImageInput, ...] = ()  # a multimodal model's, in prompt order
+    _extras: dict[int, bytes] | None = None  # image_extras at the block size, once (block_extras)
 
     def __post_init__(self) -> None:
         if not self.group_id:
             self.group_id = self.request_id
+
+    def block_extras(self, block_size: int) -> dict[int, bytes] | None:
+        """The prefix cache's image keys by block (common/prefix_hashes.image_extras); None without images."""
+        if not self.images:
+            return None
+        if self._extras is None:
+            self._extras = image_extras(self.images, block_size)
+        return self._extras
 
     @property
     def num_tokens(self) -> int:

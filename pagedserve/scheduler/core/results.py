@@ -67,7 +67,7 @@ def fork_children(parent: Request, child_samples: list[SampledToken]) -> list[Re
                         sample_index=index, status=RequestStatus.RUNNING,
                         num_computed_tokens=parent.num_computed_tokens,
                         num_cached_tokens=parent.num_cached_tokens, sent_to_worker=True,
-                        first_scheduled_time=parent.first_scheduled_time)
+                        first_scheduled_time=parent.first_scheduled_time, images=parent.images)
         if sample.logprob is not None:
             child.logprobs.append(sample)
         child.prompt_logprobs = parent.prompt_logprobs  # complete: the prompt is computed

@@ -260,12 +260,12 @@ class Scheduler:
             if req.num_pending_samples and req.num_computed_tokens >= req.num_tokens:
                 req.num_pending_samples -= 1  # (the worker's rule: it sampled where the known tokens end)
             try:
-                # The KV this step wrote is the prefix cache's whatever becomes of the request: its
-                # full blocks go in before its token may finish it (max_tokens 1, a prompt-only
-                # request), which frees them. Before a fork, so the samples share what is cached.
-                # (A verified row has computed its kept proposals, which token_ids get below.)
+                # The KV this step wrote is the prefix cache's whatever becomes of the request: its full blocks
+                # go in before its token may finish it (max_tokens 1, a prompt-only request), which frees them.
+                # Before a fork, so the samples share it. (A verified row computed its kept proposals.)
                 written = min(req.num_computed_tokens, req.num_tokens)
-                self.block_manager.cache_full_blocks(req_id, req.token_ids, written, req.params.prefix_salt)
+                self.block_manager.cache_full_blocks(req_id, req.token_ids, written, req.params.prefix_salt,
+                                                     req.block_extras(self.config.block_size))
                 prompt = result.prompt_logprobs.get(req_id)
                 if prompt is not None:
                     req.add_prompt_logprobs(prompt.start, prompt.tokens)

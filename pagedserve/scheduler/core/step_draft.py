@@ -88,7 +88,8 @@ class StepDraft:
             return False
         # A cached prefix computes no logits or hidden states: a request that reads them (prompt
         # logprobs, mean/cls pooling) takes no hits (as vLLM does); it still fills the cache for others.
-        hits = (bm.find_cached_prefix(req.request_id, req.token_ids, req.params.prefix_salt)
+        hits = (bm.find_cached_prefix(req.request_id, req.token_ids, req.params.prefix_salt,
+                                      req.block_extras(cfg.block_size))
                 if req.params.takes_prefix_hits else [])
         num_computed = len(hits) * cfg.block_size
         num_new = req.num_tokens - num_computed
