@@ -13,7 +13,9 @@ No torch: the gateway, tokenizer and scheduler use this module.
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 from dataclasses import dataclass
 
 
@@ -59,3 +61,14 @@ def image_to_proto(image: ImageInput, out) -> None:
 def image_from_proto(msg) -> ImageInput:
     return ImageInput(msg.offset, msg.length, msg.height, msg.width, bytes(msg.data),
                       msg.hash or content_hash(msg.height, msg.width, bytes(msg.data)))
+
+
+def images_to_json(images) -> str:
+    """The images of a request's durable record (common/store.py): JSON, pixels in base64."""
+    return json.dumps([{"offset": i.offset, "length": i.length, "height": i.height, "width": i.width,
+                        "hash": i.hash, "data": base64.b64encode(i.data).decode()} for i in images])
+
+
+def images_from_json(text: str) -> tuple[ImageInput, ...]:
+    return tuple(ImageInput(e["offset"], e["length"], e["height"], e["width"], base64.b64decode(e["data"]), e["hash"])
+                 for e in json.loads(text)) if text else ()

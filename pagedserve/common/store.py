@@ -2,7 +2,8 @@
 
 Layout under the key prefix P (every key but `active` expires):
   P req:<id>        hash: status, prompt (JSON ids), params (JSON), n, priority, timings (JSON),
-                    finish_reasons (JSON, one per sample), num_cached_tokens
+                    finish_reasons (JSON, one per sample), num_cached_tokens; images (JSON with
+                    base64 pixels, common/multimodal.py) only for a prompt with images
   P out:<id>:<i>    list: output token ids of sample i
   P active          set: ids not finished (what a restarted scheduler re-admits); no TTL, so a
                     volatile-* eviction policy never drops it. An engine replica (--replica-id R,
@@ -31,6 +32,8 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from pagedserve.common.multimodal import ImageInput, images_from_json
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,7 @@ class StoredRequest:
     num_cached_tokens: int = 0
     error: str = ""  # set when it failed (the message its client was given)
     error_code: str = ""  # that failure's gRPC status name
+    images: tuple[ImageInput, ...] = ()  # a multimodal model's (field "images", only when it has some)
 
 
 def _decode(request_id: str, fields: dict[str, str], outputs: list[list[int]]) -> StoredRequest:
@@ -79,7 +83,8 @@ def _decode(request_id: str, fields: dict[str, str], outputs: list[list[int]]) -
         n=n, priority=int(fields.get("priority", 0)), timings=json.loads(fields.get("timings", "{}")),
         finish_reasons=json.loads(fields.get("finish_reasons", "[]")) or [""] * n,
         outputs=outputs, num_cached_tokens=int(fields.get("num_cached_tokens", 0)),
-        error=fields.get("error", ""), error_code=fields.get("error_code", ""))
+        error=fields.get("error", ""), error_code=fields.get("error_code", ""),
+        images=images_from_json(fields.get("images", "")))
 
 
 class RequestStore(ABC):

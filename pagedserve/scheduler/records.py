@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pagedserve.common.grpc_util import StatusError
+from pagedserve.common.multimodal import ImageInput, images_to_json
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.stop_rules import finish_reason
 from pagedserve.common.store import RecordWrite, RequestStore, StoredRequest
@@ -62,6 +63,7 @@ class GroupState:
     # Samples the Scheduler has let go (finished or aborted) while the group is still live: a
     # subscriber attaching before the group is forgotten is replayed their tokens from here.
     ended_samples: dict[int, Request] = field(default_factory=dict)
+    images: tuple[ImageInput, ...] = ()  # a multimodal model's, in prompt order (common/multimodal.py)
 
     def timings_snapshot(self) -> dict:
         spec = {"spec_draft_tokens": self.spec_draft_tokens,
@@ -72,7 +74,8 @@ class GroupState:
     def creation_fields(self) -> dict[str, str]:
         return {"status": "waiting", "prompt": json.dumps(self.prompt_token_ids),
                 "params": json.dumps(self.params.to_dict()), "n": str(self.n), "priority": str(self.priority),
-                "timings": json.dumps(self.timings_snapshot()), "finish_reasons": json.dumps(self.finish_reasons)}
+                "timings": json.dumps(self.timings_snapshot()), "finish_reasons": json.dumps(self.finish_reasons),
+                **({"images": images_to_json(self.images)} if self.images else {})}
 
 
 class LiveGroups:
@@ -174,9 +177,9 @@ def resumed_requests(record: StoredRequest, params: SamplingParams, eos_token_id
         if reasons[0]:
             return [], reasons
         return [Request(record.request_id, list(prompt), len(prompt), params, eos_token_ids,
-                        record.priority, arrival)], reasons
+                        record.priority, arrival, images=record.images)], reasons
     requests = [Request(record.request_id if i == 0 else f"{record.request_id}#{i}", prompt + outputs[i],
                         len(prompt), params, eos_token_ids, record.priority, arrival,
-                        group_id=record.request_id, sample_index=i)
+                        group_id=record.request_id, sample_index=i, images=record.images)
                 for i in range(record.n) if not reasons[i]]
     return requests, reasons

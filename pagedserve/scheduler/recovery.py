@@ -65,7 +65,7 @@ class Recovery:
         try:
             params = SamplingParams(**record.params)
             group = GroupState(request_id, record.n, record.prompt_token_ids, params, record.priority,
-                               dict(record.timings), [""] * record.n)
+                               dict(record.timings), [""] * record.n, images=record.images)
             group.timings.pop("worker_time_s", None)
             requests, reasons = resumed_requests(record, params, self.eos_token_ids, self.max_model_len,
                                                  record.timings.get("scheduler_received", time.time()))

@@ -12,6 +12,7 @@ import grpc
 import uvloop
 
 from pagedserve.common.gc_heap import freeze_startup_heap
+from pagedserve.common.multimodal import image_to_proto
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import (
     SERVER_OPTIONS,
@@ -182,6 +183,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             pass  # an old or foreign record: the rest is still worth answering with
         for tokens in record.outputs:
             msg.outputs.add(ids=tokens)
+        for image in record.images:
+            image_to_proto(image, msg.images.add())
         wire.timings_from_dict(record.timings, msg.timings)
         return msg
 

@@ -32,6 +32,7 @@ import grpc
 from pagedserve.common import request_checks as checks
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import StatusError
+from pagedserve.common.multimodal import check_placements, image_from_proto
 from pagedserve.common import structured_output
 from pagedserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.common.settings import step_budgets
@@ -165,12 +166,12 @@ class SchedulerService:
             group = self.live.get(request_id)
             if group is not None:
                 if not msg.attach:
-                    self._check_same_request(request_id, group.n, group.prompt_token_ids, msg)
+                    self._check_same_request(request_id, group.n, group.prompt_token_ids, group.images, msg)
                 return self._attach_live(group, outbox, tag), group
         record = self.store.load(request_id) if msg.request_id else None
         if record is not None:
             if not msg.attach:
-                self._check_same_request(record.request_id, record.n, record.prompt_token_ids, msg)
+                self._check_same_request(record.request_id, record.n, record.prompt_token_ids, record.images, msg)
             adopted = self.adoption.adopt(record)  # a dead replica's request resumes here
             if adopted is not None:
                 return self._attach_live(adopted, outbox, tag), adopted
@@ -223,16 +224,21 @@ class SchedulerService:
                 raise ValueError(problem)
             if params.structured_output is not None:
                 structured_output.check(params.structured_output)  # cached per spec
+            images = tuple(image_from_proto(image) for image in msg.images)
+            check_placements(images, len(prompt))
         except ValueError as exc:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         timings = {k: v for k, v in wire.timings_to_dict(msg.timings).items() if v}
         timings["scheduler_received"] = time.time()
-        return GroupState(request_id, params.n, prompt, params, msg.priority, timings, [""] * params.n)
+        return GroupState(request_id, params.n, prompt, params, msg.priority, timings, [""] * params.n,
+                          images=images)
 
     @staticmethod
-    def _check_same_request(request_id: str, n: int, prompt: list[int], msg: scheduler_pb2.ScheduleRequest) -> None:
+    def _check_same_request(request_id: str, n: int, prompt: list[int], images,
+                            msg: scheduler_pb2.ScheduleRequest) -> None:
         """A new schedule on a known id attaches only if it asks for the same thing (a retry)."""
-        if (msg.params.n or 1) != n or list(msg.prompt_token_ids) != prompt:
+        if ((msg.params.n or 1) != n or list(msg.prompt_token_ids) != prompt
+                or [image_from_proto(i).hash for i in msg.images] != [i.hash for i in images]):
             raise StatusError(grpc.StatusCode.ALREADY_EXISTS,
                               f"request id {request_id!r} is already in use by another request (another prompt "
                               "or n); use another id, or attach=true to follow that request")
@@ -251,7 +257,7 @@ class SchedulerService:
         params = SamplingParams(**record.params)
         group = GroupState(record.request_id, record.n, record.prompt_token_ids, params, record.priority,
                            dict(record.timings), list(record.finish_reasons),
-                           num_cached_tokens=record.num_cached_tokens)
+                           num_cached_tokens=record.num_cached_tokens, images=record.images)
         sub = Subscription(record.request_id, outbox, replayed=False, tag=tag)
         # Not live: it finished (or was lost with a scheduler that had no durable store).
         deliveries = [Delivery(i, 0, record.outputs[i] if i < len(record.outputs) else [],

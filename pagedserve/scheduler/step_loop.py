@@ -179,7 +179,7 @@ class StepLoop:
         if group.done:
             return
         req = Request(group.group_id, list(group.prompt_token_ids), len(group.prompt_token_ids), group.params,
-                      self.eos_token_ids, group.priority)
+                      self.eos_token_ids, group.priority, images=group.images)
         try:
             self.scheduler.add_request(req)
         except RequestIdInUse as exc:
