@@ -6,6 +6,7 @@ URL, a count mismatch, a non-image) are INVALID_ARGUMENT before the scheduler se
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import re
 
@@ -16,6 +17,7 @@ from PIL import Image
 
 from pagedserve.common.multimodal import image_from_proto
 from pagedserve.model_files import image_processing as ip
+from pagedserve.model_files.prompt_images import chat_prompt
 from pagedserve.model_files.tokenizer_files import load_tokenizer
 from pagedserve.v1 import generate_pb2
 from test_tokenizer_service import collect, start_stack, streamer
@@ -71,6 +73,13 @@ def test_a_chat_with_images_reaches_the_scheduler_expanded(llava_folder):
             assert got == placed and [g.length for g in got] == [9, 9]
             assert got[0].end <= got[1].offset and len(got[1].data) == 30 * 30 * 3
             assert res[0].accepted and res[0].usage.prompt_tokens == len(want)
+            # the offline engine's path (model_files/prompt_images.py) gives the same prompt and images
+            urls = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()}}
+                    for d in images]
+            ids, offline, _ = chat_prompt(tokenizer, config, [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [*urls, {"type": "text", "text": "What is in these?"}]}])
+            assert ids == want and offline == placed
         finally:
             await stop()
     asyncio.run(main())

@@ -21,8 +21,6 @@ Threads: the gateway's event loop; no state but the policy (frozen) and one shar
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +30,7 @@ import httpx
 
 from pagedserve.gateway.errors import RequestError, bad_request
 from pagedserve.model_files.image_processing import MAX_IMAGE_BYTES, open_image
+from pagedserve.model_files.prompt_images import decode_data_url
 from pagedserve.v1 import generate_pb2
 
 DEFAULT_MAX_IMAGES = 4  # --limit-mm-per-prompt's default (vLLM's {"image": ...})
@@ -69,13 +68,10 @@ def _image_part(value: Any, where: str) -> generate_pb2.ContentPart:
     if not isinstance(url, str) or not url:
         raise bad_request(f'{where} must be {{"url": "data:image/...;base64,..." or "https://..."}}', "messages")
     if url.startswith("data:"):
-        header, _, payload = url.partition(",")
-        if not header.endswith(";base64") or not header[5:].startswith("image/"):
-            raise bad_request(f"{where}: a data URL must be data:image/<type>;base64,<data>", "messages")
         try:
-            return generate_pb2.ContentPart(image=base64.b64decode(payload, validate=True))
-        except (binascii.Error, ValueError):
-            raise bad_request(f"{where}: the data URL's base64 is not valid", "messages") from None
+            return generate_pb2.ContentPart(image=decode_data_url(url))
+        except ValueError as exc:
+            raise bad_request(f"{where}: {exc}", "messages") from None
     if urlsplit(url).scheme not in ("http", "https"):
         raise bad_request(f"{where}: an image URL must be http(s) or data:image/...;base64", "messages")
     return generate_pb2.ContentPart(image_url=url)

@@ -14,13 +14,13 @@ A message with images (ChatMessage.parts) is rendered with HF's multimodal conte
 [{"type": "image"}, {"type": "text", "text": ...}] in the client's order, as llava-hf's templates
 expect; its images are returned beside the messages, in prompt order. With list_content (a
 template that iterates over message['content'], vLLM's "openai" content format) a text message's
-content is [{"type": "text", "text": ...}] too. Pure functions, no state: called on the tokenizer thread.
+content is [{"type": "text", "text": ...}] too (chat_templates.takes_content_lists).
+Pure functions, no state: called on the tokenizer thread.
 """
 
 from __future__ import annotations
 
 import json
-import re
 
 import grpc
 
@@ -74,15 +74,6 @@ def _arguments(text: str):
     except ValueError:
         return text
     return value if isinstance(value, dict) else text
-
-
-# A template that loops over a message's content (`for part in message['content']`, `message.content`)
-# takes content lists: vLLM's "openai" content format.
-_CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+\s*(\[\s*['\"]content['\"]\s*\]|\.content\b)")
-
-
-def takes_content_lists(template: str | None) -> bool:
-    return bool(template) and _CONTENT_LOOP.search(template) is not None
 
 
 def _content(m: generate_pb2.ChatMessage, images: list[bytes], list_content: bool):

@@ -31,10 +31,10 @@ from pagedserve.common.request_checks import other_model
 from pagedserve.common.sampling_defaults import apply_defaults
 from pagedserve.common.sampling_params import prompt_logprobs_problem
 from pagedserve.model_files.chat_templates import ChatTemplateError, load_chat_template, render_chat, \
-    text_token_ids
+    takes_content_lists, text_token_ids
 from pagedserve.model_files.image_processing import ImageConfig, expand_placeholders, process_image
 from pagedserve.tokenizer import tokenization
-from pagedserve.tokenizer.chat_render import takes_content_lists, template_kwargs, template_messages, template_tools
+from pagedserve.tokenizer.chat_render import template_kwargs, template_messages, template_tools
 from pagedserve.tokenizer.replica_router import Charge, ReplicaRouter, Target
 from pagedserve.tokenizer.request_stream import RequestStream
 from pagedserve.tokenizer.scheduler_link import SchedulerLink
@@ -84,7 +84,7 @@ class TokenizerService:
         self.chat_template = load_chat_template(chat_template)  # None: the model's own
         template = self.chat_template or getattr(tokenizer, "chat_template", None)
         # vLLM's "openai" content format: text content as [{"type": "text", ...}] too (image models only)
-        self.list_content = images is not None and isinstance(template, str) and takes_content_lists(template)
+        self.list_content = images is not None and takes_content_lists(template)
         # --served-model-name: the first names the model in answers, the others are accepted too
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
         self.served_model_name, self.served_aliases = names[0], [n for n in dict.fromkeys(names[1:]) if n != names[0]]
