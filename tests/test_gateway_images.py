@@ -145,6 +145,10 @@ def test_a_text_model_refuses_images():
     try:
         r = chat(text_only, [{"type": "image_url", "image_url": {"url": data_url(CAT)}}])
         assert r.status_code == 400 and "does not take images" in r.json()["error"]["message"]
+        r = httpx.post(text_only.url + "/tokenize", headers={"Authorization": f"Bearer {KEY}"}, timeout=20,
+                       json={"messages": [{"role": "user", "content": [
+                           {"type": "image_url", "image_url": {"url": data_url(CAT)}}]}]})
+        assert r.status_code == 400 and "does not take images" in r.json()["error"]["message"]
     finally:
         text_only.close()
 

@@ -80,6 +80,8 @@ def test_a_chat_with_images_reaches_the_scheduler_expanded(llava_folder):
                 {"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [*urls, {"type": "text", "text": "What is in these?"}]}])
             assert ids == want and offline == placed
+            tokenized = await stub.Tokenize(generate_pb2.TokenizeRequest(chat=chat_with_images(*images).chat))
+            assert list(tokenized.token_ids) == want and tokenized.text == text  # /tokenize counts them expanded
         finally:
             await stop()
     asyncio.run(main())

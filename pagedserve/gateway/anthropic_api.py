@@ -1,20 +1,19 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, over the chat path.
 
-A Messages body is mapped onto a ChatCompletionRequest (system -> a system message; text,
-tool_use, tool_result and image blocks -> content (image: OpenAI's image_url parts, base64 as a
-data: URL), assistant tool_calls and tool messages; tools and
-tool_choice -> OpenAI's; stop_sequences -> stop; vLLM's EXTENSIONS as they are), which runs as
-any chat request does, as one CompletionCall in `raw` mode (completion_call.py: admission, tools,
-structured outputs, the reasoning parser, metrics, abort on disconnect). Its answer is mapped back: a message with text,
-tool_use (and, with --reasoning-parser, thinking) blocks, stop_reason end_turn / max_tokens /
-stop_sequence / tool_use, usage in input/output tokens; streamed, Anthropic's event sequence
-(message_start, content_block_start / _delta / _stop per block, message_delta, message_stop).
+A Messages body is mapped onto a ChatCompletionRequest (system -> a system message; text, tool_use, tool_result and
+image blocks -> content (images: OpenAI's image_url parts, base64 as a data: URL), assistant tool_calls and tool
+messages; tools and tool_choice -> OpenAI's; stop_sequences -> stop; vLLM's EXTENSIONS as they are), which runs as
+any chat request does, as one CompletionCall in `raw` mode (completion_call.py: admission, tools, structured
+outputs, the reasoning parser, metrics, abort on disconnect). Its answer is mapped back: a message with text,
+tool_use (and, with --reasoning-parser, thinking) blocks, stop_reason end_turn / max_tokens / stop_sequence /
+tool_use, usage in input/output tokens; streamed, Anthropic's event sequence (message_start, content_block_start /
+_delta / _stop per block, message_delta, message_stop).
 
 Which stop sequence ended a message: the request asks for the stop string in the output and this
 module strips it (streamed, text that may begin a stop sequence is held until the next piece or
-the end). Errors are Anthropic's {"type": "error", "error": {"type", "message"}},
-before the headers as the HTTP status, after them as an `error` event. The API key may come as
-`x-api-key` (http_gate.py). Threads: the gateway's event loop. No state beyond one request.
+the end). Errors are Anthropic's {"type": "error", "error": {"type", "message"}}, before the headers
+as the HTTP status, after them as an `error` event. The API key may come as `x-api-key`
+(http_gate.py). Threads: the gateway's event loop. No state beyond one request.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from pagedserve.gateway.completion_call import CompletionCall
 from pagedserve.common.request_checks import prompt_chars_problem
 from pagedserve.gateway.protocol import ChatCompletionRequest, RequestError, bad_request, chat_to_generate
 from pagedserve.gateway.sse import DONE, SSE_HEADERS, CancellingStream
-from pagedserve.gateway import tools
+from pagedserve.gateway import images, tools
 from pagedserve.v1 import generate_pb2
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -392,6 +391,7 @@ async def count_tokens(backend: Backend, body: Any) -> Response:
         too_long = prompt_chars_problem(request, info.max_model_len)
         if too_long:
             raise RequestError(400, too_long, "messages", code="context_length_exceeded")
+        await images.resolve(request.chat, info, backend.media, backend.media_client())  # (counted expanded)
         reply = await backend.tokenizer.Tokenize(request, timeout=RPC_TIMEOUT_S)
     except RequestError as exc:
         return error_response(exc)

@@ -157,7 +157,7 @@ class CompletionCall:
         if problem:
             raise RequestError(400, problem, problem.split()[0])
         if self.chat:  # images: the model takes them, within the limit, URLs fetched, each one an image
-            await images.resolve(gen, info, backend.media, backend.media_client())
+            await images.resolve(gen.chat, info, backend.media, backend.media_client())
         client_id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         beams = check_beam_request(body, checks.served_logprobs_limit(info))
         if beams is not None:  # vLLM's use_beam_search: steps of one-token requests (beam_call.py)

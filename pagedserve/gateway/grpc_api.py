@@ -129,7 +129,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         forward = generate_pb2.GenerateRequest()
         forward.CopyFrom(request)
         try:  # a chat's images: the model takes them, within the limit, URLs fetched (images.py)
-            await images.resolve(forward, info, self.backend.media, self.backend.media_client(), "parts")
+            await images.resolve(forward.chat, info, self.backend.media, self.backend.media_client(), "parts")
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         client_id = request.request_id or "cmpl-" + uuid.uuid4().hex

@@ -118,13 +118,11 @@ def image_count(chat: generate_pb2.ChatMessages) -> int:
 
 
 # ---- resolve: the checks and the fetches ----------------------------------------------------------
-async def resolve(gen: generate_pb2.GenerateRequest, info: generate_pb2.ModelInfo, policy: MediaPolicy,
+async def resolve(chat: generate_pb2.ChatMessages, info: generate_pb2.ModelInfo, policy: MediaPolicy,
                   client: httpx.AsyncClient | None, part_name: str = "content") -> None:
-    """Check a request's images against the model and the policy, fetch its URLs into bytes and
-    read every image's header. Raises RequestError (400) naming the part: messages[i].<part_name>[j]."""
-    if gen.WhichOneof("input") != "chat":
-        return
-    count = image_count(gen.chat)
+    """Check a chat's images against the model and the policy, fetch its URLs into bytes and read
+    every image's header. Raises RequestError (400) naming the part: messages[i].<part_name>[j]."""
+    count = image_count(chat)
     if not count:
         return
     if not info.takes_images:
@@ -133,7 +131,7 @@ async def resolve(gen: generate_pb2.GenerateRequest, info: generate_pb2.ModelInf
         raise bad_request(f"the request has {count} images: at most {policy.max_images} per request "
                           "(--limit-mm-per-prompt)", "messages")
     fetches, wheres = [], []
-    for i, m in enumerate(gen.chat.messages):
+    for i, m in enumerate(chat.messages):
         for j, part in enumerate(m.parts):
             where = f"messages[{i}].{part_name}[{j}]"
             if part.WhichOneof("part") == "image_url":

@@ -215,8 +215,18 @@ class TokenizerService:
     async def tokenize(self, request: generate_pb2.TokenizeRequest) -> generate_pb2.TokenizeResponse:
         """/tokenize (tokenization.py): a prompt or a chat to token ids."""
         self._check_model(request.model)
+        if request.WhichOneof("input") == "chat" and any(m.parts for m in request.chat.messages):
+            return await self._in_thread(self._tokenize_with_images, request)
         return await self._in_thread(tokenization.tokenize, self.tokenizer, request,
                                      lambda chat: self._chat(chat, tokenize=False))
+
+    def _tokenize_with_images(self, request: generate_pb2.TokenizeRequest) -> generate_pb2.TokenizeResponse:
+        """A chat with images: its ids as Generate sends them (each image's placeholders expanded)."""
+        ids, _ = self._chat(request.chat, tokenize=True)
+        reply = generate_pb2.TokenizeResponse(token_ids=ids, text=self._chat(request.chat, tokenize=False))
+        if request.return_token_strs:
+            reply.token_strs.extend(self.tokenizer.convert_ids_to_tokens(ids))
+        return reply
 
     async def detokenize(self, request: generate_pb2.DetokenizeRequest) -> generate_pb2.DetokenizeResponse:
         """/detokenize: on the tokenizer's own thread, never on the loop that detokenizes the
