@@ -41,7 +41,8 @@ def test_pixels_equal_clip_image_processor(tmp_path, size):
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     pre = {**PREPROCESSOR, "size": size}
-    (tmp_path / "config.json").write_text(json.dumps({"image_token_index": 5, "vision_config": {"patch_size": 10}}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"],
+                                                      "image_token_index": 5, "vision_config": {"patch_size": 10}}))
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(pre))
     config = ip.image_config(tmp_path)
     reference = CLIPImageProcessorPil(**{k: v for k, v in pre.items() if k != "image_processor_type"})
@@ -97,3 +98,8 @@ def test_counts_and_limits(llava_folder):
     with pytest.raises(ValueError, match="pixels"):
         ip.open_image(big)
     assert ip.image_config(llava_folder.parent) is None  # no config.json: no images
+    other = llava_folder.parent / "gemma3"
+    other.mkdir(exist_ok=True)
+    (other / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
+                                                   "image_token_index": 262144}))
+    assert ip.image_config(other) is None  # an image model the worker does not encode: text only

@@ -35,7 +35,9 @@ MAX_IMAGE_PIXELS = 40_000_000  # width x height of a decoded image (about a 6300
 # PIL's own bomb guard (process-wide): an error past 2x this, a warning past 1x; open_image refuses past 1x
 Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
 
-_FIELDS = ("do_convert_rgb", "do_resize", "size", "resample", "do_center_crop", "crop_size")
+# The architectures whose images the worker encodes; another model's image token (Gemma 3's, ...) is
+# not taken: such a model serves text only.
+ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,11 @@ def _hw(size: dict | int, what: str) -> tuple[int, int]:
 
 def image_config(folder: str | Path) -> ImageConfig | None:
     """The image front end of the model in folder; None for a model that takes no images (its
-    config.json names no image token)."""
+    config.json names no image token, or its architecture is none of ARCHITECTURES)."""
     folder = Path(folder)
     config = _read(folder / "config.json")
     token = config.get("image_token_index", config.get("image_token_id"))
-    if token is None:
+    if token is None or not set(config.get("architectures") or ()) & set(ARCHITECTURES):
         return None
     pre, proc = _read(folder / "preprocessor_config.json"), _read(folder / "processor_config.json")
     unknown = sorted(k for k in ("do_pad", "image_grid_pinpoints") if pre.get(k))
