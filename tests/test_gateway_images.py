@@ -195,3 +195,21 @@ def test_grpc_generate_takes_image_parts(stack, web):
         assert "messages[0].parts[1]: the data is not an image" in err.value.details()
     finally:
         channel.close()
+
+
+def test_media_policy_from_the_flags():
+    import argparse
+
+    from pagedserve.common.settings_cli import add_settings
+    from pagedserve.gateway.images import media_policy
+
+    parser = argparse.ArgumentParser()
+    add_settings(parser, "gateway", with_env=False)
+    args = parser.parse_args(["--limit-mm-per-prompt", '{"image": 2, "video": 0}', "--allowed-media-domains",
+                              "Images.Example.com", "cdn.example.com", "--media-fetch-timeout", "3"])
+    assert media_policy(args.limit_mm_per_prompt, args.allowed_media_domains, args.media_fetch_timeout) == \
+        MediaPolicy(2, ("images.example.com", "cdn.example.com"), 3.0)
+    assert media_policy("", None, 5.0) == MediaPolicy()
+    for bad in ('{"image": -1}', "[2]", "image=2"):
+        with pytest.raises(ValueError, match="--limit-mm-per-prompt"):
+            media_policy(bad, None, 5.0)
