@@ -30,11 +30,12 @@ class FakeTokenizer(generate_pb2_grpc.TokenizerServicer):
         self.cancelled = threading.Event()
         self.ready = True
         self.model_info_calls = 0
+        self.takes_images = False
 
     def GetModelInfo(self, request, context):
         self.model_info_calls += 1
         return generate_pb2.ModelInfo(model=MODEL, aliases=[ALIAS], max_model_len=128, vocab_size=100,
-                                      ready=self.ready)
+                                      ready=self.ready, takes_images=self.takes_images)
 
     def Generate(self, request, context):
         self.requests.append(request)
@@ -103,8 +104,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 class Stack:
     """Fakes on a thread-pool gRPC server; the gateway (uvicorn + grpc.aio) on its own loop thread."""
 
-    def __init__(self, limits: Limits | None = None) -> None:
+    def __init__(self, limits: Limits | None = None, takes_images: bool = False) -> None:
         self.tokenizer, self.scheduler = FakeTokenizer(), FakeScheduler()
+        self.tokenizer.takes_images = takes_images
         self.fakes = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
         generate_pb2_grpc.add_TokenizerServicer_to_server(self.tokenizer, self.fakes)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.scheduler, self.fakes)

@@ -74,7 +74,7 @@ def test_history_reaches_the_template_as_hf_templates_expect():
         {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
         {"role": "user", "content": "thanks", "name": "bob"}]
     gen, _ = request(messages=messages, tools=TOOLS)
-    rendered = template_messages(gen.chat)
+    rendered, _ = template_messages(gen.chat)
     assert rendered[0] == {"role": "user", "content": "hi"}  # plain messages keep their old shape
     assert rendered[1]["tool_calls"] == [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "P"}}},

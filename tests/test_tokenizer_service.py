@@ -136,7 +136,7 @@ def streamer(token_ids, n=1, finish="length", fail_after=None, pause=0.0, logpro
     return script
 
 
-async def start_stack(tokenizer, scripts, scheduler=True, retry_timeout=5.0, sampling_defaults=None):
+async def start_stack(tokenizer, scripts, scheduler=True, retry_timeout=5.0, sampling_defaults=None, images=None):
     from pagedserve.tokenizer.server import TokenizerServicer
     from pagedserve.tokenizer.service import TokenizerService
     sched_port = free_port()
@@ -148,7 +148,7 @@ async def start_stack(tokenizer, scripts, scheduler=True, retry_timeout=5.0, sam
         sched_server.add_insecure_port(f"127.0.0.1:{sched_port}")
         await sched_server.start()
     service = TokenizerService(tokenizer, "SmolLM2-135M-Instruct", f"127.0.0.1:{sched_port}", retry_timeout,
-                               sampling_defaults=sampling_defaults)
+                               sampling_defaults=sampling_defaults, images=images)
     server = grpc.aio.server()
     generate_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(service), server)
     port = free_port()

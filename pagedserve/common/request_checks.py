@@ -29,7 +29,7 @@ def prompt_chars_problem(gen: Any, max_model_len: int) -> str | None:
     if kind == "prompt":
         chars = len(gen.prompt)
     elif kind == "chat":
-        chars = sum(len(m.content) + len(m.role) for m in gen.chat.messages)
+        chars = sum(len(m.content) + len(m.role) + sum(len(p.text) for p in m.parts) for m in gen.chat.messages)
     else:
         return None
     bound = max_model_len * MAX_CHARS_PER_TOKEN

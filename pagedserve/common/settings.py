@@ -280,23 +280,21 @@ def _settings() -> tuple[Setting, ...]:
           "(max_new_tokens) come from (vLLM's flag): auto = the model's generation_config.json, a folder = "
           "that folder's, vllm = the engine's defaults"),
         S("--override-generation-config", "engine serve tokenizer", group="tokenizer",
-          help="JSON object of generation-config entries set over --generation-config's, e.g. "
-          "'{\"temperature\": 0.5}'"),
+          help="JSON object of generation-config entries over --generation-config's, e.g. '{\"temperature\": 0.5}'"),
         S("--chat-template", "engine serve tokenizer", help="a Jinja chat template file (or the template itself) "
           "used instead of the model's", default_text="the model's", group="tokenizer"),
         S("--service-transport", "serve tokenizer gateway", default="auto", choices=("auto", "grpc"),
           help="how the gateway calls the tokenizer's Generate and the tokenizer the scheduler's Stream: auto uses "
           "the callee's local socket (same messages over a Unix socket, no gRPC threads) when it runs on this "
           "host as this user, else gRPC; grpc always uses gRPC", group="tokenizer"),
-        S("--scheduler-retry-timeout", "tokenizer", float, 120.0,
-          "seconds a stream waits for a restarted scheduler before it fails", group="tokenizer"),
+        S("--scheduler-retry-timeout", "tokenizer", float, 120.0, "seconds a stream waits for a restarted scheduler "
+          "before it fails", group="tokenizer"),
         # ---- a worker rank ------------------------------------------------------------------
         S("--rank", "worker", int, 0, "this worker's rank in the tensor-parallel group"),
         S("--dist-init-addr", "worker", help="host:port where the ranks meet (torch.distributed)",
           default_text="MASTER_ADDR:MASTER_PORT"),
         # ---- the gateway --------------------------------------------------------------------
-        S("--api-key", "serve gateway", many=True, secret=True, group="gateway",
-          help="require a bearer key; repeat for several"),
+        S("--api-key", "serve gateway", many=True, secret=True, group="gateway", help="require a bearer key; repeat"),
         S("--admin-api-key", "serve gateway", many=True, secret=True, group="gateway",
           help="an operator key: it sees every request in /v1/engine/stats and the dashboard, and reads /docs; "
           "repeat for several (ordinary keys see only their own requests)"),
@@ -331,19 +329,16 @@ def _settings() -> tuple[Setting, ...]:
           group="gateway"),
         S("--rate-limit", "serve gateway", help="RPS[:BURST] requests per second per API key (per client address "
           "without keys); beyond it 429 with Retry-After", default_text="no limit", group="gateway"),
-        S("--shutdown-timeout", "serve gateway", float, 30.0,
-          "on SIGTERM, seconds in-flight requests may take to finish (503 to new ones) before they are aborted",
-          group="gateway"),
+        S("--shutdown-timeout", "serve gateway", float, 30.0, "on SIGTERM, seconds in-flight requests may take to "
+          "finish (503 to new ones) before they are aborted", group="gateway"),
         S("--tool-call-parser", "serve gateway",
           choices=("hermes", "llama3_json", "mistral", "deepseek_v3", "qwen3_coder", "pythonic"),
           help="how tool calls are read from the output of a chat request with tools and tool_choice "
           "\"auto\" (vLLM's names): hermes (Hermes, Qwen: <tool_call>{...}</tool_call>), llama3_json (Llama 3: "
           "{\"name\": ..., \"parameters\": ...}), mistral ([TOOL_CALLS]), deepseek_v3, qwen3_coder (XML), "
           "pythonic ([f(a=1)]); unset: such requests get 400", group="gateway"),
-        S("--enable-auto-tool-choice", "serve gateway", bool, False, group="gateway",
-          help="vLLM's switch for --tool-call-parser: here a chat with tools and tool_choice \"auto\" is read by "
-          "the parser whenever one is named, so the switch changes nothing; it is taken so that vLLM's command "
-          "lines start, and as vLLM's it needs --tool-call-parser"),
+        S("--enable-auto-tool-choice", "serve gateway", bool, False, group="gateway", help="vLLM's switch for "
+          "--tool-call-parser (which it needs); a no-op here: the parser reads tool_choice \"auto\" when named"),
         S("--return-tokens-as-token-ids", "serve gateway", bool, False, group="gateway",
           help="logprob tokens are written \"token_id:<id>\" (vLLM's), for a request that does not set "
           "return_tokens_as_token_ids itself"),
@@ -356,9 +351,14 @@ def _settings() -> tuple[Setting, ...]:
           help="owner: a request shares prefix-cache blocks only with requests of the same API key "
           "(and cache_salt), so cached_tokens tells no key what another sent; global: every key's "
           "requests share them (without keys both are the same)", group="gateway"),
-        S("--resume-grace", "serve gateway", float, 60.0,
-          "seconds a stream's request keeps running after its gateway died, for a resume "
-          "(GET /v1/requests/{id}/stream); 0: it is aborted at once", group="gateway"),
+        S("--resume-grace", "serve gateway", float, 60.0, "seconds a stream's request keeps running after its "
+          "gateway died, for a resume (GET /v1/requests/{id}/stream); 0: it is aborted at once", group="gateway"),
+        # ---- images in requests (gateway/images.py) -----------------------------------------------------
+        S("--limit-mm-per-prompt", "serve gateway", default="", default_text='{"image": 4}', group="gateway",
+          help='vLLM\'s: JSON, the most images a request may carry (\'{"image": 2}\'); --allowed-media-domains '
+          "(vLLM's, repeatable: the only hosts image URLs and their redirects may name; unset: any)"),
+        S("--allowed-media-domains", "serve gateway", many=True, several=True, group="gateway", default_text="any"),
+        S("--media-fetch-timeout", "serve gateway", float, 5.0, "seconds to fetch an image URL", group="gateway"),
     )
 
 

@@ -1,19 +1,19 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, over the chat path.
 
-A Messages body is mapped onto a ChatCompletionRequest (system -> a system message; text,
-tool_use and tool_result blocks -> content, assistant tool_calls and tool messages; tools and
-tool_choice -> OpenAI's; stop_sequences -> stop; vLLM's EXTENSIONS as they are), which runs as
-any chat request does, as one CompletionCall in `raw` mode (completion_call.py: admission, tools,
-structured outputs, the reasoning parser, metrics, abort on disconnect). Its answer is mapped back: a message with text,
-tool_use (and, with --reasoning-parser, thinking) blocks, stop_reason end_turn / max_tokens /
-stop_sequence / tool_use, usage in input/output tokens; streamed, Anthropic's event sequence
-(message_start, content_block_start / _delta / _stop per block, message_delta, message_stop).
+A Messages body is mapped onto a ChatCompletionRequest (system -> a system message; text, tool_use, tool_result and
+image blocks -> content (images: OpenAI's image_url parts, base64 as a data: URL), assistant tool_calls and tool
+messages; tools and tool_choice -> OpenAI's; stop_sequences -> stop; vLLM's EXTENSIONS as they are), which runs as
+any chat request does, as one CompletionCall in `raw` mode (completion_call.py: admission, tools, structured
+outputs, the reasoning parser, metrics, abort on disconnect). Its answer is mapped back: a message with text,
+tool_use (and, with --reasoning-parser, thinking) blocks, stop_reason end_turn / max_tokens / stop_sequence /
+tool_use, usage in input/output tokens; streamed, Anthropic's event sequence (message_start, content_block_start /
+_delta / _stop per block, message_delta, message_stop).
 
 Which stop sequence ended a message: the request asks for the stop string in the output and this
 module strips it (streamed, text that may begin a stop sequence is held until the next piece or
-the end). Errors are Anthropic's {"type": "error", "error": {"type", "message"}},
-before the headers as the HTTP status, after them as an `error` event. The API key may come as
-`x-api-key` (http_gate.py). Threads: the gateway's event loop. No state beyond one request.
+the end). Errors are Anthropic's {"type": "error", "error": {"type", "message"}}, before the headers
+as the HTTP status, after them as an `error` event. The API key may come as `x-api-key`
+(http_gate.py). Threads: the gateway's event loop. No state beyond one request.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ from pydantic import ValidationError
 
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend, as_request_error
 from pagedserve.gateway.completion_call import CompletionCall
-from pagedserve.gateway.sse import SSE_HEADERS
 from pagedserve.common.request_checks import prompt_chars_problem
 from pagedserve.gateway.protocol import ChatCompletionRequest, RequestError, bad_request, chat_to_generate
-from pagedserve.gateway.sse import DONE, CancellingStream
-from pagedserve.gateway import tools
+from pagedserve.gateway.sse import DONE, SSE_HEADERS, CancellingStream
+from pagedserve.gateway import images, tools
 from pagedserve.v1 import generate_pb2
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -85,12 +84,15 @@ def _message(i: int, message: Any) -> list[dict]:
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or a list of content blocks", "messages")
-    texts, calls, results = [], [], []
+    texts, calls, results, parts = [], [], [], []  # parts: the text and image blocks, in order
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}.content[{j}]"
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), at)}})
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
                 raise bad_request(f'{at} must be {{"type": "tool_use", "id", "name", "input": {{...}}}}', "messages")
@@ -105,13 +107,24 @@ def _message(i: int, message: Any) -> list[dict]:
             continue  # earlier turns' thinking is not shown to the model again (as Anthropic's own API)
         else:
             raise bad_request(f"{at}: {kind!r} blocks are not supported in a {role} message (text, tool_use in "
-                              "assistant messages, tool_result in user messages)", "messages")
+                              "assistant messages, tool_result and image in user messages)", "messages")
     out = list(results)
     if calls:
         out.append({"role": "assistant", "content": "\n".join(texts) or None, "tool_calls": calls})
+    elif len(parts) > len(texts):  # with images: OpenAI's parts (gateway/images.py checks them)
+        out.append({"role": role, "content": parts})
     elif texts or not results:
         out.append({"role": role, "content": "\n".join(texts)})
     return out
+
+
+def _image_url(source: Any, where: str) -> str:  # an image block's source as an image_url part's URL
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind != "url" or not isinstance(source.get("url"), str):
+        raise bad_request(f'{where}.source must be {{"type": "base64", ...}} or {{"type": "url", ...}}', "messages")
+    return source["url"]
 
 
 def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
@@ -378,6 +391,7 @@ async def count_tokens(backend: Backend, body: Any) -> Response:
         too_long = prompt_chars_problem(request, info.max_model_len)
         if too_long:
             raise RequestError(400, too_long, "messages", code="context_length_exceeded")
+        await images.resolve(request.chat, info, backend.media, backend.media_client())  # (counted expanded)
         reply = await backend.tokenizer.Tokenize(request, timeout=RPC_TIMEOUT_S)
     except RequestError as exc:
         return error_response(exc)

@@ -16,6 +16,7 @@ import logging
 import time
 
 import grpc
+import httpx
 from pagedserve.common import wire
 from pagedserve.common.grpc_util import internal_channel
 from pagedserve.common.local_calls import LocalOrGrpcCall, LocalSocketPath
@@ -24,6 +25,7 @@ from pagedserve.common.store import MemoryStore, RequestStore
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.gateway.lora_adapters import LoraAdapters
 from pagedserve.gateway.admission import Admission
+from pagedserve.gateway.images import MediaPolicy
 from pagedserve.gateway.limits import Limits
 from pagedserve.gateway.metrics import Metrics
 from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
@@ -129,6 +131,8 @@ class Backend:
         self.prefix_cache_scope = prefix_cache_scope  # --prefix-cache-scope: owners.cache_salt
         self.runner, self.pooler = runner, pooler  # --runner pooling: embeddings only, pooled by --pooler
         self.loras = LoraAdapters()  # --enable-lora: the adapters requests may name as their model
+        self.media = MediaPolicy()  # images in requests (images.py); their URLs are fetched with media_client
+        self._media_client: httpx.AsyncClient | None = None
         self.admission = Admission(api_key, limits, admin_keys, min_priorities)
         self.limits = self.admission.limits
         self.inflight: set = set()  # the REST calls this gateway is serving (completion_call.CompletionCall)
@@ -196,9 +200,17 @@ class Backend:
         replicas = await self.replicas.list() if self.replicas is not None else []
         return [(r.id, self.replicas.stub(r)) for r in replicas] or [("", self.scheduler)]
 
+    def media_client(self) -> httpx.AsyncClient:
+        if self._media_client is None:
+            self._media_client = httpx.AsyncClient(follow_redirects=False)
+        return self._media_client
+
     async def close(self) -> None:
         if self.replicas is not None:
             await self.replicas.close()
+        if self._media_client is not None:
+            await self._media_client.aclose()
+            self._media_client = None
         for channel in self._channels:
             await channel.close()
         self._channels.clear()

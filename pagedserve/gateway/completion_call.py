@@ -33,6 +33,7 @@ from fastapi.responses import Response
 
 from pagedserve.common import request_checks as checks
 from pagedserve.v1 import common_pb2, generate_pb2
+from pagedserve.gateway import images
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import Backend, as_request_error, rpc_error
 from pagedserve.gateway.generation import admit_first, forward_as, output_budget
@@ -155,6 +156,8 @@ class CompletionCall:
             problem = "top_" + problem
         if problem:
             raise RequestError(400, problem, problem.split()[0])
+        if self.chat:  # images: the model takes them, within the limit, URLs fetched, each one an image
+            await images.resolve(gen.chat, info, backend.media, backend.media_client())
         client_id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         beams = check_beam_request(body, checks.served_logprobs_limit(info))
         if beams is not None:  # vLLM's use_beam_search: steps of one-token requests (beam_call.py)

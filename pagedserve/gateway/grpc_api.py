@@ -29,7 +29,7 @@ from pagedserve.v1 import generate_pb2, generate_pb2_grpc
 from pagedserve.common import request_checks as checks
 from pagedserve.common import structured_output
 from pagedserve.common.wire import params_from_proto
-from pagedserve.gateway import grpc_embed
+from pagedserve.gateway import grpc_embed, images
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend
 from pagedserve.gateway.generation import admit_first, forward_as, output_budget
@@ -128,6 +128,10 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
         forward = generate_pb2.GenerateRequest()
         forward.CopyFrom(request)
+        try:  # a chat's images: the model takes them, within the limit, URLs fetched (images.py)
+            await images.resolve(forward.chat, info, self.backend.media, self.backend.media_client(), "parts")
+        except RequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         client_id = request.request_id or "cmpl-" + uuid.uuid4().hex
         request_id = forward_as(forward, caller, client_id, received, self.backend.prefix_cache_scope,
                                 self.backend.loras)

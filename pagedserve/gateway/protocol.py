@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from pagedserve.common.sampling_params import MAX_BAD_WORDS, SamplingParams, size_problem
 from pagedserve.gateway import structured
 from pagedserve.gateway.errors import RequestError, bad_request, error_body, internal_error  # noqa: F401 (their home)
+from pagedserve.gateway.images import message_content, message_text
 from pagedserve.gateway.tools import history_fields
 from pagedserve.v1 import generate_pb2
 
@@ -146,9 +147,11 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
+    """A content part: text, or image_url ({"url", "detail"} or the url string: gateway/images.py)."""
     model_config = ConfigDict(extra="ignore")
     type: str
     text: str | None = None
+    image_url: str | dict[str, Any] | None = None
 
 
 class Message(BaseModel):
@@ -180,25 +183,12 @@ class ChatCompletionRequest(_SamplingFields):
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _message_text(message: Message, where: str) -> str:
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
-    texts = []
-    for j, part in enumerate(message.content):
-        if part.type != "text" or part.text is None:
-            raise bad_request(f"{where}.content[{j}]: only text parts are supported, got type {part.type!r}",
-                              "messages")
-        texts.append(part.text)
-    return "\n".join(texts)  # how vLLM flattens text parts for a string-content chat template
-
-
 def chat_echo_text(req: ChatCompletionRequest) -> str:
     """vLLM's chat echo: the text an answer starts with, the last message's content when that message
     is the assistant's (the answer's role), else nothing."""
     last = req.messages[-1] if req.echo and req.messages else None
-    return _message_text(last, f"messages[{len(req.messages) - 1}]") if last and last.role == "assistant" else ""
+    return message_text(last.content, f"messages[{len(req.messages) - 1}]") if last and last.role == "assistant" \
+        else ""
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -341,7 +331,8 @@ def chat_to_generate(req: ChatCompletionRequest) -> generate_pb2.GenerateRequest
         if message.role not in _ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {message.role!r}",
                               "messages")
-        proto = gen.chat.messages.add(role=message.role, content=_message_text(message, f"messages[{i}]"))
+        proto = gen.chat.messages.add(role=message.role)
+        message_content(message.content, f"messages[{i}]", proto)  # text, or parts with images
         history_fields(message, proto, f"messages[{i}]")
     if req.top_logprobs is not None:
         if not req.logprobs:

@@ -49,19 +49,25 @@ EXTENSIONS = ("seed", "top_k", "min_tokens", "repetition_penalty", "priority", "
 
 
 # ---- the request --------------------------------------------------------------------------------
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, images: bool = False) -> str | list[dict]:
+    """The text of content; with images (a message's content), OpenAI chat parts when it has an
+    input_image (its image_url string: gateway/images.py checks it)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of content parts", "input")
-    texts = []
+    texts, parts = [], []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if images and kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            continue
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}[{j}]: only input_text / output_text parts are supported, got type {kind!r}",
-                              "input")
+            raise bad_request(f"{where}[{j}]: only input_text / output_text{' / input_image' if images else ''} "
+                              f"parts are supported, got type {kind!r}", "input")
         texts.append(part["text"])
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    return parts if len(parts) > len(texts) else "\n".join(texts)
 
 
 def input_messages(given: Any) -> list[dict]:
@@ -75,7 +81,7 @@ def input_messages(given: Any) -> list[dict]:
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and item.get("role") in ("user", "system", "developer", "assistant"):
-            out.append({"role": item["role"], "content": _content_text(item.get("content"), f"{where}.content")})
+            out.append({"role": item["role"], "content": _content_text(item.get("content"), f"{where}.content", True)})
         elif kind == "function_call" and isinstance(item.get("name"), str) and isinstance(item.get("call_id"), str):
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": str(item.get("arguments") or "{}")}}

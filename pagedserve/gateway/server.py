@@ -27,6 +27,7 @@ from pagedserve.gateway.lora_adapters import LoraAdapters, SharedAdapters
 from pagedserve.gateway.app import build_app
 from pagedserve.gateway.backend import Backend
 from pagedserve.gateway.grpc_api import SERVICE_NAME, GenerationService
+from pagedserve.gateway.images import media_policy
 from pagedserve.gateway.limits import Limits, parse_origins, parse_rate_limit
 from pagedserve.gateway.owners import parse_key_line
 
@@ -165,6 +166,8 @@ async def _serve(args) -> int:
                getattr(args, "ssl_ca_certs", None), getattr(args, "ssl_cert_reqs", 0) or 0)
         if https.problem(*tls):
             raise ValueError(https.problem(*tls))
+        media = media_policy(getattr(args, "limit_mm_per_prompt", None), getattr(args, "allowed_media_domains", None),
+                             getattr(args, "media_fetch_timeout", 5.0))
     except (OSError, ValueError) as exc:
         log.error("bad gateway settings: %s", exc)
         return 2
@@ -184,6 +187,7 @@ async def _serve(args) -> int:
                       prefix_cache_scope=getattr(args, "prefix_cache_scope", "owner"),
                       runner=getattr(args, "runner", "auto"), pooler=getattr(args, "pooler", "last"))
     backend.return_tokens_as_token_ids = getattr(args, "return_tokens_as_token_ids", False)
+    backend.media = media  # images in requests: --limit-mm-per-prompt, --allowed-media-domains (images.py)
     # Engine replicas, LoRA adapters and the rate limit's buckets are this Redis's, for every gateway
     reader = async_reader(store.url) if store.durable and getattr(store, "url", None) else None
     backend.loras = LoraAdapters(getattr(args, "enable_lora", False),

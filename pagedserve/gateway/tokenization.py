@@ -26,6 +26,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagedserve.common.request_checks import prompt_chars_problem
+from pagedserve.gateway import images
 from pagedserve.gateway.backend import RPC_TIMEOUT_S, Backend, rpc_error
 from pagedserve.gateway.protocol import ChatCompletionRequest, Message, RequestError, bad_request, chat_to_generate
 from pagedserve.v1 import generate_pb2
@@ -108,6 +109,7 @@ async def tokenize(backend: Backend, body: Any) -> dict:
     if too_long:
         raise RequestError(400, too_long, "messages" if request.WhichOneof("input") == "chat" else "prompt",
                            code="context_length_exceeded")
+    await images.resolve(request.chat, info, backend.media, backend.media_client())  # counted expanded
     try:
         reply = await backend.tokenizer.Tokenize(request, timeout=RPC_TIMEOUT_S)
     except grpc.RpcError as exc:

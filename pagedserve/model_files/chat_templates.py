@@ -11,6 +11,7 @@ tokens (the template writes the BOS itself where the model wants one).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,15 @@ def load_chat_template(value: str | Path | None) -> str | None:
     if any(mark in str(value) for mark in ("{{", "{%")):
         return str(value)
     raise ValueError(f"--chat-template {value}: no such file (and not an inline Jinja template)")
+
+
+# A template that loops over a message's content (`for part in message['content']`, `message.content`)
+# takes content lists: vLLM's "openai" content format (a text message's content as [{"type": "text", ...}]).
+_CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+\s*(\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
+def takes_content_lists(template: str | None) -> bool:
+    return isinstance(template, str) and _CONTENT_LOOP.search(template) is not None
 
 
 def check_messages(messages: Any) -> list[dict]:

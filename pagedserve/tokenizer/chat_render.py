@@ -8,7 +8,14 @@ Templates written for tool calling (Qwen2.5, Hermes, Llama 3.1, Mistral) read
     so arguments that are a JSON object are decoded here, as vLLM does; anything else stays text;
   - a tool message as {"role": "tool", "content", "tool_call_id"} (and "name" when the client sent one).
 Fields the client did not send are left out, so a template's `is defined` tests see what they would
-see under transformers. Pure functions, no state: called on the tokenizer thread.
+see under transformers.
+
+A message with images (ChatMessage.parts) is rendered with HF's multimodal content list,
+[{"type": "image"}, {"type": "text", "text": ...}] in the client's order, as llava-hf's templates
+expect; its images are returned beside the messages, in prompt order. With list_content (a
+template that iterates over message['content'], vLLM's "openai" content format) a text message's
+content is [{"type": "text", "text": ...}] too (chat_templates.takes_content_lists).
+Pure functions, no state: called on the tokenizer thread.
 """
 
 from __future__ import annotations
@@ -69,10 +76,29 @@ def _arguments(text: str):
     return value if isinstance(value, dict) else text
 
 
-def template_messages(chat: generate_pb2.ChatMessages) -> list[dict]:
-    messages = []
+def _content(m: generate_pb2.ChatMessage, images: list[bytes], list_content: bool):
+    if not m.parts:
+        return [{"type": "text", "text": m.content}] if list_content and m.content else \
+            [] if list_content else m.content
+    content = []
+    for j, part in enumerate(m.parts):
+        kind = part.WhichOneof("part")
+        if kind == "text":
+            content.append({"type": "text", "text": part.text})
+        elif kind == "image":
+            content.append({"type": "image"})
+            images.append(part.image)
+        else:  # image_url: the gateway's to fetch; none reaches here from it
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"parts[{j}]: a {kind or 'empty'} part is not taken "
+                              "here (an image is sent as its bytes)")
+    return content
+
+
+def template_messages(chat: generate_pb2.ChatMessages, list_content: bool = False) -> tuple[list[dict], list[bytes]]:
+    """(the template's messages, the chat's images in order)."""
+    messages, images = [], []
     for m in chat.messages:
-        message: dict = {"role": m.role, "content": m.content}
+        message: dict = {"role": m.role, "content": _content(m, images, list_content)}
         if m.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
@@ -82,7 +108,7 @@ def template_messages(chat: generate_pb2.ChatMessages) -> list[dict]:
         if m.name:
             message["name"] = m.name
         messages.append(message)
-    return messages
+    return messages, images
 
 
 def template_tools(chat: generate_pb2.ChatMessages) -> list[dict] | None:

@@ -14,6 +14,7 @@ from pagedserve.common.grpc_util import (SERVER_OPTIONS, MalformedRequestInterce
                                          add_health_and_reflection, add_internal_port, set_serving)
 from pagedserve.common.local_call_server import LocalCallServer, Method
 from pagedserve.common.sampling_defaults import read_defaults
+from pagedserve.model_files.image_processing import image_config
 from pagedserve.tokenizer.service import TokenizerService, load_tokenizer
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
@@ -110,6 +111,7 @@ async def _serve(args) -> int:
     try:
         tokenizer, default_name, vocab_size, folder = loader.result()
         defaults = read_defaults(folder, args.generation_config, args.override_generation_config)
+        images = image_config(folder)  # None: a text model
     except Exception as exc:
         log.error("could not load the tokenizer: %s", exc)
         await asyncio.gather(server.stop(grace=None), local.stop())
@@ -123,7 +125,8 @@ async def _serve(args) -> int:
     try:
         service = TokenizerService(tokenizer, args.served_model_name or [default_name], args.scheduler_addr,
                                    args.scheduler_retry_timeout, vocab_size, chat_template=args.chat_template,
-                                   router=router, local_links=local_links, sampling_defaults=defaults)
+                                   router=router, local_links=local_links, sampling_defaults=defaults,
+                                   images=images)
     except ValueError as exc:  # --chat-template names no file
         log.error("%s", exc)
         await asyncio.gather(server.stop(grace=None), local.stop())

@@ -5,6 +5,11 @@ scheduler's token ids into text. Prompt and output text are never logged.
 
 Threads: the event loop of the process (every method but the tokenization work) and the one
 "tokenize" thread.
+
+Images (a chat's ChatMessage.parts, for a model whose folder names an image token:
+model_files/image_processing.py): decoded, resized and cropped on the tokenize thread too; each
+image token the template wrote is expanded to the image's placeholders, and the ScheduleRequest
+carries the prompt so expanded (its usage counts it) and the images over it.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ import grpc
 
 from pagedserve.common import bad_words
 from pagedserve.common.grpc_util import StatusError, internal_channel
+from pagedserve.common.multimodal import ImageInput, image_to_proto
 from pagedserve.common.request_checks import other_model
 from pagedserve.common.sampling_defaults import apply_defaults
 from pagedserve.common.sampling_params import prompt_logprobs_problem
 from pagedserve.model_files.chat_templates import ChatTemplateError, load_chat_template, render_chat, \
-    text_token_ids
+    takes_content_lists, text_token_ids
+from pagedserve.model_files.image_processing import ImageConfig, expand_placeholders, process_image
 from pagedserve.tokenizer import tokenization
 from pagedserve.tokenizer.chat_render import template_kwargs, template_messages, template_tools
 from pagedserve.tokenizer.replica_router import Charge, ReplicaRouter, Target
@@ -68,11 +75,16 @@ class TokenizerService:
     def __init__(self, tokenizer, served_model_name: str | list[str], scheduler_addr: str,
                  scheduler_retry_timeout: float = 120.0, vocab_size: int | None = None,
                  chat_template: str | None = None, router: ReplicaRouter | None = None,
-                 local_links: bool = True, sampling_defaults: dict | None = None) -> None:
+                 local_links: bool = True, sampling_defaults: dict | None = None,
+                 images: ImageConfig | None = None) -> None:
         self.tokenizer = tokenizer
+        self.images = images  # the model's image front end; None: it takes no images
         # The model's sampling defaults (common/sampling_defaults.py): a request's unset fields take them.
         self.sampling_defaults = dict(sampling_defaults or {})
         self.chat_template = load_chat_template(chat_template)  # None: the model's own
+        template = self.chat_template or getattr(tokenizer, "chat_template", None)
+        # vLLM's "openai" content format: text content as [{"type": "text", ...}] too (image models only)
+        self.list_content = images is not None and takes_content_lists(template)
         # --served-model-name: the first names the model in answers, the others are accepted too
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
         self.served_model_name, self.served_aliases = names[0], [n for n in dict.fromkeys(names[1:]) if n != names[0]]
@@ -120,11 +132,14 @@ class TokenizerService:
     # -- tokenization -------------------------------------------------------------------------
 
     def _chat(self, chat: generate_pb2.ChatMessages, tokenize: bool):
-        """The chat's prompt text (or its token ids) through the chat template (chat_templates.py),
-        the tools and the tool-call history included (chat_render.py)."""
-        messages = template_messages(chat)
+        """The chat's prompt text (or its token ids and images) through the chat template
+        (chat_templates.py), the tools and the tool-call history included (chat_render.py)."""
+        messages, images = template_messages(chat, self.list_content)
         if not messages:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty (the chat has no messages)")
+        if images and self.images is None:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"the model {self.served_model_name!r} does not take images")
         try:
             tools = template_tools(chat)
         except ValueError as exc:
@@ -136,9 +151,28 @@ class TokenizerService:
                                chat_template_kwargs=template_kwargs(chat), tools=tools)
         except ChatTemplateError as exc:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if tokenize else text
+        if not tokenize:
+            return text
+        return self._with_images(list(self.tokenizer.encode(text, add_special_tokens=False)), images)
 
-    def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
+    def _with_images(self, ids: list[int], images: list[bytes]) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with its image tokens expanded, and its images (model_files/image_processing.py)."""
+        if self.images is None:
+            return ids, []
+        processed = []
+        for k, data in enumerate(images):
+            try:
+                processed.append(process_image(self.images, data))
+            except ValueError as exc:
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"image {k} of the chat: {exc}") from None
+        try:
+            return expand_placeholders(self.images, ids, processed)
+        except ValueError as exc:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
+    def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's token ids (a chat's with its images' placeholders) and its images."""
+        images: list[ImageInput] = []
         which = request.WhichOneof("input")
         if which == "prompt":
             ids = text_token_ids(self.tokenizer, request.prompt) if request.prompt else []
@@ -150,16 +184,19 @@ class TokenizerService:
                                        f"prompt_token_ids[{i}] = {tid} is out of range: the vocabulary has "
                                        f"{self.vocab_limit} tokens")
         elif which == "chat":
-            ids = self._chat(request.chat, tokenize=True)
+            ids, images = self._chat(request.chat, tokenize=True)
         else:
             ids = []
         if not ids:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
         keep = request.truncate_prompt_tokens
         if keep and len(ids) > keep:  # vLLM's truncate_prompt_tokens: the prompt's end is kept
-            return ids[-keep:]
+            if images:
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"truncate_prompt_tokens={keep} would cut a "
+                                  f"prompt of {len(ids)} tokens with images (their placeholders must stay whole)")
+            return ids[-keep:], images
         request.truncate_prompt_tokens = 0  # nothing was cut (an echo shows the prompt as sent)
-        return ids
+        return ids, images
 
     def _bad_words(self, request: generate_pb2.GenerateRequest) -> None:
         """vLLM's bad_words as token sequences into the params (common/bad_words.py)."""
@@ -178,8 +215,18 @@ class TokenizerService:
     async def tokenize(self, request: generate_pb2.TokenizeRequest) -> generate_pb2.TokenizeResponse:
         """/tokenize (tokenization.py): a prompt or a chat to token ids."""
         self._check_model(request.model)
+        if request.WhichOneof("input") == "chat" and any(m.parts for m in request.chat.messages):
+            return await self._in_thread(self._tokenize_with_images, request)
         return await self._in_thread(tokenization.tokenize, self.tokenizer, request,
                                      lambda chat: self._chat(chat, tokenize=False))
+
+    def _tokenize_with_images(self, request: generate_pb2.TokenizeRequest) -> generate_pb2.TokenizeResponse:
+        """A chat with images: its ids as Generate sends them (each image's placeholders expanded)."""
+        ids, _ = self._chat(request.chat, tokenize=True)
+        reply = generate_pb2.TokenizeResponse(token_ids=ids, text=self._chat(request.chat, tokenize=False))
+        if request.return_token_strs:
+            reply.token_strs.extend(self.tokenizer.convert_ids_to_tokens(ids))
+        return reply
 
     async def detokenize(self, request: generate_pb2.DetokenizeRequest) -> generate_pb2.DetokenizeResponse:
         """/detokenize: on the tokenizer's own thread, never on the loop that detokenizes the
@@ -203,6 +250,7 @@ class TokenizerService:
                                       vocab_size=len(self.tokenizer))
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             info.eos_token_id = self.tokenizer.eos_token_id
+        info.takes_images = self.images is not None
         try:
             if self.router is not None:
                 await self.router.refresh()
@@ -235,7 +283,7 @@ class TokenizerService:
         timings.CopyFrom(request.timings)
         timings.tokenizer_received = time.time()
         self._validate(request)
-        prompt_ids = await self._in_thread(self._prompt_ids, request)
+        prompt_ids, images = await self._in_thread(self._prompt_ids, request)
         if request.bad_words:
             self._bad_words(request)
         apply_defaults(request.params, self.sampling_defaults)
@@ -248,6 +296,8 @@ class TokenizerService:
         request_id = request.request_id or f"tok-{uuid.uuid4().hex}"
         schedule = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                                  params=request.params, priority=request.priority, timings=timings)
+        for image in images:
+            image_to_proto(image, schedule.images.add())
         return RequestStream(self, request, schedule, timings, resume_grace_s=resume_grace_s)
 
     async def abort_sample(self, request_id: str, index: int, scheduler=None) -> None:

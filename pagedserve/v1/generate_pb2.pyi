@@ -8,18 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name", "parts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     tool_call_id: str
     name: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+
+class ContentPart(_message.Message):
+    __slots__ = ("text", "image", "image_url")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_URL_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: bytes
+    image_url: str
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ..., image_url: _Optional[str] = ...) -> None: ...
 
 class Tool(_message.Message):
     __slots__ = ("name", "description", "parameters_json")
@@ -204,7 +216,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "ready", "aliases", "eos_token_id", "max_logprobs")
+    __slots__ = ("model", "max_model_len", "vocab_size", "ready", "aliases", "eos_token_id", "max_logprobs", "takes_images")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +224,7 @@ class ModelInfo(_message.Message):
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TAKES_IMAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -219,7 +232,8 @@ class ModelInfo(_message.Message):
     aliases: _containers.RepeatedScalarFieldContainer[str]
     eos_token_id: int
     max_logprobs: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., ready: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ..., eos_token_id: _Optional[int] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
+    takes_images: bool
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., ready: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ..., eos_token_id: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., takes_images: _Optional[bool] = ...) -> None: ...
 
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")

@@ -1,0 +1,200 @@
+"""A vision-language model's image front end, without torch: raw image bytes -> the resized,
+center-cropped RGB an ImageInput (common/multimodal.py) carries, and a prompt's image tokens ->
+the placeholders its images fill.
+
+What transformers' CLIPImageProcessor does before rescale/normalize, from the model folder's
+preprocessor_config.json (do_convert_rgb, do_resize + size {"shortest_edge"} or {"height",
+"width"}, resample, do_center_crop + crop_size): decode (a GIF's or WebP's first frame), composite
+transparency onto white and convert to RGB, resize with PIL (the short edge to N and the long one
+to int(N * long / short), or to height x width), center-crop (zero-padding an image smaller than
+the crop). The worker rescales and normalizes. Placeholders follow transformers' LlavaProcessor:
+processor_config.json's image_seq_length if set, else (crop_h // patch) * (crop_w // patch) +
+num_additional_image_tokens (default 1: CLIP's CLS row) - 1 with vision_feature_select_strategy
+"default"; the image token is config.json's image_token_index (or image_token_id).
+
+Limits, checked before any pixel is decoded: MAX_IMAGE_BYTES of encoded image, MAX_IMAGE_PIXELS
+(PIL's decompression-bomb guard is set to it, and a larger header is refused). Errors are
+ValueError with a message a client can read. Pure functions and a frozen config: safe on any
+thread (PIL releases nothing shared).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from pagedserve.common.multimodal import ImageInput, image_input
+
+MAX_IMAGE_BYTES = 20 << 20  # an encoded image (the gateway's fetch cap is the same)
+MAX_IMAGE_PIXELS = 40_000_000  # width x height of a decoded image (about a 6300 x 6300 photo)
+# PIL's own bomb guard (process-wide): an error past 2x this, a warning past 1x; open_image refuses past 1x
+Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
+
+# The architectures whose images the worker encodes; another model's image token (Gemma 3's, ...) is
+# not taken: such a model serves text only.
+ARCHITECTURES = ("LlavaForConditionalGeneration",)
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """How one model's images are prepared and how many prompt tokens each takes."""
+    image_token_id: int
+    tokens_per_image: int
+    do_convert_rgb: bool = True
+    do_resize: bool = True
+    shortest_edge: int | None = 224  # resize the short edge to this (or to height x width below)
+    resize_hw: tuple[int, int] | None = None
+    resample: int = 3  # PIL's: 3 bicubic
+    do_center_crop: bool = True
+    crop_hw: tuple[int, int] = (224, 224)
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except ValueError as exc:
+        raise ValueError(f"{path.name} is not JSON: {exc}") from None
+
+
+def _hw(size: dict | int, what: str) -> tuple[int, int]:
+    if isinstance(size, int):
+        return size, size
+    if isinstance(size, dict) and "height" in size and "width" in size:
+        return int(size["height"]), int(size["width"])
+    raise ValueError(f"preprocessor_config.json's {what} must be {{'height', 'width'}}, got {size!r}")
+
+
+def image_config(folder: str | Path) -> ImageConfig | None:
+    """The image front end of the model in folder; None for a model that takes no images (its
+    config.json names no image token, or its architecture is none of ARCHITECTURES)."""
+    folder = Path(folder)
+    config = _read(folder / "config.json")
+    token = config.get("image_token_index", config.get("image_token_id"))
+    if token is None or not set(config.get("architectures") or ()) & set(ARCHITECTURES):
+        return None
+    pre, proc = _read(folder / "preprocessor_config.json"), _read(folder / "processor_config.json")
+    unknown = sorted(k for k in ("do_pad", "image_grid_pinpoints") if pre.get(k))
+    if unknown:
+        raise ValueError(f"preprocessor_config.json: {unknown[0]} is not supported (CLIP-style processing only)")
+    size = pre.get("size", {"shortest_edge": 224})
+    shortest, resize_hw = None, None
+    if isinstance(size, dict) and "shortest_edge" in size:
+        shortest = int(size["shortest_edge"])
+    else:
+        resize_hw = _hw(size, "size")
+    crop_hw = _hw(pre.get("crop_size", {"height": 224, "width": 224}), "crop_size")
+    do_crop = bool(pre.get("do_center_crop", True))
+    if proc.get("image_seq_length"):
+        tokens = int(proc["image_seq_length"])
+    else:
+        vision = config.get("vision_config") or {}
+        patch = int(proc.get("patch_size") or vision.get("patch_size") or 14)
+        out_h, out_w = crop_hw if do_crop else (resize_hw or (shortest, shortest))
+        tokens = (out_h // patch) * (out_w // patch) + int(proc.get("num_additional_image_tokens", 1))
+        strategy = proc.get("vision_feature_select_strategy", config.get("vision_feature_select_strategy"))
+        tokens -= 1 if strategy == "default" else 0
+    if tokens < 1:
+        raise ValueError(f"the model's images would take {tokens} tokens: check processor_config.json")
+    return ImageConfig(image_token_id=int(token), tokens_per_image=tokens,
+                       do_convert_rgb=bool(pre.get("do_convert_rgb", True)), do_resize=bool(pre.get("do_resize", True)),
+                       shortest_edge=shortest, resize_hw=resize_hw, resample=int(pre.get("resample", 3)),
+                       do_center_crop=do_crop, crop_hw=crop_hw)
+
+
+def open_image(data: bytes) -> Image.Image:
+    """The image in data (PNG, JPEG, WebP, GIF, ...: what PIL reads), header read and checked
+    against the limits, pixels not yet decoded. ValueError when it is none or too large."""
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"the image has {len(data)} bytes: at most {MAX_IMAGE_BYTES} are accepted")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        raise ValueError(f"the image has more than {MAX_IMAGE_PIXELS} pixels") from None
+    except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
+        raise ValueError(f"the data is not an image PIL can read ({type(exc).__name__})") from None
+    width, height = image.size
+    if width < 1 or height < 1 or width * height > MAX_IMAGE_PIXELS:
+        raise ValueError(f"the image is {width}x{height}: at most {MAX_IMAGE_PIXELS} pixels are accepted")
+    return image
+
+
+def _rgb(image: Image.Image, convert: bool) -> Image.Image:
+    if not convert:
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
+    return image.convert("RGB")
+
+
+def _center_crop(pixels: np.ndarray, crop_h: int, crop_w: int) -> np.ndarray:
+    height, width = pixels.shape[:2]
+    top, left = (height - crop_h) // 2, (width - crop_w) // 2
+    if top >= 0 and left >= 0:
+        return pixels[top:top + crop_h, left:left + crop_w]
+    # smaller than the crop: zero-padded (centered, the extra row/column at the start), then cropped
+    new_h, new_w = max(crop_h, height), max(crop_w, width)
+    pad_top, pad_left = -(-(new_h - height) // 2), -(-(new_w - width) // 2)
+    padded = np.zeros((new_h, new_w, pixels.shape[2]), dtype=pixels.dtype)
+    padded[pad_top:pad_top + height, pad_left:pad_left + width] = pixels
+    top, left = top + pad_top, left + pad_left
+    return padded[top:top + crop_h, left:left + crop_w]
+
+
+def process_image(config: ImageConfig, data: bytes | Image.Image) -> tuple[int, int, bytes]:
+    """(height, width, RGB uint8 bytes row-major) of one image (encoded bytes or a PIL image) as
+    the model's processor prepares it before rescale and normalize."""
+    image = open_image(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    try:
+        image.seek(0)  # an animation's first frame
+    except (AttributeError, EOFError):
+        pass
+    try:
+        image.load()
+        image = _rgb(image, config.do_convert_rgb)
+        if image.mode != "RGB":
+            raise ValueError(f"the image is {image.mode}, not RGB (and do_convert_rgb is false)")
+        if config.do_resize:
+            width, height = image.size
+            if config.resize_hw is not None:
+                new_h, new_w = config.resize_hw
+            else:
+                short, long = (width, height) if width <= height else (height, width)
+                new_short, new_long = config.shortest_edge, int(config.shortest_edge * long / short)
+                new_h, new_w = (new_long, new_short) if width <= height else (new_short, new_long)
+            image = image.resize((new_w, new_h), resample=config.resample)
+        pixels = np.asarray(image, dtype=np.uint8)
+    except ValueError:
+        raise
+    except Exception as exc:  # a truncated or corrupt file fails only when its pixels are decoded
+        raise ValueError(f"the image could not be decoded ({type(exc).__name__}: {exc})") from None
+    if config.do_center_crop:
+        pixels = _center_crop(pixels, *config.crop_hw)
+    pixels = np.ascontiguousarray(pixels)
+    return pixels.shape[0], pixels.shape[1], pixels.tobytes()
+
+
+def expand_placeholders(config: ImageConfig, prompt_ids: list[int],
+                        images: list[tuple[int, int, bytes]]) -> tuple[list[int], list[ImageInput]]:
+    """(the prompt with each image token repeated tokens_per_image times, the ImageInputs over them),
+    from a prompt with one image token per image (as chat templates render them) and the
+    processed images (process_image) in prompt order. ValueError when the counts differ."""
+    found = sum(1 for t in prompt_ids if t == config.image_token_id)
+    if found != len(images):
+        raise ValueError(f"the prompt has {found} image tokens (id {config.image_token_id}) for {len(images)} "
+                         "images: each image needs exactly one")
+    out: list[int] = []
+    placed: list[ImageInput] = []
+    for token in prompt_ids:
+        if token == config.image_token_id:
+            height, width, data = images[len(placed)]
+            placed.append(image_input(len(out), config.tokens_per_image, height, width, data))
+            out.extend([token] * config.tokens_per_image)
+        else:
+            out.append(token)
+    return out, placed
