@@ -18,6 +18,7 @@ thread-safe). A bad prompt or parameter raises ValueError before any request is 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +33,9 @@ from pagedserve.common.sampling_params import SamplingParams as EngineSamplingPa
 from pagedserve.engine import embeddings
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine, engine_config_from_args
 from pagedserve.engine.text_requests import TextRequest
-from pagedserve.model_files import chat_templates
+from pagedserve.common.multimodal import ImageInput
+from pagedserve.model_files import chat_templates, image_processing, prompt_images
+from pagedserve.model_files.image_processing import ImageConfig
 
 
 def engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:
@@ -77,6 +80,8 @@ def as_params(params: EngineSamplingParams | None) -> EngineSamplingParams:
 
 def encode_prompt(tokenizer, prompt: Any, where: str) -> tuple[str | None, list[int]]:
     """(prompt text or None, token ids) of a str, {"prompt": str} or {"prompt_token_ids": [...]}."""
+    if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+        raise ValueError(f"{where}: multi_modal_data is taken by LLM.generate only")
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -88,6 +93,25 @@ def encode_prompt(tokenizer, prompt: Any, where: str) -> tuple[str | None, list[
         raise ValueError(f"{where}: a prompt is a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}; "
                          f"got {type(prompt).__name__}")
     return prompt, chat_templates.text_token_ids(tokenizer, prompt)
+
+
+def encode_with_images(tokenizer, config: ImageConfig | None, prompt: Any,
+                       where: str) -> tuple[str | None, list[int], list[ImageInput]]:
+    """encode_prompt, and vLLM's {"prompt": ..., "multi_modal_data": {"image": image or [images]}}: one
+    image token per image in the prompt, expanded to its placeholders (model_files/prompt_images.py)."""
+    data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    if not data:
+        return (*encode_prompt(tokenizer, prompt, where), [])
+    text, ids = encode_prompt(tokenizer, {k: v for k, v in prompt.items() if k != "multi_modal_data"}, where)
+    if config is None:
+        raise ValueError(f"{where}: the model does not take images")
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"{where}: multi_modal_data takes \"image\" only, got {sorted(data)!r:.80}")
+    try:
+        ids, images = prompt_images.prompt_images(config, ids, data["image"])
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return text, ids, images
 
 
 def per_prompt(params, count: int) -> list[EngineSamplingParams]:
@@ -110,11 +134,19 @@ def truncated(text: str | None, ids: list[int], params, max_model_len: int) -> t
     return text, ids[-(max_model_len if k == -1 else k):]
 
 
+def shifted(images: list[ImageInput], cut: int, where: str) -> list[ImageInput]:
+    """A prompt's images after truncate_prompt_tokens dropped its first `cut` tokens (none may be an image's)."""
+    if cut and images and images[0].offset < cut:
+        raise ValueError(f"{where}: truncate_prompt_tokens would cut into an image")
+    return [dataclasses.replace(image, offset=image.offset - cut) for image in images] if cut else images
+
+
 class LLM:
     """An engine in this process, used like vLLM's `LLM`."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine, self.tokenizer, self.chat_template = load_engine(model, engine_args)
+        self.image_config = image_processing.image_config(self.engine.model_path)  # None: a text model
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -139,8 +171,10 @@ class LLM:
         {"prompt_token_ids": [...]}, or a list of those; sampling_params: one, or one per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        encoded = [encode_prompt(self.tokenizer, p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        return self._run(encoded, per_prompt(self._params(sampling_params), len(encoded)), use_tqdm)
+        encoded = [encode_with_images(self.tokenizer, self.image_config, p, f"prompts[{i}]")
+                   for i, p in enumerate(prompts)]
+        return self._run([e[:2] for e in encoded], per_prompt(self._params(sampling_params), len(encoded)),
+                         use_tqdm, [e[2] for e in encoded])
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search (common/beam_search.py): one BeamSearchOutput per prompt, its best
@@ -188,17 +222,23 @@ class LLM:
         """Generate from one chat (a list of {role, content}) or a list of chats, rendered by the
         model's chat template (or chat_template); one RequestOutput per chat."""
         chats = [messages] if messages and isinstance(messages[0], dict) else messages
-        encoded = []
+        encoded, images = [], []
+        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       chat_template_kwargs=chat_template_kwargs, tools=tools)
         for i, chat in enumerate(chats):
             try:
-                ids, text = chat_templates.chat_token_ids(
-                    self.tokenizer, chat, chat_template=chat_template or self.chat_template,
-                    add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                    chat_template_kwargs=chat_template_kwargs, tools=tools)
-            except chat_templates.ChatTemplateError as exc:
+                if self.image_config is not None:  # rendered as the tokenizer service renders a chat with images
+                    ids, placed, text = prompt_images.chat_prompt(
+                        self.tokenizer, self.image_config, chat, chat_template=chat_template or self.chat_template,
+                        **options)
+                else:
+                    (ids, text), placed = chat_templates.chat_token_ids(
+                        self.tokenizer, chat, chat_template=chat_template or self.chat_template, **options), []
+            except (chat_templates.ChatTemplateError, ValueError) as exc:
                 raise ValueError(f"messages[{i}]: {exc}" if len(chats) > 1 else str(exc)) from None
             encoded.append((text, ids))
-        return self._run(encoded, per_prompt(self._params(sampling_params), len(encoded)), use_tqdm)
+            images.append(placed)
+        return self._run(encoded, per_prompt(self._params(sampling_params), len(encoded)), use_tqdm, images)
 
     def embed(self, prompts, pooling_params=None, use_tqdm: bool = False) -> list:
         """vLLM's LLM.embed (runner="pooling"): one EmbeddingRequestOutput per prompt, in order
@@ -228,15 +268,20 @@ class LLM:
                 raise ValueError(f"prompts[{i}]: a token id is outside the vocabulary [0, {vocab})")
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[EngineSamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, images: list[list[ImageInput]] | None = None) -> list[RequestOutput]:
         engine = self.engine
-        encoded = [truncated(text, ids, p, engine.max_model_len) for (text, ids), p in zip(encoded, params)]
+        images = images or [[] for _ in encoded]
+        cut = [truncated(text, ids, p, engine.max_model_len) for (text, ids), p in zip(encoded, params)]
+        images = [shifted(placed, len(ids) - len(kept), f"prompts[{i}]")
+                  for i, ((_, ids), (_, kept), placed) in enumerate(zip(encoded, cut, images))]
+        encoded = cut
         self._check(encoded)
         requests = {str(next(self._ids)): (text, ids, p) for (text, ids), p in zip(encoded, params)}
         tracked = {rid: TextRequest(rid, text, ids, p, self.tokenizer) for rid, (text, ids, p) in requests.items()}
+        placed = dict(zip(tracked, images))
         try:
             for rid, req in tracked.items():
-                engine.add_request(rid, req.prompt_token_ids, req.params)
+                engine.add_request(rid, req.prompt_token_ids, req.params, images=placed[rid])
             bar = tqdm(total=len(tracked), desc="generating", unit="req", disable=not use_tqdm)
             unfinished = set(tracked)
             while unfinished:
