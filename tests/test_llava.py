@@ -1,0 +1,188 @@
+"""LLaVA on a tiny random model built here (tiny_models.build_tiny_llava: a CLIP tower of 3 layers at
+56x56, patches of 14, so 16 placeholder tokens an image; a tiny Llama): the engine's greedy tokens
+equal transformers' LlavaForConditionalGeneration (float32, pixel_values from CLIPImageProcessor
+without resize or crop) and its logprobs agree to 1e-4, with one image, two, text around them, chunked
+prefill splitting an image across steps, prefix-cache hits (one ending inside an image; a different
+image breaks the chain at its block), n > 1 samples, a batch with a text-only request, and the
+checkpoint's tensors under transformers 5's names as well as the hub's older ones."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.common.multimodal import image_input
+from pagedserve.common.sampling_params import SamplingParams
+from tiny_models import LLAVA_IMAGE_SIZE, LLAVA_IMAGE_TOKEN, build_tiny_llava, make_engine
+
+STEPS = 6
+PLACEHOLDERS = (LLAVA_IMAGE_SIZE // 14) ** 2
+GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
+
+
+def random_image(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE, 3), dtype=np.uint8)
+
+
+def text(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(1000 + seed).integers(3, 250, n).tolist()
+
+
+def prompt_of(*parts) -> tuple[list[int], list[np.ndarray], list]:
+    """parts: token lists and images, in order -> (prompt ids, the images, their ImageInputs)."""
+    ids, pixels, images = [], [], []
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            images.append(image_input(len(ids), PLACEHOLDERS, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE, part.tobytes()))
+            pixels.append(part)
+            ids += [LLAVA_IMAGE_TOKEN] * PLACEHOLDERS
+        else:
+            ids += part
+    return ids, pixels, images
+
+
+class Reference:
+    """transformers' LLaVA on the folder: greedy tokens and each step's log-softmax, by full forwards."""
+
+    def __init__(self, folder) -> None:
+        import transformers
+        self.model = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+        self.processor = transformers.CLIPImageProcessor.from_pretrained(folder)
+
+    @torch.no_grad()
+    def greedy(self, ids: list[int], pixels: list[np.ndarray], steps: int = STEPS):
+        values = (self.processor(images=pixels, do_resize=False, do_center_crop=False,
+                                 return_tensors="pt").pixel_values if pixels else None)
+        ids, tokens, logprobs = list(ids), [], []
+        for _ in range(steps):
+            logits = self.model(input_ids=torch.tensor([ids]), pixel_values=values).logits[0, -1]
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            token = int(lp.argmax())
+            tokens.append(token)
+            logprobs.append(lp[token].item())
+            ids.append(token)
+        return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    folder = build_tiny_llava(tmp_path_factory.mktemp("llava"))
+    return folder, Reference(folder)
+
+
+def run(engine, requests, params=GREEDY) -> dict:
+    """requests: (id, prompt ids, ImageInputs) -> id -> (per sample: (tokens, logprobs)), cached tokens)."""
+    samples = {rid: {} for rid, _, _ in requests}
+    cached = {}
+    for rid, ids, images in requests:
+        engine.add_request(rid, ids, params, images=images)
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens, lps = samples[out.request_id].setdefault(out.sample_index, ([], []))
+            tokens += [t.token_id for t in out.new_tokens]
+            lps += [t.logprob for t in out.new_tokens]
+            cached[out.request_id] = out.num_cached_tokens
+    return {rid: ([samples[rid][i] for i in sorted(samples[rid])], cached.get(rid, 0)) for rid in samples}
+
+
+def check(result, expected) -> None:
+    tokens, logprobs = result
+    assert tokens == expected[0]
+    assert logprobs == pytest.approx(expected[1], abs=1e-4)
+
+
+def test_config_reads_the_vision_half(llava):
+    from pagedserve.common.model_config import ModelConfig
+    folder, _ = llava
+    cfg = ModelConfig.from_folder(folder)
+    assert cfg.architecture == "LlavaForConditionalGeneration" and cfg.hidden_size == 64 and cfg.vocab_size == 256
+    v = cfg.vision
+    assert v["text_architecture"] == "LlamaForCausalLM" and v["image_token_id"] == LLAVA_IMAGE_TOKEN
+    assert v["num_image_tokens"] == PLACEHOLDERS and v["feature_layers"] == [2]  # -2 of 3 layers
+    assert v["image_mean"] == (0.5, 0.4, 0.3) and v["image_std"] == (0.2, 0.25, 0.3)
+
+
+def test_one_image_and_two_with_text_around(llava):
+    folder, ref = llava
+    one = prompt_of([1] + text(0, 5), random_image(0), text(1, 6))
+    two = prompt_of([1] + text(2, 3), random_image(1), text(3, 4), random_image(2), text(4, 2))
+    first = prompt_of(random_image(3), text(5, 7))  # the image at position 0, no text before it
+    engine = make_engine(folder)
+    results = run(engine, [("one", one[0], one[2]), ("two", two[0], two[2]), ("first", first[0], first[2])])
+    for rid, (ids, pixels, _) in (("one", one), ("two", two), ("first", first)):
+        check(results[rid][0][0], ref.greedy(ids, pixels))
+
+
+def test_chunked_prefill_splits_an_image(llava):
+    folder, ref = llava
+    ids, pixels, images = prompt_of([1] + text(6, 4), random_image(4), text(7, 9), random_image(5), text(8, 3))
+    engine = make_engine(folder, max_num_batched_tokens=7)  # 7-token chunks: every image over 3 steps
+    check(run(engine, [("chunked", ids, images)])["chunked"][0][0], ref.greedy(ids, pixels))
+
+
+def test_prefix_cache_hits_inside_an_image_and_not_past_another(llava):
+    folder, ref = llava
+    before, after = [1] + text(9, 19), text(10, 10)  # the image at 20..36: its first placeholder in block 1
+    ids, pixels, images = prompt_of(before, random_image(6), after)
+    other_ids, other_pixels, other_images = prompt_of(before, random_image(7), after)
+    assert other_ids == ids
+    engine = make_engine(folder, block_size=16)
+    expected = ref.greedy(ids, pixels)
+    first, cached = run(engine, [("a", ids, images)])["a"]
+    check(first[0], expected)
+    hits = engine.stats()["prefix_cache_hits"]
+    again, cached = run(engine, [("b", ids, images)])["b"]
+    check(again[0], expected)
+    assert cached == 32 and engine.stats()["prefix_cache_hits"] > hits  # up to 32: inside the image (20..36)
+    other, cached = run(engine, [("c", other_ids, other_images)])["c"]
+    assert cached == 16  # block 0 only: block 1 holds the other image's first placeholder
+    other_expected = ref.greedy(other_ids, other_pixels)
+    check(other[0], other_expected)
+    assert other_expected[0] != expected[0]
+
+
+def test_a_batch_of_text_and_image_requests_and_n_samples(llava):
+    folder, ref = llava
+    plain = [1] + text(11, 12)
+    ids, pixels, images = prompt_of([1] + text(12, 3), random_image(8), text(13, 5))
+    engine = make_engine(folder)
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1, n=2)
+    results = run(engine, [("text", plain, []), ("image", ids, images)], params)
+    for sample in results["text"][0]:
+        check(sample, ref.greedy(plain, []))
+    for sample in results["image"][0]:
+        check(sample, ref.greedy(ids, pixels))
+
+
+# what transformers 5.25 saves (the hub's text names, the tower without vision_model.) -> each layout
+LAYOUTS = {
+    "transformers5": (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                      ("vision_tower.", "model.vision_tower."),
+                      ("multi_modal_projector.", "model.multi_modal_projector.")),
+    "hub": (("vision_tower.", "vision_tower.vision_model."),),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_both_weight_layouts_load(llava, tmp_path, layout):
+    from safetensors.torch import load_file, save_file
+    folder, ref = llava
+    renamed = tmp_path / layout
+    shutil.copytree(folder, renamed)
+    saved = load_file(folder / "model.safetensors")
+    assert any(name.startswith("language_model.model.") for name in saved)
+    new = {}
+    for name, tensor in saved.items():
+        for prefix, to in LAYOUTS[layout]:
+            if name.startswith(prefix):
+                name = to + name[len(prefix):]
+                break
+        new[name] = tensor
+    save_file(new, renamed / "model.safetensors", metadata={"format": "pt"})
+    assert json.loads((renamed / "config.json").read_text())["architectures"] == ["LlavaForConditionalGeneration"]
+    ids, pixels, images = prompt_of([1] + text(14, 4), random_image(9), text(15, 4))
+    check(run(make_engine(renamed), [("r", ids, images)])["r"][0][0], ref.greedy(ids, pixels))
