@@ -106,6 +106,35 @@ def test_config_reads_the_vision_half(llava):
     assert v["image_mean"] == (0.5, 0.4, 0.3) and v["image_std"] == (0.2, 0.25, 0.3)
 
 
+# llava-hf/llava-1.5-7b-hf's config.json (transformers 4.36): the text and vision configs name only what
+# differs from transformers' defaults
+LLAVA_15 = {"architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+            "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu",
+            "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+                            "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05,
+                            "torch_dtype": "float16", "vocab_size": 32064},
+            "tie_word_embeddings": False, "torch_dtype": "float16",
+            "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                              "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                              "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+            "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064}
+
+
+def test_a_llava_15_config_takes_the_defaults_it_leaves_out():
+    from pagedserve.common.model_config import ModelConfig
+    cfg = ModelConfig.from_hf_dict(LLAVA_15)
+    assert (cfg.architecture, cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (
+        "LlavaForConditionalGeneration", 32064, 4096, 32)
+    assert (cfg.intermediate_size, cfg.num_key_value_heads, cfg.max_position_embeddings) == (11008, 32, 4096)
+    assert cfg.eos_token_ids == (2,) and not cfg.tie_word_embeddings and cfg.kv_groups().layers == (tuple(range(32)),)
+    v = cfg.vision
+    assert (v["num_image_tokens"], v["feature_layers"], v["image_token_id"], v["hidden_act"]) == (
+        576, [23], 32000, "quick_gelu")
+    assert v["image_mean"] == pytest.approx((0.48145466, 0.4578275, 0.40821073))
+    with pytest.raises(ValueError, match="not supported"):
+        ModelConfig.from_hf_dict({**LLAVA_15, "text_config": {"model_type": "gemma"}})
+
+
 def test_one_image_and_two_with_text_around(llava):
     folder, ref = llava
     one = prompt_of([1] + text(0, 5), random_image(0), text(1, 6))
@@ -145,11 +174,14 @@ def test_prefix_cache_hits_inside_an_image_and_not_past_another(llava):
     assert other_expected[0] != expected[0]
 
 
-def test_a_batch_of_text_and_image_requests_and_n_samples(llava):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_batch_of_text_and_image_requests_and_n_samples(llava, overlap):
+    """...with async scheduling too (a step begun while the one before is in flight: step_overlap.py)."""
     folder, ref = llava
     plain = [1] + text(11, 12)
     ids, pixels, images = prompt_of([1] + text(12, 3), random_image(8), text(13, 5))
-    engine = make_engine(folder)
+    engine = make_engine(folder, async_scheduling=overlap, max_num_batched_tokens=16)
+    assert engine.overlaps == overlap
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1, n=2)
     results = run(engine, [("text", plain, []), ("image", ids, images)], params)
     for sample in results["text"][0]:
@@ -186,3 +218,64 @@ def test_both_weight_layouts_load(llava, tmp_path, layout):
     assert json.loads((renamed / "config.json").read_text())["architectures"] == ["LlavaForConditionalGeneration"]
     ids, pixels, images = prompt_of([1] + text(14, 4), random_image(9), text(15, 4))
     check(run(make_engine(renamed), [("r", ids, images)])["r"][0][0], ref.greedy(ids, pixels))
+
+
+def test_a_one_token_step_on_an_image_skips_the_decode_graphs(llava):
+    """A prefix-cache hit of 32 of 33 tokens leaves one scheduled token, the image's last placeholder: a
+    one-row step that a decode graph would take (it would embed the token id) runs eagerly with its row."""
+    from pagedserve.worker.graph_runner import StandInGraph
+    folder, ref = llava
+    ids, pixels, images = prompt_of([1] + text(16, 16), random_image(10))  # the image at 17..33: last in the prompt
+    engine = make_engine(folder, max_num_seqs=8, block_size=16)
+    engine.runner.enable_decode_graphs(8, StandInGraph)
+    expected = ref.greedy(ids, pixels)
+    first, _ = run(engine, [("a", ids, images)])["a"]
+    again, cached = run(engine, [("b", ids, images)])["b"]
+    assert cached == 32
+    check(first[0], expected)
+    check(again[0], expected)
+    assert sum(g.replays for g in engine.runner.decode_graphs.graphs.values()) > 0  # text decodes still replay
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_image_requests_match(llava, mode):
+    folder, ref = llava
+    prompts = [prompt_of([1] + text(20 + i, 3 + 5 * i), random_image(20 + i), text(30 + i, 4)) for i in range(4)]
+    block_bytes = 2 * 2 * 4 * 2 * 16 * 4  # K/V x layers x tokens x KV heads x head dim x float32
+    engine = make_engine(folder, kv_cache_memory=18 * block_bytes, block_size=4, preemption_mode=mode,
+                         swap_space=64 * block_bytes, max_num_batched_tokens=16)
+    results = run(engine, [(f"p{i}", ids, images) for i, (ids, _, images) in enumerate(prompts)])
+    assert engine.stats()["num_preemptions"] > 0
+    for i, (ids, pixels, _) in enumerate(prompts):
+        check(results[f"p{i}"][0][0], ref.greedy(ids, pixels))
+
+
+def test_two_ranks_equal_transformers(llava):
+    folder, ref = llava
+    ids, pixels, images = prompt_of([1] + text(40, 5), random_image(40), text(41, 6))
+    plain = [1] + text(42, 9)
+    with make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=16) as engine:
+        results = run(engine, [("image", ids, images), ("text", plain, [])])
+    check(results["image"][0][0], ref.greedy(ids, pixels))
+    check(results["text"][0][0], ref.greedy(plain, []))
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_bfloat16_and_int8_keep_the_tower_float(llava, quantization):
+    """The CPU's packed bfloat16 linears and int8 matrices are the text model's; the tower and projector stay
+    plain bfloat16. Unquantized, the greedy tokens (well separated on these weights) still equal the float32
+    reference's; int8 moves the text model's logits, so there whole and chunked prefill agree."""
+    from pagedserve.worker.vision.clip import Linear
+    folder, ref = llava
+    ids, pixels, images = prompt_of([1] + text(50, 5), random_image(50), text(51, 6))
+    engine = make_engine(folder, dtype="bfloat16", quantization=quantization)
+    model = engine.runner.model
+    plain = [m for part in (model.vision_tower, model.multi_modal_projector) for m in part.modules()
+             if isinstance(m, Linear)]
+    assert len(plain) == 2 * 6 + 2 and all(m.weight.dtype == torch.bfloat16 and m.weight.numel() for m in plain)
+    tokens = run(engine, [("q", ids, images)])["q"][0][0][0]
+    if quantization == "none":
+        assert tokens == ref.greedy(ids, pixels)[0]
+    else:
+        chunked = make_engine(folder, dtype="bfloat16", quantization=quantization, max_num_batched_tokens=7)
+        assert run(chunked, [("q", ids, images)])["q"][0][0][0] == tokens
