@@ -279,3 +279,21 @@ def test_bfloat16_and_int8_keep_the_tower_float(llava, quantization):
     else:
         chunked = make_engine(folder, dtype="bfloat16", quantization=quantization, max_num_batched_tokens=7)
         assert run(chunked, [("q", ids, images)])["q"][0][0][0] == tokens
+
+
+def test_prompt_logprobs_over_an_image_split_in_chunks(llava):
+    """Every prompt position's logprob, the image's placeholders' included, equals transformers'."""
+    folder, ref = llava
+    ids, pixels, images = prompt_of([1] + text(70, 6), random_image(70), text(71, 5))
+    engine = make_engine(folder, max_num_batched_tokens=8)
+    engine.add_request("p", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
+    got = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            got = out.prompt_logprobs if out.prompt_logprobs is not None else got
+    values = ref.processor(images=pixels, do_resize=False, do_center_crop=False, return_tensors="pt").pixel_values
+    with torch.no_grad():
+        logits = ref.model(input_ids=torch.tensor([ids]), pixel_values=values).logits[0, :-1]
+    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    assert [t.token_id for t in got] == ids[1:]
+    assert [t.logprob for t in got] == pytest.approx(expected, abs=1e-4)
