@@ -297,3 +297,21 @@ def test_prompt_logprobs_over_an_image_split_in_chunks(llava):
     expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
     assert [t.token_id for t in got] == ids[1:]
     assert [t.logprob for t in got] == pytest.approx(expected, abs=1e-4)
+
+
+def test_images_that_do_not_fit_the_model_are_refused(llava, tmp_path):
+    from tiny_models import build_tiny_model
+    folder, _ = llava
+    ids, _, images = prompt_of([1] + text(80, 3), random_image(80), text(81, 2))
+    engine = make_engine(folder)
+    params = SamplingParams(max_tokens=1)
+    with pytest.raises(ValueError, match="not all the image token"):
+        engine.add_request("a", ids[:5] + [7] + ids[6:], params, images=images)
+    small = image_input(images[0].offset, PLACEHOLDERS, 28, 28, bytes(28 * 28 * 3))
+    with pytest.raises(ValueError, match="takes 56x56"):
+        engine.add_request("b", ids, params, images=[small])
+    with pytest.raises(ValueError, match="into 16"):
+        engine.add_request("c", ids + [LLAVA_IMAGE_TOKEN], params, images=[
+            image_input(images[0].offset, PLACEHOLDERS + 1, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE, images[0].data)])
+    with pytest.raises(ValueError, match="takes no images"):
+        make_engine(build_tiny_model(tmp_path / "llama")).add_request("d", ids, params, images=images)

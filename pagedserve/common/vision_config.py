@@ -92,3 +92,22 @@ def image_normalization(preprocessor: dict | None) -> dict:
     return dict(rescale_factor=float(p.get("rescale_factor", 1 / 255)) if p.get("do_rescale", True) else 1.0,
                 image_mean=tuple(p.get("image_mean") or CLIP_MEAN) if p.get("do_normalize", True) else (0.0,) * 3,
                 image_std=tuple(p.get("image_std") or CLIP_STD) if p.get("do_normalize", True) else (1.0,) * 3)
+
+
+def image_problem(images, prompt_token_ids: list[int], vision: dict | None) -> str | None:
+    """Why these ImageInputs cannot go with this prompt to this model (ModelConfig.vision), or None: the
+    worker encodes an image into exactly num_image_tokens rows, from image_size x image_size pixels, over
+    that many copies of image_token_id. (Placement and order: multimodal.check_placements.)"""
+    if not images:
+        return None
+    if vision is None:
+        return "this model takes no images"
+    want, size, token = vision["num_image_tokens"], vision["image_size"], vision["image_token_id"]
+    for image in images:
+        if image.length != want:
+            return f"an image over {image.length} placeholder tokens: this model encodes each image into {want}"
+        if (image.height, image.width) != (size, size):
+            return f"an image of {image.height}x{image.width}: this model's vision tower takes {size}x{size}"
+        if any(t != token for t in prompt_token_ids[image.offset:image.end]):
+            return f"an image's placeholders at {image.offset}..{image.end} are not all the image token {token}"
+    return None
