@@ -32,14 +32,14 @@ def text(seed: int, n: int) -> list[int]:
     return np.random.default_rng(1000 + seed).integers(3, 250, n).tolist()
 
 
-def prompt_of(*parts) -> tuple[list[int], list[np.ndarray], list]:
+def prompt_of(*parts, placeholders: int = PLACEHOLDERS) -> tuple[list[int], list[np.ndarray], list]:
     """parts: token lists and images, in order -> (prompt ids, the images, their ImageInputs)."""
     ids, pixels, images = [], [], []
     for part in parts:
         if isinstance(part, np.ndarray):
-            images.append(image_input(len(ids), PLACEHOLDERS, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE, part.tobytes()))
+            images.append(image_input(len(ids), placeholders, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE, part.tobytes()))
             pixels.append(part)
-            ids += [LLAVA_IMAGE_TOKEN] * PLACEHOLDERS
+            ids += [LLAVA_IMAGE_TOKEN] * placeholders
         else:
             ids += part
     return ids, pixels, images
@@ -315,3 +315,15 @@ def test_images_that_do_not_fit_the_model_are_refused(llava, tmp_path):
             image_input(images[0].offset, PLACEHOLDERS + 1, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE, images[0].data)])
     with pytest.raises(ValueError, match="takes no images"):
         make_engine(build_tiny_model(tmp_path / "llama")).add_request("d", ids, params, images=images)
+
+
+def test_a_qwen2_llava_with_two_feature_layers_and_the_class_row(tmp_path):
+    """Qwen2 text (q/k/v biases), vision_feature_layer [-3, -1] concatenated, strategy "full": 17 rows an image."""
+    from pagedserve.common.model_config import ModelConfig
+    folder = build_tiny_llava(tmp_path / "qwen2", seed=1, text_arch="qwen2", vision_feature_layer=[-3, -1],
+                              vision_feature_select_strategy="full", projector_hidden_act="gelu_pytorch_tanh")
+    vision = ModelConfig.from_folder(folder).vision
+    assert vision["feature_layers"] == [1, 3] and vision["num_image_tokens"] == PLACEHOLDERS + 1
+    ref = Reference(folder)
+    ids, pixels, images = prompt_of([1] + text(90, 4), random_image(90), text(91, 5), placeholders=PLACEHOLDERS + 1)
+    check(run(make_engine(folder), [("q", ids, images)])["q"][0][0], ref.greedy(ids, pixels))
