@@ -11,6 +11,8 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
     """Save a tiny random model (config.json + model.safetensors) into folder and return it."""
     import transformers
 
+    if arch == "llava":
+        return build_tiny_llava(folder, seed, **overrides)
     torch.manual_seed(seed)
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -129,6 +131,45 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's load-balancing bias
                 buffer.normal_(0.0, 0.1)
     model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+LLAVA_IMAGE_TOKEN = 255  # the tiny LLaVA's image token: inside the tiny vocabulary
+LLAVA_IMAGE_SIZE = 56  # (56 / 14)^2 = 16 patches: 16 placeholder tokens per image
+
+
+def build_tiny_llava(folder: Path, seed: int = 0, text_arch: str = "llama", vision_overrides: dict | None = None,
+                     **llava_overrides) -> Path:
+    """A tiny LLaVA (llava-1.5 layout: CLIP tower, 2-layer projector, a tiny Llama (or text_arch "qwen2") of the
+    vocabulary above) with its preprocessor_config.json (non-CLIP mean and std, so that the worker must read
+    them). llava_overrides: LlavaConfig's own fields (vision_feature_layer, vision_feature_select_strategy...)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    vision = transformers.CLIPVisionConfig(**{**dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        image_size=LLAVA_IMAGE_SIZE, patch_size=14, hidden_act="quick_gelu", layer_norm_eps=1e-5),
+        **(vision_overrides or {})})
+    text_config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[text_arch]
+    text = text_config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, **{**dict(
+        image_token_index=LLAVA_IMAGE_TOKEN, vision_feature_layer=-2, image_seq_length=(LLAVA_IMAGE_SIZE // 14) ** 2),
+        **llava_overrides})
+    model = transformers.LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.15)
+            elif "bias" in name:
+                param.normal_(0.0, 0.1)
+            elif "norm" in name:
+                param.normal_(1.0, 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    transformers.CLIPImageProcessor(
+        size={"shortest_edge": LLAVA_IMAGE_SIZE}, crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},
+        image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.25, 0.3]).save_pretrained(folder)
     return folder
 
 

@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.common.checkpoint_quantization import check_quantization
+from pagedserve.common.vision_config import VISION_ARCHITECTURES, image_normalization, llava_parts
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                            "Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
                            "SmolLM3ForCausalLM", "GraniteForCausalLM", "Gemma2ForCausalLM",
-                           "Olmo2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM")
+                           "Olmo2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
+                           "LlavaForConditionalGeneration")
 # Architectures whose transformers config ties the LM head to the embeddings when config.json is silent.
 TIED_BY_DEFAULT = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "CohereForCausalLM",
                    "Cohere2ForCausalLM", "Starcoder2ForCausalLM")
@@ -90,6 +92,9 @@ class ModelConfig:
     bos_token_id: int | None
     sliding_window: int | None = None
     hf: dict = field(default_factory=dict, repr=False, compare=False)  # the whole config.json, for the MoE/MLA fields
+    # A vision-language model's vision settings (common/vision_config.py; with from_folder the image
+    # normalization too); architecture is then the VLM's, every other field (and hf) its text model's.
+    vision: dict | None = None
 
     @property
     def is_mla(self) -> bool:
@@ -120,6 +125,11 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict, where: str = "the model") -> "ModelConfig":
         check_quantization(cfg, where)  # before anything else: no weight of such a checkpoint would load
         archs = cfg.get("architectures") or []
+        if any(a in VISION_ARCHITECTURES for a in archs):
+            text, vision = llava_parts(cfg)
+            config = cls.from_hf_dict(text, where)
+            config.architecture, config.vision = vision["architecture"], vision
+            return config
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}; "
@@ -182,4 +192,8 @@ class ModelConfig:
             cfg = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"corrupt config.json in {folder}: {exc}") from exc
-        return cls.from_hf_dict(cfg, f"the model in {folder}")
+        config = cls.from_hf_dict(cfg, f"the model in {folder}")
+        if config.vision is not None:
+            pre = Path(folder) / "preprocessor_config.json"
+            config.vision.update(image_normalization(json.loads(pre.read_text()) if pre.is_file() else None))
+        return config

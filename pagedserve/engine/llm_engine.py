@@ -19,6 +19,7 @@ from pagedserve.common.multimodal import ImageInput, check_placements
 from pagedserve.common.request_checks import logprobs_limit, logprobs_problem, params_vocab_problem
 from pagedserve.common.sampling_defaults import read_defaults
 from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.vision_config import image_problem
 from pagedserve.common.compilation import graph_plan, with_flags
 from pagedserve.common.speculative import parse_speculative_config
 from pagedserve.model_files.draft_check import check_draft_model
@@ -248,6 +249,8 @@ class LLMEngine:
         params = self._with_lora(params, lora_request)
         if images:
             check_placements(images, len(prompt_token_ids))
+        if problem := image_problem(images, prompt_token_ids, self.model_config.vision):
+            raise ValueError(problem)
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:

@@ -1,7 +1,8 @@
 """Runs one engine step: applies the scheduler's delta to the cached request state, builds the
 flattened batch, runs the model over the paged KV cache and samples. Makes no scheduling decision.
 With a draft model (enable_draft; worker/draft_model.py) the draft runs each step's positions
-first and fills in the proposals the step verifies."""
+first and fills in the proposals the step verifies. A vision-language model's steps whose positions
+cover images' placeholders run eagerly, with those rows' embeddings from the images (image_rows.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pagedserve.worker.graph_runner import CudaGraph, DecodeGraphRunner, GraphCa
 from pagedserve.worker.input_batch import InputBatch, layout_step
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.models import model_class
-from pagedserve.worker import pooling, prompt_logprobs, spec_verify, step_overlap
+from pagedserve.worker import image_rows, pooling, prompt_logprobs, spec_verify, step_overlap
 from pagedserve.worker.process_group import TPGroup, broadcast_from_rank0, tp_group, using_group
 from pagedserve.worker.platform import platform_for
 from pagedserve.worker.request_states import RequestState, RequestStates
@@ -86,6 +87,8 @@ class ModelRunner:
         quantization; the other ranks take its proposals from a broadcast. Before the KV pool is
         sized and allocated: its blocks hold the draft's K/V too."""
         from pagedserve.worker.draft_model import DraftModel
+        if self.config.vision is not None:
+            raise ValueError("speculative decoding with a draft model is not supported for a vision-language model")
         self.drafts = True
         if self.tp.rank != 0:
             return
@@ -218,6 +221,8 @@ class ModelRunner:
         order = [s for s, _ in decodes] + [s for s, _ in prefills]
         counts = [1] * len(decodes) + [n for _, n in prefills]
         graphs, mixed, self._graph_size, self._mixed_size = self.decode_graphs, self.mixed_graphs, None, None
+        if self.config.vision is not None and image_rows.has_image_rows(order, counts):
+            graphs = mixed = None  # image rows: an eager step (image_rows.py)
         rows = self.requests.tables  # the states' block tables, kept in step with the deltas
         num_tokens = step.total_num_scheduled_tokens
         if prefills and mixed is not None:  # a mixed or prefill step a mixed-step graph runs
@@ -315,7 +320,9 @@ class ModelRunner:
                 log.warning("%s; mixed steps run eagerly from now on (--enforce-eager says so up front)", exc)
                 self.mixed_graphs = None
         if hidden is None:
-            hidden = self.model(input_ids, positions, self.kv.model_caches(), meta)
+            embeds = image_rows.step_embeddings(self.model, order, counts, input_ids) if self.config.vision else None
+            hidden = self.model(input_ids, positions, self.kv.model_caches(), meta, **(
+                {} if embeds is None else {"inputs_embeds": embeds}))
         hidden = hidden[:step.total_num_scheduled_tokens]
         ends = np.cumsum(counts) - 1
         samplers = [i for i, (s, n) in enumerate(zip(order, counts))

@@ -40,6 +40,10 @@ class RequestState:
     # flight samples (-1: none). commit writes the token there instead of appending it.
     held_at: int = -1
     table_row: int = -1  # its row of RequestStates.tables (-1: none, a state laid out from its lists)
+    images: tuple = ()  # a multimodal prompt's ImageInputs, in prompt order (common/multimodal.py)
+    # image index -> its encoder rows, from the step that first reaches its placeholders until the
+    # step that computes its last one (worker/image_rows.py); a resent (preempted) request encodes again
+    image_rows: dict | None = None
 
 
 class RequestStates(dict[str, RequestState]):
@@ -74,7 +78,7 @@ class RequestStates(dict[str, RequestState]):
             self._add(RequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.params, list(new.block_ids),
                 new.num_computed_tokens, new.sample_index, list(new.child_req_ids),
-                [list(t) for t in new.group_block_ids]))
+                [list(t) for t in new.group_block_ids], images=tuple(new.images)))
         for cached in step.cached_requests:
             state = self.state(cached.req_id)
             if cached.block_ids is not None:

@@ -23,6 +23,7 @@ _MODELS = {
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("cohere", "Cohere2ForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
 
 

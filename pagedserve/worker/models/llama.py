@@ -171,8 +171,9 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.rope(self.cos_table, self.sin_table, positions, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs_embeds: the step's embeddings given (a LLaVA's image rows among them), else input_ids'."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rope(positions, hidden.dtype)
         if self.fused_norms:
             out, residual, ops = hidden, None, self.ops

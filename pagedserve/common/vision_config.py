@@ -1,0 +1,113 @@
+"""A vision-language config.json read into its two halves: the text model's config (a plain causal
+LM's dict, which ModelConfig reads as it reads any other) and the vision settings the worker's
+vision tower and projector need (`vision`, a plain dict; ModelConfig.vision).
+
+LLaVA (LlavaForConditionalGeneration, llava-1.5 style): a CLIP vision tower, a 2-layer MLP projector,
+a Llama / Mistral / Qwen2 text model. Older hub files leave transformers' defaults out (a llava-1.5
+text_config of a few keys, a vision_config without its CLIP-L/336 shape): those defaults are filled in
+here. Each image of a prompt becomes `num_image_tokens` rows: (image_size / patch_size)^2 patches, plus
+the class row with vision_feature_select_strategy "full". The front end puts that many copies of
+`image_token_id` in the prompt for each image (common/multimodal.py).
+
+No torch: the gateway, tokenizer and scheduler read ModelConfig too.
+"""
+
+from __future__ import annotations
+
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+# text_config model_type -> the causal LM architecture that serves it inside a LLaVA
+TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# transformers' LlamaConfig defaults, for a llava-1.5 text_config that names only what differs
+LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                      bos_token_id=1, eos_token_id=2)
+# LlavaConfig's vision_config defaults (CLIP ViT-L/14 at 336) and CLIPVisionConfig's
+CLIP_DEFAULTS = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                     image_size=336, patch_size=14, num_channels=3, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+# CLIPImageProcessor's normalization defaults (OpenAI CLIP's), when the folder has no preprocessor_config.json
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def llava_parts(cfg: dict) -> tuple[dict, dict]:
+    """(the text model's config dict with its `architectures`, the vision settings)."""
+    text = dict(cfg.get("text_config") or {"model_type": "llama"})
+    model_type = text.get("model_type", "llama")
+    arch = next((a for a in text.get("architectures") or [] if a in TEXT_ARCHITECTURES.values()), None)
+    arch = arch or TEXT_ARCHITECTURES.get(model_type)
+    if arch is None:
+        raise ValueError(f"LLaVA with a {model_type!r} text model is not supported; supported: "
+                         f"{', '.join(TEXT_ARCHITECTURES)}")
+    text["architectures"] = [arch]
+    if model_type == "llama":
+        for key, value in LLAMA_DEFAULTS.items():
+            text.setdefault(key, value)
+    for key in ("tie_word_embeddings", "quantization_config"):  # a LLaVA's own, at the top level
+        if key in cfg:
+            text[key] = cfg[key]
+    clip = {**CLIP_DEFAULTS, **(cfg.get("vision_config") or {})}
+    if clip.get("model_type", "clip_vision_model") not in ("clip_vision_model", "clip"):
+        raise ValueError(f"LLaVA with a {clip['model_type']!r} vision tower is not supported (CLIP only)")
+    layers = cfg.get("vision_feature_layer", -2)
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    num_layers = clip["num_hidden_layers"]
+    # hidden_states[i]: 0 is the embeddings (after pre_layrnorm), i the output of encoder layer i
+    layers = [i + num_layers + 1 if i < 0 else i for i in layers]
+    if not all(0 <= i <= num_layers for i in layers):
+        raise ValueError(f"vision_feature_layer {cfg.get('vision_feature_layer')!r} is outside the "
+                         f"{num_layers} layers of the vision tower")
+    strategy = cfg.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ValueError(f"unsupported vision_feature_select_strategy {strategy!r}; supported: default, full")
+    patches = (clip["image_size"] // clip["patch_size"]) ** 2
+    image_token = cfg.get("image_token_index", cfg.get("image_token_id", 32000))
+    vision = dict(
+        architecture="LlavaForConditionalGeneration",
+        text_architecture=arch,
+        image_token_id=image_token,
+        feature_layers=layers,  # hidden-state indices, non-negative, concatenated in this order
+        select_strategy=strategy,
+        num_image_tokens=patches + (1 if strategy == "full" else 0),
+        projector_hidden_act=cfg.get("projector_hidden_act", "gelu"),
+        projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
+        image_size=clip["image_size"],
+        patch_size=clip["patch_size"],
+        num_channels=clip.get("num_channels", 3),
+        hidden_size=clip["hidden_size"],
+        intermediate_size=clip["intermediate_size"],
+        num_hidden_layers=num_layers,
+        num_attention_heads=clip["num_attention_heads"],
+        hidden_act=clip["hidden_act"],
+        layer_norm_eps=clip["layer_norm_eps"],
+        **image_normalization(None),  # CLIP's; from_folder reads the folder's preprocessor_config.json
+    )
+    return text, vision
+
+
+def image_normalization(preprocessor: dict | None) -> dict:
+    """What the worker applies to an image's uint8 RGB values, from the folder's preprocessor_config.json
+    (CLIPImageProcessor's fields; its defaults when absent): value * rescale_factor, then per channel
+    (x - image_mean) / image_std."""
+    p = preprocessor or {}
+    return dict(rescale_factor=float(p.get("rescale_factor", 1 / 255)) if p.get("do_rescale", True) else 1.0,
+                image_mean=tuple(p.get("image_mean") or CLIP_MEAN) if p.get("do_normalize", True) else (0.0,) * 3,
+                image_std=tuple(p.get("image_std") or CLIP_STD) if p.get("do_normalize", True) else (1.0,) * 3)
+
+
+def image_problem(images, prompt_token_ids: list[int], vision: dict | None) -> str | None:
+    """Why these ImageInputs cannot go with this prompt to this model (ModelConfig.vision), or None: the
+    worker encodes an image into exactly num_image_tokens rows, from image_size x image_size pixels, over
+    that many copies of image_token_id. (Placement and order: multimodal.check_placements.)"""
+    if not images:
+        return None
+    if vision is None:
+        return "this model takes no images"
+    want, size, token = vision["num_image_tokens"], vision["image_size"], vision["image_token_id"]
+    for image in images:
+        if image.length != want:
+            return f"an image over {image.length} placeholder tokens: this model encodes each image into {want}"
+        if (image.height, image.width) != (size, size):
+            return f"an image of {image.height}x{image.width}: this model's vision tower takes {size}x{size}"
+        if any(t != token for t in prompt_token_ids[image.offset:image.end]):
+            return f"an image's placeholders at {image.offset}..{image.end} are not all the image token {token}"
+    return None

@@ -1,0 +1,55 @@
+"""A step's image rows: where the scheduled positions of a multimodal request cover an image's
+placeholder tokens, the text model's input embeddings there are that image's encoder rows
+(row index = position - image offset), as transformers' LLaVA scatters them over its image tokens.
+
+Each image is encoded once per request: the step that first reaches its placeholders encodes it (all
+such images of the step in one batch through the tower) and keeps its rows on the request's state
+(RequestState.image_rows) until the step that computes its last placeholder drops them. So chunked
+prefill may split an image across steps, and a prefix-cache hit may start inside one; a preempted
+request is resent as a new state and encodes again. The step is laid out eagerly (the model runner
+passes no graph a step with image rows), decodes first then prefills, each state's `n` positions
+from its num_computed_tokens: the order and counts the runner gives here. A text-only step costs a
+scan of the states' image lists and nothing else. The model runner's step thread only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _overlapping(state, n: int):
+    """(index, image) of the state's images whose placeholders meet positions [computed, computed + n)."""
+    start = state.num_computed_tokens
+    return [(k, image) for k, image in enumerate(state.images) if image.offset < start + n and image.end > start]
+
+
+def has_image_rows(order, counts) -> bool:
+    return any(state.images and _overlapping(state, n) for state, n in zip(order, counts))
+
+
+def step_embeddings(model, order, counts, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """The step's input embeddings with its image rows in place, or None when it has none (the model
+    then embeds input_ids itself, as for any text-only step)."""
+    places, todo = [], []  # (flat row of the state's first position, state, image index, image); to encode
+    base = 0
+    for state, n in zip(order, counts):
+        if state.images:
+            for k, image in _overlapping(state, n):
+                places.append((base, state, n, k, image))
+                if state.image_rows is None or k not in state.image_rows:
+                    todo.append((state, k, image))
+        base += n
+    if not places:
+        return None
+    if todo:
+        for (state, k, _), rows in zip(todo, model.encode_images([image for _, _, image in todo])):
+            state.image_rows = state.image_rows or {}
+            state.image_rows[k] = rows
+    embeds = model.embed_tokens(input_ids)
+    for base, state, n, k, image in places:
+        start = state.num_computed_tokens
+        lo, hi = max(image.offset, start), min(image.end, start + n)
+        embeds[base + lo - start:base + hi - start] = state.image_rows[k][lo - image.offset:hi - image.offset]
+        if image.end <= start + n:  # its last placeholder is computed in this step
+            del state.image_rows[k]
+    return embeds
