@@ -42,7 +42,8 @@ def test_pixels_equal_clip_image_processor(tmp_path, size):
 
     pre = {**PREPROCESSOR, "size": size}
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"],
-                                                      "image_token_index": 5, "vision_config": {"patch_size": 10}}))
+                                                      "image_token_index": 5,
+                                                      "vision_config": {"patch_size": 10, "image_size": 30}}))
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(pre))
     config = ip.image_config(tmp_path)
     reference = CLIPImageProcessorPil(**{k: v for k, v in pre.items() if k != "image_processor_type"})
@@ -103,3 +104,20 @@ def test_counts_and_limits(llava_folder):
     (other / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
                                                    "image_token_index": 262144}))
     assert ip.image_config(other) is None  # an image model the worker does not encode: text only
+
+
+def test_processor_files_that_disagree_with_the_vision_tower_are_refused(tmp_path):
+    """The front end's placeholders per image are the worker's (common/vision_config.py): a folder whose
+    crop or image_seq_length says otherwise would send images the worker cannot take."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"],
+                                                      "image_token_index": 5,
+                                                      "vision_config": {"patch_size": 10, "image_size": 30}}))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, "crop_size": 40}))
+    with pytest.raises(ValueError, match="makes 40x40 images: the vision tower takes 30x30"):
+        ip.image_config(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_length": 10}))
+    with pytest.raises(ValueError, match="image_seq_length 10 is not the 9 rows"):
+        ip.image_config(tmp_path)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_length": 9}))
+    assert ip.image_config(tmp_path).tokens_per_image == 9

@@ -327,3 +327,20 @@ def test_a_qwen2_llava_with_two_feature_layers_and_the_class_row(tmp_path):
     ref = Reference(folder)
     ids, pixels, images = prompt_of([1] + text(90, 4), random_image(90), text(91, 5), placeholders=PLACEHOLDERS + 1)
     check(run(make_engine(folder), [("q", ids, images)])["q"][0][0], ref.greedy(ids, pixels))
+
+
+def test_the_worker_fails_a_request_whose_images_it_cannot_take_alone(llava):
+    """A client of the scheduler's gRPC API can skip the front end's checks: the worker then fails that
+    request alone (ModelRunnerOutput.failed) and runs the others of the step."""
+    from pagedserve.common.messages import NewRequestData, SchedulerOutput
+    folder, _ = llava
+    ids, _, images = prompt_of([1] + text(90, 3), random_image(90), text(91, 2))
+    engine = make_engine(folder)
+    runner, params = engine.runner, SamplingParams(max_tokens=1)
+    small = image_input(images[0].offset, PLACEHOLDERS, 28, 28, bytes(28 * 28 * 3))
+    step = SchedulerOutput(1, [NewRequestData("bad", ids, len(ids), params, [1, 2], 0, images=[small]),
+                               NewRequestData("good", ids, len(ids), params, [3, 4], 0, images=images)],
+                           [], {"bad": len(ids), "good": len(ids)})
+    out = runner.execute(step)
+    assert "takes 56x56" in out.failed["bad"] and "bad" not in out.sampled
+    assert list(out.sampled) == ["good"]

@@ -7,10 +7,10 @@ preprocessor_config.json (do_convert_rgb, do_resize + size {"shortest_edge"} or 
 "width"}, resample, do_center_crop + crop_size): decode (a GIF's or WebP's first frame), composite
 transparency onto white and convert to RGB, resize with PIL (the short edge to N and the long one
 to int(N * long / short), or to height x width), center-crop (zero-padding an image smaller than
-the crop). The worker rescales and normalizes. Placeholders follow transformers' LlavaProcessor:
-processor_config.json's image_seq_length if set, else (crop_h // patch) * (crop_w // patch) +
-num_additional_image_tokens (default 1: CLIP's CLS row) - 1 with vision_feature_select_strategy
-"default"; the image token is config.json's image_token_index (or image_token_id).
+the crop). The worker rescales and normalizes. The image token and the placeholders an image takes
+are the worker's rule (common/vision_config.py: (image_size / patch_size)^2, plus the class row with
+vision_feature_select_strategy "full"), which is transformers' LlavaProcessor's for a consistent
+folder; a folder whose processor files disagree with it is refused when it is read.
 
 Limits, checked before any pixel is decoded: MAX_IMAGE_BYTES of encoded image, MAX_IMAGE_PIXELS
 (PIL's decompression-bomb guard is set to it, and a larger header is refused). Errors are
@@ -29,6 +29,7 @@ import numpy as np
 from PIL import Image
 
 from pagedserve.common.multimodal import ImageInput, image_input
+from pagedserve.common.vision_config import VISION_ARCHITECTURES, llava_parts
 
 MAX_IMAGE_BYTES = 20 << 20  # an encoded image (the gateway's fetch cap is the same)
 MAX_IMAGE_PIXELS = 40_000_000  # width x height of a decoded image (about a 6300 x 6300 photo)
@@ -37,7 +38,6 @@ Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
 
 # The architectures whose images the worker encodes; another model's image token (Gemma 3's, ...) is
 # not taken: such a model serves text only.
-ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
 
 @dataclass(frozen=True)
@@ -71,36 +71,36 @@ def _hw(size: dict | int, what: str) -> tuple[int, int]:
 
 def image_config(folder: str | Path) -> ImageConfig | None:
     """The image front end of the model in folder; None for a model that takes no images (its
-    config.json names no image token, or its architecture is none of ARCHITECTURES)."""
+    architecture is none of VISION_ARCHITECTURES). The image token and the placeholders per image are
+    the worker's own reading of config.json (common/vision_config.llava_parts); the processor files
+    must agree with it (an image of the tower's size, processor_config.json's image_seq_length)."""
     folder = Path(folder)
     config = _read(folder / "config.json")
-    token = config.get("image_token_index", config.get("image_token_id"))
-    if token is None or not set(config.get("architectures") or ()) & set(ARCHITECTURES):
+    if not set(config.get("architectures") or ()) & set(VISION_ARCHITECTURES):
         return None
+    vision = llava_parts(config)[1]
+    side = vision["image_size"]
     pre, proc = _read(folder / "preprocessor_config.json"), _read(folder / "processor_config.json")
     unknown = sorted(k for k in ("do_pad", "image_grid_pinpoints") if pre.get(k))
     if unknown:
         raise ValueError(f"preprocessor_config.json: {unknown[0]} is not supported (CLIP-style processing only)")
-    size = pre.get("size", {"shortest_edge": 224})
+    size = pre.get("size", {"shortest_edge": side})
     shortest, resize_hw = None, None
     if isinstance(size, dict) and "shortest_edge" in size:
         shortest = int(size["shortest_edge"])
     else:
         resize_hw = _hw(size, "size")
-    crop_hw = _hw(pre.get("crop_size", {"height": 224, "width": 224}), "crop_size")
+    crop_hw = _hw(pre.get("crop_size", {"height": side, "width": side}), "crop_size")
     do_crop = bool(pre.get("do_center_crop", True))
-    if proc.get("image_seq_length"):
-        tokens = int(proc["image_seq_length"])
-    else:
-        vision = config.get("vision_config") or {}
-        patch = int(proc.get("patch_size") or vision.get("patch_size") or 14)
-        out_h, out_w = crop_hw if do_crop else (resize_hw or (shortest, shortest))
-        tokens = (out_h // patch) * (out_w // patch) + int(proc.get("num_additional_image_tokens", 1))
-        strategy = proc.get("vision_feature_select_strategy", config.get("vision_feature_select_strategy"))
-        tokens -= 1 if strategy == "default" else 0
-    if tokens < 1:
-        raise ValueError(f"the model's images would take {tokens} tokens: check processor_config.json")
-    return ImageConfig(image_token_id=int(token), tokens_per_image=tokens,
+    out_hw = crop_hw if do_crop else resize_hw
+    if out_hw != (side, side):
+        made = "images of the input's own shape" if out_hw is None else f"{out_hw[0]}x{out_hw[1]} images"
+        raise ValueError(f"preprocessor_config.json makes {made}: the vision tower takes {side}x{side}")
+    tokens = vision["num_image_tokens"]
+    if proc.get("image_seq_length") and int(proc["image_seq_length"]) != tokens:
+        raise ValueError(f"processor_config.json's image_seq_length {proc['image_seq_length']} is not the "
+                         f"{tokens} rows the vision tower makes of an image")
+    return ImageConfig(image_token_id=int(vision["image_token_id"]), tokens_per_image=tokens,
                        do_convert_rgb=bool(pre.get("do_convert_rgb", True)), do_resize=bool(pre.get("do_resize", True)),
                        shortest_edge=shortest, resize_hw=resize_hw, resample=int(pre.get("resample", 3)),
                        do_center_crop=do_crop, crop_hw=crop_hw)

@@ -16,11 +16,20 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.common.vision_config import image_problem
+
 
 def _overlapping(state, n: int):
     """(index, image) of the state's images whose placeholders meet positions [computed, computed + n)."""
     start = state.num_computed_tokens
     return [(k, image) for k, image in enumerate(state.images) if image.offset < start + n and image.end > start]
+
+
+def unservable(new_requests, vision: dict | None) -> dict[str, str]:
+    """The step's new requests whose images this model cannot take (req_id -> why): they fail alone
+    (ModelRunnerOutput.failed), as a client that bypassed the front end's checks deserves."""
+    problems = {new.req_id: image_problem(new.images, new.token_ids, vision) for new in new_requests if new.images}
+    return {req_id: why for req_id, why in problems.items() if why}
 
 
 def has_image_rows(order, counts) -> bool:
