@@ -213,3 +213,26 @@ def test_media_policy_from_the_flags():
     for bad in ('{"image": -1}', "[2]", "image=2"):
         with pytest.raises(ValueError, match="--limit-mm-per-prompt"):
             media_policy(bad, None, 5.0)
+
+
+def test_the_body_limit_makes_room_for_the_images_a_request_may_carry():
+    """--max-body-bytes bounds a text request; a model that takes images also admits as many images as
+    --limit-mm-per-prompt allows, each up to the encoded cap in base64, and no more."""
+    from pagedserve.gateway.limits import Limits
+
+    noise = Image.fromarray(np.random.default_rng(5).integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    out = io.BytesIO()
+    noise.save(out, format="PNG")
+    image = out.getvalue()  # ~4.8 KB: ~6.4 KB in base64, over the 4,000-byte limit alone
+    content = [{"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": "what?"}]
+    stacks = {takes: Stack(limits=Limits(max_body_bytes=4000), takes_images=takes) for takes in (True, False)}
+    try:
+        for s in stacks.values():
+            s.backend.media = MediaPolicy(max_images=1, max_bytes=10_000)
+        assert chat(stacks[True], content).status_code == 200
+        assert chat(stacks[False], content).status_code == 413
+        # past 4,000 + one image's 13,336 bytes of base64: too large even for an image model
+        assert chat(stacks[True], content + [{"type": "text", "text": "x" * 14_000}]).status_code == 413
+    finally:
+        for s in stacks.values():
+            s.close()

@@ -13,7 +13,8 @@ both, so the two front ends refuse alike. The checks, in the order a request mee
       address when no keys are configured;
       with Redis, for all gateways together)   429 rate_limit_exceeded     RESOURCE_EXHAUSTED
   check_body_size(size)          REST only, on /v1 POSTs (gRPC has its own message size limit):
-      over --max-body-bytes                    413 request_too_large       RESOURCE_EXHAUSTED
+      over --max-body-bytes (+ room for its   413 request_too_large       RESOURCE_EXHAUSTED
+      images on a model that takes them)
   check_n(n)                     once the request is parsed:
       n over --max-n                           400 (param n)               INVALID_ARGUMENT
   reserve(prompt, n, max_tokens, max_model_len)  once the tokenizer counted the prompt:
@@ -194,8 +195,9 @@ class Admission:
         if not self._fits(tokens):
             raise too_many_tokens(tokens, self.tokens_in_flight, self.limits.max_tokens_in_flight)
 
-    def check_body_size(self, size: int) -> None:
-        limit = self.limits.max_body_bytes
+    def check_body_size(self, size: int, limit: int | None = None) -> None:
+        """413 past `limit` (default --max-body-bytes; the gateway's backend.body_limit for a request)."""
+        limit = self.limits.max_body_bytes if limit is None else limit
         if limit > 0 and size > limit:
             raise body_too_large(limit)
 

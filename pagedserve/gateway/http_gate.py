@@ -78,8 +78,8 @@ class HttpGate:
                 if path in DOCS_PATHS and admission.has_admin and not caller.admin:
                     raise operators_only()
                 scope.setdefault("state", {})["caller"] = caller
-                limit = admission.limits.max_body_bytes
-                if limit > 0 and scope.get("method") in BODY_METHODS:
+                limit = await self.backend.body_limit() if scope.get("method") in BODY_METHODS else 0
+                if limit > 0:
                     length = headers.get(b"content-length")
                     if length is None:
                         # No Content-Length (chunked): read the body here, up to the limit.
@@ -89,7 +89,7 @@ class HttpGate:
                             size = int(length)
                         except ValueError:
                             size = 0  # a malformed length is not refused here
-                    admission.check_body_size(size)
+                    admission.check_body_size(size, limit)
             except Refusal as refusal:
                 body = anthropic_error(refusal.status, refusal.message) if path.startswith(ANTHROPIC_PATHS) \
                     else refusal.body()
