@@ -344,3 +344,16 @@ def test_the_worker_fails_a_request_whose_images_it_cannot_take_alone(llava):
     out = runner.execute(step)
     assert "takes 56x56" in out.failed["bad"] and "bad" not in out.sampled
     assert list(out.sampled) == ["good"]
+
+
+def test_the_memory_profile_encodes_as_many_images_as_a_step_can_touch(llava):
+    """A step of n tokens meets at most n // rows + 2 images (partly at both ends): the CUDA memory
+    profile (model_runner._profile_peak) runs that many through the tower, their rows alive over the
+    forward; none for a text model."""
+    from pagedserve.worker.image_rows import profile_rows
+    folder, _ = llava
+    runner = make_engine(folder).runner
+    rows = profile_rows(runner.model, runner.config.vision, 40)
+    assert len(rows) == 40 // PLACEHOLDERS + 2
+    assert all(r.shape == (PLACEHOLDERS, runner.config.hidden_size) for r in rows)
+    assert profile_rows(runner.model, None, 40) is None

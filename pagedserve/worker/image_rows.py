@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.common.multimodal import ImageInput
 from pagedserve.common.vision_config import image_problem
 
 
@@ -30,6 +31,17 @@ def unservable(new_requests, vision: dict | None) -> dict[str, str]:
     (ModelRunnerOutput.failed), as a client that bypassed the front end's checks deserves."""
     problems = {new.req_id: image_problem(new.images, new.token_ids, vision) for new in new_requests if new.images}
     return {req_id: why for req_id, why in problems.items() if why}
+
+
+def profile_rows(model, vision: dict | None, num_tokens: int) -> list[torch.Tensor] | None:
+    """The memory profile's images (model_runner._profile_peak): as many blank images as a step of
+    num_tokens can touch, through the tower in one batch; their rows stay alive over the profiled forward,
+    as a step's do. None for a text model."""
+    if vision is None:
+        return None
+    side, per = vision["image_size"], vision["num_image_tokens"]
+    blank = ImageInput(0, per, side, side, bytes(side * side * 3))
+    return model.encode_images([blank] * (num_tokens // per + 2))
 
 
 def has_image_rows(order, counts) -> bool:

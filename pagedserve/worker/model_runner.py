@@ -181,6 +181,7 @@ class ModelRunner:
         slots = torch.zeros(num_tokens, dtype=torch.long, device=self.device)  # all tokens share one slot
         meta = AttentionMetadata(slots, 0, None, None, None,
                                  [PrefillSeq(0, num_tokens, 0, torch.zeros(1, dtype=torch.long, device=self.device))])
+        _images = image_rows.profile_rows(self.model, self.config.vision, num_tokens)  # live over the forward
         hidden = self.model(ids, positions, scratch.model_caches(), meta)
         logits = self.model.compute_logits(hidden[-256:])
         if self.tp.rank == 0:  # (rank 0 samples) the costliest sampling of that many rows: its temporaries too
