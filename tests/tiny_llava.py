@@ -47,3 +47,64 @@ def build_tiny_llava(folder: Path, tokenizer_folder: Path) -> Path:
     (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=1))
     (folder / "processor_config.json").write_text(json.dumps(PROCESSOR, indent=1))
     return folder
+
+
+def with_random_weights(folder: Path, seed: int = 0) -> Path:
+    """Give build_tiny_llava's folder random weights (peaked, so greedy tokens are not near ties)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig.from_pretrained(folder))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.15)
+            elif "bias" in name:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def png(seed: int, size=(45, 37)) -> bytes:
+    """A random RGB image of size (width, height), PNG-encoded."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+class LlavaReference:
+    """transformers' answer on the folder: LlavaProcessor (CLIPImageProcessor, the tokenizer) and
+    LlavaForConditionalGeneration in float32, greedy, for a one-turn chat of an image and a question."""
+
+    def __init__(self, folder: Path, question: str, max_tokens: int) -> None:
+        import torch
+        import transformers
+
+        self.processor = transformers.AutoProcessor.from_pretrained(folder)
+        self.model = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+        chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        self.prompt = self.processor.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        self.max_tokens = max_tokens
+
+    def __call__(self, image: bytes, ignore_eos: bool = True) -> tuple[str, int]:
+        """(the answer's text, the prompt's tokens with the image's placeholders)."""
+        import io
+
+        import torch
+        from PIL import Image
+
+        inputs = self.processor(images=Image.open(io.BytesIO(image)), text=self.prompt, return_tensors="pt",
+                                add_special_tokens=False)
+        with torch.no_grad():
+            out = self.model.generate(**inputs, max_new_tokens=self.max_tokens, do_sample=False,
+                                      min_new_tokens=self.max_tokens if ignore_eos else 0,
+                                      eos_token_id=self.processor.tokenizer.eos_token_id)
+        length = inputs["input_ids"].shape[1]
+        return self.processor.tokenizer.decode(out[0, length:], skip_special_tokens=True), length

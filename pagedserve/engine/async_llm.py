@@ -19,13 +19,13 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.common.offline_types import RequestOutput
-from pagedserve.engine.llm import as_params, encode_prompt, load_engine
+from pagedserve.engine.llm import as_params, encode_chat, encode_with_images, load_engine
 from pagedserve.engine.text_requests import TextRequest
-from pagedserve.model_files import chat_templates
+from pagedserve.model_files import image_processing
 
 _DONE = object()
 
@@ -36,6 +36,7 @@ class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     request: TextRequest
+    images: list = field(default_factory=list)  # its ImageInputs (a model that takes images)
 
     def put(self, item) -> None:
         try:
@@ -47,6 +48,7 @@ class _Sink:
 class AsyncLLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine, self.tokenizer, self.chat_template = load_engine(model, engine_args)
+        self.image_config = image_processing.image_config(self.engine.model_path)  # None: a text model
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._ids: set[str] = set()  # request ids in use (callers' side, under _lock)
@@ -62,23 +64,20 @@ class AsyncLLM:
     async def generate(self, prompt, sampling_params=None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative RequestOutputs of one prompt (a string, {"prompt": str} or
-        {"prompt_token_ids": [...]}), the last one finished."""
-        text, ids = encode_prompt(self.tokenizer, prompt, "prompt")
-        async for out in self._stream(text, ids, as_params(sampling_params), request_id):
+        {"prompt_token_ids": [...]}, with vLLM's "multi_modal_data" images too), the last one finished."""
+        text, ids, images = encode_with_images(self.tokenizer, self.image_config, prompt, "prompt")
+        async for out in self._stream(text, ids, as_params(sampling_params), request_id, images):
             yield out
 
     async def chat(self, messages: list[dict], sampling_params=None, request_id: str | None = None,
                    **template_options: Any) -> AsyncIterator[RequestOutput]:
         """As generate, on a chat rendered by the chat template (options as LLM.chat's)."""
         template_options.setdefault("chat_template", self.chat_template)
-        try:
-            ids, text = chat_templates.chat_token_ids(self.tokenizer, messages, **template_options)
-        except chat_templates.ChatTemplateError as exc:
-            raise ValueError(str(exc)) from None
-        async for out in self._stream(text, ids, as_params(sampling_params), request_id):
+        ids, text, images = encode_chat(self.tokenizer, self.image_config, messages, **template_options)
+        async for out in self._stream(text, ids, as_params(sampling_params), request_id, images):
             yield out
 
-    async def _stream(self, text, ids, params, request_id) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, text, ids, params, request_id, images=()) -> AsyncIterator[RequestOutput]:
         if self._closed:
             raise RuntimeError("the AsyncLLM is shut down")
         if not ids:
@@ -95,7 +94,7 @@ class AsyncLLM:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._ids.add(request_id)
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), TextRequest(request_id, text, ids, params,
-                                                                               self.tokenizer))
+                                                                               self.tokenizer), list(images))
         self._commands.put(("add", request_id, sink))
         finished = False
         try:
@@ -144,7 +143,8 @@ class AsyncLLM:
             return False
         if kind == "add":
             try:
-                engine.add_request(request_id, sink.request.prompt_token_ids, sink.request.params)
+                engine.add_request(request_id, sink.request.prompt_token_ids, sink.request.params,
+                                   images=sink.images)
             except Exception as exc:
                 sink.put(exc)
                 return True

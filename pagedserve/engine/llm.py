@@ -114,6 +114,19 @@ def encode_with_images(tokenizer, config: ImageConfig | None, prompt: Any,
     return text, ids, images
 
 
+def encode_chat(tokenizer, config: ImageConfig | None, messages: list[dict],
+                **options: Any) -> tuple[list[int], str, list[ImageInput]]:
+    """(token ids, prompt text, images) of a chat, rendered as the tokenizer service renders it (with a
+    model that takes images, its image parts prepared and their placeholders expanded); ValueError."""
+    try:
+        if config is not None:
+            ids, images, text = prompt_images.chat_prompt(tokenizer, config, messages, **options)
+            return ids, text, images
+        return (*chat_templates.chat_token_ids(tokenizer, messages, **options), [])
+    except chat_templates.ChatTemplateError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def per_prompt(params, count: int) -> list[EngineSamplingParams]:
     if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
         if len(params) != count:
@@ -227,14 +240,9 @@ class LLM:
                        chat_template_kwargs=chat_template_kwargs, tools=tools)
         for i, chat in enumerate(chats):
             try:
-                if self.image_config is not None:  # rendered as the tokenizer service renders a chat with images
-                    ids, placed, text = prompt_images.chat_prompt(
-                        self.tokenizer, self.image_config, chat, chat_template=chat_template or self.chat_template,
-                        **options)
-                else:
-                    (ids, text), placed = chat_templates.chat_token_ids(
-                        self.tokenizer, chat, chat_template=chat_template or self.chat_template, **options), []
-            except (chat_templates.ChatTemplateError, ValueError) as exc:
+                ids, text, placed = encode_chat(self.tokenizer, self.image_config, chat,
+                                                chat_template=chat_template or self.chat_template, **options)
+            except ValueError as exc:
                 raise ValueError(f"messages[{i}]: {exc}" if len(chats) > 1 else str(exc)) from None
             encoded.append((text, ids))
             images.append(placed)

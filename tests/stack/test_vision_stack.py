@@ -10,28 +10,17 @@ from __future__ import annotations
 
 import base64
 import http.server
-import io
 import threading
 
-import numpy as np
 import pytest
-import torch
-from PIL import Image
 
 from service_stack import scheduler_stats, wait_until_idle
-from tiny_llava import build_tiny_llava
+from tiny_llava import LlavaReference, build_tiny_llava, png, with_random_weights
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 8
 QUESTION = "What is in this picture?"
-
-
-def png(seed: int, size=(45, 37)) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
 
 
 def data_url(data: bytes) -> str:
@@ -40,41 +29,12 @@ def data_url(data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def llava(default_model_path, tmp_path_factory):
-    """The tiny LLaVA folder, with random weights (peaked, so greedy tokens are not near ties)."""
-    import transformers
-
-    folder = build_tiny_llava(tmp_path_factory.mktemp("llava-stack"), default_model_path)
-    torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig.from_pretrained(folder))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.15)
-            elif "bias" in name:
-                param.normal_(0.0, 0.1)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+    return with_random_weights(build_tiny_llava(tmp_path_factory.mktemp("llava-stack"), default_model_path))
 
 
 @pytest.fixture(scope="module")
 def reference(llava):
-    """image bytes -> (the answer's text, prompt tokens) as transformers makes them."""
-    import transformers
-
-    processor = transformers.AutoProcessor.from_pretrained(llava)
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
-    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
-    prompt = processor.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-
-    def answer(image: bytes, ignore_eos: bool = True) -> tuple[str, int]:
-        inputs = processor(images=Image.open(io.BytesIO(image)), text=prompt, return_tensors="pt",
-                           add_special_tokens=False)
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS if ignore_eos else 0,
-                                 eos_token_id=processor.tokenizer.eos_token_id, do_sample=False)
-        length = inputs["input_ids"].shape[1]
-        return processor.tokenizer.decode(out[0, length:], skip_special_tokens=True), length
-    return answer
+    return LlavaReference(llava, QUESTION, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,71 @@
+"""Images through the offline API, as vLLM's users pass them: LLM.generate with {"prompt": ...,
+"multi_modal_data": {"image": ...}}, LLM.chat with image_url parts, AsyncLLM.generate; on a tiny random
+LLaVA with the default model's tokenizer plus <image> (tests/tiny_llava.py), each answer equals
+transformers' LlavaProcessor + LlavaForConditionalGeneration on the same image (float32, greedy)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import pytest
+from PIL import Image
+
+from pagedserve.common.sampling_params import SamplingParams
+from tiny_llava import LlavaReference, build_tiny_llava, png, with_random_weights
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 6
+QUESTION = "Describe it."
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(default_model_path, tmp_path_factory):
+    return with_random_weights(build_tiny_llava(tmp_path_factory.mktemp("llava-offline"), default_model_path))
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return LlavaReference(folder, QUESTION, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    from pagedserve import LLM
+    with LLM(model=str(folder), dtype="float32", kv_cache_memory="64MiB") as engine:
+        yield engine
+
+
+def test_generate_and_chat_take_images_as_vllm_does(llm, reference):
+    first, second = png(11), png(12, size=(20, 50))
+    outs = llm.generate([{"prompt": reference.prompt, "multi_modal_data": {"image": Image.open(io.BytesIO(first))}},
+                         {"prompt": reference.prompt, "multi_modal_data": {"image": second}}], GREEDY)
+    assert [o.outputs[0].text for o in outs] == [reference(first)[0], reference(second)[0]]
+    assert len(outs[0].prompt_token_ids) == reference(first)[1]
+    url = "data:image/png;base64," + base64.b64encode(first).decode()
+    [chat] = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                    {"type": "text", "text": QUESTION}]}], GREEDY)
+    assert chat.outputs[0].text == reference(first)[0]
+
+
+def test_images_that_do_not_match_the_prompt_are_refused_naming_the_prompt(llm, reference):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: the prompt has 1 image tokens .* for 2"):
+        llm.generate({"prompt": reference.prompt, "multi_modal_data": {"image": [png(1), png(2)]}}, GREEDY)
+    with pytest.raises(ValueError, match="multi_modal_data takes \"image\" only"):
+        llm.generate({"prompt": reference.prompt, "multi_modal_data": {"audio": b""}}, GREEDY)
+
+
+def test_async_llm_takes_images(folder, reference):
+    from pagedserve import AsyncLLM
+    image = png(13)
+
+    async def main():
+        async with AsyncLLM(model=str(folder), dtype="float32", kv_cache_memory="64MiB") as engine:
+            outs = [out async for out in engine.generate(
+                {"prompt": reference.prompt, "multi_modal_data": {"image": image}}, GREEDY)]
+            return outs[-1].outputs[0].text
+
+    assert asyncio.run(main()) == reference(image)[0]
