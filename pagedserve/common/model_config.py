@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.common.checkpoint_quantization import check_quantization
-from pagedserve.common.vision_config import VISION_ARCHITECTURES, image_normalization, llava_parts
+from pagedserve.common.vision_config import image_normalization, vision_parts
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
@@ -125,8 +125,9 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict, where: str = "the model") -> "ModelConfig":
         check_quantization(cfg, where)  # before anything else: no weight of such a checkpoint would load
         archs = cfg.get("architectures") or []
-        if any(a in VISION_ARCHITECTURES for a in archs):
-            text, vision = llava_parts(cfg)
+        parts = vision_parts(cfg)
+        if parts is not None:
+            text, vision = parts
             config = cls.from_hf_dict(text, where)
             config.architecture, config.vision = vision["architecture"], vision
             return config
@@ -195,5 +196,6 @@ class ModelConfig:
         config = cls.from_hf_dict(cfg, f"the model in {folder}")
         if config.vision is not None:
             pre = Path(folder) / "preprocessor_config.json"
-            config.vision.update(image_normalization(json.loads(pre.read_text()) if pre.is_file() else None))
+            config.vision.update(image_normalization(json.loads(pre.read_text()) if pre.is_file() else None,
+                                                     config.vision))
         return config

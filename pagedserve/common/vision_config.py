@@ -14,7 +14,8 @@ No torch: the gateway, tokenizer and scheduler read ModelConfig too.
 
 from __future__ import annotations
 
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+IDEFICS3_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", *IDEFICS3_ARCHITECTURES)
 # text_config model_type -> the causal LM architecture that serves it inside a LLaVA
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # transformers' LlamaConfig defaults, for a llava-1.5 text_config that names only what differs
@@ -29,22 +30,81 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def llava_parts(cfg: dict) -> tuple[dict, dict]:
-    """(the text model's config dict with its `architectures`, the vision settings)."""
+# Idefics3VisionConfig's defaults (a SigLIP tower) and Idefics3ImageProcessor's normalization
+SIGLIP_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16,
+                       image_size=224, patch_size=32, num_channels=3, hidden_act="gelu_pytorch_tanh",
+                       layer_norm_eps=1e-6)
+HALF = (0.5, 0.5, 0.5)
+
+
+def vision_parts(cfg: dict) -> tuple[dict, dict] | None:
+    """(the text model's config dict, the vision settings) of a vision-language config.json, or None
+    for a text model. The vision settings every such model has: architecture, text_architecture,
+    image_token_id, num_image_tokens (rows per image: each image a prompt holds, or each tile of one,
+    arrives as image_size x image_size pixels over that many placeholders), image_size, and the tower's
+    normalization (rescale_factor, image_mean, image_std)."""
+    archs = set(cfg.get("architectures") or ())
+    if archs & set(IDEFICS3_ARCHITECTURES):
+        return idefics3_parts(cfg)
+    if "LlavaForConditionalGeneration" in archs:
+        return llava_parts(cfg)
+    return None
+
+
+def _text_half(cfg: dict) -> dict:
+    """The text model's config dict with its `architectures` (a LLaVA's or an Idefics3's text_config)."""
     text = dict(cfg.get("text_config") or {"model_type": "llama"})
     model_type = text.get("model_type", "llama")
     arch = next((a for a in text.get("architectures") or [] if a in TEXT_ARCHITECTURES.values()), None)
     arch = arch or TEXT_ARCHITECTURES.get(model_type)
     if arch is None:
-        raise ValueError(f"LLaVA with a {model_type!r} text model is not supported; supported: "
+        raise ValueError(f"a {model_type!r} text model is not supported in a vision-language model; supported: "
                          f"{', '.join(TEXT_ARCHITECTURES)}")
     text["architectures"] = [arch]
     if model_type == "llama":
         for key, value in LLAMA_DEFAULTS.items():
             text.setdefault(key, value)
-    for key in ("tie_word_embeddings", "quantization_config"):  # a LLaVA's own, at the top level
+    for key in ("tie_word_embeddings", "quantization_config"):  # the model's own, at the top level
         if key in cfg:
             text[key] = cfg[key]
+    return text
+
+
+def idefics3_parts(cfg: dict) -> tuple[dict, dict]:
+    """Idefics3 / SmolVLM: a SigLIP tower over image_size tiles (no class row), the connector's pixel
+    shuffle (scale_factor^2 patches into one row) and projection, a Llama text model. Each tile (the
+    processor splits a large image into tiles, plus a global view) takes (image_size / patch_size)^2 /
+    scale_factor^2 rows."""
+    text = _text_half(cfg)
+    siglip = {**SIGLIP_DEFAULTS, **(cfg.get("vision_config") or {})}
+    scale = int(cfg.get("scale_factor", 2))
+    side = siglip["image_size"] // siglip["patch_size"]
+    if side % scale:
+        raise ValueError(f"scale_factor {scale} does not divide the tower's {side}x{side} patches")
+    vision = dict(
+        architecture=next(a for a in cfg["architectures"] if a in IDEFICS3_ARCHITECTURES),
+        text_architecture=text["architectures"][0],
+        image_token_id=int(cfg.get("image_token_id", 128257)),
+        num_image_tokens=side * side // (scale * scale),
+        scale_factor=scale,
+        image_size=siglip["image_size"],
+        patch_size=siglip["patch_size"],
+        num_channels=siglip["num_channels"],
+        hidden_size=siglip["hidden_size"],
+        intermediate_size=siglip["intermediate_size"],
+        num_hidden_layers=siglip["num_hidden_layers"],
+        num_attention_heads=siglip["num_attention_heads"],
+        hidden_act=siglip["hidden_act"],
+        layer_norm_eps=siglip["layer_norm_eps"],
+        rescale_factor=1 / 255, image_mean=HALF, image_std=HALF,  # Idefics3ImageProcessor's defaults
+    )
+    return text, vision
+
+
+def llava_parts(cfg: dict) -> tuple[dict, dict]:
+    """(the text model's config dict with its `architectures`, the vision settings)."""
+    text = _text_half(cfg)
+    arch = text["architectures"][0]
     clip = {**CLIP_DEFAULTS, **(cfg.get("vision_config") or {})}
     if clip.get("model_type", "clip_vision_model") not in ("clip_vision_model", "clip"):
         raise ValueError(f"LLaVA with a {clip['model_type']!r} vision tower is not supported (CLIP only)")
@@ -79,19 +139,21 @@ def llava_parts(cfg: dict) -> tuple[dict, dict]:
         num_attention_heads=clip["num_attention_heads"],
         hidden_act=clip["hidden_act"],
         layer_norm_eps=clip["layer_norm_eps"],
-        **image_normalization(None),  # CLIP's; from_folder reads the folder's preprocessor_config.json
+        rescale_factor=1 / 255, image_mean=CLIP_MEAN, image_std=CLIP_STD,  # from_folder: the folder's own
     )
     return text, vision
 
 
-def image_normalization(preprocessor: dict | None) -> dict:
+def image_normalization(preprocessor: dict | None, vision: dict) -> dict:
     """What the worker applies to an image's uint8 RGB values, from the folder's preprocessor_config.json
-    (CLIPImageProcessor's fields; its defaults when absent): value * rescale_factor, then per channel
-    (x - image_mean) / image_std."""
+    (the image processor's fields; the model's defaults in `vision` when absent): value * rescale_factor,
+    then per channel (x - image_mean) / image_std."""
     p = preprocessor or {}
-    return dict(rescale_factor=float(p.get("rescale_factor", 1 / 255)) if p.get("do_rescale", True) else 1.0,
-                image_mean=tuple(p.get("image_mean") or CLIP_MEAN) if p.get("do_normalize", True) else (0.0,) * 3,
-                image_std=tuple(p.get("image_std") or CLIP_STD) if p.get("do_normalize", True) else (1.0,) * 3)
+    normalize = p.get("do_normalize", True)
+    return dict(
+        rescale_factor=float(p.get("rescale_factor", vision["rescale_factor"])) if p.get("do_rescale", True) else 1.0,
+        image_mean=tuple(p.get("image_mean") or vision["image_mean"]) if normalize else (0.0,) * 3,
+        image_std=tuple(p.get("image_std") or vision["image_std"]) if normalize else (1.0,) * 3)
 
 
 def image_problem(images, prompt_token_ids: list[int], vision: dict | None) -> str | None:

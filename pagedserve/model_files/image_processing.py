@@ -29,7 +29,7 @@ import numpy as np
 from PIL import Image
 
 from pagedserve.common.multimodal import ImageInput, image_input
-from pagedserve.common.vision_config import VISION_ARCHITECTURES, llava_parts
+from pagedserve.common.vision_config import llava_parts
 
 MAX_IMAGE_BYTES = 20 << 20  # an encoded image (the gateway's fetch cap is the same)
 MAX_IMAGE_PIXELS = 40_000_000  # width x height of a decoded image (about a 6300 x 6300 photo)
@@ -71,12 +71,12 @@ def _hw(size: dict | int, what: str) -> tuple[int, int]:
 
 def image_config(folder: str | Path) -> ImageConfig | None:
     """The image front end of the model in folder; None for a model that takes no images (its
-    architecture is none of VISION_ARCHITECTURES). The image token and the placeholders per image are
+    architecture is not LLaVA's). The image token and the placeholders per image are
     the worker's own reading of config.json (common/vision_config.llava_parts); the processor files
     must agree with it (an image of the tower's size, processor_config.json's image_seq_length)."""
     folder = Path(folder)
     config = _read(folder / "config.json")
-    if not set(config.get("architectures") or ()) & set(VISION_ARCHITECTURES):
+    if "LlavaForConditionalGeneration" not in (config.get("architectures") or ()):
         return None
     vision = llava_parts(config)[1]
     side = vision["image_size"]
