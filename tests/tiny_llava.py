@@ -54,14 +54,11 @@ def with_random_weights(folder: Path, seed: int = 0) -> Path:
     import torch
     import transformers
 
+    from tiny_models import sharpen
+
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig.from_pretrained(folder))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.15)
-            elif "bias" in name:
-                param.normal_(0.0, 0.1)
+    sharpen(model)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 

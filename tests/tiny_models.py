@@ -7,6 +7,19 @@ from pathlib import Path
 import torch
 
 
+def sharpen(model, norm_mean: float | None = None, norm_std: float = 0.2) -> None:
+    """Random init gives near-uniform logits; sharper weights make greedy choices well separated. Matrices
+    N(0, 0.15), biases N(0, 0.1), norm weights N(norm_mean, norm_std) when norm_mean is given."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.15)
+            elif "bias" in name:
+                param.normal_(0.0, 0.1)
+            elif norm_mean is not None and "norm" in name:
+                param.normal_(norm_mean, norm_std)
+
+
 def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a tiny random model (config.json + model.safetensors) into folder and return it."""
     import transformers
@@ -116,17 +129,13 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
         model = transformers.Gemma2ForCausalLM(cfg)
     else:
         raise ValueError(arch)
-    # Random init gives near-uniform logits; sharper weights make greedy choices well separated.
+    if arch in ("gemma2", "gemma3"):  # zero-centred (1 + w) norms: vary them too
+        sharpen(model, norm_mean=0.0, norm_std=0.5)
+    elif arch in ("olmo2", "cohere", "cohere2", "starcoder2"):  # vary the norms too
+        sharpen(model, norm_mean=1.0, norm_std=0.3)
+    else:
+        sharpen(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.15)
-            elif "bias" in name:
-                param.normal_(0.0, 0.1)
-            elif arch in ("gemma2", "gemma3") and "norm" in name:  # zero-centred (1 + w) norms: vary them too
-                param.normal_(0.0, 0.5)
-            elif arch in ("olmo2", "cohere", "cohere2", "starcoder2") and "norm" in name:  # vary the norms too
-                param.normal_(1.0, 0.3)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's load-balancing bias
                 buffer.normal_(0.0, 0.1)
@@ -158,14 +167,7 @@ def build_tiny_llava(folder: Path, seed: int = 0, text_arch: str = "llama", visi
         image_token_index=LLAVA_IMAGE_TOKEN, vision_feature_layer=-2, image_seq_length=(LLAVA_IMAGE_SIZE // 14) ** 2),
         **llava_overrides})
     model = transformers.LlavaForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.15)
-            elif "bias" in name:
-                param.normal_(0.0, 0.1)
-            elif "norm" in name:
-                param.normal_(1.0, 0.2)
+    sharpen(model, norm_mean=1.0, norm_std=0.2)
     model.save_pretrained(folder, safe_serialization=True)
     transformers.CLIPImageProcessor(
         size={"shortest_edge": LLAVA_IMAGE_SIZE}, crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},
