@@ -16,7 +16,7 @@ from PIL import Image
 
 from pagedserve.common.multimodal import image_from_proto
 from pagedserve.model_files import image_processing as ip
-from pagedserve.model_files.prompt_images import chat_prompt
+from pagedserve.model_files.prompt_images import chat_prompt, prompt_images
 from pagedserve.model_files.tokenizer_files import load_tokenizer
 from tiny_idefics3 import PREPROCESSOR, build_tiny_idefics3, reference_processor
 
@@ -170,6 +170,8 @@ def test_the_tokenizer_service_and_the_offline_path_expand_as_the_processor(fold
                 {"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [*urls, {"type": "text", "text": "What is in these?"}]}])
             assert ids == want and offline == got
+            # LLM.generate's {"prompt": text, "multi_modal_data": {"image": [...]}}: the same
+            assert prompt_images(config, tokenizer.encode(text, add_special_tokens=False), data) == (want, got)
             tokenized = await stub.Tokenize(generate_pb2.TokenizeRequest(chat=chat_with_images(*data).chat))
             assert list(tokenized.token_ids) == want and tokenized.text == text
         finally:

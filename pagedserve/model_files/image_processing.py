@@ -61,6 +61,10 @@ class ImageConfig:
     crop_hw: tuple[int, int] = (224, 224)
 
 
+# what image_config gives for a model that takes images: the callers pass it back, never look inside
+AnyImageConfig = ImageConfig | Idefics3Config
+
+
 def _read(path: Path) -> dict:
     try:
         return json.loads(path.read_text()) if path.exists() else {}
