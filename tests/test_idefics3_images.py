@@ -123,6 +123,14 @@ def test_folders_that_disagree_with_the_vision_tower_are_refused(folders, tmp_pa
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     with pytest.raises(ValueError, match="not config.json's image token 5"):
         ip.image_config(tmp_path)
+    from pagedserve.model_files.default_model import resolve_model
+    from tiny_llava import build_tiny_llava
+    (tmp_path / "llava").mkdir()
+    tokenizer = load_tokenizer(build_tiny_llava(tmp_path / "llava", resolve_model(None)))  # <image> alone
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "image_token_id": image_token}))
+    with pytest.raises(ValueError, match="has no <fake_token_around_image> token"):
+        ip.image_config(tmp_path, tokenizer)
 
 
 def test_counts_and_limits(folders):
@@ -177,3 +185,26 @@ def test_the_tokenizer_service_and_the_offline_path_expand_as_the_processor(fold
         finally:
             await stop()
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("longest, tile", [(2048, 512), (1456, 364), (5000, 1024), (96, 32)])
+def test_tile_grids_equal_the_image_processor(longest, tile):
+    """The geometry (resize, multiple of the tile, grid) for SmolVLM's, Idefics3's, a clamped (MAX_SIDE)
+    and a small setting, on blank images of extreme shapes; NEAREST keeps the resizes cheap."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from pagedserve.model_files.idefics3_images import Idefics3Config, tile_image
+
+    reference = Idefics3ImageProcessorPil(size={"longest_edge": longest}, max_image_size={"longest_edge": tile},
+                                          resample=0, do_rescale=False, do_normalize=False)
+    grid = -(-min(longest + 1, 4097) // tile)
+    config = Idefics3Config(image_token_id=1, tokens_per_image=1, tile=tile, longest_edge=longest, resample=0,
+                            row_col=((((),) * grid),) * grid)
+    shapes = [(1, 1), (1, 3000), (3000, 1), (511, 512), (512, 512), (513, 512), (700, 1000), (1000, 700),
+              (333, 1001), (37, 4000), (2049, 2048)]
+    for height, width in shapes if longest < 2000 else shapes[1:3] + shapes[8:9]:  # the large ones: slow
+        image = Image.new("RGB", (width, height))
+        theirs = reference(image, return_row_col_info=True, return_tensors="np")
+        ours = tile_image(config, image)
+        assert (ours.rows, ours.cols) == (theirs["rows"][0][0], theirs["cols"][0][0]), (height, width)
+        assert len(ours.frames) == theirs["pixel_values"].shape[1] == max(1, ours.rows * ours.cols + 1)
