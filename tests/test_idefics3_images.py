@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 
@@ -140,6 +141,12 @@ def test_counts_and_limits(folders):
         ip.expand_placeholders(config, [1, config.image_token_id, 2], [one, one])
     with pytest.raises(ValueError, match="could not be decoded"):
         ip.process_image(config, encoded(images()[0][1])[:60])
+    from pagedserve.model_files.idefics3_images import read_pieces
+    pieces = read_pieces(load_tokenizer(folders["split"]), config.image_token_id, 4, 1)  # a one-tile model
+    assert len(pieces["row_col"]) == 1 and pieces["fake"] == config.fake
+    big = dataclasses.replace(config, row_col=(config.row_col[0][:1],))  # at most 1 x 1 tiles
+    with pytest.raises(ValueError, match="makes 2x2 tiles: this model's processor makes at most 1x1"):
+        ip.process_image(big, images()[4][1])
 
 
 def test_the_tokenizer_service_and_the_offline_path_expand_as_the_processor(folders):

@@ -215,7 +215,7 @@ def read_pieces(tokenizer, image_token_id: int, seq_len: int, max_grid: int) -> 
         row_col=tuple(tuple(_between(tokenizer, f"{FAKE}<row_{r + 1}_col_{c + 1}>{IMAGE}", fake, image)
                             for c in range(max_grid)) for r in range(max_grid)))
     probe = Idefics3Config(image_token_id, seq_len, 1, **pieces)
-    for rows, cols in ((0, 0), (1, 2), (2, 1), (min(3, max_grid), min(3, max_grid))):
+    for rows, cols in {(0, 0), (1, min(2, max_grid)), (min(2, max_grid), 1), (min(3, max_grid),) * 2}:
         text = "User:" + IMAGE + " what?\n" + IMAGE + "\nAssistant: "
         want = list(tokenizer.encode(text.replace(IMAGE, image_text(rows, cols, seq_len)), add_special_tokens=False))
         prompt = list(tokenizer.encode(text, add_special_tokens=False))
