@@ -19,6 +19,10 @@ tokenizes the whole expanded text; the expansion is bounded by added tokens, so 
 the same wherever it sits. They are read from the model's tokenizer once (the pieces: the fake token,
 the global tag, each row/column tag, the "\n" and "\n\n" between an image token and the fake token)
 and checked against tokenizing whole expanded prompts, so no tokenizer is needed per request.
+
+What the worker gets: per image, its rows x cols tiles (row-major) then its global view, each one
+ImageInput of image_size x image_size RGB over image_seq_len (vision num_image_tokens) image tokens;
+no pixel of a frame is padding.
 """
 
 from __future__ import annotations
