@@ -12,6 +12,11 @@ are the worker's rule (common/vision_config.py: (image_size / patch_size)^2, plu
 vision_feature_select_strategy "full"), which is transformers' LlavaProcessor's for a consistent
 folder; a folder whose processor files disagree with it is refused when it is read.
 
+Idefics3 / SmolVLM (idefics3_images.py): image_config gives an Idefics3Config, process_image the
+image's tiles and global view (a TiledImage), expand_placeholders the processor's expansion of each
+image token with one ImageInput per tile; the callers (the tokenizer service, prompt_images.py) are
+the same for both families.
+
 Limits, checked before any pixel is decoded: MAX_IMAGE_BYTES of encoded image, MAX_IMAGE_PIXELS
 (PIL's decompression-bomb guard is set to it, and a larger header is refused). Errors are
 ValueError with a message a client can read. Pure functions and a frozen config: safe on any
@@ -29,7 +34,9 @@ import numpy as np
 from PIL import Image
 
 from pagedserve.common.multimodal import ImageInput, image_input
-from pagedserve.common.vision_config import llava_parts
+from pagedserve.common.vision_config import IDEFICS3_ARCHITECTURES, idefics3_parts, llava_parts
+from pagedserve.model_files.idefics3_images import (LANCZOS, Idefics3Config, TiledImage, expand, max_grid,
+                                                    read_pieces, tile_image)
 
 MAX_IMAGE_BYTES = 20 << 20  # an encoded image (the gateway's fetch cap is the same)
 MAX_IMAGE_PIXELS = 40_000_000  # width x height of a decoded image (about a 6300 x 6300 photo)
@@ -54,6 +61,10 @@ class ImageConfig:
     crop_hw: tuple[int, int] = (224, 224)
 
 
+# what image_config gives for a model that takes images: the callers pass it back, never look inside
+AnyImageConfig = ImageConfig | Idefics3Config
+
+
 def _read(path: Path) -> dict:
     try:
         return json.loads(path.read_text()) if path.exists() else {}
@@ -69,14 +80,19 @@ def _hw(size: dict | int, what: str) -> tuple[int, int]:
     raise ValueError(f"preprocessor_config.json's {what} must be {{'height', 'width'}}, got {size!r}")
 
 
-def image_config(folder: str | Path) -> ImageConfig | None:
-    """The image front end of the model in folder; None for a model that takes no images (its
-    architecture is not LLaVA's). The image token and the placeholders per image are
-    the worker's own reading of config.json (common/vision_config.llava_parts); the processor files
-    must agree with it (an image of the tower's size, processor_config.json's image_seq_length)."""
+def image_config(folder: str | Path, tokenizer=None) -> ImageConfig | Idefics3Config | None:
+    """The image front end of the model in folder (ImageConfig for LLaVA, Idefics3Config for
+    Idefics3 / SmolVLM); None for a model that takes no images (another architecture). The image
+    token and the placeholders per image (per tile) are the worker's own reading of config.json
+    (common/vision_config.py); the processor files must agree with it (images or tiles of the tower's
+    size, processor_config.json's image_seq_length / image_seq_len). Idefics3's expansion tokens are
+    read from tokenizer (default: the folder's own)."""
     folder = Path(folder)
     config = _read(folder / "config.json")
-    if "LlavaForConditionalGeneration" not in (config.get("architectures") or ()):
+    archs = config.get("architectures") or ()
+    if set(archs) & set(IDEFICS3_ARCHITECTURES):
+        return idefics3_config(folder, config, tokenizer)
+    if "LlavaForConditionalGeneration" not in archs:
         return None
     vision = llava_parts(config)[1]
     side = vision["image_size"]
@@ -104,6 +120,39 @@ def image_config(folder: str | Path) -> ImageConfig | None:
                        do_convert_rgb=bool(pre.get("do_convert_rgb", True)), do_resize=bool(pre.get("do_resize", True)),
                        shortest_edge=shortest, resize_hw=resize_hw, resample=int(pre.get("resample", 3)),
                        do_center_crop=do_crop, crop_hw=crop_hw)
+
+
+def idefics3_config(folder: Path, config: dict, tokenizer=None) -> Idefics3Config:
+    """Idefics3ImageProcessor's settings and Idefics3Processor's expansion for the folder."""
+    vision = idefics3_parts(config)[1]
+    side, tokens = vision["image_size"], vision["num_image_tokens"]
+    pre, proc = _read(folder / "preprocessor_config.json"), _read(folder / "processor_config.json")
+    max_size = pre.get("max_image_size", {"longest_edge": 364})
+    if not isinstance(max_size, dict) or "longest_edge" not in max_size:
+        raise ValueError(f"preprocessor_config.json's max_image_size must be {{'longest_edge'}}, got {max_size!r}")
+    tile = int(max_size["longest_edge"])
+    if tile != side:
+        raise ValueError(f"preprocessor_config.json makes {tile}x{tile} tiles: the vision tower takes {side}x{side}")
+    size = pre.get("size", {"longest_edge": 4 * 364})
+    longest, resize_hw = None, None
+    if isinstance(size, dict) and "longest_edge" in size:
+        longest = int(size["longest_edge"])
+    else:
+        resize_hw = _hw(size, "size")
+    seq_len = int(proc.get("image_seq_len", 169))  # Idefics3Processor's default
+    if seq_len != tokens:
+        raise ValueError(f"processor_config.json's image_seq_len {seq_len} is not the {tokens} rows the vision "
+                         "tower makes of a tile")
+    do_resize = bool(pre.get("do_resize", True))
+    if tokenizer is None:
+        from pagedserve.model_files.tokenizer_files import load_tokenizer
+        tokenizer = load_tokenizer(folder)
+    image_token = int(vision["image_token_id"])
+    pieces = read_pieces(tokenizer, image_token, tokens, max_grid(tile, longest, resize_hw, do_resize))
+    return Idefics3Config(image_token_id=image_token, tokens_per_image=tokens, tile=tile, longest_edge=longest,
+                          resize_hw=resize_hw, resample=int(pre.get("resample", LANCZOS)),
+                          do_convert_rgb=bool(pre.get("do_convert_rgb", True)), do_resize=do_resize,
+                          do_image_splitting=bool(pre.get("do_image_splitting", True)), **pieces)
 
 
 def open_image(data: bytes) -> Image.Image:
@@ -146,9 +195,11 @@ def _center_crop(pixels: np.ndarray, crop_h: int, crop_w: int) -> np.ndarray:
     return padded[top:top + crop_h, left:left + crop_w]
 
 
-def process_image(config: ImageConfig, data: bytes | Image.Image) -> tuple[int, int, bytes]:
+def process_image(config: ImageConfig | Idefics3Config,
+                  data: bytes | Image.Image) -> tuple[int, int, bytes] | TiledImage:
     """(height, width, RGB uint8 bytes row-major) of one image (encoded bytes or a PIL image) as
-    the model's processor prepares it before rescale and normalize."""
+    the model's processor prepares it before rescale and normalize; an Idefics3 model's tiles and
+    global view (idefics3_images.TiledImage)."""
     image = open_image(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     try:
         image.seek(0)  # an animation's first frame
@@ -159,6 +210,8 @@ def process_image(config: ImageConfig, data: bytes | Image.Image) -> tuple[int, 
         image = _rgb(image, config.do_convert_rgb)
         if image.mode != "RGB":
             raise ValueError(f"the image is {image.mode}, not RGB (and do_convert_rgb is false)")
+        if isinstance(config, Idefics3Config):
+            return tile_image(config, image)
         if config.do_resize:
             width, height = image.size
             if config.resize_hw is not None:
@@ -179,11 +232,15 @@ def process_image(config: ImageConfig, data: bytes | Image.Image) -> tuple[int, 
     return pixels.shape[0], pixels.shape[1], pixels.tobytes()
 
 
-def expand_placeholders(config: ImageConfig, prompt_ids: list[int],
-                        images: list[tuple[int, int, bytes]]) -> tuple[list[int], list[ImageInput]]:
+def expand_placeholders(config: ImageConfig | Idefics3Config, prompt_ids: list[int],
+                        images: list) -> tuple[list[int], list[ImageInput]]:
     """(the prompt with each image token repeated tokens_per_image times, the ImageInputs over them),
     from a prompt with one image token per image (as chat templates render them) and the
-    processed images (process_image) in prompt order. ValueError when the counts differ."""
+    processed images (process_image) in prompt order. ValueError when the counts differ. An
+    Idefics3 model's: each image token becomes its processor's expansion, one ImageInput per tile
+    and global view (idefics3_images.expand)."""
+    if isinstance(config, Idefics3Config):
+        return expand(config, prompt_ids, images)
     found = sum(1 for t in prompt_ids if t == config.image_token_id)
     if found != len(images):
         raise ValueError(f"the prompt has {found} image tokens (id {config.image_token_id}) for {len(images)} "

@@ -21,7 +21,7 @@ from PIL import Image
 
 from pagedserve.common.multimodal import ImageInput
 from pagedserve.model_files.chat_templates import render_chat, takes_content_lists
-from pagedserve.model_files.image_processing import ImageConfig, expand_placeholders, process_image
+from pagedserve.model_files.image_processing import AnyImageConfig, expand_placeholders, process_image
 
 AnImage = bytes | Image.Image
 
@@ -37,7 +37,7 @@ def decode_data_url(url: str) -> bytes:
         raise ValueError("the data URL's base64 is not valid") from None
 
 
-def prompt_images(config: ImageConfig, prompt_ids: list[int],
+def prompt_images(config: AnyImageConfig, prompt_ids: list[int],
                   images: AnImage | list[AnImage]) -> tuple[list[int], list[ImageInput]]:
     """(the prompt with each image token expanded to its image's placeholders, the ImageInputs for
     engine.add_request(images=...)) for token ids with one image token per image, in order."""
@@ -88,7 +88,7 @@ def chat_images(messages: list[dict], list_content: bool = False,
     return out, images
 
 
-def chat_prompt(tokenizer, config: ImageConfig | None, messages: list[dict], *, chat_template: str | None = None,
+def chat_prompt(tokenizer, config: AnyImageConfig | None, messages: list[dict], *, chat_template: str | None = None,
                 fetch: Callable[[str], bytes] | None = None,
                 **options: Any) -> tuple[list[int], list[ImageInput], str]:
     """(expanded token ids, ImageInputs, prompt text) of a chat with images, rendered as the

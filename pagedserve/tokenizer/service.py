@@ -32,7 +32,7 @@ from pagedserve.common.sampling_defaults import apply_defaults
 from pagedserve.common.sampling_params import prompt_logprobs_problem
 from pagedserve.model_files.chat_templates import ChatTemplateError, load_chat_template, render_chat, \
     takes_content_lists, text_token_ids
-from pagedserve.model_files.image_processing import ImageConfig, expand_placeholders, process_image
+from pagedserve.model_files.image_processing import AnyImageConfig, expand_placeholders, process_image
 from pagedserve.tokenizer import tokenization
 from pagedserve.tokenizer.chat_render import template_kwargs, template_messages, template_tools
 from pagedserve.tokenizer.replica_router import Charge, ReplicaRouter, Target
@@ -76,7 +76,7 @@ class TokenizerService:
                  scheduler_retry_timeout: float = 120.0, vocab_size: int | None = None,
                  chat_template: str | None = None, router: ReplicaRouter | None = None,
                  local_links: bool = True, sampling_defaults: dict | None = None,
-                 images: ImageConfig | None = None) -> None:
+                 images: AnyImageConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.images = images  # the model's image front end; None: it takes no images
         # The model's sampling defaults (common/sampling_defaults.py): a request's unset fields take them.
