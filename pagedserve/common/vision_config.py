@@ -51,7 +51,7 @@ def vision_parts(cfg: dict) -> tuple[dict, dict] | None:
     return None
 
 
-def _text_half(cfg: dict) -> dict:
+def _text_half(cfg: dict, defaults: dict = LLAMA_DEFAULTS) -> dict:
     """The text model's config dict with its `architectures` (a LLaVA's or an Idefics3's text_config)."""
     text = dict(cfg.get("text_config") or {"model_type": "llama"})
     model_type = text.get("model_type", "llama")
@@ -62,7 +62,7 @@ def _text_half(cfg: dict) -> dict:
                          f"{', '.join(TEXT_ARCHITECTURES)}")
     text["architectures"] = [arch]
     if model_type == "llama":
-        for key, value in LLAMA_DEFAULTS.items():
+        for key, value in defaults.items():
             text.setdefault(key, value)
     for key in ("tie_word_embeddings", "quantization_config"):  # the model's own, at the top level
         if key in cfg:
@@ -75,7 +75,7 @@ def idefics3_parts(cfg: dict) -> tuple[dict, dict]:
     shuffle (scale_factor^2 patches into one row) and projection, a Llama text model. Each tile (the
     processor splits a large image into tiles, plus a global view) takes (image_size / patch_size)^2 /
     scale_factor^2 rows."""
-    text = _text_half(cfg)
+    text = _text_half(cfg, {**LLAMA_DEFAULTS, "rms_norm_eps": 1e-5})  # Idefics3Config's text default
     siglip = {**SIGLIP_DEFAULTS, **(cfg.get("vision_config") or {})}
     scale = int(cfg.get("scale_factor", 2))
     side = siglip["image_size"] // siglip["patch_size"]
