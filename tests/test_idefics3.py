@@ -1,10 +1,11 @@
 """Idefics3 and SmolVLM on a tiny random model built here (tiny_models.build_tiny_idefics3: a SigLIP tower
 of 3 layers over 32x32 tiles, patches of 8, the pixel shuffle by 2, so 4 placeholder tokens a tile; a tiny
 Llama): the engine's greedy tokens equal transformers' Idefics3ForConditionalGeneration (float32,
-pixel_values normalized from the same uint8 tiles) and its logprobs agree to 1e-4, with one tile, an
-image's tiles laid out as Idefics3Processor lays them (row/column tokens and newlines between tiles, the
-global view last), chunked prefill splitting a tile, a prefix-cache hit, a batch with a text-only
-request, SmolVLM's config, and the tower's position ids equal to transformers' for every tile side."""
+pixel_values from its image processor on the same uint8 tiles, unresized and unsplit) and its logprobs
+agree to 1e-4, with one tile, an image's tiles laid out as Idefics3Processor lays them (row/column tokens
+and newlines between tiles, the global view last), chunked prefill splitting a tile, a prefix-cache hit,
+a batch with a text-only request, two tensor-parallel ranks, SmolVLM's config, and the tower's position
+ids equal to transformers' for every tile side."""
 
 from __future__ import annotations
 
@@ -55,24 +56,28 @@ def split_image(rows: int, cols: int, seed: int) -> list:
     return parts + [[NEWLINE, FAKE, GLOBAL], tile(seed + 99), [FAKE]]
 
 
-def pixel_values(pixels: list[np.ndarray]) -> torch.Tensor | None:
-    """Idefics3ImageProcessor's normalization by hand: [1 prompt, tiles, 3, H, W] of (x / 255 - mean) / std."""
-    if not pixels:
-        return None
-    x = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).float() * (1 / 255)
-    return ((x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1))[None]
-
-
 class Reference:
-    """transformers' model on the folder: greedy tokens and each step's log-softmax, by full forwards."""
+    """transformers' model on the folder: greedy tokens and each step's log-softmax, by full forwards; the
+    pixel_values [1 prompt, tiles, 3, H, W] from its image processor (no resize, no splitting: the tiles
+    as they are, normalized)."""
 
     def __init__(self, folder, arch: str = "Idefics3ForConditionalGeneration") -> None:
         import transformers
         self.model = getattr(transformers, arch).from_pretrained(folder, dtype=torch.float32).eval()
+        processor = getattr(transformers, arch.replace("ForConditionalGeneration", "ImageProcessorPil"))
+        self.processor = processor.from_pretrained(folder)
+
+    def pixel_values(self, pixels: list[np.ndarray]) -> torch.Tensor | None:
+        if not pixels:
+            return None
+        values = self.processor(images=[pixels], do_resize=False, do_image_splitting=False,
+                                return_tensors="pt").pixel_values
+        assert values.shape == (1, len(pixels), 3, IDEFICS3_TILE, IDEFICS3_TILE)
+        return values
 
     @torch.no_grad()
     def greedy(self, ids: list[int], pixels: list[np.ndarray], steps: int = STEPS):
-        values = pixel_values(pixels)
+        values = self.pixel_values(pixels)
         ids, tokens, logprobs = list(ids), [], []
         for _ in range(steps):
             logits = self.model(input_ids=torch.tensor([ids]), pixel_values=values).logits[0, -1]
@@ -211,16 +216,47 @@ def test_smolvlm(tmp_path):
 
 
 def test_bfloat16_and_int8_keep_the_tower_float(idefics3):
-    """The tower and connector stay plain bfloat16 under the CPU's packed linears and int8 matrices."""
+    """The tower and connector stay plain bfloat16 under the CPU's packed linears and int8 matrices;
+    unquantized, the greedy tokens (well separated on these weights) still equal the float32 reference's."""
     from pagedserve.worker.vision.clip import Linear
-    folder, _ = idefics3
-    ids, _, images = prompt_of([1] + text(15, 5), tile(80), text(16, 6))
+    folder, ref = idefics3
+    ids, pixels, images = prompt_of([1] + text(15, 5), tile(80), text(16, 6))
     for quantization in ("none", "int8"):
         engine = make_engine(folder, dtype="bfloat16", quantization=quantization)
         model = engine.runner.model
         plain = [m for part in (model.vision_model, model.connector) for m in part.modules() if isinstance(m, Linear)]
         assert len(plain) == 3 * 6 + 1 and all(m.weight.dtype == torch.bfloat16 and m.weight.numel() for m in plain)
-        assert len(run(engine, [("q", ids, images)])["q"][0][0]) == STEPS
+        tokens = run(engine, [("q", ids, images)])["q"][0][0]
+        assert len(tokens) == STEPS
+        if quantization == "none":
+            assert tokens == ref.greedy(ids, pixels)[0]
+
+
+def test_two_ranks_equal_transformers(idefics3):
+    folder, ref = idefics3
+    ids, pixels, images = prompt_of([1] + text(19, 3), *split_image(1, 2, 100), text(20, 5))
+    plain = [1] + text(21, 9)
+    with make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=8) as engine:
+        results = run(engine, [("image", ids, images), ("text", plain, [])])
+    check(results["image"][0], ref.greedy(ids, pixels))
+    check(results["text"][0], ref.greedy(plain, []))
+
+
+def test_prompt_logprobs_over_tiles_split_in_chunks(idefics3):
+    """Every prompt position's logprob, the tiles' placeholders' included, equals transformers'."""
+    folder, ref = idefics3
+    ids, pixels, images = prompt_of([1] + text(22, 3), *split_image(1, 2, 110), text(23, 4))
+    engine = make_engine(folder, max_num_batched_tokens=5)
+    engine.add_request("p", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
+    got = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            got = out.prompt_logprobs if out.prompt_logprobs is not None else got
+    with torch.no_grad():
+        logits = ref.model(input_ids=torch.tensor([ids]), pixel_values=ref.pixel_values(pixels)).logits[0, :-1]
+    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    assert [t.token_id for t in got] == ids[1:]
+    assert [t.logprob for t in got] == pytest.approx(expected, abs=1e-4)
 
 
 def test_tiles_that_do_not_fit_are_refused(idefics3):

@@ -183,8 +183,9 @@ def build_tiny_idefics3(folder: Path, seed: int = 0, arch: str = "Idefics3ForCon
                         vision_overrides: dict | None = None, **overrides) -> Path:
     """A tiny Idefics3 (or arch "SmolVLMForConditionalGeneration": the same modules under SmolVLM's
     config): a SigLIP tower of 3 layers over 32x32 tiles, patches of 8, the connector's pixel shuffle by 2,
-    a tiny Llama of the vocabulary above; with an Idefics3ImageProcessor preprocessor_config.json of a
-    mean and std other than its 0.5 defaults, so that the worker must read them."""
+    a tiny Llama of the vocabulary above; with its image processor's preprocessor_config.json (tiles of
+    max_image_size, as the hub's are the tower's image_size; a mean and std other than the 0.5 defaults,
+    so that the worker must read them)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -208,8 +209,9 @@ def build_tiny_idefics3(folder: Path, seed: int = 0, arch: str = "Idefics3ForCon
             elif "norm" in name:
                 param.normal_(1.0, 0.2)
     model.save_pretrained(folder, safe_serialization=True)
-    transformers.Idefics3ImageProcessorPil(image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.25, 0.3]).save_pretrained(
-        folder)
+    processor = getattr(transformers, arch.replace("ForConditionalGeneration", "ImageProcessorPil"))
+    processor(image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.25, 0.3], size={"longest_edge": 4 * IDEFICS3_TILE},
+              max_image_size={"longest_edge": IDEFICS3_TILE}).save_pretrained(folder)
     return folder
 
 
