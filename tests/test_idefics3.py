@@ -137,6 +137,19 @@ def test_the_top_level_flag_ties_the_lm_head_not_text_configs():
     assert ModelConfig.from_hf_dict({**cfg, "tie_word_embeddings": True}).tie_word_embeddings
 
 
+@pytest.mark.parametrize("arch, vision, scale, rows", [
+    ("Idefics3ForConditionalGeneration", {"image_size": 364, "patch_size": 14}, 2, 169),  # Idefics3-8B's shape
+    ("SmolVLMForConditionalGeneration", {"image_size": 512, "patch_size": 16, "hidden_size": 768}, 4, 64),
+    ("SmolVLMForConditionalGeneration", {"image_size": 384, "patch_size": 14}, 3, 81),  # 6 pixels past the patches
+])
+def test_hub_shapes(arch, vision, scale, rows):
+    from pagedserve.common.model_config import ModelConfig
+    cfg = ModelConfig.from_hf_dict({"architectures": [arch], "scale_factor": scale, "vision_config": vision,
+                                    "text_config": {"model_type": "llama", "vocab_size": 49280}})
+    assert cfg.architecture == arch and cfg.vision["num_image_tokens"] == rows
+    assert cfg.vision["image_token_id"] == 128257 and cfg.vision["hidden_act"] == "gelu_pytorch_tanh"
+
+
 @pytest.mark.parametrize("side", [4, 19, 25, 26, 27, 29, 32, 38])
 def test_tile_position_ids_are_transformers(side):
     """For a whole tile transformers' bucketed position ids; for some sides (19, 25, ...) not 0..N-1."""
@@ -152,6 +165,22 @@ def test_tile_position_ids_are_transformers(side):
         theirs = emb(torch.zeros(1, 3, side * 2, side * 2), torch.ones(1, side, side, dtype=torch.bool))[0, :, 0]
     assert tile_position_ids(side).tolist() == theirs.long().tolist()
     assert (side in (19, 25, 29, 38)) == (tile_position_ids(side).tolist() != list(range(side * side)))
+
+
+def test_tiles_past_whole_patches_encode_as_transformers_does(tmp_path):
+    """image_size 36, patches of 8: the convolution ("valid") drops the last 4 pixel rows and columns; the
+    rows of encode_images equal transformers' get_image_features on the same normalized tiles."""
+    import transformers
+    folder = build_tiny_idefics3(tmp_path / "odd", seed=2, vision_overrides={"image_size": 36})
+    model = make_engine(folder).runner.model
+    tiles = np.random.default_rng(5).integers(0, 256, (3, 36, 36, 3), dtype=np.uint8)
+    ours = model.encode_images([image_input(0, PLACEHOLDERS, 36, 36, t.tobytes()) for t in tiles])
+    x = torch.from_numpy(tiles).permute(0, 3, 1, 2).float() / 255
+    values = (x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+    ref = transformers.Idefics3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = ref.get_image_features(values[None]).pooler_output[0]
+    assert torch.allclose(torch.cat(ours), theirs, atol=1e-5)
 
 
 def test_one_tile_with_text_around_and_at_the_start(idefics3):
