@@ -26,6 +26,8 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
 
     if arch == "llava":
         return build_tiny_llava(folder, seed, **overrides)
+    if arch == "idefics3":
+        return build_tiny_idefics3(folder, seed, **overrides)
     torch.manual_seed(seed)
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -172,6 +174,46 @@ def build_tiny_llava(folder: Path, seed: int = 0, text_arch: str = "llama", visi
     transformers.CLIPImageProcessor(
         size={"shortest_edge": LLAVA_IMAGE_SIZE}, crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},
         image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.25, 0.3]).save_pretrained(folder)
+    return folder
+
+
+IDEFICS3_IMAGE_TOKEN = 255  # the tiny Idefics3's image token: inside the tiny vocabulary
+IDEFICS3_TILE = 32  # tiles of 32x32: (32 / 8)^2 = 16 patches, shuffled by 2: 4 placeholder tokens a tile
+
+
+def build_tiny_idefics3(folder: Path, seed: int = 0, arch: str = "Idefics3ForConditionalGeneration",
+                        vision_overrides: dict | None = None, **overrides) -> Path:
+    """A tiny Idefics3 (or arch "SmolVLMForConditionalGeneration": the same modules under SmolVLM's
+    config): a SigLIP tower of 3 layers over 32x32 tiles, patches of 8, the connector's pixel shuffle by 2,
+    a tiny Llama of the vocabulary above; with its image processor's preprocessor_config.json (tiles of
+    max_image_size, as the hub's are the tower's image_size; a mean and std other than the 0.5 defaults,
+    so that the worker must read them)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    vision = {**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                     image_size=IDEFICS3_TILE, patch_size=8), **(vision_overrides or {})}
+    text = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config_class = {"Idefics3ForConditionalGeneration": transformers.Idefics3Config,
+                    "SmolVLMForConditionalGeneration": transformers.SmolVLMConfig}[arch]
+    model_class = getattr(transformers, arch)
+    cfg = config_class(vision_config=vision, text_config=text,
+                       **{**dict(image_token_id=IDEFICS3_IMAGE_TOKEN, scale_factor=2), **overrides})
+    model = model_class(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.15)
+            elif "bias" in name:
+                param.normal_(0.0, 0.1)
+            elif "norm" in name:
+                param.normal_(1.0, 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    processor = getattr(transformers, arch.replace("ForConditionalGeneration", "ImageProcessorPil"))
+    processor(image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.25, 0.3], size={"longest_edge": 4 * IDEFICS3_TILE},
+              max_image_size={"longest_edge": IDEFICS3_TILE}).save_pretrained(folder)
     return folder
 
 

@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.common.checkpoint_quantization import check_quantization
-from pagedserve.common.vision_config import image_normalization, vision_parts
+from pagedserve.common.vision_config import VISION_ARCHITECTURES, image_normalization, vision_parts
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                            "Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
                            "SmolLM3ForCausalLM", "GraniteForCausalLM", "Gemma2ForCausalLM",
                            "Olmo2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
-                           "LlavaForConditionalGeneration")
+                           *VISION_ARCHITECTURES)
 # Architectures whose transformers config ties the LM head to the embeddings when config.json is silent.
 TIED_BY_DEFAULT = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "CohereForCausalLM",
                    "Cohere2ForCausalLM", "Starcoder2ForCausalLM")

@@ -76,6 +76,9 @@ def idefics3_parts(cfg: dict) -> tuple[dict, dict]:
     processor splits a large image into tiles, plus a global view) takes (image_size / patch_size)^2 /
     scale_factor^2 rows."""
     text = _text_half(cfg, {**LLAMA_DEFAULTS, "rms_norm_eps": 1e-5})  # Idefics3Config's text default
+    # transformers ties the LM head by Idefics3Config's (SmolVLMConfig's) own flag, False when absent,
+    # whatever text_config says
+    text["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
     siglip = {**SIGLIP_DEFAULTS, **(cfg.get("vision_config") or {})}
     scale = int(cfg.get("scale_factor", 2))
     side = siglip["image_size"] // siglip["patch_size"]

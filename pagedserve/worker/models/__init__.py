@@ -24,6 +24,8 @@ _MODELS = {
     "Cohere2ForCausalLM": ("cohere", "Cohere2ForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
+    "SmolVLMForConditionalGeneration": ("idefics3", "Idefics3ForConditionalGeneration"),
 }
 
 
