@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from pagedserve.common.sampling_params import SamplingParams
-from tiny_llava import LlavaReference, build_tiny_llava, png, with_random_weights
+from tiny_llava import LlavaReference, VisionReference, build_tiny_llava, png, with_random_weights
 
 pytestmark = pytest.mark.slow
 
@@ -69,3 +69,30 @@ def test_async_llm_takes_images(folder, reference):
             return outs[-1].outputs[0].text
 
     assert asyncio.run(main()) == reference(image)[0]
+
+
+@pytest.fixture(scope="module")
+def smolvlm(default_model_path, tmp_path_factory):
+    """A tiny Idefics3 (SmolVLM-style: SmolLM2's tokenizer, 32x32 tiles, 4 rows a tile, images split into
+    tiles up to 64 pixels a side plus the global view) with random weights, and transformers' answer."""
+    from tiny_idefics3 import build_tiny_idefics3, reference_processor
+
+    folder = build_tiny_idefics3(tmp_path_factory.mktemp("idefics3-offline"), default_model_path)
+    with_random_weights(folder, model_class="Idefics3ForConditionalGeneration")
+    return folder, VisionReference(folder, QUESTION, MAX_TOKENS, reference_processor(folder),
+                                   "Idefics3ForConditionalGeneration")
+
+
+def test_an_idefics3_model_splits_images_into_tiles_as_transformers_does(smolvlm):
+    from pagedserve import LLM
+    folder, reference = smolvlm
+    wide, small = png(21, size=(90, 40)), png(22, size=(20, 30))  # 2x1 tiles + the global view; one tile
+    with LLM(model=str(folder), dtype="float32", kv_cache_memory="64MiB") as llm:
+        outs = llm.generate([{"prompt": reference.prompt, "multi_modal_data": {"image": wide}},
+                             {"prompt": reference.prompt, "multi_modal_data": {"image": small}}], GREEDY)
+        url = "data:image/png;base64," + base64.b64encode(wide).decode()
+        [chat] = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                        {"type": "text", "text": QUESTION}]}], GREEDY)
+    assert [o.outputs[0].text for o in outs] == [reference(wide)[0], reference(small)[0]]
+    assert [len(o.prompt_token_ids) for o in outs] == [reference(wide)[1], reference(small)[1]]
+    assert chat.outputs[0].text == reference(wide)[0]

@@ -49,15 +49,16 @@ def build_tiny_llava(folder: Path, tokenizer_folder: Path) -> Path:
     return folder
 
 
-def with_random_weights(folder: Path, seed: int = 0) -> Path:
-    """Give build_tiny_llava's folder random weights (peaked, so greedy tokens are not near ties)."""
+def with_random_weights(folder: Path, seed: int = 0, model_class: str = "LlavaForConditionalGeneration") -> Path:
+    """Give a folder of config files (build_tiny_llava's, tiny_idefics3's) random weights (sharpened, so
+    greedy tokens are not near ties)."""
     import torch
     import transformers
 
     from tiny_models import sharpen
 
     torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig.from_pretrained(folder))
+    model = getattr(transformers, model_class)(transformers.AutoConfig.from_pretrained(folder))
     sharpen(model)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
@@ -76,18 +77,21 @@ def png(seed: int, size=(45, 37)) -> bytes:
     return out.getvalue()
 
 
-class LlavaReference:
-    """transformers' answer on the folder: LlavaProcessor (CLIPImageProcessor, the tokenizer) and
-    LlavaForConditionalGeneration in float32, greedy, for a one-turn chat of an image and a question."""
+class VisionReference:
+    """transformers' answer on the folder: the model's processor (image processor and tokenizer) and its
+    model class in float32, greedy, for a one-turn chat of an image and a question."""
 
-    def __init__(self, folder: Path, question: str, max_tokens: int) -> None:
+    def __init__(self, folder: Path, question: str, max_tokens: int, processor=None,
+                 model_class: str = "LlavaForConditionalGeneration") -> None:
         import torch
         import transformers
 
-        self.processor = transformers.AutoProcessor.from_pretrained(folder)
-        self.model = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+        self.processor = processor or transformers.AutoProcessor.from_pretrained(folder)
+        self.model = getattr(transformers, model_class).from_pretrained(folder, dtype=torch.float32).eval()
+        self.nested = model_class != "LlavaForConditionalGeneration"  # Idefics3's processor: a list per prompt
         chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-        self.prompt = self.processor.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        self.prompt = self.processor.tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=False, chat_template=self.processor.chat_template)
         self.max_tokens = max_tokens
 
     def __call__(self, image: bytes, ignore_eos: bool = True) -> tuple[str, int]:
@@ -97,7 +101,8 @@ class LlavaReference:
         import torch
         from PIL import Image
 
-        inputs = self.processor(images=Image.open(io.BytesIO(image)), text=self.prompt, return_tensors="pt",
+        pil = Image.open(io.BytesIO(image))
+        inputs = self.processor(images=[[pil]] if self.nested else pil, text=self.prompt, return_tensors="pt",
                                 add_special_tokens=False)
         with torch.no_grad():
             out = self.model.generate(**inputs, max_new_tokens=self.max_tokens, do_sample=False,
@@ -105,3 +110,6 @@ class LlavaReference:
                                       eos_token_id=self.processor.tokenizer.eos_token_id)
         length = inputs["input_ids"].shape[1]
         return self.processor.tokenizer.decode(out[0, length:], skip_special_tokens=True), length
+
+
+LlavaReference = VisionReference

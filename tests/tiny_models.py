@@ -202,14 +202,7 @@ def build_tiny_idefics3(folder: Path, seed: int = 0, arch: str = "Idefics3ForCon
     cfg = config_class(vision_config=vision, text_config=text,
                        **{**dict(image_token_id=IDEFICS3_IMAGE_TOKEN, scale_factor=2), **overrides})
     model = model_class(cfg)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.15)
-            elif "bias" in name:
-                param.normal_(0.0, 0.1)
-            elif "norm" in name:
-                param.normal_(1.0, 0.2)
+    sharpen(model, norm_mean=1.0, norm_std=0.2)
     model.save_pretrained(folder, safe_serialization=True)
     processor = getattr(transformers, arch.replace("ForConditionalGeneration", "ImageProcessorPil"))
     processor(image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.25, 0.3], size={"longest_edge": 4 * IDEFICS3_TILE},
