@@ -32,11 +32,12 @@ def test_openai_images_split_into_tiles_answer_as_transformers(folder, launch_st
     stack = launch_stack(folder, max_num_seqs=4)
     client = OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     for image in (png(31, size=(50, 70)), png(32, size=(64, 64)), png(33, size=(12, 9))):  # 1x2, 2x2, 1 tile
+        url = "data:image/png;base64," + base64.b64encode(image).decode()
         answer = client.chat.completions.create(
             model=client.models.list().data[0].id, max_tokens=MAX_TOKENS, temperature=0.0,
             extra_body={"ignore_eos": True},
             messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}},
+                {"type": "image_url", "image_url": {"url": url}},
                 {"type": "text", "text": QUESTION}]}])
         want, prompt_tokens = reference(image)
         assert answer.choices[0].message.content == want
