@@ -133,3 +133,24 @@ def test_images_that_do_not_fit_the_prompt_are_refused_before_anything_is_stored
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "image placeholders" in refused.value.details
     assert service.store.load("bad-img") is None
+
+
+def test_a_step_admits_at_most_its_share_of_pixels_and_the_rest_wait_for_the_next():
+    """Each new request's images ride in the step's message (gRPC's cap: 64 MiB): the requests a step
+    admits carry at most MAX_STEP_IMAGE_BYTES of pixels between them, but for the first, which always goes."""
+    from pagedserve.scheduler.core.request import Request
+    from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
+    from pagedserve.scheduler.core.step_draft import MAX_STEP_IMAGE_BYTES
+
+    side = 1024  # 3 MiB an image
+    big = image_input(2, 4, side, side, bytes(side * side * 3))
+    per_request = (MAX_STEP_IMAGE_BYTES // len(big.data)) // 2 + 1  # two such requests pass the cap
+    sched = Scheduler(SchedulerConfig(num_gpu_blocks=256, block_size=4, max_num_seqs=8, max_model_len=512,
+                                      max_num_batched_tokens=512))
+    for i in range(3):
+        prompt = [1, 2] + [IMAGE_TOKEN] * (4 * per_request) + [3]
+        images = tuple(image_input(2 + 4 * k, 4, side, side, big.data) for k in range(per_request))
+        sched.add_request(Request(f"r{i}", prompt, len(prompt), SamplingParams(max_tokens=2), images=images))
+    sched.add_request(Request("text", [5, 6, 7], 3, SamplingParams(max_tokens=2)))
+    first = sched.schedule()
+    assert [r.req_id for r in first.new_requests] == ["r0"]  # r1 would pass the cap: it and those after wait

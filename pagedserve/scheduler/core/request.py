@@ -97,6 +97,10 @@ class Request:
         return self._extras
 
     @property
+    def image_bytes(self) -> int:
+        return sum(len(image.data) for image in self.images)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

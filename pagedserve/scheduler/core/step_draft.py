@@ -1,7 +1,8 @@
 """The step Scheduler.schedule() is building (StepDraft, one per step): the token budget it has
 left, each scheduled request's entry (new or cached) and copy-on-write pairs, which rows are decodes
 (StepStats), why the waiting queue stopped; and what fits in it: a waiting request admitted
-(admit: its prefix cache hits, the unchunked prefill that waits for room, the KV watermark), a
+(admit: its prefix cache hits, the unchunked prefill that waits for room, the KV watermark, the
+step's share of new images' pixels), a
 swapped one brought back (swap_in), each against max_num_seqs, --max-loras and the free blocks,
 and a decode row's speculative proposals (proposals); a running request preempted to make room
 (preempt: swapped out or back to waiting). The Scheduler decides the order, whom to preempt and
@@ -30,6 +31,11 @@ from pagedserve.scheduler.core.request import Request, RequestStatus
 from pagedserve.scheduler.core.short_first import is_short
 from pagedserve.scheduler.core.speculation import Speculation
 
+# The pixels of the requests a step admits (each new request's images travel in the step's message, whose
+# gRPC cap is 64 MiB: common/grpc_util.py); a request that would pass it waits for the next step, unless
+# it is the step's first with images.
+MAX_STEP_IMAGE_BYTES = 32 << 20
+
 
 def waits_for_result(req: Request, max_model_len: int) -> bool:
     """An ahead step leaves out a request whose next token depends on what the running step
@@ -56,6 +62,7 @@ class StepDraft:
         self.decode_ids: set[str] = set()
         self.wait_reason: str | None = None
         self.num_preempted = 0
+        self.image_bytes = 0  # of the requests admitted so far (MAX_STEP_IMAGE_BYTES)
 
     def chunk(self, num_remaining: int) -> int:
         cap = self.config.long_prefill_token_threshold
@@ -86,6 +93,9 @@ class StepDraft:
             return False
         if not self._lora_fits(req):
             return False
+        if req.images and self.image_bytes and self.image_bytes + req.image_bytes > MAX_STEP_IMAGE_BYTES:
+            self.wait_reason = "token_budget"  # the step's other budget: the pixels its message carries
+            return False
         # A cached prefix computes no logits or hidden states: a request that reads them (prompt
         # logprobs, mean/cls pooling) takes no hits (as vLLM does); it still fills the cache for others.
         hits = (bm.find_cached_prefix(req.request_id, req.token_ids, req.params.prefix_salt,
@@ -113,6 +123,7 @@ class StepDraft:
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=self._key)
         self.record(req, num_new, result, out)
+        self.image_bytes += req.image_bytes
         return True
 
     def swap_in(self, req: Request, out: SchedulerOutput) -> bool:
