@@ -123,8 +123,7 @@ def _image_url(source: Any, where: str) -> str:  # an image block's source as an
     if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
         return f"data:{source['media_type']};base64,{source['data']}"
     if kind != "url" or not isinstance(source.get("url"), str):
-        raise bad_request(f'{where}.source: an image block\'s source must be {{"type": "base64", "media_type", '
-                          f'"data"}} or {{"type": "url", "url"}}', "messages")
+        raise bad_request(f'{where}.source: an image source is {{"type": "base64", ...}} or a url', "messages")
     return source["url"]
 
 

@@ -239,19 +239,6 @@ class Backend:
                     "request_id", "request_not_found"
             raise error from exc
 
-    async def body_limit(self) -> int:
-        """--max-body-bytes (0: none), and for a model that takes images room for as many images as a
-        request may carry (--limit-mm-per-prompt), each up to the encoded-image cap in base64."""
-        limit = self.admission.limits.max_body_bytes
-        if limit > 0 and self.media.max_images:
-            try:
-                takes_images = (await self.model_info_rpc()).takes_images
-            except grpc.RpcError:
-                takes_images = False  # (the request itself meets the tokenizer's error)
-            if takes_images:
-                limit += self.media.max_images * -(-self.media.max_bytes * 4 // 3)
-        return limit
-
     async def model_info(self) -> generate_pb2.ModelInfo:
         """The served model. Cached once ready: its name and context length never change."""
         try:

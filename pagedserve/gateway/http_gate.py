@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 
 import grpc
 
+from pagedserve.gateway import images
 from pagedserve.gateway.admission import Refusal
 from pagedserve.gateway.anthropic_api import error_body as anthropic_error
 from pagedserve.gateway.backend import Backend
@@ -78,7 +79,7 @@ class HttpGate:
                 if path in DOCS_PATHS and admission.has_admin and not caller.admin:
                     raise operators_only()
                 scope.setdefault("state", {})["caller"] = caller
-                limit = await self.backend.body_limit() if scope.get("method") in BODY_METHODS else 0
+                limit = await images.body_limit(self.backend) if scope.get("method") in BODY_METHODS else 0
                 if limit > 0:
                     length = headers.get(b"content-length")
                     if length is None:

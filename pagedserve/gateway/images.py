@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
+import grpc
 import httpx
 
 from pagedserve.gateway.errors import RequestError, bad_request
@@ -202,3 +203,17 @@ async def fetch(url: str, policy: MediaPolicy, client: httpx.AsyncClient | None 
     finally:
         if own:
             await client.aclose()
+
+
+async def body_limit(backend) -> int:
+    """A REST body's limit: --max-body-bytes (0: none), and for a model that takes images room for as many
+    images as a request may carry (--limit-mm-per-prompt), each up to the encoded-image cap in base64."""
+    limit, media = backend.admission.limits.max_body_bytes, backend.media
+    if limit > 0 and media.max_images:
+        try:
+            takes_images = (await backend.model_info_rpc()).takes_images
+        except grpc.RpcError:
+            takes_images = False  # (the request itself meets the tokenizer's error)
+        if takes_images:
+            limit += media.max_images * -(-media.max_bytes * 4 // 3)
+    return limit
