@@ -23,8 +23,9 @@ if want tests; then  # each GPU test in its own process: one CUDA fault poisons 
 fi
 if want e2e; then  # the engine on CUDA against transformers on the CPU, tiny models
   t0=$(date +%s)
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow and not heavy" tests/test_engine_equivalence.py \
+  timeout 360 python3 -m pytest -q -p no:cacheprovider -m "not slow and not heavy" tests/test_engine_equivalence.py \
     tests/test_moe_models.py tests/test_qwen3_phi3.py tests/test_gemma3.py tests/test_tensor_parallel.py \
+    tests/test_llava.py tests/test_llava_graphs.py tests/test_idefics3.py \
     tests/test_cuda_setup.py tests/test_device_memory.py tests/test_graph_runner.py tests/test_mixed_graphs.py tests/test_step_overlap.py tests/test_platform.py tests/test_cuda_profile.py \
     tests/test_sampler.py -rs > "$OUT/e2e.log" 2>&1
   line e2e $? $(( $(date +%s) - t0 )) "$OUT/e2e.log"
