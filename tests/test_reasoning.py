@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.common.settings import setting
-from pagedserve.gateway.reasoning import PARSERS, ReasoningSplitter, request_parser, split
+from pagedserve.gateway.reasoning import PARSERS, ReasoningSplitter, request_parser, split, structured_end
 from pagedserve.gateway.responses import ChunkBuilder, Collector, Reasoning
 from pagedserve.gateway.tools import ToolOutput
 from pagedserve.v1 import generate_pb2
@@ -26,6 +26,20 @@ CASES = [
     ("qwen3", "<think>unfinished", "unfinished", None),
     ("qwen3", "<thi", None, "<thi"),
     ("qwen3", "a</think>b", None, "a</think>b"),  # no opening tag: all content
+    ("granite", "Here is my thought process:\nplan it\nHere is my response:\nThe answer.", "\nplan it\n",
+     "\nThe answer."),
+    ("granite", "Here's my thought process: a Here's my response: b", " a ", " b"),  # quantized models' variant
+    ("granite", "Here's my thought process: a Here is my response: b", " a ", " b"),
+    ("granite", "Here is my thought process: Here is a plan. Here's the rest. Here is my response: ok",
+     " Here is a plan. Here's the rest. ", " ok"),  # "Here" in the reasoning is no marker
+    ("granite", "Here is my thought process: unfinished Here is my resp", " unfinished Here is my resp", None),
+    ("granite", "Here is my thought process:x", "x", None),
+    ("granite", "The answer, no thinking.", None, "The answer, no thinking."),  # thinking off (the default)
+    ("granite", "Here is the answer.", None, "Here is the answer."),
+    ("granite", "Here is my", None, "Here is my"),
+    ("granite", "So. Here is my thought process: a Here is my response: b", None,
+     "So. Here is my thought process: a Here is my response: b"),  # the opening only opens the output
+    ("granite", "a Here is my response: b", None, "a Here is my response: b"),
 ]
 
 
@@ -44,10 +58,19 @@ def test_thinking_off_per_request_and_the_flag():
     assert request_parser("qwen3", {"enable_thinking": False}) is None
     assert request_parser("deepseek_r1", {"thinking": False}) is None
     assert request_parser(None, {"enable_thinking": True}) is None
+    assert request_parser("granite", {"thinking": False}) is None
+    assert request_parser("granite", {"thinking": True}) == "granite"
     for service in ("gateway", "serve"):
         assert set(setting(service, "reasoning_parser").choices) == set(PARSERS)
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         ReasoningSplitter("nope")
+
+
+def test_structured_outputs_follow_the_reasoning_except_granites():
+    """vLLM's: a constraint applies after </think>; granite's markers are text a model with thinking
+    off (its default) never writes, so there the constraint holds from the first token."""
+    assert structured_end("deepseek_r1") == structured_end("qwen3") == "</think>"
+    assert structured_end("granite") == ""
 
 
 def responses(texts: list[str], finish: str = "stop") -> list[generate_pb2.GenerateResponse]:

@@ -342,11 +342,11 @@ def _settings() -> tuple[Setting, ...]:
         S("--return-tokens-as-token-ids", "serve gateway", bool, False, group="gateway",
           help="logprob tokens are written \"token_id:<id>\" (vLLM's), for a request that does not set "
           "return_tokens_as_token_ids itself"),
-        S("--reasoning-parser", "serve gateway", choices=("deepseek_r1", "qwen3"),
+        S("--reasoning-parser", "serve gateway", choices=("deepseek_r1", "qwen3", "granite"),
           help="how a chat's reasoning is read from its output (vLLM's names): deepseek_r1 (up to </think>), "
-          "qwen3 (a <think>...</think> block at the start); it goes in message.reasoning_content and "
-          "delta.reasoning_content, the rest is the content; unset: the output is all content",
-          group="gateway"),
+          "qwen3 (a <think>...</think> block at the start), granite (\"Here is my thought process:\" ... \"Here "
+          "is my response:\"); it goes in message.reasoning_content and delta.reasoning_content, the rest is "
+          "the content; unset: the output is all content", group="gateway"),
         S("--prefix-cache-scope", "serve gateway", str, "owner", choices=("owner", "global"),
           help="owner: a request shares prefix-cache blocks only with requests of the same API key "
           "(and cache_salt), so cached_tokens tells no key what another sent; global: every key's "

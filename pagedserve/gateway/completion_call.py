@@ -42,7 +42,7 @@ from pagedserve.gateway.owners import SINGLE_TENANT, Caller, valid_client_id
 from pagedserve.gateway.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_echo_text,
                                          chat_to_generate, completion_to_generate, embedding_to_generate,
                                          include_event_ids, continuous_usage, include_usage)
-from pagedserve.gateway.reasoning import END as REASONING_END, request_parser
+from pagedserve.gateway.reasoning import request_parser, structured_end
 from pagedserve.gateway.responses import Reasoning
 from pagedserve.gateway.structured import compiles_a_grammar
 from pagedserve.gateway.tools import ToolOutput, chat_tools
@@ -136,7 +136,7 @@ class CompletionCall:
                 self.reasoning = Reasoning(request_parser(backend.reasoning_parser, body.chat_template_kwargs))
                 if self.reasoning.parser and gen.params.HasField("structured_output"):
                     # vLLM's: structured outputs and forced tool calls constrain what follows the reasoning
-                    gen.params.structured_output.reasoning_end = REASONING_END
+                    gen.params.structured_output.reasoning_end = structured_end(self.reasoning.parser)
         name = "max_completion_tokens" if self.chat and body.max_completion_tokens is not None else "max_tokens"
         problem = checks.max_tokens_problem(output_budget(gen), info.max_model_len, name)
         if problem:

@@ -7,6 +7,12 @@
   qwen3         the output is reasoning only when it starts with `<think>` (Qwen3 with thinking on);
                 then `</think>` ends it as above. Output that does not start with `<think>` (thinking
                 off: enable_thinking false puts an empty block in the prompt) is content only.
+  granite       Granite 3.2's plain-text markers: the output is reasoning only when it starts with
+                "Here is my thought process:" (or "Here's my thought process:", as quantized models
+                write it; thinking is on with chat_template_kwargs {"thinking": true}); "Here is my
+                response:" (or "Here's my response:") ends it; otherwise as qwen3. The markers are
+                dropped, the text between them kept as written. vLLM's whole answer gives all content
+                when the response marker never comes; here, as its stream does, it is reasoning only.
 
 The contract is the tool parsers': one ReasoningSplitter per sample; `feed(text)` takes the next
 piece of text in any split and returns the (reasoning, content) it settles; `finish()` returns what
@@ -20,15 +26,29 @@ Plain Python, no I/O, no state shared between objects. Threads: the gateway's ev
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
+# parser -> (the openings, the endings, whether output without an opening starts in the reasoning)
+_MARKERS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
+    "deepseek_r1": ((START,), (END,), True),
+    "qwen3": ((START,), (END,), False),
+    "granite": (("Here is my thought process:", "Here's my thought process:"),
+                ("Here is my response:", "Here's my response:"), False),
+}
+PARSERS = tuple(_MARKERS)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of text that is a proper start of tag (held back)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
+def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
+    """The length of the longest end of text that is a proper start of one of tags (held back)."""
+    for n in range(min(max(len(t) for t in tags) - 1, len(text)), 0, -1):
+        if any(len(t) > n and text.endswith(t[:n]) for t in tags):
             return n
     return 0
+
+
+def structured_end(parser: str) -> str:
+    """The text after which structured outputs and forced tool calls constrain the output (vLLM's
+    behaviour): `</think>`; "" for granite, whose markers are plain text that a model with thinking
+    off never writes: there the constraint holds from the first token."""
+    return "" if parser == "granite" else END
 
 
 class ReasoningSplitter:
@@ -39,6 +59,7 @@ class ReasoningSplitter:
         if parser not in PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r}; known: {', '.join(PARSERS)}")
         self.parser = parser
+        self.starts, self.ends, self.implicit = _MARKERS[parser]
         self.state = "start"
         self.held = ""
 
@@ -47,20 +68,22 @@ class ReasoningSplitter:
         buf = self.held + text
         self.held = ""
         if self.state == "start":
-            if START.startswith(buf):  # maybe the opening tag: wait for more
+            if any(tag.startswith(buf) for tag in self.starts):  # maybe the opening tag: wait for more
                 self.held = buf
                 return "", ""
-            if buf.startswith(START):
-                buf, self.state = buf[len(START):], "reasoning"
+            opening = next((tag for tag in self.starts if buf.startswith(tag)), None)
+            if opening is not None:
+                buf, self.state = buf[len(opening):], "reasoning"
             else:
-                self.state = "reasoning" if self.parser == "deepseek_r1" else "content"
+                self.state = "reasoning" if self.implicit else "content"
         if self.state == "reasoning":
-            at = buf.find(END)
-            if at < 0:
-                keep = _partial_suffix(buf, END)
+            found = [(at, tag) for tag in self.ends if (at := buf.find(tag)) >= 0]
+            if not found:
+                keep = _partial_suffix(buf, self.ends)
                 self.held = buf[len(buf) - keep:] if keep else ""
                 return buf[:len(buf) - keep], ""
-            reasoning, buf, self.state = buf[:at], buf[at + len(END):], "content"
+            at, tag = min(found)
+            reasoning, buf, self.state = buf[:at], buf[at + len(tag):], "content"
         content = buf
         return reasoning, content
 
@@ -68,9 +91,9 @@ class ReasoningSplitter:
         """The end of the text: what was held back goes to the state it was held in."""
         held, self.held = self.held, ""
         if self.state == "start":
-            # Only a proper start of "<think>" (or nothing) was held: deepseek_r1 reads it as
-            # reasoning, qwen3 as content.
-            return (held, "") if self.parser == "deepseek_r1" else ("", held)
+            # Only a proper start of an opening (or nothing) was held: deepseek_r1 reads it as
+            # reasoning, the others as content.
+            return (held, "") if self.implicit else ("", held)
         return (held, "") if self.state == "reasoning" else ("", held)
 
 
