@@ -1,4 +1,4 @@
-"""The block tool-call parsers (pagedserve/gateway/block_tool_parsers.py: mistral, deepseek_v3;
+"""The block tool-call parsers (pagedserve/gateway/block_tool_parsers.py: mistral, deepseek_v3, granite;
 typed_tool_parsers.py: qwen3_coder, pythonic), in the formats their models write: whole text, and
 every split of it streamed (test_tool_parsers.check_stream_matches), which must give the same
 content and calls; malformed blocks are content; parallel_tool_calls=false keeps the first call;
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from pagedserve.gateway.block_tool_parsers import DeepSeekV3Parser, MistralParser
+from pagedserve.gateway.block_tool_parsers import DeepSeekV3Parser, GraniteParser, MistralParser
 from pagedserve.gateway.tool_parsers import assemble
 from pagedserve.gateway.tools import ToolOutput, stream_deltas
 from pagedserve.gateway.typed_tool_parsers import PythonicParser, Qwen3CoderParser
@@ -61,6 +61,24 @@ CASES = [
     (PythonicParser, "[f(1)]", "[f(1)]", []),  # positional arguments: text
     (PythonicParser, "[f(s='it\\'s, ok)', n=-1.5e3, d={'k': (1,)})]", "",
      [("f", '{"s": "it\'s, ok)", "n": -1500.0, "d": {"k": [1]}}')]),
+    (GraniteParser, f'Sure. <|tool_call|>[{{"name": "get_weather", "arguments": {A}}}]', "Sure.",
+     [("get_weather", A)]),
+    (GraniteParser, f'<|tool_call|>[{{"name": "get_weather", "arguments": {A}}}, {{"name": "now", "arguments": {{}}}}]',
+     "", [("get_weather", A), ("now", "{}")]),
+    (GraniteParser, f' \n[{{"name": "get_weather", "arguments": {A}}}]\n', "", [("get_weather", A)]),  # token skipped
+    (GraniteParser, f'<tool_call> [{{"name": "get_weather", "arguments": {A}}}]', "", [("get_weather", A)]),
+    (GraniteParser, '<|tool_call|> <tool_call>[{"name": "f", "arguments": "{\\"a\\": 1}"}]', "", [("f", '{"a": 1}')]),
+    (GraniteParser, '<|tool_call|>[{"name": "f" "arguments": {}}]', '<|tool_call|>[{"name": "f" "arguments": {}}]',
+     []),
+    (GraniteParser, "Hm. <tool_call>[{broken", "Hm. <tool_call>[{broken", []),
+    (GraniteParser, '<|tool_call|>{"name": "f", "arguments": {}}', '<|tool_call|>{"name": "f", "arguments": {}}', []),
+    (GraniteParser, "<|tool_call|>[]", "<|tool_call|>[]", []),
+    (GraniteParser, '<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {}}</tool_call>', []),  # hermes' form is not granite's
+    (GraniteParser, "[1] is the source.", "[1] is the source.", []),
+    (GraniteParser, 'See [{"name": "f", "arguments": {}}]', 'See [{"name": "f", "arguments": {}}]', []),
+    (GraniteParser, "No calls <|tool_ here.", "No calls <|tool_ here.", []),
+    (GraniteParser, "  ", "  ", []),
 ]
 
 
@@ -108,7 +126,9 @@ QWEN_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</pa
     (MistralParser, f"[TOOL_CALLS]get_weather[ARGS]{A}", None),
     (MistralParser, f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {A}}}]', None),
     (PythonicParser, '[get_weather(city="Paris", days=2), get_time()]', None),
-    (Qwen3CoderParser, QWEN_CALL, "</tool_call>")])
+    (Qwen3CoderParser, QWEN_CALL, "</tool_call>"),
+    (GraniteParser, f'<|tool_call|>[{{"name": "get_weather", "arguments": {A}}}]', None),
+    (GraniteParser, f'[{{"name": "get_weather", "arguments": {A}}}, {{"name": "now", "arguments": {{}}}}]', None)])
 def test_arguments_stream_as_deltas_before_the_block_ends(cls, text, block_end):
     parser = cls(stream=True, schemas={"get_weather": WEATHER})
     fed, fragments, before_end = "", [], 0
@@ -123,3 +143,45 @@ def test_arguments_stream_as_deltas_before_the_block_ends(cls, text, block_end):
     assert len(fragments) >= 2 and (block_end is None or before_end >= 1), fragments
     first = stream_deltas(cls(stream=True, schemas={"get_weather": WEATHER}).feed(text))[0]  # OpenAI's shape
     assert first["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+
+
+def test_granite_reads_like_vllms_and_leaves_the_other_paths_alone():
+    """Text after the list makes it content (whole; a stream cannot take back the calls it sent,
+    as with every parser); the server's parser is granite: "auto" reads with it, skipping special
+    tokens as vLLM does (the bare list is read), "required" and named calls keep their own parsers."""
+    from pagedserve.gateway.tools import apply_tools
+    from pagedserve.v1 import generate_pb2
+    for text in ('<|tool_call|>[{"name": "f", "arguments": {"a": 1}}] and more',
+                 '<|tool_call|>[{"name": "f", "arguments": {broken}]'):
+        assert GraniteParser.parse(text).content == text and GraniteParser.parse(text).calls == []
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    gen = generate_pb2.GenerateRequest(skip_special_tokens=True)
+    auto = apply_tools(tools, "auto", False, gen, "granite")
+    assert (auto.parser, auto.max_calls, gen.skip_special_tokens) == ("granite", 1, True)
+    assert calls_of(auto.parse('[{"name": "f", "arguments": {"a": 1}}, {"name": "f", "arguments": {}}]')) == \
+        [("f", '{"a": 1}')]
+    assert isinstance(auto.new(), GraniteParser)
+    gen = generate_pb2.GenerateRequest()
+    required = apply_tools(tools, "required", None, gen, "granite")
+    assert required.required and gen.params.structured_output.json_schema
+    assert calls_of(required.parse('[{"name": "f", "parameters": {"a": 1}}]')) == [("f", '{"a": 1}')]
+    gen = generate_pb2.GenerateRequest()
+    named = apply_tools(tools, {"type": "function", "function": {"name": "f"}}, None, gen, "granite")
+    assert calls_of(named.parse('{"a": 1}')) == [("f", '{"a": 1}')]
+
+
+def test_granite_garbage_never_raises_and_text_without_calls_is_kept():
+    import random
+    atoms = ["<|tool_call|>", "<tool_call>", "[", "]", "{", "}", '"', "\\", ":", ",", '"name"', '"arguments"',
+             '"f"', " ", "\n", "1", "a", "<|tool_"]
+    rng = random.Random(7)
+    for _ in range(300):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 25)))
+        parsed = GraniteParser.parse(text)
+        if not parsed.calls:
+            assert parsed.content == text
+        for pieces in (list(text), [text]):
+            parser = GraniteParser(stream=True)
+            for piece in pieces:
+                parser.feed(piece)
+            parser.finish()

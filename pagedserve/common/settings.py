@@ -332,11 +332,11 @@ def _settings() -> tuple[Setting, ...]:
         S("--shutdown-timeout", "serve gateway", float, 30.0, "on SIGTERM, seconds in-flight requests may take to "
           "finish (503 to new ones) before they are aborted", group="gateway"),
         S("--tool-call-parser", "serve gateway",
-          choices=("hermes", "llama3_json", "mistral", "deepseek_v3", "qwen3_coder", "pythonic"),
+          choices=("hermes", "llama3_json", "mistral", "deepseek_v3", "qwen3_coder", "pythonic", "granite"),
           help="how tool calls are read from the output of a chat request with tools and tool_choice "
           "\"auto\" (vLLM's names): hermes (Hermes, Qwen: <tool_call>{...}</tool_call>), llama3_json (Llama 3: "
           "{\"name\": ..., \"parameters\": ...}), mistral ([TOOL_CALLS]), deepseek_v3, qwen3_coder (XML), "
-          "pythonic ([f(a=1)]); unset: such requests get 400", group="gateway"),
+          "pythonic ([f(a=1)]), granite (<|tool_call|>[...]); unset: such requests get 400", group="gateway"),
         S("--enable-auto-tool-choice", "serve gateway", bool, False, group="gateway", help="vLLM's switch for "
           "--tool-call-parser (which it needs); a no-op here: the parser reads tool_choice \"auto\" when named"),
         S("--return-tokens-as-token-ids", "serve gateway", bool, False, group="gateway",

@@ -7,10 +7,16 @@ parser (BLOCK_PARSERS):
                 calls run to the end of the output.
   deepseek_v3   `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
                 <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`; text before it is content.
+  granite       Granite 3.x: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (`<tool_call>[...]` too,
+                and `<|tool_call|><tool_call>[...]`), text before the marker content; or the output is the
+                bare list (after whitespace): what is left when `<|tool_call|>`, a special token, is
+                skipped (skip_special_tokens, as in vLLM). The list runs to the end of the output:
+                text after it, or a list that does not parse, makes the marker and all after it content
+                (an output that starts with `[` streams as content only at its end, as pythonic's).
 
 The block formats whose arguments are values written out by json.dumps (qwen3_coder, pythonic) are
 in typed_tool_parsers.py; the machinery all share (content, blocks, streaming: BlockParser, with
-its contract) in block_parser.py. Streamed, these two send a call's arguments as the JSON text
+its contract) in block_parser.py. Streamed, these three send a call's arguments as the JSON text
 written, as it comes. Plain Python, one parser object per sample. Threads: the gateway's event loop.
 """
 
@@ -78,7 +84,7 @@ class MistralParser(BlockParser):
 
 
 def _json_list(text: str, final: bool) -> list[tuple[str, str]] | None:
-    """mistral's `[{"name": ..., "arguments": {...}}, ...]`, each element read by a CallScanner (the
+    """mistral's and granite's `[{"name": ..., "arguments": {...}}, ...]`, each element read by a CallScanner (the
     arguments' JSON text as written). final: the calls of a whole valid list, else None; not final:
     the calls so far, the open one's arguments as far as they can go out."""
     out, rest = [], text[1:]
@@ -145,5 +151,27 @@ class DeepSeekV3Parser(BlockParser):
             at = close + len(self._CALL_END)
         return out
 
+
+class GraniteParser(BlockParser):
+    name = "granite"
+    START, ALSO_STARTS, END = "<|tool_call|>", ("<tool_call>",), None
+    LEADING = "["
+
+    def _list(self, text: str) -> str | None:
+        """The block's text from its `[` on; None when it is not a list."""
+        s = text.lstrip()
+        if self._opening == self.START:
+            s = s.removeprefix(self.ALSO_STARTS[0]).lstrip()
+        return s if s.startswith("[") else None
+
+    def read_block(self, text: str) -> list[tuple[str, str]] | None:
+        s = self._list(text)
+        return _json_list(s.rstrip(), final=True) if s is not None else None
+
+    def view_block(self, text: str) -> list[tuple[str, str]]:
+        s = self._list(text)
+        return _json_list(s, final=False) if s is not None else []
+
+
 BLOCK_PARSERS: dict[str, type[BlockParser]] = {p.name: p for p in (MistralParser, DeepSeekV3Parser,
-                                                                    Qwen3CoderParser, PythonicParser)}
+                                                                    Qwen3CoderParser, PythonicParser, GraniteParser)}
