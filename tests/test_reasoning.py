@@ -163,3 +163,31 @@ def test_token_ids_ride_every_message_through_reasoning_and_tool_calls():
     plain = ChunkBuilder(True, "id", "m", 0, 1, False, reasoning=Reasoning("deepseek_r1"))
     assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c for msg in msgs
                for c in plain.add(msg))
+
+
+GRANITE = ["Here is my thought", " process:\nThe user wants Paris' weather.\nHere", "'s my resp", "onse:\n[{\"name\": ",
+           '"get_weather", "arguments": {"city": ', '"Paris"}}]']
+
+
+def test_granite_reasoning_then_granite_tool_calls_whole_and_streamed():
+    """Granite 3.2 with thinking on: its thought, then (its <|tool_call|> skipped as special) the
+    bare list of calls, read from the content after "Here's my response:"."""
+    output, reasoning = ToolOutput(parser="granite"), Reasoning("granite")
+    collector = Collector(1)
+    for msg in responses(GRANITE):
+        collector.add(msg)
+    choice = collector.chat("id", "m", 0, False, output, reasoning)["choices"][0]
+    [call] = choice["message"].pop("tool_calls")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert choice["message"] == {"role": "assistant", "content": None,
+                                 "reasoning_content": "\nThe user wants Paris' weather.\n"}
+    assert choice["finish_reason"] == "tool_calls"
+    builder = ChunkBuilder(True, "id", "m", 0, 1, False, tools=output, reasoning=reasoning)
+    chunks = [c for msg in responses(GRANITE) for c in builder.add(msg)]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nThe user wants Paris' weather.\n"
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}' and len(calls) >= 3
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
