@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.common.multimodal import image_input
 from pagedserve.common.sampling_params import SamplingParams
-from tiny_models import IDEFICS3_IMAGE_TOKEN, IDEFICS3_TILE, build_tiny_idefics3, make_engine
+from tiny_models import IDEFICS3_IMAGE_TOKEN, IDEFICS3_TILE, build_tiny_idefics3, greedy_with_pixels, make_engine
 
 STEPS = 6
 PLACEHOLDERS = (IDEFICS3_TILE // 8) ** 2 // 4
@@ -78,15 +78,7 @@ class Reference:
     @torch.no_grad()
     def greedy(self, ids: list[int], pixels: list[np.ndarray], steps: int = STEPS):
         values = self.pixel_values(pixels)
-        ids, tokens, logprobs = list(ids), [], []
-        for _ in range(steps):
-            logits = self.model(input_ids=torch.tensor([ids]), pixel_values=values).logits[0, -1]
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            token = int(lp.argmax())
-            tokens.append(token)
-            logprobs.append(lp[token].item())
-            ids.append(token)
-        return tokens, logprobs
+        return greedy_with_pixels(self.model, ids, values, steps)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 
 from pagedserve.common.multimodal import image_input
 from pagedserve.common.sampling_params import SamplingParams
-from tiny_models import LLAVA_IMAGE_SIZE, LLAVA_IMAGE_TOKEN, build_tiny_llava, make_engine
+from tiny_models import LLAVA_IMAGE_SIZE, LLAVA_IMAGE_TOKEN, build_tiny_llava, greedy_with_pixels, make_engine
 
 STEPS = 6
 PLACEHOLDERS = (LLAVA_IMAGE_SIZE // 14) ** 2
@@ -57,15 +57,7 @@ class Reference:
     def greedy(self, ids: list[int], pixels: list[np.ndarray], steps: int = STEPS):
         values = (self.processor(images=pixels, do_resize=False, do_center_crop=False,
                                  return_tensors="pt").pixel_values if pixels else None)
-        ids, tokens, logprobs = list(ids), [], []
-        for _ in range(steps):
-            logits = self.model(input_ids=torch.tensor([ids]), pixel_values=values).logits[0, -1]
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            token = int(lp.argmax())
-            tokens.append(token)
-            logprobs.append(lp[token].item())
-            ids.append(token)
-        return tokens, logprobs
+        return greedy_with_pixels(self.model, ids, values, steps)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,20 @@ def sharpen(model, norm_mean: float | None = None, norm_std: float = 0.2) -> Non
                 param.normal_(norm_mean, norm_std)
 
 
+@torch.no_grad()
+def greedy_with_pixels(model, ids: list[int], pixel_values, steps: int) -> tuple[list[int], list[float]]:
+    """A transformers vision-language model's greedy tokens and their logprobs, by full forwards."""
+    ids, tokens, logprobs = list(ids), [], []
+    for _ in range(steps):
+        logits = model(input_ids=torch.tensor([ids]), pixel_values=pixel_values).logits[0, -1]
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        token = int(lp.argmax())
+        tokens.append(token)
+        logprobs.append(lp[token].item())
+        ids.append(token)
+    return tokens, logprobs
+
+
 def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a tiny random model (config.json + model.safetensors) into folder and return it."""
     import transformers

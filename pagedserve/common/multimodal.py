@@ -43,6 +43,14 @@ def image_input(offset: int, length: int, height: int, width: int, data: bytes) 
     return ImageInput(offset, length, height, width, data, content_hash(height, width, data))
 
 
+def check_image_tokens(prompt_ids: list[int], image_token_id: int, num_images: int) -> None:
+    """A rendered prompt holds one image token per image (before the front end expands them)."""
+    found = sum(1 for t in prompt_ids if t == image_token_id)
+    if found != num_images:
+        raise ValueError(f"the prompt has {found} image tokens (id {image_token_id}) for {num_images} "
+                         "images: each image needs exactly one")
+
+
 def check_placements(images: list[ImageInput] | tuple[ImageInput, ...], num_prompt_tokens: int) -> None:
     """Images in prompt order, not overlapping, inside the prompt."""
     end = 0

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from pagedserve.common.multimodal import ImageInput, image_input
+from pagedserve.common.multimodal import ImageInput, check_image_tokens, image_input
 
 FAKE, IMAGE, GLOBAL = "<fake_token_around_image>", "<image>", "<global-img>"
 MAX_SIDE = 4096  # the image processor's MAX_IMAGE_SIZE: no side is resized past it
@@ -175,10 +175,7 @@ def expand(config: Idefics3Config, prompt_ids: list[int],
            images: list[TiledImage]) -> tuple[list[int], list[ImageInput]]:
     """(the prompt with each image token expanded as the processor expands it, one ImageInput per
     tile and global view over its image tokens), from a prompt with one image token per image."""
-    found = sum(1 for t in prompt_ids if t == config.image_token_id)
-    if found != len(images):
-        raise ValueError(f"the prompt has {found} image tokens (id {config.image_token_id}) for {len(images)} "
-                         "images: each image needs exactly one")
+    check_image_tokens(prompt_ids, config.image_token_id, len(images))
     out: list[int] = []
     placed: list[ImageInput] = []
     seen = 0

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pagedserve.common.multimodal import ImageInput, image_input
+from pagedserve.common.multimodal import ImageInput, check_image_tokens, image_input
 from pagedserve.common.vision_config import IDEFICS3_ARCHITECTURES, idefics3_parts, llava_parts
 from pagedserve.model_files.idefics3_images import (LANCZOS, Idefics3Config, TiledImage, expand, max_grid,
                                                     read_pieces, tile_image)
@@ -241,10 +241,7 @@ def expand_placeholders(config: ImageConfig | Idefics3Config, prompt_ids: list[i
     and global view (idefics3_images.expand)."""
     if isinstance(config, Idefics3Config):
         return expand(config, prompt_ids, images)
-    found = sum(1 for t in prompt_ids if t == config.image_token_id)
-    if found != len(images):
-        raise ValueError(f"the prompt has {found} image tokens (id {config.image_token_id}) for {len(images)} "
-                         "images: each image needs exactly one")
+    check_image_tokens(prompt_ids, config.image_token_id, len(images))
     out: list[int] = []
     placed: list[ImageInput] = []
     for token in prompt_ids:
