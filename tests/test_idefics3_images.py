@@ -215,3 +215,22 @@ def test_tile_grids_equal_the_image_processor(longest, tile):
         ours = tile_image(config, image)
         assert (ours.rows, ours.cols) == (theirs["rows"][0][0], theirs["cols"][0][0]), (height, width)
         assert len(ours.frames) == theirs["pixel_values"].shape[1] == max(1, ours.rows * ours.cols + 1)
+
+
+def test_empty_text_renders_as_one_text_part_as_vllm_does(folders):
+    """A list-taking template (SmolVLM's indexes content[0]) gets a string content as one text part, an
+    empty one too, as vLLM's "openai" content format gives it; None (an assistant's calls) as none."""
+    from pagedserve.model_files.prompt_images import chat_images
+
+    folder = folders["split"]
+    tokenizer = load_tokenizer(folder)
+    url = "data:image/png;base64," + base64.b64encode(encoded(images()[1][1])).decode()
+    image = {"type": "image_url", "image_url": {"url": url}}
+    chat = [{"role": "user", "content": [image, {"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": ""}, {"role": "user", "content": "And now?"}]
+    rendered, _ = chat_images(chat, list_content=True)
+    assert rendered[1]["content"] == [{"type": "text", "text": ""}]
+    assert rendered[2]["content"] == [{"type": "text", "text": "And now?"}]
+    assert chat_images([{"role": "assistant", "content": None}], list_content=True)[0][0]["content"] == []
+    _, _, text = chat_prompt(tokenizer, ip.image_config(folder, tokenizer), chat)
+    assert "Assistant: <end_of_utterance>" in text and "User: And now?<end_of_utterance>" in text

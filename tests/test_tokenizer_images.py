@@ -113,3 +113,18 @@ def test_refusals_are_invalid_argument(llava_folder, case, message):
         finally:
             await stop()
     asyncio.run(main())
+
+
+def test_list_content_messages_as_vllms_openai_format():
+    """The service renders a list-taking template's string content as one text part, an empty one too,
+    and an assistant's calls without content as no part (tokenizer/chat_render.template_messages)."""
+    from pagedserve.tokenizer.chat_render import template_messages
+    from pagedserve.v1 import generate_pb2
+
+    call = generate_pb2.ToolCall(id="c", name="f", arguments="{}")
+    chat = generate_pb2.ChatMessages(messages=[
+        generate_pb2.ChatMessage(role="user", content="Hi"), generate_pb2.ChatMessage(role="assistant", content=""),
+        generate_pb2.ChatMessage(role="assistant", tool_calls=[call])])
+    messages, _ = template_messages(chat, list_content=True)
+    assert [m["content"] for m in messages] == [[{"type": "text", "text": "Hi"}], [{"type": "text", "text": ""}], []]
+    assert [m["content"] for m in template_messages(chat)[0]] == ["Hi", "", ""]

@@ -82,8 +82,8 @@ def chat_images(messages: list[dict], list_content: bool = False,
         elif isinstance(content, list):
             text = "\n".join(p.get("text", "") for p in content)
             message = {**message, "content": [{"type": "text", "text": text}] if list_content else text}
-        elif list_content and isinstance(content, str):
-            message = {**message, "content": [{"type": "text", "text": content}] if content else []}
+        elif list_content:  # as vLLM's "openai" content format: a string is one text part, None none
+            message = {**message, "content": [{"type": "text", "text": content}] if isinstance(content, str) else []}
         out.append(message)
     return out, images
 

@@ -77,9 +77,10 @@ def _arguments(text: str):
 
 
 def _content(m: generate_pb2.ChatMessage, images: list[bytes], list_content: bool):
-    if not m.parts:
-        return [{"type": "text", "text": m.content}] if list_content and m.content else \
-            [] if list_content else m.content
+    if not m.parts:  # as vLLM's "openai" content format: a string is one text part, none (a call's) none
+        if not list_content:
+            return m.content
+        return [{"type": "text", "text": m.content}] if m.content or not m.tool_calls else []
     content = []
     for j, part in enumerate(m.parts):
         kind = part.WhichOneof("part")
