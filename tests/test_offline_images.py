@@ -96,3 +96,20 @@ def test_an_idefics3_model_splits_images_into_tiles_as_transformers_does(smolvlm
     assert [o.outputs[0].text for o in outs] == [reference(wide)[0], reference(small)[0]]
     assert [len(o.prompt_token_ids) for o in outs] == [reference(wide)[1], reference(small)[1]]
     assert chat.outputs[0].text == reference(wide)[0]
+
+
+def test_an_idefics3_model_with_its_tokenizer_elsewhere(smolvlm, tmp_path):
+    """LLM(model=..., tokenizer=...): the image layout's tokens are read from the tokenizer given."""
+    import shutil
+
+    from pagedserve import LLM
+    folder, reference = smolvlm
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors", "preprocessor_config.json",
+                 "processor_config.json"):
+        shutil.copy(folder / name, weights / name)
+    image = png(23, size=(40, 90))
+    with LLM(model=str(weights), tokenizer=str(folder), dtype="float32", kv_cache_memory="64MiB") as llm:
+        [out] = llm.generate({"prompt": reference.prompt, "multi_modal_data": {"image": image}}, GREEDY)
+    assert out.outputs[0].text == reference(image)[0]

@@ -159,7 +159,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine, self.tokenizer, self.chat_template = load_engine(model, engine_args)
-        self.image_config = image_processing.image_config(self.engine.model_path)  # None: a text model
+        self.image_config = image_processing.image_config(self.engine.model_path, self.tokenizer)  # None: a text model
         self._ids = itertools.count()
 
     def get_tokenizer(self):
