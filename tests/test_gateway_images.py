@@ -233,6 +233,24 @@ def test_the_body_limit_makes_room_for_the_images_a_request_may_carry():
         assert chat(stacks[False], content).status_code == 413
         # past 4,000 + one image's 13,336 bytes of base64: too large even for an image model
         assert chat(stacks[True], content + [{"type": "text", "text": "x" * 14_000}]).status_code == 413
+        # the public gRPC API: the image as bytes passes on the image model; a text model's request over
+        # --max-body-bytes is refused as REST's is (gRPC's own cap makes room for images: images.image_room)
+        req = generate_pb2.GenerateRequest(model=MODEL)
+        req.params.max_tokens = 2
+        message = req.chat.messages.add(role="user")
+        message.parts.add(image=image)
+        message.parts.add(text="what?")
+        for takes, s in stacks.items():
+            with grpc.insecure_channel(f"127.0.0.1:{s.grpc_port}") as channel:
+                call = generate_pb2_grpc.GenerationStub(channel).Generate(
+                    req, metadata=(("authorization", f"Bearer {KEY}"),), timeout=20)
+                if takes:
+                    assert list(call)[0].accepted
+                else:
+                    with pytest.raises(grpc.RpcError) as err:
+                        list(call)
+                    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert "--max-body-bytes (4000 bytes)" in err.value.details()
     finally:
         for s in stacks.values():
             s.close()

@@ -98,12 +98,20 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             await context.abort(refusal.grpc_code, refusal.message)
         return caller
 
-    async def _model_info(self, context: grpc.aio.ServicerContext) -> generate_pb2.ModelInfo:
+    async def _model_info(self, context: grpc.aio.ServicerContext, request=None) -> generate_pb2.ModelInfo:
+        """The served model; a request given is held to --max-body-bytes unless the model takes images
+        (gRPC's own cap makes room for images: server.py)."""
         try:
-            return await self.backend.model_info_rpc(_timeout(context, RPC_TIMEOUT_S))
+            info = await self.backend.model_info_rpc(_timeout(context, RPC_TIMEOUT_S))
         except grpc.RpcError as exc:
             await context.abort(exc.code(), exc.details() or "")
             raise  # not reached: abort raises
+        if request is not None and not info.takes_images:
+            try:
+                self.backend.admission.check_body_size(request.ByteSize())
+            except Refusal as refusal:
+                await context.abort(refusal.grpc_code, refusal.message)
+        return info
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         received = time.time()
@@ -116,7 +124,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         if self.backend.runner == "pooling":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "The model does not support generation: this server runs --runner pooling (use Embed)")
-        info = await self._model_info(context)
+        info = await self._model_info(context, request)
         if checks.other_model(request.model, info):
             await self.backend.loras.sync(request.model)
         if request.params.HasField("structured_output"):  # compiles a grammar: off the event loop
@@ -176,14 +184,14 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         """As POST /tokenize (the tokenizer does the work: tokenizer/tokenization.py)."""
-        info = await self._checked_model(request.model, context)
+        info = await self._checked_model(request, context)
         reply = await self._forward(self.backend.tokenizer.Tokenize, request, context)
         reply.max_model_len = info.max_model_len
         return reply
 
     async def Detokenize(self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
         """As POST /detokenize (but skip_special_tokens is the caller's)."""
-        await self._checked_model(request.model, context)
+        await self._checked_model(request, context)
         return await self._forward(self.backend.tokenizer.Detokenize, request, context)
 
     async def LoadLoraAdapter(self, request: generate_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext):
@@ -213,11 +221,11 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             await context.abort(code, exc.message)
             raise  # not reached: abort raises
 
-    async def _checked_model(self, model: str, context: grpc.aio.ServicerContext) -> generate_pb2.ModelInfo:
+    async def _checked_model(self, request, context: grpc.aio.ServicerContext) -> generate_pb2.ModelInfo:
         await self._admit(context)
-        info = await self._model_info(context)
-        if checks.other_model(model, info):
-            await context.abort(grpc.StatusCode.NOT_FOUND, _no_such_model(model))
+        info = await self._model_info(context, request)
+        if checks.other_model(request.model, info):
+            await context.abort(grpc.StatusCode.NOT_FOUND, _no_such_model(request.model))
         return info
 
     async def _forward(self, rpc, request, context: grpc.aio.ServicerContext):

@@ -66,7 +66,7 @@ async def embed(service, request: generate_pb2.EmbedRequest, context: grpc.aio.S
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
     except EmbedFailed as exc:
         await context.abort(exc.code, exc.message)
-    info = await service._model_info(context)
+    info = await service._model_info(context, request)
     if checks.other_model(request.model, info):
         await context.abort(grpc.StatusCode.NOT_FOUND, f"the model {request.model!r} does not exist")
     normalize = request.normalize if request.HasField("normalize") else True

@@ -205,9 +205,17 @@ async def fetch(url: str, policy: MediaPolicy, client: httpx.AsyncClient | None 
             await client.aclose()
 
 
+def image_room(limit: int, media: MediaPolicy, base64: bool) -> int:
+    """A request's size limit on a model that takes images: `limit` (--max-body-bytes; 0: none) and room
+    for as many images as a request may carry (--limit-mm-per-prompt), each up to the encoded-image cap
+    (in base64 in a JSON body; as bytes in a gRPC message)."""
+    if limit <= 0 or not media.max_images:
+        return limit
+    return limit + media.max_images * (-(-media.max_bytes * 4 // 3) if base64 else media.max_bytes)
+
+
 async def body_limit(backend) -> int:
-    """A REST body's limit: --max-body-bytes (0: none), and for a model that takes images room for as many
-    images as a request may carry (--limit-mm-per-prompt), each up to the encoded-image cap in base64."""
+    """A REST body's limit: --max-body-bytes, with image_room on a model that takes images."""
     limit, media = backend.admission.limits.max_body_bytes, backend.media
     if limit > 0 and media.max_images:
         try:
@@ -215,5 +223,5 @@ async def body_limit(backend) -> int:
         except grpc.RpcError:
             takes_images = False  # (the request itself meets the tokenizer's error)
         if takes_images:
-            limit += media.max_images * -(-media.max_bytes * 4 // 3)
+            return image_room(limit, media, base64=True)
     return limit

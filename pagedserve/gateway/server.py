@@ -27,7 +27,7 @@ from pagedserve.gateway.lora_adapters import LoraAdapters, SharedAdapters
 from pagedserve.gateway.app import build_app
 from pagedserve.gateway.backend import Backend
 from pagedserve.gateway.grpc_api import SERVICE_NAME, GenerationService
-from pagedserve.gateway.images import media_policy
+from pagedserve.gateway.images import image_room, media_policy
 from pagedserve.gateway.limits import Limits, parse_origins, parse_rate_limit
 from pagedserve.gateway.owners import parse_key_line
 
@@ -201,11 +201,12 @@ async def _serve(args) -> int:
         from pagedserve.gateway.replicas import ReplicaDirectory
         backend.replicas = ReplicaDirectory(store.url, args.redis_prefix)
 
-    # The public API's messages are bounded like REST bodies (--max-body-bytes): gRPC refuses a
-    # larger one with RESOURCE_EXHAUSTED before it is parsed.
+    # The public API's messages are bounded like REST bodies (--max-body-bytes, with room for images:
+    # images.image_room): gRPC refuses a larger one with RESOURCE_EXHAUSTED before it is parsed; a text
+    # model's requests are held to --max-body-bytes once parsed (grpc_api._model_info).
     options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length" or not limits.max_body_bytes]
     if limits.max_body_bytes:
-        options.append(("grpc.max_receive_message_length", limits.max_body_bytes))
+        options.append(("grpc.max_receive_message_length", image_room(limits.max_body_bytes, media, False)))
     grpc_server = grpc.aio.server(options=options, interceptors=[MalformedRequestInterceptor()])
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationService(backend), grpc_server)
     health = add_health_and_reflection(grpc_server, [SERVICE_NAME])
