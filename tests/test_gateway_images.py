@@ -254,3 +254,15 @@ def test_the_body_limit_makes_room_for_the_images_a_request_may_carry():
     finally:
         for s in stacks.values():
             s.close()
+
+
+def test_a_beam_search_with_images_is_refused(stack):
+    """A beam search's later steps send the beams' token ids alone: with images they would lose them."""
+    body = {"model": MODEL, "max_tokens": 2, "n": 2, "use_beam_search": True,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(CAT)}},
+                                                      {"type": "text", "text": "what?"}]}]}
+    before = len(stack.tokenizer.requests)
+    r = httpx.post(stack.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=20)
+    assert r.status_code == 400 and "images are not supported with use_beam_search" in r.json()["error"]["message"]
+    assert len(stack.tokenizer.requests) == before

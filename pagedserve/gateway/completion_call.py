@@ -163,6 +163,8 @@ class CompletionCall:
         if beams is not None:  # vLLM's use_beam_search: steps of one-token requests (beam_call.py)
             if self.request.headers.get("idempotency-key"):
                 raise RequestError(400, "Idempotency-Key is not supported with use_beam_search", "use_beam_search")
+            if self.chat and images.image_count(gen.chat):  # its later steps send the beams' token ids alone
+                raise RequestError(400, "images are not supported with use_beam_search", "use_beam_search")
             self.client_id, self.created = client_id, int(self.received)
             self.model = gen.params.lora_name or gen.model or info.model
             return await run_beam_search(self, gen, beams, info, timeout)
