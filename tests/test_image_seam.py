@@ -40,6 +40,9 @@ def test_a_block_is_named_by_the_image_it_starts_and_the_chain_carries_it():
     prompt = prompt_with_image(10, 8, 14)  # blocks of 4: the image starts in block 2
     red, blue = image_input(10, 8, 4, 4, pixels(1)), image_input(10, 8, 4, 4, pixels(2))
     assert image_extras([red], 4) == {2: bytes.fromhex(red.hash)}
+    as_proto = scheduler_pb2.ScheduleRequest()
+    image_to_proto(red, as_proto.images.add())
+    assert image_extras(as_proto.images, 4) == image_extras([red], 4)  # the tokenizer's router reads the protos
     plain = block_hashes(prompt, 4)
     with_red = block_hashes(prompt, 4, extras=image_extras([red], 4))
     with_blue = block_hashes(prompt, 4, extras=image_extras([blue], 4))

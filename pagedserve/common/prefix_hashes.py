@@ -37,7 +37,8 @@ def prefix_salt(cache_salt: str, lora_name: str = "", lora_path: str = "") -> st
 
 
 def image_extras(images, block_size: int) -> dict[int, bytes]:
-    """Block index -> the content hashes of the images whose first placeholder it holds."""
+    """Block index -> the content hashes of the images whose first placeholder it holds (ImageInputs, or
+    their protos: anything with an offset and a hex hash)."""
     extras: dict[int, bytes] = {}
     for image in images:
         index = image.offset // block_size

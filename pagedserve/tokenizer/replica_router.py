@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 
 from pagedserve.common.grpc_util import internal_channel
 from pagedserve.common.inflight import tokens_in_flight
-from pagedserve.common.multimodal import image_from_proto
 from pagedserve.common.prefix_hashes import block_hashes, image_extras, prefix_salt
 from pagedserve.common.replicas import ReplicaInfo, async_reader, cached_prefix_blocks, read_replicas
 from pagedserve.tokenizer.scheduler_link import SchedulerLink
@@ -152,8 +151,7 @@ class ReplicaRouter:
         if self.policy == "prefix" and prompt:
             params = schedule.params  # the proto: its salt as SamplingParams.prefix_salt makes it
             salt = prefix_salt(params.cache_salt, params.lora_name, params.lora_path)
-            images = [image_from_proto(i) for i in schedule.images]
-            extras = image_extras(images, block_size) if images else None
+            extras = image_extras(schedule.images, block_size) if schedule.images else None  # (offsets, hashes)
             hashes = block_hashes(prompt, block_size, (len(prompt) - 1) // block_size, salt, extras)
         pipe = self.client.pipeline(transaction=False)
         if schedule.request_id:
