@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from pagedserve.kernels.triton import tuning
@@ -98,3 +99,21 @@ def test_the_tuner_end_to_end_under_the_interpreter(tmp_path):
         assert list(entries) == [keys[kernel]]
         entry = entries[keys[kernel]]
         assert set(entry) == set(axes[kernel]) and all(entry[k] in axes[kernel][k] for k in entry), entry
+
+
+def test_each_gpu_is_judged_against_its_own_roofline():
+    """An H100 SXM's floor is not an H200's (3.35 against 4.8 TB/s): the bench and the tuner read the
+    device's name; the most specific name wins; an unknown GPU needs both flags; a flag overrides."""
+    from pagedserve.kernels.peaks import device_peaks, resolve_peaks
+    assert device_peaks("NVIDIA H200") == (4800.0, 989.0)
+    assert device_peaks("NVIDIA_H100_80GB_HBM3") == (3350.0, 989.0)  # tuning.device_name's spelling
+    assert device_peaks("NVIDIA H100 PCIe") == (2000.0, 756.0)
+    assert device_peaks("NVIDIA H100 NVL") == (3900.0, 835.0)
+    assert device_peaks("NVIDIA GH200 480GB") == (4900.0, 989.0)
+    assert device_peaks("NVIDIA A100-SXM4-80GB") == (2039.0, 312.0)
+    assert device_peaks("NVIDIA A100-SXM4-40GB") == (1555.0, 312.0)
+    assert device_peaks("NVIDIA GeForce RTX 4090") is None
+    assert resolve_peaks("NVIDIA H100 80GB HBM3", 3000.0, None) == (3000.0, 989.0)
+    assert resolve_peaks("NVIDIA GeForce RTX 4090", 1008.0, 165.0) == (1008.0, 165.0)
+    with pytest.raises(SystemExit, match="--hbm-gbps and --peak-tflops"):
+        resolve_peaks("NVIDIA GeForce RTX 4090", 1008.0, None)

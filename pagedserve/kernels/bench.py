@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from pagedserve.kernels.bench_cases import Case, TritonKernels, gpu_cases, mla_case, tiny_cases
+from pagedserve.kernels.peaks import REFERENCE_GPU, resolve_peaks
 
 
 @dataclass
@@ -97,6 +98,12 @@ def measure(case: Case, args: argparse.Namespace, cuda: bool) -> Row:
     floor_ms = max(case.bytes / (args.hbm_gbps * 1e9), case.flops / (args.peak_tflops * 1e12)) * 1e3
     return Row(case.kernel, case.shape, triton_ms, eager_ms, torch_ms, torch_ms / triton_ms, floor_ms,
                100 * floor_ms / triton_ms, err)
+
+
+def set_peaks(args: argparse.Namespace, gpu: str) -> None:
+    """The floors' bandwidth and FLOP/s: the flags, else the GPU's own (the interpreter: the H200's)."""
+    args.hbm_gbps, args.peak_tflops = resolve_peaks(gpu, args.hbm_gbps, args.peak_tflops)
+    print(f"roofline: {gpu}: {args.hbm_gbps:.0f} GB/s, {args.peak_tflops:.0f} TFLOP/s", file=sys.stderr)
 
 
 def print_table(rows: list[Row]) -> None:
@@ -223,8 +230,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode.add_argument("--interpret", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
     mode.add_argument("--compile-only", action="store_true", help="compile for --arch and report resources")
     p.add_argument("--arch", type=int, default=90, help="compute capability for --compile-only (90: H100/H200)")
-    p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth in GB/s (H200: 4800)")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s (H200: 989)")
+    p.add_argument("--hbm-gbps", type=float, help="HBM bandwidth in GB/s (default: the GPU's own, kernels/peaks.py)")
+    p.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s (default: the GPU's own)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per kernel (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (the first compiles)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
@@ -250,6 +257,7 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         cuda = not args.interpret
         device = "cuda" if cuda else "cpu"
+        set_peaks(args, torch.cuda.get_device_name() if cuda else REFERENCE_GPU)
         tk = TritonKernels()
         cases = gpu_cases(device, tk) if cuda else tiny_cases(device, tk)
         rows = [asdict(measure(case, args, cuda)) for case in cases]

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels import bench, bench_cases
+from pagedserve.kernels.bench import set_peaks
+from pagedserve.kernels.peaks import REFERENCE_GPU
 
 
 @dataclass
@@ -217,8 +219,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", default="", help="comma-separated table kernel names to tune (default: all)")
     p.add_argument("--iters", type=int, default=10, help="timed calls per candidate (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per candidate first")
-    p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth in GB/s (H200: 4800)")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s (H200: 989)")
+    p.add_argument("--hbm-gbps", type=float, help="HBM bandwidth in GB/s (default: the GPU's own, kernels/peaks.py)")
+    p.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s (default: the GPU's own)")
     return p.parse_args(argv)
 
 
@@ -248,6 +250,7 @@ def main(argv=None) -> int:
             keys.add((sp.kernel, sp.key))
     from pagedserve.kernels.triton.tuning import device_name, write_table
     name = device_name(torch.device("cuda")) if cuda else "interpreter"
+    set_peaks(args, name if cuda else REFERENCE_GPU)
     start, results, failed = time.monotonic(), [], []
     print(HEADER, flush=True)
     for i, (case, sp) in enumerate(chosen):
