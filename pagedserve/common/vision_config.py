@@ -15,7 +15,8 @@ No torch: the gateway, tokenizer and scheduler read ModelConfig too.
 from __future__ import annotations
 
 IDEFICS3_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", *IDEFICS3_ARCHITECTURES)
+QWEN2_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", *IDEFICS3_ARCHITECTURES, *QWEN2_VL_ARCHITECTURES)
 # text_config model_type -> the causal LM architecture that serves it inside a LLaVA
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # transformers' LlamaConfig defaults, for a llava-1.5 text_config that names only what differs
@@ -44,6 +45,8 @@ def vision_parts(cfg: dict) -> tuple[dict, dict] | None:
     arrives as image_size x image_size pixels over that many placeholders), image_size, and the tower's
     normalization (rescale_factor, image_mean, image_std)."""
     archs = set(cfg.get("architectures") or ())
+    if archs & set(QWEN2_VL_ARCHITECTURES):
+        return qwen2_vl_parts(cfg)
     if archs & set(IDEFICS3_ARCHITECTURES):
         return idefics3_parts(cfg)
     if "LlavaForConditionalGeneration" in archs:
@@ -104,6 +107,71 @@ def idefics3_parts(cfg: dict) -> tuple[dict, dict]:
     return text, vision
 
 
+# Qwen2VLImageProcessor's defaults: pixels per image (min_pixels, max_pixels) and OpenAI CLIP's normalization
+QWEN2_VL_MIN_PIXELS, QWEN2_VL_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
+
+
+def qwen2_vl_parts(cfg: dict) -> tuple[dict, dict]:
+    """Qwen2-VL and Qwen2.5-VL: a ViT over 14x14 patches of an image at its own (dynamic) resolution, 2x2
+    patches merged into one row, a Qwen2 text model whose rotary is M-RoPE (each rotary frequency section
+    turns by a temporal, a height or a width position: an image's rows by their place in its grid, text by
+    its index, shifted past each image by what its grid saves; mrope_section).
+
+    An image arrives resized to height x width, both multiples of patch_size * merge_size (the front end's
+    smart_resize, between min_pixels and max_pixels), over (height / factor) * (width / factor) placeholders
+    (factor = patch_size * merge_size): no fixed num_image_tokens. Hub files keep the text model's fields
+    at the top level (rope_scaling {"type": "mrope", "mrope_section": ...}), transformers 5's in text_config
+    (rope_parameters); both are read. The text half's rotary is plain rope (what M-RoPE is for text alone)."""
+    arch = next(a for a in cfg["architectures"] if a in QWEN2_VL_ARCHITECTURES)
+    qwen25 = arch == "Qwen2_5_VLForConditionalGeneration"
+    text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "architectures", "model_type")}
+    text.update(cfg.get("text_config") or {})
+    rope = dict(text.pop("rope_scaling", None) or text.get("rope_parameters") or {})
+    section = list(rope.get("mrope_section") or (16, 24, 24))
+    theta = rope.get("rope_theta", text.get("rope_theta", 1e6))
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    text.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))))
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    if 2 * sum(section) != head_dim:
+        raise ValueError(f"mrope_section {section} does not cover the {head_dim} rotary dims (twice its sum)")
+    v = dict(cfg.get("vision_config") or {})
+    embed = v.get("hidden_size", 1280) if qwen25 else v.get("embed_dim", 1280)
+    vision = dict(
+        architecture=arch,
+        text_architecture="Qwen2ForCausalLM",
+        family="qwen2_5_vl" if qwen25 else "qwen2_vl",
+        image_token_id=int(cfg.get("image_token_id", 151655)),
+        vision_start_token_id=int(cfg.get("vision_start_token_id", 151652)),
+        mrope_section=section,
+        patch_size=int(v.get("patch_size", v.get("spatial_patch_size", 14))),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        merge_size=int(v.get("spatial_merge_size", 2)),
+        min_pixels=QWEN2_VL_MIN_PIXELS, max_pixels=QWEN2_VL_MAX_PIXELS,  # from_folder: the folder's own
+        num_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+        embed_dim=int(embed),
+        depth=int(v.get("depth", 32)),
+        num_heads=int(v.get("num_heads", 16)),
+        hidden_act=v.get("hidden_act", "silu" if qwen25 else "quick_gelu"),
+        intermediate_size=int(v.get("intermediate_size", 3420) if qwen25 else embed * v.get("mlp_ratio", 4)),
+        out_hidden_size=int(v.get("out_hidden_size", text["hidden_size"]) if qwen25 else
+                            v.get("hidden_size", text["hidden_size"])),
+        window_size=int(v.get("window_size", 112)) if qwen25 else 0,
+        fullatt_block_indexes=list(v.get("fullatt_block_indexes", (7, 15, 23, 31))) if qwen25 else [],
+        rescale_factor=1 / 255, image_mean=CLIP_MEAN, image_std=CLIP_STD,
+    )
+    if vision["out_hidden_size"] != text["hidden_size"]:
+        raise ValueError(f"the vision tower's output width {vision['out_hidden_size']} is not the text model's "
+                         f"hidden_size {text['hidden_size']}")
+    return text, vision
+
+
+def image_grid(height: int, width: int, vision: dict) -> tuple[int, int]:
+    """(rows, columns) of a dynamic-resolution image's merged patches: its placeholders are rows * columns."""
+    factor = vision["patch_size"] * vision["merge_size"]
+    return height // factor, width // factor
+
+
 def llava_parts(cfg: dict) -> tuple[dict, dict]:
     """(the text model's config dict with its `architectures`, the vision settings)."""
     text = _text_half(cfg)
@@ -153,7 +221,13 @@ def image_normalization(preprocessor: dict | None, vision: dict) -> dict:
     then per channel (x - image_mean) / image_std."""
     p = preprocessor or {}
     normalize = p.get("do_normalize", True)
-    return dict(
+    if "min_pixels" in vision:  # Qwen2-VL's processor: its pixel range (hub files' keys, or transformers 5's size)
+        size = p.get("size") or {}
+        bounds = dict(min_pixels=int(p.get("min_pixels", size.get("shortest_edge", vision["min_pixels"]))),
+                      max_pixels=int(p.get("max_pixels", size.get("longest_edge", vision["max_pixels"]))))
+    else:
+        bounds = {}
+    return dict(**bounds,
         rescale_factor=float(p.get("rescale_factor", vision["rescale_factor"])) if p.get("do_rescale", True) else 1.0,
         image_mean=tuple(p.get("image_mean") or vision["image_mean"]) if normalize else (0.0,) * 3,
         image_std=tuple(p.get("image_std") or vision["image_std"]) if normalize else (1.0,) * 3)
@@ -167,12 +241,34 @@ def image_problem(images, prompt_token_ids: list[int], vision: dict | None) -> s
         return None
     if vision is None:
         return "this model takes no images"
+    if "min_pixels" in vision:
+        return _dynamic_problem(images, prompt_token_ids, vision)
     want, size, token = vision["num_image_tokens"], vision["image_size"], vision["image_token_id"]
     for image in images:
         if image.length != want:
             return f"an image over {image.length} placeholder tokens: this model encodes each image into {want}"
         if (image.height, image.width) != (size, size):
             return f"an image of {image.height}x{image.width}: this model's vision tower takes {size}x{size}"
+        if any(t != token for t in prompt_token_ids[image.offset:image.end]):
+            return f"an image's placeholders at {image.offset}..{image.end} are not all the image token {token}"
+    return None
+
+
+def _dynamic_problem(images, prompt_token_ids: list[int], vision: dict) -> str | None:
+    """image_problem for a dynamic-resolution tower (Qwen2-VL): sides multiples of its factor, pixels in
+    its range, placeholders one per merged patch."""
+    factor, token = vision["patch_size"] * vision["merge_size"], vision["image_token_id"]
+    for image in images:
+        h, w = image.height, image.width
+        if h <= 0 or w <= 0 or h % factor or w % factor:
+            return f"an image of {h}x{w}: this model's vision tower takes sides that are multiples of {factor}"
+        if not vision["min_pixels"] <= h * w <= vision["max_pixels"]:
+            return (f"an image of {h}x{w} = {h * w} pixels: this model takes {vision['min_pixels']} to "
+                    f"{vision['max_pixels']}")
+        rows, cols = image_grid(h, w, vision)
+        if image.length != rows * cols:
+            return (f"an image over {image.length} placeholder tokens: this model encodes a {h}x{w} image "
+                    f"into {rows * cols}")
         if any(t != token for t in prompt_token_ids[image.offset:image.end]):
             return f"an image's placeholders at {image.offset}..{image.end} are not all the image token {token}"
     return None
