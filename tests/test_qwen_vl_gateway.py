@@ -1,10 +1,10 @@
 """The gateway in front of the real tokenizer service for a tiny Qwen2-VL (tests/tiny_qwen2_vl.py), the
 scheduler scripted (tests/test_tokenizer_service.py's FakeScheduler): an OpenAI image_url data: URL, an
 Anthropic base64 block and a Responses input_image (after its text) are accepted and reach the
-scheduler as the processor's prompt and images;
-usage.prompt_tokens, /tokenize and /v1/messages/count_tokens count the expanded prompt as transformers'
-Qwen2VLProcessor does; more images than --limit-mm-per-prompt, a non-image and an image the model cannot
-take (an aspect ratio over 200) are 400s and nothing reaches the scheduler.
+scheduler as the processor's prompt and images; usage, /tokenize and /v1/messages/count_tokens count
+the expanded prompt as transformers' Qwen2VLProcessor does; more images than --limit-mm-per-prompt, a
+non-image and an image the model cannot take (an aspect ratio over 200) are 400s and nothing reaches
+the scheduler.
 
 Everything runs on the test's one event loop (the gateway through httpx's ASGI transport)."""
 
