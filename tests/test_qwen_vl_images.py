@@ -292,3 +292,33 @@ def test_the_tokenizer_service_sends_the_processors_prompt_and_images(folders, f
         finally:
             await stop()
     asyncio.run(main())
+
+
+def test_the_offline_apis_encoding_takes_vllms_qwen2_vl_prompt_shape(folders):
+    """LLM.generate / AsyncLLM.generate's {"prompt": ..."<|vision_start|><|image_pad|><|vision_end|>"...,
+    "multi_modal_data": {"image": ...}} (an image alone or a list; bytes or PIL) and LLM.chat's image
+    parts encode as the processor does (engine/llm.py's encode_with_images and encode_chat)."""
+    from pagedserve.engine.llm import encode_chat, encode_with_images
+
+    folder = folders["qwen2_5_vl"]
+    tokenizer = load_tokenizer(folder)
+    config = ip.image_config(folder, tokenizer)
+    processor = reference_processor(folder)
+    prompt = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+              "<|vision_start|><|image_pad|><|vision_end|>Describe it.<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt == processor.apply_chat_template(chat(1, "Describe it."), add_generation_prompt=True)
+    image = rgb(120, 70, 21)
+    theirs = processor(text=prompt, images=[image], return_tensors="np", do_rescale=False, do_normalize=False)
+    want = [int(t) for t in theirs["input_ids"][0]]
+    for value in (image, encoded(image), [encoded(image)]):
+        text, ids, placed = encode_with_images(tokenizer, config, {"prompt": prompt,
+                                                                   "multi_modal_data": {"image": value}}, "prompts[0]")
+        assert (text, ids) == (prompt, want)
+        assert [p.data for p in placed] == their_images(theirs["pixel_values"], theirs["image_grid_thw"])
+    with pytest.raises(ValueError, match=r"prompts\[1\]: the prompt has 1 image tokens .* for 2 images"):
+        encode_with_images(tokenizer, config, {"prompt": prompt, "multi_modal_data": {"image": [image, image]}},
+                           "prompts[1]")
+    url = "data:image/png;base64," + base64.b64encode(encoded(image)).decode()
+    ids, text, placed = encode_chat(tokenizer, config, [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe it."}]}])
+    assert (ids, text) == (want, prompt) and len(placed) == 1
