@@ -322,3 +322,27 @@ def test_the_offline_apis_encoding_takes_vllms_qwen2_vl_prompt_shape(folders):
     ids, text, placed = encode_chat(tokenizer, config, [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe it."}]}])
     assert (ids, text) == (want, prompt) and len(placed) == 1
+
+
+def test_huge_images_at_the_hub_pixel_range(folders, tmp_path):
+    """Qwen2-VL-7B-Instruct's range (max_pixels 12845056): a 2500x1800 photo-sized image stays near its
+    own size, a very wide one is scaled to fit; pixels equal the image processor's."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    pre = {**PREPROCESSOR, "max_pixels": 12845056}
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((folders["qwen2_vl"] / name).read_bytes())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(pre))
+    config = ip.image_config(tmp_path)
+    reference = Qwen2VLImageProcessorPil(**{k: v for k, v in pre.items()
+                                            if k not in ("image_processor_type", "processor_class")})
+    y, x = np.mgrid[0:1800, 0:2500]
+    noise = np.random.default_rng(3).integers(0, 32, (1800, 2500, 3))
+    photo = Image.fromarray(((np.stack([x % 256, y % 256, (x + y) % 256], -1) + noise) % 256).astype(np.uint8))
+    for image in (photo, photo.resize((7000, 40))):
+        data = encoded(image)
+        theirs = reference(Image.open(io.BytesIO(data)), do_rescale=False, do_normalize=False, return_tensors="np")
+        height, width, pixels = ip.process_image(config, data)
+        _, gh, gw = theirs["image_grid_thw"][0]
+        assert (height, width) == (gh * 14, gw * 14) and height * width > 28 * 28 * 64
+        assert pixels == their_images(theirs["pixel_values"], theirs["image_grid_thw"])[0]
