@@ -35,7 +35,7 @@ from pagedserve.engine.llm_engine import EngineConfig, LLMEngine, engine_config_
 from pagedserve.engine.text_requests import TextRequest
 from pagedserve.common.multimodal import ImageInput
 from pagedserve.model_files import chat_templates, image_processing, prompt_images
-from pagedserve.model_files.image_processing import ImageConfig
+from pagedserve.model_files.image_processing import AnyImageConfig
 
 
 def engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:
@@ -95,7 +95,7 @@ def encode_prompt(tokenizer, prompt: Any, where: str) -> tuple[str | None, list[
     return prompt, chat_templates.text_token_ids(tokenizer, prompt)
 
 
-def encode_with_images(tokenizer, config: ImageConfig | None, prompt: Any,
+def encode_with_images(tokenizer, config: AnyImageConfig | None, prompt: Any,
                        where: str) -> tuple[str | None, list[int], list[ImageInput]]:
     """encode_prompt, and vLLM's {"prompt": ..., "multi_modal_data": {"image": image or [images]}}: one
     image token per image in the prompt, expanded to its placeholders (model_files/prompt_images.py)."""
@@ -114,7 +114,7 @@ def encode_with_images(tokenizer, config: ImageConfig | None, prompt: Any,
     return text, ids, images
 
 
-def encode_chat(tokenizer, config: ImageConfig | None, messages: list[dict],
+def encode_chat(tokenizer, config: AnyImageConfig | None, messages: list[dict],
                 **options: Any) -> tuple[list[int], str, list[ImageInput]]:
     """(token ids, prompt text, images) of a chat, rendered as the tokenizer service renders it (with a
     model that takes images, its image parts prepared and their placeholders expanded); ValueError."""

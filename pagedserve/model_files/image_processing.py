@@ -14,8 +14,9 @@ folder; a folder whose processor files disagree with it is refused when it is re
 
 Idefics3 / SmolVLM (idefics3_images.py): image_config gives an Idefics3Config, process_image the
 image's tiles and global view (a TiledImage), expand_placeholders the processor's expansion of each
-image token with one ImageInput per tile; the callers (the tokenizer service, prompt_images.py) are
-the same for both families.
+image token with one ImageInput per tile. Qwen2-VL / Qwen2.5-VL (qwen2_vl_images.py): a Qwen2VLConfig,
+the image resized to its own dynamic resolution (smart_resize), each image token repeated once per
+merged patch. The callers (the tokenizer service, prompt_images.py) are the same for every family.
 
 Limits, checked before any pixel is decoded: MAX_IMAGE_BYTES of encoded image, MAX_IMAGE_PIXELS
 (PIL's decompression-bomb guard is set to it, and a larger header is refused). Errors are
@@ -34,9 +35,12 @@ import numpy as np
 from PIL import Image
 
 from pagedserve.common.multimodal import ImageInput, check_image_tokens, image_input
-from pagedserve.common.vision_config import IDEFICS3_ARCHITECTURES, idefics3_parts, llava_parts
+from pagedserve.common.vision_config import IDEFICS3_ARCHITECTURES, QWEN2_VL_ARCHITECTURES, idefics3_parts, \
+    llava_parts
+from pagedserve.model_files import qwen2_vl_images
 from pagedserve.model_files.idefics3_images import (LANCZOS, Idefics3Config, TiledImage, expand, max_grid,
                                                     read_pieces, tile_image)
+from pagedserve.model_files.qwen2_vl_images import Qwen2VLConfig
 
 MAX_IMAGE_BYTES = 20 << 20  # an encoded image (the gateway's fetch cap is the same)
 MAX_IMAGE_PIXELS = 40_000_000  # width x height of a decoded image (about a 6300 x 6300 photo)
@@ -62,7 +66,7 @@ class ImageConfig:
 
 
 # what image_config gives for a model that takes images: the callers pass it back, never look inside
-AnyImageConfig = ImageConfig | Idefics3Config
+AnyImageConfig = ImageConfig | Idefics3Config | Qwen2VLConfig
 
 
 def _read(path: Path) -> dict:
@@ -80,16 +84,20 @@ def _hw(size: dict | int, what: str) -> tuple[int, int]:
     raise ValueError(f"preprocessor_config.json's {what} must be {{'height', 'width'}}, got {size!r}")
 
 
-def image_config(folder: str | Path, tokenizer=None) -> ImageConfig | Idefics3Config | None:
+def image_config(folder: str | Path, tokenizer=None) -> AnyImageConfig | None:
     """The image front end of the model in folder (ImageConfig for LLaVA, Idefics3Config for
-    Idefics3 / SmolVLM); None for a model that takes no images (another architecture). The image
+    Idefics3 / SmolVLM, Qwen2VLConfig for Qwen2-VL / Qwen2.5-VL); None for a model that takes no
+    images (another architecture). The image
     token and the placeholders per image (per tile) are the worker's own reading of config.json
     (common/vision_config.py); the processor files must agree with it (images or tiles of the tower's
     size, processor_config.json's image_seq_length / image_seq_len). Idefics3's expansion tokens are
-    read from tokenizer (default: the folder's own)."""
+    read from tokenizer (default: the folder's own), Qwen2-VL's image tokens checked against it."""
     folder = Path(folder)
     config = _read(folder / "config.json")
     archs = config.get("architectures") or ()
+    if set(archs) & set(QWEN2_VL_ARCHITECTURES):
+        return qwen2_vl_images.qwen2_vl_config(_read(folder / "preprocessor_config.json"), config,
+                                               tokenizer if tokenizer is not None else _folder_tokenizer(folder))
     if set(archs) & set(IDEFICS3_ARCHITECTURES):
         return idefics3_config(folder, config, tokenizer)
     if "LlavaForConditionalGeneration" not in archs:
@@ -144,15 +152,18 @@ def idefics3_config(folder: Path, config: dict, tokenizer=None) -> Idefics3Confi
         raise ValueError(f"processor_config.json's image_seq_len {seq_len} is not the {tokens} rows the vision "
                          "tower makes of a tile")
     do_resize = bool(pre.get("do_resize", True))
-    if tokenizer is None:
-        from pagedserve.model_files.tokenizer_files import load_tokenizer
-        tokenizer = load_tokenizer(folder)
+    tokenizer = tokenizer if tokenizer is not None else _folder_tokenizer(folder)
     image_token = int(vision["image_token_id"])
     pieces = read_pieces(tokenizer, image_token, tokens, max_grid(tile, longest, resize_hw, do_resize))
     return Idefics3Config(image_token_id=image_token, tokens_per_image=tokens, tile=tile, longest_edge=longest,
                           resize_hw=resize_hw, resample=int(pre.get("resample", LANCZOS)),
                           do_convert_rgb=bool(pre.get("do_convert_rgb", True)), do_resize=do_resize,
                           do_image_splitting=bool(pre.get("do_image_splitting", True)), **pieces)
+
+
+def _folder_tokenizer(folder: Path):
+    from pagedserve.model_files.tokenizer_files import load_tokenizer
+    return load_tokenizer(folder)
 
 
 def open_image(data: bytes) -> Image.Image:
@@ -195,11 +206,10 @@ def _center_crop(pixels: np.ndarray, crop_h: int, crop_w: int) -> np.ndarray:
     return padded[top:top + crop_h, left:left + crop_w]
 
 
-def process_image(config: ImageConfig | Idefics3Config,
-                  data: bytes | Image.Image) -> tuple[int, int, bytes] | TiledImage:
+def process_image(config: AnyImageConfig, data: bytes | Image.Image) -> tuple[int, int, bytes] | TiledImage:
     """(height, width, RGB uint8 bytes row-major) of one image (encoded bytes or a PIL image) as
-    the model's processor prepares it before rescale and normalize; an Idefics3 model's tiles and
-    global view (idefics3_images.TiledImage)."""
+    the model's processor prepares it before rescale and normalize (a Qwen2-VL model's: at its own
+    resized shape); an Idefics3 model's tiles and global view (idefics3_images.TiledImage)."""
     image = open_image(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     try:
         image.seek(0)  # an animation's first frame
@@ -212,6 +222,8 @@ def process_image(config: ImageConfig | Idefics3Config,
             raise ValueError(f"the image is {image.mode}, not RGB (and do_convert_rgb is false)")
         if isinstance(config, Idefics3Config):
             return tile_image(config, image)
+        if isinstance(config, Qwen2VLConfig):
+            return qwen2_vl_images.resize_image(config, image)
         if config.do_resize:
             width, height = image.size
             if config.resize_hw is not None:
@@ -232,15 +244,18 @@ def process_image(config: ImageConfig | Idefics3Config,
     return pixels.shape[0], pixels.shape[1], pixels.tobytes()
 
 
-def expand_placeholders(config: ImageConfig | Idefics3Config, prompt_ids: list[int],
+def expand_placeholders(config: AnyImageConfig, prompt_ids: list[int],
                         images: list) -> tuple[list[int], list[ImageInput]]:
     """(the prompt with each image token repeated tokens_per_image times, the ImageInputs over them),
     from a prompt with one image token per image (as chat templates render them) and the
     processed images (process_image) in prompt order. ValueError when the counts differ. An
     Idefics3 model's: each image token becomes its processor's expansion, one ImageInput per tile
-    and global view (idefics3_images.expand)."""
+    and global view (idefics3_images.expand); a Qwen2-VL model's: one copy per merged patch of its
+    image (qwen2_vl_images.expand)."""
     if isinstance(config, Idefics3Config):
         return expand(config, prompt_ids, images)
+    if isinstance(config, Qwen2VLConfig):
+        return qwen2_vl_images.expand(config, prompt_ids, images)
     check_image_tokens(prompt_ids, config.image_token_id, len(images))
     out: list[int] = []
     placed: list[ImageInput] = []

@@ -3,7 +3,8 @@ data: URL decoding the gateway shares. The preparation is the tokenizer service'
 (image_processing.py), so a prompt with images gives the same tokens and ImageInputs on every path:
 
   - LLM.generate({"prompt": text, "multi_modal_data": {"image": image or [images]}}): the text
-    (with one <image> per image) through chat_templates.text_token_ids, then prompt_images;
+    (with one image token per image: <image>, or Qwen2-VL's <|vision_start|><|image_pad|><|vision_end|>)
+    through chat_templates.text_token_ids, then prompt_images;
   - LLM.chat(messages with image_url / image_pil / image parts): chat_prompt.
 
 An image is encoded bytes (PNG, JPEG, ...) or a PIL image. Errors are ValueError (and
