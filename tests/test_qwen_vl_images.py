@@ -94,25 +94,32 @@ def test_pixels_and_grids_equal_the_image_processor(folders, tmp_path, variant):
     reference = Qwen2VLImageProcessorPil(**{k: v for k, v in pre.items()
                                             if k not in ("image_processor_type", "processor_class")})
     pics = images() if variant != "no-resize" else [("56x84", rgb(84, 56)), ("112x140", rgb(140, 112))]
-    refused = []
     for name, image in pics:
         for fmt in ("PNG", "WEBP", "GIF") if name == "90x50" else ("PNG",):
             data = encoded(image, fmt)
             theirs = reference(Image.open(io.BytesIO(data)), do_rescale=False, do_normalize=False,
                                return_tensors="np")
             t, gh, gw = (int(v) for v in theirs["image_grid_thw"][0])
-            if not low <= gh * gw * 14 * 14 <= high:  # smart_resize's clamp for a very long side
-                with pytest.raises(ValueError, match=f"is {gh * 14}x{gw * 14} = .* once resized: this model takes"):
-                    ip.process_image(config, data)
-                refused.append(name)
-                continue
+            # every shape smart_resize gives is taken, its clamp of a very long side past max_pixels too
             height, width, pixels = ip.process_image(config, data)
             assert (height, width) == (gh * 14, gw * 14), (name, fmt)
             assert pixels == their_images(theirs["pixel_values"], theirs["image_grid_thw"])[0], (name, fmt)
             ids, placed = ip.expand_placeholders(config, [7, config.image_token_id], [(height, width, pixels)])
             assert len(ids) == 1 + gh * gw // 4 and not image_problem(placed, ids, worker_vision(folder, config))
-    assert refused == {"hub": ["3000x20"], "bilinear": ["3000x20"],
-                       "size": ["3x500", "1000x30", "4000x100", "3000x20"]}.get(variant, [])
+
+
+def test_the_workers_size_rule_is_smart_resizes():
+    """One rule for both sides (vision_config.dynamic_size_problem): sides multiples of the factor,
+    pixels in range, and past max_pixels only smart_resize's clamp (short side = factor, at most 200 times
+    longer)."""
+    from pagedserve.common.vision_config import dynamic_size_problem
+    assert dynamic_size_problem(56, 84, 28, 3136, 50176) is None
+    assert "multiples of 28" in dynamic_size_problem(56, 85, 28, 3136, 50176)
+    assert "3136 to 50176" in dynamic_size_problem(28, 84, 28, 3136, 50176)  # below min_pixels
+    assert "3136 to 50176" in dynamic_size_problem(252, 252, 28, 3136, 50176)  # over, not clamped
+    assert dynamic_size_problem(28, 2744, 28, 3136, 50176) is None  # smart_resize's 3000x20
+    assert dynamic_size_problem(5600, 28, 28, 3136, 50176) is None
+    assert "3136 to 50176" in dynamic_size_problem(28, 5628, 28, 3136, 50176)
 
 
 def worker_vision(folder, config) -> dict:
@@ -243,7 +250,7 @@ def test_counts_and_refusals(folders):
     fixed = dataclasses.replace(config, do_resize=False)
     with pytest.raises(ValueError, match="do_resize is false.*multiples of 28"):
         ip.process_image(fixed, encoded(rgb(60, 40)))
-    with pytest.raises(ValueError, match="is 28x28 = 784 pixels once resized: this model takes 3136"):
+    with pytest.raises(ValueError, match=r"of 28x28 = 784 pixels: this model takes 3136 to .* \(do_resize is false\)"):
         ip.process_image(fixed, encoded(rgb(28, 28)))
 
 

@@ -260,15 +260,29 @@ def _dynamic_problem(images, prompt_token_ids: list[int], vision: dict) -> str |
     factor, token = vision["patch_size"] * vision["merge_size"], vision["image_token_id"]
     for image in images:
         h, w = image.height, image.width
-        if h <= 0 or w <= 0 or h % factor or w % factor:
-            return f"an image of {h}x{w}: this model's vision tower takes sides that are multiples of {factor}"
-        if not vision["min_pixels"] <= h * w <= vision["max_pixels"]:
-            return (f"an image of {h}x{w} = {h * w} pixels: this model takes {vision['min_pixels']} to "
-                    f"{vision['max_pixels']}")
+        why = dynamic_size_problem(h, w, factor, vision["min_pixels"], vision["max_pixels"])
+        if why:
+            return why
         rows, cols = image_grid(h, w, vision)
         if image.length != rows * cols:
             return (f"an image over {image.length} placeholder tokens: this model encodes a {h}x{w} image "
                     f"into {rows * cols}")
         if any(t != token for t in prompt_token_ids[image.offset:image.end]):
             return f"an image's placeholders at {image.offset}..{image.end} are not all the image token {token}"
+    return None
+
+
+MAX_ASPECT = 200  # Qwen2-VL's smart_resize refuses a longer side over 200 times the shorter
+
+
+def dynamic_size_problem(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> str | None:
+    """Why a dynamic-resolution tower (Qwen2-VL) cannot take an image of height x width, or None: sides
+    multiples of factor, pixels within [min_pixels, max_pixels], except what transformers' smart_resize
+    itself makes of an extreme aspect ratio (the short side clamped to factor, the long side at most
+    MAX_ASPECT times it, past max_pixels when the range is small)."""
+    if height <= 0 or width <= 0 or height % factor or width % factor:
+        return f"an image of {height}x{width}: this model's vision tower takes sides that are multiples of {factor}"
+    clamped = min(height, width) == factor and max(height, width) <= MAX_ASPECT * factor
+    if height * width < min_pixels or (height * width > max_pixels and not clamped):
+        return f"an image of {height}x{width} = {height * width} pixels: this model takes {min_pixels} to {max_pixels}"
     return None

@@ -20,9 +20,9 @@ copies are one token id, so the expansion is done on token ids; the tokenizer is
 
 What the worker gets: per image one ImageInput of height x width RGB uint8 over its placeholders; it
 rescales, normalizes, patchifies (temporal_patch_size copies of the frame) and places the rows by
-M-RoPE from the ImageInput's offset and grid (vision_config.image_grid). A resized image outside
-[min_pixels, max_pixels] (smart_resize allows it for extreme aspect ratios: one side clamped to the
-factor) is refused here, since vision_config.image_problem refuses it downstream.
+M-RoPE from the ImageInput's offset and grid (vision_config.image_grid). Whatever smart_resize makes
+of an image the model takes (vision_config.dynamic_size_problem: one rule with the worker's check, which
+allows smart_resize's own excess past max_pixels for an extreme aspect ratio).
 
 Pure functions and a frozen config: safe on any thread.
 """
@@ -36,7 +36,7 @@ import numpy as np
 from PIL import Image
 
 from pagedserve.common.multimodal import ImageInput, check_image_tokens, image_input
-from pagedserve.common.vision_config import image_normalization, qwen2_vl_parts
+from pagedserve.common.vision_config import dynamic_size_problem, image_normalization, qwen2_vl_parts
 
 IMAGE_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
 BICUBIC = 3  # PIL's Image.Resampling.BICUBIC, the image processor's default
@@ -91,9 +91,9 @@ def resize_image(config: Qwen2VLConfig, image: Image.Image) -> tuple[int, int, b
     elif height % config.factor or width % config.factor:
         raise ValueError(f"the image is {height}x{width}: this model does not resize images (do_resize is false) "
                          f"and takes sides that are multiples of {config.factor}")
-    if not config.min_pixels <= height * width <= config.max_pixels:
-        raise ValueError(f"the image is {height}x{width} = {height * width} pixels once resized: this model takes "
-                         f"{config.min_pixels} to {config.max_pixels} (an aspect ratio this extreme does not fit)")
+    why = dynamic_size_problem(height, width, config.factor, config.min_pixels, config.max_pixels)
+    if why:
+        raise ValueError(why + (" once resized" if config.do_resize else " (do_resize is false)"))
     pixels = np.ascontiguousarray(np.asarray(image, dtype=np.uint8))
     return height, width, pixels.tobytes()
 
