@@ -177,6 +177,29 @@ def test_ids_equal_the_processor_for_the_chat_templates_prompt(folders, family):
         assert prompt_images(config, tokenizer.encode(text, add_special_tokens=False), list(pics)) == (ids, placed)
 
 
+def test_a_template_kept_in_the_processors_chat_template_json_is_used(folders, tmp_path):
+    """Some vision-language folders keep the chat template in chat_template.json only (the processor's
+    file, which the tokenizer does not read): the tokenizer takes it from there, as vLLM does; a
+    template of the tokenizer's own wins."""
+    import shutil
+    folder = shutil.copytree(folders["qwen2_vl"], tmp_path / "m")
+    template = load_tokenizer(folder).chat_template
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for name in ("chat_template.jinja",):
+        (folder / name).unlink(missing_ok=True)
+    assert load_tokenizer(folder).chat_template is None
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert load_tokenizer(folder).chat_template == template
+    (folder / "chat_template.jinja").write_text("{{ 'own' }}")
+    assert load_tokenizer(folder).chat_template == "{{ 'own' }}"
+    (folder / "chat_template.jinja").unlink()
+    (folder / "chat_template.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt chat_template.json"):
+        load_tokenizer(folder)
+
+
 def test_string_and_list_contents_render_as_the_template_does(folders):
     """The template loops over content lists (vLLM's "openai" format: a string becomes one text part):
     a system string, image parts in the client's order between text parts, an assistant's string."""

@@ -10,6 +10,7 @@ sentencepiece-only checkpoint) goes through AutoTokenizer.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -37,10 +38,24 @@ def load_tokenizer(folder: str | Path):
             from transformers.tokenization_utils_tokenizers import TokenizersBackend as FastTokenizer
         except ImportError:  # transformers 4.x
             from transformers.tokenization_utils_fast import PreTrainedTokenizerFast as FastTokenizer
-        return FastTokenizer.from_pretrained(folder)
+        return with_processor_template(FastTokenizer.from_pretrained(folder), folder)
     log.warning("%s has no tokenizer.json: loading it through AutoTokenizer, which imports torch", folder)
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return with_processor_template(AutoTokenizer.from_pretrained(folder), folder)
     except (OSError, ValueError, ImportError) as exc:
         raise ValueError(f"cannot load the tokenizer of {folder}: {exc}") from None
+
+
+def with_processor_template(tokenizer, folder: Path):
+    """A vision-language folder may keep its chat template in the processor's chat_template.json only
+    (the tokenizer reads tokenizer_config.json's and chat_template.jinja): take it from there, as vLLM
+    does, when the tokenizer has none."""
+    path = folder / "chat_template.json"
+    if tokenizer.chat_template is None and path.is_file():
+        try:
+            template = json.loads(path.read_text()).get("chat_template")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ValueError(f"corrupt chat_template.json in {folder}: {exc}") from None
+        tokenizer.chat_template = template if isinstance(template, (str, type(None))) else None
+    return tokenizer
