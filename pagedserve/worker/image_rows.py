@@ -18,6 +18,7 @@ import torch
 
 from pagedserve.common.multimodal import ImageInput
 from pagedserve.common.vision_config import image_problem
+from pagedserve.worker import mrope
 
 
 def _overlapping(state, n: int):
@@ -39,13 +40,33 @@ def profile_rows(model, vision: dict | None, num_tokens: int) -> list[torch.Tens
     as a step's do. None for a text model."""
     if vision is None:
         return None
-    side, per = vision["image_size"], vision["num_image_tokens"]
-    blank = ImageInput(0, per, side, side, bytes(side * side * 3))
+    if "num_image_tokens" in vision:
+        side, per = vision["image_size"], vision["num_image_tokens"]
+        blank = ImageInput(0, per, side, side, bytes(side * side * 3))
+    else:  # dynamic resolution (Qwen2-VL): the largest square image max_pixels allows, the most patches each
+        factor = vision["patch_size"] * vision["merge_size"]
+        side = int(vision["max_pixels"] ** 0.5) // factor * factor
+        per = (side // factor) ** 2
+        blank = ImageInput(0, per, side, side, bytes(side * side * 3))
     return model.encode_images([blank] * (num_tokens // per + 2))
 
 
 def has_image_rows(order, counts) -> bool:
     return any(state.images and _overlapping(state, n) for state, n in zip(order, counts))
+
+
+def step_inputs(model, order, counts, input_ids: torch.Tensor) -> dict:
+    """The model's extra keywords for the step: none without image rows; else `inputs_embeds`
+    (step_embeddings), and for an M-RoPE model (Qwen2-VL: its vision has mrope_section) `mrope_positions`,
+    every row's three positions (mrope.py)."""
+    embeds = step_embeddings(model, order, counts, input_ids)
+    if embeds is None:
+        return {}
+    vision = model.vision
+    if "mrope_section" not in vision:
+        return {"inputs_embeds": embeds}
+    sections = mrope.step_section_positions(order, counts, vision["patch_size"] * vision["merge_size"])
+    return {"inputs_embeds": embeds, "mrope_positions": torch.from_numpy(sections).to(input_ids.device)}
 
 
 def step_embeddings(model, order, counts, input_ids: torch.Tensor) -> torch.Tensor | None:

@@ -35,11 +35,12 @@ class VisionLanguage:
         self.vision = vision
         tower, projector = self.parts(vision, cfg.hidden_size)
         setattr(self, self.TOWER, tower)
-        setattr(self, self.PROJECTOR, projector)
+        if self.PROJECTOR:  # (Qwen2-VL's merger is the tower's own)
+            setattr(self, self.PROJECTOR, projector)
         self.requires_grad_(False)
 
     @staticmethod
-    def parts(vision: dict, text_hidden: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    def parts(vision: dict, text_hidden: int) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         raise NotImplementedError
 
     def encode_images(self, images) -> list[torch.Tensor]:
@@ -61,7 +62,7 @@ class VisionLanguage:
                 break
         if name.startswith(self.TOWER + "."):
             return getattr(self, self.TOWER).map_name(name)
-        if name.startswith(self.PROJECTOR + "."):
+        if self.PROJECTOR and name.startswith(self.PROJECTOR + "."):
             return name, 0
         return super().map_name(name)
 
