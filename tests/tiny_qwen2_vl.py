@@ -98,6 +98,20 @@ class Reference:
         return tokens, logprobs
 
     @torch.no_grad()
+    def forwards(self, ids: list[int], pixels: list[np.ndarray], steps: int) -> tuple[list[int], list[float]]:
+        """Greedy by full forwards (get_rope_index over the prompt and the tokens so far, every step): for a
+        prompt that ends with an image, where generate's decode positions step each section on from the
+        image's last placeholder instead (its _update_model_kwargs_for_generation), unlike its own forward
+        and get_rope_index; real prompts end with text (<|vision_end|>, the assistant's turn)."""
+        ids, tokens, logprobs = list(ids), [], []
+        for _ in range(steps):
+            lp = torch.log_softmax(self.model(**self.inputs(ids, pixels)).logits[0, -1].float(), dim=-1)
+            tokens.append(int(lp.argmax()))
+            logprobs.append(lp[tokens[-1]].item())
+            ids.append(tokens[-1])
+        return tokens, logprobs
+
+    @torch.no_grad()
     def rope_index(self, ids: list[int], pixels: list[np.ndarray]) -> np.ndarray:
         """transformers' get_rope_index: [3, tokens]."""
         inputs = self.inputs(ids, pixels)
