@@ -246,3 +246,41 @@ def test_the_tower_encodes_a_batch_as_each_image_alone(qwen):
         assert mine.shape == (image.length, 64)
         torch.testing.assert_close(mine, single, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_the_three_sections_rotary_equals_transformers(qwen):
+    """The model's rope argument for [3, tokens] positions (plain torch ops: each token's cos and sin rows)
+    equals transformers' M-RoPE cos and sin; for [tokens] positions, plain rope."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
+
+    from pagedserve.worker.ops import NativeOps
+    folder, ref, _ = qwen
+    model = make_engine(folder).runner.model
+    model.ops = NativeOps()
+    positions = torch.randint(0, 200, (3, 11))
+    cos, sin = model.rope(positions, torch.float32)
+    theirs = Qwen2VLRotaryEmbedding(ref.model.config.text_config)
+    their_cos, their_sin = theirs(torch.zeros(1, dtype=torch.float32), positions[:, None, :])
+    torch.testing.assert_close(cos[:, 0], their_cos[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin[:, 0], their_sin[0], atol=1e-6, rtol=0)
+    plain_cos, _ = model.rope(positions[1], torch.float32)
+    same = theirs(torch.zeros(1), positions[1].expand(3, 1, -1))[0][0]
+    torch.testing.assert_close(plain_cos[:, 0], same, atol=1e-6, rtol=0)
+
+
+def test_prompt_logprobs_over_images_split_in_chunks(qwen):
+    """Every prompt position's logprob, the images' placeholders' and the shifted text's, equals transformers'
+    forward over the whole prompt."""
+    folder, ref, _ = qwen
+    ids, pixels, images = two_images(70)
+    engine = make_engine(folder, max_num_batched_tokens=6)
+    engine.add_request("p", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
+    got = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            got = out.prompt_logprobs if out.prompt_logprobs is not None else got
+    with torch.no_grad():
+        logits = ref.model(**ref.inputs(ids, pixels)).logits[0, :-1]
+    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    assert [t.token_id for t in got] == ids[1:]
+    assert [t.logprob for t in got] == pytest.approx(expected, abs=1e-4)

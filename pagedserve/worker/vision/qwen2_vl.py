@@ -52,19 +52,28 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], scale: float):
-    """q, k, v [tokens, heads, head_dim]; each segment bounds[i]..bounds[i + 1] attends to itself only.
-    Segments of one length run as one batch."""
+def segments(bounds: list[int], device: torch.device) -> list[tuple[int, int, torch.Tensor | int]]:
+    """Segments bounds[i]..bounds[i + 1] grouped by length: (length, how many, their rows in order; or the
+    start, for a length only one segment has: a slice). Built once a pass, read by every block."""
     by_length: dict[int, list[int]] = defaultdict(list)
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:
             by_length[end - start].append(start)
-    if len(by_length) == 1 and len(next(iter(by_length.values()))) == 1:  # one segment: all of it
-        return F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v)), scale=scale).transpose(0, 1)
+    return [(length, len(starts), starts[0] if len(starts) == 1 else
+             (torch.tensor(starts)[:, None] + torch.arange(length)).reshape(-1).to(device))
+            for length, starts in by_length.items()]
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups, scale: float) -> torch.Tensor:
+    """q, k, v [tokens, heads, head_dim]; each segment of `groups` (segments()) attends to itself only,
+    segments of one length in one batch."""
     out = torch.empty_like(q)
-    for length, starts in by_length.items():
-        rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
-        qs, ks, vs = (t[rows].view(len(starts), length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+    for length, count, rows in groups:
+        if isinstance(rows, int):
+            qs, ks, vs = (t[None, rows:rows + length].transpose(1, 2) for t in (q, k, v))  # 4-D: the CPU's
+            out[rows:rows + length] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0].transpose(0, 1)
+            continue  # flash kernel (3-D inputs take the math path)
+        qs, ks, vs = (t[rows].view(count, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         out[rows] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2).reshape(-1, *q.shape[1:])
     return out
 
@@ -75,11 +84,11 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.qkv, self.proj = Linear(dim, 3 * dim), Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = ((t.float() * cos + _rotate_half(t.float()) * sin).to(x.dtype) for t in (q, k))  # in float32
-        return self.proj(segment_attention(q, k, v, bounds, self.head_dim ** -0.5).reshape(n, -1))
+        return self.proj(segment_attention(q, k, v, groups, self.head_dim ** -0.5).reshape(n, -1))
 
 
 class MLP(nn.Module):
@@ -114,8 +123,8 @@ class Block(nn.Module):
         mlp = GatedMLP if v["family"] == "qwen2_5_vl" else MLP
         self.mlp = mlp(dim, v["intermediate_size"], v["hidden_act"])
 
-    def forward(self, x, cos, sin, bounds):
-        x = x + self.attn(self.norm1(x), cos, sin, bounds)
+    def forward(self, x, cos, sin, groups):
+        x = x + self.attn(self.norm1(x), cos, sin, groups)
         return x + self.mlp(self.norm2(x))
 
 
@@ -211,6 +220,7 @@ class Qwen2VLVisionTower(nn.Module):
         flat = torch.cat(pieces).to(dtype)  # each patch's frame, temporal_patch_size times: the weights summed
         x = F.linear(flat.reshape(flat.shape[0], -1), weight.sum(dim=2).reshape(weight.shape[0], -1))
         cos, sin = torch.cat(cos), torch.cat(sin)
+        full, windowed = segments(full, device), segments(windowed, device) if self.windowed else None
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, full if i in self.full_blocks else windowed)
         merged = self.merger(x)
