@@ -9,7 +9,9 @@ prefill may split an image across steps, and a prefix-cache hit may start inside
 request is resent as a new state and encodes again. The step is laid out eagerly (the model runner
 passes no graph a step with image rows), decodes first then prefills, each state's `n` positions
 from its num_computed_tokens: the order and counts the runner gives here. A text-only step costs a
-scan of the states' image lists and nothing else. The model runner's step thread only.
+scan of the states' image lists and nothing else. An M-RoPE model (Qwen2-VL) also takes each row's three
+positions in such a step (step_inputs, mrope.py). A dynamic-resolution model's images each have their own
+number of rows (its encode_images checks them). The model runner's step thread only.
 """
 
 from __future__ import annotations

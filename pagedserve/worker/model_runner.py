@@ -2,7 +2,8 @@
 flattened batch, runs the model over the paged KV cache and samples. Makes no scheduling decision.
 With a draft model (enable_draft; worker/draft_model.py) the draft runs each step's positions
 first and fills in the proposals the step verifies. A vision-language model's steps whose positions
-cover images' placeholders run eagerly, with those rows' embeddings from the images (image_rows.py)."""
+cover images' placeholders run eagerly, with those rows' embeddings from the images (image_rows.py); an M-RoPE
+model's (Qwen2-VL) positions are shifted in every layout and given in three sections there (mrope.py)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ which turns ImageInputs (each an image, or one tile of one, of the tower's size 
 placeholders) into embedding rows that the model runner scatters over the placeholders
 (worker/image_rows.py).
 
+Qwen2-VL (models/qwen2_vl.py) has no projector apart from its tower (PROJECTOR "": the merger is the
+tower's) and overrides encode_images: its images have rows of their own number each.
+
 A family names its parts' attributes (the checkpoint's names after RENAMES), makes them (parts) and maps
 its checkpoint's prefixes; load time builds it, the step thread encodes.
 """
