@@ -284,3 +284,12 @@ def test_prompt_logprobs_over_images_split_in_chunks(qwen):
     expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
     assert [t.token_id for t in got] == ids[1:]
     assert [t.logprob for t in got] == pytest.approx(expected, abs=1e-4)
+
+
+def test_only_an_mrope_model_shifts_its_layouts(qwen, tiny_llama):
+    """A text model's (and LLaVA's) layouts call no shift: InputBatch.rope_shift stays None."""
+    from pagedserve.worker.mrope import PositionShift, position_shift
+    folder, _, _ = qwen
+    assert isinstance(make_engine(folder).runner.input_batch.rope_shift, PositionShift)
+    assert make_engine(tiny_llama).runner.input_batch.rope_shift is None
+    assert position_shift({"image_size": 56, "num_image_tokens": 16}) is None and position_shift(None) is None
