@@ -6,6 +6,7 @@ Decode graphs. A pure-decode step of batch b runs as the graph captured for the 
 puts them: token ids, positions, slot mapping, sequence lengths (one slice of the largest bucket's rows each) and
 block tables (max_blocks wide, zero-padded) at fixed offsets of the input batch's device buffer
 (input_batch.graph_region; the host writes a step there with layout_graph_decode), so a replay copies no input.
+An M-RoPE model's positions arrive there already shifted (InputBatch.rope_shift, worker/mrope.py).
 The attention backends build what else they need (the torch backend's mask) from these inside the graph. The
 rows past b repeat row 0 exactly (its token, position, slot, table and length): they compute the same keys and
 values as row 0 and write them into row 0's slot, so a padding row never touches another sequence's block, and

@@ -9,7 +9,9 @@ prefill may split an image across steps, and a prefix-cache hit may start inside
 request is resent as a new state and encodes again. The step is laid out eagerly (the model runner
 passes no graph a step with image rows), decodes first then prefills, each state's `n` positions
 from its num_computed_tokens: the order and counts the runner gives here. A text-only step costs a
-scan of the states' image lists and nothing else. The model runner's step thread only.
+scan of the states' image lists and nothing else. An M-RoPE model (Qwen2-VL) also takes each row's three
+positions in such a step (step_inputs, mrope.py). A dynamic-resolution model's images each have their own
+number of rows (its encode_images checks them). The model runner's step thread only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from pagedserve.common.multimodal import ImageInput
 from pagedserve.common.vision_config import image_problem
+from pagedserve.worker import mrope
 
 
 def _overlapping(state, n: int):
@@ -39,13 +42,33 @@ def profile_rows(model, vision: dict | None, num_tokens: int) -> list[torch.Tens
     as a step's do. None for a text model."""
     if vision is None:
         return None
-    side, per = vision["image_size"], vision["num_image_tokens"]
-    blank = ImageInput(0, per, side, side, bytes(side * side * 3))
+    if "num_image_tokens" in vision:
+        side, per = vision["image_size"], vision["num_image_tokens"]
+        blank = ImageInput(0, per, side, side, bytes(side * side * 3))
+    else:  # dynamic resolution (Qwen2-VL): the largest square image max_pixels allows, the most patches each
+        factor = vision["patch_size"] * vision["merge_size"]
+        side = int(vision["max_pixels"] ** 0.5) // factor * factor
+        per = (side // factor) ** 2
+        blank = ImageInput(0, per, side, side, bytes(side * side * 3))
     return model.encode_images([blank] * (num_tokens // per + 2))
 
 
 def has_image_rows(order, counts) -> bool:
     return any(state.images and _overlapping(state, n) for state, n in zip(order, counts))
+
+
+def step_inputs(model, order, counts, input_ids: torch.Tensor) -> dict:
+    """The model's extra keywords for the step: none without image rows; else `inputs_embeds`
+    (step_embeddings), and for an M-RoPE model (Qwen2-VL: its vision has mrope_section) `mrope_positions`,
+    every row's three positions (mrope.py)."""
+    embeds = step_embeddings(model, order, counts, input_ids)
+    if embeds is None:
+        return {}
+    vision = model.vision
+    if "mrope_section" not in vision:
+        return {"inputs_embeds": embeds}
+    sections = mrope.step_section_positions(order, counts, vision["patch_size"] * vision["merge_size"])
+    return {"inputs_embeds": embeds, "mrope_positions": torch.from_numpy(sections).to(input_ids.device)}
 
 
 def step_embeddings(model, order, counts, input_ids: torch.Tensor) -> torch.Tensor | None:

@@ -21,6 +21,8 @@ request states keep in step with the deltas (block_table.py: one numpy op a tabl
 
 Invariants:
 - the views handed out for a step stay valid until the next `begin` (the step's forward and sampling);
+- positions hold token indices when the slots are computed from them; an M-RoPE model's rotary shifts
+  (batch.rope_shift, worker/mrope.py) are added after that, before the upload;
 - `begin` waits until the previous step's copy has left the pinned buffer (a CUDA event) before the host
   writes it again (a step whose sampled ids were read back has passed it already: no wait).
 
@@ -46,6 +48,9 @@ class InputBatch:
         self.device = device
         self._cuda = device.type == "cuda"
         self.allocations = 0  # times the buffers were (re)allocated: constant after warm-up
+        # an M-RoPE model's (mrope.PositionShift): each layout adds its rows' rotary shifts to the positions
+        # after computing the slots from them, before the upload; None (text models): nothing is called
+        self.rope_shift = None
         self._used = 0
         self._event = None  # CUDA: made on the first upload, on this batch's device
         self._copied = False  # whether _event marks a copy the host must wait for
@@ -143,6 +148,8 @@ def layout_step(batch: InputBatch, decodes: list, prefills: list, num_tokens: in
                              tables) for g in range(num_groups)]
     if num_prefills:
         chunks.reshape(num_prefills, 3)[:] = [(q, n, c) for q, n, c, _ in layouts[0].prefills]
+    if batch.rope_shift is not None and given_positions is None:
+        batch.rope_shift(positions, [*decodes, *prefills])
     batch.upload()
     decode_lens = batch.view(lens_at, num_decodes) if num_decodes else None
     prefill_chunks = batch.view(chunks_at, num_prefills, 3) if num_prefills else None
@@ -249,6 +256,8 @@ def layout_graph_decode(batch: InputBatch, decodes: list, size: int, rows: int, 
     step_tables = flat.reshape(size, groups, width)
     ids[:batch_size] = [s.token_ids[s.num_computed_tokens] for s, _ in decodes]
     positions[:batch_size] = pos
+    if batch.rope_shift is not None:
+        batch.rope_shift(positions[:batch_size], decodes)
     lens[:batch_size] = pos + 1
     if not batch_size:
         for column in (ids, positions):
@@ -353,6 +362,8 @@ def layout_graph_mixed(batch: InputBatch, decodes: list, prefills: list, num_tok
         step_tables[:num_real, g, need:] = 0
         group_slots[:num_tokens] = step_tables[rows_of_tokens, g, pos // bs] * bs + pos % bs
         group_slots[num_tokens:size] = -1
+    if batch.rope_shift is not None:
+        batch.rope_shift(pos, scheduled)
     lens[:num_real] = ends
     lens[num_real:used_rows] = runs
     lens[used_rows:] = 0

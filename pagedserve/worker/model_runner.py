@@ -2,7 +2,8 @@
 flattened batch, runs the model over the paged KV cache and samples. Makes no scheduling decision.
 With a draft model (enable_draft; worker/draft_model.py) the draft runs each step's positions
 first and fills in the proposals the step verifies. A vision-language model's steps whose positions
-cover images' placeholders run eagerly, with those rows' embeddings from the images (image_rows.py)."""
+cover images' placeholders run eagerly, with those rows' embeddings from the images (image_rows.py); an M-RoPE
+model's (Qwen2-VL) positions are shifted in every layout and given in three sections there (mrope.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pagedserve.worker.graph_runner import CudaGraph, DecodeGraphRunner, GraphCa
 from pagedserve.worker.input_batch import InputBatch, layout_step
 from pagedserve.worker.kv_cache import KVCache, bytes_per_block
 from pagedserve.worker.models import model_class
-from pagedserve.worker import image_rows, pooling, prompt_logprobs, spec_verify, step_overlap
+from pagedserve.worker import image_rows, mrope, pooling, prompt_logprobs, spec_verify, step_overlap
 from pagedserve.worker.process_group import TPGroup, broadcast_from_rank0, tp_group, using_group
 from pagedserve.worker.platform import platform_for
 from pagedserve.worker.request_states import RequestState, RequestStates
@@ -72,6 +73,7 @@ class ModelRunner:
         self._mixed_size: int | None = None  # ... or the token size (a mixed-step graph)
         self.sampler = Sampler()
         self.input_batch = InputBatch(device)  # the step's integer inputs, persistent (input_batch.py)
+        self.input_batch.rope_shift = mrope.position_shift(model_config.vision)  # M-RoPE's (mrope.py), else None
         self.requests = RequestStates()
         self._unfinished: list[StepInFlight] = []  # steps begun whose tokens are not yet taken (<= 2)
         self.held_rows = 0  # rows fed from a step in flight's sampled ids (step_overlap.py), summed
@@ -321,10 +323,9 @@ class ModelRunner:
             except GraphCaptureError as exc:
                 log.warning("%s; mixed steps run eagerly from now on (--enforce-eager says so up front)", exc)
                 self.mixed_graphs = None
-        if hidden is None:
-            embeds = image_rows.step_embeddings(self.model, order, counts, input_ids) if self.config.vision else None
-            hidden = self.model(input_ids, positions, self.kv.model_caches(), meta, **(
-                {} if embeds is None else {"inputs_embeds": embeds}))
+        if hidden is None:  # (image rows: their embeddings, an M-RoPE model's three positions)
+            extra = image_rows.step_inputs(self.model, order, counts, input_ids) if self.config.vision else {}
+            hidden = self.model(input_ids, positions, self.kv.model_caches(), meta, **extra)
         hidden = hidden[:step.total_num_scheduled_tokens]
         ends = np.cumsum(counts) - 1
         samplers = [i for i, (s, n) in enumerate(zip(order, counts))

@@ -44,6 +44,9 @@ class RequestState:
     # image index -> its encoder rows, from the step that first reaches its placeholders until the
     # step that computes its last one (worker/image_rows.py); a resent (preempted) request encodes again
     image_rows: dict | None = None
+    # an M-RoPE model's mrope.RopeShifts of its images (worker/mrope.py): set when first laid out; a fork's
+    # samples share their parent's
+    mrope: object | None = None
 
 
 class RequestStates(dict[str, RequestState]):
@@ -136,6 +139,6 @@ class RequestStates(dict[str, RequestState]):
                 self._add(RequestState(
                     child_id, state.token_ids[:state.num_prompt_tokens] + [token], state.num_prompt_tokens,
                     state.params, list(state.block_ids), state.num_computed_tokens, index, [],
-                    [list(t) for t in state.group_block_ids]))
+                    [list(t) for t in state.group_block_ids], mrope=state.mrope))
             state.child_req_ids = []
             state.token_ids.append(tokens[0])

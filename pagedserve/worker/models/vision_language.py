@@ -6,6 +6,9 @@ which turns ImageInputs (each an image, or one tile of one, of the tower's size 
 placeholders) into embedding rows that the model runner scatters over the placeholders
 (worker/image_rows.py).
 
+Qwen2-VL (models/qwen2_vl.py) has no projector apart from its tower (PROJECTOR "": the merger is the
+tower's) and overrides encode_images: its images have rows of their own number each.
+
 A family names its parts' attributes (the checkpoint's names after RENAMES), makes them (parts) and maps
 its checkpoint's prefixes; load time builds it, the step thread encodes.
 """
@@ -35,11 +38,12 @@ class VisionLanguage:
         self.vision = vision
         tower, projector = self.parts(vision, cfg.hidden_size)
         setattr(self, self.TOWER, tower)
-        setattr(self, self.PROJECTOR, projector)
+        if self.PROJECTOR:  # (Qwen2-VL's merger is the tower's own)
+            setattr(self, self.PROJECTOR, projector)
         self.requires_grad_(False)
 
     @staticmethod
-    def parts(vision: dict, text_hidden: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    def parts(vision: dict, text_hidden: int) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         raise NotImplementedError
 
     def encode_images(self, images) -> list[torch.Tensor]:
@@ -61,7 +65,7 @@ class VisionLanguage:
                 break
         if name.startswith(self.TOWER + "."):
             return getattr(self, self.TOWER).map_name(name)
-        if name.startswith(self.PROJECTOR + "."):
+        if self.PROJECTOR and name.startswith(self.PROJECTOR + "."):
             return name, 0
         return super().map_name(name)
 
