@@ -10,6 +10,9 @@ request is resent as a new state and encodes again. The step is laid out eagerly
 passes no graph a step with image rows), decodes first then prefills, each state's `n` positions
 from its num_computed_tokens: the order and counts the runner gives here. A text-only step costs a
 scan of the states' image lists and nothing else. The model runner's step thread only.
+
+A bidirectional model (Gemma 3: an image's placeholders attend to each other both ways) gets its step's
+AttentionMetadata.key_limits from mark_key_limits; its images are never split across steps.
 """
 
 from __future__ import annotations
@@ -46,6 +49,35 @@ def profile_rows(model, vision: dict | None, num_tokens: int) -> list[torch.Tens
 
 def has_image_rows(order, counts) -> bool:
     return any(state.images and _overlapping(state, n) for state, n in zip(order, counts))
+
+
+def mark_key_limits(metas, order, counts, positions: torch.Tensor, vision: dict | None) -> None:
+    """A bidirectional model's (vision["bidirectional"]: Gemma 3) step with image rows: each meta's key_limits
+    (attention.AttentionMetadata), the image's last placeholder position for its placeholders, each other
+    query's own position. Nothing for another model, or a step that touches no image. The scheduler computes an
+    image's placeholders in one step (scheduler/core/image_chunks.py); a step that splits one is refused here,
+    since no attention could give transformers' rows for it."""
+    if not vision or not vision.get("bidirectional"):
+        return
+    spans, base = [], 0  # (first flat row, rows, the image's last position)
+    for state, n in zip(order, counts):
+        if state.images:
+            start = state.num_computed_tokens
+            for _, image in _overlapping(state, n):
+                if image.end > start + n:
+                    raise ValueError(f"a step computes positions {start}..{start + n - 1} of an image at "
+                                     f"{image.offset}..{image.end - 1}: this model needs all of an image's "
+                                     "placeholders in one step")
+                lo = max(image.offset, start)
+                spans.append((base + lo - start, image.end - lo, image.end - 1))
+        base += n
+    if not spans:
+        return
+    limits = positions[:base].clone()
+    for row, rows, last in spans:
+        limits[row:row + rows] = last
+    for meta in metas:
+        meta.key_limits = limits
 
 
 def step_embeddings(model, order, counts, input_ids: torch.Tensor) -> torch.Tensor | None:

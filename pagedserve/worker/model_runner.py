@@ -239,6 +239,8 @@ class ModelRunner:
             return *laid, order, counts
         input_ids, positions, metas = layout_step(self.input_batch, decodes, prefills, num_tokens, self.kv.groups,
                                                   self.block_size, tables=rows)
+        if graphs is None and self.config.vision is not None:  # an image's placeholders may see each other
+            image_rows.mark_key_limits(metas, order, counts, positions, self.config.vision)
         return input_ids, positions, self._per_layer(metas), order, counts
 
     def batch_metadata(self, decodes, prefills, positions: np.ndarray):

@@ -1,0 +1,106 @@
+"""A tiny random-weight Gemma3ForConditionalGeneration, built and saved by the tests (transformers' own model
+and config), and transformers' greedy answer on it with the bidirectional image mask (token_type_ids).
+
+Shape: a Gemma 3 text model of hidden 64 (layers sliding, full: a local layer and a global one; sliding window
+16, so prompts past it lose keys), a SigLIP tower over 56x56 images in 14x14 patches (4x4 patches), pooled to
+mm_tokens_per_image 4 rows; the image, begin-of-image and end-of-image tokens inside the 256-token vocabulary.
+Weights are sharpened (tiny_models.sharpen) so greedy choices are well separated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+IMAGE_TOKEN, BOI, EOI = 255, 253, 254
+IMAGE_SIZE, MM_TOKENS = 56, 4
+WINDOW = 16
+
+
+def build_tiny_gemma3_vl(folder: Path, seed: int = 0, layer_types=("sliding_attention", "full_attention"),
+                         renames: tuple[tuple[str, str], ...] = ()) -> Path:
+    """Save the model (config.json, model.safetensors) into folder; renames: (prefix, new prefix) applied to
+    the saved tensor names (another checkpoint layout of the same weights)."""
+    import transformers
+
+    from tiny_models import sharpen
+
+    torch.manual_seed(seed)
+    text = transformers.Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=WINDOW, layer_types=list(layer_types), max_position_embeddings=512, rms_norm_eps=1e-6,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=MM_TOKENS,
+                                    image_token_index=IMAGE_TOKEN, boi_token_index=BOI, eoi_token_index=EOI)
+    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    sharpen(model, norm_mean=0.0, norm_std=0.5)  # Gemma's norms are (1 + w): spread around 1
+    model.save_pretrained(folder, safe_serialization=True)
+    if renames:
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(folder / "model.safetensors")
+        out = {}
+        for name, tensor in tensors.items():
+            for old, new in renames:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
+            out[name] = tensor
+        save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def image(seed: int) -> np.ndarray:
+    """A random 56x56 RGB image, uint8 [H, W, 3]."""
+    return np.random.default_rng(seed).integers(0, 256, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+
+
+def pixel_values(images: list[np.ndarray]) -> torch.Tensor | None:
+    """Gemma3ImageProcessor's normalization of images already 56x56: x / 255, then (x - 0.5) / 0.5."""
+    if not images:
+        return None
+    x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() * (1 / 255)
+    return (x - 0.5) / 0.5
+
+
+class Reference:
+    """transformers' Gemma3ForConditionalGeneration on the folder, float32 (or dtype)."""
+
+    def __init__(self, folder: Path, dtype=torch.float32) -> None:
+        import transformers
+        self.model = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=dtype).eval()
+
+    @torch.no_grad()
+    def logits(self, ids: list[int], images: list[np.ndarray], bidirectional: bool = True) -> torch.Tensor:
+        """Every position's logits [len(ids), vocab] by one full forward; bidirectional=False: without
+        token_type_ids (transformers then masks images causally, as a text model)."""
+        input_ids = torch.tensor([ids])
+        types = (input_ids == IMAGE_TOKEN).long() if bidirectional else None
+        values = pixel_values(images)
+        values = None if values is None else values.to(self.model.dtype)
+        return self.model(input_ids=input_ids, pixel_values=values, token_type_ids=types).logits[0].float()
+
+    def greedy(self, ids: list[int], images: list[np.ndarray], steps: int,
+               bidirectional: bool = True) -> tuple[list[int], list[float]]:
+        """Greedy tokens and their logprobs by full forwards."""
+        ids, tokens, logprobs = list(ids), [], []
+        for _ in range(steps):
+            lp = torch.log_softmax(self.logits(ids, images, bidirectional)[-1], dim=-1)
+            token = int(lp.argmax())
+            tokens.append(token)
+            logprobs.append(lp[token].item())
+            ids.append(token)
+        return tokens, logprobs
+
+    @torch.no_grad()
+    def generate(self, ids: list[int], images: list[np.ndarray], steps: int) -> list[int]:
+        """transformers' own generate (KV cache; token_type_ids on the prompt, as its processor gives them)."""
+        input_ids = torch.tensor([ids])
+        out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                  token_type_ids=(input_ids == IMAGE_TOKEN).long(), pixel_values=pixel_values(images),
+                                  max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)
+        return out[0, len(ids):].tolist()
