@@ -12,6 +12,9 @@ are the worker's rule (common/vision_config.py: (image_size / patch_size)^2, plu
 vision_feature_select_strategy "full"), which is transformers' LlavaProcessor's for a consistent
 folder; a folder whose processor files disagree with it is refused when it is read.
 
+Gemma 3 (gemma3_images.py): image_config gives a Gemma3ImageConfig (a resize to the tower's square, the
+processor's "\n\n<start_of_image>...<end_of_image>\n\n" expansion).
+
 Idefics3 / SmolVLM (idefics3_images.py): image_config gives an Idefics3Config, process_image the
 image's tiles and global view (a TiledImage), expand_placeholders the processor's expansion of each
 image token with one ImageInput per tile; the callers (the tokenizer service, prompt_images.py) are
@@ -34,7 +37,9 @@ import numpy as np
 from PIL import Image
 
 from pagedserve.common.multimodal import ImageInput, check_image_tokens, image_input
-from pagedserve.common.vision_config import IDEFICS3_ARCHITECTURES, idefics3_parts, llava_parts
+from pagedserve.common.vision_config import GEMMA3_ARCHITECTURES, IDEFICS3_ARCHITECTURES, idefics3_parts, llava_parts
+from pagedserve.model_files.gemma3_images import Gemma3ImageConfig, gemma3_config, resize_image
+from pagedserve.model_files.gemma3_images import expand as gemma3_expand
 from pagedserve.model_files.idefics3_images import (LANCZOS, Idefics3Config, TiledImage, expand, max_grid,
                                                     read_pieces, tile_image)
 
@@ -43,8 +48,8 @@ MAX_IMAGE_PIXELS = 40_000_000  # width x height of a decoded image (about a 6300
 # PIL's own bomb guard (process-wide): an error past 2x this, a warning past 1x; open_image refuses past 1x
 Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
 
-# The architectures whose images the worker encodes; another model's image token (Gemma 3's, ...) is
-# not taken: such a model serves text only.
+# The architectures whose images the worker encodes; another model's image token is not taken: such a
+# model serves text only.
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,7 @@ class ImageConfig:
 
 
 # what image_config gives for a model that takes images: the callers pass it back, never look inside
-AnyImageConfig = ImageConfig | Idefics3Config
+AnyImageConfig = ImageConfig | Idefics3Config | Gemma3ImageConfig
 
 
 def _read(path: Path) -> dict:
@@ -80,7 +85,7 @@ def _hw(size: dict | int, what: str) -> tuple[int, int]:
     raise ValueError(f"preprocessor_config.json's {what} must be {{'height', 'width'}}, got {size!r}")
 
 
-def image_config(folder: str | Path, tokenizer=None) -> ImageConfig | Idefics3Config | None:
+def image_config(folder: str | Path, tokenizer=None) -> AnyImageConfig | None:
     """The image front end of the model in folder (ImageConfig for LLaVA, Idefics3Config for
     Idefics3 / SmolVLM); None for a model that takes no images (another architecture). The image
     token and the placeholders per image (per tile) are the worker's own reading of config.json
@@ -92,6 +97,12 @@ def image_config(folder: str | Path, tokenizer=None) -> ImageConfig | Idefics3Co
     archs = config.get("architectures") or ()
     if set(archs) & set(IDEFICS3_ARCHITECTURES):
         return idefics3_config(folder, config, tokenizer)
+    if set(archs) & set(GEMMA3_ARCHITECTURES):  # Gemma 3 (gemma3_images.py): its expansion re-tokenizes
+        if tokenizer is None:
+            from pagedserve.model_files.tokenizer_files import load_tokenizer
+            tokenizer = load_tokenizer(folder)
+        return gemma3_config(config, _read(folder / "preprocessor_config.json"),
+                             _read(folder / "processor_config.json"), tokenizer)
     if "LlavaForConditionalGeneration" not in archs:
         return None
     vision = llava_parts(config)[1]
@@ -195,8 +206,7 @@ def _center_crop(pixels: np.ndarray, crop_h: int, crop_w: int) -> np.ndarray:
     return padded[top:top + crop_h, left:left + crop_w]
 
 
-def process_image(config: ImageConfig | Idefics3Config,
-                  data: bytes | Image.Image) -> tuple[int, int, bytes] | TiledImage:
+def process_image(config: AnyImageConfig, data: bytes | Image.Image) -> tuple[int, int, bytes] | TiledImage:
     """(height, width, RGB uint8 bytes row-major) of one image (encoded bytes or a PIL image) as
     the model's processor prepares it before rescale and normalize; an Idefics3 model's tiles and
     global view (idefics3_images.TiledImage)."""
@@ -212,6 +222,8 @@ def process_image(config: ImageConfig | Idefics3Config,
             raise ValueError(f"the image is {image.mode}, not RGB (and do_convert_rgb is false)")
         if isinstance(config, Idefics3Config):
             return tile_image(config, image)
+        if isinstance(config, Gemma3ImageConfig):
+            return resize_image(config, image)
         if config.do_resize:
             width, height = image.size
             if config.resize_hw is not None:
@@ -232,7 +244,7 @@ def process_image(config: ImageConfig | Idefics3Config,
     return pixels.shape[0], pixels.shape[1], pixels.tobytes()
 
 
-def expand_placeholders(config: ImageConfig | Idefics3Config, prompt_ids: list[int],
+def expand_placeholders(config: AnyImageConfig, prompt_ids: list[int],
                         images: list) -> tuple[list[int], list[ImageInput]]:
     """(the prompt with each image token repeated tokens_per_image times, the ImageInputs over them),
     from a prompt with one image token per image (as chat templates render them) and the
@@ -241,6 +253,8 @@ def expand_placeholders(config: ImageConfig | Idefics3Config, prompt_ids: list[i
     and global view (idefics3_images.expand)."""
     if isinstance(config, Idefics3Config):
         return expand(config, prompt_ids, images)
+    if isinstance(config, Gemma3ImageConfig):
+        return gemma3_expand(config, prompt_ids, images)
     check_image_tokens(prompt_ids, config.image_token_id, len(images))
     out: list[int] = []
     placed: list[ImageInput] = []
