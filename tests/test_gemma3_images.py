@@ -109,6 +109,7 @@ def test_a_chat_and_the_offline_prompt(folder):
 
 
 def test_the_tokenizer_service_expands_as_the_processor(folder):
+    from pagedserve.v1 import generate_pb2
     from test_tokenizer_images import chat_with_images
     from test_tokenizer_service import collect, start_stack, streamer
 
@@ -136,6 +137,7 @@ def test_the_tokenizer_service_expands_as_the_processor(folder):
             assert all(ids[g.offset - 1:g.end + 1] == [config.image_token_id] + [config.soft_token_id] * MM_TOKENS
                        + [config.eoi_token_id] for g in got)
             assert res[0].accepted and res[0].usage.prompt_tokens == len(ids)
+            assert (await stub.GetModelInfo(generate_pb2.ModelInfoRequest())).takes_images
         finally:
             await stop()
     asyncio.run(main())

@@ -191,6 +191,16 @@ def test_bfloat16(gemma3):
     assert run(engine, [("b", ids, images)])["b"][0][0] == ref.greedy(ids, pixels, STEPS)[0]
 
 
+def test_two_ranks(gemma3):
+    folder, ref = gemma3
+    ids, pixels, images = prompt_of([2] + text(23, 3), image(14), text(24, 5), image(15), text(25, 2))
+    plain = [2] + text(26, 9)
+    with make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=8) as engine:
+        results = run(engine, [("image", ids, images), ("text", plain, [])])
+    check(results["image"][0], ref.greedy(ids, pixels, STEPS))
+    check(results["text"][0], ref.greedy(plain, [], STEPS))
+
+
 def test_an_image_longer_than_a_step_is_refused(gemma3):
     folder, _ = gemma3
     ids, _, images = prompt_of([2] + text(21, 3), image(13), text(22, 2))
