@@ -90,3 +90,35 @@ def test_an_image_longer_than_a_step_is_refused():
     with pytest.raises(ValueError, match="max-num-batched-tokens"):
         sched.check_prompt(10, (img(2, 4),))
     Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=3)).add_request(req)
+
+
+def test_the_scheduler_service_reads_the_rule_from_the_worker_and_answers_400():
+    """WorkerInfo.whole_images turns the rule on; an image longer than a step is INVALID_ARGUMENT (the
+    gateway's 400) naming the flag, before anything is stored."""
+    import grpc
+
+    from fake_workers import started_service
+    from pagedserve.common.grpc_util import StatusError
+    from pagedserve.common.multimodal import image_to_proto
+    from pagedserve.v1 import common_pb2, scheduler_pb2
+
+    def request(length: int) -> scheduler_pb2.ScheduleRequest:
+        msg = scheduler_pb2.ScheduleRequest(request_id="r", prompt_token_ids=list(range(10, 30)),
+                                            params=common_pb2.SamplingParams(max_tokens=2, temperature=0.0))
+        image_to_proto(img(2, length), msg.images.add())
+        return msg
+
+    for whole in (True, False):
+        service = started_service(0.0, 6, whole_images=whole)
+        try:
+            assert service.scheduler.config.whole_images is whole
+            service._validate("ok", request(6))
+            if whole:
+                with pytest.raises(StatusError) as refused:
+                    service._validate("r", request(7))
+                assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+                assert "--max-num-batched-tokens is 6" in refused.value.details
+            else:
+                service._validate("r", request(7))
+        finally:
+            service.stop()
