@@ -207,3 +207,14 @@ def test_an_image_longer_than_a_step_is_refused(gemma3):
     engine = make_engine(folder, max_num_batched_tokens=3)
     with pytest.raises(ValueError, match="--max-num-batched-tokens is 3"):
         engine.add_request("a", ids, GREEDY, images=images)
+
+
+def test_a_scheduler_that_splits_an_image_fails_the_request_not_the_step(gemma3):
+    """A scheduler without the rule (an older one: whole_images off) splits the image in 5-token steps; the
+    worker fails that request alone, naming why (image_rows.unservable)."""
+    folder, _ = gemma3
+    ids, _, images = prompt_of([2] + text(27, 2), image(16), text(28, 4))  # placeholders 4..7: split at 5
+    engine = make_engine(folder, max_num_batched_tokens=5)
+    engine.scheduler.config.whole_images = False
+    with pytest.raises(RuntimeError, match="split an image across steps"):
+        run(engine, [("split", ids, images)])

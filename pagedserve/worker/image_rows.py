@@ -29,10 +29,19 @@ def _overlapping(state, n: int):
     return [(k, image) for k, image in enumerate(state.images) if image.offset < start + n and image.end > start]
 
 
-def unservable(new_requests, vision: dict | None) -> dict[str, str]:
+def unservable(new_requests, vision: dict | None, step=None, states=None) -> dict[str, str]:
     """The step's new requests whose images this model cannot take (req_id -> why): they fail alone
-    (ModelRunnerOutput.failed), as a client that bypassed the front end's checks deserves."""
+    (ModelRunnerOutput.failed), as a client that bypassed the front end's checks deserves. With the step and
+    the request states (its delta applied), a bidirectional model's requests whose chunk would split an image
+    (a scheduler that does not know the rule: SchedulerConfig.whole_images) fail too, rather than the step."""
     problems = {new.req_id: image_problem(new.images, new.token_ids, vision) for new in new_requests if new.images}
+    if step is not None and vision and vision.get("bidirectional"):
+        for req_id, n in step.num_scheduled_tokens.items():
+            state = states.get(req_id) if not problems.get(req_id) else None
+            start = state.num_computed_tokens if state is not None else 0
+            if state is not None and any(image.end > start + n for _, image in _overlapping(state, n)):
+                problems[req_id] = ("the scheduler split an image across steps: this model computes an image's "
+                                    "placeholders in one step (a scheduler older than the worker?)")
     return {req_id: why for req_id, why in problems.items() if why}
 
 

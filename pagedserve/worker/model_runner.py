@@ -288,7 +288,7 @@ class ModelRunner:
             before = None
         self._apply_delta(step)
         failed = self.lora.unloadable(step.num_scheduled_tokens, self.requests) if self.lora is not None else {}
-        failed.update(image_rows.unservable(step.new_requests, self.config.vision))
+        failed.update(image_rows.unservable(step.new_requests, self.config.vision, step, self.requests))
         if failed:  # an adapter that did not load, images the model cannot take: they run nothing, and fail alone
             step = dataclasses.replace(step, num_scheduled_tokens={
                 r: n for r, n in step.num_scheduled_tokens.items() if r not in failed})
