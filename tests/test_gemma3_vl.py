@@ -218,3 +218,14 @@ def test_a_scheduler_that_splits_an_image_fails_the_request_not_the_step(gemma3)
     engine.scheduler.config.whole_images = False
     with pytest.raises(RuntimeError, match="split an image across steps"):
         run(engine, [("split", ids, images)])
+
+
+def test_six_layers_in_gemma3s_pattern(tmp_path):
+    """Gemma 3's own pattern (five sliding layers, then a global one: six KV groups), chunked, two images."""
+    from pagedserve.common.model_config import ModelConfig
+    layers = ("sliding_attention",) * 5 + ("full_attention",)
+    folder = build_tiny_gemma3_vl(tmp_path / "six", seed=3, layer_types=layers)
+    assert ModelConfig.from_folder(folder).kv_groups().windows == (0,) + (16,) * 5
+    ids, pixels, images = prompt_of([2] + text(29, 6), image(17), text(30, 9), image(18), text(31, 3))
+    check(run(make_engine(folder, max_num_batched_tokens=7), [("six", ids, images)])["six"][0],
+          Reference(folder).greedy(ids, pixels, STEPS))
