@@ -229,3 +229,19 @@ def test_six_layers_in_gemma3s_pattern(tmp_path):
     ids, pixels, images = prompt_of([2] + text(29, 6), image(17), text(30, 9), image(18), text(31, 3))
     check(run(make_engine(folder, max_num_batched_tokens=7), [("six", ids, images)])["six"][0],
           Reference(folder).greedy(ids, pixels, STEPS))
+
+
+@pytest.mark.parametrize("side, mm_tokens", [(19, 1), (12, 9)])
+def test_the_tower_and_projector_equal_transformers(tmp_path, side, mm_tokens):
+    """encode_images' rows equal transformers' get_image_features: 19x19 patches (where Idefics3's bucketed
+    position ids are not 0..N-1, and SigLIP's are), pooled to one row; 12x12 pooled by 4 to 3x3 rows."""
+    folder = build_tiny_gemma3_vl(tmp_path / f"tower{side}", seed=4, mm_tokens=mm_tokens,
+                                  vision_overrides={"image_size": side * 2, "patch_size": 2})
+    model = make_engine(folder).runner.model
+    pics = [np.random.default_rng(k).integers(0, 256, (side * 2, side * 2, 3), dtype=np.uint8) for k in range(3)]
+    ours = model.encode_images([image_input(0, mm_tokens, side * 2, side * 2, p.tobytes()) for p in pics])
+    x = torch.from_numpy(np.stack(pics)).permute(0, 3, 1, 2).float() * (1 / 255)
+    with torch.no_grad():
+        theirs = Reference(folder).model.get_image_features((x - 0.5) / 0.5).pooler_output
+    assert theirs.shape == (3, mm_tokens, 64)
+    assert torch.allclose(torch.stack(ours), theirs, atol=1e-5)

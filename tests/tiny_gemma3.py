@@ -19,7 +19,8 @@ WINDOW = 16
 
 
 def build_tiny_gemma3_vl(folder: Path, seed: int = 0, layer_types=("sliding_attention", "full_attention"),
-                         renames: tuple[tuple[str, str], ...] = ()) -> Path:
+                         renames: tuple[tuple[str, str], ...] = (), vision_overrides: dict | None = None,
+                         mm_tokens: int = MM_TOKENS) -> Path:
     """Save the model (config.json, model.safetensors) into folder; renames: (prefix, new prefix) applied to
     the saved tensor names (another checkpoint layout of the same weights)."""
     import transformers
@@ -32,9 +33,10 @@ def build_tiny_gemma3_vl(folder: Path, seed: int = 0, layer_types=("sliding_atte
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
         sliding_window=WINDOW, layer_types=list(layer_types), max_position_embeddings=512, rms_norm_eps=1e-6,
         bos_token_id=2, eos_token_id=1, pad_token_id=0)
-    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                             num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=14)
-    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=MM_TOKENS,
+    vision = transformers.SiglipVisionConfig(**{**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                       num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=14),
+                                                **(vision_overrides or {})})
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=mm_tokens,
                                     image_token_index=IMAGE_TOKEN, boi_token_index=BOI, eoi_token_index=EOI)
     model = transformers.Gemma3ForConditionalGeneration(cfg)
     sharpen(model, norm_mean=0.0, norm_std=0.5)  # Gemma's norms are (1 + w): spread around 1
