@@ -41,8 +41,9 @@ class FakeWorkerGroup:
 
     addresses = ["fake:0"]
 
-    def __init__(self, num_blocks: int = 256, step_delay_s: float = 0.0) -> None:
-        self.num_blocks, self.step_delay_s = num_blocks, step_delay_s
+    def __init__(self, num_blocks: int = 256, step_delay_s: float = 0.0, whole_images: bool = False) -> None:
+        """whole_images: it describes a model that computes each image whole (WorkerInfo.whole_images)."""
+        self.num_blocks, self.step_delay_s, self.whole_images = num_blocks, step_delay_s, whole_images
         self.requests = RequestStates()
         self.num_steps = 0
         self.sent: deque[ModelRunnerOutput] = deque()  # outputs of the steps sent, not yet received
@@ -50,7 +51,8 @@ class FakeWorkerGroup:
         self.events: list[tuple[str, int, bool]] = []
 
     def connect(self, timeout_s: float) -> worker_pb2.WorkerInfo:
-        return worker_pb2.WorkerInfo(model="fake", device="cpu", max_model_len=512, vocab_size=VOCAB)
+        return worker_pb2.WorkerInfo(model="fake", device="cpu", max_model_len=512, vocab_size=VOCAB,
+                                     whole_images=self.whole_images)
 
     def init_session(self, profile: worker_pb2.ProfileRequest) -> worker_pb2.ProfileResponse:
         self.requests = RequestStates()
@@ -95,7 +97,8 @@ class FakeWorkerGroup:
         pass
 
 
-def started_service(step_delay_s: float, max_num_batched_tokens: int, redis_url: str = "redis://127.0.0.1:6379/0"):
+def started_service(step_delay_s: float, max_num_batched_tokens: int, redis_url: str = "redis://127.0.0.1:6379/0",
+                    whole_images: bool = False):
     """A started SchedulerService over a FakeWorkerGroup and the real Redis under a fresh key prefix
     (the caller stops it)."""
     from pagedserve.scheduler.service import SchedulerService, ServiceConfig
@@ -103,6 +106,6 @@ def started_service(step_delay_s: float, max_num_batched_tokens: int, redis_url:
     store = open_store(redis_url, f"pstest-{uuid.uuid4().hex[:8]}:", 60, 60)
     service = SchedulerService(ServiceConfig(max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens,
                                              async_scheduling=True),
-                               FakeWorkerGroup(step_delay_s=step_delay_s), store)
+                               FakeWorkerGroup(step_delay_s=step_delay_s, whole_images=whole_images), store)
     service.start()
     return service

@@ -99,10 +99,10 @@ def test_counts_and_limits(llava_folder):
     with pytest.raises(ValueError, match="pixels"):
         ip.open_image(big)
     assert ip.image_config(llava_folder.parent) is None  # no config.json: no images
-    other = llava_folder.parent / "gemma3"
+    other = llava_folder.parent / "paligemma"
     other.mkdir(exist_ok=True)
-    (other / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
-                                                   "image_token_index": 262144}))
+    (other / "config.json").write_text(json.dumps({"architectures": ["PaliGemmaForConditionalGeneration"],
+                                                   "image_token_index": 257152}))
     assert ip.image_config(other) is None  # an image model the worker does not encode: text only
 
 

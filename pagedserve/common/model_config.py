@@ -110,7 +110,8 @@ class ModelConfig:
         """Gemma 2 or 3 with a window: its global and local layers in groups (KVGroups); every other
         model (and a Gemma without a window, or with only one kind of layer): one group."""
         n = self.num_hidden_layers
-        window = self.hf.get("sliding_window") if self.architecture in INTERLEAVED_WINDOW_ARCHITECTURES else None
+        arch = (self.vision or {}).get("text_architecture", self.architecture)  # a Gemma 3 with images: its text's
+        window = self.hf.get("sliding_window") if arch in INTERLEAVED_WINDOW_ARCHITECTURES else None
         kinds = layer_types({**self.hf, "num_hidden_layers": n}) if window else []
         local = [i for i, t in enumerate(kinds) if t == "sliding_attention"]
         full = [i for i, t in enumerate(kinds) if t != "sliding_attention"]

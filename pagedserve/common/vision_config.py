@@ -16,7 +16,9 @@ from __future__ import annotations
 
 IDEFICS3_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 QWEN2_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", *IDEFICS3_ARCHITECTURES, *QWEN2_VL_ARCHITECTURES)
+GEMMA3_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", *IDEFICS3_ARCHITECTURES, *QWEN2_VL_ARCHITECTURES,
+                        *GEMMA3_ARCHITECTURES)
 # text_config model_type -> the causal LM architecture that serves it inside a LLaVA
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # transformers' LlamaConfig defaults, for a llava-1.5 text_config that names only what differs
@@ -45,6 +47,8 @@ def vision_parts(cfg: dict) -> tuple[dict, dict] | None:
     arrives as image_size x image_size pixels over that many placeholders), image_size, and the tower's
     normalization (rescale_factor, image_mean, image_std)."""
     archs = set(cfg.get("architectures") or ())
+    if archs & set(GEMMA3_ARCHITECTURES):
+        return gemma3_parts(cfg)
     if archs & set(QWEN2_VL_ARCHITECTURES):
         return qwen2_vl_parts(cfg)
     if archs & set(IDEFICS3_ARCHITECTURES):
@@ -286,3 +290,56 @@ def dynamic_size_problem(height: int, width: int, factor: int, min_pixels: int, 
     if height * width < min_pixels or (height * width > max_pixels and not clamped):
         return f"an image of {height}x{width} = {height * width} pixels: this model takes {min_pixels} to {max_pixels}"
     return None
+
+
+# Gemma3TextConfig's defaults (a hub text_config names only what differs: gemma-3-4b-it's six keys) and
+# SiglipVisionConfig's (Gemma 3's tower is SigLIP-So400m at 896 over patches of 14: its config names those)
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                            max_position_embeddings=131_072, query_pre_attn_scalar=256, sliding_window=4096,
+                            bos_token_id=2, eos_token_id=1, pad_token_id=0, hidden_activation="gelu_pytorch_tanh")
+SIGLIP_VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                              image_size=224, patch_size=16, num_channels=3, hidden_act="gelu_pytorch_tanh",
+                              layer_norm_eps=1e-6)
+
+
+def gemma3_parts(cfg: dict) -> tuple[dict, dict]:
+    """Gemma 3 (Gemma3ForConditionalGeneration): a SigLIP tower over image_size squares (plain position ids
+    0..N-1), the projector (average-pooled to mm_tokens_per_image rows, soft-embedding RMSNorm, projection),
+    our Gemma3ForCausalLM text model, whose embedding scale applies to text tokens only. An image's
+    mm_tokens_per_image placeholders attend to each other both ways (`bidirectional`: transformers'
+    token_type_ids mask), so a step computes all of an image's placeholders or none (the scheduler's
+    image_chunks.py). The LM head is tied by Gemma3Config's own flag (True when absent)."""
+    text = {**GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}
+    if text.get("use_bidirectional_attention"):
+        raise ValueError("a Gemma 3 text model with use_bidirectional_attention is not supported")
+    text.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)))
+    if "quantization_config" in cfg:
+        text["quantization_config"] = cfg["quantization_config"]
+    siglip = {**SIGLIP_VISION_DEFAULTS, **(cfg.get("vision_config") or {})}
+    tokens = int(cfg.get("mm_tokens_per_image", 256))
+    side, per_side = siglip["image_size"] // siglip["patch_size"], int(round(tokens ** 0.5))
+    if per_side * per_side != tokens or side % per_side:
+        raise ValueError(f"mm_tokens_per_image {tokens} does not pool the tower's {side}x{side} patches evenly")
+    vision = dict(
+        architecture="Gemma3ForConditionalGeneration",
+        text_architecture="Gemma3ForCausalLM",
+        image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 262_144))),
+        boi_token_id=int(cfg.get("boi_token_index", cfg.get("boi_token_id", 255_999))),
+        eoi_token_id=int(cfg.get("eoi_token_index", cfg.get("eoi_token_id", 256_000))),
+        num_image_tokens=tokens,
+        bidirectional=True,  # an image's placeholders see each other (worker/image_rows.key_limits)
+        plain_positions=True,  # the tower's position ids 0..N-1 (not Idefics3's buckets)
+        image_size=siglip["image_size"],
+        patch_size=siglip["patch_size"],
+        num_channels=siglip["num_channels"],
+        hidden_size=siglip["hidden_size"],
+        intermediate_size=siglip["intermediate_size"],
+        num_hidden_layers=siglip["num_hidden_layers"],
+        num_attention_heads=siglip["num_attention_heads"],
+        hidden_act=siglip["hidden_act"],
+        layer_norm_eps=siglip["layer_norm_eps"],
+        rescale_factor=1 / 255, image_mean=HALF, image_std=HALF,  # Gemma3ImageProcessor's defaults
+    )
+    return text, vision

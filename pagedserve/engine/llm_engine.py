@@ -175,7 +175,8 @@ class LLMEngine:
             num_cpu_blocks=num_host_blocks, enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
             policy=config.policy, long_prefill_token_threshold=long_prefill_token_threshold,
-            kv_group_windows=mc.kv_groups().windows, max_loras=config.max_loras if config.enable_lora else 0),
+            kv_group_windows=mc.kv_groups().windows, max_loras=config.max_loras if config.enable_lora else 0,
+            whole_images=bool((mc.vision or {}).get("bidirectional"))),
             speculative)
         self.num_steps = 0
         asked = config.async_scheduling

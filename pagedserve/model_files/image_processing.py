@@ -12,6 +12,9 @@ are the worker's rule (common/vision_config.py: (image_size / patch_size)^2, plu
 vision_feature_select_strategy "full"), which is transformers' LlavaProcessor's for a consistent
 folder; a folder whose processor files disagree with it is refused when it is read.
 
+Gemma 3 (gemma3_images.py): image_config gives a Gemma3ImageConfig (a resize to the tower's square, the
+processor's "\n\n<start_of_image>...<end_of_image>\n\n" expansion).
+
 Idefics3 / SmolVLM (idefics3_images.py): image_config gives an Idefics3Config, process_image the
 image's tiles and global view (a TiledImage), expand_placeholders the processor's expansion of each
 image token with one ImageInput per tile. Qwen2-VL / Qwen2.5-VL (qwen2_vl_images.py): a Qwen2VLConfig,
@@ -35,9 +38,11 @@ import numpy as np
 from PIL import Image
 
 from pagedserve.common.multimodal import ImageInput, check_image_tokens, image_input
-from pagedserve.common.vision_config import IDEFICS3_ARCHITECTURES, QWEN2_VL_ARCHITECTURES, idefics3_parts, \
-    llava_parts
+from pagedserve.common.vision_config import GEMMA3_ARCHITECTURES, IDEFICS3_ARCHITECTURES, QWEN2_VL_ARCHITECTURES, \
+    idefics3_parts, llava_parts
 from pagedserve.model_files import qwen2_vl_images
+from pagedserve.model_files.gemma3_images import Gemma3ImageConfig, gemma3_config, resize_image
+from pagedserve.model_files.gemma3_images import expand as gemma3_expand
 from pagedserve.model_files.idefics3_images import (LANCZOS, Idefics3Config, TiledImage, expand, max_grid,
                                                     read_pieces, tile_image)
 from pagedserve.model_files.qwen2_vl_images import Qwen2VLConfig
@@ -47,8 +52,8 @@ MAX_IMAGE_PIXELS = 40_000_000  # width x height of a decoded image (about a 6300
 # PIL's own bomb guard (process-wide): an error past 2x this, a warning past 1x; open_image refuses past 1x
 Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
 
-# The architectures whose images the worker encodes; another model's image token (Gemma 3's, ...) is
-# not taken: such a model serves text only.
+# The architectures whose images the worker encodes; another model's image token is not taken: such a
+# model serves text only.
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ class ImageConfig:
 
 
 # what image_config gives for a model that takes images: the callers pass it back, never look inside
-AnyImageConfig = ImageConfig | Idefics3Config | Qwen2VLConfig
+AnyImageConfig = ImageConfig | Idefics3Config | Qwen2VLConfig | Gemma3ImageConfig
 
 
 def _read(path: Path) -> dict:
@@ -100,6 +105,12 @@ def image_config(folder: str | Path, tokenizer=None) -> AnyImageConfig | None:
                                                tokenizer if tokenizer is not None else _folder_tokenizer(folder))
     if set(archs) & set(IDEFICS3_ARCHITECTURES):
         return idefics3_config(folder, config, tokenizer)
+    if set(archs) & set(GEMMA3_ARCHITECTURES):  # Gemma 3 (gemma3_images.py): its expansion re-tokenizes
+        if tokenizer is None:
+            from pagedserve.model_files.tokenizer_files import load_tokenizer
+            tokenizer = load_tokenizer(folder)
+        return gemma3_config(config, _read(folder / "preprocessor_config.json"),
+                             _read(folder / "processor_config.json"), tokenizer)
     if "LlavaForConditionalGeneration" not in archs:
         return None
     vision = llava_parts(config)[1]
@@ -224,6 +235,8 @@ def process_image(config: AnyImageConfig, data: bytes | Image.Image) -> tuple[in
             return tile_image(config, image)
         if isinstance(config, Qwen2VLConfig):
             return qwen2_vl_images.resize_image(config, image)
+        if isinstance(config, Gemma3ImageConfig):
+            return resize_image(config, image)
         if config.do_resize:
             width, height = image.size
             if config.resize_hw is not None:
@@ -256,6 +269,8 @@ def expand_placeholders(config: AnyImageConfig, prompt_ids: list[int],
         return expand(config, prompt_ids, images)
     if isinstance(config, Qwen2VLConfig):
         return qwen2_vl_images.expand(config, prompt_ids, images)
+    if isinstance(config, Gemma3ImageConfig):
+        return gemma3_expand(config, prompt_ids, images)
     check_image_tokens(prompt_ids, config.image_token_id, len(images))
     out: list[int] = []
     placed: list[ImageInput] = []

@@ -130,7 +130,8 @@ class SchedulerService:
             enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
             preemption_mode=cfg.preemption_mode, policy=cfg.policy,
             long_prefill_token_threshold=long_prefill, kv_group_windows=tuple(sizes.kv_group_windows) or (0,),
-            max_loras=cfg.max_loras if cfg.enable_lora else 0), parse_speculative_config(cfg.speculative_config))
+            max_loras=cfg.max_loras if cfg.enable_lora else 0, whole_images=self.info.whole_images),
+            parse_speculative_config(cfg.speculative_config))
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %d rank(s); step budget %d tokens, %d seqs",
                  sizes.num_gpu_blocks, cfg.block_size, sizes.num_gpu_blocks * sizes.bytes_per_block / 2**20,
                  len(self.workers.addresses), budget, cfg.max_num_seqs)
@@ -215,7 +216,8 @@ class SchedulerService:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
             params = wire.params_from_proto(msg.params, default_max_tokens=self.max_model_len - len(prompt))
-            self.scheduler.check_prompt(len(prompt))
+            images = tuple(image_from_proto(image) for image in msg.images)
+            self.scheduler.check_prompt(len(prompt), images)
             if params.n > self.config.max_num_seqs:
                 raise ValueError(f"n={params.n} is more than max_num_seqs ({self.config.max_num_seqs})")
             problem = (checks.params_vocab_problem(params, vocab)
@@ -224,7 +226,6 @@ class SchedulerService:
                 raise ValueError(problem)
             if params.structured_output is not None:
                 structured_output.check(params.structured_output)  # cached per spec
-            images = tuple(image_from_proto(image) for image in msg.images)
             check_placements(images, len(prompt))
         except ValueError as exc:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

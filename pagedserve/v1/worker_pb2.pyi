@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("rank", "world_size", "model", "dtype", "device", "max_model_len", "vocab_size", "eos_token_ids", "weight_bytes", "step_socket")
+    __slots__ = ("rank", "world_size", "model", "dtype", "device", "max_model_len", "vocab_size", "eos_token_ids", "weight_bytes", "step_socket", "whole_images")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class WorkerInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_IMAGES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     model: str
@@ -33,7 +34,8 @@ class WorkerInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     weight_bytes: int
     step_socket: str
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., weight_bytes: _Optional[int] = ..., step_socket: _Optional[str] = ...) -> None: ...
+    whole_images: bool
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., weight_bytes: _Optional[int] = ..., step_socket: _Optional[str] = ..., whole_images: _Optional[bool] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("block_size", "kv_cache_memory", "swap_space", "max_num_batched_tokens", "gpu_memory_utilization")

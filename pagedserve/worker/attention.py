@@ -44,6 +44,11 @@ class AttentionMetadata:
     # packed layout on the device, padded; then num_decodes is 0 and prefills is empty (no host value at all),
     # and only a backend whose graph_support is MIXED is handed such metadata.
     packed: PackedSeqs | None = None
+    # Bidirectional blocks (Gemma 3's images: worker/image_rows.key_limits): int64 [num_tokens], the last key
+    # position each of the step's queries may see, its own position or past it (to its image's last
+    # placeholder, which the same step computes); a window still bounds the first. None: causal. Only an eager
+    # step with image rows carries it; a backend that cannot honour it hands the step to the torch ops.
+    key_limits: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -143,7 +148,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     graph_support = GraphSupport.MIXED  # kernel_metadata converts any step on the device, packed steps too
 
-    def __init__(self, window: int = 0, softcap: float = 0.0) -> None:
+    def __init__(self, window: int = 0, softcap: float = 0.0, reference: AttentionBackend | None = None) -> None:
+        """reference: the torch ops' backend of the same window and softcap, for a step with key_limits (the
+        platform gives it; without one such a step is refused)."""
         if window < 0 or softcap < 0:
             raise ValueError(f"window and softcap must be >= 0 (0: none), got {window} and {softcap}")
         self.window, self.softcap = int(window), float(softcap)
@@ -151,8 +158,14 @@ class TritonAttentionBackend(AttentionBackend):
         self._converted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._step_cache: dict = {}  # what the kernels build once a step (their tile maps): renewed with meta
         self._singles: bool | None = None
+        self.reference = reference
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        if meta.key_limits is not None:  # the kernels are causal: such a (rare, eager) step takes the torch ops
+            if self.reference is None:
+                raise ValueError("the Triton attention kernels are causal: a step with bidirectional blocks needs "
+                                 "the torch reference backend")
+            return self.reference.forward(query, key, value, k_cache, v_cache, meta, scale)
         from pagedserve.kernels.triton.fused_ops import write_kv_cache
         from pagedserve.kernels.triton.attention_choice import paged_attention
 
@@ -176,7 +189,10 @@ class TritonAttentionBackend(AttentionBackend):
                                softcap=self.softcap)
 
     def variant(self, *, window: int = 0, softcap: float = 0.0) -> AttentionBackend:
-        return TritonAttentionBackend(window, softcap) if window or softcap else self
+        if not (window or softcap):
+            return self
+        reference = None if self.reference is None else self.reference.variant(window=window, softcap=softcap)
+        return TritonAttentionBackend(window, softcap, reference)
 
 
 def windowed_decode_lens(meta: AttentionMetadata, block_size: int, window: int) -> torch.Tensor:

@@ -11,7 +11,10 @@ passes no graph a step with image rows), decodes first then prefills, each state
 from its num_computed_tokens: the order and counts the runner gives here. A text-only step costs a
 scan of the states' image lists and nothing else. An M-RoPE model (Qwen2-VL) also takes each row's three
 positions in such a step (step_inputs, mrope.py). A dynamic-resolution model's images each have their own
-number of rows (its encode_images checks them). The model runner's step thread only.
+number of rows (its encode_images checks them).
+A bidirectional model (Gemma 3: an image's placeholders attend to each other both ways) gets its step's
+AttentionMetadata.key_limits from mark_key_limits; its images are never split across steps. The model
+runner's step thread only.
 """
 
 from __future__ import annotations
@@ -29,10 +32,19 @@ def _overlapping(state, n: int):
     return [(k, image) for k, image in enumerate(state.images) if image.offset < start + n and image.end > start]
 
 
-def unservable(new_requests, vision: dict | None) -> dict[str, str]:
+def unservable(new_requests, vision: dict | None, step=None, states=None) -> dict[str, str]:
     """The step's new requests whose images this model cannot take (req_id -> why): they fail alone
-    (ModelRunnerOutput.failed), as a client that bypassed the front end's checks deserves."""
+    (ModelRunnerOutput.failed), as a client that bypassed the front end's checks deserves. With the step and
+    the request states (its delta applied), a bidirectional model's requests whose chunk would split an image
+    (a scheduler that does not know the rule: SchedulerConfig.whole_images) fail too, rather than the step."""
     problems = {new.req_id: image_problem(new.images, new.token_ids, vision) for new in new_requests if new.images}
+    if step is not None and vision and vision.get("bidirectional"):
+        for req_id, n in step.num_scheduled_tokens.items():
+            state = states.get(req_id) if not problems.get(req_id) else None
+            start = state.num_computed_tokens if state is not None else 0
+            if state is not None and any(image.end > start + n for _, image in _overlapping(state, n)):
+                problems[req_id] = ("the scheduler split an image across steps: this model computes an image's "
+                                    "placeholders in one step (a scheduler older than the worker?)")
     return {req_id: why for req_id, why in problems.items() if why}
 
 
@@ -69,6 +81,35 @@ def step_inputs(model, order, counts, input_ids: torch.Tensor) -> dict:
         return {"inputs_embeds": embeds}
     sections = mrope.step_section_positions(order, counts, vision["patch_size"] * vision["merge_size"])
     return {"inputs_embeds": embeds, "mrope_positions": torch.from_numpy(sections).to(input_ids.device)}
+
+
+def mark_key_limits(metas, order, counts, positions: torch.Tensor, vision: dict | None) -> None:
+    """A bidirectional model's (vision["bidirectional"]: Gemma 3) step with image rows: each meta's key_limits
+    (attention.AttentionMetadata), the image's last placeholder position for its placeholders, each other
+    query's own position. Nothing for another model, or a step that touches no image. The scheduler computes an
+    image's placeholders in one step (scheduler/core/image_chunks.py); a step that splits one is refused here,
+    since no attention could give transformers' rows for it."""
+    if not vision or not vision.get("bidirectional"):
+        return
+    spans, base = [], 0  # (first flat row, rows, the image's last position)
+    for state, n in zip(order, counts):
+        if state.images:
+            start = state.num_computed_tokens
+            for _, image in _overlapping(state, n):
+                if image.end > start + n:
+                    raise ValueError(f"a step computes positions {start}..{start + n - 1} of an image at "
+                                     f"{image.offset}..{image.end - 1}: this model needs all of an image's "
+                                     "placeholders in one step")
+                lo = max(image.offset, start)
+                spans.append((base + lo - start, image.end - lo, image.end - 1))
+        base += n
+    if not spans:
+        return
+    limits = positions[:base].clone()
+    for row, rows, last in spans:
+        limits[row:row + rows] = last
+    for meta in metas:
+        meta.key_limits = limits
 
 
 def step_embeddings(model, order, counts, input_ids: torch.Tensor) -> torch.Tensor | None:

@@ -241,6 +241,8 @@ class ModelRunner:
             return *laid, order, counts
         input_ids, positions, metas = layout_step(self.input_batch, decodes, prefills, num_tokens, self.kv.groups,
                                                   self.block_size, tables=rows)
+        if graphs is None and self.config.vision is not None:  # an image's placeholders may see each other
+            image_rows.mark_key_limits(metas, order, counts, positions, self.config.vision)
         return input_ids, positions, self._per_layer(metas), order, counts
 
     def batch_metadata(self, decodes, prefills, positions: np.ndarray):
@@ -288,7 +290,7 @@ class ModelRunner:
             before = None
         self._apply_delta(step)
         failed = self.lora.unloadable(step.num_scheduled_tokens, self.requests) if self.lora is not None else {}
-        failed.update(image_rows.unservable(step.new_requests, self.config.vision))
+        failed.update(image_rows.unservable(step.new_requests, self.config.vision, step, self.requests))
         if failed:  # an adapter that did not load, images the model cannot take: they run nothing, and fail alone
             step = dataclasses.replace(step, num_scheduled_tokens={
                 r: n for r, n in step.num_scheduled_tokens.items() if r not in failed})

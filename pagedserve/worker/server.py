@@ -148,7 +148,8 @@ class WorkerService:
             rank=self.rank, world_size=self.world_size, model=str(self.model_path),
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device), max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size, eos_token_ids=list(self.eos_token_ids),
-            weight_bytes=0 if self.runner is None else self.runner.weight_bytes(), step_socket=self.step_socket)
+            weight_bytes=0 if self.runner is None else self.runner.weight_bytes(), step_socket=self.step_socket,
+            whole_images=bool((self.model_config.vision or {}).get("bidirectional")))
 
     def profile(self, request: worker_pb2.ProfileRequest) -> worker_pb2.ProfileResponse:
         return self._on_torch_thread(self._profile, request)

@@ -14,6 +14,11 @@ window's first key), so entries of a block table that lie wholly before
 the window are never relied on — the block manager releases them (their entries point at the null
 block, or at a block since given to another sequence: read only under the mask; docs/sliding_window.md).
 
+Bidirectional blocks (AttentionMetadata.key_limits, Gemma 3's images): a prefill query at p sees keys up to its
+limit (p, or its image's last placeholder, computed in the same step) instead of p; the window still bounds the
+first key. The compiled prefill kernel is causal: such a step's prefills take the torch ops. A decode row
+(one query) never sees past itself: a one-token chunk inside an image is its last placeholder.
+
 Decodes come in one of two layouts: with KV groups the model runner gives a sliding group's
 decodes table rows that start at the window's first block (`meta.decode_windowed`), otherwise
 whole-table rows from block 0. The model runner's metadata carries no mask: the torch backend builds
@@ -75,9 +80,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prefills(self, query, key, value, k_cache, v_cache, meta, scale, out) -> None:
         """Fill out's rows of every prefill chunk (the new K/V are already in the cache)."""
+        limits = meta.key_limits
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
-            out[rows] = self._prefill(query[rows], key[rows], value[rows], k_cache, v_cache, seq, scale)
+            out[rows] = self._prefill(query[rows], key[rows], value[rows], k_cache, v_cache, seq, scale,
+                                      None if limits is None else limits[rows])
 
     def _decode(self, query, k_cache, v_cache, meta, scale):
         num_seqs, num_heads, head_dim = query.shape
@@ -104,18 +111,22 @@ class TorchAttentionBackend(AttentionBackend):
             cached = self._built_mask = (meta, decode_mask(meta, block_size, self.window))
         return cached[1]
 
-    def _prefill(self, query, key, value, k_cache, v_cache, seq: PrefillSeq, scale):
+    def _prefill(self, query, key, value, k_cache, v_cache, seq: PrefillSeq, scale, limits=None):
+        """limits: the chunk's rows of meta.key_limits (None: causal)."""
         if self.window and seq.context_len + seq.query_len > self.window:  # some query is old enough to lose a key
-            return self._windowed_prefill(query, key, value, k_cache, v_cache, seq, scale)
+            return self._windowed_prefill(query, key, value, k_cache, v_cache, seq, scale, limits)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        total = seq.context_len + seq.query_len
         if seq.context_len == 0:
-            keys, values, mask, causal = key, value, None, True
+            keys, values = key, value
         else:
-            total = seq.context_len + seq.query_len
             keys = k_cache[seq.block_ids].view(-1, num_kv_heads, head_dim)[:total]
             values = v_cache[seq.block_ids].view(-1, num_kv_heads, head_dim)[:total]
-            positions = torch.arange(seq.context_len, total, device=query.device)
-            mask = torch.arange(total, device=query.device)[None, :] <= positions[:, None]
+        if seq.context_len == 0 and limits is None:
+            mask, causal = None, True
+        else:
+            last = torch.arange(seq.context_len, total, device=query.device) if limits is None else limits
+            mask = torch.arange(total, device=query.device)[None, :] <= last[:, None]
             causal = False
         dtype = query.dtype
         if query.device.type == "cpu" and dtype == torch.bfloat16:
@@ -125,9 +136,9 @@ class TorchAttentionBackend(AttentionBackend):
             query, keys, values = query.float(), keys.float(), values.float()
         return self._attend(query, keys, values, mask, causal, scale).to(dtype)
 
-    def _windowed_prefill(self, query, key, value, k_cache, v_cache, seq: PrefillSeq, scale):
+    def _windowed_prefill(self, query, key, value, k_cache, v_cache, seq: PrefillSeq, scale, limits=None):
         """A chunk past the window: only the blocks from its first query's window on, the band on top of the
-        causal mask."""
+        causal mask (or of limits: each query's last key)."""
         total = seq.context_len + seq.query_len
         num_kv_heads, head_dim, block_size = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
         # The earliest key any of this step's queries sees, and the block that holds it.
@@ -144,7 +155,8 @@ class TorchAttentionBackend(AttentionBackend):
             first = 0
         key_pos = torch.arange(first, total, device=query.device)
         query_pos = torch.arange(seq.context_len, total, device=query.device)
-        mask = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - self.window)
+        last = query_pos if limits is None else limits
+        mask = (key_pos[None, :] <= last[:, None]) & (key_pos[None, :] > query_pos[:, None] - self.window)
         return self._attend(query, keys, values, mask, False, scale)
 
     def _attend(self, query, keys, values, mask, causal: bool, scale: float) -> torch.Tensor:
@@ -222,7 +234,8 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
                                                self._lens[1], scale, self.window, self.softcap)
 
     def _prefills(self, query, key, value, k_cache, v_cache, meta, scale, out) -> None:
-        if not (self.prefill_kernel and query.shape[-1] in self.HEAD_DIMS and query.dtype in self.PREFILL_DTYPES
+        if not (self.prefill_kernel and meta.key_limits is None and query.shape[-1] in self.HEAD_DIMS
+                and query.dtype in self.PREFILL_DTYPES
                 and query.stride(-1) == 1 and query.shape[1] // k_cache.shape[2] <= self.prefill_max_group):
             return super()._prefills(query, key, value, k_cache, v_cache, meta, scale, out)
         tables, chunks = self._prefill_layout(meta, k_cache.shape[1])

@@ -29,6 +29,9 @@ class SchedulerConfig:
     # a subset): a request of another adapter waits (counted as "seq_budget": the step's seats for
     # adapters are full). 0: LoRA off.
     max_loras: int = 0
+    # A model whose image placeholders attend to each other both ways (Gemma 3): a step computes all of an
+    # image's placeholders or none (image_chunks.py), and an image longer than a step is refused.
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):

@@ -13,6 +13,7 @@ from pagedserve.common.messages import CachedRequestData, NewRequestData
 from pagedserve.common.request_checks import prompt_tokens_problem
 from pagedserve.scheduler.core.block_manager import Allocation, BlockManager, cdiv
 from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.core.image_chunks import image_problem
 from pagedserve.scheduler.core.request import Request
 
 
@@ -21,13 +22,18 @@ def make_block_manager(num_gpu_blocks: int, block_size: int, enable_prefix_cachi
     return BlockManager(num_gpu_blocks, block_size, enable_prefix_caching, num_cpu_blocks, windows=windows)
 
 
-def prompt_problem(config: SchedulerConfig, num_total_blocks: int, num_prompt_tokens: int) -> str | None:
+def prompt_problem(config: SchedulerConfig, num_total_blocks: int, num_prompt_tokens: int,
+                   images=()) -> str | None:
     """Why a prompt of that many tokens can never run under config (too long for the context,
-    more blocks than the whole pool, more than a step's tokens unchunked); None when it can."""
-    problem = prompt_tokens_problem(num_prompt_tokens, config.max_model_len)
+    more blocks than the whole pool, more than a step's tokens unchunked, an image larger than a step
+    where images are computed whole: image_chunks.py); None when it can."""
+    problem = prompt_tokens_problem(num_prompt_tokens, config.max_model_len) or (
+        image_problem(images, config.max_num_batched_tokens) if config.whole_images and images else None)
     if problem:
         return problem
-    chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else num_prompt_tokens + 1
+    # (a whole image may take a chunk past the budget: image_chunks.py)
+    longest = max((image.length for image in images), default=0) if config.whole_images else 0
+    chunk = config.max_num_batched_tokens + longest if config.enable_chunked_prefill else num_prompt_tokens + 1
     need = blocks_for_sequence(config.kv_group_windows, config.block_size, num_prompt_tokens + 1, chunk)
     if need > num_total_blocks:
         return (f"the prompt needs {need} KV blocks of {config.block_size} tokens, but the "

@@ -81,15 +81,15 @@ class Scheduler:
         self.needs_sync = False
 
     # ---- admission and abort -------------------------------------------------------------
-    def check_prompt(self, num_prompt_tokens: int) -> None:
-        """ValueError when a prompt of that many tokens can never run here (kv_groups.prompt_problem)."""
-        problem = prompt_problem(self.config, self.block_manager.num_total_blocks, num_prompt_tokens)
+    def check_prompt(self, num_prompt_tokens: int, images=()) -> None:
+        """ValueError when a prompt of that many tokens (and images) can never run here (kv_groups.prompt_problem)."""
+        problem = prompt_problem(self.config, self.block_manager.num_total_blocks, num_prompt_tokens, images)
         if problem:
             raise ValueError(problem)
 
     def add_request(self, request: Request) -> None:
         """Queue a new request; raises ValueError (RequestIdInUse for a taken id) and changes nothing."""
-        self.check_prompt(request.num_prompt_tokens)
+        self.check_prompt(request.num_prompt_tokens, request.images)
         if request.params.lora_name and not self.config.max_loras:
             raise ValueError(f"lora_name {request.params.lora_name!r}: LoRA adapters are off (--enable-lora)")
         if request.params.n > self.config.max_num_seqs:
@@ -222,7 +222,7 @@ class Scheduler:
         """Schedule running requests in order while the budget lasts; True if one was preempted."""
         preempted = False
         for req in reqs:
-            if self._draft.budget == 0:
+            if self._draft.budget <= 0:
                 break
             if req.status is RequestStatus.RUNNING:
                 try:
@@ -339,7 +339,7 @@ class Scheduler:
     def _schedule_ahead(self, req: Request, out: SchedulerOutput) -> None:
         """Schedule a running request in an ahead step: no preemption. Out of blocks, it waits,
         and needs_sync asks for the next step after the results, where preemption can free some."""
-        num_new = self._draft.chunk(req.num_unscheduled_tokens)
+        num_new = self._draft.chunk(req.num_unscheduled_tokens, req)
         result = self.block_manager.allocate(req.request_id, req.num_scheduled_tokens, num_new)
         if result is None:
             self.needs_sync = True
@@ -349,7 +349,7 @@ class Scheduler:
     def _schedule_running(self, req: Request, out: SchedulerOutput) -> bool:
         """Schedule a running request, preempting others if blocks run out. False if anything
         was preempted."""
-        num_new = self._draft.chunk(req.num_unscheduled_tokens)
+        num_new = self._draft.chunk(req.num_unscheduled_tokens, req)
         spec = self._draft.proposals(req, num_new)
         preempted = False
         while True:

@@ -12,7 +12,8 @@ Threads: the scheduler's only. A draft lives for one schedule() call; it holds t
 queues and block manager (the same objects, not copies) and moves requests between them.
 
 Invariants: budget is max_num_batched_tokens less the tokens of every request in the step's
-num_scheduled_tokens (whatever the Scheduler takes back out of the step, it gives back here);
+num_scheduled_tokens (whatever the Scheduler takes back out of the step, it gives back here); below 0 only
+when a whole image went past it (chunk: SchedulerConfig.whole_images), and then nothing more is scheduled;
 a request admitted or swapped in is in running, sorted by the queues' key, and has its entry.
 """
 
@@ -26,6 +27,7 @@ from pagedserve.common.messages import CachedRequestData, NewRequestData, Schedu
 from pagedserve.common.stop_rules import at_length, samples_any
 from pagedserve.scheduler.core.block_manager import Allocation, BlockManager, cdiv
 from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.core.image_chunks import chunk_images
 from pagedserve.scheduler.core.kv_groups import step_entry
 from pagedserve.scheduler.core.request import Request, RequestStatus
 from pagedserve.scheduler.core.short_first import is_short
@@ -64,11 +66,17 @@ class StepDraft:
         self.num_preempted = 0
         self.image_bytes = 0  # of the requests admitted so far (MAX_STEP_IMAGE_BYTES)
 
-    def chunk(self, num_remaining: int) -> int:
+    def chunk(self, num_remaining: int, req: Request | None = None, start: int | None = None) -> int:
+        """The tokens req computes this step of num_remaining from `start` (default: where its scheduled tokens
+        end): the long-prefill cap and the budget left, then, for whole_images, never part of an image
+        (image_chunks.py: possibly past the budget, which then goes below 0)."""
         cap = self.config.long_prefill_token_threshold
         if cap and self.config.enable_chunked_prefill:
             num_remaining = min(num_remaining, cap)
-        return min(num_remaining, self.budget)
+        n = min(num_remaining, max(self.budget, 0))
+        if n and req is not None and req.images and self.config.whole_images:
+            n = chunk_images(req.images, req.num_scheduled_tokens if start is None else start, n)
+        return n
 
     def _num_seqs_after(self, req: Request) -> int:
         # Samples that running requests will fork on their first token count already.
@@ -108,7 +116,7 @@ class StepDraft:
         if not cfg.enable_chunked_prefill and self.budget < num_new <= cfg.max_num_batched_tokens:
             self.wait_reason = "token_budget"
             return False
-        num_new = self.chunk(num_new)
+        num_new = self.chunk(num_new, req, num_computed)
         # The watermark keeps headroom for running decodes; with none running it would only
         # keep a prompt that needs the whole pool out forever.
         result = bm.allocate(req.request_id, num_computed, num_new, hits, reserve_watermark=bool(self.running))
@@ -133,7 +141,7 @@ class StepDraft:
             return False
         if not self._lora_fits(req):
             return False
-        num_new = self.chunk(req.num_tokens - req.num_computed_tokens)
+        num_new = self.chunk(req.num_tokens - req.num_computed_tokens, req, req.num_computed_tokens)
         total = req.num_computed_tokens + num_new
         extra = max(0, cdiv(total, bm.block_size) - len(bm.cpu_tables[req.request_id]))
         if not bm.can_swap_in(req.request_id, extra):

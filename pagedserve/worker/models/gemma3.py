@@ -147,13 +147,21 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 for cos, sin in ((self.global_cos, self.global_sin), (self.local_cos, self.local_sin))]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        hidden = hidden * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=hidden.dtype, device=hidden.device)
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs_embeds: the step's embeddings given, already scaled (models/gemma3_vl.py's: its image rows
+        among them, unscaled), else input_ids' scaled by sqrt(hidden_size)."""
+        hidden = self.embed_scaled(input_ids) if inputs_embeds is None else inputs_embeds
         ropes = self.ropes(positions, hidden.dtype)
         for i, layer in enumerate(self.layers):  # meta: one for all layers, or per layer (KV groups)
             hidden = layer(hidden, ropes, kv_caches[i], meta[i] if isinstance(meta, list) else meta)
         return self.norm(hidden)
+
+    def embed_scaled(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """transformers' Gemma3TextScaledWordEmbedding: the embedding times sqrt(hidden_size) in its dtype."""
+        return self.scale_embeddings(self.embed_tokens(input_ids))
+
+    def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=hidden.dtype, device=hidden.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -9,7 +9,9 @@ arrive (the front end splits, resizes and pads), so transformers' patch_attentio
 its attention mask is none. Its position ids for such a tile are NOT always 0..N-1: it buckets the
 fractional coordinates i / side against float32 boundaries, and for some sides (19, 25, 29, 31, 38...)
 one coordinate falls a bucket short. `tile_position_ids` repeats those very float32 operations, on the
-tile's device, so the rows are transformers' for every side.
+tile's device, so the rows are transformers' for every side. Gemma 3's tower (transformers' SiglipVisionModel,
+vision `plain_positions`) is the same tower with position ids 0..N-1, read to its last_hidden_state
+(post_layernorm's output: the same as here).
 
 The pixel shuffle is transformers' `pixel_shuffle` verbatim: [tiles, side^2, hidden] ->
 [tiles, side^2 / s^2, hidden * s^2], each row s x s neighbouring patches in transformers' order.
@@ -50,11 +52,13 @@ class SiglipEmbeddings(nn.Module):
         self.patch_embedding.bias = _param(hidden)
         self.position_embedding = nn.Module()
         self.position_embedding.weight = _param(self.side * self.side, hidden)
+        self.plain = bool(v.get("plain_positions"))  # SiglipVisionModel's (Gemma 3's): 0..N-1
         self._positions: dict[torch.device, torch.Tensor] = {}
 
     def positions(self, device: torch.device) -> torch.Tensor:
         if device not in self._positions:
-            self._positions[device] = tile_position_ids(self.side, device)
+            self._positions[device] = (torch.arange(self.side * self.side, device=device) if self.plain
+                                       else tile_position_ids(self.side, device))
         return self._positions[device]
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
