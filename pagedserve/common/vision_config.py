@@ -14,9 +14,12 @@ No torch: the gateway, tokenizer and scheduler read ModelConfig too.
 
 from __future__ import annotations
 
+from pagedserve.common.pixtral_config import is_pixtral, pixtral_parts, span_problem
+
 IDEFICS3_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 QWEN2_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", *IDEFICS3_ARCHITECTURES, *QWEN2_VL_ARCHITECTURES)
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", *IDEFICS3_ARCHITECTURES, *QWEN2_VL_ARCHITECTURES,
+                        "Mistral3ForConditionalGeneration")
 # text_config model_type -> the causal LM architecture that serves it inside a LLaVA
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # transformers' LlamaConfig defaults, for a llava-1.5 text_config that names only what differs
@@ -45,6 +48,8 @@ def vision_parts(cfg: dict) -> tuple[dict, dict] | None:
     arrives as image_size x image_size pixels over that many placeholders), image_size, and the tower's
     normalization (rescale_factor, image_mean, image_std)."""
     archs = set(cfg.get("architectures") or ())
+    if is_pixtral(cfg):  # Mistral3, or LLaVA over a Pixtral tower (pixtral_config.py)
+        return pixtral_parts(cfg, _text_half)
     if archs & set(QWEN2_VL_ARCHITECTURES):
         return qwen2_vl_parts(cfg)
     if archs & set(IDEFICS3_ARCHITECTURES):
@@ -243,6 +248,8 @@ def image_problem(images, prompt_token_ids: list[int], vision: dict | None) -> s
         return "this model takes no images"
     if "min_pixels" in vision:
         return _dynamic_problem(images, prompt_token_ids, vision)
+    if vision.get("family") == "pixtral":  # a span of rows with breaks (pixtral_config.py)
+        return span_problem(images, prompt_token_ids, vision)
     want, size, token = vision["num_image_tokens"], vision["image_size"], vision["image_token_id"]
     for image in images:
         if image.length != want:

@@ -42,7 +42,12 @@ def profile_rows(model, vision: dict | None, num_tokens: int) -> list[torch.Tens
     as a step's do. None for a text model."""
     if vision is None:
         return None
-    if "num_image_tokens" in vision:
+    if vision.get("family") == "pixtral":  # the largest image: max_side square, its span with breaks
+        side = vision["max_side"]
+        per = (side // (vision["patch_size"] * vision["merge_size"])) ** 2
+        per += side // (vision["patch_size"] * vision["merge_size"])
+        blank = ImageInput(0, per, side, side, bytes(side * side * 3))
+    elif "num_image_tokens" in vision:
         side, per = vision["image_size"], vision["num_image_tokens"]
         blank = ImageInput(0, per, side, side, bytes(side * side * 3))
     else:  # dynamic resolution (Qwen2-VL): the largest square image max_pixels allows, the most patches each
