@@ -24,14 +24,18 @@ import torch
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.pixtral_config import pixtral_grid
 from pagedserve.worker.attention import AttentionBackend
-from pagedserve.worker.models.llava import Llava
-from pagedserve.worker.models.vision_language import build
+from pagedserve.worker.models.vision_language import VisionLanguage, build
 from pagedserve.worker.vision.clip import Projector
 from pagedserve.worker.vision.pixtral import Mistral3Projector, PixtralVisionTower
 
 
-class Pixtral(Llava):
-    """The Pixtral family: Llava's parts' names and checkpoint renames, its own tower and span rows."""
+class Pixtral(VisionLanguage):
+    """The Pixtral family: LLaVA's parts' names and checkpoint renames (models/llava.py), its own tower and
+    span rows."""
+    TOWER, PROJECTOR = "vision_tower", "multi_modal_projector"
+    RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+               ("language_model.lm_head.", "lm_head."), ("model.vision_tower.", "vision_tower."),
+               ("model.multi_modal_projector.", "multi_modal_projector."))
 
     @staticmethod
     def parts(vision: dict, text_hidden: int):
