@@ -58,7 +58,8 @@ def random_image(seed: int, height: int, width: int) -> np.ndarray:
 
 
 def text(seed: int, n: int) -> list[int]:
-    return [t if t not in (IMAGE, BREAK, END) else 20 for t in np.random.default_rng(1000 + seed).integers(3, 250, n)]
+    tokens = np.random.default_rng(1000 + seed).integers(3, 250, n)
+    return [int(t) if t not in (IMAGE, BREAK, END) else 20 for t in tokens]
 
 
 def prompt_of(family: str, *parts) -> tuple[list[int], list[np.ndarray], list]:
@@ -102,3 +103,11 @@ class Reference:
         tokens = gen.sequences[0, len(ids):].tolist()
         logprobs = [torch.log_softmax(step[0].float(), dim=-1)[t].item() for step, t in zip(gen.logits, tokens)]
         return tokens, logprobs
+
+    @torch.no_grad()
+    def margins(self, ids: list[int], pixels: list[np.ndarray], steps: int) -> list[float]:
+        """Each greedy step's gap between the best and the second logit (how far from a tie)."""
+        gen = self.model.generate(**self.inputs(ids, pixels), max_new_tokens=steps, do_sample=False,
+                                  min_new_tokens=steps, eos_token_id=None, pad_token_id=0, output_logits=True,
+                                  return_dict_in_generate=True)
+        return [float(top[0] - top[1]) for top in (step[0].topk(2).values for step in gen.logits)]
