@@ -226,3 +226,29 @@ def test_the_memory_profile_encodes_the_largest_images_a_step_can_touch(pix):
     rows = profile_rows(runner.model, runner.config.vision, 100)
     per = side * (side + 1)
     assert len(rows) == 100 // per + 2 and all(r.shape == (per, 64) for r in rows)
+
+
+def test_two_ranks_equal_transformers(pix):
+    """Every rank encodes the same images, the break and end rows through the vocabulary-parallel embedding."""
+    folder, ref, family = pix
+    ids, pixels, images = two_images(family, 41)
+    plain = [1] + text(44, 9)
+    with make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=16) as engine:
+        results = run(engine, [("image", ids, images), ("text", plain, [])])
+    check(results["image"][0][0], ref.greedy(ids, pixels, STEPS))
+    check(results["text"][0][0], ref.greedy(plain, [], STEPS))
+
+
+def test_preempted_image_requests_recompute(pix):
+    folder, ref, family = pix
+    f = FACTOR[family]
+    prompts = [prompt_of(family, [1] + text(20 + i, 3 + 5 * i), random_image(20 + i, 2 * f, (1 + i) * f),
+                         text(30 + i, 4)) for i in range(4)]
+    block_bytes = 2 * 2 * 4 * 2 * 16 * 4  # K/V x layers x tokens x KV heads x head dim x float32
+    engine = make_engine(folder, kv_cache_memory=14 * block_bytes, block_size=4, preemption_mode="recompute",
+                         max_num_batched_tokens=16)
+    results = run(engine, [(f"p{i}", ids, images) for i, (ids, _, images) in enumerate(prompts)],
+                  SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1))
+    assert engine.stats()["num_preemptions"] > 0
+    for i, (ids, pixels, _) in enumerate(prompts):
+        check(results[f"p{i}"][0][0], ref.greedy(ids, pixels, 10))

@@ -29,6 +29,10 @@ MISTRAL3_TEXT = dict(model_type="mistral", head_dim=128, hidden_act="silu", hidd
                      intermediate_size=32768, max_position_embeddings=131072, num_attention_heads=32,
                      num_hidden_layers=40, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e9,
                      sliding_window=None, vocab_size=131072)
+# transformers' MistralConfig defaults, for a text_config that names only what differs (pixtral-12b's)
+MISTRAL_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+                        rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096, hidden_act="silu")
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # PixtralImageProcessor's normalization defaults
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 IMAGE_BREAK_ID, IMAGE_END_ID = 12, 13  # [IMG_BREAK], [IMG_END] in Mistral's tokenizers
@@ -53,6 +57,10 @@ def pixtral_parts(cfg: dict, text_half) -> tuple[dict, dict]:
     if mistral3 and not cfg.get("text_config"):
         cfg = {**cfg, "text_config": MISTRAL3_TEXT}
     text = text_half(cfg)
+    if text.get("model_type") == "mistral":
+        for key, value in MISTRAL_DEFAULTS.items():
+            if key != "rope_theta" or "rope_parameters" not in text:
+                text.setdefault(key, value)
     v = {**(MISTRAL3_VISION if mistral3 else PIXTRAL_DEFAULTS), **(cfg.get("vision_config") or {})}
     num_layers = int(v["num_hidden_layers"])
     layers = cfg.get("vision_feature_layer", -1)
