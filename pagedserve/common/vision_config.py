@@ -9,6 +9,10 @@ here. Each image of a prompt becomes `num_image_tokens` rows: (image_size / patc
 the class row with vision_feature_select_strategy "full". The front end puts that many copies of
 `image_token_id` in the prompt for each image (common/multimodal.py).
 
+Pixtral's family (Mistral3ForConditionalGeneration, and LLaVA whose vision_config.model_type is "pixtral"):
+pixtral_config.py, its vision settings' family "pixtral"; an image's ImageInput covers its whole span of
+[IMG] rows with their [IMG_BREAK] / [IMG_END] tokens, which image_problem checks exactly.
+
 No torch: the gateway, tokenizer and scheduler read ModelConfig too.
 """
 

@@ -11,7 +11,8 @@ passes no graph a step with image rows), decodes first then prefills, each state
 from its num_computed_tokens: the order and counts the runner gives here. A text-only step costs a
 scan of the states' image lists and nothing else. An M-RoPE model (Qwen2-VL) also takes each row's three
 positions in such a step (step_inputs, mrope.py). A dynamic-resolution model's images each have their own
-number of rows (its encode_images checks them). The model runner's step thread only.
+number of rows (its encode_images checks them); a Pixtral-family image's rows cover its span, break and end
+tokens included (models/mistral3.py), so they are placed like any other's. The model runner's step thread only.
 """
 
 from __future__ import annotations
