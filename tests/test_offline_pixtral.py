@@ -1,7 +1,7 @@
 """Mistral 3 and Pixtral-LLaVA through the offline API, as vLLM's users pass images to them: LLM.generate with
 {"prompt": "...[IMG]...", "multi_modal_data": {"image": ...}} (the processor's single [IMG] per image expands to
-its span), LLM.chat with image_url parts, two images in one prompt; on tiny random models with the default
-model's tokenizer plus Pixtral's image tokens (tests/tiny_pixtral.py), each answer equals transformers'
+its span), LLM.chat with image_url parts, two images in one prompt, AsyncLLM.generate; on tiny random models
+with the default model's tokenizer plus Pixtral's image tokens (tests/tiny_pixtral.py), each answer equals transformers'
 PixtralProcessor + Mistral3ForConditionalGeneration / LlavaForConditionalGeneration on the same images
 (float32, greedy), and the prompt is as long as the processor expands it."""
 
@@ -72,3 +72,20 @@ def test_generate_and_chat_take_images_as_transformers_does(model):
     assert [len(o.prompt_token_ids) for o in outs] == [reference(image)[1] for image in (wide, tall, tiny)]
     assert chat.outputs[0].text == reference(wide)[0]
     assert (both.outputs[0].text, len(both.prompt_token_ids)) == (want, length)
+
+
+def test_async_llm_takes_images(model):
+    import asyncio
+
+    from pagedserve import AsyncLLM
+
+    folder, reference = model
+    image = png(44, size=(64, 48))
+
+    async def main():
+        async with AsyncLLM(model=str(folder), dtype="float32", kv_cache_memory="64MiB") as engine:
+            outs = [out async for out in engine.generate(
+                {"prompt": reference.prompt, "multi_modal_data": {"image": image}}, GREEDY)]
+            return outs[-1].outputs[0].text
+
+    assert asyncio.run(main()) == reference(image)[0]
