@@ -9,16 +9,22 @@ here. Each image of a prompt becomes `num_image_tokens` rows: (image_size / patc
 the class row with vision_feature_select_strategy "full". The front end puts that many copies of
 `image_token_id` in the prompt for each image (common/multimodal.py).
 
+Pixtral's family (Mistral3ForConditionalGeneration, and LLaVA whose vision_config.model_type is "pixtral"):
+pixtral_config.py, its vision settings' family "pixtral"; an image's ImageInput covers its whole span of
+[IMG] rows with their [IMG_BREAK] / [IMG_END] tokens, which image_problem checks exactly.
+
 No torch: the gateway, tokenizer and scheduler read ModelConfig too.
 """
 
 from __future__ import annotations
 
+from pagedserve.common.pixtral_config import is_pixtral, pixtral_parts, span_problem
+
 IDEFICS3_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 QWEN2_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 GEMMA3_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", *IDEFICS3_ARCHITECTURES, *QWEN2_VL_ARCHITECTURES,
-                        *GEMMA3_ARCHITECTURES)
+                        *GEMMA3_ARCHITECTURES, "Mistral3ForConditionalGeneration")
 # text_config model_type -> the causal LM architecture that serves it inside a LLaVA
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # transformers' LlamaConfig defaults, for a llava-1.5 text_config that names only what differs
@@ -49,6 +55,8 @@ def vision_parts(cfg: dict) -> tuple[dict, dict] | None:
     archs = set(cfg.get("architectures") or ())
     if archs & set(GEMMA3_ARCHITECTURES):
         return gemma3_parts(cfg)
+    if is_pixtral(cfg):  # Mistral3, or LLaVA over a Pixtral tower (pixtral_config.py)
+        return pixtral_parts(cfg, _text_half)
     if archs & set(QWEN2_VL_ARCHITECTURES):
         return qwen2_vl_parts(cfg)
     if archs & set(IDEFICS3_ARCHITECTURES):
@@ -247,6 +255,8 @@ def image_problem(images, prompt_token_ids: list[int], vision: dict | None) -> s
         return "this model takes no images"
     if "min_pixels" in vision:
         return _dynamic_problem(images, prompt_token_ids, vision)
+    if vision.get("family") == "pixtral":  # a span of rows with breaks (pixtral_config.py)
+        return span_problem(images, prompt_token_ids, vision)
     want, size, token = vision["num_image_tokens"], vision["image_size"], vision["image_token_id"]
     for image in images:
         if image.length != want:

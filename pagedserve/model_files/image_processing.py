@@ -19,7 +19,9 @@ Idefics3 / SmolVLM (idefics3_images.py): image_config gives an Idefics3Config, p
 image's tiles and global view (a TiledImage), expand_placeholders the processor's expansion of each
 image token with one ImageInput per tile. Qwen2-VL / Qwen2.5-VL (qwen2_vl_images.py): a Qwen2VLConfig,
 the image resized to its own dynamic resolution (smart_resize), each image token repeated once per
-merged patch. The callers (the tokenizer service, prompt_images.py) are the same for every family.
+merged patch. Pixtral / Mistral 3 (pixtral_images.py): a PixtralConfig, the image resized so its longest
+edge fits, sides rounded up to the patch grid, each image token replaced by its span of rows with break and end
+tokens. The callers (the tokenizer service, prompt_images.py) are the same for every family.
 
 Limits, checked before any pixel is decoded: MAX_IMAGE_BYTES of encoded image, MAX_IMAGE_PIXELS
 (PIL's decompression-bomb guard is set to it, and a larger header is refused). Errors are
@@ -38,13 +40,15 @@ import numpy as np
 from PIL import Image
 
 from pagedserve.common.multimodal import ImageInput, check_image_tokens, image_input
+from pagedserve.common.pixtral_config import is_pixtral
 from pagedserve.common.vision_config import GEMMA3_ARCHITECTURES, IDEFICS3_ARCHITECTURES, QWEN2_VL_ARCHITECTURES, \
     idefics3_parts, llava_parts
-from pagedserve.model_files import qwen2_vl_images
+from pagedserve.model_files import pixtral_images, qwen2_vl_images
 from pagedserve.model_files.gemma3_images import Gemma3ImageConfig, gemma3_config, resize_image
 from pagedserve.model_files.gemma3_images import expand as gemma3_expand
 from pagedserve.model_files.idefics3_images import (LANCZOS, Idefics3Config, TiledImage, expand, max_grid,
                                                     read_pieces, tile_image)
+from pagedserve.model_files.pixtral_images import PixtralConfig
 from pagedserve.model_files.qwen2_vl_images import Qwen2VLConfig
 
 MAX_IMAGE_BYTES = 20 << 20  # an encoded image (the gateway's fetch cap is the same)
@@ -71,7 +75,7 @@ class ImageConfig:
 
 
 # what image_config gives for a model that takes images: the callers pass it back, never look inside
-AnyImageConfig = ImageConfig | Idefics3Config | Qwen2VLConfig | Gemma3ImageConfig
+AnyImageConfig = ImageConfig | Idefics3Config | Qwen2VLConfig | Gemma3ImageConfig | PixtralConfig
 
 
 def _read(path: Path) -> dict:
@@ -100,6 +104,10 @@ def image_config(folder: str | Path, tokenizer=None) -> AnyImageConfig | None:
     folder = Path(folder)
     config = _read(folder / "config.json")
     archs = config.get("architectures") or ()
+    if is_pixtral(config):  # Mistral3, LLaVA over a Pixtral tower: pixtral_images.py
+        return pixtral_images.pixtral_config(_read(folder / "preprocessor_config.json"),
+                                             _read(folder / "processor_config.json"), config,
+                                             tokenizer if tokenizer is not None else _folder_tokenizer(folder))
     if set(archs) & set(QWEN2_VL_ARCHITECTURES):
         return qwen2_vl_images.qwen2_vl_config(_read(folder / "preprocessor_config.json"), config,
                                                tokenizer if tokenizer is not None else _folder_tokenizer(folder))
@@ -237,6 +245,8 @@ def process_image(config: AnyImageConfig, data: bytes | Image.Image) -> tuple[in
             return qwen2_vl_images.resize_image(config, image)
         if isinstance(config, Gemma3ImageConfig):
             return resize_image(config, image)
+        if isinstance(config, PixtralConfig):
+            return pixtral_images.resize_image(config, image)
         if config.do_resize:
             width, height = image.size
             if config.resize_hw is not None:
@@ -271,6 +281,8 @@ def expand_placeholders(config: AnyImageConfig, prompt_ids: list[int],
         return qwen2_vl_images.expand(config, prompt_ids, images)
     if isinstance(config, Gemma3ImageConfig):
         return gemma3_expand(config, prompt_ids, images)
+    if isinstance(config, PixtralConfig):
+        return pixtral_images.expand(config, prompt_ids, images)
     check_image_tokens(prompt_ids, config.image_token_id, len(images))
     out: list[int] = []
     placed: list[ImageInput] = []

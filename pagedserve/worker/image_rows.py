@@ -11,7 +11,8 @@ passes no graph a step with image rows), decodes first then prefills, each state
 from its num_computed_tokens: the order and counts the runner gives here. A text-only step costs a
 scan of the states' image lists and nothing else. An M-RoPE model (Qwen2-VL) also takes each row's three
 positions in such a step (step_inputs, mrope.py). A dynamic-resolution model's images each have their own
-number of rows (its encode_images checks them).
+number of rows (its encode_images checks them); a Pixtral-family image's rows cover its span, break and end
+tokens included (models/mistral3.py), so they are placed like any other's.
 A bidirectional model (Gemma 3: an image's placeholders attend to each other both ways) gets its step's
 AttentionMetadata.key_limits from mark_key_limits; its images are never split across steps. The model
 runner's step thread only.
@@ -54,7 +55,12 @@ def profile_rows(model, vision: dict | None, num_tokens: int) -> list[torch.Tens
     as a step's do. None for a text model."""
     if vision is None:
         return None
-    if "num_image_tokens" in vision:
+    if vision.get("family") == "pixtral":  # the largest image: max_side square, its span with breaks
+        side = vision["max_side"]
+        per = (side // (vision["patch_size"] * vision["merge_size"])) ** 2
+        per += side // (vision["patch_size"] * vision["merge_size"])
+        blank = ImageInput(0, per, side, side, bytes(side * side * 3))
+    elif "num_image_tokens" in vision:
         side, per = vision["image_size"], vision["num_image_tokens"]
         blank = ImageInput(0, per, side, side, bytes(side * side * 3))
     else:  # dynamic resolution (Qwen2-VL): the largest square image max_pixels allows, the most patches each

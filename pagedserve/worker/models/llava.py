@@ -32,5 +32,9 @@ class Llava(VisionLanguage):
 
 
 def LlavaForConditionalGeneration(cfg: ModelConfig, backend: AttentionBackend, max_positions: int):  # noqa: N802
-    """The model for a LLaVA config (models.model_class's entry: called like a class)."""
+    """The model for a LLaVA config (models.model_class's entry: called like a class); over a Pixtral tower,
+    models/mistral3.py's."""
+    if cfg.vision.get("family") == "pixtral":
+        from pagedserve.worker.models.mistral3 import Mistral3ForConditionalGeneration
+        return Mistral3ForConditionalGeneration(cfg, backend, max_positions)
     return build(Llava, cfg, backend, max_positions)

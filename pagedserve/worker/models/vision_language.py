@@ -7,7 +7,9 @@ placeholders) into embedding rows that the model runner scatters over the placeh
 (worker/image_rows.py).
 
 Qwen2-VL (models/qwen2_vl.py) has no projector apart from its tower (PROJECTOR "": the merger is the
-tower's) and overrides encode_images: its images have rows of their own number each.
+tower's) and overrides encode_images: its images have rows of their own number each. Pixtral / Mistral 3
+(models/mistral3.py) overrides it too: an image's rows cover its whole span, the break and end tokens' rows
+their text embeddings.
 
 A family names its parts' attributes (the checkpoint's names after RENAMES), makes them (parts) and maps
 its checkpoint's prefixes; load time builds it, the step thread encodes.
