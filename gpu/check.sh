@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the project's root: bash .gpu/check.sh [tests] [e2e] [speed] [services] [sampled] [tune] [int4]
-# (default: all but sampled, tune and int4). Writes summary.txt (a line per stage) and at most 9 files to $OUT (default: .gpu/out).
+# On the GPU machine, from the project's root: bash .gpu/check.sh [tests] [e2e] [speed] [services] [sampled] [tune] [int4] [vision]
+# (default: all but sampled, tune, int4 and vision). Writes summary.txt (a line per stage) and at most 9 files to $OUT (default: .gpu/out).
 G="$(cd "$(dirname "$0")" && pwd)"; P="$(cd "$G/.." && pwd)"; M=/tmp/m1b
 OUT="${OUT:-$G/out}"; mkdir -p "$OUT"; S=$OUT/summary.txt
 want() { [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]]; }
@@ -29,6 +29,14 @@ if want e2e; then  # the engine on CUDA against transformers on the CPU, tiny mo
     tests/test_cuda_setup.py tests/test_device_memory.py tests/test_graph_runner.py tests/test_mixed_graphs.py tests/test_step_overlap.py tests/test_platform.py tests/test_cuda_profile.py \
     tests/test_sampler.py -rs > "$OUT/e2e.log" 2>&1
   line e2e $? $(( $(date +%s) - t0 )) "$OUT/e2e.log"
+fi
+if named vision; then  # the newer image families on CUDA against transformers on the CPU (eager image steps, M-RoPE's
+  # shift through the graphs, Gemma 3's bidirectional keys on the torch path, Pixtral's spans)
+  t0=$(date +%s)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not heavy" tests/test_qwen2_vl.py tests/test_qwen2_vl_graphs.py \
+    tests/test_qwen2_vl_decode_graphs.py tests/test_gemma3_vl.py tests/test_attention_key_limits.py tests/test_pixtral.py \
+    -rs > "$OUT/vision.log" 2>&1
+  line vision $? $(( $(date +%s) - t0 )) "$OUT/vision.log"
 fi
 if want speed || want services || named tune || named sampled || named int4; then timeout 60 python3 "$G/make_model.py" $M "$G/tok" > /tmp/model.log 2>&1 || echo "model: $(tail -2 /tmp/model.log)" >> "$S"; fi
 if want speed; then
