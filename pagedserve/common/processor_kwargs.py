@@ -8,7 +8,8 @@ The keys each family's processor takes (FAMILY_KEYS):
 
     Qwen2-VL / Qwen2.5-VL   min_pixels, max_pixels; transformers 5's size {"shortest_edge", "longest_edge"}
                             (pixels: the same bounds, either edge alone); an override's bounds replace the
-                            file's whichever spelling the file uses
+                            file's whichever spelling the file uses (transformers, given a hub file's
+                            min_pixels / max_pixels and a size kwarg, keeps the file's: here the flag wins)
     Idefics3 / SmolVLM      size {"longest_edge"}, max_image_size {"longest_edge"}, do_image_splitting
     Pixtral / Mistral 3     size {"longest_edge"} (or {"height", "width"})
     LLaVA, Gemma 3          none: their processors' sizes are fixed by the tower
