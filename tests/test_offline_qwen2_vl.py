@@ -83,3 +83,31 @@ def test_async_llm_takes_images(model):
             return outs[-1].outputs[0].text
 
     assert asyncio.run(main()) == reference(image)[0]
+
+
+def test_mm_processor_kwargs_bound_the_images_as_transformers_with_the_same_kwargs(default_model_path,
+                                                                                   tmp_path_factory):
+    """LLM(model, mm_processor_kwargs={"max_pixels": ...}) above and below the folder's own max_pixels (28*28*64):
+    the answers and prompt lengths of transformers' processor built with the same kwargs. Above it, the worker
+    must take the images past the folder's bound (the override reaches both sides)."""
+    from pagedserve import LLM
+    from tiny_qwen2_vl import PREPROCESSOR
+
+    folder = build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl-mmk"), default_model_path)
+    with_random_weights(folder, model_class=ARCHITECTURES["qwen2_vl"])
+    images = [png(45, size=(300, 200)), png(46, size=(150, 400))]  # past the folder's 50176 pixels
+    lengths = {}
+    for max_pixels in (28 * 28 * 100, 28 * 28 * 16):
+        kwargs = {"max_pixels": max_pixels}
+        reference = VisionReference(folder, QUESTION, MAX_TOKENS, reference_processor(folder, {**PREPROCESSOR,
+                                                                                               **kwargs}),
+                                    ARCHITECTURES["qwen2_vl"])
+        with LLM(model=str(folder), dtype="float32", kv_cache_memory="64MiB", mm_processor_kwargs=kwargs) as llm:
+            outs = llm.generate([{"prompt": reference.prompt, "multi_modal_data": {"image": image}}
+                                 for image in images], GREEDY)
+        want = [reference(image) for image in images]
+        assert [(o.outputs[0].text, len(o.prompt_token_ids)) for o in outs] == want
+        lengths[max_pixels] = [n for _, n in want]
+    folder_own = VisionReference(folder, QUESTION, MAX_TOKENS, reference_processor(folder), ARCHITECTURES["qwen2_vl"])
+    own = [folder_own(image)[1] for image in images]
+    assert all(up > mid > down for up, mid, down in zip(lengths[28 * 28 * 100], own, lengths[28 * 28 * 16]))

@@ -174,7 +174,7 @@ def test_argv_for_hands_on_what_differs_from_the_default():
     assert "PAGEDSERVE_API_KEY" not in handed_on_env("gateway")
     assert {s.dest for s in shared("serve", "tokenizer")} == {
         "model", "revision", "served_model_name", "tokenizer", "chat_template", "routing_policy", "service_transport",
-        "generation_config", "override_generation_config"}
+        "generation_config", "override_generation_config", "mm_processor_kwargs"}
 
 
 def test_a_vllm_command_line_starts_serve():

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.common.checkpoint_quantization import check_quantization
+from pagedserve.common.processor_kwargs import preprocessor
 from pagedserve.common.vision_config import VISION_ARCHITECTURES, image_normalization, vision_parts
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
@@ -186,7 +187,9 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "ModelConfig":
+    def from_folder(cls, folder: str | Path, mm_processor_kwargs: str | dict | None = None) -> "ModelConfig":
+        """The model in folder; a vision model's image settings from its preprocessor_config.json with
+        --mm-processor-kwargs laid over it (common/processor_kwargs.py, as the front end reads it)."""
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {folder}")
@@ -195,8 +198,7 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ValueError(f"corrupt config.json in {folder}: {exc}") from exc
         config = cls.from_hf_dict(cfg, f"the model in {folder}")
+        pre = preprocessor(folder, cfg, mm_processor_kwargs)  # a text model with overrides: refused
         if config.vision is not None:
-            pre = Path(folder) / "preprocessor_config.json"
-            config.vision.update(image_normalization(json.loads(pre.read_text()) if pre.is_file() else None,
-                                                     config.vision))
+            config.vision.update(image_normalization(pre, config.vision))
         return config

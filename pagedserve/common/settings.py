@@ -97,8 +97,7 @@ def _settings() -> tuple[Setting, ...]:
           aliases=("-dp",)),
         S("--routing-policy", "serve tokenizer", default="prefix", choices=("prefix", "least_load", "round_robin"),
           help="how a request's replica is picked: prefix (the one whose prefix cache holds most of the prompt, "
-          "unless it is much busier), least_load (fewest queued and running tokens), round_robin",
-          group="replicas"),
+          "unless it is much busier), least_load (fewest queued and running tokens), round_robin", group="replicas"),
         S("--replica-id", "scheduler", default="", group="replicas",
           help="this scheduler is engine replica ID: it registers in Redis (--redis-url) and heart-beats; keep "
           "it stable across restarts (a restarted replica resumes its own requests); empty: a single engine"),
@@ -112,10 +111,9 @@ def _settings() -> tuple[Setting, ...]:
         S("--published-prefix-blocks", "scheduler", int, DEFAULT_PUBLISHED_BLOCKS, group="replicas",
           help="most prefix-cache block hashes a replica publishes (its most recently cached)"),
         # ---- the launcher ------------------------------------------------------------------
-        S("--redis-maxmemory", "serve", default="256mb",
-          help="memory cap of the private redis-server (when no --redis-url is given), in Redis' units "
-          "(e.g. 256mb, 1gb); beyond it the least recently used records are evicted (volatile-lru: every "
-          "record has a TTL)", group="launcher"),
+        S("--redis-maxmemory", "serve", default="256mb", group="launcher", help="memory cap of the private "
+          "redis-server (when no --redis-url is given), in Redis' units (e.g. 256mb, 1gb); beyond it the least "
+          "recently used records are evicted (volatile-lru: every record has a TTL)"),
         S("--disable-log-requests", "serve", bool, False, group="launcher",
           help="vLLM's: taken so that its command lines start; requests are never logged here at info level"),
         S("--log-dir", "serve", help="write each service's output to LOG_DIR/<service>.log",
@@ -137,8 +135,7 @@ def _settings() -> tuple[Setting, ...]:
         # ---- the engine ---------------------------------------------------------------------
         S("--model", "engine serve worker tokenizer",
           help="HF model folder, .gguf file, Hugging Face hub id (org/name; downloaded once into the HF cache) "
-          "or a name from `pagedserve list`",
-          default_text="SmolLM2-135M-Instruct", group="engine"),
+          "or a name from `pagedserve list`", default_text="SmolLM2-135M-Instruct", group="engine"),
         S("--revision", "engine serve worker tokenizer", help="a hub id's branch, tag or commit", group="engine"),
         S("--device", "engine serve worker", default="auto", choices=("auto", "cpu", "cuda"), group="engine",
           help="where the model runs (auto: CUDA when there is one)"),
@@ -305,8 +302,7 @@ def _settings() -> tuple[Setting, ...]:
           help="serve a non-loopback address without any API key (anyone who reaches it may use it)"),
         S("--api-key-file", "serve gateway", help="a file of accepted API keys, one a line (# comments); "
           "`KEY min_priority=N` lets that key's requests set priority down to N (lower runs earlier; "
-          "an ordinary key's floor is 0, an operator key has none)",
-          group="gateway"),
+          "an ordinary key's floor is 0, an operator key has none)", group="gateway"),
         S("--cors-origins", "serve gateway", default="", aliases=("--allowed-origins",),
           help="comma-separated origins allowed by CORS ('*' for any), or vLLM's JSON list ('[\"https://a\"]'); "
           "empty: CORS off", group="gateway"),
@@ -357,6 +353,9 @@ def _settings() -> tuple[Setting, ...]:
         S("--limit-mm-per-prompt", "serve gateway", default="", default_text='{"image": 4}', group="gateway",
           help='vLLM\'s: JSON, the most images a request may carry (\'{"image": 2}\'); --allowed-media-domains '
           "(vLLM's, repeatable: the only hosts image URLs and their redirects may name; unset: any)"),
+        S("--mm-processor-kwargs", "engine serve worker tokenizer", group="engine", default_text="none", help="vLLM's: "
+          'JSON, overrides of the image processor\'s settings (Qwen2-VL \'{"max_pixels": 1003520}\'; the keys by '
+          "family: common/processor_kwargs.py); an unknown key, a bad value or a text model is refused at start"),
         S("--allowed-media-domains", "serve gateway", many=True, several=True, group="gateway", default_text="any"),
         S("--media-fetch-timeout", "serve gateway", float, 5.0, "seconds to fetch an image URL", group="gateway"),
     )

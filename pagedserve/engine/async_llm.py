@@ -48,7 +48,8 @@ class _Sink:
 class AsyncLLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine, self.tokenizer, self.chat_template = load_engine(model, engine_args)
-        self.image_config = image_processing.image_config(self.engine.model_path, self.tokenizer)  # None: a text model
+        self.image_config = image_processing.image_config(  # None: a text model
+            self.engine.model_path, self.tokenizer, self.engine.config.mm_processor_kwargs)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._ids: set[str] = set()  # request ids in use (callers' side, under _lock)

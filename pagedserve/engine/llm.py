@@ -159,7 +159,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine, self.tokenizer, self.chat_template = load_engine(model, engine_args)
-        self.image_config = image_processing.image_config(self.engine.model_path, self.tokenizer)  # None: a text model
+        self.image_config = image_processing.image_config(  # None: a text model
+            self.engine.model_path, self.tokenizer, self.engine.config.mm_processor_kwargs)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

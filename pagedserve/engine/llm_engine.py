@@ -41,6 +41,8 @@ class EngineConfig:
     tokenizer: str | None = _DEFAULTS["tokenizer"]  # folder of the tokenizer files; None: the model's
     revision: str | None = _DEFAULTS["revision"]  # a hub id's branch, tag or commit; None: main
     chat_template: str | None = _DEFAULTS["chat_template"]  # a file or inline Jinja; None: the model's
+    # vLLM's JSON (a str) or a dict of image processor overrides: {"max_pixels": 1003520}; common/processor_kwargs.py
+    mm_processor_kwargs: str | dict | None = _DEFAULTS["mm_processor_kwargs"]
     device: str = _DEFAULTS["device"]
     dtype: str = _DEFAULTS["dtype"]
     quantization: str = _DEFAULTS["quantization"]  # auto: a GGUF's own blocks on the CPU; none; int8
@@ -128,7 +130,8 @@ class LLMEngine:
         self.graphs = graphs = graph_plan(config.compilation_config, config.enforce_eager)
         # The one model setup (worker/model_setup.py), as the worker service runs it.
         place = place_model(config.model, config.device, config.dtype, config.max_model_len, local_rank=0,
-                            tokenizer=tokenizer, tokenizer_name=config.tokenizer, revision=config.revision)
+                            tokenizer=tokenizer, tokenizer_name=config.tokenizer, revision=config.revision,
+                            mm_processor_kwargs=config.mm_processor_kwargs)
         self.model_path, self.model_config, self.tokenizer = place.model_path, place.model_config, place.tokenizer
         # the model's sampling defaults (a bad generation config fails here, before the weights load)
         self.sampling_defaults = read_defaults(place.model_path, config.generation_config,

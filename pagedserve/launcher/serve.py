@@ -45,13 +45,15 @@ def _served_model_name(http_url: str, api_key: str | None, context=None) -> str 
 
 
 def check_model(model: str | None, speculative_config: str | None = None, max_model_len: int | None = None,
-                quantization: str = "auto", revision: str | None = None) -> None:
+                quantization: str = "auto", revision: str | None = None,
+                mm_processor_kwargs: str | None = None) -> None:
     """Before any service starts: the model is found (a hub id is downloaded here, once, for every
     rank) and its config.json is one we can serve (an architecture we have, no quantization_config
     we cannot load), so that a bad --model fails in a second with its reason, not as a worker's
     log tail; so do a bad --speculative-config and its draft model (model_files/draft_check.py), and a
     weight file that cannot be read (model_files/weight_check.py), and a --quantization naming a method the
-    checkpoint is not quantized with (common/checkpoint_quantization.quantization_flag)."""
+    checkpoint is not quantized with (common/checkpoint_quantization.quantization_flag), and a bad
+    --mm-processor-kwargs as the worker reads it (the tokenizer's own checks run in the tokenizer)."""
     from pagedserve.common.checkpoint_quantization import quantization_flag
     from pagedserve.common.model_config import ModelConfig
     from pagedserve.common.speculative import parse_speculative_config
@@ -59,7 +61,7 @@ def check_model(model: str | None, speculative_config: str | None = None, max_mo
     from pagedserve.model_files.draft_check import check_draft_model
     from pagedserve.model_files.weight_check import check_weight_files
     folder = resolve_model(model, revision)
-    target = ModelConfig.from_folder(folder)
+    target = ModelConfig.from_folder(folder, mm_processor_kwargs)
     quantization_flag(quantization, target.hf, f"the model in {folder}")
     check_weight_files(folder)
     check_draft_model(parse_speculative_config(speculative_config), target, max_model_len)
@@ -90,7 +92,8 @@ def main(args: argparse.Namespace) -> int:
         tls_problem = https.problem(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
         if tls_problem:
             raise ValueError(tls_problem)
-        check_model(args.model, args.speculative_config, args.max_model_len, args.quantization, args.revision)
+        check_model(args.model, args.speculative_config, args.max_model_len, args.quantization, args.revision,
+                    args.mm_processor_kwargs)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2

@@ -41,6 +41,7 @@ from PIL import Image
 
 from pagedserve.common.multimodal import ImageInput, check_image_tokens, image_input
 from pagedserve.common.pixtral_config import is_pixtral
+from pagedserve.common.processor_kwargs import named, preprocessor
 from pagedserve.common.vision_config import GEMMA3_ARCHITECTURES, IDEFICS3_ARCHITECTURES, QWEN2_VL_ARCHITECTURES, \
     idefics3_parts, llava_parts
 from pagedserve.model_files import pixtral_images, qwen2_vl_images
@@ -93,37 +94,46 @@ def _hw(size: dict | int, what: str) -> tuple[int, int]:
     raise ValueError(f"preprocessor_config.json's {what} must be {{'height', 'width'}}, got {size!r}")
 
 
-def image_config(folder: str | Path, tokenizer=None) -> AnyImageConfig | None:
+def image_config(folder: str | Path, tokenizer=None, mm_processor_kwargs: str | dict | None = None) -> \
+        AnyImageConfig | None:
     """The image front end of the model in folder (ImageConfig for LLaVA, Idefics3Config for
     Idefics3 / SmolVLM, Qwen2VLConfig for Qwen2-VL / Qwen2.5-VL); None for a model that takes no
     images (another architecture). The image
     token and the placeholders per image (per tile) are the worker's own reading of config.json
     (common/vision_config.py); the processor files must agree with it (images or tiles of the tower's
     size, processor_config.json's image_seq_length / image_seq_len). Idefics3's expansion tokens are
-    read from tokenizer (default: the folder's own), Qwen2-VL's image tokens checked against it."""
+    read from tokenizer (default: the folder's own), Qwen2-VL's image tokens checked against it. mm_processor_kwargs
+    (--mm-processor-kwargs) is laid over preprocessor_config.json first, as the worker reads it
+    (common/processor_kwargs.py); a refusal then names it."""
     folder = Path(folder)
     config = _read(folder / "config.json")
+    pre = preprocessor(folder, config, mm_processor_kwargs)
+    try:
+        return _image_config(folder, config, pre, tokenizer)
+    except ValueError as exc:
+        raise named(exc, mm_processor_kwargs) from None
+
+
+def _image_config(folder: Path, config: dict, pre: dict, tokenizer) -> AnyImageConfig | None:
     archs = config.get("architectures") or ()
     if is_pixtral(config):  # Mistral3, LLaVA over a Pixtral tower: pixtral_images.py
-        return pixtral_images.pixtral_config(_read(folder / "preprocessor_config.json"),
-                                             _read(folder / "processor_config.json"), config,
+        return pixtral_images.pixtral_config(pre, _read(folder / "processor_config.json"), config,
                                              tokenizer if tokenizer is not None else _folder_tokenizer(folder))
     if set(archs) & set(QWEN2_VL_ARCHITECTURES):
-        return qwen2_vl_images.qwen2_vl_config(_read(folder / "preprocessor_config.json"), config,
+        return qwen2_vl_images.qwen2_vl_config(pre, config,
                                                tokenizer if tokenizer is not None else _folder_tokenizer(folder))
     if set(archs) & set(IDEFICS3_ARCHITECTURES):
-        return idefics3_config(folder, config, tokenizer)
+        return idefics3_config(folder, config, pre, tokenizer)
     if set(archs) & set(GEMMA3_ARCHITECTURES):  # Gemma 3 (gemma3_images.py): its expansion re-tokenizes
         if tokenizer is None:
             from pagedserve.model_files.tokenizer_files import load_tokenizer
             tokenizer = load_tokenizer(folder)
-        return gemma3_config(config, _read(folder / "preprocessor_config.json"),
-                             _read(folder / "processor_config.json"), tokenizer)
+        return gemma3_config(config, pre, _read(folder / "processor_config.json"), tokenizer)
     if "LlavaForConditionalGeneration" not in archs:
         return None
     vision = llava_parts(config)[1]
     side = vision["image_size"]
-    pre, proc = _read(folder / "preprocessor_config.json"), _read(folder / "processor_config.json")
+    proc = _read(folder / "processor_config.json")
     unknown = sorted(k for k in ("do_pad", "image_grid_pinpoints") if pre.get(k))
     if unknown:
         raise ValueError(f"preprocessor_config.json: {unknown[0]} is not supported (CLIP-style processing only)")
@@ -149,11 +159,12 @@ def image_config(folder: str | Path, tokenizer=None) -> AnyImageConfig | None:
                        do_center_crop=do_crop, crop_hw=crop_hw)
 
 
-def idefics3_config(folder: Path, config: dict, tokenizer=None) -> Idefics3Config:
-    """Idefics3ImageProcessor's settings and Idefics3Processor's expansion for the folder."""
+def idefics3_config(folder: Path, config: dict, pre: dict, tokenizer=None) -> Idefics3Config:
+    """Idefics3ImageProcessor's settings (pre: preprocessor_config.json's, overrides laid over) and
+    Idefics3Processor's expansion for the folder."""
     vision = idefics3_parts(config)[1]
     side, tokens = vision["image_size"], vision["num_image_tokens"]
-    pre, proc = _read(folder / "preprocessor_config.json"), _read(folder / "processor_config.json")
+    proc = _read(folder / "processor_config.json")
     max_size = pre.get("max_image_size", {"longest_edge": 364})
     if not isinstance(max_size, dict) or "longest_edge" not in max_size:
         raise ValueError(f"preprocessor_config.json's max_image_size must be {{'longest_edge'}}, got {max_size!r}")

@@ -111,7 +111,7 @@ async def _serve(args) -> int:
     try:
         tokenizer, default_name, vocab_size, folder = loader.result()
         defaults = read_defaults(folder, args.generation_config, args.override_generation_config)
-        images = image_config(folder, tokenizer)  # None: a text model
+        images = image_config(folder, tokenizer, args.mm_processor_kwargs)  # None: a text model
     except Exception as exc:
         log.error("could not load the tokenizer: %s", exc)
         await asyncio.gather(server.stop(grace=None), local.stop())

@@ -76,13 +76,14 @@ class ModelPlace:
 
 def place_model(model: str | None, device: str, dtype: str, max_model_len: int | None, local_rank: int = 0,
                 tokenizer=None, tokenizer_name: str | None = None, need_tokenizer: bool = True,
-                revision: str | None = None) -> ModelPlace:
+                revision: str | None = None, mm_processor_kwargs: str | dict | None = None) -> ModelPlace:
     """Resolve the model and decide its place. tokenizer: one the caller has, else loaded from
     tokenizer_name or the model's folder (need_tokenizer False: a model without one still runs,
-    with the eos ids of its config files)."""
+    with the eos ids of its config files). mm_processor_kwargs: --mm-processor-kwargs, laid over the
+    folder's preprocessor_config.json as the front end lays it (common/processor_kwargs.py)."""
     from pagedserve.model_files.default_model import resolve_model
     model_path = Path(resolve_model(model, revision))
-    config = ModelConfig.from_folder(model_path)
+    config = ModelConfig.from_folder(model_path, mm_processor_kwargs)
     where = platform_for(pick_device(device)).rank_device(local_rank)
     if tokenizer is None:
         from transformers import AutoTokenizer

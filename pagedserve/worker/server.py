@@ -61,7 +61,8 @@ class WorkerService:
                  quantization: str = "auto", kv: KVSettings | None = None, max_num_seqs: int | None = None,
                  enforce_eager: bool = False, lora: tuple[int, int, int] | None = None,
                  speculative_config: str | None = None, compilation_config: str | dict | None = None,
-                 seed: int | None = None, revision: str | None = None) -> None:
+                 seed: int | None = None, revision: str | None = None,
+                 mm_processor_kwargs: str | dict | None = None) -> None:
         import dataclasses
 
         import torch  # noqa: F401 - the worker is the one service that needs it
@@ -83,7 +84,8 @@ class WorkerService:
         self.quantization = quantization
         # the eos ids of config.json and generation_config.json apply without a tokenizer too
         self.place = place_model(model, device, dtype, max_model_len, local_rank(rank, os.environ),
-                                 tokenizer_name=tokenizer, need_tokenizer=False, revision=revision)
+                                 tokenizer_name=tokenizer, need_tokenizer=False, revision=revision,
+                                 mm_processor_kwargs=mm_processor_kwargs)
         self.model_path, self.model_config = self.place.model_path, self.place.model_config
         self.device, self.dtype = self.place.device, self.place.dtype
         self.max_model_len, self.eos_token_ids = self.place.max_model_len, self.place.eos_token_ids
@@ -305,7 +307,7 @@ def serve(args: argparse.Namespace) -> int:
                             if args.enable_lora else None, args.speculative_config,
                             with_flags(args.compilation_config, args.cudagraph_capture_sizes,
                                        args.max_cudagraph_capture_size, args.cuda_graph_sizes),
-                            args.seed, args.revision)
+                            args.seed, args.revision, args.mm_processor_kwargs)
     ready = threading.Event()
     # A few threads: one long-lived Step stream plus the unary calls and health checks beside it.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
