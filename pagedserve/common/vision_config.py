@@ -85,6 +85,15 @@ def _text_half(cfg: dict, defaults: dict = LLAMA_DEFAULTS) -> dict:
     return text
 
 
+TOWER_KEYS = ("image_size", "patch_size", "num_channels", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "hidden_act", "layer_norm_eps")
+
+
+def tower_fields(tower: dict) -> dict:
+    """A ViT's settings as the worker's towers read them (a SigLIP's or a CLIP's vision_config, defaults filled)."""
+    return {key: tower[key] for key in TOWER_KEYS}
+
+
 def idefics3_parts(cfg: dict) -> tuple[dict, dict]:
     """Idefics3 / SmolVLM: a SigLIP tower over image_size tiles (no class row), the connector's pixel
     shuffle (scale_factor^2 patches into one row) and projection, a Llama text model. Each tile (the
@@ -105,15 +114,7 @@ def idefics3_parts(cfg: dict) -> tuple[dict, dict]:
         image_token_id=int(cfg.get("image_token_id", 128257)),
         num_image_tokens=side * side // (scale * scale),
         scale_factor=scale,
-        image_size=siglip["image_size"],
-        patch_size=siglip["patch_size"],
-        num_channels=siglip["num_channels"],
-        hidden_size=siglip["hidden_size"],
-        intermediate_size=siglip["intermediate_size"],
-        num_hidden_layers=siglip["num_hidden_layers"],
-        num_attention_heads=siglip["num_attention_heads"],
-        hidden_act=siglip["hidden_act"],
-        layer_norm_eps=siglip["layer_norm_eps"],
+        **tower_fields(siglip),
         rescale_factor=1 / 255, image_mean=HALF, image_std=HALF,  # Idefics3ImageProcessor's defaults
     )
     return text, vision
@@ -213,15 +214,7 @@ def llava_parts(cfg: dict) -> tuple[dict, dict]:
         num_image_tokens=patches + (1 if strategy == "full" else 0),
         projector_hidden_act=cfg.get("projector_hidden_act", "gelu"),
         projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
-        image_size=clip["image_size"],
-        patch_size=clip["patch_size"],
-        num_channels=clip.get("num_channels", 3),
-        hidden_size=clip["hidden_size"],
-        intermediate_size=clip["intermediate_size"],
-        num_hidden_layers=num_layers,
-        num_attention_heads=clip["num_attention_heads"],
-        hidden_act=clip["hidden_act"],
-        layer_norm_eps=clip["layer_norm_eps"],
+        **tower_fields(clip),
         rescale_factor=1 / 255, image_mean=CLIP_MEAN, image_std=CLIP_STD,  # from_folder: the folder's own
     )
     return text, vision
@@ -341,15 +334,7 @@ def gemma3_parts(cfg: dict) -> tuple[dict, dict]:
         num_image_tokens=tokens,
         bidirectional=True,  # an image's placeholders see each other (worker/image_rows.key_limits)
         plain_positions=True,  # the tower's position ids 0..N-1 (not Idefics3's buckets)
-        image_size=siglip["image_size"],
-        patch_size=siglip["patch_size"],
-        num_channels=siglip["num_channels"],
-        hidden_size=siglip["hidden_size"],
-        intermediate_size=siglip["intermediate_size"],
-        num_hidden_layers=siglip["num_hidden_layers"],
-        num_attention_heads=siglip["num_attention_heads"],
-        hidden_act=siglip["hidden_act"],
-        layer_norm_eps=siglip["layer_norm_eps"],
+        **tower_fields(siglip),
         rescale_factor=1 / 255, image_mean=HALF, image_std=HALF,  # Gemma3ImageProcessor's defaults
     )
     return text, vision
