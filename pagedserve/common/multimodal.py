@@ -51,6 +51,24 @@ def check_image_tokens(prompt_ids: list[int], image_token_id: int, num_images: i
                          "images: each image needs exactly one")
 
 
+def expand_images(prompt_ids: list[int], image_token_id: int, images, span_of) -> tuple[list[int], list[ImageInput]]:
+    """(the prompt with each image token, one per image, replaced by span_of(height, width): the image's
+    placeholder tokens; one ImageInput per image over its span), for images (height, width, RGB bytes) in
+    prompt order."""
+    check_image_tokens(prompt_ids, image_token_id, len(images))
+    out: list[int] = []
+    placed: list[ImageInput] = []
+    for token in prompt_ids:
+        if token != image_token_id:
+            out.append(token)
+            continue
+        height, width, data = images[len(placed)]
+        span = span_of(height, width)
+        placed.append(image_input(len(out), len(span), height, width, data))
+        out.extend(span)
+    return out, placed
+
+
 def check_placements(images: list[ImageInput] | tuple[ImageInput, ...], num_prompt_tokens: int) -> None:
     """Images in prompt order, not overlapping, inside the prompt."""
     end = 0

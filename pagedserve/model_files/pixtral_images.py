@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from pagedserve.common.multimodal import ImageInput, check_image_tokens, image_input
+from pagedserve.common.multimodal import ImageInput, expand_images
 from pagedserve.common.pixtral_config import span_tokens
 from pagedserve.common.vision_config import vision_parts
 
@@ -81,19 +81,9 @@ def expand(config: PixtralConfig, prompt_ids: list[int],
            images: list[tuple[int, int, bytes]]) -> tuple[list[int], list[ImageInput]]:
     """(the prompt with each [IMG] token replaced by its image's span, one ImageInput per image over its whole
     span, breaks and end included), from a prompt with one [IMG] per image (resize_image's images, in order)."""
-    check_image_tokens(prompt_ids, config.image_token_id, len(images))
-    out: list[int] = []
-    placed: list[ImageInput] = []
-    for token in prompt_ids:
-        if token != config.image_token_id:
-            out.append(token)
-            continue
-        height, width, data = images[len(placed)]
-        span = span_tokens(height // config.factor, width // config.factor, config.image_token_id,
-                           config.image_break_token_id, config.image_end_token_id)
-        placed.append(image_input(len(out), len(span), height, width, data))
-        out.extend(span)
-    return out, placed
+    return expand_images(prompt_ids, config.image_token_id, images, lambda height, width: span_tokens(
+        height // config.factor, width // config.factor, config.image_token_id, config.image_break_token_id,
+        config.image_end_token_id))
 
 
 def _max_hw(size) -> tuple[int, int]:

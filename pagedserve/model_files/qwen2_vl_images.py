@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from pagedserve.common.multimodal import ImageInput, check_image_tokens, image_input
+from pagedserve.common.multimodal import ImageInput, expand_images
 from pagedserve.common.vision_config import dynamic_size_problem, image_normalization, qwen2_vl_parts
 
 IMAGE_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
@@ -108,18 +108,8 @@ def expand(config: Qwen2VLConfig, prompt_ids: list[int],
     """(the prompt with each image token repeated once per merged patch of its image, one ImageInput
     per image over those copies), from a prompt with one image token per image (resize_image's images,
     in prompt order)."""
-    check_image_tokens(prompt_ids, config.image_token_id, len(images))
-    out: list[int] = []
-    placed: list[ImageInput] = []
-    for token in prompt_ids:
-        if token != config.image_token_id:
-            out.append(token)
-            continue
-        height, width, data = images[len(placed)]
-        length = placeholders(config, height, width)
-        placed.append(image_input(len(out), length, height, width, data))
-        out.extend([token] * length)
-    return out, placed
+    return expand_images(prompt_ids, config.image_token_id, images,
+                         lambda height, width: [config.image_token_id] * placeholders(config, height, width))
 
 
 def _same(pre: dict, key: str, tower: int) -> None:

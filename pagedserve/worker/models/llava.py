@@ -16,15 +16,13 @@ from __future__ import annotations
 
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.worker.attention import AttentionBackend
-from pagedserve.worker.models.vision_language import VisionLanguage, build
+from pagedserve.worker.models.vision_language import LLAVA_RENAMES, VisionLanguage, build
 from pagedserve.worker.vision.clip import CLIPVisionTower, Projector
 
 
 class Llava(VisionLanguage):
     TOWER, PROJECTOR = "vision_tower", "multi_modal_projector"
-    RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-               ("language_model.lm_head.", "lm_head."), ("model.vision_tower.", "vision_tower."),
-               ("model.multi_modal_projector.", "multi_modal_projector."))
+    RENAMES = LLAVA_RENAMES
 
     @staticmethod
     def parts(vision: dict, text_hidden: int):

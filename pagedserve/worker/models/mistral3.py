@@ -24,7 +24,7 @@ import torch
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.pixtral_config import pixtral_grid
 from pagedserve.worker.attention import AttentionBackend
-from pagedserve.worker.models.vision_language import VisionLanguage, build
+from pagedserve.worker.models.vision_language import LLAVA_RENAMES, VisionLanguage, build
 from pagedserve.worker.vision.clip import Projector
 from pagedserve.worker.vision.pixtral import Mistral3Projector, PixtralVisionTower
 
@@ -32,10 +32,7 @@ from pagedserve.worker.vision.pixtral import Mistral3Projector, PixtralVisionTow
 class Pixtral(VisionLanguage):
     """The Pixtral family: LLaVA's parts' names and checkpoint renames (models/llava.py), its own tower and
     span rows."""
-    TOWER, PROJECTOR = "vision_tower", "multi_modal_projector"
-    RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-               ("language_model.lm_head.", "lm_head."), ("model.vision_tower.", "vision_tower."),
-               ("model.multi_modal_projector.", "multi_modal_projector."))
+    TOWER, PROJECTOR, RENAMES = "vision_tower", "multi_modal_projector", LLAVA_RENAMES
 
     @staticmethod
     def parts(vision: dict, text_hidden: int):

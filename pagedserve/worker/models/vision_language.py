@@ -27,6 +27,12 @@ from pagedserve.worker.attention import AttentionBackend
 from pagedserve.worker.vision.clip import normalized_pixels
 
 
+# LLaVA's checkpoint prefixes (the hub's transformers-4 names and transformers 5's) -> ours; Mistral 3 shares them
+LLAVA_RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                 ("language_model.lm_head.", "lm_head."), ("model.vision_tower.", "vision_tower."),
+                 ("model.multi_modal_projector.", "multi_modal_projector."))
+
+
 class VisionLanguage:
     """Put ahead of a text model class (with_vision): builds it from the text half of the config, adds
     the family's tower and projector."""
