@@ -10,6 +10,7 @@ import os
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -224,6 +225,24 @@ def test_a_rank_that_dies_fails_the_step_without_waiting_for_the_timeout(tmp_pat
         proc.kill()
         if group is not None:
             group.close()
+
+
+def test_a_tmpdir_too_deep_for_a_socket_path_puts_the_socket_in_tmp(rank, tmp_path, monkeypatch):
+    """A Unix socket's path holds at most 107 bytes: under a deeper $TMPDIR the link is still made
+    (in a private directory in /tmp), not lost."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    assert len(os.fsencode(os.path.join(tempfile.mkdtemp(), "steps.sock"))) > 107
+    fake, sock = rank()
+    assert os.path.dirname(os.path.dirname(sock.path)) == "/tmp"
+    assert stat.S_IMODE(os.stat(os.path.dirname(sock.path)).st_mode) == 0o700
+    assert not any(name.startswith("pagedserve-worker-") for name in os.listdir(deep))
+    group = group_on(sock.path)
+    try:
+        assert group.step(empty_step(1), set())[0].step_id == 1
+    finally:
+        group.close()
 
 
 def test_a_quiet_link_gives_the_torch_thread_back(rank):

@@ -34,6 +34,17 @@ log = logging.getLogger("pagedserve.worker")
 IDLE_S = 0.1  # a connection with no step for this long gives the torch thread back
 WAIT_S = 20e-6  # a begun step's wait between looks at the device and the socket
 RECV_BYTES = 1 << 20
+SUN_PATH_MAX = 107  # the bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL, on Linux)
+
+
+def private_directory() -> str:
+    """A new directory of mode 0700 for the socket: in $TMPDIR, or in /tmp where $TMPDIR is so deep
+    that the socket's path would not fit in a sockaddr_un."""
+    directory = tempfile.mkdtemp(prefix="pagedserve-worker-")
+    if len(os.fsencode(os.path.join(directory, "steps.sock"))) <= SUN_PATH_MAX:
+        return directory
+    os.rmdir(directory)
+    return tempfile.mkdtemp(prefix="pagedserve-worker-", dir="/tmp")
 
 
 class StepSocket:
@@ -41,10 +52,15 @@ class StepSocket:
 
     def __init__(self, service) -> None:
         self.service = service
-        self.directory = tempfile.mkdtemp(prefix="pagedserve-worker-")  # 0700
+        self.directory = private_directory()
         self.path = os.path.join(self.directory, "steps.sock")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(self.path)
+        try:
+            self.listener.bind(self.path)
+        except OSError:
+            self.listener.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
         self.listener.listen(8)
         self.closed = False
         threading.Thread(target=self._accept, name="step-socket", daemon=True).start()
