@@ -36,15 +36,18 @@ serve: $(STAMP)
 chat: $(STAMP)
 	$(BIN)/pagedserve chat $(ARGS)
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a test file's tests in one of them (their
+# module fixtures start stacks once); each process keeps torch to one thread (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The tests marked heavy (tests/conftest.py), skipped by `make test`: Gemma 3 270M against transformers.
 test-heavy: $(STAMP)
 	PAGEDSERVE_HEAVY_TESTS=1 $(BIN)/python -m pytest -q -m heavy $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 download: $(STAMP)
 	$(BIN)/pagedserve download $(ARGS)  # ARGS="--model gemma3-270m" for Gemma 3 270M

@@ -6,11 +6,19 @@ are two)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+# `make test` runs the suite in several pytest-xdist processes (TEST_WORKERS, two): each keeps
+# torch (and the services it starts) to one thread, or two processes' thread pools spin against
+# each other on the same cores. Numbers are compared within a process, so every reference computes
+# with the same threads as what it is compared with.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = os.environ.get("PAGEDSERVE_TEST_THREADS", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
