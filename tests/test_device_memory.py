@@ -153,6 +153,38 @@ def test_size_kv_cache_reserves_the_graphs_a_cuda_runner_will_capture(tiny_llama
     assert sized("FULL", SimpleNamespace(**{**vars(cuda), "lora": object()})).graph_reserve == 0
 
 
+def test_a_model_whose_images_go_whole_profiles_a_step_one_image_larger(tiny_llama):
+    """Gemma 3's steps may run one image past --max-num-batched-tokens (scheduler/core/image_chunks.py): its
+    memory profile runs a step of the budget plus an image's placeholders less one, and the graphs' reserve
+    is scaled from that size; a text model's profile runs the budget."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import torch
+
+    from pagedserve.common.model_config import ModelConfig
+    from pagedserve.common.vision_config import gemma3_parts
+    from pagedserve.worker.model_setup import KVSettings, size_kv_cache
+
+    _, vision = gemma3_parts({"vision_config": {"image_size": 896, "patch_size": 14}})  # gemma-3-4b-it's tower
+    assert vision["num_image_tokens"] == 256
+    text = ModelConfig.from_folder(tiny_llama)
+    r = MemoryReading(total=8 * GiB, free=7 * GiB, weights=GiB, peak=GiB, own=GiB)
+    profiled = []
+
+    def measure(runner, tokens):
+        profiled.append(tokens)
+        return r
+
+    def sized(config):
+        runner = SimpleNamespace(config=config, dtype=torch.float16, device=torch.device("cuda"),
+                                 tensor_parallel_size=1, lora=None, drafter=None)
+        return size_kv_cache(runner, KVSettings(16, None, 0.5, 2048, 0, 2048), measure=measure)
+    assert sized(replace(text, vision=vision)).graph_reserve == -(-GiB * 2048 // (2048 + 255))
+    assert sized(text).graph_reserve == GiB
+    assert profiled == [2048 + 255, 2048]
+
+
 def test_utilization_outside_0_1_is_refused():
     r = reading(free=H200 // 2)
     for bad in (0.0, -0.1, 1.5):

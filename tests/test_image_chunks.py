@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.common.multimodal import image_input
+from pagedserve.common.vision_config import largest_step_tokens
 from pagedserve.scheduler.core.image_chunks import chunk_images
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_driver import Driver, expected_outputs, make_request
@@ -79,6 +80,23 @@ def test_an_image_at_the_chunk_start_goes_past_the_cap_and_the_budget():
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"text": 4, "image": 4}
     assert out.total_num_scheduled_tokens == 8 and sched._draft.budget == -2
+
+
+def test_the_largest_step_is_the_one_the_worker_profiles():
+    """The worst step: the budget's all but one token taken by another prompt, then a whole image: the budget
+    plus the image less one token, which is the size the worker's memory profile runs
+    (vision_config.largest_step_tokens); a text model's largest step is the budget."""
+    vision = {"bidirectional": True, "num_image_tokens": 4}
+    sched = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=6, whole_images=True))
+    text = make_request("text", list(range(50, 55)), arrival=0)
+    image = make_request("image", list(range(100, 110)), arrival=1)
+    image.images = (img(0, 4),)
+    sched.add_request(text)
+    sched.add_request(image)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"text": 5, "image": 4}
+    assert out.total_num_scheduled_tokens == largest_step_tokens(vision, 6) == 9
+    assert largest_step_tokens(None, 6) == largest_step_tokens({"num_image_tokens": 4}, 6) == 6
 
 
 def test_an_image_longer_than_a_step_is_refused():

@@ -238,6 +238,17 @@ def image_normalization(preprocessor: dict | None, vision: dict) -> dict:
         image_std=tuple(p.get("image_std") or vision["image_std"]) if normalize else (1.0,) * 3)
 
 
+def largest_step_tokens(vision: dict | None, max_num_batched_tokens: int) -> int:
+    """The most tokens one step can compute under max_num_batched_tokens: that many, or, for a model whose
+    image is computed whole (`bidirectional`: Gemma 3), one image's placeholders less one more: a chunk
+    that starts at or inside an image runs to its end past the budget (scheduler/core/image_chunks.py),
+    after the step's other tokens took all but one of it. The worker's memory profile runs a step this
+    large, or such a step could take more memory than the KV budget left beside the profiled peak."""
+    if vision and vision.get("bidirectional"):
+        return max_num_batched_tokens + int(vision["num_image_tokens"]) - 1
+    return max_num_batched_tokens
+
+
 def image_problem(images, prompt_token_ids: list[int], vision: dict | None) -> str | None:
     """Why these ImageInputs cannot go with this prompt to this model (ModelConfig.vision), or None: the
     worker encodes an image into exactly num_image_tokens rows, from image_size x image_size pixels, over

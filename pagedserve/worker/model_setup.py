@@ -24,6 +24,7 @@ import torch
 
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.sizes import parse_size
+from pagedserve.common.vision_config import largest_step_tokens
 from pagedserve.worker.device_memory import MemoryReading, describe, graph_reserve, num_blocks
 from pagedserve.worker.kv_cache import bytes_per_block
 from pagedserve.worker.platform import (  # noqa: F401 (pick_device, pick_dtype, cpu_has_fast_bf16: re-exported)
@@ -129,7 +130,7 @@ class KVSettings:
     block_size: int
     kv_cache_memory: str | int | None  # None: CPU_KV_CACHE_MEMORY on the CPU, the measured budget on CUDA
     gpu_memory_utilization: float
-    max_num_batched_tokens: int | None  # the largest step: the profile run's size (None: not known yet)
+    max_num_batched_tokens: int | None  # a step's budget: the profile run's size (None: not known yet)
     swap_space: str | int = 0  # the host pool for swapping (0: none)
     graph_tokens: int = 0  # the largest step a CUDA graph will capture (GraphPlan.graph_tokens; 0: none)
 
@@ -147,7 +148,8 @@ def size_kv_cache(runner, kv: KVSettings, reading: MemoryReading | None = None,
                   measure: Callable[[object, int], MemoryReading] | None = None) -> KVSize:
     """How many device blocks this worker's budget holds (and host blocks for swapping). An
     explicit kv_cache_memory is the budget as given; else, where the platform measures memory (CUDA),
-    the measured one (reading, or measure(runner, max_num_batched_tokens) now, measure defaulting
+    the measured one (reading, or measure(runner, the largest step's tokens) now: max_num_batched_tokens,
+    or more where a step may run an image past it (vision_config.largest_step_tokens); measure defaulting
     to the platform's), on the CPU CPU_KV_CACHE_MEMORY. Raises
     KVBudgetError (a ValueError) naming the numbers when it holds no block."""
     per_block = bytes_per_block(runner.config, kv.block_size, runner.dtype, runner.tensor_parallel_size)
@@ -157,10 +159,11 @@ def size_kv_cache(runner, kv: KVSettings, reading: MemoryReading | None = None,
     if kv.kv_cache_memory:
         budget = parse_size(kv.kv_cache_memory)
     elif (platform := platform_for(runner.device)).measures_memory:
-        reading = reading or (measure or platform.measure_memory)(runner, kv.max_num_batched_tokens)
+        profiled = kv.max_num_batched_tokens and largest_step_tokens(runner.config.vision, kv.max_num_batched_tokens)
+        reading = reading or (measure or platform.measure_memory)(runner, profiled)
         # a runner with LoRA slots captures no graph (ModelRunner.use_decode_graphs)
         graph_tokens = kv.graph_tokens if getattr(runner, "lora", None) is None else 0
-        graphs = graph_reserve(reading.peak, kv.max_num_batched_tokens or 0, graph_tokens)
+        graphs = graph_reserve(reading.peak, profiled or 0, graph_tokens)
         budget = platform.kv_budget(reading, kv.gpu_memory_utilization, per_block, graphs)
         log.info("KV budget %d bytes: %s", budget, describe(reading, kv.gpu_memory_utilization, per_block, graphs))
     else:

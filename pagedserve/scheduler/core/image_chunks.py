@@ -7,8 +7,9 @@ chunk_images adjusts a chunk of `n` tokens from position `start`: an image the c
 next step (the chunk ends at the image's first placeholder), or, when the chunk starts at or inside the image
 (nothing of it to leave: its start, or a prefix-cache hit that ended inside it), the chunk is extended to the
 image's end, past the step's token budget if need be (the step then holds at most one image more than
-max_num_batched_tokens allows). An image of more placeholders than max_num_batched_tokens is refused when the
-request arrives (image_problem): no step could hold it.
+max_num_batched_tokens allows: the worker profiles its memory at that size, vision_config.largest_step_tokens).
+An image of more placeholders than max_num_batched_tokens is refused when the request arrives (image_problem):
+no step could hold it.
 
 Pure functions of the request's images (ImageInput offsets and lengths, in prompt order, not overlapping):
 safe on any thread; the scheduler calls them from its own.
