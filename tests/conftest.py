@@ -13,12 +13,23 @@ from pathlib import Path
 
 import pytest
 
-# `make test` runs the suite in several pytest-xdist processes (TEST_WORKERS, two): each keeps
-# torch (and the services it starts) to one thread, or two processes' thread pools spin against
-# each other on the same cores. Numbers are compared within a process, so every reference computes
-# with the same threads as what it is compared with.
-if os.environ.get("PYTEST_XDIST_WORKER"):
+
+def _one_of_several_workers(worker: str, count: int) -> None:
+    """`make test` runs the suite in several pytest-xdist processes (TEST_WORKERS, two). Each keeps torch
+    (and the services it starts) to one thread, or two processes' thread pools spin against each other on
+    the same cores: numbers are compared within a process, so every reference computes with the same
+    threads as what it is compared with. Each picks its services' ports from a range of its own
+    (PAGEDSERVE_PORT_RANGE, grpc_util.free_port), so two stacks starting at once never pick the same one."""
+    from pagedserve.common.grpc_util import PORT_RANGE_ENV, port_range
+
     os.environ["OMP_NUM_THREADS"] = os.environ.get("PAGEDSERVE_TEST_THREADS", "1")
+    low, high = port_range() or (10000, 32768)
+    index, share = int(worker.removeprefix("gw")), (high - low) // count
+    os.environ[PORT_RANGE_ENV] = f"{low + index * share}-{low + (index + 1) * share}"
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _one_of_several_workers(os.environ["PYTEST_XDIST_WORKER"], int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -354,6 +354,31 @@ def test_private_redis_starts_and_goes(tmp_path, caplog):
     assert not os.path.exists(redis_dir)
 
 
+def test_free_ports_come_from_the_range_asked_for(monkeypatch):
+    """PAGEDSERVE_PORT_RANGE keeps free_port to [LOW, HIGH) (the test suite's workers each have one); a range
+    with no free port is an error naming the variable, a malformed one too; unset, ports stay below the
+    kernel's ephemeral range."""
+    import socket
+
+    from pagedserve.common.grpc_util import PORT_RANGE_ENV, port_range
+
+    monkeypatch.setenv(PORT_RANGE_ENV, "20000-20010")
+    assert port_range() == (20000, 20010)
+    assert {free_port() for _ in range(30)} <= set(range(20000, 20010))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        monkeypatch.setenv(PORT_RANGE_ENV, f"{held.getsockname()[1]}-{held.getsockname()[1] + 1}")
+        with pytest.raises(OSError, match=PORT_RANGE_ENV):
+            free_port()
+    for bad in ("20000", "b-c", "30000-20000", "0-10", "60000-70000"):
+        monkeypatch.setenv(PORT_RANGE_ENV, bad)
+        with pytest.raises(ValueError, match=PORT_RANGE_ENV):
+            free_port()
+    monkeypatch.delenv(PORT_RANGE_ENV)
+    low, _ = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    assert port_range() == (10000, low) and 10000 <= free_port() < low
+
+
 def test_busy_public_port_fails_before_starting_anything():
     import socket
     from pagedserve.launcher.processes import start_stack

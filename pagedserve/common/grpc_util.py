@@ -65,22 +65,44 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free now, picked below the kernel's ephemeral range when it can be: a port
-    the kernel hands out for bind(0) can be handed out again to another process's outgoing or
-    bind(0) socket (torch.distributed's gloo opens many) before the service we pick it for binds
-    it (seen: a gateway failing with "Address already in use" beside two gloo ranks)."""
-    import random
+PORT_RANGE_ENV = "PAGEDSERVE_PORT_RANGE"  # "LOW-HIGH": free_port picks in [LOW, HIGH) (a firewall's, a test worker's)
+
+
+def port_range() -> tuple[int, int] | None:
+    """The ports free_port picks from: $PAGEDSERVE_PORT_RANGE when set, else 10000 up to the kernel's
+    ephemeral range (None where that range starts too low to leave any)."""
+    text = os.environ.get(PORT_RANGE_ENV)
+    if text:
+        try:
+            low, high = (int(x) for x in text.split("-"))
+        except ValueError:
+            raise ValueError(f"{PORT_RANGE_ENV} must be LOW-HIGH, got {text!r}") from None
+        if not 0 < low < high <= 65536:
+            raise ValueError(f"{PORT_RANGE_ENV} {text!r} is not a range of ports (1 <= LOW < HIGH <= 65536)")
+        return low, high
     low, _ = _ephemeral_range()
-    if low > 10001:
+    return (10000, low) if low > 10001 else None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now, picked at random in port_range(): below the kernel's ephemeral range
+    by default, since a port the kernel hands out for bind(0) can be handed out again to another
+    process's outgoing or bind(0) socket (torch.distributed's gloo opens many) before the service we
+    pick it for binds it (seen: a gateway failing with "Address already in use" beside two gloo ranks).
+    Processes that pick ports at once (the test suite's workers) each keep to a range of their own."""
+    import random
+    chosen = port_range()
+    if chosen is not None:
         for _ in range(50):
-            port = random.randrange(10000, low)
+            port = random.randrange(*chosen)
             with socket.socket() as sock:
                 try:
                     sock.bind((host, port))
                 except OSError:
                     continue
                 return port
+        if os.environ.get(PORT_RANGE_ENV):
+            raise OSError(f"no free port found in {PORT_RANGE_ENV}={os.environ[PORT_RANGE_ENV]}")
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
