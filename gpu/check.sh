@@ -31,7 +31,7 @@ if want e2e; then  # the engine on CUDA against transformers on the CPU, tiny mo
   line e2e $? $(( $(date +%s) - t0 )) "$OUT/e2e.log"
 fi
 if named vision; then  # the newer image families on CUDA against transformers on the CPU (eager image steps, M-RoPE's
-  # shift through the graphs, Gemma 3's bidirectional keys on the torch path, Pixtral's spans)
+  # shift through the graphs, Gemma 3's bidirectional keys in the Triton prefill kernel, Pixtral's spans)
   t0=$(date +%s)
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not heavy" tests/test_qwen2_vl.py tests/test_qwen2_vl_graphs.py \
     tests/test_qwen2_vl_decode_graphs.py tests/test_gemma3_vl.py tests/test_attention_key_limits.py tests/test_pixtral.py \

@@ -1,7 +1,7 @@
 """Bidirectional blocks in paged attention (AttentionMetadata.key_limits: Gemma 3's images): each query sees keys
 up to its limit (its own position, or past it to its block's end) and, in a sliding variant, none older than the
 window; against a dense reference, for the torch backend, the compiled CPU kernels' backend (whose causal
-prefill kernel hands such steps to the torch ops) and the Triton backend (which hands them to its reference)."""
+prefill kernel hands such steps to the torch ops) and the Triton backend (its prefill kernel reads the limits)."""
 
 from __future__ import annotations
 
@@ -64,11 +64,37 @@ def test_cpu_kernel_backend_takes_the_torch_ops(window):
     check(CpuKernelAttentionBackend(ops).variant(window=window), window)
 
 
-@pytest.mark.parametrize("window", [0, 4])
-def test_triton_hands_the_step_to_its_reference(window):
-    """No kernel is launched (the step never reaches Triton): the platform's reference backend answers."""
-    check(TritonAttentionBackend(reference=TorchAttentionBackend()).variant(window=window), window)
-    q, k, v, k_cache, v_cache, meta, _ = build_step(torch.float32, CONTEXTS, QUERIES)
-    meta.key_limits = torch.zeros(q.shape[0], dtype=torch.long)
-    with pytest.raises(ValueError, match="causal"):
-        TritonAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 1.0)
+@pytest.mark.parametrize("window", [0, 4, 16])
+def test_triton_prefill_kernel(window):
+    """The Triton backend's own kernels (under the interpreter here): the prefill kernel reads each row's
+    limit, the decodes take the decode kernel, tiles of 16 rows whose limits reach past the tile's end."""
+    from triton_device import triton_device
+
+    if triton_device() != "cpu":
+        pytest.skip("the step is built on the CPU")
+    check(TritonAttentionBackend().variant(window=window), window)
+
+
+def test_triton_prefill_kernel_alone_at_every_split():
+    """paged_prefill_attention with key_limits against the torch backend, for a block that starts and ends at
+    each offset of a 16-row tile and crosses the next one, with and without the causal split."""
+    from triton_device import triton_device
+
+    if triton_device() != "cpu":
+        pytest.skip("the step is built on the CPU")
+    from pagedserve.kernels.triton.paged_attention import paged_prefill_attention
+    from pagedserve.worker.attention import kernel_metadata
+
+    q, k, v, k_cache, v_cache, meta, seqs = build_step(torch.float32, (5, 0), (40, 24), seed=4)
+    positions = torch.cat([torch.arange(ctx, ctx + qlen) for ctx, qlen, _ in seqs])
+    for row, rows in ((3, 20), (14, 4), (16, 16), (41, 9)):
+        limits = positions.clone()
+        limits[row:row + rows] = positions[row + rows - 1]
+        meta.key_limits = limits
+        caches = k_cache.clone(), v_cache.clone()
+        want = TorchAttentionBackend().forward(q, k, v, *caches, meta, DIM ** -0.5)  # (writes the step's K/V)
+        tables, lens, starts = kernel_metadata(meta, k_cache.shape[1], k_cache.device)
+        for split in (0, 1):
+            got = paged_prefill_attention(q, *caches, tables, lens, starts, DIM ** -0.5, causal_split=split,
+                                          key_limits=limits)
+            assert (got - want).abs().max().item() <= 1e-5, (row, rows, split)

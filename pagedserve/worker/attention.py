@@ -47,7 +47,8 @@ class AttentionMetadata:
     # Bidirectional blocks (Gemma 3's images: worker/image_rows.key_limits): int64 [num_tokens], the last key
     # position each of the step's queries may see, its own position or past it (to its image's last
     # placeholder, which the same step computes); a window still bounds the first. None: causal. Only an eager
-    # step with image rows carries it; a backend that cannot honour it hands the step to the torch ops.
+    # step with image rows carries it; a backend that cannot honour it hands the step to the torch ops (the
+    # CPU kernels' backend does; the Triton prefill kernel honours it).
     key_limits: torch.Tensor | None = None
 
 
@@ -144,13 +145,12 @@ class TritonAttentionBackend(AttentionBackend):
     A mixed step's single-query sequences take the decode kernel and the others the prefill/mixed kernel
     (attention_choice.py), whose grids are upper bounds over the step's tokens and sequences: for a packed
     step (a mixed-step graph's) shapes alone decide everything it launches. A variant with a sliding window or
-    score soft-capping (Gemma 2 and 3, Cohere 2) passes them to every kernel."""
+    score soft-capping (Gemma 2 and 3, Cohere 2) passes them to every kernel; a step's key_limits (Gemma 3's
+    images, eager steps only) go to the prefill kernel."""
 
     graph_support = GraphSupport.MIXED  # kernel_metadata converts any step on the device, packed steps too
 
-    def __init__(self, window: int = 0, softcap: float = 0.0, reference: AttentionBackend | None = None) -> None:
-        """reference: the torch ops' backend of the same window and softcap, for a step with key_limits (the
-        platform gives it; without one such a step is refused)."""
+    def __init__(self, window: int = 0, softcap: float = 0.0) -> None:
         if window < 0 or softcap < 0:
             raise ValueError(f"window and softcap must be >= 0 (0: none), got {window} and {softcap}")
         self.window, self.softcap = int(window), float(softcap)
@@ -158,14 +158,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._converted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._step_cache: dict = {}  # what the kernels build once a step (their tile maps): renewed with meta
         self._singles: bool | None = None
-        self.reference = reference
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
-        if meta.key_limits is not None:  # the kernels are causal: such a (rare, eager) step takes the torch ops
-            if self.reference is None:
-                raise ValueError("the Triton attention kernels are causal: a step with bidirectional blocks needs "
-                                 "the torch reference backend")
-            return self.reference.forward(query, key, value, k_cache, v_cache, meta, scale)
         from pagedserve.kernels.triton.fused_ops import write_kv_cache
         from pagedserve.kernels.triton.attention_choice import paged_attention
 
@@ -186,13 +180,12 @@ class TritonAttentionBackend(AttentionBackend):
                 bool(meta.num_decodes) or any(p.query_len == 1 for p in meta.prefills)
         return paged_attention(query, k_cache, v_cache, *self._converted, scale, step_cache=self._step_cache,
                                packed=meta.packed is not None, singles=self._singles, window=self.window,
-                               softcap=self.softcap)
+                               softcap=self.softcap, key_limits=meta.key_limits)
 
     def variant(self, *, window: int = 0, softcap: float = 0.0) -> AttentionBackend:
         if not (window or softcap):
             return self
-        reference = None if self.reference is None else self.reference.variant(window=window, softcap=softcap)
-        return TritonAttentionBackend(window, softcap, reference)
+        return TritonAttentionBackend(window, softcap)
 
 
 def windowed_decode_lens(meta: AttentionMetadata, block_size: int, window: int) -> torch.Tensor:

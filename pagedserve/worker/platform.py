@@ -135,7 +135,7 @@ class CudaPlatform(Platform):
     def attention_backend(self) -> AttentionBackend:
         if os.environ.get("PAGEDSERVE_ATTENTION") == "torch":  # the reference path, to compare against
             return TorchAttentionBackend()
-        return TritonAttentionBackend(reference=TorchAttentionBackend())  # (steps with bidirectional image blocks)
+        return TritonAttentionBackend()
 
     def mla_backend(self) -> MLAAttentionBackend:
         return TritonMLABackend()

@@ -47,13 +47,15 @@ def multiprocessors(device: torch.device) -> int:
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, *,
                     sms: int | None = None, step_cache: dict | None = None, packed: bool = False,
-                    singles: bool | None = None, window: int = 0, softcap: float = 0.0):
+                    singles: bool | None = None, window: int = 0, softcap: float = 0.0,
+                    key_limits: torch.Tensor | None = None):
     """Causal attention of a step's tokens over the paged KV cache (contract in
     pagedserve.kernels.reference.paged_attention), through the kernel the rule above picks; `sms` stands in
     for the device's multiprocessor count (tests under the interpreter); `step_cache`: the step's layers
     share what is built once a step (kernels/triton's step_tiles); `packed`: a mixed-step graph's layout;
     `singles`: whether some sequence has exactly one query (None: may have); `window` (0: none) and `softcap`
-    (0: none): the layer's sliding window and score soft-capping, which every kernel takes."""
+    (0: none): the layer's sliding window and score soft-capping, which every kernel takes; `key_limits`
+    (bidirectional blocks: AttentionMetadata.key_limits) the prefill kernel's (a decode never sees past itself)."""
     num_seqs = seq_lens.shape[0]
     if query.shape[0] == num_seqs and not packed:
         sms = multiprocessors(query.device) if sms is None else sms
@@ -64,6 +66,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
                                             scale, out, window=window, softcap=softcap)
     if singles is False:
         return plain.paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                             out, step_cache=step_cache, window=window, softcap=softcap)
+                                             out, step_cache=step_cache, window=window, softcap=softcap,
+                                             key_limits=key_limits)
     return plain.paged_mixed_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                                       step_cache=step_cache, window=window, softcap=softcap)
+                                       step_cache=step_cache, window=window, softcap=softcap, key_limits=key_limits)

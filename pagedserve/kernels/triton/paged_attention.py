@@ -119,18 +119,21 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr
 
 @triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr,
-                    qk_scale, softcap, window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
-                    stride_vs, stride_vh,
+                    limits_ptr, qk_scale, softcap, window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                    stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, stride_table,
                     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     PRECISION: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
-                    WINDOWED: tl.constexpr):
+                    WINDOWED: tl.constexpr, KEY_LIMITS: tl.constexpr):
     """Program (head, query tile): BLOCK_M consecutive new tokens of one sequence attend causally.
     Query i of a sequence with q_len new tokens sits at position seq_len - q_len + i. CAUSAL_SPLIT: the key
     tiles every row sees whole run in a loop without masks first (a launch parameter: the tuner says
     whether it pays on a GPU; float32 spills with it on Hopper; never with a window, where no tile is whole).
-    WINDOWED: query p also sees no key before p - window + 1; the keys start at the tile's first row's first."""
+    WINDOWED: query p also sees no key before p - window + 1; the keys start at the tile's first row's first.
+    KEY_LIMITS (bidirectional blocks, Gemma 3's images): query row t sees keys up to position limits[t] (its
+    own, or past it to its block's last, which this step computes) instead of its own; a window still counts
+    from the query's position."""
     head = tl.program_id(0)
     tile = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -156,8 +159,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_pt
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    # the tile's last query sees keys up to context + m0 + BLOCK_M - 1: stop there
-    end = tl.minimum(seq_len, context + m0 + BLOCK_M)
+    # the tile's last query sees keys up to context + m0 + BLOCK_M - 1 (or its rows' furthest limit): stop there
+    last = q_pos
+    if KEY_LIMITS:
+        last = tl.maximum(tl.load(limits_ptr + q_rows, mask=r_mask, other=0).to(tl.int32), q_pos)
+    end = tl.minimum(seq_len, tl.maximum(context + m0 + BLOCK_M, tl.max(tl.where(r_mask, last, 0), 0) + 1))
     first = 0
     if WINDOWED:
         first = tl.maximum(context + m0 - window + 1, 0)
@@ -183,7 +189,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_pt
         k_off = paged_offsets(table_row, pos, n_mask, PAGE, stride_kb, stride_ks) + kv_head * stride_kh
         k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=n_mask[:, None] & (d[None, :] < D), other=0.0)
         s = log2_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, softcap, SOFTCAP)
-        seen = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        seen = n_mask[None, :] & (pos[None, :] <= last[:, None])
         if WINDOWED:
             seen = seen & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
@@ -281,11 +287,12 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, que
                             *, block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                             num_stages: int | None = None, causal_split: int | None = None,
                             step_cache: dict | None = None, skip_singles: bool = False, window: int = 0,
-                            softcap: float = 0.0):
+                            softcap: float = 0.0, key_limits: torch.Tensor | None = None):
     """paged_attention (see pagedserve.kernels.reference) for any step, decode and prefill tokens mixed, causal.
     Grid (H, query tiles): tiles of block_m rows never straddle two sequences (tile_map, once a step given
     the step's `step_cache`: step_tiles). skip_singles: sequences with exactly one query get no tile (the
-    decode kernel takes them: paged_mixed_attention). A window turns the causal split off."""
+    decode kernel takes them: paged_mixed_attention). A window turns the causal split off. key_limits (int64
+    [T], None: causal): the last key position each query row sees (AttentionMetadata.key_limits)."""
     out = _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     num_tokens, heads = query.shape[:2]
     if num_tokens == 0:
@@ -295,22 +302,25 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, que
     tile_seq, tile_start, num_tiles = step_tiles(step_cache, query_start_loc, num_tokens, p["block_m"], skip_singles)
     _prefill_kernel[(heads, num_tiles)](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tile_seq, tile_start,
+        seq_lens if key_limits is None else key_limits,
         *layer_args(scale, window, softcap), *_common_args(query, k_cache, v_cache, out, block_tables),
         BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], num_warps=p["num_warps"], num_stages=p["num_stages"],
         CAUSAL_SPLIT=bool(p["causal_split"]) and not window, **_constexprs(query, k_cache, v_cache),
-        **layer_constexprs(window, softcap))
+        **layer_constexprs(window, softcap), KEY_LIMITS=key_limits is not None)
     return out
 
 
 def paged_mixed_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, *,
-                          step_cache: dict | None = None, window: int = 0, softcap: float = 0.0):
+                          step_cache: dict | None = None, window: int = 0, softcap: float = 0.0,
+                          key_limits: torch.Tensor | None = None):
     """paged_attention (see pagedserve.kernels.reference) for a step of decodes beside prefill chunks, in two
     launches that split its sequences by their number of queries on the device: the decode kernel over every
     sequence (grid (S, KVH); a program whose sequence has other than one query returns at once) and the
     prefill kernel over the tiles of the others. A decode row then costs what it costs in a pure decode
     step (the kv head's GROUP query heads in one program: its keys read once), where the prefill kernel
     alone gives it a block_m-row tile per query head, one row of it real. Shapes alone decide both
-    launches: a mixed-step graph captures them whatever the step's split."""
+    launches: a mixed-step graph captures them whatever the step's split. key_limits go to the prefill
+    kernel (a one-query sequence never sees past itself)."""
     out = _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     num_seqs, kv_heads = seq_lens.shape[0], k_cache.shape[2]
     if query.shape[0] == 0:
@@ -323,7 +333,8 @@ def paged_mixed_attention(query, k_cache, v_cache, block_tables, seq_lens, query
         BLOCK_H=pow2_tile(consts["GROUP"]), BLOCK_N=p["block_n"], num_warps=p["num_warps"],
         num_stages=p["num_stages"], SINGLES_ONLY=True, **consts, **layer_constexprs(window, softcap))
     return paged_prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                                   step_cache=step_cache, skip_singles=True, window=window, softcap=softcap)
+                                   step_cache=step_cache, skip_singles=True, window=window, softcap=softcap,
+                                   key_limits=key_limits)
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None, *,
