@@ -160,10 +160,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, seq_lens_ptr, qsl_pt
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     # the tile's last query sees keys up to context + m0 + BLOCK_M - 1 (or its rows' furthest limit): stop there
+    end = tl.minimum(seq_len, context + m0 + BLOCK_M)
     last = q_pos
     if KEY_LIMITS:
         last = tl.maximum(tl.load(limits_ptr + q_rows, mask=r_mask, other=0).to(tl.int32), q_pos)
-    end = tl.minimum(seq_len, tl.maximum(context + m0 + BLOCK_M, tl.max(tl.where(r_mask, last, 0), 0) + 1))
+        end = tl.minimum(seq_len, tl.maximum(end, tl.max(tl.where(r_mask, last, 0), 0) + 1))
     first = 0
     if WINDOWED:
         first = tl.maximum(context + m0 - window + 1, 0)
