@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from pagedserve.kernels.bench_cases import Case, TritonKernels, gpu_cases, mla_case, tiny_cases
+from pagedserve.kernels.bench_cases import Case, TritonKernels, attention_case, gpu_cases, mla_case, tiny_cases
 from pagedserve.kernels.peaks import REFERENCE_GPU, resolve_peaks
 
 
@@ -155,8 +155,11 @@ def compile_only(arch: int) -> list[dict]:
         tk = TritonKernels()
         split_mla = mla_case(2, 40, 128, 512, 64, 16, torch.bfloat16, "cpu", tk)
         split_mla.triton_fn = functools.partial(tk.paged_mla_attention, num_splits=2)  # no multiprocessors here
+        # Gemma 3's image step on a local layer: the prefill kernel reading each query's key limit
+        image_step = attention_case("prefill attention", [0], [300], 8, 4, 256, 16, torch.bfloat16, "cpu", tk, 512)
+        image_step.triton_fn = functools.partial(image_step.triton_fn, key_limits=torch.arange(300))
         cases = [*gpu_cases("cpu", tk, moe_tokens=(16, 256), batch=2, context=40, experts=8),
-                 mla_case(2, 40, 128, 512, 64, 16, torch.bfloat16, "cpu", tk, q_len=5), split_mla]
+                 mla_case(2, 40, 128, 512, 64, 16, torch.bfloat16, "cpu", tk, q_len=5), split_mla, image_step]
         for case in cases:
             case.triton_fn(*case.args)
             case.triton_fn(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in case.args])
