@@ -1,8 +1,10 @@
 """Helpers of the end-to-end tests: the real services as processes on free ports, a Redis key
-prefix per stack, a tiny model that carries the default model's tokenizer, gRPC stats."""
+prefix per stack, a tiny model that carries the default model's tokenizer, gRPC stats, and the
+`openai` SDK's chats with images checked against transformers' answers."""
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import time
@@ -125,3 +127,41 @@ def extra_gateway(stack, log_dir, auth: dict[str, str], *flags: str) -> tuple[Se
             pass
         assert time.monotonic() < deadline, "the extra gateway never answered"
         time.sleep(0.1)
+
+
+def data_url(data: bytes) -> str:
+    """A PNG's bytes as a data: URL."""
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def ask_with_images(client, question: str, max_tokens: int, *urls: str):
+    """The `openai` client's greedy chat completion (ignore_eos) of one user turn: the images' URLs, then the
+    question."""
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=max_tokens, temperature=0.0,
+        extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": url}} for url in urls),
+                                               {"type": "text", "text": question}]}])
+
+
+def check_image_answers(client, reference, images: list[bytes]) -> list[str]:
+    """Each image alone with the question of reference (tiny_llava.VisionReference) through the `openai` client:
+    the answer and usage.prompt_tokens are transformers'. Returns the answers."""
+    answers = []
+    for image in images:
+        answer = ask_with_images(client, reference.question, reference.max_tokens, data_url(image))
+        want, prompt_tokens = reference(image)
+        assert answer.choices[0].message.content == want
+        assert answer.usage.prompt_tokens == prompt_tokens
+        answers.append(want)
+    return answers
+
+
+def check_two_images_in_one_message(client, reference, first: bytes, second: bytes) -> None:
+    """Two images then the question in one message through the `openai` client: the answer and
+    usage.prompt_tokens are transformers' on the same chat (reference.chat)."""
+    content = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": reference.question}]
+    _, want, length = reference.chat(content, [first, second])
+    answer = ask_with_images(client, reference.question, reference.max_tokens, data_url(first), data_url(second))
+    assert answer.choices[0].message.content == want
+    assert answer.usage.prompt_tokens == length

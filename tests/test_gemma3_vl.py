@@ -13,12 +13,9 @@ import pytest
 import torch
 
 from pagedserve.common.multimodal import image_input
-from pagedserve.common.sampling_params import SamplingParams
 from tiny_gemma3 import BOI, EOI, IMAGE_SIZE, IMAGE_TOKEN, MM_TOKENS, Reference, build_tiny_gemma3_vl, image
-from tiny_models import make_engine
+from tiny_models import GREEDY, STEPS, check, check_image_and_text, check_prompt_logprobs, make_engine, run_requests
 
-STEPS = 6
-GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
 
 
 def text(seed: int, n: int) -> list[int]:
@@ -44,26 +41,6 @@ def prompt_of(*parts) -> tuple[list[int], list[np.ndarray], list]:
 def gemma3(tmp_path_factory):
     folder = build_tiny_gemma3_vl(tmp_path_factory.mktemp("gemma3-vl"))
     return folder, Reference(folder)
-
-
-def run(engine, requests, params=GREEDY) -> dict:
-    """requests: (id, prompt ids, ImageInputs) -> id -> ((tokens, logprobs), cached tokens)."""
-    samples = {rid: ([], []) for rid, _, _ in requests}
-    cached = {}
-    for rid, ids, images in requests:
-        engine.add_request(rid, ids, params, images=images)
-    while engine.has_unfinished():
-        for out in engine.step():
-            samples[out.request_id][0].extend(t.token_id for t in out.new_tokens)
-            samples[out.request_id][1].extend(t.logprob for t in out.new_tokens)
-            cached[out.request_id] = out.num_cached_tokens
-    return {rid: (samples[rid], cached.get(rid, 0)) for rid in samples}
-
-
-def check(result, expected) -> None:
-    tokens, logprobs = result
-    assert tokens == expected[0]
-    assert logprobs == pytest.approx(expected[1], abs=1e-4)
 
 
 def test_config_reads_the_vision_half(gemma3):
@@ -98,7 +75,7 @@ def test_the_hubs_config_file():
 def test_one_image_with_text_around_equals_generate(gemma3):
     folder, ref = gemma3
     ids, pixels, images = prompt_of([2] + text(0, 9), image(0), text(1, 8))
-    got = run(make_engine(folder), [("one", ids, images)])["one"][0]
+    got = run_requests(make_engine(folder), [("one", ids, images)])["one"][0][0]
     check(got, ref.greedy(ids, pixels, STEPS))
     assert got[0] == ref.generate(ids, pixels, STEPS)
 
@@ -117,9 +94,9 @@ def test_two_images_and_one_at_the_start(gemma3):
     folder, ref = gemma3
     two = prompt_of([2] + text(2, 5), image(1), text(3, 12), image(2), text(4, 6))  # past the window of 16
     first = prompt_of(image(3), text(5, 7))  # the image's <start_of_image> at position 0
-    results = run(make_engine(folder), [("two", two[0], two[2]), ("first", first[0], first[2])])
+    results = run_requests(make_engine(folder), [("two", two[0], two[2]), ("first", first[0], first[2])])
     for rid, (ids, pixels, _) in (("two", two), ("first", first)):
-        check(results[rid][0], ref.greedy(ids, pixels, STEPS))
+        check(results[rid][0][0], ref.greedy(ids, pixels, STEPS))
 
 
 def test_chunked_prefill_keeps_images_whole(gemma3):
@@ -127,7 +104,7 @@ def test_chunked_prefill_keeps_images_whole(gemma3):
     folder, ref = gemma3
     ids, pixels, images = prompt_of([2] + text(6, 2), image(4), text(7, 3), image(5), text(8, 2))
     engine = make_engine(folder, max_num_batched_tokens=5)
-    check(run(engine, [("chunked", ids, images)])["chunked"][0], ref.greedy(ids, pixels, STEPS))
+    check(run_requests(engine, [("chunked", ids, images)])["chunked"][0][0], ref.greedy(ids, pixels, STEPS))
 
 
 def test_prompt_logprobs_in_chunks(gemma3):
@@ -135,14 +112,7 @@ def test_prompt_logprobs_in_chunks(gemma3):
     folder, ref = gemma3
     ids, pixels, images = prompt_of([2] + text(9, 3), image(6), text(10, 4), image(7), text(11, 3))
     engine = make_engine(folder, max_num_batched_tokens=6)
-    engine.add_request("p", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
-    got = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            got = out.prompt_logprobs if out.prompt_logprobs is not None else got
-    expected = torch.log_softmax(ref.logits(ids, pixels)[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    assert [t.token_id for t in got] == ids[1:]
-    assert [t.logprob for t in got] == pytest.approx(expected.tolist(), abs=1e-4)
+    check_prompt_logprobs(engine, ids, images, ref.logits(ids, pixels)[:-1])
 
 
 def test_a_prefix_cache_hit_inside_an_image(gemma3):
@@ -153,21 +123,22 @@ def test_a_prefix_cache_hit_inside_an_image(gemma3):
     ids, pixels, images = prompt_of([2] + text(12, 12), image(8), text(13, 6))
     assert images[0].offset == 14
     engine = make_engine(folder, block_size=8)
-    check(run(engine, [("a", ids, images)])["a"][0], ref.greedy(ids, pixels, STEPS))
+    check(run_requests(engine, [("a", ids, images)])["a"][0][0], ref.greedy(ids, pixels, STEPS))
     for rid, parts, hit in (("b", (image(8), text(14, 6)), 16), ("c", (image(9), text(13, 6)), 8)):
         ids, pixels, images = prompt_of([2] + text(12, 12), *parts)
-        got, cached = run(engine, [(rid, ids, images)])[rid]
+        got, cached = run_requests(engine, [(rid, ids, images)])[rid]
         assert cached == hit
-        check(got, ref.greedy(ids, pixels, STEPS))
+        check(got[0], ref.greedy(ids, pixels, STEPS))
 
 
 def test_a_batch_of_text_and_images(gemma3):
     folder, ref = gemma3
     plain = [2] + text(14, 20)
     ids, pixels, images = prompt_of([2] + text(15, 3), image(10), text(16, 5))
-    results = run(make_engine(folder, max_num_batched_tokens=16), [("text", plain, []), ("image", ids, images)])
-    check(results["text"][0], ref.greedy(plain, [], STEPS))
-    check(results["image"][0], ref.greedy(ids, pixels, STEPS))
+    results = run_requests(make_engine(folder, max_num_batched_tokens=16),
+                           [("text", plain, []), ("image", ids, images)])
+    check(results["text"][0][0], ref.greedy(plain, [], STEPS))
+    check(results["image"][0][0], ref.greedy(ids, pixels, STEPS))
 
 
 @pytest.mark.parametrize("renames", [
@@ -179,7 +150,7 @@ def test_checkpoint_layouts(gemma3, tmp_path, renames):
     folder, ref = gemma3
     other = build_tiny_gemma3_vl(tmp_path / "layout", renames=renames)
     ids, pixels, images = prompt_of([2] + text(17, 4), image(11), text(18, 5))
-    check(run(make_engine(other), [("l", ids, images)])["l"][0], ref.greedy(ids, pixels, STEPS))
+    check(run_requests(make_engine(other), [("l", ids, images)])["l"][0][0], ref.greedy(ids, pixels, STEPS))
 
 
 def test_bfloat16(gemma3):
@@ -188,17 +159,14 @@ def test_bfloat16(gemma3):
     ids, pixels, images = prompt_of([2] + text(19, 5), image(12), text(20, 6))
     engine = make_engine(folder, dtype="bfloat16")
     assert engine.runner.model.multi_modal_projector.mm_input_projection_weight.dtype == torch.bfloat16
-    assert run(engine, [("b", ids, images)])["b"][0][0] == ref.greedy(ids, pixels, STEPS)[0]
+    assert run_requests(engine, [("b", ids, images)])["b"][0][0][0] == ref.greedy(ids, pixels, STEPS)[0]
 
 
 def test_two_ranks(gemma3):
     folder, ref = gemma3
-    ids, pixels, images = prompt_of([2] + text(23, 3), image(14), text(24, 5), image(15), text(25, 2))
-    plain = [2] + text(26, 9)
-    with make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=8) as engine:
-        results = run(engine, [("image", ids, images), ("text", plain, [])])
-    check(results["image"][0], ref.greedy(ids, pixels, STEPS))
-    check(results["text"][0], ref.greedy(plain, [], STEPS))
+    engine = make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=8)
+    image_prompt = prompt_of([2] + text(23, 3), image(14), text(24, 5), image(15), text(25, 2))
+    check_image_and_text(engine, ref, image_prompt, [2] + text(26, 9))
 
 
 def test_an_image_longer_than_a_step_is_refused(gemma3):
@@ -217,7 +185,7 @@ def test_a_scheduler_that_splits_an_image_fails_the_request_not_the_step(gemma3)
     engine = make_engine(folder, max_num_batched_tokens=5)
     engine.scheduler.config.whole_images = False
     with pytest.raises(RuntimeError, match="split an image across steps"):
-        run(engine, [("split", ids, images)])
+        run_requests(engine, [("split", ids, images)])
 
 
 def test_six_layers_in_gemma3s_pattern(tmp_path):
@@ -227,7 +195,7 @@ def test_six_layers_in_gemma3s_pattern(tmp_path):
     folder = build_tiny_gemma3_vl(tmp_path / "six", seed=3, layer_types=layers)
     assert ModelConfig.from_folder(folder).kv_groups().windows == (0,) + (16,) * 5
     ids, pixels, images = prompt_of([2] + text(29, 6), image(17), text(30, 9), image(18), text(31, 3))
-    check(run(make_engine(folder, max_num_batched_tokens=7), [("six", ids, images)])["six"][0],
+    check(run_requests(make_engine(folder, max_num_batched_tokens=7), [("six", ids, images)])["six"][0][0],
           Reference(folder).greedy(ids, pixels, STEPS))
 
 

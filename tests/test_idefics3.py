@@ -14,13 +14,11 @@ import pytest
 import torch
 
 from pagedserve.common.multimodal import image_input
-from pagedserve.common.sampling_params import SamplingParams
-from tiny_models import IDEFICS3_IMAGE_TOKEN, IDEFICS3_TILE, build_tiny_idefics3, greedy_with_pixels, make_engine
+from tiny_models import IDEFICS3_IMAGE_TOKEN, IDEFICS3_TILE, GREEDY, STEPS, build_tiny_idefics3, check, \
+    check_image_and_text, check_prompt_logprobs, greedy_with_pixels, make_engine, run_requests
 
-STEPS = 6
 PLACEHOLDERS = (IDEFICS3_TILE // 8) ** 2 // 4
 MEAN, STD = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)  # the builder's preprocessor_config.json
-GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
 FAKE, GLOBAL, NEWLINE = 250, 251, 10  # stand-ins for <fake_token_around_image>, <global-img>, "\n"
 
 
@@ -75,36 +73,14 @@ class Reference:
         assert values.shape == (1, len(pixels), 3, IDEFICS3_TILE, IDEFICS3_TILE)
         return values
 
-    @torch.no_grad()
     def greedy(self, ids: list[int], pixels: list[np.ndarray], steps: int = STEPS):
-        values = self.pixel_values(pixels)
-        return greedy_with_pixels(self.model, ids, values, steps)
+        return greedy_with_pixels(self.model, ids, self.pixel_values(pixels), steps)
 
 
 @pytest.fixture(scope="module")
 def idefics3(tmp_path_factory):
     folder = build_tiny_idefics3(tmp_path_factory.mktemp("idefics3"))
     return folder, Reference(folder)
-
-
-def run(engine, requests, params=GREEDY) -> dict:
-    """requests: (id, prompt ids, ImageInputs) -> id -> ((tokens, logprobs) of sample 0, cached tokens)."""
-    samples = {rid: ([], []) for rid, _, _ in requests}
-    cached = {}
-    for rid, ids, images in requests:
-        engine.add_request(rid, ids, params, images=images)
-    while engine.has_unfinished():
-        for out in engine.step():
-            samples[out.request_id][0].extend(t.token_id for t in out.new_tokens)
-            samples[out.request_id][1].extend(t.logprob for t in out.new_tokens)
-            cached[out.request_id] = out.num_cached_tokens
-    return {rid: (samples[rid], cached.get(rid, 0)) for rid in samples}
-
-
-def check(result, expected) -> None:
-    tokens, logprobs = result
-    assert tokens == expected[0]
-    assert logprobs == pytest.approx(expected[1], abs=1e-4)
 
 
 def test_config_reads_the_vision_half(idefics3):
@@ -179,9 +155,9 @@ def test_one_tile_with_text_around_and_at_the_start(idefics3):
     folder, ref = idefics3
     one = prompt_of([1] + text(0, 5), [FAKE, GLOBAL], tile(0), [FAKE] + text(1, 6))
     first = prompt_of(tile(1), text(2, 7))  # the tile at position 0, no text before it
-    results = run(make_engine(folder), [("one", one[0], one[2]), ("first", first[0], first[2])])
+    results = run_requests(make_engine(folder), [("one", one[0], one[2]), ("first", first[0], first[2])])
     for rid, (ids, pixels, _) in (("one", one), ("first", first)):
-        check(results[rid][0], ref.greedy(ids, pixels))
+        check(results[rid][0][0], ref.greedy(ids, pixels))
 
 
 def test_an_image_split_into_tiles_and_a_second_image(idefics3):
@@ -191,7 +167,7 @@ def test_an_image_split_into_tiles_and_a_second_image(idefics3):
     ids, pixels, images = prompt_of([1] + text(3, 4), *split_image(2, 3, 10), text(4, 5), *split_image(1, 2, 30),
                                     text(5, 3))
     assert len(images) == 10
-    check(run(make_engine(folder), [("tiles", ids, images)])["tiles"][0], ref.greedy(ids, pixels))
+    check(run_requests(make_engine(folder), [("tiles", ids, images)])["tiles"][0][0], ref.greedy(ids, pixels))
 
 
 def test_chunked_prefill_splits_tiles(idefics3):
@@ -199,7 +175,7 @@ def test_chunked_prefill_splits_tiles(idefics3):
     ids, pixels, images = prompt_of([1] + text(6, 2), *split_image(1, 2, 40), text(7, 2))
     engine = make_engine(folder, max_num_batched_tokens=3)  # 3-token chunks: tiles of 4 split across steps
     assert any(image.offset // 3 != (image.end - 1) // 3 for image in images)
-    check(run(engine, [("chunked", ids, images)])["chunked"][0], ref.greedy(ids, pixels))
+    check(run_requests(engine, [("chunked", ids, images)])["chunked"][0][0], ref.greedy(ids, pixels))
 
 
 def test_a_prefix_cache_hit_inside_a_tile(idefics3):
@@ -207,23 +183,24 @@ def test_a_prefix_cache_hit_inside_a_tile(idefics3):
     ids, pixels, images = prompt_of([1] + text(8, 14), tile(50), text(9, 6))  # the tile at 15..19
     engine = make_engine(folder, block_size=8)
     expected = ref.greedy(ids, pixels)
-    check(run(engine, [("a", ids, images)])["a"][0], expected)
-    again, cached = run(engine, [("b", ids, images)])["b"]
+    check(run_requests(engine, [("a", ids, images)])["a"][0][0], expected)
+    again, cached = run_requests(engine, [("b", ids, images)])["b"]
     assert cached == 24  # blocks 0..2: past the tile
-    check(again, expected)
+    check(again[0], expected)
     other_ids, other_pixels, other_images = prompt_of([1] + text(8, 14), tile(51), text(9, 6))
-    other, cached = run(engine, [("c", other_ids, other_images)])["c"]
+    other, cached = run_requests(engine, [("c", other_ids, other_images)])["c"]
     assert cached == 8  # block 1 holds the other tile's first placeholder
-    check(other, ref.greedy(other_ids, other_pixels))
+    check(other[0], ref.greedy(other_ids, other_pixels))
 
 
 def test_a_batch_of_text_and_tiles(idefics3):
     folder, ref = idefics3
     plain = [1] + text(10, 12)
     ids, pixels, images = prompt_of([1] + text(11, 3), *split_image(1, 1, 60), text(12, 5))
-    results = run(make_engine(folder, max_num_batched_tokens=16), [("text", plain, []), ("image", ids, images)])
-    check(results["text"][0], ref.greedy(plain, []))
-    check(results["image"][0], ref.greedy(ids, pixels))
+    results = run_requests(make_engine(folder, max_num_batched_tokens=16),
+                           [("text", plain, []), ("image", ids, images)])
+    check(results["text"][0][0], ref.greedy(plain, []))
+    check(results["image"][0][0], ref.greedy(ids, pixels))
 
 
 def test_smolvlm(tmp_path):
@@ -233,7 +210,8 @@ def test_smolvlm(tmp_path):
     folder = build_tiny_idefics3(tmp_path / "smolvlm", seed=1, arch=arch)
     assert ModelConfig.from_folder(folder).architecture == arch
     ids, pixels, images = prompt_of([1] + text(13, 4), *split_image(1, 2, 70), text(14, 3))
-    check(run(make_engine(folder), [("s", ids, images)])["s"][0], Reference(folder, arch).greedy(ids, pixels))
+    check(run_requests(make_engine(folder), [("s", ids, images)])["s"][0][0],
+          Reference(folder, arch).greedy(ids, pixels))
 
 
 def test_bfloat16_and_int8_keep_the_tower_float(idefics3):
@@ -247,7 +225,7 @@ def test_bfloat16_and_int8_keep_the_tower_float(idefics3):
         model = engine.runner.model
         plain = [m for part in (model.vision_model, model.connector) for m in part.modules() if isinstance(m, Linear)]
         assert len(plain) == 3 * 6 + 1 and all(m.weight.dtype == torch.bfloat16 and m.weight.numel() for m in plain)
-        tokens = run(engine, [("q", ids, images)])["q"][0][0]
+        tokens = run_requests(engine, [("q", ids, images)])["q"][0][0][0]
         assert len(tokens) == STEPS
         if quantization == "none":
             assert tokens == ref.greedy(ids, pixels)[0]
@@ -255,12 +233,9 @@ def test_bfloat16_and_int8_keep_the_tower_float(idefics3):
 
 def test_two_ranks_equal_transformers(idefics3):
     folder, ref = idefics3
-    ids, pixels, images = prompt_of([1] + text(19, 3), *split_image(1, 2, 100), text(20, 5))
-    plain = [1] + text(21, 9)
-    with make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=8) as engine:
-        results = run(engine, [("image", ids, images), ("text", plain, [])])
-    check(results["image"][0], ref.greedy(ids, pixels))
-    check(results["text"][0], ref.greedy(plain, []))
+    engine = make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=8)
+    image_prompt = prompt_of([1] + text(19, 3), *split_image(1, 2, 100), text(20, 5))
+    check_image_and_text(engine, ref, image_prompt, [1] + text(21, 9))
 
 
 def test_prompt_logprobs_over_tiles_split_in_chunks(idefics3):
@@ -268,16 +243,9 @@ def test_prompt_logprobs_over_tiles_split_in_chunks(idefics3):
     folder, ref = idefics3
     ids, pixels, images = prompt_of([1] + text(22, 3), *split_image(1, 2, 110), text(23, 4))
     engine = make_engine(folder, max_num_batched_tokens=5)
-    engine.add_request("p", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
-    got = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            got = out.prompt_logprobs if out.prompt_logprobs is not None else got
     with torch.no_grad():
         logits = ref.model(input_ids=torch.tensor([ids]), pixel_values=ref.pixel_values(pixels)).logits[0, :-1]
-    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
-    assert [t.token_id for t in got] == ids[1:]
-    assert [t.logprob for t in got] == pytest.approx(expected, abs=1e-4)
+    check_prompt_logprobs(engine, ids, images, logits)
 
 
 def test_tiles_that_do_not_fit_are_refused(idefics3):

@@ -19,6 +19,7 @@ from pagedserve.common.multimodal import image_from_proto
 from pagedserve.model_files import image_processing as ip
 from pagedserve.model_files.prompt_images import chat_prompt, prompt_images
 from pagedserve.model_files.tokenizer_files import load_tokenizer
+from image_checks import offline_chat
 from tiny_idefics3 import PREPROCESSOR, build_tiny_idefics3, reference_processor
 
 UNSPLIT = {**PREPROCESSOR, "do_image_splitting": False}
@@ -179,11 +180,7 @@ def test_the_tokenizer_service_and_the_offline_path_expand_as_the_processor(fold
             assert [g.data for g in got] == frames and len(got) == 5 + 3  # 2 x 2 tiles + global, 1 x 2 + global
             assert all(list(sent.prompt_token_ids)[g.offset:g.end] == [config.image_token_id] * 4 for g in got)
             assert res[0].accepted and res[0].usage.prompt_tokens == len(want)
-            urls = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()}}
-                    for d in data]
-            ids, offline, _ = chat_prompt(tokenizer, config, [
-                {"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [*urls, {"type": "text", "text": "What is in these?"}]}])
+            ids, offline, _ = offline_chat(tokenizer, config, data)
             assert ids == want and offline == got
             # LLM.generate's {"prompt": text, "multi_modal_data": {"image": [...]}}: the same
             assert prompt_images(config, tokenizer.encode(text, add_special_tokens=False), data) == (want, got)

@@ -17,11 +17,10 @@ import torch
 
 from pagedserve.common.multimodal import image_input
 from pagedserve.common.sampling_params import SamplingParams
-from tiny_models import LLAVA_IMAGE_SIZE, LLAVA_IMAGE_TOKEN, build_tiny_llava, greedy_with_pixels, make_engine
+from tiny_models import LLAVA_IMAGE_SIZE, LLAVA_IMAGE_TOKEN, STEPS, build_tiny_llava, check, check_image_and_text, \
+    check_preempted, check_prompt_logprobs, check_samples_beside_text, greedy_with_pixels, make_engine, run_requests
 
-STEPS = 6
 PLACEHOLDERS = (LLAVA_IMAGE_SIZE // 14) ** 2
-GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
 
 
 def random_image(seed: int) -> np.ndarray:
@@ -64,27 +63,6 @@ class Reference:
 def llava(tmp_path_factory):
     folder = build_tiny_llava(tmp_path_factory.mktemp("llava"))
     return folder, Reference(folder)
-
-
-def run(engine, requests, params=GREEDY) -> dict:
-    """requests: (id, prompt ids, ImageInputs) -> id -> (per sample: (tokens, logprobs)), cached tokens)."""
-    samples = {rid: {} for rid, _, _ in requests}
-    cached = {}
-    for rid, ids, images in requests:
-        engine.add_request(rid, ids, params, images=images)
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens, lps = samples[out.request_id].setdefault(out.sample_index, ([], []))
-            tokens += [t.token_id for t in out.new_tokens]
-            lps += [t.logprob for t in out.new_tokens]
-            cached[out.request_id] = out.num_cached_tokens
-    return {rid: ([samples[rid][i] for i in sorted(samples[rid])], cached.get(rid, 0)) for rid in samples}
-
-
-def check(result, expected) -> None:
-    tokens, logprobs = result
-    assert tokens == expected[0]
-    assert logprobs == pytest.approx(expected[1], abs=1e-4)
 
 
 def test_config_reads_the_vision_half(llava):
@@ -133,7 +111,7 @@ def test_one_image_and_two_with_text_around(llava):
     two = prompt_of([1] + text(2, 3), random_image(1), text(3, 4), random_image(2), text(4, 2))
     first = prompt_of(random_image(3), text(5, 7))  # the image at position 0, no text before it
     engine = make_engine(folder)
-    results = run(engine, [("one", one[0], one[2]), ("two", two[0], two[2]), ("first", first[0], first[2])])
+    results = run_requests(engine, [("one", one[0], one[2]), ("two", two[0], two[2]), ("first", first[0], first[2])])
     for rid, (ids, pixels, _) in (("one", one), ("two", two), ("first", first)):
         check(results[rid][0][0], ref.greedy(ids, pixels))
 
@@ -142,7 +120,7 @@ def test_chunked_prefill_splits_an_image(llava):
     folder, ref = llava
     ids, pixels, images = prompt_of([1] + text(6, 4), random_image(4), text(7, 9), random_image(5), text(8, 3))
     engine = make_engine(folder, max_num_batched_tokens=7)  # 7-token chunks: every image over 3 steps
-    check(run(engine, [("chunked", ids, images)])["chunked"][0][0], ref.greedy(ids, pixels))
+    check(run_requests(engine, [("chunked", ids, images)])["chunked"][0][0], ref.greedy(ids, pixels))
 
 
 def test_prefix_cache_hits_inside_an_image_and_not_past_another(llava):
@@ -153,13 +131,13 @@ def test_prefix_cache_hits_inside_an_image_and_not_past_another(llava):
     assert other_ids == ids
     engine = make_engine(folder, block_size=16)
     expected = ref.greedy(ids, pixels)
-    first, cached = run(engine, [("a", ids, images)])["a"]
+    first, cached = run_requests(engine, [("a", ids, images)])["a"]
     check(first[0], expected)
     hits = engine.stats()["prefix_cache_hits"]
-    again, cached = run(engine, [("b", ids, images)])["b"]
+    again, cached = run_requests(engine, [("b", ids, images)])["b"]
     check(again[0], expected)
     assert cached == 32 and engine.stats()["prefix_cache_hits"] > hits  # up to 32: inside the image (20..36)
-    other, cached = run(engine, [("c", other_ids, other_images)])["c"]
+    other, cached = run_requests(engine, [("c", other_ids, other_images)])["c"]
     assert cached == 16  # block 0 only: block 1 holds the other image's first placeholder
     other_expected = ref.greedy(other_ids, other_pixels)
     check(other[0], other_expected)
@@ -174,12 +152,7 @@ def test_a_batch_of_text_and_image_requests_and_n_samples(llava, overlap):
     ids, pixels, images = prompt_of([1] + text(12, 3), random_image(8), text(13, 5))
     engine = make_engine(folder, async_scheduling=overlap, max_num_batched_tokens=16)
     assert engine.overlaps == overlap
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1, n=2)
-    results = run(engine, [("text", plain, []), ("image", ids, images)], params)
-    for sample in results["text"][0]:
-        check(sample, ref.greedy(plain, []))
-    for sample in results["image"][0]:
-        check(sample, ref.greedy(ids, pixels))
+    check_samples_beside_text(engine, ref, (ids, pixels, images), plain)
 
 
 # what transformers 5.25 saves (the hub's text names, the tower without vision_model.) -> each layout
@@ -209,7 +182,7 @@ def test_both_weight_layouts_load(llava, tmp_path, layout):
     save_file(new, renamed / "model.safetensors", metadata={"format": "pt"})
     assert json.loads((renamed / "config.json").read_text())["architectures"] == ["LlavaForConditionalGeneration"]
     ids, pixels, images = prompt_of([1] + text(14, 4), random_image(9), text(15, 4))
-    check(run(make_engine(renamed), [("r", ids, images)])["r"][0][0], ref.greedy(ids, pixels))
+    check(run_requests(make_engine(renamed), [("r", ids, images)])["r"][0][0], ref.greedy(ids, pixels))
 
 
 def test_a_one_token_step_on_an_image_skips_the_decode_graphs(llava):
@@ -221,8 +194,8 @@ def test_a_one_token_step_on_an_image_skips_the_decode_graphs(llava):
     engine = make_engine(folder, max_num_seqs=8, block_size=16)
     engine.runner.enable_decode_graphs(8, StandInGraph)
     expected = ref.greedy(ids, pixels)
-    first, _ = run(engine, [("a", ids, images)])["a"]
-    again, cached = run(engine, [("b", ids, images)])["b"]
+    first, _ = run_requests(engine, [("a", ids, images)])["a"]
+    again, cached = run_requests(engine, [("b", ids, images)])["b"]
     assert cached == 32
     check(first[0], expected)
     check(again[0], expected)
@@ -236,20 +209,13 @@ def test_preempted_image_requests_match(llava, mode):
     block_bytes = 2 * 2 * 4 * 2 * 16 * 4  # K/V x layers x tokens x KV heads x head dim x float32
     engine = make_engine(folder, kv_cache_memory=18 * block_bytes, block_size=4, preemption_mode=mode,
                          swap_space=64 * block_bytes, max_num_batched_tokens=16)
-    results = run(engine, [(f"p{i}", ids, images) for i, (ids, _, images) in enumerate(prompts)])
-    assert engine.stats()["num_preemptions"] > 0
-    for i, (ids, pixels, _) in enumerate(prompts):
-        check(results[f"p{i}"][0][0], ref.greedy(ids, pixels))
+    check_preempted(engine, ref, prompts, STEPS)
 
 
 def test_two_ranks_equal_transformers(llava):
     folder, ref = llava
-    ids, pixels, images = prompt_of([1] + text(40, 5), random_image(40), text(41, 6))
-    plain = [1] + text(42, 9)
-    with make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=16) as engine:
-        results = run(engine, [("image", ids, images), ("text", plain, [])])
-    check(results["image"][0][0], ref.greedy(ids, pixels))
-    check(results["text"][0][0], ref.greedy(plain, []))
+    engine = make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=16)
+    check_image_and_text(engine, ref, prompt_of([1] + text(40, 5), random_image(40), text(41, 6)), [1] + text(42, 9))
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
@@ -265,12 +231,12 @@ def test_bfloat16_and_int8_keep_the_tower_float(llava, quantization):
     plain = [m for part in (model.vision_tower, model.multi_modal_projector) for m in part.modules()
              if isinstance(m, Linear)]
     assert len(plain) == 2 * 6 + 2 and all(m.weight.dtype == torch.bfloat16 and m.weight.numel() for m in plain)
-    tokens = run(engine, [("q", ids, images)])["q"][0][0][0]
+    tokens = run_requests(engine, [("q", ids, images)])["q"][0][0][0]
     if quantization == "none":
         assert tokens == ref.greedy(ids, pixels)[0]
     else:
         chunked = make_engine(folder, dtype="bfloat16", quantization=quantization, max_num_batched_tokens=7)
-        assert run(chunked, [("q", ids, images)])["q"][0][0][0] == tokens
+        assert run_requests(chunked, [("q", ids, images)])["q"][0][0][0] == tokens
 
 
 def test_prompt_logprobs_over_an_image_split_in_chunks(llava):
@@ -278,17 +244,10 @@ def test_prompt_logprobs_over_an_image_split_in_chunks(llava):
     folder, ref = llava
     ids, pixels, images = prompt_of([1] + text(70, 6), random_image(70), text(71, 5))
     engine = make_engine(folder, max_num_batched_tokens=8)
-    engine.add_request("p", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
-    got = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            got = out.prompt_logprobs if out.prompt_logprobs is not None else got
     values = ref.processor(images=pixels, do_resize=False, do_center_crop=False, return_tensors="pt").pixel_values
     with torch.no_grad():
         logits = ref.model(input_ids=torch.tensor([ids]), pixel_values=values).logits[0, :-1]
-    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
-    assert [t.token_id for t in got] == ids[1:]
-    assert [t.logprob for t in got] == pytest.approx(expected, abs=1e-4)
+    check_prompt_logprobs(engine, ids, images, logits)
 
 
 def test_images_that_do_not_fit_the_model_are_refused(llava, tmp_path):
@@ -318,7 +277,7 @@ def test_a_qwen2_llava_with_two_feature_layers_and_the_class_row(tmp_path):
     assert vision["feature_layers"] == [1, 3] and vision["num_image_tokens"] == PLACEHOLDERS + 1
     ref = Reference(folder)
     ids, pixels, images = prompt_of([1] + text(90, 4), random_image(90), text(91, 5), placeholders=PLACEHOLDERS + 1)
-    check(run(make_engine(folder), [("q", ids, images)])["q"][0][0], ref.greedy(ids, pixels))
+    check(run_requests(make_engine(folder), [("q", ids, images)])["q"][0][0], ref.greedy(ids, pixels))
 
 
 def test_the_worker_fails_a_request_whose_images_it_cannot_take_alone(llava):

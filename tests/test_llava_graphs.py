@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from triton_device import triton_device
+from triton_device import record_steps, triton_device, triton_engine
 
 DEVICE = triton_device()  # before anything imports triton.language
 
 from pagedserve.worker import image_rows  # noqa: E402
-from pagedserve.worker.graph_runner import StandInGraph  # noqa: E402
-from test_llava import Reference, check, prompt_of, random_image, run, text  # noqa: E402
-from tiny_models import build_tiny_llava, make_engine  # noqa: E402
+from test_llava import Reference, prompt_of, random_image, text  # noqa: E402
+from tiny_models import build_tiny_llava, check, run_requests  # noqa: E402
 
 BUDGET = 32
 
@@ -26,28 +25,14 @@ def llava(tmp_path_factory):
 
 
 def test_image_steps_run_eagerly_beside_mixed_graphs(llava):
-    from pagedserve.worker.attention import TritonAttentionBackend
     folder, ref = llava
-    engine = make_engine(folder, device=DEVICE, max_num_seqs=4, max_num_batched_tokens=BUDGET,
-                         enable_chunked_prefill=True, enforce_eager=True)
-    backend = TritonAttentionBackend()
-    for module in engine.runner.model.modules():
-        if hasattr(module, "backend"):
-            module.backend = backend
+    engine = triton_engine(folder, DEVICE, BUDGET)
     runner = engine.runner
-    runner.enable_decode_graphs(4, StandInGraph, BUDGET)
-    prepare, steps = runner._prepare, []
-
-    def recording(step):
-        out = prepare(step)
-        graphed = runner._mixed_size is not None or runner._graph_size is not None
-        steps.append((image_rows.has_image_rows(out[3], out[4]), graphed))
-        return out
-
-    runner._prepare = recording
+    steps = record_steps(runner, lambda out: (image_rows.has_image_rows(out[3], out[4]),
+                                              runner._mixed_size is not None or runner._graph_size is not None))
     plain = [1] + text(60, 40)  # chunks of text beside the image prompt's
     ids, pixels, images = prompt_of([1] + text(61, 9), random_image(60), text(62, 12), random_image(61), text(63, 3))
-    results = run(engine, [("text", plain, []), ("image", ids, images)])
+    results = run_requests(engine, [("text", plain, []), ("image", ids, images)])
     check(results["text"][0][0], ref.greedy(plain, []))
     check(results["image"][0][0], ref.greedy(ids, pixels))
     assert any(has for has, _ in steps) and not any(has and graphed for has, graphed in steps)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from triton_device import triton_device
+from triton_device import triton_device, triton_engine
 
 DEVICE = triton_device()  # before anything imports triton.language
 
@@ -109,23 +109,6 @@ def model(tmp_path_factory):
     return folder, prompts, lengths, expected
 
 
-def triton_engine(folder, graphs: bool = True, **overrides):
-    """A float32 engine whose attention is the Triton backend (interpreted here), mixed-step graphs with the
-    stand-in when `graphs`."""
-    from pagedserve.worker.attention import TritonAttentionBackend
-
-    overrides.setdefault("enforce_eager", True)  # on a GPU: no CUDA graphs of the engine's own
-    engine = make_engine(folder, device=DEVICE, max_num_seqs=4, max_num_batched_tokens=BUDGET,
-                         enable_chunked_prefill=True, **overrides)
-    backend = TritonAttentionBackend()
-    for module in engine.runner.model.modules():
-        if hasattr(module, "backend"):
-            module.backend = backend
-    if graphs:
-        engine.runner.enable_decode_graphs(4, StandInGraph, BUDGET)
-    return engine
-
-
 def generate(engine, prompts, lengths):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     return [samples[0].token_ids for samples in engine.generate(prompts, params)]
@@ -135,7 +118,7 @@ def test_greedy_tokens_with_mixed_graphs_equal_transformers_and_eager(model):
     """Mixed steps (a 70-token prompt in chunks beside running decodes) replay the graph of their token size,
     whose inputs are views of the input batch's buffer; the KV cache ends as the eager engine's."""
     folder, prompts, lengths, expected = model
-    engine = triton_engine(folder)
+    engine = triton_engine(folder, DEVICE, BUDGET)
     runner = engine.runner
     prepare, mixed_steps = runner._prepare, []
 
@@ -155,7 +138,7 @@ def test_greedy_tokens_with_mixed_graphs_equal_transformers_and_eager(model):
     buffer = runner.input_batch._device.untyped_storage().data_ptr()
     assert all(t.untyped_storage().data_ptr() == buffer for t in graphs.captured.inputs)
 
-    eager = triton_engine(folder, graphs=False)
+    eager = triton_engine(folder, DEVICE, BUDGET, graphs=False)
     assert generate(eager, prompts, lengths) == expected
     assert torch.allclose(eager.runner.kv.device_cache, runner.kv.device_cache, atol=1e-5)  # (GPU: other M tiles)
 
@@ -165,7 +148,7 @@ def test_graphs_captured_ahead_replay_every_step(model):
     write nothing but block 0's slot 0 (decode graphs), the largest step first (the mixed graphs' largest
     size, then down: the smaller graphs reuse its memory in the one pool); the steps after only replay."""
     folder, prompts, lengths, expected = model
-    engine = triton_engine(folder, graphs=False, enable_prefix_caching=False)
+    engine = triton_engine(folder, DEVICE, BUDGET, graphs=False, enable_prefix_caching=False)
     runner = engine.runner
     runner.input_batch = InputBatch(runner.device, capacity=64)  # grows for each region: once, before capturing
     order = []
@@ -189,7 +172,7 @@ def test_graphs_captured_ahead_replay_every_step(model):
 
 def test_steps_past_the_largest_size_run_eagerly(model):
     folder, prompts, lengths, expected = model
-    engine = triton_engine(folder, graphs=False)
+    engine = triton_engine(folder, DEVICE, BUDGET, graphs=False)
     engine.runner.enable_decode_graphs(4, StandInGraph, 16)  # sizes [16]: larger mixed steps run eagerly
     assert generate(engine, prompts, lengths) == expected
     assert sorted(engine.runner.mixed_graphs.graphs) == [16]
@@ -199,7 +182,7 @@ def test_the_configured_capture_sizes_are_the_mixed_steps_token_sizes(model):
     """vLLM's cudagraph_capture_sizes are token counts for these steps: a step pads to the next of them, one
     past the token budget is the budget, a step past every size runs eagerly."""
     folder, prompts, lengths, expected = model
-    engine = triton_engine(folder, graphs=False)
+    engine = triton_engine(folder, DEVICE, BUDGET, graphs=False)
     engine.runner.enable_decode_graphs(4, StandInGraph, BUDGET,
                                        graph_plan('{"cudagraph_capture_sizes": [1, 2, 4, 24, 4096]}'))
     assert generate(engine, prompts, lengths) == expected
@@ -210,7 +193,7 @@ def test_the_configured_capture_sizes_are_the_mixed_steps_token_sizes(model):
 
 def test_reallocated_cache_recaptures_mixed_graphs(model):
     folder, prompts, lengths, expected = model
-    engine = triton_engine(folder, enable_prefix_caching=False)
+    engine = triton_engine(folder, DEVICE, BUDGET, enable_prefix_caching=False)
     assert generate(engine, prompts[:2], lengths[:2]) == expected[:2]
     graphs = engine.runner.mixed_graphs
     assert graphs.graphs
@@ -227,7 +210,7 @@ class FailingGraph(StandInGraph):
 
 def test_a_failed_mixed_capture_runs_the_packed_step_eagerly(model, caplog):
     folder, prompts, lengths, expected = model
-    engine = triton_engine(folder, graphs=False)
+    engine = triton_engine(folder, DEVICE, BUDGET, graphs=False)
     engine.runner.enable_decode_graphs(4, FailingGraph, BUDGET)
     assert generate(engine, prompts, lengths) == expected
     assert engine.runner.mixed_graphs is None and engine.runner.decode_graphs is None
@@ -241,7 +224,7 @@ def test_who_gets_mixed_graphs(model, monkeypatch):
     cpu = make_engine(folder, device="cpu", max_num_seqs=4)
     cpu.runner.enable_decode_graphs(4, StandInGraph, BUDGET)
     assert cpu.runner.decode_graphs is not None and cpu.runner.mixed_graphs is None
-    engine = triton_engine(folder, graphs=False)
+    engine = triton_engine(folder, DEVICE, BUDGET, graphs=False)
     engine.runner.enable_decode_graphs(4, StandInGraph)
     assert engine.runner.mixed_graphs is None
     monkeypatch.setattr(type(engine.runner.model), "reads_layout_on_host", True)
@@ -292,7 +275,7 @@ def test_held_rows_feed_a_mixed_graphs_step(model):
     """Async scheduling: a mixed step begun while the one before is in flight takes its decode rows' tokens
     from that step's sampled ids on the device, written into the graph's packed inputs (decodes first)."""
     folder, prompts, lengths, expected = model
-    engine = triton_engine(folder, async_scheduling=True)
+    engine = triton_engine(folder, DEVICE, BUDGET, async_scheduling=True)
     assert engine.overlaps
     runner = engine.runner
     prepare, held_mixed = runner._prepare, []
@@ -335,7 +318,7 @@ def test_mixed_graphs_keep_greedy_tokens_through(model, overrides):
     """Preemption (recomputed prompts and outputs as chunks) and speculative decoding (verification rows
     beside the decodes) with mixed-step graphs: transformers' greedy tokens."""
     folder, prompts, lengths, expected = model
-    engine = triton_engine(folder, **overrides)
+    engine = triton_engine(folder, DEVICE, BUDGET, **overrides)
     assert generate(engine, prompts, lengths) == expected
     assert sum(g.replays for g in engine.runner.mixed_graphs.graphs.values()) > 0
     if "preemption_mode" in overrides:
@@ -358,8 +341,8 @@ def test_mixed_graphs_give_the_eager_engines_samples_and_prompt_logprobs(model):
         return ([[s.token_ids for s in samples] for samples in out],
                 [[(t.token_id, round(t.logprob, 4)) for t in out[1][0].prompt_logprobs]])
 
-    graphed = triton_engine(folder)
-    assert run(graphed) == run(triton_engine(folder, graphs=False))
+    graphed = triton_engine(folder, DEVICE, BUDGET)
+    assert run(graphed) == run(triton_engine(folder, DEVICE, BUDGET, graphs=False))
     assert graphed.stats()["prefix_cache_hits"] > 0
     assert sum(g.replays for g in graphed.runner.mixed_graphs.graphs.values()) > 0
 
@@ -377,7 +360,7 @@ def test_a_failed_capture_at_start_up_drops_only_its_runner(model, caplog):
     """capture_graphs (what CUDA runs once the cache is allocated): the mixed-step captures fail, the decode
     graphs stay; mixed steps then run eagerly and the tokens are transformers'."""
     folder, prompts, lengths, expected = model
-    engine = triton_engine(folder, graphs=False)
+    engine = triton_engine(folder, DEVICE, BUDGET, graphs=False)
     runner = engine.runner
     runner.enable_decode_graphs(4, FailsFromSixteenRows, BUDGET)
     runner.capture_graphs()

@@ -16,7 +16,8 @@ from PIL import Image
 from pagedserve.common.model_config import ModelConfig
 from pagedserve.common.vision_config import image_problem
 from pagedserve.model_files import image_processing as ip
-from test_qwen_vl_images import SIZED, images, rgb
+from image_checks import rgb
+from test_qwen_vl_images import SIZED, images
 from tiny_idefics3 import PREPROCESSOR as IDEFICS3_PRE
 from tiny_idefics3 import build_tiny_idefics3
 from tiny_idefics3 import reference_processor as idefics3_processor

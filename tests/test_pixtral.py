@@ -17,39 +17,17 @@ import torch
 
 from pagedserve.common.multimodal import image_input
 from pagedserve.common.sampling_params import SamplingParams
-from tiny_models import make_engine
+from tiny_models import STEPS, check, check_image_and_text, check_preempted, check_samples_beside_text, make_engine, \
+    run_requests
 from tiny_pixtral_model import BREAK, END, FACTOR, IMAGE, Reference, build_tiny_pixtral, prompt_of, random_image, \
     text
 
-STEPS = 6
-GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
 
 
 @pytest.fixture(scope="module", params=["mistral3", "llava"])
 def pix(request, tmp_path_factory):
     folder = build_tiny_pixtral(tmp_path_factory.mktemp(request.param), request.param)
     return folder, Reference(folder, request.param), request.param
-
-
-def run(engine, requests, params=GREEDY) -> dict:
-    """requests: (id, prompt ids, ImageInputs) -> id -> (per sample: (tokens, logprobs)), cached tokens)."""
-    samples = {rid: {} for rid, _, _ in requests}
-    cached = {}
-    for rid, ids, images in requests:
-        engine.add_request(rid, ids, params, images=images)
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens, lps = samples[out.request_id].setdefault(out.sample_index, ([], []))
-            tokens += [t.token_id for t in out.new_tokens]
-            lps += [t.logprob for t in out.new_tokens]
-            cached[out.request_id] = out.num_cached_tokens
-    return {rid: ([samples[rid][i] for i in sorted(samples[rid])], cached.get(rid, 0)) for rid in samples}
-
-
-def check(result, expected) -> None:
-    tokens, logprobs = result
-    assert tokens == expected[0]
-    assert logprobs == pytest.approx(expected[1], abs=1e-4)
 
 
 def two_images(family: str, seed: int):
@@ -80,7 +58,7 @@ def test_one_image_two_images_and_an_image_first(pix):
     one = prompt_of(family, [1] + text(0, 5), random_image(0, 3 * f, 4 * f), text(1, 6))
     two = two_images(family, 2)
     first = prompt_of(family, random_image(3, 2 * f, 2 * f), text(5, 7))  # the span at position 0
-    results = run(make_engine(folder), [("one", one[0], one[2]), ("two", two[0], two[2]),
+    results = run_requests(make_engine(folder), [("one", one[0], one[2]), ("two", two[0], two[2]),
                                         ("first", first[0], first[2])])
     for rid, (ids, pixels, _) in (("one", one), ("two", two), ("first", first)):
         check(results[rid][0][0], ref.greedy(ids, pixels, STEPS))
@@ -94,7 +72,7 @@ def test_chunked_prefill_splits_the_spans(pix, chunk):
     ids, pixels, images = prompt_of(family, [1] + text(6, 4), random_image(4, 3 * f, 4 * f), text(7, 3),
                                     random_image(5, 4 * f, 2 * f), text(8, 3))
     engine = make_engine(folder, max_num_batched_tokens=chunk)
-    check(run(engine, [("chunked", ids, images)])["chunked"][0][0], ref.greedy(ids, pixels, STEPS))
+    check(run_requests(engine, [("chunked", ids, images)])["chunked"][0][0], ref.greedy(ids, pixels, STEPS))
 
 
 def test_prefix_cache_hits_inside_and_after_an_image(pix):
@@ -107,13 +85,13 @@ def test_prefix_cache_hits_inside_and_after_an_image(pix):
     ids, pixels, images = prompt_of(family, head, image, text(10, 20))
     engine = make_engine(folder, block_size=16)
     expected = ref.greedy(ids, pixels, STEPS)
-    check(run(engine, [("a", ids, images)])["a"][0][0], expected)
-    again, cached = run(engine, [("b", ids, images)])["b"]
+    check(run_requests(engine, [("a", ids, images)])["a"][0][0], expected)
+    again, cached = run_requests(engine, [("b", ids, images)])["b"]
     check(again[0], expected)
     assert cached == len(ids) // 16 * 16 and images[0].end < cached
     other = prompt_of(family, head, image, text(11, 20))
     assert other[0][:images[0].end] == ids[:images[0].end] and other[0][images[0].end] != ids[images[0].end]
-    out, cached = run(engine, [("c", other[0], other[2])])["c"]
+    out, cached = run_requests(engine, [("c", other[0], other[2])])["c"]
     assert images[0].offset < cached < images[0].end  # the hit ends inside the span
     check(out[0], ref.greedy(other[0], other[1], STEPS))
 
@@ -123,13 +101,7 @@ def test_a_batch_of_text_and_image_requests_and_n_samples(pix):
     plain = [1] + text(12, 12)
     ids, pixels, images = two_images(family, 13)
     engine = make_engine(folder, max_num_batched_tokens=16)
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1, n=2)
-    results = run(engine, [("text", plain, []), ("image", ids, images)], params)
-    for sample in results["text"][0]:
-        check(sample, ref.greedy(plain, [], STEPS))
-    assert len(results["image"][0]) == 2
-    for sample in results["image"][0]:
-        check(sample, ref.greedy(ids, pixels, STEPS))
+    check_samples_beside_text(engine, ref, (ids, pixels, images), plain)
 
 
 def test_bfloat16_keeps_the_greedy_tokens(pix):
@@ -142,9 +114,9 @@ def test_bfloat16_keeps_the_greedy_tokens(pix):
     expected = ref.greedy(ids, pixels, STEPS)[0]
     engine = make_engine(folder, dtype="bfloat16")
     assert engine.runner.model.vision_tower.transformer.layers[0].attention.q_proj.weight.dtype == torch.bfloat16
-    assert run(engine, [("q", ids, images)])["q"][0][0][0] == expected
+    assert run_requests(engine, [("q", ids, images)])["q"][0][0][0] == expected
     chunked = make_engine(folder, dtype="bfloat16", max_num_batched_tokens=7)
-    assert run(chunked, [("q", ids, images)])["q"][0][0][0] == expected
+    assert run_requests(chunked, [("q", ids, images)])["q"][0][0][0] == expected
 
 
 # what transformers 5.25 saves (the hub's transformers-4 names) -> transformers 5's module names
@@ -168,7 +140,7 @@ def test_transformers5_weight_names_load(pix, tmp_path):
     save_file(new, renamed / "model.safetensors", metadata={"format": "pt"})
     assert json.loads((renamed / "config.json").read_text())["image_token_index"] == IMAGE
     ids, pixels, images = two_images(family, 60)
-    check(run(make_engine(renamed), [("r", ids, images)])["r"][0][0], ref.greedy(ids, pixels, STEPS))
+    check(run_requests(make_engine(renamed), [("r", ids, images)])["r"][0][0], ref.greedy(ids, pixels, STEPS))
 
 
 def test_the_tower_encodes_a_batch_as_each_image_alone(pix):
@@ -231,12 +203,8 @@ def test_the_memory_profile_encodes_the_largest_images_a_step_can_touch(pix):
 def test_two_ranks_equal_transformers(pix):
     """Every rank encodes the same images, the break and end rows through the vocabulary-parallel embedding."""
     folder, ref, family = pix
-    ids, pixels, images = two_images(family, 41)
-    plain = [1] + text(44, 9)
-    with make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=16) as engine:
-        results = run(engine, [("image", ids, images), ("text", plain, [])])
-    check(results["image"][0][0], ref.greedy(ids, pixels, STEPS))
-    check(results["text"][0][0], ref.greedy(plain, [], STEPS))
+    engine = make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=16)
+    check_image_and_text(engine, ref, two_images(family, 41), [1] + text(44, 9))
 
 
 def test_preempted_image_requests_recompute(pix):
@@ -247,8 +215,4 @@ def test_preempted_image_requests_recompute(pix):
     block_bytes = 2 * 2 * 4 * 2 * 16 * 4  # K/V x layers x tokens x KV heads x head dim x float32
     engine = make_engine(folder, kv_cache_memory=14 * block_bytes, block_size=4, preemption_mode="recompute",
                          max_num_batched_tokens=16)
-    results = run(engine, [(f"p{i}", ids, images) for i, (ids, _, images) in enumerate(prompts)],
-                  SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1))
-    assert engine.stats()["num_preemptions"] > 0
-    for i, (ids, pixels, _) in enumerate(prompts):
-        check(results[f"p{i}"][0][0], ref.greedy(ids, pixels, 10))
+    check_preempted(engine, ref, prompts, 10)

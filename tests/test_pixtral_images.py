@@ -22,8 +22,9 @@ from pagedserve.common.multimodal import ImageInput, image_from_proto
 from pagedserve.common.pixtral_config import span_tokens
 from pagedserve.common.vision_config import image_problem, vision_parts
 from pagedserve.model_files import image_processing as ip
-from pagedserve.model_files.prompt_images import chat_prompt, prompt_images
+from pagedserve.model_files.prompt_images import prompt_images
 from pagedserve.model_files.tokenizer_files import load_tokenizer
+from image_checks import chat, encoded, offline_chat, rgb, shaped_images
 from tiny_pixtral import PATCH, MERGE, build_tiny_pixtral, preprocessor, reference_processor
 
 FAMILIES = ("mistral3", "llava")
@@ -37,26 +38,11 @@ def folders(tmp_path_factory):
             for family in FAMILIES}
 
 
-def rgb(width: int, height: int, seed: int = 0) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
 def images() -> list[tuple[str, Image.Image]]:
     """(name, image) of many sizes and aspect ratios (smaller and larger than longest_edge 112), and modes."""
-    rng = np.random.default_rng(1)
-    shapes = [(1, 1), (19, 7), (28, 28), (56, 84), (90, 50), (37, 53), (112, 112), (113, 112), (200, 30),
-              (30, 500), (640, 480), (480, 640), (1000, 30), (333, 1001), (2048, 1536), (129, 17)]
-    out = [(f"{w}x{h}", rgb(w, h, i)) for i, (w, h) in enumerate(shapes)]
-    return out + [("rgba", Image.fromarray(rng.integers(0, 256, (41, 29, 4), dtype=np.uint8), "RGBA")),
-                  ("gray", Image.fromarray(rng.integers(0, 256, (33, 71), dtype=np.uint8), "L")),
-                  ("palette", rgb(61, 45, 9).convert("P", palette=Image.Palette.ADAPTIVE, colors=16)),
-                  ("la", Image.fromarray(rng.integers(0, 256, (30, 60, 2), dtype=np.uint8), "LA"))]
-
-
-def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
-    out = io.BytesIO()
-    image.save(out, format=fmt)
-    return out.getvalue()
+    shapes = [(1, 1), (19, 7), (28, 28), (56, 84), (90, 50), (37, 53), (112, 112), (113, 112), (200, 30), (30, 500),
+              (640, 480), (480, 640), (1000, 30), (333, 1001), (2048, 1536), (129, 17)]
+    return shaped_images(shapes)
 
 
 def worker_vision(folder) -> dict:
@@ -93,10 +79,6 @@ def test_pixels_equal_the_image_processor_on_many_shapes(folders, family):
             rows, cols = height // factor, width // factor
             assert len(ids) == 2 + rows * (cols + 1) and placed[0].length == rows * (cols + 1)
             assert image_problem(placed, ids, vision) is None
-
-
-def chat(count: int, text: str = "What is in these?") -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image"} for _ in range(count)), {"type": "text", "text": text}]}]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -223,11 +205,7 @@ def test_the_tokenizer_service_sends_the_processors_prompt_and_images(folders, f
             assert [g.data for g in got] == their_images(theirs) and len(got) == 2
             assert image_problem(got, want, worker_vision(folder)) is None
             assert res[0].accepted and res[0].usage.prompt_tokens == len(want)
-            urls = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()}}
-                    for d in data]
-            ids, offline, _ = chat_prompt(tokenizer, config, [
-                {"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [*urls, {"type": "text", "text": "What is in these?"}]}])
+            ids, offline, _ = offline_chat(tokenizer, config, data)
             assert ids == want and offline == got
             tokenized = await stub.Tokenize(generate_pb2.TokenizeRequest(chat=chat_with_images(*data).chat))
             assert list(tokenized.token_ids) == want and tokenized.text == text

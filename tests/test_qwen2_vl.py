@@ -17,38 +17,16 @@ import torch
 
 from pagedserve.common.multimodal import image_input
 from pagedserve.common.sampling_params import SamplingParams
-from tiny_models import make_engine
+from tiny_models import STEPS, check, check_image_and_text, check_preempted, check_prompt_logprobs, \
+    check_samples_beside_text, make_engine, run_requests
 from tiny_qwen2_vl_model import IMAGE_TOKEN, SECTION, Reference, build_tiny_qwen2_vl, prompt_of, random_image, text
 
-STEPS = 6
-GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def qwen(request, tmp_path_factory):
     folder = build_tiny_qwen2_vl(tmp_path_factory.mktemp(request.param), request.param)
     return folder, Reference(folder, request.param), request.param
-
-
-def run(engine, requests, params=GREEDY) -> dict:
-    """requests: (id, prompt ids, ImageInputs) -> id -> (per sample: (tokens, logprobs)), cached tokens)."""
-    samples = {rid: {} for rid, _, _ in requests}
-    cached = {}
-    for rid, ids, images in requests:
-        engine.add_request(rid, ids, params, images=images)
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens, lps = samples[out.request_id].setdefault(out.sample_index, ([], []))
-            tokens += [t.token_id for t in out.new_tokens]
-            lps += [t.logprob for t in out.new_tokens]
-            cached[out.request_id] = out.num_cached_tokens
-    return {rid: ([samples[rid][i] for i in sorted(samples[rid])], cached.get(rid, 0)) for rid in samples}
-
-
-def check(result, expected) -> None:
-    tokens, logprobs = result
-    assert tokens == expected[0]
-    assert logprobs == pytest.approx(expected[1], abs=1e-4)
 
 
 def two_images(seed: int):
@@ -74,7 +52,7 @@ def test_one_image_two_images_and_an_image_first(qwen):
     one = prompt_of([1] + text(0, 5), random_image(0, 84, 112), text(1, 6))
     two = two_images(2)
     first = prompt_of(random_image(3, 56, 56), text(5, 7))  # the image at position 0, no text before it
-    results = run(make_engine(folder), [("one", one[0], one[2]), ("two", two[0], two[2]),
+    results = run_requests(make_engine(folder), [("one", one[0], one[2]), ("two", two[0], two[2]),
                                         ("first", first[0], first[2])])
     for rid, (ids, pixels, _) in (("one", one), ("two", two), ("first", first)):
         check(results[rid][0][0], ref.greedy(ids, pixels, STEPS))
@@ -85,7 +63,7 @@ def test_chunked_prefill_splits_the_images(qwen):
     ids, pixels, images = prompt_of([1] + text(6, 4), random_image(4, 84, 112), text(7, 3),
                                     random_image(5, 112, 56), text(8, 3))
     engine = make_engine(folder, max_num_batched_tokens=5)  # 5-token chunks: 12 and 8 placeholders over steps
-    check(run(engine, [("chunked", ids, images)])["chunked"][0][0], ref.greedy(ids, pixels, STEPS))
+    check(run_requests(engine, [("chunked", ids, images)])["chunked"][0][0], ref.greedy(ids, pixels, STEPS))
 
 
 def test_prefix_cache_hits_inside_and_after_an_image(qwen):
@@ -96,16 +74,16 @@ def test_prefix_cache_hits_inside_and_after_an_image(qwen):
     longer = ids + text(11, 8)
     expected = ref.greedy(ids, pixels, STEPS)
     engine = make_engine(folder, block_size=16)
-    first, _ = run(engine, [("a", ids, images)])["a"]
+    first, _ = run_requests(engine, [("a", ids, images)])["a"]
     check(first[0], expected)
-    again, cached = run(engine, [("b", ids, images)])["b"]
+    again, cached = run_requests(engine, [("b", ids, images)])["b"]
     check(again[0], expected)
     assert cached == 48
     inside = prompt_of([1] + text(9, 9), random_image(6, 112, 168))  # ends with the image: 16 and 32 cached
-    out, cached = run(engine, [("c", inside[0], inside[2])])["c"]
+    out, cached = run_requests(engine, [("c", inside[0], inside[2])])["c"]
     assert cached == 32
     check(out[0], ref.forwards(inside[0], inside[1], STEPS))  # (generate's decode positions differ there)
-    out, cached = run(engine, [("d", longer, images)])["d"]
+    out, cached = run_requests(engine, [("d", longer, images)])["d"]
     assert cached == 48
     check(out[0], ref.greedy(longer, pixels, STEPS))
 
@@ -117,13 +95,7 @@ def test_a_batch_of_text_and_image_requests_and_n_samples(qwen, overlap):
     plain = [1] + text(12, 12)
     ids, pixels, images = two_images(13)
     engine = make_engine(folder, async_scheduling=overlap, max_num_batched_tokens=16)
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1, n=2)
-    results = run(engine, [("text", plain, []), ("image", ids, images)], params)
-    for sample in results["text"][0]:
-        check(sample, ref.greedy(plain, [], STEPS))
-    assert len(results["image"][0]) == 2
-    for sample in results["image"][0]:  # the fork's second sample decodes with its parent's shift
-        check(sample, ref.greedy(ids, pixels, STEPS))
+    check_samples_beside_text(engine, ref, (ids, pixels, images), plain)
 
 
 def test_preempted_image_requests_recompute(qwen):
@@ -133,11 +105,7 @@ def test_preempted_image_requests_recompute(qwen):
     block_bytes = 2 * 2 * 4 * 2 * 16 * 4  # K/V x layers x tokens x KV heads x head dim x float32
     engine = make_engine(folder, kv_cache_memory=14 * block_bytes, block_size=4, preemption_mode="recompute",
                          max_num_batched_tokens=16)
-    results = run(engine, [(f"p{i}", ids, images) for i, (ids, _, images) in enumerate(prompts)],
-                  SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1))
-    assert engine.stats()["num_preemptions"] > 0
-    for i, (ids, pixels, _) in enumerate(prompts):
-        check(results[f"p{i}"][0][0], ref.greedy(ids, pixels, 10))
+    check_preempted(engine, ref, prompts, 10)
 
 
 def test_ngram_speculation_verifies_with_the_shift(qwen):
@@ -151,19 +119,15 @@ def test_ngram_speculation_verifies_with_the_shift(qwen):
             "disable_by_batch_size": 0}
     engine = make_engine(folder, speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    tokens = run(engine, [("s", ids, images)], params)["s"][0][0][0]
+    tokens = run_requests(engine, [("s", ids, images)], params)["s"][0][0][0]
     assert tokens == ref.greedy(ids, pixels, 16)[0]
     assert engine.stats()["spec_decode"]["num_draft_tokens"] > 0
 
 
 def test_two_ranks_equal_transformers(qwen):
     folder, ref, _ = qwen
-    ids, pixels, images = two_images(41)
-    plain = [1] + text(44, 9)
-    with make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=16) as engine:
-        results = run(engine, [("image", ids, images), ("text", plain, [])])
-    check(results["image"][0][0], ref.greedy(ids, pixels, STEPS))
-    check(results["text"][0][0], ref.greedy(plain, [], STEPS))
+    engine = make_engine(folder, tensor_parallel_size=2, max_num_batched_tokens=16)
+    check_image_and_text(engine, ref, two_images(41), [1] + text(44, 9))
 
 
 def test_bfloat16_keeps_the_greedy_tokens(qwen):
@@ -174,9 +138,9 @@ def test_bfloat16_keeps_the_greedy_tokens(qwen):
     expected = ref.greedy(ids, pixels, STEPS)[0]
     engine = make_engine(folder, dtype="bfloat16")
     assert engine.runner.model.visual.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
-    assert run(engine, [("q", ids, images)])["q"][0][0][0] == expected
+    assert run_requests(engine, [("q", ids, images)])["q"][0][0][0] == expected
     chunked = make_engine(folder, dtype="bfloat16", max_num_batched_tokens=7)
-    assert run(chunked, [("q", ids, images)])["q"][0][0][0] == expected
+    assert run_requests(chunked, [("q", ids, images)])["q"][0][0][0] == expected
 
 
 # what transformers 5.25 saves (the hub's transformers-4 names) -> transformers 5's module names
@@ -201,7 +165,7 @@ def test_transformers5_weight_names_load(qwen, tmp_path):
     save_file(new, renamed / "model.safetensors", metadata={"format": "pt"})
     assert json.loads((renamed / "config.json").read_text())["image_token_id"] == IMAGE_TOKEN
     ids, pixels, images = two_images(60)
-    check(run(make_engine(renamed), [("r", ids, images)])["r"][0][0], ref.greedy(ids, pixels, STEPS))
+    check(run_requests(make_engine(renamed), [("r", ids, images)])["r"][0][0], ref.greedy(ids, pixels, STEPS))
 
 
 def test_the_worker_fails_a_request_whose_image_it_cannot_take_alone(qwen):
@@ -274,16 +238,9 @@ def test_prompt_logprobs_over_images_split_in_chunks(qwen):
     folder, ref, _ = qwen
     ids, pixels, images = two_images(70)
     engine = make_engine(folder, max_num_batched_tokens=6)
-    engine.add_request("p", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
-    got = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            got = out.prompt_logprobs if out.prompt_logprobs is not None else got
     with torch.no_grad():
         logits = ref.model(**ref.inputs(ids, pixels)).logits[0, :-1]
-    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
-    assert [t.token_id for t in got] == ids[1:]
-    assert [t.logprob for t in got] == pytest.approx(expected, abs=1e-4)
+    check_prompt_logprobs(engine, ids, images, logits)
 
 
 def test_only_an_mrope_model_shifts_its_layouts(qwen, tiny_llama):

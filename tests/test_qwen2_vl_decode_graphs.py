@@ -10,9 +10,9 @@ import pytest
 
 from pagedserve.worker import image_rows
 from pagedserve.worker.graph_runner import StandInGraph
-from test_qwen2_vl import STEPS, check, run, two_images
+from test_qwen2_vl import two_images
 from tiny_qwen2_vl_model import Reference, build_tiny_qwen2_vl, prompt_of, random_image, text
-from tiny_models import make_engine
+from tiny_models import STEPS, check, make_engine, run_requests
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -42,7 +42,7 @@ def test_decode_graphs_take_the_shifted_positions(qwen):
     one = two_images(80)
     other = prompt_of(random_image(81, 56, 140), text(82, 5))  # an image first: a shift of 5 - 10
     plain = [1] + text(83, 7)
-    results = run(engine, [("one", one[0], one[2]), ("other", other[0], other[2]), ("text", plain, [])])
+    results = run_requests(engine, [("one", one[0], one[2]), ("other", other[0], other[2]), ("text", plain, [])])
     check(results["one"][0][0], ref.greedy(one[0], one[1], STEPS))
     check(results["other"][0][0], ref.greedy(other[0], other[1], STEPS))
     check(results["text"][0][0], ref.greedy(plain, [], STEPS))

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from triton_device import triton_device
+from triton_device import record_steps, triton_device, triton_engine
 
 DEVICE = triton_device()  # before anything imports triton.language
 
 from pagedserve.worker import image_rows  # noqa: E402
-from pagedserve.worker.graph_runner import StandInGraph  # noqa: E402
-from test_qwen2_vl import STEPS, check, run  # noqa: E402
-from tiny_models import make_engine  # noqa: E402
+from tiny_models import STEPS, check, run_requests  # noqa: E402
 from tiny_qwen2_vl_model import Reference, build_tiny_qwen2_vl, prompt_of, random_image, text  # noqa: E402
 
 BUDGET = 32
@@ -28,31 +26,20 @@ def qwen(tmp_path_factory):
 
 
 def test_text_chunks_after_an_image_replay_mixed_graphs(qwen):
-    from pagedserve.worker.attention import TritonAttentionBackend
     folder, ref = qwen
-    engine = make_engine(folder, device=DEVICE, max_num_seqs=4, max_num_batched_tokens=BUDGET,
-                         enable_chunked_prefill=True, enforce_eager=True)
-    backend = TritonAttentionBackend()
-    for module in engine.runner.model.modules():
-        if hasattr(module, "backend"):
-            module.backend = backend
+    engine = triton_engine(folder, DEVICE, BUDGET)
     runner = engine.runner
-    runner.enable_decode_graphs(4, StandInGraph, BUDGET)
-    prepare, steps = runner._prepare, []
 
-    def recording(step):
-        out = prepare(step)
+    def step_kind(out):
         graphed = runner._mixed_size is not None or runner._graph_size is not None
         past_image = any(s.images and s.num_computed_tokens >= s.images[-1].end for s in out[3])  # shifted rows
-        steps.append((image_rows.has_image_rows(out[3], out[4]), graphed, runner._mixed_size is not None and
-                      past_image))
-        return out
+        return image_rows.has_image_rows(out[3], out[4]), graphed, runner._mixed_size is not None and past_image
 
-    runner._prepare = recording
+    steps = record_steps(runner, step_kind)
     plain = [1] + text(60, 40)
     # an image early, then 60 tokens of text: its later chunks are text, shifted by 3 - 6
     ids, pixels, images = prompt_of([1] + text(61, 5), random_image(60, 56, 84), text(62, 60))
-    results = run(engine, [("text", plain, []), ("image", ids, images)])
+    results = run_requests(engine, [("text", plain, []), ("image", ids, images)])
     check(results["text"][0][0], ref.greedy(plain, [], STEPS))
     check(results["image"][0][0], ref.greedy(ids, pixels, STEPS))
     assert any(has for has, _, _ in steps) and not any(has and graphed for has, graphed, _ in steps)

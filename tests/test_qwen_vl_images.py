@@ -22,6 +22,7 @@ from pagedserve.model_files import image_processing as ip
 from pagedserve.model_files.prompt_images import chat_prompt, prompt_images
 from pagedserve.model_files.qwen2_vl_images import smart_resize
 from pagedserve.model_files.tokenizer_files import load_tokenizer
+from image_checks import chat, encoded, offline_chat, rgb, shaped_images
 from tiny_qwen2_vl import PREPROCESSOR, build_tiny_qwen2_vl, reference_processor
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
@@ -40,26 +41,11 @@ def folders(tmp_path_factory):
             for family in FAMILIES}
 
 
-def rgb(width: int, height: int, seed: int = 0) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
 def images() -> list[tuple[str, Image.Image]]:
     """(name, image) of many sizes and aspect ratios, and the modes convert_rgb handles."""
-    rng = np.random.default_rng(1)
     shapes = [(1, 1), (19, 7), (28, 28), (56, 84), (90, 50), (37, 53), (200, 3), (3, 500), (640, 480), (480, 640),
               (1000, 30), (333, 1001), (2048, 1536), (4000, 100), (3000, 20)]
-    out = [(f"{w}x{h}", rgb(w, h, i)) for i, (w, h) in enumerate(shapes)]
-    return out + [("rgba", Image.fromarray(rng.integers(0, 256, (41, 29, 4), dtype=np.uint8), "RGBA")),
-                  ("gray", Image.fromarray(rng.integers(0, 256, (33, 71), dtype=np.uint8), "L")),
-                  ("palette", rgb(61, 45, 9).convert("P", palette=Image.Palette.ADAPTIVE, colors=16)),
-                  ("la", Image.fromarray(rng.integers(0, 256, (30, 60, 2), dtype=np.uint8), "LA"))]
-
-
-def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
-    out = io.BytesIO()
-    image.save(out, format=fmt)
-    return out.getvalue()
+    return shaped_images(shapes)
 
 
 def their_images(pixel_values: np.ndarray, grids: np.ndarray, merge: int = 2, patch: int = 14) -> list[bytes]:
@@ -143,10 +129,6 @@ def test_smart_resize_equals_transformers_on_many_shapes():
                     smart_resize(h, w, 28, low, high)
                 continue
             assert smart_resize(h, w, 28, low, high) == want, (h, w, low, high)
-
-
-def chat(count: int, text: str = "What is in these?") -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image"} for _ in range(count)), {"type": "text", "text": text}]}]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -311,11 +293,7 @@ def test_the_tokenizer_service_sends_the_processors_prompt_and_images(folders, f
             assert [(g.height, g.width, g.length) for g in got] == [(h * 14, w * 14, h * w // 4) for h, w in grids]
             assert all(want[g.offset:g.end] == [config.image_token_id] * g.length for g in got)
             assert res[0].accepted and res[0].usage.prompt_tokens == len(want)
-            urls = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()}}
-                    for d in data]
-            ids, offline, _ = chat_prompt(tokenizer, config, [
-                {"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [*urls, {"type": "text", "text": "What is in these?"}]}])
+            ids, offline, _ = offline_chat(tokenizer, config, data)
             assert ids == want and offline == got
             tokenized = await stub.Tokenize(generate_pb2.TokenizeRequest(chat=chat_with_images(*data).chat))
             assert list(tokenized.token_ids) == want and tokenized.text == text

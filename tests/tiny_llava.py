@@ -2,7 +2,8 @@
 LlavaForConditionalGeneration, CLIP's preprocessor_config.json, LlavaProcessor's
 processor_config.json, the default model's tokenizer with an added <image> token and llava-hf's
 chat template (images first, then text; content always a list). No weights: the front end never
-loads them."""
+loads them. And what the vision-language tests share: random weights for a folder, random PNGs,
+transformers' answer on a folder (VisionReference), and the offline API's image checks against it."""
 
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ class VisionReference:
         chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
         self.prompt = self.processor.tokenizer.apply_chat_template(
             chat, add_generation_prompt=True, tokenize=False, chat_template=self.processor.chat_template)
-        self.max_tokens = max_tokens
+        self.question, self.max_tokens = question, max_tokens
 
     def __call__(self, image: bytes, ignore_eos: bool = True) -> tuple[str, int]:
         """(the answer's text, the prompt's tokens with the image's placeholders)."""
@@ -111,5 +112,66 @@ class VisionReference:
         length = inputs["input_ids"].shape[1]
         return self.processor.tokenizer.decode(out[0, length:], skip_special_tokens=True), length
 
+    def chat(self, content: list[dict], images: list[bytes]) -> tuple[str, str, int]:
+        """A one-turn chat of content parts, its {"type": "image"} parts taking `images` in order (a processor
+        that takes a flat list of images): (the processor's chat template's prompt, the greedy answer of
+        max_tokens tokens, the prompt's tokens)."""
+        import io
+
+        import torch
+        from PIL import Image
+
+        prompt = self.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        inputs = self.processor(text=prompt, images=[Image.open(io.BytesIO(d)) for d in images], return_tensors="pt",
+                                add_special_tokens=False)
+        with torch.no_grad():
+            out = self.model.generate(**inputs, max_new_tokens=self.max_tokens, min_new_tokens=self.max_tokens,
+                                      do_sample=False)
+        length = inputs["input_ids"].shape[1]
+        return prompt, self.processor.tokenizer.decode(out[0, length:], skip_special_tokens=True), length
+
 
 LlavaReference = VisionReference
+
+
+def check_llm_images(folder: Path, reference: VisionReference, wide: bytes, tall: bytes, tiny: bytes,
+                     pair: list[dict]) -> None:
+    """LLM.generate with vLLM's multi_modal_data (each image alone with reference.prompt; tall then wide in the
+    one-turn chat of `pair`'s parts) and LLM.chat with wide as an image_url part: the answers and prompt lengths
+    are transformers' (greedy, ignore_eos)."""
+    import base64
+
+    from pagedserve import LLM
+    from pagedserve.common.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=reference.max_tokens, ignore_eos=True)
+    with LLM(model=str(folder), dtype="float32", kv_cache_memory="64MiB") as llm:
+        outs = llm.generate([{"prompt": reference.prompt, "multi_modal_data": {"image": image}}
+                             for image in (wide, tall, tiny)], greedy)
+        url = "data:image/png;base64," + base64.b64encode(wide).decode()
+        [chat] = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                        {"type": "text", "text": reference.question}]}], greedy)
+        prompt, want, length = reference.chat(pair, [tall, wide])
+        [both] = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [tall, wide]}}, greedy)
+    assert [o.outputs[0].text for o in outs] == [reference(image)[0] for image in (wide, tall, tiny)]
+    assert [len(o.prompt_token_ids) for o in outs] == [reference(image)[1] for image in (wide, tall, tiny)]
+    assert chat.outputs[0].text == reference(wide)[0]
+    assert (both.outputs[0].text, len(both.prompt_token_ids)) == (want, length)
+
+
+def async_llm_answer(folder: Path, reference: VisionReference, image: bytes) -> str:
+    """AsyncLLM.generate's greedy text (ignore_eos) for reference.prompt with the image as multi_modal_data."""
+    import asyncio
+
+    from pagedserve import AsyncLLM
+    from pagedserve.common.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=reference.max_tokens, ignore_eos=True)
+
+    async def main():
+        async with AsyncLLM(model=str(folder), dtype="float32", kv_cache_memory="64MiB") as engine:
+            outs = [out async for out in engine.generate(
+                {"prompt": reference.prompt, "multi_modal_data": {"image": image}}, greedy)]
+            return outs[-1].outputs[0].text
+
+    return asyncio.run(main())

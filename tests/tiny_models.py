@@ -1,10 +1,14 @@
-"""Tiny random-weight HF models, built and saved by the tests themselves, and an engine over a model."""
+"""Tiny random-weight HF models, built and saved by the tests themselves, an engine over a model, and what the
+vision-language models' tests share: running requests with images through the engine, checking its greedy
+tokens, logprobs and prompt logprobs against transformers'."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+
+from pagedserve.common.sampling_params import SamplingParams
 
 
 def sharpen(model, norm_mean: float | None = None, norm_std: float = 0.2) -> None:
@@ -18,6 +22,17 @@ def sharpen(model, norm_mean: float | None = None, norm_std: float = 0.2) -> Non
                 param.normal_(0.0, 0.1)
             elif norm_mean is not None and "norm" in name:
                 param.normal_(norm_mean, norm_std)
+
+
+@torch.no_grad()
+def generate_greedy(model, inputs: dict, steps: int) -> tuple[list[int], list[float]]:
+    """transformers' generate on inputs (input_ids and the rest): exactly `steps` greedy tokens (no eos) and
+    each one's logprob from generate's logits."""
+    gen = model.generate(**inputs, max_new_tokens=steps, do_sample=False, min_new_tokens=steps, eos_token_id=None,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = gen.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), dim=-1)[t].item() for step, t in zip(gen.logits, tokens)]
+    return tokens, logprobs
 
 
 @torch.no_grad()
@@ -264,7 +279,6 @@ def check_logprobs_equal_transformers(folder: Path, prompt: list[int], steps: in
     import pytest
     import transformers
 
-    from pagedserve.common.sampling_params import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=top)
     with make_engine(folder, **overrides) as engine:
         out = engine.generate([prompt], params)[0][0]
@@ -275,3 +289,79 @@ def check_logprobs_equal_transformers(folder: Path, prompt: list[int], steps: in
         assert sample.logprob == pytest.approx(ref[step, sample.token_id].item(), abs=1e-4)
         assert [lp for _, lp in sample.top_logprobs] == pytest.approx(ref[step].topk(top).values.tolist(), abs=1e-4)
     return out
+
+
+STEPS = 6  # the vision-language tests' greedy length
+GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
+
+
+def run_requests(engine, requests, params=GREEDY) -> dict:
+    """requests: (id, prompt ids, ImageInputs) -> id -> (per sample: (tokens, logprobs)), cached tokens)."""
+    samples = {rid: {} for rid, _, _ in requests}
+    cached = {}
+    for rid, ids, images in requests:
+        engine.add_request(rid, ids, params, images=images)
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens, lps = samples[out.request_id].setdefault(out.sample_index, ([], []))
+            tokens += [t.token_id for t in out.new_tokens]
+            lps += [t.logprob for t in out.new_tokens]
+            cached[out.request_id] = out.num_cached_tokens
+    return {rid: ([samples[rid][i] for i in sorted(samples[rid])], cached.get(rid, 0)) for rid in samples}
+
+
+def check(result, expected) -> None:
+    """A sample's (tokens, logprobs) equal the expected tokens, the logprobs to 1e-4."""
+    import pytest
+
+    tokens, logprobs = result
+    assert tokens == expected[0]
+    assert logprobs == pytest.approx(expected[1], abs=1e-4)
+
+
+def check_prompt_logprobs(engine, ids: list[int], images: list, logits: torch.Tensor) -> None:
+    """The engine's prompt logprobs of ids (one token to generate) equal the log-softmax of transformers'
+    logits (one row per prompt position but the last) at each next token, to 1e-4."""
+    import pytest
+
+    engine.add_request("p", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), images=images)
+    got = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            got = out.prompt_logprobs if out.prompt_logprobs is not None else got
+    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    assert [t.token_id for t in got] == ids[1:]
+    assert [t.logprob for t in got] == pytest.approx(expected, abs=1e-4)
+
+
+def check_samples_beside_text(engine, ref, image_prompt, plain: list[int]) -> None:
+    """A text request and an image one (image_prompt: (ids, pixels, ImageInputs)), n = 2 each, through the engine:
+    both of the image's samples and every text sample equal ref.greedy's tokens and logprobs."""
+    ids, pixels, images = image_prompt
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1, n=2)
+    results = run_requests(engine, [("text", plain, []), ("image", ids, images)], params)
+    for sample in results["text"][0]:
+        check(sample, ref.greedy(plain, [], STEPS))
+    assert len(results["image"][0]) == 2
+    for sample in results["image"][0]:  # (an M-RoPE fork's second sample decodes with its parent's shift)
+        check(sample, ref.greedy(ids, pixels, STEPS))
+
+
+def check_image_and_text(engine, ref, image_prompt, plain: list[int]) -> None:
+    """An image request (image_prompt: (ids, pixels, ImageInputs)) beside a text one through the engine, closed
+    after: each one's greedy tokens and logprobs equal ref.greedy's."""
+    ids, pixels, images = image_prompt
+    with engine:
+        results = run_requests(engine, [("image", ids, images), ("text", plain, [])])
+    check(results["image"][0][0], ref.greedy(ids, pixels, STEPS))
+    check(results["text"][0][0], ref.greedy(plain, [], STEPS))
+
+
+def check_preempted(engine, ref, prompts: list, steps: int) -> None:
+    """prompts ((ids, pixels, ImageInputs) each) through an engine whose KV cache cannot hold them all: it preempts,
+    and each request's `steps` greedy tokens and logprobs equal ref.greedy's."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=1)
+    results = run_requests(engine, [(f"p{i}", ids, images) for i, (ids, _, images) in enumerate(prompts)], params)
+    assert engine.stats()["num_preemptions"] > 0
+    for i, (ids, pixels, _) in enumerate(prompts):
+        check(results[f"p{i}"][0][0], ref.greedy(ids, pixels, steps))

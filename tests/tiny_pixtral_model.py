@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.common.multimodal import image_input
 from pagedserve.common.pixtral_config import span_tokens
-from tiny_models import sharpen
+from tiny_models import generate_greedy, sharpen
 
 IMAGE, BREAK, END = 10, 12, 13
 FACTOR = {"mistral3": 28, "llava": 16}
@@ -95,14 +95,8 @@ class Reference:
             out.update(pixel_values=processed.pixel_values, image_sizes=processed.image_sizes)
         return out
 
-    @torch.no_grad()
     def greedy(self, ids: list[int], pixels: list[np.ndarray], steps: int) -> tuple[list[int], list[float]]:
-        gen = self.model.generate(**self.inputs(ids, pixels), max_new_tokens=steps, do_sample=False,
-                                  min_new_tokens=steps, eos_token_id=None, pad_token_id=0, output_logits=True,
-                                  return_dict_in_generate=True)
-        tokens = gen.sequences[0, len(ids):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), dim=-1)[t].item() for step, t in zip(gen.logits, tokens)]
-        return tokens, logprobs
+        return generate_greedy(self.model, self.inputs(ids, pixels), steps)
 
     @torch.no_grad()
     def margins(self, ids: list[int], pixels: list[np.ndarray], steps: int) -> list[float]:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pagedserve.common.multimodal import image_input
-from tiny_models import sharpen
+from tiny_models import generate_greedy, sharpen
 
 IMAGE_TOKEN, VISION_START, VIDEO_TOKEN = 255, 254, 253  # inside the tiny vocabulary
 FACTOR = 28  # patch 14, merge 2
@@ -89,14 +89,8 @@ class Reference:
             out.update(pixel_values=processed.pixel_values, image_grid_thw=processed.image_grid_thw)
         return out
 
-    @torch.no_grad()
     def greedy(self, ids: list[int], pixels: list[np.ndarray], steps: int) -> tuple[list[int], list[float]]:
-        gen = self.model.generate(**self.inputs(ids, pixels), max_new_tokens=steps, do_sample=False,
-                                  min_new_tokens=steps, eos_token_id=None, pad_token_id=0, output_logits=True,
-                                  return_dict_in_generate=True)
-        tokens = gen.sequences[0, len(ids):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), dim=-1)[t].item() for step, t in zip(gen.logits, tokens)]
-        return tokens, logprobs
+        return generate_greedy(self.model, self.inputs(ids, pixels), steps)
 
     @torch.no_grad()
     def forwards(self, ids: list[int], pixels: list[np.ndarray], steps: int) -> tuple[list[int], list[float]]:

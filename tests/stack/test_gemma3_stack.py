@@ -7,10 +7,9 @@ model's tokenizer plus Gemma 3's image tokens."""
 
 from __future__ import annotations
 
-import base64
-
 import pytest
 
+from service_stack import check_image_answers
 from tiny_gemma3 import build_tiny_gemma3_folder, reference_processor, solid, with_random_weights
 from tiny_llava import VisionReference
 
@@ -25,24 +24,14 @@ def folder(default_model_path, tmp_path_factory):
     return with_random_weights(build_tiny_gemma3_folder(tmp_path_factory.mktemp("gemma3-stack"), default_model_path))
 
 
-def test_openai_images_answer_as_transformers(folder, launch_stack):
-    from openai import OpenAI
+@pytest.fixture(scope="module")
+def stack(folder, launch_stack):
+    return launch_stack(folder, max_num_seqs=4, max_num_batched_tokens=6)
 
+
+def test_openai_images_answer_as_transformers(folder, client):
     reference = VisionReference(folder, QUESTION, MAX_TOKENS, reference_processor(folder),
                                 "Gemma3ForConditionalGeneration")
-    stack = launch_stack(folder, max_num_seqs=4, max_num_batched_tokens=6)
-    client = OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    answers = []
-    for image in (solid((0, 0, 255)), solid((255, 255, 255), size=(70, 50)), solid((255, 0, 0), size=(9, 12))):
-        url = "data:image/png;base64," + base64.b64encode(image).decode()
-        answer = client.chat.completions.create(
-            model=client.models.list().data[0].id, max_tokens=MAX_TOKENS, temperature=0.0,
-            extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": url}},
-                {"type": "text", "text": QUESTION}]}])
-        want, prompt_tokens = reference(image)
-        assert answer.choices[0].message.content == want
-        assert answer.usage.prompt_tokens == prompt_tokens
-        answers.append(want)
+    answers = check_image_answers(client, reference, [solid((0, 0, 255)), solid((255, 255, 255), size=(70, 50)),
+                                                      solid((255, 0, 0), size=(9, 12))])
     assert len(set(answers)) > 1  # the images matter

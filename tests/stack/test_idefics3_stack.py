@@ -5,10 +5,9 @@ tile; the `openai` SDK's answer equals transformers' Idefics3Processor + Idefics
 
 from __future__ import annotations
 
-import base64
-
 import pytest
 
+from service_stack import check_image_answers
 from tiny_idefics3 import build_tiny_idefics3, reference_processor
 from tiny_llava import VisionReference, png, with_random_weights
 
@@ -24,21 +23,13 @@ def folder(default_model_path, tmp_path_factory):
     return with_random_weights(folder, model_class="Idefics3ForConditionalGeneration")
 
 
-def test_openai_images_split_into_tiles_answer_as_transformers(folder, launch_stack):
-    from openai import OpenAI
+@pytest.fixture(scope="module")
+def stack(folder, launch_stack):
+    return launch_stack(folder, max_num_seqs=4)
 
+
+def test_openai_images_split_into_tiles_answer_as_transformers(folder, client):
     reference = VisionReference(folder, QUESTION, MAX_TOKENS, reference_processor(folder),
                                 "Idefics3ForConditionalGeneration")
-    stack = launch_stack(folder, max_num_seqs=4)
-    client = OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    for image in (png(31, size=(50, 70)), png(32, size=(64, 64)), png(33, size=(12, 9))):  # 1x2, 2x2, 1 tile
-        url = "data:image/png;base64," + base64.b64encode(image).decode()
-        answer = client.chat.completions.create(
-            model=client.models.list().data[0].id, max_tokens=MAX_TOKENS, temperature=0.0,
-            extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": url}},
-                {"type": "text", "text": QUESTION}]}])
-        want, prompt_tokens = reference(image)
-        assert answer.choices[0].message.content == want
-        assert answer.usage.prompt_tokens == prompt_tokens
+    # 1x2, 2x2, 1 tile
+    check_image_answers(client, reference, [png(31, size=(50, 70)), png(32, size=(64, 64)), png(33, size=(12, 9))])

@@ -6,12 +6,12 @@ folder's own bound gives). The worker must take images the folder alone would re
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 
 import pytest
 
+from service_stack import ask_with_images, data_url
 from tiny_llava import VisionReference, png, with_random_weights
 from tiny_qwen2_vl import PREPROCESSOR, build_tiny_qwen2_vl, reference_processor
 
@@ -36,14 +36,6 @@ def client(folder, launch_stack):
     return OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def ask(client, image: bytes):
-    url = "data:image/png;base64," + base64.b64encode(image).decode()
-    return client.chat.completions.create(
-        model=client.models.list().data[0].id, max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True},
-        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                               {"type": "text", "text": QUESTION}]}])
-
-
 def test_the_flag_changes_prompt_tokens_to_the_processors_with_the_same_kwargs(folder, client):
     from PIL import Image
 
@@ -51,7 +43,7 @@ def test_the_flag_changes_prompt_tokens_to_the_processors_with_the_same_kwargs(f
                                 MODEL_CLASS)
     folder_own = reference_processor(folder)
     for image in (png(61, size=(300, 200)), png(62, size=(150, 400))):  # past the folder's 50176 pixels
-        answer = ask(client, image)
+        answer = ask_with_images(client, QUESTION, MAX_TOKENS, data_url(image))
         want, prompt_tokens = reference(image)
         own = folder_own(text=reference.prompt, images=Image.open(io.BytesIO(image)), add_special_tokens=False)
         assert prompt_tokens > len(own["input_ids"][0])

@@ -14,17 +14,13 @@ import threading
 
 import pytest
 
-from service_stack import scheduler_stats, wait_until_idle
+from service_stack import ask_with_images, data_url, scheduler_stats, wait_until_idle
 from tiny_llava import LlavaReference, build_tiny_llava, png, with_random_weights
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 8
 QUESTION = "What is in this picture?"
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 @pytest.fixture(scope="module")
@@ -42,18 +38,8 @@ def stack(llava, launch_stack):
     return launch_stack(llava, max_num_seqs=8)
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    from openai import OpenAI
-    return OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def ask(client, image_url: str):
-    return client.chat.completions.create(
-        model=client.models.list().data[0].id, max_tokens=MAX_TOKENS, temperature=0.0,
-        extra_body={"ignore_eos": True},
-        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
-                                               {"type": "text", "text": QUESTION}]}])
+    return ask_with_images(client, QUESTION, MAX_TOKENS, image_url)
 
 
 def test_openai_images_answer_as_transformers_and_share_the_cache_only_for_the_same_image(stack, client,
