@@ -65,19 +65,25 @@ def test_chunked_prefill_never_splits_an_image():
     assert plain == [(0, 5), (5, 5), (10, 5), (15, 1)]
 
 
+def text_then_image_step(text_tokens: int):
+    """(the scheduler, its first step) under a 6-token budget with whole images: a text prompt of text_tokens
+    first, then a prompt opening with an image of 4."""
+    sched = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=6, whole_images=True))
+    text = make_request("text", list(range(50, 50 + text_tokens)), arrival=0)
+    image = make_request("image", list(range(100, 110)), arrival=1)
+    image.images = (img(0, 4),)
+    sched.add_request(text)
+    sched.add_request(image)
+    return sched, sched.schedule()
+
+
 def test_an_image_at_the_chunk_start_goes_past_the_cap_and_the_budget():
     """A long-prefill cap of 3 under an image of 4 at the prompt's start: the chunk is the whole image. With a
     6-token budget, 4 of it taken by another prompt, the image still goes whole (the step holds 8)."""
     cfg = SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=6, long_prefill_token_threshold=3,
                           whole_images=True)
     assert run_chunks(cfg, list(range(100, 110)), (img(0, 4),))[0] == (0, 4)
-    sched = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=6, whole_images=True))
-    text = make_request("text", list(range(50, 54)), arrival=0)
-    image = make_request("image", list(range(100, 110)), arrival=1)
-    image.images = (img(0, 4),)
-    sched.add_request(text)
-    sched.add_request(image)
-    out = sched.schedule()
+    sched, out = text_then_image_step(text_tokens=4)
     assert out.num_scheduled_tokens == {"text": 4, "image": 4}
     assert out.total_num_scheduled_tokens == 8 and sched._draft.budget == -2
 
@@ -87,13 +93,7 @@ def test_the_largest_step_is_the_one_the_worker_profiles():
     plus the image less one token, which is the size the worker's memory profile runs
     (vision_config.largest_step_tokens); a text model's largest step is the budget."""
     vision = {"bidirectional": True, "num_image_tokens": 4}
-    sched = Scheduler(SchedulerConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=6, whole_images=True))
-    text = make_request("text", list(range(50, 55)), arrival=0)
-    image = make_request("image", list(range(100, 110)), arrival=1)
-    image.images = (img(0, 4),)
-    sched.add_request(text)
-    sched.add_request(image)
-    out = sched.schedule()
+    _, out = text_then_image_step(text_tokens=5)
     assert out.num_scheduled_tokens == {"text": 5, "image": 4}
     assert out.total_num_scheduled_tokens == largest_step_tokens(vision, 6) == 9
     assert largest_step_tokens(None, 6) == largest_step_tokens({"num_image_tokens": 4}, 6) == 6
