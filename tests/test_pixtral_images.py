@@ -8,7 +8,6 @@ and refuses spans that differ."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import dataclasses
 import io
@@ -18,13 +17,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pagedserve.common.multimodal import ImageInput, image_from_proto
+from pagedserve.common.multimodal import ImageInput
 from pagedserve.common.pixtral_config import span_tokens
 from pagedserve.common.vision_config import image_problem, vision_parts
 from pagedserve.model_files import image_processing as ip
 from pagedserve.model_files.prompt_images import prompt_images
 from pagedserve.model_files.tokenizer_files import load_tokenizer
-from image_checks import chat, encoded, offline_chat, rgb, shaped_images
+from image_checks import chat, encoded, rgb, shaped_images, check_tokenizer_service
 from tiny_pixtral import PATCH, MERGE, build_tiny_pixtral, preprocessor, reference_processor
 
 FAMILIES = ("mistral3", "llava")
@@ -176,42 +175,14 @@ def test_counts_and_refusals(folders):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_tokenizer_service_sends_the_processors_prompt_and_images(folders, family):
-    """A chat with two images through the tokenizer service: ScheduleRequest.prompt_token_ids and .images are
-    the processor's (each ImageInput over its whole span), usage counts the expanded prompt, /tokenize gives
-    the same ids, and the offline path (chat_prompt, LLM.chat's) the same ids and ImageInputs."""
-    from pagedserve.v1 import generate_pb2
-    from test_tokenizer_images import chat_with_images
-    from test_tokenizer_service import collect, start_stack, streamer
-
+    """A chat with two images through the tokenizer service (image_checks.check_tokenizer_service): each
+    ImageInput sent covers its whole span, its pixels the processor's, and the worker's span check takes them."""
     folder = folders[family]
-    tokenizer = load_tokenizer(folder)
-    config = ip.image_config(folder, tokenizer)
-    data = [encoded(rgb(300, 200, 11)), encoded(rgb(45, 38, 12))]
-    processor = reference_processor(folder)
-    text = processor.apply_chat_template(
-        [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, *chat(2)], add_generation_prompt=True)
-    theirs = processor(text=text, images=[Image.open(io.BytesIO(d)) for d in data], return_tensors="np",
-                       add_special_tokens=False, do_rescale=False, do_normalize=False)
-    want = [int(t) for t in theirs["input_ids"][0]]
 
-    async def main():
-        stub, fake, _, _, stop = await start_stack(tokenizer, [streamer([5, 6])], images=config)
-        try:
-            assert (await stub.GetModelInfo(generate_pb2.ModelInfoRequest())).takes_images
-            res = await collect(stub, chat_with_images(*data))
-            sent = fake.requests[0]
-            assert list(sent.prompt_token_ids) == want
-            got = [image_from_proto(m) for m in sent.images]
-            assert [g.data for g in got] == their_images(theirs) and len(got) == 2
-            assert image_problem(got, want, worker_vision(folder)) is None
-            assert res[0].accepted and res[0].usage.prompt_tokens == len(want)
-            ids, offline, _ = offline_chat(tokenizer, config, data)
-            assert ids == want and offline == got
-            tokenized = await stub.Tokenize(generate_pb2.TokenizeRequest(chat=chat_with_images(*data).chat))
-            assert list(tokenized.token_ids) == want and tokenized.text == text
-        finally:
-            await stop()
-    asyncio.run(main())
+    def check_images(theirs, want, got, config):
+        assert [g.data for g in got] == their_images(theirs)
+        assert image_problem(got, want, worker_vision(folder)) is None
+    check_tokenizer_service(folder, reference_processor(folder), check_images)
 
 
 def test_the_offline_apis_encoding_takes_vllms_pixtral_prompt_shape(folders):

@@ -7,7 +7,6 @@ path give the same (tests/test_qwen_vl_gateway.py: the gateway in front of them)
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import json
@@ -16,13 +15,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pagedserve.common.multimodal import image_from_proto
 from pagedserve.common.vision_config import image_problem, vision_parts
 from pagedserve.model_files import image_processing as ip
 from pagedserve.model_files.prompt_images import chat_prompt, prompt_images
 from pagedserve.model_files.qwen2_vl_images import smart_resize
 from pagedserve.model_files.tokenizer_files import load_tokenizer
-from image_checks import chat, encoded, offline_chat, rgb, shaped_images
+from image_checks import chat, encoded, rgb, shaped_images, check_tokenizer_service
 from tiny_qwen2_vl import PREPROCESSOR, build_tiny_qwen2_vl, reference_processor
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
@@ -261,45 +259,15 @@ def test_counts_and_refusals(folders):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_tokenizer_service_sends_the_processors_prompt_and_images(folders, family):
-    """A chat with two images through the tokenizer service: ScheduleRequest.prompt_token_ids and
-    .images are the processor's, usage counts the expanded prompt, /tokenize gives the same ids, and
-    the offline path (chat_prompt, LLM.chat's) the same ids and ImageInputs; ModelInfo.takes_images."""
-    from pagedserve.v1 import generate_pb2
-    from test_tokenizer_images import chat_with_images
-    from test_tokenizer_service import collect, start_stack, streamer
-
+    """A chat with two images through the tokenizer service (image_checks.check_tokenizer_service): the
+    ImageInputs sent are the processor's pixels, at its grids' sizes, over that many image tokens."""
+    def check_images(theirs, want, got, config):
+        assert [g.data for g in got] == their_images(theirs["pixel_values"], theirs["image_grid_thw"])
+        grids = [(int(h), int(w)) for _, h, w in theirs["image_grid_thw"]]
+        assert [(g.height, g.width, g.length) for g in got] == [(h * 14, w * 14, h * w // 4) for h, w in grids]
+        assert all(want[g.offset:g.end] == [config.image_token_id] * g.length for g in got)
     folder = folders[family]
-    tokenizer = load_tokenizer(folder)
-    config = ip.image_config(folder, tokenizer)
-    data = [encoded(rgb(300, 200, 11)), encoded(rgb(45, 38, 12))]
-    processor = reference_processor(folder)
-    text = processor.apply_chat_template(
-        [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, *chat(2)], add_generation_prompt=True)
-    theirs = processor(text=text, images=[Image.open(io.BytesIO(d)) for d in data], return_tensors="np",
-                       add_special_tokens=False, do_rescale=False, do_normalize=False)
-    want = [int(t) for t in theirs["input_ids"][0]]
-    pixels = their_images(theirs["pixel_values"], theirs["image_grid_thw"])
-
-    async def main():
-        stub, fake, _, _, stop = await start_stack(tokenizer, [streamer([5, 6])], images=config)
-        try:
-            assert (await stub.GetModelInfo(generate_pb2.ModelInfoRequest())).takes_images
-            res = await collect(stub, chat_with_images(*data))
-            sent = fake.requests[0]
-            assert list(sent.prompt_token_ids) == want
-            got = [image_from_proto(m) for m in sent.images]
-            assert [g.data for g in got] == pixels and len(got) == 2
-            grids = [(int(h), int(w)) for _, h, w in theirs["image_grid_thw"]]
-            assert [(g.height, g.width, g.length) for g in got] == [(h * 14, w * 14, h * w // 4) for h, w in grids]
-            assert all(want[g.offset:g.end] == [config.image_token_id] * g.length for g in got)
-            assert res[0].accepted and res[0].usage.prompt_tokens == len(want)
-            ids, offline, _ = offline_chat(tokenizer, config, data)
-            assert ids == want and offline == got
-            tokenized = await stub.Tokenize(generate_pb2.TokenizeRequest(chat=chat_with_images(*data).chat))
-            assert list(tokenized.token_ids) == want and tokenized.text == text
-        finally:
-            await stop()
-    asyncio.run(main())
+    check_tokenizer_service(folder, reference_processor(folder), check_images)
 
 
 def test_the_offline_apis_encoding_takes_vllms_qwen2_vl_prompt_shape(folders):
