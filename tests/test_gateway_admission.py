@@ -267,7 +267,7 @@ def test_tokens_in_flight_refused_alike(limited, holder):
             hold.__exit__(None, None, None)
         else:
             call.cancel()
-        assert limited.tokenizer.cancelled.wait(5)
+        assert limited.tokenizer.cancelled.wait(20)
     wait_for(lambda: admission.tokens_in_flight == 0)
 
 

@@ -171,7 +171,7 @@ def test_client_disconnect_cancels_the_generation(stack):
         for line in r.iter_lines():
             if "tick" in line:
                 break  # leaving the block closes the connection mid-stream
-    assert stack.tokenizer.cancelled.wait(5), "the gRPC call was not cancelled on disconnect"
+    assert stack.tokenizer.cancelled.wait(20), "the gRPC call was not cancelled on disconnect"
 
 
 def test_client_disconnect_cancels_a_non_streamed_generation(stack):
@@ -179,7 +179,7 @@ def test_client_disconnect_cancels_a_non_streamed_generation(stack):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(stack.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"prompt": "slow"}, timeout=0.5)
-    assert stack.tokenizer.cancelled.wait(5), "the gRPC call was not cancelled on disconnect"
+    assert stack.tokenizer.cancelled.wait(20), "the gRPC call was not cancelled on disconnect"
 
 
 def test_idempotency_key_reuses_the_request_id(stack, client):

@@ -219,7 +219,7 @@ def test_stop_string_cancels_single_sample(tokenizer):
             assert text_of(res) == " one two" and res[-1].finish_reason == "stop"
             assert tokenizer.decode(ids_of(res)).endswith(".")  # up to the token that completed it
             assert res[-1].usage.completion_tokens == len(ids_of(res)) < len(out)
-            await asyncio.wait_for(fake.cancelled.wait(), 5)
+            await asyncio.wait_for(fake.cancelled.wait(), 20)
         finally:
             await stop()
     asyncio.run(main())
@@ -239,7 +239,7 @@ def test_stop_string_aborts_one_of_n(tokenizer):
                 assert text_of(res, index) == " alpha beta"
                 assert [r.finish_reason for r in res if r.index == index and not r.accepted][-1] == "stop"
             # The first to stop is aborted alone; the last one ends the call, which aborts the rest.
-            await asyncio.wait_for(fake.cancelled.wait(), 5)
+            await asyncio.wait_for(fake.cancelled.wait(), 20)
             for _ in range(50):
                 if fake.aborts:
                     break
@@ -413,7 +413,7 @@ def test_client_cancel_cancels_the_scheduler_call(tokenizer):
                 if got == 3:
                     call.cancel()
                     break
-            await asyncio.wait_for(fake.cancelled.wait(), 5)
+            await asyncio.wait_for(fake.cancelled.wait(), 20)
         finally:
             await stop()
     asyncio.run(main())

@@ -80,7 +80,7 @@ def test_a_rank_that_never_answers_is_cancelled_at_the_step_timeout(rank):
         with pytest.raises(WorkerError, match=r"during step 7: no step result within 0.4 s \(--step-timeout\)"):
             group.step(empty_step(7), set())
         assert 0.4 <= time.monotonic() - started < 3.0
-        assert servicer.cancelled.wait(5)  # the worker side sees the stream end
+        assert servicer.cancelled.wait(20)  # the worker side sees the stream end
         with pytest.raises(WorkerError):  # the stream stays broken until a new session opens one
             group.step(empty_step(8), set())
     finally:
