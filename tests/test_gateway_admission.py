@@ -212,7 +212,7 @@ def assert_refused_alike(rest: tuple[int, str], rpc: tuple[grpc.StatusCode, str]
     assert rest[1] == rpc[1], (rest, rpc)
 
 
-def wait_for(condition, timeout_s: float = 5.0) -> None:
+def wait_for(condition, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline
