@@ -212,3 +212,24 @@ def test_revision_picks_a_branch_as_vllms_flag_does(hub, tmp_path, capsys):
     with pytest.raises(HubModelNotFound, match=f"model '{REPO}' at revision 'no-such-branch' is not in the local "
                                                f".* `pagedserve pull {REPO} --revision no-such-branch`"):
         resolve_model(REPO, "no-such-branch")
+
+
+def test_the_benches_measure_the_revision_asked_for(hub, tmp_path):
+    """`pagedserve bench ... --revision` (every bench that loads a model takes the engine's flags) measures
+    that branch's snapshot, not main's."""
+    import argparse
+    import json
+
+    from pagedserve.bench import add_bench_parser
+    other = build_tiny_model(tmp_path / "other", "llama", seed=7)
+    branch = add_branch(hub.parents[2], REPO, other, BRANCH, BRANCH_COMMIT)
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    for bench in ("throughput", "latency", "behind", "services", "embeddings", "tp", "structured", "quality"):
+        assert parser.parse_args(["bench", bench, "--model", REPO, "--revision", BRANCH]).revision == BRANCH
+    out = tmp_path / "latency.json"
+    args = parser.parse_args(["bench", "latency", "--model", REPO, "--revision", BRANCH, "--dtype", "float32",
+                              "--device", "cpu", "--input-len", "8", "--output-len", "2", "--warmup", "0",
+                              "--kv-cache-memory", "8MiB", "--json", str(out)])
+    assert args.func(args) == 0
+    assert json.loads(out.read_text())["model"] == str(branch)

@@ -79,7 +79,7 @@ def run_behind(args: argparse.Namespace) -> int:
 
     if min(args.long_len, args.short_len, args.offsets, args.lone_runs) < 1:
         raise SystemExit("--long-len, --short-len, --offsets and --lone-runs must be at least 1")
-    model_path = resolve_model(args.model)
+    model_path = resolve_model(args.model, args.revision)
     engine = build_engine(args, model_path, load_tokenizer(model_path))
     try:
         prompts = Prompts(engine.model_config.vocab_size)

@@ -94,7 +94,7 @@ def run_embeddings_bench(args) -> dict:
     from pagedserve.model_files.default_model import resolve_model
 
     args.runner = "pooling"
-    model_path = resolve_model(args.model)
+    model_path = resolve_model(args.model, args.revision)
     tokenizer = load_tokenizer(model_path)
     served: list[str] = []
     counter = [0]

@@ -52,7 +52,7 @@ def run_latency(args: argparse.Namespace) -> int:
     from pagedserve.bench.throughput import build_engine, load_tokenizer, rss_mib
     from pagedserve.model_files.default_model import resolve_model
 
-    model_path = resolve_model(args.model)
+    model_path = resolve_model(args.model, args.revision)
     engine = build_engine(args, model_path, load_tokenizer(model_path))
     try:
         runner = engine.runner

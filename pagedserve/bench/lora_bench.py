@@ -55,7 +55,7 @@ def run(args) -> dict:
     num_loras, rank = args.loras, args.lora_rank
     args.enable_lora, args.max_loras, args.max_lora_rank = True, num_loras, rank
     args.max_cpu_loras = max(args.max_cpu_loras or 0, num_loras)
-    model_path = resolve_model(args.model)
+    model_path = resolve_model(args.model, args.revision)
     engine = build_engine(args, model_path, load_tokenizer(model_path))
     work = make_workload(args.num_prompts, engine.model_config.vocab_size)
     with tempfile.TemporaryDirectory(prefix="pagedserve-lora-bench-") as tmp:

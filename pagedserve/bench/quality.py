@@ -207,7 +207,7 @@ def run_quality(args: argparse.Namespace) -> dict:
     from pagedserve.bench.throughput import load_tokenizer
     from pagedserve.model_files.default_model import resolve_model
 
-    model_path = Path(resolve_model(args.model))
+    model_path = Path(resolve_model(args.model, args.revision))
     tokenizer = load_tokenizer(model_path)
     text = Path(args.text).read_text(encoding="utf-8") if args.text else sample_text()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

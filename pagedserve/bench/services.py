@@ -174,7 +174,7 @@ def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], num_toke
 def run_services_bench(args) -> dict:
     from pagedserve.model_files.default_model import resolve_model
 
-    model_path = resolve_model(args.model)
+    model_path = resolve_model(args.model, args.revision)
     tokenizer = load_tokenizer(model_path)
     warm_up_prompts: list[Workload] = []
     served_model: list[str] = []  # the model's name on /v1/models

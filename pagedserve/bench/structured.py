@@ -65,7 +65,7 @@ def run_structured(args) -> dict:
 
     torch.manual_seed(0)
     args.no_prefix_caching = True  # every run prefills its prompts: rounds after the first would hit the cache
-    model_path = resolve_model(args.model)
+    model_path = resolve_model(args.model, args.revision)
     engine = build_engine(args, model_path, load_tokenizer(model_path))
     if args.new_schema_properties:
         from pagedserve.bench.new_schema import run_new_schema

@@ -204,7 +204,7 @@ def run_throughput(args) -> dict:
     from pagedserve.model_files.default_model import resolve_model
 
     torch.manual_seed(0)
-    model_path = resolve_model(args.model)
+    model_path = resolve_model(args.model, args.revision)
     tokenizer = load_tokenizer(model_path)
     engine = build_engine(args, model_path, tokenizer)
     work = make_workload(args.num_prompts, engine.model_config.vocab_size)

@@ -30,7 +30,7 @@ def run_tp_bench(args) -> dict:
 
     from pagedserve.model_files.default_model import resolve_model
 
-    model_path = resolve_model(args.model)
+    model_path = resolve_model(args.model, args.revision)
     tokenizer = load_tokenizer(model_path)
     ranks = args.tensor_parallel_size
     if ranks < 2:
