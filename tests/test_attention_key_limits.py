@@ -1,7 +1,7 @@
 """Bidirectional blocks in paged attention (AttentionMetadata.key_limits: Gemma 3's images): each query sees keys
 up to its limit (its own position, or past it to its block's end) and, in a sliding variant, none older than the
-window; against a dense reference, for the torch backend, the compiled CPU kernels' backend (whose causal
-prefill kernel hands such steps to the torch ops) and the Triton backend (its prefill kernel reads the limits)."""
+window; against a dense reference, for the torch backend, the compiled CPU kernels' backend and the Triton
+backend (both prefill kernels read the limits)."""
 
 from __future__ import annotations
 
@@ -56,12 +56,45 @@ def test_torch_backend(window):
     check(TorchAttentionBackend().variant(window=window), window)
 
 
-@pytest.mark.parametrize("window", [0, 4])
-def test_cpu_kernel_backend_takes_the_torch_ops(window):
+def cpu_kernels():
     ops = cpu_ops.load()
-    if ops is None:
-        pytest.skip("no C++ compiler for the CPU kernel here")
-    check(CpuKernelAttentionBackend(ops).variant(window=window), window)
+    if ops is None or not ops.prefill_attention_available():
+        pytest.skip("no compiled CPU prefill kernel here (a C++ compiler and AVX-512, or AVX2 with FMA)")
+    return ops
+
+
+@pytest.mark.parametrize("window", [0, 4, 16])
+def test_cpu_kernel_backend(window):
+    backend = CpuKernelAttentionBackend(cpu_kernels()).variant(window=window)
+    assert backend.prefill_kernel  # the compiled prefill kernel, not the torch ops, computes the blocks
+    check(backend, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 6])
+def test_cpu_prefill_kernel_alone_at_every_split(window, dtype):
+    """The compiled prefill kernel with key_limits against the torch backend, for blocks that start and end at
+    every offset of its work items (16 tokens of a group of 3 at AVX-512, 8 at AVX2) and of its 16-key tiles,
+    and cross them; the ops called directly, so no fallback can stand in for them."""
+    from pagedserve.worker.attention import packed_prefills
+
+    ops = cpu_kernels()
+    q, k, v, k_cache, v_cache, meta, seqs = build_step(dtype, (5, 0), (40, 24), seed=4)
+    positions = torch.cat([torch.arange(ctx, ctx + qlen) for ctx, qlen, _ in seqs])
+    chunks, tables = packed_prefills(meta, k_cache.shape[1], torch.device("cpu"))
+    torch_backend = TorchAttentionBackend().variant(window=window)
+    for row, rows in ((0, 40), (3, 20), (7, 2), (8, 8), (14, 4), (16, 16), (41, 9), (63, 1)):
+        limits = positions.clone()
+        limits[row:row + rows] = positions[row + rows - 1]
+        meta.key_limits = limits
+        caches = k_cache.clone(), v_cache.clone()
+        want = torch_backend.forward(q, k, v, *caches, meta, DIM ** -0.5)  # (writes the step's K/V)
+        got = torch.zeros_like(q)
+        ops.paged_prefill_attention(q, *caches, tables, chunks, DIM ** -0.5, got, window, 0.0, limits)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (got.float() - want.float()).abs().max().item() <= tol, (row, rows)
+    with pytest.raises(RuntimeError, match="key_limits: contiguous int64"):
+        ops.paged_prefill_attention(q, *caches, tables, chunks, DIM ** -0.5, got, window, 0.0, limits[:-1])
 
 
 @pytest.mark.parametrize("window", [0, 4, 16])

@@ -213,3 +213,39 @@ def test_the_tower_and_projector_equal_transformers(tmp_path, side, mm_tokens):
         theirs = Reference(folder).model.get_image_features((x - 0.5) / 0.5).pooler_output
     assert theirs.shape == (3, mm_tokens, 64)
     assert torch.allclose(torch.stack(ours), theirs, atol=1e-5)
+
+
+class CountingOps:
+    """The compiled CPU kernels as they are, counting the prefill kernel's calls that carry key limits."""
+
+    def __init__(self, ops) -> None:
+        self.ops, self.limited = ops, 0
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def paged_prefill_attention(self, *args):
+        self.limited += args[-1] is not None
+        return self.ops.paged_prefill_attention(*args)
+
+
+def test_the_compiled_prefill_kernel_computes_the_image_blocks(tmp_path):
+    """head_dim 32, a size the CPU's kernels compile in: the steps with images run in the compiled prefill
+    kernel with their key limits (not the torch ops), both layers' kinds, whole and in 5-token chunks; greedy
+    tokens equal transformers'."""
+    from pagedserve.worker.torch_attention import CpuKernelAttentionBackend
+    folder = build_tiny_gemma3_vl(tmp_path / "d32", seed=6, head_dim=32)
+    ref = Reference(folder)
+    ids, pixels, images = prompt_of([2] + text(32, 7), image(19), text(33, 12), image(20), text(34, 4))
+    for budget in (None, 5):
+        engine = make_engine(folder, **({"max_num_batched_tokens": budget} if budget else {}))
+        backends = {id(v): v for m in engine.runner.model.modules() for v in vars(m).values()
+                    if isinstance(v, CpuKernelAttentionBackend)}
+        if not any(b.prefill_kernel for b in backends.values()):
+            pytest.skip("no compiled CPU prefill kernel here (a C++ compiler and AVX-512, or AVX2 with FMA)")
+        assert {b.window for b in backends.values()} == {0, 16}
+        for backend in backends.values():
+            backend.ops = CountingOps(backend.ops)
+        check(run_requests(engine, [("d32", ids, images)])["d32"][0][0], ref.greedy(ids, pixels, STEPS))
+        # the prompt in one step, or each image's own step, in each layer kind
+        assert [b.ops.limited for b in backends.values()] == [1 if budget is None else 2] * 2

@@ -20,9 +20,10 @@ WINDOW = 16
 
 def build_tiny_gemma3_vl(folder: Path, seed: int = 0, layer_types=("sliding_attention", "full_attention"),
                          renames: tuple[tuple[str, str], ...] = (), vision_overrides: dict | None = None,
-                         mm_tokens: int = MM_TOKENS) -> Path:
+                         mm_tokens: int = MM_TOKENS, head_dim: int = 16) -> Path:
     """Save the model (config.json, model.safetensors) into folder; renames: (prefix, new prefix) applied to
-    the saved tensor names (another checkpoint layout of the same weights)."""
+    the saved tensor names (another checkpoint layout of the same weights); head_dim 32 or more: one the CPU's
+    compiled attention kernels take (16 goes through the torch ops)."""
     import transformers
 
     from tiny_models import sharpen
@@ -30,7 +31,7 @@ def build_tiny_gemma3_vl(folder: Path, seed: int = 0, layer_types=("sliding_atte
     torch.manual_seed(seed)
     text = transformers.Gemma3TextConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, query_pre_attn_scalar=head_dim,
         sliding_window=WINDOW, layer_types=list(layer_types), max_position_embeddings=512, rms_norm_eps=1e-6,
         bos_token_id=2, eos_token_id=1, pad_token_id=0)
     vision = transformers.SiglipVisionConfig(**{**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -47,8 +47,8 @@ class AttentionMetadata:
     # Bidirectional blocks (Gemma 3's images: worker/image_rows.key_limits): int64 [num_tokens], the last key
     # position each of the step's queries may see, its own position or past it (to its image's last
     # placeholder, which the same step computes); a window still bounds the first. None: causal. Only an eager
-    # step with image rows carries it; a backend that cannot honour it hands the step to the torch ops (the
-    # CPU kernels' backend does; the Triton prefill kernel honours it).
+    # step with image rows carries it; every backend's prefill path honours it (the torch ops, the CPU's compiled
+    # prefill kernel, the Triton prefill kernel).
     key_limits: torch.Tensor | None = None
 
 

@@ -16,7 +16,7 @@ block, or at a block since given to another sequence: read only under the mask; 
 
 Bidirectional blocks (AttentionMetadata.key_limits, Gemma 3's images): a prefill query at p sees keys up to its
 limit (p, or its image's last placeholder, computed in the same step) instead of p; the window still bounds the
-first key. The compiled prefill kernel is causal: such a step's prefills take the torch ops. A decode row
+first key; the compiled prefill kernel reads the limits too. A decode row
 (one query) never sees past itself: a one-token chunk inside an image is its last placeholder.
 
 Decodes come in one of two layouts: with KV groups the model runner gives a sliding group's
@@ -234,12 +234,13 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
                                                self._lens[1], scale, self.window, self.softcap)
 
     def _prefills(self, query, key, value, k_cache, v_cache, meta, scale, out) -> None:
-        if not (self.prefill_kernel and meta.key_limits is None and query.shape[-1] in self.HEAD_DIMS
+        if not (self.prefill_kernel and query.shape[-1] in self.HEAD_DIMS
                 and query.dtype in self.PREFILL_DTYPES
                 and query.stride(-1) == 1 and query.shape[1] // k_cache.shape[2] <= self.prefill_max_group):
             return super()._prefills(query, key, value, k_cache, v_cache, meta, scale, out)
         tables, chunks = self._prefill_layout(meta, k_cache.shape[1])
-        self.ops.paged_prefill_attention(query, k_cache, v_cache, tables, chunks, scale, out, self.window, self.softcap)
+        self.ops.paged_prefill_attention(query, k_cache, v_cache, tables, chunks, scale, out, self.window, self.softcap,
+                                         meta.key_limits)
 
     def _prefill_layout(self, meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block_tables int64 [P, width], chunks int64 [P, 3]) for meta's prefills, zero-padded: the layout's

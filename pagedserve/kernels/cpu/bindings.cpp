@@ -7,7 +7,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap);
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const at::Tensor& chunks, double scale, at::Tensor& out,
-                             int64_t window, double softcap);
+                             int64_t window, double softcap, const c10::optional<at::Tensor>& key_limits);
 bool prefill_attention_available();
 int64_t prefill_attention_max_group();
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -63,9 +63,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &pagedserve::paged_prefill_attention,
         "causal attention of prefill chunks over a paged KV cache into out's rows (chunks: int64 [P, 3] = "
         "row start, rows, context_len; block_tables int64 [P, max_blocks]); window: the last keys a row sees "
-        "(0: all), softcap: scaled scores capped at cap * tanh(s / cap) (0: none)",
+        "(0: all), softcap: scaled scores capped at cap * tanh(s / cap) (0: none), key_limits: int64 [query rows], "
+        "the last key each row sees, bidirectional blocks (None: causal)",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("chunks"),
-        py::arg("scale"), py::arg("out"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("scale"), py::arg("out"), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("key_limits") = py::none());
   m.def("prefill_attention_available", &pagedserve::prefill_attention_available,
         "whether paged_prefill_attention was compiled (AVX-512, or AVX2 with FMA)");
   m.def("prefill_attention_max_group", &pagedserve::prefill_attention_max_group,

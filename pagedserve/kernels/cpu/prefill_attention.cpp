@@ -18,7 +18,11 @@
 // position are never read (they may hold anything, NaN included). With a sliding window a row sees
 // keys p - window + 1..p: the tiles start at the item's first row's first key (key rows before it
 // are never read: their blocks may have been given back) and every tile is masked. Gemma 2's
-// soft-cap turns each scaled score s into cap * tanh(s / cap) before the softmax.
+// soft-cap turns each scaled score s into cap * tanh(s / cap) before the softmax. Bidirectional
+// blocks (Gemma 3's images: AttentionMetadata.key_limits): a row sees keys up to its own limit
+// (>= its position) instead; the key tiles run to the item's furthest limit, the window still
+// counts from the row's position, and the tiles before the item's first row stay unmasked (every
+// row sees them: no limit is below its position).
 //
 // float32 arithmetic for float32 and bfloat16 caches alike (bfloat16 is widened on load).
 // One body for AVX-512 (16 lanes, 32 registers) and AVX2 with FMA (8 lanes, 16 registers): the
@@ -125,10 +129,12 @@ constexpr int kKeys = 16;         // keys per tile
 constexpr int kMaxRows = 3 * W;   // query rows per work item: 3 vectors
 constexpr int kPass = W / 2;      // keys per score pass, head-dim elements per accumulate pass
 
-// A layer's options: its sliding window (0: none) and score soft-cap (0: none).
+// A layer's options: its sliding window (0: none) and score soft-cap (0: none); a step's key
+// limits (int64 [query rows], the last key position each row sees; nullptr: causal).
 struct Options {
   int64_t window;
   float cap;
+  const int64_t* limits;
 };
 
 // cap * tanh(s / cap) for each of n score vectors, as cap * (1 - 2 / (e^(2s / cap) + 1)).
@@ -202,28 +208,36 @@ void run_item(const Item& item, const Options& opt, const at::Tensor& query, con
   float* keys = ot + D * kMaxRows;        // [kKeys][D]
   float* values = keys + kKeys * D;       // [kKeys][D]
   float* position = values + kKeys * D;   // [kMaxRows]: each row's token position (padding: +inf)
+  float* limit = position + kMaxRows;     // [kMaxRows]: the last key each row sees (padding: +inf)
 
   // Rows are token-major: row i is token row0 + i / group, query head kv_head * group + i % group.
   for (int i = 0; i < W * RV; ++i) {
     const bool real = i < item.rows;
     const int64_t token = item.row0 + i / group, head = item.kv_head * group + i % group;
     position[i] = real ? static_cast<float>(context + token) : std::numeric_limits<float>::infinity();
+    limit[i] = real && opt.limits ? static_cast<float>(opt.limits[q_start + token]) : position[i];
     const scalar_t* src = q + (q_start + token) * qt_stride + head * qh_stride;
     for (int d = 0; d < D; ++d) qt[d * kMaxRows + i] = real ? static_cast<float>(src[d]) * scale : 0.f;
   }
   for (int d = 0; d < D; ++d)
     for (int v = 0; v < RV; ++v) vstore(ot + d * kMaxRows + W * v, vzero());
 
-  V row_max[RV], row_sum[RV], pos[RV], low[RV];
+  V row_max[RV], row_sum[RV], pos[RV], low[RV], last[RV];
   for (int v = 0; v < RV; ++v) {
     // finite: under a window a row may see no key of the first tiles, and exp(max - max) must stay 1
     row_max[v] = vset1(-1e30f);
     row_sum[v] = vzero();
     pos[v] = vload(position + W * v);
+    last[v] = vload(limit + W * v);
     low[v] = vsub(pos[v], vset1(static_cast<float>(opt.window - 1)));  // a windowed row's first key
   }
   const int64_t last_token = item.row0 + (item.rows - 1) / group;
-  const int64_t num_keys = context + last_token + 1;  // the last row sees keys 0..num_keys-1
+  int64_t num_keys = context + last_token + 1;  // the last row sees keys 0..num_keys-1
+  if (opt.limits) {  // or, in a bidirectional block, the row that sees furthest, within the chunk's keys
+    for (int64_t token = item.row0; token <= last_token; ++token)
+      num_keys = std::max<int64_t>(num_keys, opt.limits[q_start + token] + 1);
+    num_keys = std::min<int64_t>(num_keys, context + info[item.chunk * 3 + 1]);
+  }
   // keys from here on are hidden from some row (under a window, all of them)
   const int64_t first_masked = opt.window > 0 ? 0 : context + item.row0 + 1;
   const int64_t first_key = opt.window > 0 ? std::max<int64_t>(0, context + item.row0 - opt.window + 1) : 0;
@@ -249,7 +263,7 @@ void run_item(const Item& item, const Options& opt, const at::Tensor& query, con
     for (int j = 0; j < kKeys; ++j) {
       const V key_pos = vset1(static_cast<float>(t0 + j));
       for (int v = 0; v < RV; ++v) {
-        M seen = masked ? mask_le(key_pos, pos[v]) : mask_all();
+        M seen = masked ? mask_le(key_pos, last[v]) : mask_all();
         if (opt.window > 0) seen = mask_and(seen, mask_le(low[v], key_pos));
         visible[j][v] = j < n ? seen : mask_none();
         tile_max[v] = max_where(visible[j][v], tile_max[v], s[j * RV + v]);
@@ -305,7 +319,7 @@ void prefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tenso
   const float fscale = static_cast<float>(scale);
   // cost counts (row, key) pairs; each is ~4 D float multiply-adds, the grain's unit ~1/4 of one.
   const bool parallel = total * D > static_cast<double>(kMinWorkPerThread) && at::get_num_threads() > 1;
-  const int64_t buffer_floats = 2 * D * kMaxRows + 2 * kKeys * D + kMaxRows;
+  const int64_t buffer_floats = 2 * D * kMaxRows + 2 * kKeys * D + 2 * kMaxRows;
   auto work = [&](std::vector<float>& buffers, size_t n) {
     const Item& item = items[n];
     switch ((item.rows + W - 1) / W) {
@@ -345,10 +359,12 @@ int64_t prefill_attention_max_group() {
 // context_len cached tokens and its own new tokens (already written to the cache); window > 0: a
 // row sees its last `window` keys only; softcap > 0: scaled scores capped at softcap * tanh(s / softcap). chunks is
 // int64 [P, 3] = (first row in query/out, number of rows, context_len); block_tables int64
-// [P, max_blocks] covering context_len + rows tokens. Rows of out outside the chunks are untouched.
+// [P, max_blocks] covering context_len + rows tokens, or up to the furthest of key_limits (int64
+// [query rows]: the last key position each row sees, at least its own; none: causal). Rows of out
+// outside the chunks are untouched.
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const at::Tensor& chunks, double scale, at::Tensor& out,
-                             int64_t window, double softcap) {
+                             int64_t window, double softcap, const c10::optional<at::Tensor>& key_limits) {
   TORCH_CHECK(prefill_attention_available(), "paged_prefill_attention needs AVX-512, or AVX2 with FMA");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, dim] with unit dim stride");
@@ -366,12 +382,17 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
               prefill_attention_max_group(), " query heads per kv head (one work item holds a token's group)");
   TORCH_CHECK(query.size(2) == k_cache.size(3), "query and cache head dims differ");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes differ");
+  const bool limited = key_limits.has_value() && key_limits->defined();
+  TORCH_CHECK(!limited || (key_limits->scalar_type() == at::kLong && key_limits->is_contiguous() &&
+                           key_limits->dim() == 1 && key_limits->size(0) == query.size(0)),
+              "key_limits: contiguous int64 [query rows]");
+  const int64_t* limits = limited ? key_limits->data_ptr<int64_t>() : nullptr;
 #if defined(PAGEDSERVE_PREFILL_KERNEL)
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "paged_prefill_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
       with_head_dim(query.size(2), [&](auto d) {
         prefill<decltype(d)::value, scalar_t>(query, k_cache, v_cache, block_tables, chunks, scale,
-                                              Options{window, static_cast<float>(softcap)}, out);
+                                              Options{window, static_cast<float>(softcap), limits}, out);
       });
     } else {
       TORCH_CHECK(false, "paged_prefill_attention: float32 or bfloat16 only, got ", query.scalar_type());
