@@ -34,7 +34,7 @@ def tls_server(certificates, monkeypatch):
 
 
 def test_a_peer_with_our_certificate_is_served(tls_server, certificates):
-    assert check_health(tls_server, environ=certificates["ours"], timeout_s=5)
+    assert check_health(tls_server, environ=certificates["ours"], timeout_s=20)
 
 
 def test_plain_tcp_and_foreign_certificates_are_refused(tls_server, certificates):
