@@ -47,15 +47,17 @@ def random_words(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def gptq_checkpoint(tmp_path, bits: int = 4, group: int = 32, act_order: bool = False, fmt: str = "gptq",
-                    arch: str = "llama", symmetric: bool = False, dynamic: tuple[dict, object] = ({}, None)) -> tuple:
+                    arch: str = "llama", symmetric: bool = False, dynamic: tuple[dict, object] = ({}, None),
+                    shared_order: bool = False) -> tuple:
     """(a GPTQ checkpoint of random words, the reference's weights saved plain). act_order: each matrix's
-    g_idx a random permutation of its groups' runs; symmetric: every zero point 8, as GPTQ's sym=True;
+    g_idx a random permutation of its groups' runs (shared_order: one for the matrices that read the same
+    input, q/k/v and gate/up, as GPTQ's order comes from that input); symmetric: every zero point 8, as GPTQ's sym=True;
     dynamic: GPTQModel's overrides for the config, and what they mean: module -> (bits, group), or None
     where a module is left float."""
     plain = build_tiny_model(tmp_path / "plain", arch, seed=3)
     tensors = load_file(plain / "model.safetensors")
     gen = torch.Generator().manual_seed(bits * 10 + group)
-    stored, reference = {}, {}
+    stored, reference, orders = {}, {}, {}
     default = (bits, group)
     for key, w in tensors.items():
         module, (out, inputs) = key.removesuffix(".weight"), w.shape if w.dim() == 2 else (0, 0)
@@ -74,7 +76,11 @@ def gptq_checkpoint(tmp_path, bits: int = 4, group: int = 32, act_order: bool = 
             stored[module + ".qzeros"] = random_words(groups, out * bits // 32, gen)
         stored[module + ".scales"] = (torch.rand(groups, out, generator=gen) * 0.01 + 0.005).half()
         in_order = torch.arange(inputs, dtype=torch.int32) // (group if group > 0 else inputs)
-        stored[module + ".g_idx"] = in_order[torch.randperm(inputs, generator=gen)] if act_order else in_order
+        reader = module.rsplit(".", 1)[0] + (".attention" if module.endswith(("q_proj", "k_proj", "v_proj")) else
+                                             ".mlp" if module.endswith(("gate_proj", "up_proj")) else module)
+        if act_order and not (shared_order and reader in orders):
+            orders[reader] = torch.randperm(inputs, generator=gen)
+        stored[module + ".g_idx"] = in_order[orders[reader]] if act_order else in_order
         reference[key] = reference_weight(stored, module, bits, w.shape, fmt)
     config = json.loads((plain / "config.json").read_text())
     qc = {"quant_method": "gptq", "bits": default[0], "group_size": default[1], "desc_act": act_order,
@@ -125,9 +131,20 @@ def test_gptqmodel_dynamic_overrides_give_a_module_its_own_bits_or_none(tmp_path
 
 
 def test_a_mixture_of_experts_gptq_checkpoint(tmp_path):
-    """Qwen3-MoE: every expert's matrices are GPTQ modules of their own."""
-    folder, ref = gptq_checkpoint(tmp_path, arch="qwen3_moe", act_order=True)
+    """Qwen3-MoE: every expert's matrices are GPTQ modules of their own. On the CPU kernels (act order) the
+    attention's matrices stay blocks, the experts' (float parameters) are dequantized with their inputs back
+    in order: the model predicts what the float load does."""
+    import numpy as np
+
+    from test_quantized_model import agreement, top1
+    folder, ref = gptq_checkpoint(tmp_path, arch="qwen3_moe", act_order=True, shared_order=True)
     check_equals_transformers(folder, ref)
+    prompts = [np.random.default_rng(2).integers(3, 256, 40).tolist()]
+    with make_engine(folder) as plain:
+        want = top1(plain, prompts)
+    with make_engine(folder, quantization="auto") as kept:
+        assert "Q4_1" in kept.runner.weights_description
+        assert agreement(top1(kept, prompts), want) >= 0.9
 
 
 def autoround(root, fmt: str, sym: bool = True, model_free: bool = False) -> tuple:
@@ -207,11 +224,42 @@ def test_4_bit_gptq_stays_4_bit_blocks_on_the_cpu_kernels(tmp_path, autoround_gp
     check_kept_blocks(folder, qtype)
 
 
-def test_act_order_is_dequantized_even_where_the_kernels_keep_blocks(tmp_path):
-    folder, _ = gptq_checkpoint(tmp_path, act_order=True)
-    assert not kept_in_blocks(scaled_weights(ModelConfig.from_folder(folder).hf))
+@pytest.mark.parametrize("shared", [True, False])
+def test_act_order_stays_4_bit_blocks_of_its_groups(tmp_path, shared):
+    """GPTQ's act order (desc_act): a matrix's inputs gathered by group are Q4_1 blocks, which dequantize to
+    the float load's weight, and the layer gathers its input likewise (its kernels, decode rows and prefill
+    rows, against the dense weight); the model predicts what the float load does. shared: q/k/v and gate/up
+    in one order each (what GPTQ writes): every matrix kept; else those layers' parts disagree and stay float."""
+    import numpy as np
+
+    from pagedserve.worker.quantized import QuantizedWeight
+    folder, _ = gptq_checkpoint(tmp_path, act_order=True, shared_order=shared)
+    assert kept_in_blocks(scaled_weights(ModelConfig.from_folder(folder).hf))
+    check_kept_blocks(folder, "Q4_1")
+    layers = ModelConfig.from_folder(folder).num_hidden_layers
     with make_engine(folder, quantization="auto") as engine:
-        assert engine.runner.weights_description.startswith("float, dequantized at load")
+        kept = [m.quant for m in engine.runner.model.modules() if isinstance(getattr(m, "quant", None),
+                                                                            QuantizedWeight)]
+        assert len(kept) == (4 if shared else 2) * layers  # q/k/v, o, gate/up, down (or o and down)
+        gen = torch.Generator().manual_seed(0)
+        for quant in kept:
+            order = quant.input_order
+            assert order is not None and not torch.equal(order, torch.arange(quant.cols))
+            dense = quant.dense(torch.float32)
+            for rows in (1, 5, 40):  # a decode, a few, past DEQUANTIZE_ABOVE
+                x = torch.randn(rows, quant.cols, generator=gen)
+                want = x @ dense.T
+                got = quant.linear(x)
+                assert (got - want).abs().max() <= 0.02 * want.abs().max(), (rows, quant.cols)
+    if shared:  # two ranks: o and down by inputs, no run of groups: dequantized; the rest by rows, kept
+        rng = np.random.default_rng(1)
+        prompts = [rng.integers(3, 256, 40).tolist() for _ in range(2)]
+        from test_quantized_model import agreement, top1
+        with make_engine(folder) as plain:
+            want = top1(plain, prompts)
+        with make_engine(folder, quantization="auto", tensor_parallel_size=2) as two:
+            assert "10 Q4_1 matrices" in two.runner.weights_description
+            assert agreement(top1(two, prompts), want) >= 0.9
 
 
 def test_a_g_idx_that_names_no_group_is_an_error(tmp_path):

@@ -101,12 +101,13 @@ def blocks_reference(folder, tmp_path):
     return ref
 
 
-@pytest.mark.parametrize("kind, qtype", [("gptq-symmetric", "Q4_0"), ("awq", "Q4_1"), ("awq-qwen3_moe", "Q4_1")])
+@pytest.mark.parametrize("kind, qtype", [("gptq-symmetric", "Q4_0"), ("gptq-act-order", "Q4_0"), ("awq", "Q4_1"),
+                                         ("awq-qwen3_moe", "Q4_1")])
 def test_the_engine_on_the_int4_kernel_equals_transformers(tmp_path, kind, qtype):
     if kind.startswith("awq"):
         folder, _ = awq_checkpoint(tmp_path, zero_point=True, arch="qwen3_moe" if kind.endswith("moe") else "llama")
-    else:
-        folder, _ = gptq_checkpoint(tmp_path, symmetric=True)
+    else:  # act order: each layer's inputs gathered by group before the kernel (one order for q/k/v, gate/up)
+        folder, _ = gptq_checkpoint(tmp_path, symmetric=True, act_order=kind.endswith("order"), shared_order=True)
     with make_engine(folder, quantization="int4") as engine:
         assert engine.runner.quantization == "int4"
         description = engine.runner.weights_description
@@ -116,8 +117,10 @@ def test_the_engine_on_the_int4_kernel_equals_transformers(tmp_path, kind, qtype
         linear = [m for m in engine.runner.model.modules() if isinstance(getattr(m, "quant", None),
                                                                        int4_weight.Int4Weight)]
         assert linear and all(sum(m.quant.row_counts) == m.quant.qweight.shape[1] for m in linear)
+        assert all((m.quant.input_order is not None) == kind.endswith("order") for m in linear)
         assert sum(m.quant.nbytes for m in linear) * 8 == sum(m.quant.qweight.numel() * 8 for m in linear) * 5
         assert engine.runner.weight_bytes() > 0
-    # two ranks on the dense one: q/k/v and gate/up by output rows, o and down by whole blocks of inputs
+    # two ranks on the dense one: q/k/v and gate/up by output rows, o and down by whole blocks of inputs (in act
+    # order, no run of groups: float)
     check_equals_transformers(folder, blocks_reference(folder, tmp_path), ranks=1 if kind.startswith("awq") else 2,
                               quantization="int4", description="quantized on the int4 kernel")

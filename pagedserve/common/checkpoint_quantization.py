@@ -213,9 +213,10 @@ def _auto_round(qc: dict) -> ScaledWeights | None:
 
 def kept_in_blocks(scheme: ScaledWeights | None) -> bool:
     """Whether the CPU kernels can keep the checkpoint's weights as they are stored: 4-bit values with a
-    scale (and zero point) per output row and group of a multiple of 32 inputs are Q4_0 (Q4_1) blocks (not
-    in GPTQ's act order, whose groups are not runs of inputs; not bitsandbytes' NF4 or FP4 codes)."""
-    return scheme is not None and scheme.packed_bits == 4 and not scheme.act_order and (
+    scale (and zero point) per output row and group of a multiple of 32 inputs are Q4_0 (Q4_1) blocks (in
+    GPTQ's act order, of the inputs gathered by group: worker/scaled_weights.GptqSource; not bitsandbytes'
+    NF4 or FP4 codes)."""
+    return scheme is not None and scheme.packed_bits == 4 and (
         scheme.layout != "bitsandbytes") and (
         scheme.block is None or (scheme.block[0] == 1 and scheme.block[1] % 32 == 0))
 

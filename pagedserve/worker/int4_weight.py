@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType
 
 from pagedserve.kernels import reference
 from pagedserve.worker.embedding_table import EmbeddingTable
-from pagedserve.worker.quantized import QuantizedTensor
+from pagedserve.worker.quantized import QuantizedTensor, in_input_order, shared_input_order
 
 Q4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
@@ -49,14 +49,15 @@ def from_q4_blocks(t: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def dequantize_q4(t: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
-    """The [N, K] weight of a Q4_0 / Q4_1 tensor in torch (no compiled kernels needed)."""
-    return reference.int4_weight(*from_q4_blocks(t)).to(dtype)
+    """The [N, K] weight of a Q4_0 / Q4_1 tensor in torch (no compiled kernels needed), its inputs in order."""
+    return in_input_order(reference.int4_weight(*from_q4_blocks(t)).to(dtype), t.input_order)
 
 
 class Int4Weight:
-    """A linear layer's weight in int4_linear's layout on the device: its parts stacked by outputs."""
+    """A linear layer's weight in int4_linear's layout on the device: its parts stacked by outputs; their
+    shared input_order (GPTQ's act order; None: in order) gathers x's columns before the kernel."""
 
-    __slots__ = ("qweight", "scales", "offsets", "qtypes", "row_counts", "_kernel")
+    __slots__ = ("qweight", "scales", "offsets", "qtypes", "row_counts", "input_order", "_kernel")
 
     def __init__(self, parts: list[QuantizedTensor], device: torch.device) -> None:
         # imported here, at load (triton's interpreter must be settled first in the tests), not on every call
@@ -67,6 +68,8 @@ class Int4Weight:
                                                    for i in range(3))
         self.qtypes = [p.qtype for p in parts]
         self.row_counts = [p.shape[0] for p in parts]  # each part's outputs (a LoRA's slices)
+        order = parts[0].input_order
+        self.input_order = None if order is None else order.to(device)
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +79,8 @@ class Int4Weight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                dtype: torch.dtype | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         out = self._kernel(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.offsets, out_dtype=dtype)
         if bias is not None:
             out += bias
@@ -87,8 +92,8 @@ class Int4Weight:
 
 def finalize(model: torch.nn.Module, device: torch.device) -> Counter:
     """After the load: each linear layer whose parts all arrived as Q4_0 / Q4_1 blocks takes an Int4Weight
-    (its float weight dropped); any other kept blocks are dequantized into the float weight. Returns the
-    formats kept."""
+    (its float weight dropped) when they share one input order; any other kept blocks are dequantized into the
+    float weight. Returns the formats kept."""
     formats: Counter = Counter()
     for module in model.modules():
         parts = getattr(module, "quant_parts", None)
@@ -98,7 +103,7 @@ def finalize(model: torch.nn.Module, device: torch.device) -> Counter:
         sizes = getattr(module, "output_sizes", [weight.shape[0]])
         offsets = getattr(module, "offsets", [0])
         if not isinstance(module, EmbeddingTable) and len(parts) == len(sizes) and all(
-                p.qtype in Q4_TYPES for p in parts.values()):
+                p.qtype in Q4_TYPES for p in parts.values()) and shared_input_order(parts.values()) is not False:
             module.quant = Int4Weight([parts[i] for i in range(len(sizes))], device)
             module.weight = torch.nn.Parameter(torch.empty(0, weight.shape[1], dtype=weight.dtype, device=device),
                                                requires_grad=False)

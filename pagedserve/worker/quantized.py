@@ -9,7 +9,10 @@ quantized kernel yet: there `auto` dequantizes at load and says so); int8 rounds
 weight (and the LM head) of any checkpoint to Q8_0. Norms, biases and float16/32 GGUF tensors
 stay in float. A QuantizedTensor is rows of whole blocks: tensor-parallel ranks take whole rows
 (column-parallel) or whole blocks of every row (row-parallel: the split must fall on a block
-boundary, else the load fails naming the sizes). Set at load, read-only afterwards.
+boundary, else the load fails naming the sizes). Blocks whose columns are the inputs in another order
+(GPTQ's act order, its groups gathered into runs: `input_order`) take whole rows only; the layer gathers
+its input's columns in that order before the kernel, and every float view puts them back. Set at load,
+read-only afterwards.
 """
 
 from __future__ import annotations
@@ -57,10 +60,12 @@ DEQUANTIZE_PACKED_FROM = 384
 
 @dataclass(slots=True)
 class QuantizedTensor:
-    """A [rows, cols] weight as uint8 blocks [rows, cols / block * bytes_per_block]."""
+    """A [rows, cols] weight as uint8 blocks [rows, cols / block * bytes_per_block]; input_order (int64
+    [cols], None: in order): the blocks' column j is the weight's column input_order[j]."""
     blocks: torch.Tensor
     qtype: GGMLQuantizationType
     cols: int
+    input_order: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -68,7 +73,12 @@ class QuantizedTensor:
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
         if dim == 0:
-            return QuantizedTensor(self.blocks.narrow(0, start, length), self.qtype, self.cols)
+            return QuantizedTensor(self.blocks.narrow(0, start, length), self.qtype, self.cols, self.input_order)
+        if (start, length) == (0, self.cols):
+            return self
+        if self.input_order is not None:
+            raise ValueError(f"columns [{start}:{start + length}] of blocks whose inputs are in another order (act "
+                             "order) are no run of them: such a split is dequantized at load")
         block, size = GGML_QUANT_SIZES[self.qtype]
         if start % block or length % block:
             raise ValueError(f"a tensor-parallel split at columns [{start}:{start + length}] does not fall on "
@@ -77,7 +87,7 @@ class QuantizedTensor:
                                self.qtype, length)
 
     def permute_rows(self, order: torch.Tensor) -> QuantizedTensor:
-        return QuantizedTensor(self.blocks[order].contiguous(), self.qtype, self.cols)
+        return QuantizedTensor(self.blocks[order].contiguous(), self.qtype, self.cols, self.input_order)
 
     def padded_rows(self, rows: int) -> QuantizedTensor:
         """Zero rows added below (a zero block is zero in every format: its scales are 0)."""
@@ -85,10 +95,19 @@ class QuantizedTensor:
         if extra <= 0:
             return self
         pad = torch.zeros(extra, self.blocks.shape[1], dtype=torch.uint8)
-        return QuantizedTensor(torch.cat([self.blocks, pad]), self.qtype, self.cols)
+        return QuantizedTensor(torch.cat([self.blocks, pad]), self.qtype, self.cols, self.input_order)
 
     def dequantize(self, ops, dtype: torch.dtype) -> torch.Tensor:
-        return ops.dequantize_rows(self.blocks, int(self.qtype), self.cols).to(dtype)
+        return in_input_order(ops.dequantize_rows(self.blocks, int(self.qtype), self.cols).to(dtype), self.input_order)
+
+
+def in_input_order(weight: torch.Tensor, input_order: torch.Tensor | None) -> torch.Tensor:
+    """A float view of blocks ([rows, cols], their columns in input_order) with its columns back in order."""
+    if input_order is None:
+        return weight
+    out = torch.empty_like(weight)
+    out[:, input_order] = weight
+    return out
 
 
 class QuantizedWeight:
@@ -101,10 +120,12 @@ class QuantizedWeight:
     bfloat16 prefill chunks of DEQUANTIZE_PACKED_FROM rows or more, which dequantize the tiles for
     oneDNN; row lookups (the embedding, the LM head's re-scoring) unpack the rows they need."""
 
-    __slots__ = ("ops", "qtypes", "cols", "row_counts", "_blocks", "_qtypes", "_packed")
+    __slots__ = ("ops", "qtypes", "cols", "row_counts", "input_order", "_blocks", "_qtypes", "_packed")
 
     def __init__(self, parts: list[QuantizedTensor], ops) -> None:
+        """The parts share one input_order (quantized.finalize sees to it)."""
         self.ops = ops
+        self.input_order = parts[0].input_order
         self.qtypes = [p.qtype for p in parts]
         self.cols = parts[0].cols
         self.row_counts = [p.blocks.shape[0] for p in parts]
@@ -139,7 +160,10 @@ class QuantizedWeight:
         """x [rows, cols] @ weight.T (+ bias), in `dtype` (default x's). Repacked weights: the repacked
         kernel, below DEQUANTIZE_PACKED_FROM bfloat16 rows (see there). Others: up to DEQUANTIZE_ABOVE
         rows the block kernel reads the blocks (a decode step: memory-bound); more rows (prefill, big
-        batches: compute-bound) run a float matmul on the dequantized weight (see DEQUANTIZE_ABOVE)."""
+        batches: compute-bound) run a float matmul on the dequantized weight (see DEQUANTIZE_ABOVE). Blocks
+        in another input order take x's columns in that order."""
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         if self._packed is None and x.shape[0] > DEQUANTIZE_ABOVE and x.dtype in (torch.float32, torch.bfloat16):
             if x.dtype == torch.float32 and _lane_kernel(self.ops):
                 out = self.ops.dequant_lane_linear(x if x.stride(-1) == 1 else x.contiguous(), self._blocks,
@@ -187,13 +211,14 @@ class QuantizedWeight:
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         bf16 = dtype == torch.bfloat16
         parts = [self.ops.dequantize_rows(self.part_blocks(i), q, self.cols, bf16) for i, q in enumerate(self._qtypes)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return in_input_order(parts[0] if len(parts) == 1 else torch.cat(parts), self.input_order)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The weight rows `ids` in float (an embedding lookup; one part only)."""
         (qtype,) = self._qtypes
         blocks = self.part_blocks(0, ids.reshape(-1))
-        rows = self.ops.dequantize_rows(blocks, qtype, self.cols, dtype == torch.bfloat16)
+        rows = in_input_order(self.ops.dequantize_rows(blocks, qtype, self.cols, dtype == torch.bfloat16),
+                              self.input_order)
         return rows.to(dtype).reshape(*ids.shape, self.cols)
 
     def describe(self) -> Counter:
@@ -227,8 +252,11 @@ def _repack(ops, part: QuantizedTensor) -> torch.Tensor:
     return blocks.view(blocks.shape[0] // 16, -1)
 
 
-def quantize_q8_0(weight: torch.Tensor) -> QuantizedTensor:
-    """Float weight [rows, cols] -> Q8_0 blocks: per 32 values a float16 scale amax/127 and int8s."""
+def quantize_q8_0(weight: torch.Tensor, input_order: torch.Tensor | None = None) -> QuantizedTensor:
+    """Float weight [rows, cols] -> Q8_0 blocks: per 32 values a float16 scale amax/127 and int8s; with
+    input_order, its columns in that order."""
+    if input_order is not None:
+        weight = weight[:, input_order]
     rows, cols = weight.shape
     if cols % 32:
         raise ValueError(f"--quantization int8 needs rows of a multiple of 32 values, got {cols}")
@@ -237,7 +265,7 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantizedTensor:
     inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros((), dtype=torch.float32))
     q = torch.round(w * inv).clamp_(-127, 127).to(torch.int8)
     blocks = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1)  # [rows, blocks, 2 + 32]
-    return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), GGMLQuantizationType.Q8_0, cols)
+    return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), GGMLQuantizationType.Q8_0, cols, input_order)
 
 
 def resolve(requested: str, device: torch.device, is_gguf: bool, int4_blocks: bool = False) -> str:
@@ -284,11 +312,27 @@ def finalize(model: torch.nn.Module, mode: str) -> Counter:
             continue
         offsets = getattr(module, "offsets", [0])
         sizes = getattr(module, "output_sizes", [weight.shape[0]])
+        order = shared_input_order(parts.values())
+        if order is False:  # parts in different input orders (act order): the layer stays float
+            for i, part in parts.items():
+                weight.data.narrow(0, offsets[i], sizes[i]).copy_(part.dequantize(ops, weight.dtype))
+            module.quant_parts = None
+            continue
         for i in range(len(sizes)):  # int8: every part; else a float part beside quantized ones (float16)
             if i not in parts:
-                parts[i] = quantize_q8_0(weight.narrow(0, offsets[i], sizes[i]))
+                parts[i] = quantize_q8_0(weight.narrow(0, offsets[i], sizes[i]), order)
         module.quant = QuantizedWeight([parts[i] for i in range(len(sizes))], ops)
         module.weight = torch.nn.Parameter(torch.empty(0, weight.shape[1], dtype=weight.dtype), requires_grad=False)
         module.quant_parts = None
         formats += module.quant.describe()
     return formats
+
+
+def shared_input_order(parts) -> torch.Tensor | None | bool:
+    """The input order every part has (None: in order), or False where they differ (GPTQ's act order
+    quantizes each matrix in its own order; q/k/v and gate/up, which see the same inputs, share theirs)."""
+    orders = [p.input_order for p in parts]
+    first = orders[0] if orders else None
+    same = all((o is None and first is None) or (o is not None and first is not None and torch.equal(o, first))
+               for o in orders)
+    return first if same else False

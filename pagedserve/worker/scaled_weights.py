@@ -100,8 +100,10 @@ class GptqSource:
     bit string; X.qzeros [groups, out * b / 32], each row its outputs' zero points so (less
     scheme.zero_offset); X.scales [groups, out]; X.g_idx [in], each input's group (in act order a
     permutation of the runs; absent or in order: input // group). A rank's rows are its columns of the
-    words; its columns need all of them. keep (the CPU kernels): Q4_0 / Q4_1 blocks, when in order. b is
-    the module's bits (GPTQModel's dynamic overrides may give it its own)."""
+    words; its columns need all of them. keep (the CPU kernels, the int4 kernel): Q4_0 / Q4_1 blocks; in act
+    order, of the inputs gathered by group (QuantizedTensor.input_order), for whole rows (a rank's columns,
+    no run of groups, are dequantized). b is the module's bits (GPTQModel's dynamic overrides may give it its
+    own)."""
 
     __slots__ = ("weight", "scale", "zero", "g_idx", "scheme", "shape", "bits", "keep")
 
@@ -119,9 +121,13 @@ class GptqSource:
                 + self.scheme.zero_offset).T  # [rows, groups]
         scale = self.scale[0].get_tensor(self.scale[1])[:, r0:r1].T.to(torch.float32)
         group = self._groups(cols, scale.shape[1])
-        if self.keep and group is None:
+        order = None if group is None else runs_order(group, scale.shape[1])
+        # act order: blocks of the inputs gathered by group (whole rows only: a rank's columns are no run)
+        if self.keep and (group is None or (order is not None and (dim == 0 or length == cols))):
             symmetric = bool((zero == half).all())
-            return q4_blocks(q, scale, None if symmetric else zero).narrow(dim, start, length)
+            blocks = q4_blocks(q if order is None else q[:, order], scale, None if symmetric else zero)
+            blocks.input_order = order
+            return blocks.narrow(dim, start, length)
         if group is None:
             group = torch.arange(cols) // (cols // scale.shape[1])
         weight = (q - zero[:, group]).to(torch.float32) * scale[:, group]
@@ -138,6 +144,14 @@ class GptqSource:
         if group.shape != (cols,) or int(group.min()) < 0 or int(group.max()) >= groups:
             raise ValueError(f"{self.g_idx[1]} is not a group (0..{groups - 1}) for each of {cols} inputs")
         return None if torch.equal(group, in_order) else group
+
+
+def runs_order(group: torch.Tensor, groups: int) -> torch.Tensor | None:
+    """The inputs gathered by group (stable), when every group has as many inputs (GPTQ's act order: its
+    groups in runs of cols / groups); None when they do not."""
+    if not bool((torch.bincount(group, minlength=groups) == group.numel() // groups).all()):
+        return None
+    return torch.argsort(group, stable=True)
 
 
 def q4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> QuantizedTensor:
