@@ -151,3 +151,15 @@ def test_two_ranks_overlap_their_steps(llama):
             held = engine.runner.held_rows
     assert want[1] == want[0]
     assert held > 0
+
+
+def test_a_single_rank_engine_beside_a_two_rank_one(llama):
+    """One process, a two-rank engine built first and a one-rank one after it: the second is built for one
+    rank (it hung in the two-rank group's collectives), both answer, alternately, the same tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with make_engine(llama, tensor_parallel_size=2) as two:
+        first = two.generate([[5, 6, 7]], params)[0][0].token_ids
+        with make_engine(llama) as one:
+            assert one.runner.tensor_parallel_size == 1
+            assert one.generate([[5, 6, 7]], params)[0][0].token_ids == first
+            assert two.generate([[5, 6, 7]], params)[0][0].token_ids == first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
@@ -27,6 +28,7 @@ from pagedserve.scheduler.core.request import Request
 from pagedserve.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.worker.model_setup import (KVSettings, KVSize, load_runner, measure_cuda_memory, place_model,
                                            runner_kwargs, seed_rngs, size_kv_cache)
+from pagedserve.worker.process_group import TPGroup, using_group
 
 log = logging.getLogger("pagedserve")
 
@@ -148,7 +150,9 @@ class LLMEngine:
             self.ranks = LocalRanks(config.tensor_parallel_size, self.device,
                                     {**runner_kwargs(place, config.block_size, config.quantization), "progress": False})
         try:
-            self.runner = load_runner(place, config.block_size, config.quantization, progress=config.progress)
+            # one rank: built for one whatever group is current (a tensor-parallel engine may live beside it)
+            with contextlib.nullcontext() if self.ranks else using_group(TPGroup()):
+                self.runner = load_runner(place, config.block_size, config.quantization, progress=config.progress)
             if draft_path is not None:  # before the KV pool is sized: its blocks hold the draft's K/V too
                 self._on_all_ranks("enable_draft", str(draft_path))
             log.info("loaded %s (%s on %s; linear weights %s)", Path(self.model_path).name,
