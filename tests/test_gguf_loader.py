@@ -39,12 +39,14 @@ def _tiny_vocab() -> tuple[list[str], list[int]]:
     return tokens, [int(t) for t in types]
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", tie: bool = True, seed: int = 0) -> dict:
-    """A tiny random HF model written as an F32 GGUF the way llama.cpp would; returns its state dict."""
+def write_tiny_gguf(path: Path, arch: str = "llama", tie: bool = True, seed: int = 0, **overrides) -> dict:
+    """A tiny random HF model written as an F32 GGUF the way llama.cpp would; returns its state dict.
+    overrides: the config's sizes (hidden_size=256 for the K-quants' blocks of 256)."""
     torch.manual_seed(seed)
     kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
               bos_token_id=1, eos_token_id=2, tie_word_embeddings=tie)
+    kw.update(overrides)
     if arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(rope_theta=50000.0, **kw))
     else:
@@ -60,11 +62,11 @@ def write_tiny_gguf(path: Path, arch: str = "llama", tie: bool = True, seed: int
     w.add_name("tiny test model")
     w.add_block_count(2)
     w.add_context_length(256)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(96)
+    w.add_embedding_length(kw["hidden_size"])
+    w.add_feed_forward_length(kw["intermediate_size"])
     w.add_head_count(4)
     w.add_head_count_kv(2)
-    w.add_rope_dimension_count(16)
+    w.add_rope_dimension_count(kw["hidden_size"] // 4)
     w.add_rope_freq_base(50000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(128)

@@ -76,7 +76,7 @@ def test_q4_blocks_convert_exactly(qtype):
 def test_auto_is_int4_on_cuda_for_a_checkpoints_4_bit_blocks_only():
     cuda = torch.device("cuda")  # resolve reads the device's type only
     assert quantized.resolve("auto", cuda, True, True) == "int4"
-    assert quantized.resolve("auto", cuda, True, False) == "none"  # a GGUF on CUDA: dequantized, as before
+    assert quantized.resolve("auto", cuda, True, False) == "none"  # nothing the int4 kernel takes: dequantized
     assert quantized.resolve("none", cuda, True, True) == "none"
     assert quantized.resolve("auto", torch.device("cpu"), True, True) == "gguf"  # the CPU kernels'
     assert quantized.resolve("int4", torch.device("cpu"), True, True) == "int4"  # by name: the interpreter
@@ -124,3 +124,61 @@ def test_the_engine_on_the_int4_kernel_equals_transformers(tmp_path, kind, qtype
     # order, no run of groups: float)
     check_equals_transformers(folder, blocks_reference(folder, tmp_path), ranks=1 if kind.startswith("awq") else 2,
                               quantization="int4", description="quantized on the int4 kernel")
+
+
+def test_q4_k_blocks_convert_exactly():
+    """Q4_K's sub-blocks of 32 as groups of 32 with float32 scales d * sc and offsets -dmin * m: the weight
+    equals the gguf package's dequantization bit for bit, and the kernel multiplies it."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from pagedserve.worker.quantized import QuantizedTensor
+    from test_quant_kernels import random_blocks
+    blocks = random_blocks("Q4_K", 40, 512, np.random.default_rng(5))
+    want = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q4_K).reshape(40, 512).copy())
+    t = QuantizedTensor(torch.from_numpy(blocks), GGMLQuantizationType.Q4_K, 512)
+    layout = int4_weight.from_q4k_blocks(t)
+    assert layout[1].dtype == torch.float32 and layout[1].shape == (16, 40)
+    assert torch.equal(int4_weight.dequantize_q4(t, torch.float32), want)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    got = int4_linear(x.to(DEVICE), *(p.to(DEVICE) for p in layout)).cpu()
+    assert (got - x @ want.T).abs().max().item() <= 1e-4 * max(1.0, (x @ want.T).abs().max().item())
+
+
+def test_a_gguf_on_the_int4_kernel_equals_its_float_load(tmp_path):
+    """A GGUF's Q4_0, Q4_1 and Q4_K matrices on the int4 kernel (what --quantization auto is on CUDA for a
+    GGUF), the rest dequantized: a layer with a part not 4-bit (V in Q5_0, as a Q4_K_M file stores some V rows in
+    Q6_K), down in Q8_0, and the
+    embedding; gate (Q4_K) beside up (Q4_1) takes float32 scales. Greedy tokens and logprobs equal the float
+    load's (--quantization none)."""
+    import gguf
+
+    from pagedserve.common.sampling_params import SamplingParams
+    from pagedserve.model_files.gguf_loader import gguf_to_hf_config
+    from test_gguf_loader import write_tiny_gguf
+    from test_quantized_model import requantize_gguf
+    f32 = tmp_path / "f32.gguf"
+    write_tiny_gguf(f32, "llama", tie=True, hidden_size=256, intermediate_size=512)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    Q = gguf.GGMLQuantizationType
+    requantize_gguf(f32, folder / "model.gguf", {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q5_0,
+                                                 "attn_output": Q.Q4_0, "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_1,
+                                                 "ffn_down": Q.Q8_0, "token_embd": Q.Q4_K},
+                    random_kinds=frozenset({"attn_q", "attn_k", "ffn_gate", "token_embd"}))
+    (folder / "config.json").write_text(json.dumps(gguf_to_hf_config(folder / "model.gguf")))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompt = [5, 17, 33, 60, 2, 99, 41]
+    with make_engine(folder, quantization="int4") as engine:
+        assert engine.runner.quantization == "int4"
+        assert engine.runner.weights_description.startswith(
+            "quantized on the int4 kernel (2 Q4_0, 2 Q4_1, 2 Q4_K matrices)")  # o; gate and up; qkv, down float
+        kept = [m.quant for m in engine.runner.model.modules() if isinstance(getattr(m, "quant", None),
+                                                                            int4_weight.Int4Weight)]
+        assert sorted(str(q.scales.dtype) for q in kept) == ["torch.float16"] * 2 + ["torch.float32"] * 2
+        got = engine.generate([prompt], params)[0][0]
+    with make_engine(folder) as plain:
+        want = plain.generate([prompt], params)[0][0]
+    assert got.token_ids == want.token_ids
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)

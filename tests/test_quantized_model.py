@@ -42,8 +42,11 @@ def agreement(a: list[int], b: list[int]) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
-def requantize_gguf(src: Path, dst: Path, qtypes: dict[str, gguf.GGMLQuantizationType]) -> None:
-    """Rewrite an F32 GGUF with the 2-D weights quantized, the format chosen by tensor kind."""
+def requantize_gguf(src: Path, dst: Path, qtypes: dict[str, gguf.GGMLQuantizationType],
+                    random_kinds: frozenset[str] = frozenset()) -> None:
+    """Rewrite an F32 GGUF with the 2-D weights quantized, the format chosen by tensor kind; random_kinds:
+    those kinds' tensors are random blocks of their format instead (the gguf package cannot quantize to the
+    K-quants), with scales small enough for a model that stays finite."""
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(dst, arch)
@@ -60,12 +63,25 @@ def requantize_gguf(src: Path, dst: Path, qtypes: dict[str, gguf.GGMLQuantizatio
         qtype = qtypes.get(kind) if data.ndim == 2 else None
         if qtype is None:
             writer.add_tensor(t.name, data)
+        elif kind in random_kinds:
+            writer.add_tensor(t.name, random_k_blocks(data.shape, qtype, len(reader.tensors)), raw_dtype=qtype)
         else:
             writer.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def random_k_blocks(shape: tuple[int, int], qtype: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
+    """uint8 [rows, bytes] of random Q4_K blocks (values, 6-bit scales and mins) with d and dmin ~0.002."""
+    assert qtype == gguf.GGMLQuantizationType.Q4_K
+    rng = np.random.default_rng(seed + shape[0] * 7 + shape[1])
+    blocks = rng.integers(0, 256, (shape[0] * shape[1] // 256, 144), dtype=np.uint8)
+    for offset in (0, 2):
+        halves = (rng.uniform(0.001, 0.003, len(blocks))).astype(np.float16)
+        blocks[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(shape[0], -1)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -4,8 +4,8 @@ weights rounded to Q8_0 blocks (`--quantization int8`, weight-only int8 with a s
 values), multiplied by kernels/cpu/quant_linear.cpp, which reads the blocks.
 
 --quantization: auto (the default) keeps a GGUF's own blocks and leaves HF folders in float;
-none dequantizes everything at load (the float path: correctness tests, and CUDA, which has no
-quantized kernel yet: there `auto` dequantizes at load and says so); int8 rounds every linear
+none dequantizes everything at load (the float path: correctness tests); on CUDA `auto` takes 4-bit
+weights to the int4 kernel (worker/int4_weight.py) and dequantizes the rest at load; int8 rounds every linear
 weight (and the LM head) of any checkpoint to Q8_0. Norms, biases and float16/32 GGUF tensors
 stay in float. A QuantizedTensor is rows of whole blocks: tensor-parallel ranks take whole rows
 (column-parallel) or whole blocks of every row (row-parallel: the split must fall on a block
@@ -271,8 +271,9 @@ def quantize_q8_0(weight: torch.Tensor, input_order: torch.Tensor | None = None)
 def resolve(requested: str, device: torch.device, is_gguf: bool, int4_blocks: bool = False) -> str:
     """What the load does: "gguf" (keep the file's blocks), "int8", "int4" (a checkpoint's 4-bit blocks in
     the GPU's int4 kernel: worker/int4_weight.py) or "none". is_gguf: the file's blocks or a checkpoint's
-    4-bit ones can be kept; int4_blocks: the checkpoint's 4-bit ones (not a GGUF's). "int4" by name (the
-    tests, on the CPU: the kernel under the Triton interpreter) is not a --quantization choice."""
+    4-bit ones can be kept; int4_blocks: the int4 kernel can take some (a checkpoint's 4-bit ones, a GGUF's
+    Q4 ones; the rest dequantized). "int4" by name (the tests, on the CPU: the kernel under the Triton
+    interpreter) is not a --quantization choice."""
     if requested == "int4":
         return "int4" if int4_blocks else "none"
     if requested not in CHOICES:

@@ -1,6 +1,7 @@
 """A model's weights loaded, and what its linear layers hold: the one place that decides it from
 --quantization, the device and the checkpoint (vLLM's method names checked against it, a GGUF's blocks
-or a checkpoint's 4-bit ones kept on the CPU kernels or, on CUDA, the int4 kernel; else float), and says
+or a checkpoint's 4-bit ones kept on the CPU kernels or, on CUDA, their 4-bit ones on the int4 kernel; else
+float), and says
 so in the line that names the model. Load time only."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def load_linear_weights(model: torch.nn.Module, model_config: ModelConfig, model
     is_gguf = weight_files(Path(model_path))[0].suffix == ".gguf"
     scaled = scaled_weights(model_config.hf)
     kept = kept_in_blocks(scaled)  # a checkpoint's 4-bit weights that are Q4_0 / Q4_1 blocks
-    mode = quantized.resolve(requested, device, is_gguf or kept, kept and not is_gguf)
+    mode = quantized.resolve(requested, device, is_gguf or kept, kept or is_gguf)
     model.load_weights(iter_lazy_weights(model_path, dtype, progress, keep_quantized=mode in ("gguf", "int4")))
     if mode == "int4":
         formats = int4_weight.finalize(model, device)
