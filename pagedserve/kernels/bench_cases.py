@@ -135,16 +135,19 @@ def nucleus_case(rows, vocab, device, tk):
                 2 * x.numel() * 4, 0, error=kept_differ)
 
 
-def int4_case(m, n, k, dtype, device, tk):
+def int4_case(m, n, k, dtype, device, tk, scale_dtype=torch.float16):
     """y = x @ W.T with W [N, K] kept 4-bit (worker/int4_weight.py's layout: groups of 32, float16 scales and
-    offsets) against the torch path a 4-bit weight takes without the kernel: dequantized, then a matmul."""
+    offsets; float32 for a GGUF's Q4_K) against the torch path a 4-bit weight takes without the kernel:
+    dequantized, then a matmul."""
     x = torch.randn(m, k, dtype=dtype, device=device)
     words = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 8, n), dtype=torch.int32, device=device)
-    scales = (torch.rand(k // 32, n, device=device) * 0.02 + 0.001).half()
-    offsets = (torch.randn(k // 32, n, device=device) * 0.1).half()
-    traffic = words.numel() * 4 + 2 * scales.numel() * 2 + (m * k + m * n) * dtype.itemsize
-    return Case("int4 linear", f"M={m} N={n} K={k} {str(dtype).removeprefix('torch.')}", (x, words, scales, offsets),
-                tk.int4_linear, reference.int4_linear, traffic, 2 * m * n * k)
+    scales = (torch.rand(k // 32, n, device=device) * 0.02 + 0.001).to(scale_dtype)
+    offsets = (torch.randn(k // 32, n, device=device) * 0.1).to(scale_dtype)
+    traffic = words.numel() * 4 + 2 * scales.numel() * scales.element_size() + (m * k + m * n) * dtype.itemsize
+    label = f"M={m} N={n} K={k} {str(dtype).removeprefix('torch.')}" + (
+        " float32 scales (Q4_K)" if scale_dtype == torch.float32 else "")
+    return Case("int4 linear", label, (x, words, scales, offsets), tk.int4_linear, reference.int4_linear, traffic,
+                2 * m * n * k)
 
 
 def kept_differ(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -198,6 +201,7 @@ def gpu_cases(device, tk, moe_tokens=(16, 256, 2048), batch=64, context=2048, ex
     # the 1B Llama's gate/up projection kept 4-bit: a decode step of one and of 64 rows, a prefill chunk
     for rows in (1, 64, 512):
         yield int4_case(rows, 16384, 2048, dt, device, tk)
+    yield int4_case(1, 16384, 2048, dt, device, tk, torch.float32)  # a GGUF's Q4_K: its exact float32 scales
 
 
 def mixed_cases(shape: dict, device, tk):
