@@ -54,6 +54,17 @@ def test_dequantize_rows_equals_gguf(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_kept_blocks_dequantize_without_the_kernels_too(fmt):
+    """QuantizedTensor.dequantize with no CPU kernels built (a GPU machine without a compiler: MoE experts and
+    layers the int4 kernel does not take) gives the kernels' weights."""
+    from pagedserve.worker.quantized import QuantizedTensor
+    cols = 512 if fmt.endswith("_K") else 96
+    blocks = torch.from_numpy(random_blocks(fmt, 5, cols, np.random.default_rng(2)))
+    t = QuantizedTensor(blocks, GGMLQuantizationType[fmt], cols)
+    assert torch.equal(t.dequantize(None, torch.float32), t.dequantize(ops, torch.float32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows, n", [(1, 1), (3, 37), (4, 16), (6, 9), (13, 50)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("precise", [False, True])

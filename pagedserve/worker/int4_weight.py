@@ -155,8 +155,4 @@ def finalize(model: torch.nn.Module, device: torch.device) -> Counter:
 def dequantize(t: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
     """Kept blocks as float: Q4_0 / Q4_1 / Q4_K in torch, other formats (a GGUF's Q5_0, Q8_0, Q6_K) with the
     gguf package's numpy dequantization (a GPU machine may have no compiler for the CPU kernels)."""
-    if t.qtype in Q4_TYPES:
-        return dequantize_q4(t, dtype)
-    from gguf.quants import dequantize as gguf_dequantize
-    rows = torch.from_numpy(gguf_dequantize(t.blocks.numpy(), t.qtype).reshape(t.shape[0], t.cols).copy())
-    return in_input_order(rows.to(dtype), t.input_order)
+    return dequantize_q4(t, dtype) if t.qtype in Q4_TYPES else t.dequantize(None, dtype)

@@ -98,7 +98,14 @@ class QuantizedTensor:
         return QuantizedTensor(torch.cat([self.blocks, pad]), self.qtype, self.cols, self.input_order)
 
     def dequantize(self, ops, dtype: torch.dtype) -> torch.Tensor:
-        return in_input_order(ops.dequantize_rows(self.blocks, int(self.qtype), self.cols).to(dtype), self.input_order)
+        """The weight in float through the CPU kernels, or (ops None: none built, as on a GPU machine without
+        a compiler) the gguf package's numpy dequantization."""
+        if ops is not None:
+            rows = ops.dequantize_rows(self.blocks, int(self.qtype), self.cols)
+        else:
+            from gguf.quants import dequantize as gguf_dequantize
+            rows = torch.from_numpy(gguf_dequantize(self.blocks.numpy(), self.qtype).reshape(-1, self.cols).copy())
+        return in_input_order(rows.to(dtype), self.input_order)
 
 
 def in_input_order(weight: torch.Tensor, input_order: torch.Tensor | None) -> torch.Tensor:
